@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The tpupod demo (make demo): a local pod of 2 workers with 2 devices each,
+# the worker list, a command on every worker, a failure and its summary, teardown.
+# It uses its own state directory, so it never touches your pods.
+set -euo pipefail
+
+if [ -z "${TPUPOD_HOME:-}" ]; then
+  demo_home=$(mktemp -d)
+  export TPUPOD_HOME="$demo_home/tpupod"
+fi
+POD=demo
+
+if [ -t 1 ]; then B=$'\033[1m' D=$'\033[2m' N=$'\033[0m'; else B= D= N=; fi
+say() { printf '\n%s# %s%s\n' "$B" "$*" "$N"; }
+show() { printf '%s$ %s%s\n' "$D" "$*" "$N"; }
+run() { show "$*"; "$@"; }
+cleanup() {
+  tpupod down --pod "$POD" >/dev/null 2>&1 || true
+  [ -z "${demo_home:-}" ] || rm -rf "$demo_home"
+}
+trap cleanup EXIT
+
+say "Bring up a local pod: 2 simulated hosts, 2 CPU devices each"
+run tpupod up --name "$POD" --local 2 --devices-per-worker 2
+
+say "Which workers does it have? (nothing is contacted)"
+run tpupod hosts --pod "$POD"
+
+say "Every worker prints who it is; output streams with a [wN] prefix"
+run tpupod exec --pod "$POD" -- \
+  'echo "worker $TPUPOD_WORKER_ID of $TPUPOD_NUM_WORKERS, peers $TPUPOD_WORKER_HOSTNAMES, JAX_NUM_CPU_DEVICES=$JAX_NUM_CPU_DEVICES, in $PWD"'
+
+say "Worker 1 fails; --on-fail kill stops worker 0 at once and the summary names w1"
+cmd='if [ "$TPUPOD_WORKER_ID" = 1 ]; then echo "disk full" >&2; exit 3; fi; echo working; sleep 30'
+show "tpupod exec --pod $POD --on-fail kill --grace 1 -- '$cmd'"
+rc=0
+tpupod exec --pod "$POD" --on-fail kill --grace 1 -- "$cmd" || rc=$?
+if [ "$rc" -ne 3 ]; then
+  echo "demo: expected exit code 3 from the failing worker, got $rc" >&2
+  exit 1
+fi
+echo "(exit code $rc: worker 1's)"
+
+say "Tear the pod down"
+run tpupod down --pod "$POD"
+
+say "Done."

@@ -1,0 +1,5 @@
+"""``python -m tpupod`` is the ``tpupod`` command."""
+
+from tpupod.cli import main
+
+main()

@@ -1,0 +1,107 @@
+"""The ``tpupod`` command: a typer app with one module per command group.
+
+Errors raised as :class:`~tpupod.errors.TpupodError` become two lines on
+stderr (``error: ...`` and ``hint: ...``) and the error's exit code; a
+traceback is shown only with ``--debug`` (or ``TPUPOD_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Annotated, ParamSpec, TypeVar
+
+import typer
+
+from tpupod import __version__
+from tpupod.errors import TpupodError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+app = typer.Typer(
+    name="tpupod",
+    help="Make a multi-host accelerator pod feel like one machine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"tpupod {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    """Make a multi-host accelerator pod feel like one machine.
+
+    Start with 'tpupod up --name dev --local 2', then 'tpupod exec -- hostname'.
+    """
+
+
+def _debug_requested() -> bool:
+    argv = sys.argv[1:]
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return "--debug" in options or os.environ.get("TPUPOD_DEBUG", "") not in ("", "0")
+
+
+def reporting_errors(func: Callable[P, R]) -> Callable[P, R]:
+    """Turn a command's TpupodError into 'error:' and 'hint:' lines and its exit code."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except TpupodError as exc:
+            _print_error(f"error: {exc.message}", exc.hint)
+            raise typer.Exit(exc.exit_code) from exc
+        except BrokenPipeError:
+            raise typer.Exit(141) from None
+        except Exception as exc:  # a bug: one line, the traceback only with --debug
+            _print_error(
+                f"internal error: {type(exc).__name__}: {exc}",
+                "rerun with --debug for the traceback, and please report it",
+            )
+            raise typer.Exit(70) from exc
+
+    return wrapper
+
+
+def _print_error(message: str, hint: str | None) -> None:
+    if _debug_requested():
+        traceback.print_exc()
+    print(message, file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+
+
+def command(name: str, **settings: object) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Register a CLI command whose errors are reported the tpupod way."""
+
+    def register(func: Callable[P, R]) -> Callable[P, R]:
+        app.command(name, **settings)(reporting_errors(func))  # type: ignore[arg-type]
+        return func
+
+    return register
+
+
+def main() -> None:
+    """The console script: load the command modules and run."""
+    from tpupod.cli import exec as _exec  # noqa: F401  (registers its commands)
+    from tpupod.cli import pods as _pods  # noqa: F401
+
+    app(prog_name="tpupod")

@@ -1,0 +1,239 @@
+"""Pod commands: up, down, list, status, hosts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tpupod.cli import command
+from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption, parse_env
+from tpupod.errors import SpecError
+from tpupod.spec import DEFAULT_SPEC_FILE, PodSpec, load_spec_file, spec_from_mapping
+
+# Flags that map onto spec fields, so errors about a field can name the flag.
+FLAG_FOR_FIELD = {
+    "name": "--name",
+    "workers": "--local",
+    "devices_per_worker": "--devices-per-worker",
+}
+PROBE_TIMEOUT_S = 10.0
+
+
+@command("up")
+def up(
+    name: Annotated[
+        str | None, typer.Option("--name", "-n", help="Name of the pod.", show_default=False)
+    ] = None,
+    local: Annotated[
+        int | None,
+        typer.Option(
+            "--local", metavar="N", help="A local pod of N simulated hosts.", show_default=False
+        ),
+    ] = None,
+    devices_per_worker: Annotated[
+        int | None,
+        typer.Option(
+            "--devices-per-worker",
+            "-d",
+            metavar="D",
+            help="CPU devices JAX sees per worker.",
+            show_default=False,
+        ),
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file",
+            "-f",
+            help=f"Pod spec file (default: ./{DEFAULT_SPEC_FILE} when no --local).",
+            show_default=False,
+        ),
+    ] = None,
+    env: EnvOption = None,
+) -> None:
+    """Create a pod (or confirm that an identical one is up).
+
+    Examples:
+
+      tpupod up --name dev --local 4 --devices-per-worker 2
+
+      tpupod up -f tpupod.yaml
+
+      tpupod up -f tpupod.yaml --name dev-2      # flags override the file
+    """
+    from tpupod.lifecycle import up as pod_up
+    from tpupod.state import StateDir
+
+    spec = _spec_from_args(name, local, devices_per_worker, file, parse_env(env))
+    result = pod_up(spec, StateDir())
+    pod = result.pod
+    verb = "is up" if result.created else "was already up"
+    print(
+        f"pod {pod.name!r} {verb}: {len(pod.workers)} {pod.provider} workers, "
+        f"{spec.devices_per_worker} device{'s' if spec.devices_per_worker != 1 else ''} each"
+    )
+
+
+def _spec_from_args(
+    name: str | None, local: int | None, devices: int | None, file: Path | None, env: dict[str, str]
+) -> PodSpec:
+    overrides: dict[str, Any] = {"name": name, "workers": local, "devices_per_worker": devices}
+    if env:
+        overrides["env"] = env
+    if file is None and local is None and Path(DEFAULT_SPEC_FILE).is_file():
+        file = Path(DEFAULT_SPEC_FILE)
+    if file is not None:
+        return load_spec_file(file, overrides)
+    if local is None:
+        raise SpecError(
+            "nothing to create: no --local N and no tpupod.yaml here",
+            hint="try 'tpupod up --name dev --local 2', or pass a spec with -f FILE",
+        )
+    if name is None:
+        raise SpecError("the pod needs a name", hint="add --name NAME, e.g. --name dev")
+    data = {key: value for key, value in overrides.items() if value is not None}
+    return spec_from_mapping(data, "", labels=FLAG_FOR_FIELD)
+
+
+@command("down")
+def down(pod: PodOption = None) -> None:
+    """Take a pod down and forget it (a local pod's leftover processes are killed).
+
+    Examples:
+
+      tpupod down --pod dev
+    """
+    from tpupod.lifecycle import down as pod_down
+    from tpupod.state import StateDir
+
+    state = StateDir()
+    target = state.resolve(pod)
+    pod_down(target, state)
+    print(f"pod {target.name!r} is down")
+
+
+@command("list")
+def list_pods(output: FormatOption = Format.TEXT) -> None:
+    """List known pods.
+
+    Examples:
+
+      tpupod list
+
+      tpupod list --format json
+    """
+    from tpupod.state import StateDir
+
+    pods = StateDir().pods()
+    if output is Format.JSON:
+        print(json.dumps([json.loads(p.model_dump_json()) for p in pods], indent=2))
+        return
+    if not pods:
+        print("no pods (create one with 'tpupod up --name dev --local 2')", file=sys.stderr)
+        return
+    rows = [("NAME", "PROVIDER", "WORKERS", "DEVICES/WORKER", "CREATED")]
+    rows += [
+        (
+            p.name,
+            p.provider,
+            str(len(p.workers)),
+            str(p.spec.devices_per_worker),
+            p.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
+        )
+        for p in pods
+    ]
+    _print_columns(rows)
+
+
+@command("hosts")
+def hosts(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
+    """Show every worker: id, hostname, internal and external address (nothing is contacted).
+
+    Examples:
+
+      tpupod hosts
+
+      tpupod hosts --pod dev --format json | jq -r '.[].internal_address'
+    """
+    from tpupod.state import StateDir
+
+    target = StateDir().resolve(pod)
+    if output is Format.JSON:
+        print(json.dumps([w.model_dump(exclude={"workdir"}) for w in target.workers], indent=2))
+        return
+    rows = [("WORKER", "HOSTNAME", "INTERNAL", "EXTERNAL")]
+    rows += [
+        (str(w.id), w.hostname, w.internal_address, w.external_address or "-")
+        for w in target.workers
+    ]
+    _print_columns(rows)
+
+
+@command("status")
+def status(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
+    """Show a pod and check that every worker answers (runs 'hostname' on each).
+
+    Examples:
+
+      tpupod status --pod dev
+    """
+    from tpupod.fanout import execute
+    from tpupod.state import StateDir
+
+    target = StateDir().resolve(pod)
+    probe = execute(target, "hostname", timeout=PROBE_TIMEOUT_S, grace=1.0)
+    rows_json = [
+        {
+            "worker": r.worker.id,
+            "hostname": r.worker.hostname,
+            "reachable": r.ok,
+            "answer": r.last_line if r.ok else r.outcome_text(),
+            "seconds": round(r.duration, 3),
+        }
+        for r in probe.workers
+    ]
+    if output is Format.JSON:
+        print(
+            json.dumps(
+                {
+                    "pod": target.name,
+                    "provider": target.provider,
+                    "workers": rows_json,
+                    "healthy": probe.ok,
+                },
+                indent=2,
+            )
+        )
+    else:
+        spec = target.spec
+        print(
+            f"pod {target.name!r}: {target.provider}, {len(target.workers)} workers x "
+            f"{spec.devices_per_worker} devices, created {target.created_at:%Y-%m-%d %H:%M:%S} UTC"
+        )
+        rows = [("WORKER", "HOSTNAME", "REACHABLE", "ANSWER", "TIME")]
+        rows += [
+            (
+                str(r["worker"]),
+                str(r["hostname"]),
+                "yes" if r["reachable"] else "NO",
+                str(r["answer"]),
+                f"{r['seconds']:.3f}s",
+            )
+            for r in rows_json
+        ]
+        _print_columns(rows)
+    if not probe.ok:
+        raise typer.Exit(1)
+
+
+def _print_columns(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )

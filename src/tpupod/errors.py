@@ -1,0 +1,82 @@
+"""One exception hierarchy for everything tpupod says went wrong.
+
+Every error a user can see carries a one-line message and a hint (what to do
+about it); the CLI prints both and exits with the error's ``exit_code``, with
+no traceback unless ``--debug`` is given. Third-party exceptions are
+translated into these at the seam where they arise, chained with ``from``.
+
+    TpupodError                  exit 1
+    ├── UsageError               exit 2   bad flags or arguments
+    │   └── SpecError            exit 2   a pod spec file that does not validate
+    ├── StateError               exit 1   the state directory: unknown pod, exists, corrupt
+    │   ├── PodNotFound
+    │   └── PodExists
+    ├── WorkerError              exit 1   one worker: could not start or reach it
+    └── FanoutFailed             exit N   a fan-out where some worker did not succeed
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tpupod.fanout import FanoutResult
+
+
+class TpupodError(Exception):
+    """Base of every error tpupod raises on purpose."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(TpupodError):
+    """The command line or an argument is wrong."""
+
+    exit_code = 2
+
+
+class SpecError(UsageError):
+    """A pod spec (tpupod.yaml or flags) does not validate."""
+
+
+class StateError(TpupodError):
+    """The state directory does not hold what the command needs."""
+
+
+class PodNotFound(StateError):
+    """No pod by that name, or no pod at all."""
+
+
+class PodExists(StateError):
+    """A pod by that name exists with a different spec."""
+
+
+class WorkerError(TpupodError):
+    """Something failed on one worker before or around its command."""
+
+    def __init__(self, message: str, hint: str | None = None, *, worker: int | None = None) -> None:
+        super().__init__(message, hint)
+        self.worker = worker
+
+
+class FanoutFailed(TpupodError):
+    """Raised by ``FanoutResult.raise_for_failures`` when some worker did not succeed."""
+
+    def __init__(self, result: FanoutResult) -> None:
+        first = result.first_failure
+        assert first is not None, "FanoutFailed needs a failed worker"
+        super().__init__(
+            f"{result.failed_count} of {len(result.workers)} workers did not succeed; "
+            f"first: w{first.worker.id} ({first.worker.hostname}) {first.outcome_text()}",
+            hint="scroll up for that worker's output, or rerun on it alone with --worker",
+        )
+        self.result = result
+        self.exit_code = result.exit_code()

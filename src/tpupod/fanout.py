@@ -1,0 +1,395 @@
+"""Run one command on many workers at once, and say how each one ended.
+
+The engine never raises mid-flight: every worker ends with a
+:class:`WorkerResult` (success, failure, timeout, stopped, unreachable), and
+the caller decides what a failure means (``FanoutResult.raise_for_failures``).
+Policies:
+
+* ``on_fail=KILL``: the first worker that fails stops every other one.
+* ``timeout``: at that many seconds, every worker still running is stopped.
+* ``interrupt``: a Ctrl-C or SIGTERM of the caller stops every worker; a
+  second request kills at once.
+
+Stopping a worker means its transport's ``kill``: TERM to the command's whole
+process group, then KILL after ``grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpupod.errors import FanoutFailed, WorkerError
+from tpupod.pod import Pod, Worker
+from tpupod.providers import provider_for
+from tpupod.transport import ExitStatus, OutputLine, RemoteProcess, Transport
+
+DEFAULT_GRACE_S = 5.0
+TAIL_LINES = 10
+# After a command exits, how long to keep reading output that a background
+# child still holds open (as `ssh` would wait forever, and we should not).
+OUTPUT_LINGER_S = 2.0
+
+INTERRUPT_REASONS: dict[int, tuple[str, str]] = {
+    signal.SIGINT: ("interrupted (Ctrl-C)", "press Ctrl-C again to kill at once"),
+    signal.SIGTERM: ("terminated (SIGTERM)", ""),
+    signal.SIGPIPE: ("our output was closed", ""),
+}
+
+LineHandler = Callable[[Worker, OutputLine], None]
+NoticeHandler = Callable[[str], None]
+
+
+class OnFail(enum.StrEnum):
+    KILL = "kill"
+    WAIT = "wait"
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"
+    TIMED_OUT = "timed out"
+    STOPPED = "stopped"  # killed because another worker failed first
+    INTERRUPTED = "interrupted"
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    worker: Worker
+    outcome: Outcome
+    duration: float
+    status: ExitStatus | None = None
+    tail: tuple[str, ...] = ()
+    lines: int = 0
+    error: str | None = None
+    stopped_by: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    @property
+    def last_line(self) -> str:
+        return next((line for line in reversed(self.tail) if line.strip()), "")
+
+    def outcome_text(self) -> str:
+        status = self.status.describe() if self.status else ""
+        match self.outcome:
+            case Outcome.OK | Outcome.FAILED:
+                return status
+            case Outcome.TIMED_OUT:
+                return "timed out" + (f" ({status})" if status else "")
+            case Outcome.STOPPED:
+                return f"stopped after w{self.stopped_by} failed" + (
+                    f" ({status})" if status else ""
+                )
+            case Outcome.INTERRUPTED:
+                return "interrupted" + (f" ({status})" if status else "")
+            case Outcome.UNREACHABLE:
+                return f"unreachable: {self.error}"
+
+
+@dataclass(frozen=True)
+class FanoutResult:
+    command: str
+    workers: list[WorkerResult]
+    elapsed: float
+    failure_order: list[int] = field(default_factory=list)
+    timed_out: bool = False
+    interrupt_signal: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.workers)
+
+    @property
+    def failed_count(self) -> int:
+        return sum(not r.ok for r in self.workers)
+
+    @property
+    def first_failure(self) -> WorkerResult | None:
+        by_id = {r.worker.id: r for r in self.workers}
+        return by_id[self.failure_order[0]] if self.failure_order else None
+
+    def exit_code(self) -> int:
+        """0 when every worker succeeded; else a code that says why, as shells do.
+
+        Interrupted: 128 + the signal. Otherwise the first failure decides:
+        its exit code (128 + signal when killed), 124 for a timeout (as
+        ``timeout(1)``), 255 for an unreachable worker (as ``ssh``).
+        """
+        first = self.first_failure
+        if first is None:
+            return 0
+        if self.interrupt_signal is not None:
+            return 128 + self.interrupt_signal
+        if first.outcome is Outcome.TIMED_OUT:
+            return 124
+        if first.outcome is Outcome.UNREACHABLE or first.status is None:
+            return 255
+        return first.status.shell_code or 1
+
+    def raise_for_failures(self) -> FanoutResult:
+        if not self.ok:
+            raise FanoutFailed(self)
+        return self
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What to do when a worker fails, when time is up, and how long TERM may take."""
+
+    on_fail: OnFail = OnFail.WAIT
+    timeout: float | None = None
+    grace: float = DEFAULT_GRACE_S
+
+
+class Interrupt:
+    """A stop request from outside (a signal handler): the first is graceful, the second forces."""
+
+    def __init__(self) -> None:
+        self.requested = asyncio.Event()
+        self.forced = asyncio.Event()
+        self.signal: int | None = None
+
+    def request(self, signum: int = signal.SIGINT) -> None:
+        if self.requested.is_set():
+            self.forced.set()
+        else:
+            self.signal = signum
+            self.requested.set()
+
+
+class _WorkerRun:
+    """One worker's command, from start to result; ``stop`` may be called at any time."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        transport: Transport,
+        command: str,
+        env: dict[str, str],
+        on_line: LineHandler | None,
+    ) -> None:
+        self.worker = worker
+        self.transport = transport
+        self.command = command
+        self.env = env
+        self.on_line = on_line
+        self.proc: RemoteProcess | None = None
+        self.stop_outcome: Outcome | None = None
+        self.stopped_by: int | None = None
+        self.grace = DEFAULT_GRACE_S
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.lines = 0
+        self.started = time.monotonic()
+
+    async def run(self) -> WorkerResult:
+        try:
+            self.proc = await self.transport.start(self.command, self.env)
+        except WorkerError as exc:
+            return self._result(Outcome.UNREACHABLE, None, error=exc.message)
+        if self.stop_outcome is not None:  # stopped while it was starting
+            await self.proc.kill(self.grace)
+        pump = asyncio.create_task(self._pump(self.proc))
+        try:
+            status = await self.proc.wait()
+            await asyncio.wait_for(pump, OUTPUT_LINGER_S)
+        except TimeoutError:
+            pass  # wait_for cancelled the pump: a background child holds the output open
+        finally:
+            pump.cancel()
+            self.proc.close()
+        if self.stop_outcome is not None and not status.ok:
+            return self._result(self.stop_outcome, status)
+        return self._result(Outcome.OK if status.ok else Outcome.FAILED, status)
+
+    async def stop(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
+        if self.stop_outcome is None:
+            self.stop_outcome, self.stopped_by = outcome, by
+        self.grace = grace
+        if self.proc is not None:
+            await self.proc.kill(grace)
+
+    async def _pump(self, proc: RemoteProcess) -> None:
+        async for line in proc.lines():
+            self.lines += 1
+            self.tail.append(line.text)
+            if self.on_line is not None:
+                self.on_line(self.worker, line)
+
+    def _result(
+        self, outcome: Outcome, status: ExitStatus | None, error: str | None = None
+    ) -> WorkerResult:
+        return WorkerResult(
+            worker=self.worker,
+            outcome=outcome,
+            duration=time.monotonic() - self.started,
+            status=status,
+            tail=tuple(self.tail),
+            lines=self.lines,
+            error=error,
+            stopped_by=self.stopped_by if outcome is Outcome.STOPPED else None,
+        )
+
+
+class _Fanout:
+    """The controller: watches every worker's run and applies the policies."""
+
+    def __init__(
+        self,
+        runs: list[_WorkerRun],
+        command: str,
+        policy: Policy,
+        interrupt: Interrupt | None,
+        on_notice: NoticeHandler | None,
+    ) -> None:
+        self.runs = runs
+        self.command = command
+        self.on_fail = policy.on_fail
+        self.timeout = policy.timeout
+        self.grace = policy.grace
+        self.interrupt = interrupt or Interrupt()
+        self.on_notice = on_notice or (lambda text: None)
+        self.results: dict[int, WorkerResult] = {}
+        self.failure_order: list[int] = []
+        self.stoppers: set[asyncio.Task[None]] = set()
+        self.stopping = False
+        self.forced = False
+        self.timed_out = False
+
+    async def run(self) -> FanoutResult:
+        started = time.monotonic()
+        tasks = {asyncio.create_task(run.run()): run for run in self.runs}
+        pending = set(tasks)
+        try:
+            await self._watch(pending, started)
+        finally:
+            if pending:  # we were cancelled: leave nothing running, then let every run end
+                await asyncio.shield(self._abandon(pending))
+            await asyncio.gather(*self.stoppers)
+        ordered = [self.results[run.worker.id] for run in self.runs]
+        return FanoutResult(
+            command=self.command,
+            workers=ordered,
+            elapsed=time.monotonic() - started,
+            failure_order=self.failure_order,
+            timed_out=self.timed_out,
+            interrupt_signal=self.interrupt.signal if self.interrupt.requested.is_set() else None,
+        )
+
+    async def _watch(self, pending: set[asyncio.Task[WorkerResult]], started: float) -> None:
+        interrupted = asyncio.create_task(self.interrupt.requested.wait())
+        forced = asyncio.create_task(self.interrupt.forced.wait())
+        try:
+            while pending:
+                remaining = None
+                if self.timeout is not None and not self.timed_out:
+                    remaining = max(0.0, started + self.timeout - time.monotonic())
+                watch: set[asyncio.Future[Any]] = {*pending, forced}
+                if not interrupted.done():
+                    watch.add(interrupted)
+                done, _ = await asyncio.wait(
+                    watch, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in [t for t in pending if t in done]:
+                    pending.discard(task)
+                    self._record(task.result())
+                if interrupted in done and not forced.done():
+                    self._begin_stop(
+                        Outcome.INTERRUPTED,
+                        *INTERRUPT_REASONS.get(self.interrupt.signal or 0, ("interrupted", "")),
+                    )
+                if forced.done() and not self.forced:
+                    self.forced = True
+                    self._spawn_stop(Outcome.INTERRUPTED, 0.0)
+                if remaining is not None and not done:
+                    self.timed_out = True
+                    self._begin_stop(Outcome.TIMED_OUT, f"timeout of {self.timeout:g}s reached")
+        finally:
+            interrupted.cancel()
+            forced.cancel()
+
+    def _record(self, result: WorkerResult) -> None:
+        self.results[result.worker.id] = result
+        if result.ok:
+            return
+        self.failure_order.append(result.worker.id)
+        if self.on_fail is OnFail.KILL and not self.stopping:
+            self._begin_stop(
+                Outcome.STOPPED,
+                f"w{result.worker.id} failed ({result.outcome_text()})",
+                by=result.worker.id,
+            )
+
+    def _begin_stop(
+        self, outcome: Outcome, reason: str, extra: str = "", by: int | None = None
+    ) -> None:
+        running = [run for run in self.runs if run.worker.id not in self.results]
+        if not running:
+            return
+        self.stopping = True
+        plan = f"TERM, then KILL after {self.grace:g}s" if self.grace > 0 else "KILL"
+        note = (
+            f"{reason}: stopping {len(running)} worker{'s' if len(running) != 1 else ''} ({plan})"
+        )
+        self.on_notice(f"{note}; {extra}" if extra else note)
+        self._spawn_stop(outcome, self.grace, by)
+
+    def _spawn_stop(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
+        task = asyncio.create_task(self._stop_all(outcome, grace, by))
+        self.stoppers.add(task)
+
+    async def _abandon(self, pending: set[asyncio.Task[WorkerResult]]) -> None:
+        await self._stop_all(Outcome.INTERRUPTED, 0.0)
+        await asyncio.wait(pending)
+
+    async def _stop_all(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
+        running = [run for run in self.runs if run.worker.id not in self.results]
+        await asyncio.gather(*(run.stop(outcome, grace, by) for run in running))
+
+
+async def execute_async(
+    pod: Pod,
+    command: str,
+    *,
+    workers: str | Sequence[Worker] | None = None,
+    on_fail: OnFail | str = OnFail.WAIT,
+    timeout: float | None = None,
+    grace: float = DEFAULT_GRACE_S,
+    env: dict[str, str] | None = None,
+    on_line: LineHandler | None = None,
+    on_notice: NoticeHandler | None = None,
+    interrupt: Interrupt | None = None,
+) -> FanoutResult:
+    """Run ``command`` (a bash command line) on the selected workers of ``pod`` at once.
+
+    ``workers`` is a selection such as ``"0,2-3"`` or a list of workers (default:
+    all). ``on_line`` receives every output line as it arrives. Returns when
+    every worker's command has ended; never raises for a worker's failure.
+    """
+    provider = provider_for(pod.provider)
+    selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
+    runs = []
+    for worker in selected:
+        worker_env = {**pod.identity_env(worker), **provider.worker_env(pod, worker), **(env or {})}
+        runs.append(
+            _WorkerRun(worker, provider.transport(pod, worker), command, worker_env, on_line)
+        )
+    try:
+        policy = Policy(OnFail(on_fail), timeout, grace)
+        return await _Fanout(runs, command, policy, interrupt, on_notice).run()
+    finally:
+        await asyncio.gather(*(run.transport.close() for run in runs))
+
+
+def execute(pod: Pod, command: str, **options: Any) -> FanoutResult:
+    """Blocking form of :func:`execute_async` (same options), for scripts without an event loop."""
+    return asyncio.run(execute_async(pod, command, **options))

@@ -1,0 +1,102 @@
+"""Pod and Worker: what a pod is once it exists, as recorded in the state directory."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tpupod.errors import UsageError
+from tpupod.spec import PodSpec
+
+RECORD_VERSION = 1
+
+
+class Worker(BaseModel):
+    """One host of a pod. ``id`` is the worker's rank; ids are 0..N-1 in order."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    hostname: str
+    internal_address: str
+    external_address: str | None = None
+    workdir: str | None = Field(default=None, description="the directory commands start in")
+
+    @property
+    def label(self) -> str:
+        return f"w{self.id}"
+
+
+class Pod(BaseModel):
+    """A pod that exists: its spec, its workers, and when it was made."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: int = RECORD_VERSION
+    name: str
+    spec: PodSpec
+    workers: tuple[Worker, ...]
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    @property
+    def provider(self) -> str:
+        return self.spec.provider
+
+    def select(self, selection: str | None) -> list[Worker]:
+        """The workers named by a selection such as ``"0,2-3"`` (``None`` or ``"all"``: all)."""
+        if selection is None or selection.strip() in ("", "all"):
+            return list(self.workers)
+        ids = parse_worker_selection(selection, len(self.workers))
+        return [self.workers[i] for i in ids]
+
+    def identity_env(self, worker: Worker) -> dict[str, str]:
+        """The variables that tell a process which worker of which pod it is.
+
+        ``TPUPOD_WORKER_HOSTNAMES`` lists, in worker order, the names peers use to
+        reach each worker: its internal address, which always resolves. The TPU
+        variables mirror what a GKE TPU worker sees; JAX only reads them when
+        libtpu is installed and TPU chips are present, so on a CPU host they are
+        inert (checked in tests/test_local_env.py).
+        """
+        hostnames = ",".join(w.internal_address for w in self.workers)
+        return {
+            "TPUPOD_POD": self.name,
+            "TPUPOD_WORKER_ID": str(worker.id),
+            "TPUPOD_NUM_WORKERS": str(len(self.workers)),
+            "TPUPOD_WORKER_HOSTNAMES": hostnames,
+            "TPU_WORKER_ID": str(worker.id),
+            "TPU_WORKER_HOSTNAMES": hostnames,
+        }
+
+
+def parse_worker_selection(selection: str, count: int) -> list[int]:
+    """Parse ``"0,2-3"`` into sorted unique worker ids, each checked against ``count``."""
+    ids: set[int] = set()
+    for token in (t.strip() for t in selection.split(",")):
+        lo_text, sep, hi_text = token.partition("-")
+        try:
+            lo = int(lo_text)
+            hi = int(hi_text) if sep else lo
+        except ValueError:
+            raise UsageError(
+                f"bad worker selection {selection!r}: {token!r} is not a number or a range",
+                hint="write worker ids and ranges like 0,2-3, or 'all'",
+            ) from None
+        if lo > hi:
+            raise UsageError(
+                f"bad worker selection {selection!r}: range {token!r} runs backwards",
+                hint=f"write it as {hi}-{lo}",
+            )
+        if lo < 0 or hi >= count:
+            bad = lo if lo < 0 or lo >= count else hi
+            raise UsageError(
+                f"worker {bad} does not exist: the pod has workers 0-{count - 1}",
+                hint="'tpupod hosts' lists the workers",
+            )
+        ids.update(range(lo, hi + 1))
+    return sorted(ids)
+
+
+def now() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,48 @@
+"""Reading this machine's process table from /proc (Linux), for local pods."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    pid: int
+    state: str
+    pgrp: int
+
+    @property
+    def alive(self) -> bool:
+        """Running or sleeping; a zombie waiting to be reaped is not alive."""
+        return self.state not in ("Z", "X")
+
+
+def pids() -> Iterator[int]:
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    yield from (int(e) for e in entries if e.isdigit())
+
+
+def stat(pid: int) -> ProcStat | None:
+    """The process's state and process group, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return ProcStat(pid=pid, state=fields[0].decode(), pgrp=int(fields[2]))
+
+
+def environ(pid: int) -> list[bytes]:
+    """The process's environment as ``NAME=value`` items; empty when unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []

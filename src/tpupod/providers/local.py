@@ -1,0 +1,79 @@
+"""The local provider: N simulated hosts on this machine.
+
+Each worker is a working directory under the pod's state folder; its commands
+are local subprocesses that see the environment a real pod worker would, with
+JAX pinned to the CPU and showing ``devices_per_worker`` devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+
+from tpupod import procfs
+from tpupod.pod import Pod, Worker
+from tpupod.spec import PodSpec
+from tpupod.state import StateDir
+from tpupod.transport.local import LocalTransport
+
+LOOPBACK = "127.0.0.1"
+DOWN_GRACE_S = 5.0
+
+
+class LocalProvider:
+    def create(self, spec: PodSpec, state: StateDir) -> Pod:
+        hostname = socket.gethostname()
+        workers = []
+        for i in range(spec.workers):
+            workdir = state.pod_dir(spec.name) / "workers" / f"w{i}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            workers.append(
+                Worker(id=i, hostname=hostname, internal_address=LOOPBACK, workdir=str(workdir))
+            )
+        return Pod(name=spec.name, spec=spec, workers=tuple(workers))
+
+    def destroy(self, pod: Pod, state: StateDir) -> None:
+        """A local host going down takes its processes with it: kill what the pod left running."""
+        stop_processes(find_pod_processes(pod.name), DOWN_GRACE_S)
+
+    def transport(self, pod: Pod, worker: Worker) -> LocalTransport:
+        return LocalTransport(worker)
+
+    def worker_env(self, pod: Pod, worker: Worker) -> dict[str, str]:
+        return {
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(pod.spec.devices_per_worker),
+            **pod.spec.env,
+        }
+
+
+def find_pod_processes(pod_name: str) -> list[int]:
+    """Pids of live processes started on a local pod (they carry ``TPUPOD_POD=<name>``)."""
+    marker = f"TPUPOD_POD={pod_name}".encode()
+    me = os.getpid()
+    return [pid for pid in procfs.pids() if pid != me and marker in procfs.environ(pid)]
+
+
+def stop_processes(pids: list[int], grace: float) -> None:
+    """TERM each process, then KILL those still alive after ``grace`` seconds."""
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.05)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    st = procfs.stat(pid)
+    return st is not None and st.alive

@@ -1,0 +1,28 @@
+"""Every environment variable tpupod itself reads, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def state_home() -> Path:
+    """Where known pods live.
+
+    ``$TPUPOD_HOME``, else ``$XDG_STATE_HOME/tpupod``, else ``~/.local/state/tpupod``.
+    """
+    explicit = os.environ.get("TPUPOD_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
+    return base / "tpupod"
+
+
+def color_wanted(is_tty: bool) -> bool:
+    """Color in a terminal, never when piped; ``NO_COLOR`` and ``FORCE_COLOR`` override."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    return is_tty and os.environ.get("TERM") != "dumb"

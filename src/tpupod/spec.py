@@ -1,0 +1,158 @@
+"""The pod spec: what a pod is, as written in ``tpupod.yaml`` or given by flags.
+
+pydantic validates it; every way a file can be wrong becomes one
+:class:`~tpupod.errors.SpecError` whose message names the file, the field and
+the problem, with a hint. Only the first problem is reported (with a count of
+the rest): one clear line beats a wall of them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tpupod.errors import SpecError
+
+DEFAULT_SPEC_FILE = "tpupod.yaml"
+POD_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENV_PREFIX = "TPUPOD_"
+MAX_LOCAL_WORKERS = 256
+
+
+def check_pod_name(name: str) -> str:
+    """Pod names follow Google Cloud's resource-name rule, so a name works on every provider."""
+    if not POD_NAME_RE.match(name):
+        raise ValueError(
+            "must be 1-63 lowercase letters, digits or hyphens, "
+            "starting with a letter and not ending with a hyphen"
+        )
+    return name
+
+
+class LocalPodSpec(BaseModel):
+    """A pod of simulated hosts on this machine (the default provider)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    provider: Literal["local"] = "local"
+    workers: int = Field(ge=1, le=MAX_LOCAL_WORKERS, description="number of simulated hosts")
+    devices_per_worker: int = Field(
+        default=1, ge=1, le=64, description="CPU devices JAX sees on each worker"
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="extra environment for every worker"
+    )
+
+    _check_name = field_validator("name")(check_pod_name)
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not ENV_NAME_RE.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if key.startswith(RESERVED_ENV_PREFIX):
+                raise ValueError(
+                    f"{key!r}: names starting with {RESERVED_ENV_PREFIX} are set by tpupod"
+                )
+        return env
+
+
+PodSpec = LocalPodSpec
+FIELD_HINTS = {
+    "name": "a pod name like 'dev' or 'qwen-pod-2'",
+    "provider": "supported providers: local",
+    "workers": f"the number of workers, 1 to {MAX_LOCAL_WORKERS}",
+    "devices_per_worker": "the number of CPU devices per worker, 1 to 64",
+    "env": "a mapping of NAME: value",
+}
+
+
+def load_spec_file(path: Path, overrides: Mapping[str, Any] | None = None) -> PodSpec:
+    """Read and validate a spec file; ``overrides`` (from flags) win over the file's values."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(
+            f"{path}: no such file", hint=f"write a {DEFAULT_SPEC_FILE} or pass the pod as flags"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(
+            f"{path}: cannot read: {exc}", hint="check the path and its permissions"
+        ) from exc
+    data = parse_yaml(text, str(path))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return spec_from_mapping(data, str(path))
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """Parse a YAML document that must be a mapping."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(
+            f"{source}{where}: not valid YAML: {problem}",
+            hint="check the indentation and quoting near that line",
+        ) from exc
+    if data is None:
+        raise SpecError(
+            f"{source}: the file is empty", hint="a pod needs at least 'name' and 'workers'"
+        )
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{source}: expected a mapping of fields, got {type(data).__name__}",
+            hint="write 'name: dev' and 'workers: 2' on lines of their own",
+        )
+    return data
+
+
+def spec_from_mapping(
+    data: Mapping[str, Any], source: str, labels: Mapping[str, str] | None = None
+) -> PodSpec:
+    """Validate a mapping into a spec, translating pydantic's errors into one SpecError.
+
+    ``source`` names where the data came from (a file); ``labels`` renames
+    fields in messages (``workers`` -> ``--local`` when the spec came from flags).
+    """
+    try:
+        return LocalPodSpec.model_validate(dict(data))
+    except ValidationError as exc:
+        raise _spec_error(exc, source, labels or {}) from exc
+
+
+def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) -> SpecError:
+    # An unknown field is usually a misspelt known one: report it before the "missing" it causes.
+    errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    field = str(first["loc"][0]) if first["loc"] else ""
+    loc = ".".join([labels.get(field, field), *(str(p) for p in first["loc"][1:])]) or "(top level)"
+    if source:
+        loc = f"{source}: {loc}"
+    more = (
+        f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        if len(errors) > 1
+        else ""
+    )
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        known = list(LocalPodSpec.model_fields)
+        close = difflib.get_close_matches(field, known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"
+        return SpecError(f"{loc}: unknown field{more}", hint=hint)
+    if kind == "missing":
+        return SpecError(f"{loc}: required field is missing{more}", hint=FIELD_HINTS.get(field))
+    message = first["msg"].removeprefix("Value error, ")
+    got = first.get("input")
+    shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    return SpecError(f"{loc}: {message}{shown}{more}", hint=FIELD_HINTS.get(field))

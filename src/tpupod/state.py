@@ -1,0 +1,121 @@
+"""The state directory: one folder per known pod, holding its record and its files.
+
+Layout::
+
+    $TPUPOD_HOME/pods/NAME/pod.json      the Pod record (written atomically)
+    $TPUPOD_HOME/pods/NAME/workers/wN/   a local worker's working directory
+
+A pod folder exists only while its record does: ``up`` claims the folder with
+an atomic ``mkdir``, so two concurrent ``up`` calls cannot both create a pod.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from tpupod import settings
+from tpupod.errors import PodNotFound, StateError
+from tpupod.pod import Pod
+
+RECORD_FILE = "pod.json"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class StateDir:
+    """Known pods, found by name."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root if root is not None else settings.state_home()
+
+    @property
+    def pods_dir(self) -> Path:
+        return self.root / "pods"
+
+    def pod_dir(self, name: str) -> Path:
+        return self.pods_dir / name
+
+    def claim(self, name: str) -> Path:
+        """Create the pod's folder; raises FileExistsError when another pod holds the name."""
+        self.pods_dir.mkdir(parents=True, exist_ok=True)
+        path = self.pod_dir(name)
+        path.mkdir()
+        return path
+
+    def save(self, pod: Pod) -> None:
+        write_atomic(self.pod_dir(pod.name) / RECORD_FILE, pod.model_dump_json(indent=2) + "\n")
+
+    def exists(self, name: str) -> bool:
+        return (self.pod_dir(name) / RECORD_FILE).is_file()
+
+    def load(self, name: str) -> Pod:
+        path = self.pod_dir(name) / RECORD_FILE
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PodNotFound(f"no pod named {name!r}", hint=self._known_hint()) from None
+        try:
+            return Pod.model_validate(json.loads(text))
+        except (ValueError, ValidationError) as exc:
+            raise StateError(
+                f"the record of pod {name!r} is unreadable: {path}",
+                hint=f"fix or delete that file; 'tpupod down --pod {name} --forget' drops the pod",
+            ) from exc
+
+    def names(self) -> list[str]:
+        if not self.pods_dir.is_dir():
+            return []
+        return sorted(p.parent.name for p in self.pods_dir.glob(f"*/{RECORD_FILE}"))
+
+    def pods(self) -> list[Pod]:
+        return [self.load(name) for name in self.names()]
+
+    def resolve(self, name: str | None) -> Pod:
+        """The pod named ``name``, or the only pod when no name is given."""
+        if name is not None:
+            return self.load(name)
+        names = self.names()
+        if len(names) == 1:
+            return self.load(names[0])
+        if not names:
+            raise PodNotFound(
+                f"no pods yet (state directory {self.root})",
+                hint="create one with 'tpupod up --name dev --local 2'",
+            )
+        raise PodNotFound(
+            f"{len(names)} pods exist ({', '.join(names)}); say which one",
+            hint=f"add --pod {names[0]}, for example",
+        )
+
+    def remove(self, name: str) -> None:
+        shutil.rmtree(self.pod_dir(name), ignore_errors=True)
+
+    def _known_hint(self) -> str:
+        names = self.names()
+        if not names:
+            return "there are no pods yet: 'tpupod up --name dev --local 2' creates one"
+        return f"known pods: {', '.join(names)} ('tpupod list' shows them)"
+
+
+def get_pod(name: str | None = None) -> Pod:
+    """The pod named ``name`` from the state directory (or the only one)."""
+    return StateDir().resolve(name)

@@ -1,0 +1,5 @@
+"""How commands reach a worker. The fan-out engine sees only :class:`Transport`."""
+
+from tpupod.transport.base import ExitStatus, OutputLine, RemoteProcess, Stream, Transport
+
+__all__ = ["ExitStatus", "OutputLine", "RemoteProcess", "Stream", "Transport"]

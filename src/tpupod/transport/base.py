@@ -1,0 +1,93 @@
+"""The transport seam: start a command on one worker, read its lines, wait, kill.
+
+A transport serves one worker. Everything above it (the fan-out engine, the
+CLI) is the same for a local pod and an SSH pod; a new transport implements
+these two small protocols and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Stream(enum.Enum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLine:
+    stream: Stream
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    """How a command ended: an exit code, or the signal that killed it."""
+
+    code: int | None
+    signal: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+    @property
+    def shell_code(self) -> int:
+        """The code a shell would report: the exit code, or 128 + the signal number."""
+        if self.code is not None:
+            return self.code
+        return 128 + (self.signal or 0)
+
+    def describe(self) -> str:
+        if self.code is not None:
+            return f"exit {self.code}"
+        try:
+            name = signal.Signals(self.signal or 0).name
+        except ValueError:
+            name = f"signal {self.signal}"
+        return f"killed by {name}"
+
+
+class RemoteProcess(Protocol):
+    """A command running on one worker, in a process group of its own."""
+
+    def lines(self) -> AsyncIterator[OutputLine]:
+        """Output lines as they arrive; ends when both streams are closed."""
+        ...
+
+    async def wait(self) -> ExitStatus:
+        """Wait for the command (the group leader) to end."""
+        ...
+
+    async def kill(self, grace: float) -> None:
+        """TERM the command's whole process group, then KILL what is left after ``grace`` s.
+
+        Returns once the group is gone or KILL has been sent. Safe to call again
+        (a second call with ``grace=0`` sends KILL at once) and after the command ended.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the pipes or channel once done with the command (it is not killed)."""
+        ...
+
+
+class Transport(Protocol):
+    """The way to one worker."""
+
+    async def start(self, command: str, env: Mapping[str, str]) -> RemoteProcess:
+        """Start ``command`` (a bash command line) with ``env`` added to the worker's environment.
+
+        Raises :class:`~tpupod.errors.WorkerError` when the worker cannot be reached
+        or the command cannot be started.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Release connections; running commands are not touched."""
+        ...

@@ -1,0 +1,114 @@
+"""Commands as local subprocesses: the transport of a local pod's simulated hosts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Mapping
+
+from tpupod import procfs
+from tpupod.errors import WorkerError
+from tpupod.pod import Worker
+from tpupod.transport.base import ExitStatus, OutputLine, Stream
+from tpupod.transport.lines import read_lines
+
+SHELL = "/bin/bash"
+GROUP_POLL_S = 0.05
+
+
+class LocalTransport:
+    """Runs commands in the worker's working directory, each in a new session (process group)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    async def start(self, command: str, env: Mapping[str, str]) -> LocalProcess:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                SHELL,
+                "-c",
+                command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=self.worker.workdir,
+                env={**os.environ, **env},
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise WorkerError(
+                f"w{self.worker.id}: cannot start the command: {exc.strerror or exc}",
+                hint="the pod's working directory may be gone; "
+                "'tpupod down' then 'tpupod up' recreates it",
+                worker=self.worker.id,
+            ) from exc
+        return LocalProcess(proc)
+
+    async def close(self) -> None:
+        return None
+
+
+class LocalProcess:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+        assert proc.stdout is not None and proc.stderr is not None
+        self._streams: list[tuple[Stream, asyncio.StreamReader]] = [
+            (Stream.STDOUT, proc.stdout),
+            (Stream.STDERR, proc.stderr),
+        ]
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def lines(self) -> AsyncIterator[OutputLine]:
+        return read_lines(list(self._streams))
+
+    async def wait(self) -> ExitStatus:
+        code = await self._proc.wait()
+        return ExitStatus(code) if code >= 0 else ExitStatus(None, -code)
+
+    def close(self) -> None:
+        # asyncio exposes no public way to drop a finished subprocess's pipes.
+        transport = getattr(self._proc, "_transport", None)
+        if transport is not None and self._proc.returncode is not None:
+            transport.close()
+
+    async def kill(self, grace: float) -> None:
+        # The group id is the leader's pid (start_new_session). Members outlive
+        # the leader, so the group, not the leader, decides when we are done.
+        await kill_process_group(self._proc.pid, grace)
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to a process group; False when the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a member we may not signal: the group still exists
+    return True
+
+
+async def kill_process_group(pgid: int, grace: float) -> None:
+    """TERM the group, wait up to ``grace`` s for it to empty, then KILL whatever is left."""
+    if grace > 0 and signal_group(pgid, signal.SIGTERM):
+        deadline = asyncio.get_running_loop().time() + grace
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(GROUP_POLL_S)
+            if not group_has_live_members(pgid):
+                return
+    signal_group(pgid, signal.SIGKILL)
+
+
+def group_has_live_members(pgid: int) -> bool:
+    """True while some process of the group is alive (zombies waiting to be reaped do not count)."""
+    if not signal_group(pgid, 0):
+        return False
+    for pid in procfs.pids():
+        st = procfs.stat(pid)
+        if st is not None and st.pgrp == pgid and st.alive:
+            return True
+    return False

@@ -1,0 +1,110 @@
+"""Shared fixtures: a private state directory, local pods, the CLI run for real."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tpupod.lifecycle import up
+from tpupod.pod import Pod
+from tpupod.spec import LocalPodSpec
+from tpupod.state import StateDir
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip on a developer's machine when a prerequisite is missing; fail in CI."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"prerequisite missing in CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def state_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "state"
+    monkeypatch.setenv("TPUPOD_HOME", str(home))
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    return home
+
+
+@pytest.fixture
+def make_pod(state_home: Path) -> Iterator[Callable[..., Pod]]:
+    """Create local pods with unique names; kill whatever they left running afterwards."""
+    made: list[Pod] = []
+
+    def make(workers: int = 3, devices: int = 1, name: str | None = None) -> Pod:
+        name = name or f"t{os.getpid()}-{len(made)}-{time.monotonic_ns() % 100000}"
+        pod = up(
+            LocalPodSpec(name=name, workers=workers, devices_per_worker=devices), StateDir()
+        ).pod
+        made.append(pod)
+        return pod
+
+    yield make
+    for pod in made:
+        for proc in pod_processes(pod.name):
+            proc.kill()
+
+
+def pod_processes(pod_name: str) -> list[psutil.Process]:
+    """Live processes (zombies excluded) started on a local pod: they carry TPUPOD_POD=<name>."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("TPUPOD_POD") == pod_name:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_until_gone(pod_name: str, timeout: float = 3.0) -> list[psutil.Process]:
+    """Processes of the pod still alive after ``timeout`` (the answer should be none)."""
+    deadline = time.monotonic() + timeout
+    while (left := pod_processes(pod_name)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+    seconds: float
+
+
+def tpupod_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tpupod", *args]
+
+
+@pytest.fixture
+def cli(state_home: Path) -> Callable[..., CliResult]:
+    """Run the real ``tpupod`` command in a fresh process, as a user would."""
+
+    def run(*args: str, timeout: float = 30, env: dict[str, str] | None = None) -> CliResult:
+        started = time.monotonic()
+        proc = subprocess.run(
+            tpupod_argv(*args),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
+        return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
+
+    return run

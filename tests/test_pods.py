@@ -1,0 +1,140 @@
+"""up / down / list / status / hosts, as a user runs them, and the errors for unknown pods."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult, pod_processes, wait_until_gone
+from tpupod.errors import PodExists, PodNotFound, StateError
+from tpupod.lifecycle import up
+from tpupod.spec import LocalPodSpec
+from tpupod.state import StateDir
+
+
+def test_round_trip(cli: Callable[..., CliResult], state_home: Path) -> None:
+    made = cli("up", "--name", "dev", "--local", "3", "--devices-per-worker", "2")
+    assert made.code == 0, made.err
+    assert "pod 'dev' is up: 3 local workers, 2 devices each" in made.out
+
+    listed = cli("list")
+    assert listed.out.splitlines()[1].split()[:4] == ["dev", "local", "3", "2"]
+
+    hosts = cli("hosts")  # the only pod is the default
+    rows = [line.split() for line in hosts.out.splitlines()]
+    assert rows[0] == ["WORKER", "HOSTNAME", "INTERNAL", "EXTERNAL"]
+    assert [row[0] for row in rows[1:]] == ["0", "1", "2"]
+    assert all(row[2] == "127.0.0.1" and row[3] == "-" for row in rows[1:])
+
+    as_json = json.loads(cli("hosts", "--pod", "dev", "--format", "json").out)
+    assert [w["id"] for w in as_json] == [0, 1, 2]
+    assert set(as_json[0]) == {"id", "hostname", "internal_address", "external_address"}
+
+    status = cli("status", "--pod", "dev")
+    assert status.code == 0, status.err
+    assert status.out.count(" yes ") == 3
+
+    status_json = json.loads(cli("status", "--format", "json").out)
+    assert status_json["healthy"] is True and len(status_json["workers"]) == 3
+
+    gone = cli("down", "--pod", "dev")
+    assert gone.code == 0 and "pod 'dev' is down" in gone.out
+    assert cli("list").out == ""
+    assert not (state_home / "pods" / "dev").exists()
+
+
+def test_up_is_idempotent_and_refuses_a_different_spec(cli: Callable[..., CliResult]) -> None:
+    assert cli("up", "--name", "dev", "--local", "2").code == 0
+    again = cli("up", "--name", "dev", "--local", "2")
+    assert again.code == 0 and "was already up" in again.out
+    other = cli("up", "--name", "dev", "--local", "3")
+    assert other.code == 1
+    assert (
+        "exists with a different spec" in other.err and "hint: 'tpupod down --pod dev'" in other.err
+    )
+
+
+def test_up_from_the_default_spec_file(
+    cli: Callable[..., CliResult], tmp_path: Path, state_home: Path
+) -> None:
+    (tmp_path / "tpupod.yaml").write_text("name: from-file\nworkers: 2\nenv:\n  GREETING: hello\n")
+    proc = subprocess.run(
+        [*__import__("tests.conftest").conftest.tpupod_argv("up")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = cli("exec", "--pod", "from-file", "--", "echo $GREETING")
+    assert result.out.splitlines() == ["[w0] hello", "[w1] hello"] or sorted(
+        result.out.splitlines()
+    ) == ["[w0] hello", "[w1] hello"]
+
+
+def test_unknown_pod_and_ambiguous_default(cli: Callable[..., CliResult]) -> None:
+    none_yet = cli("hosts")
+    assert (
+        none_yet.code == 1 and "no pods yet" in none_yet.err and "hint: create one" in none_yet.err
+    )
+    cli("up", "--name", "a", "--local", "1")
+    cli("up", "--name", "b", "--local", "1")
+    ambiguous = cli("exec", "--", "true")
+    assert ambiguous.code == 1 and "2 pods exist (a, b); say which one" in ambiguous.err
+    unknown = cli("status", "--pod", "nope")
+    assert unknown.code == 1
+    assert "no pod named 'nope'" in unknown.err and "known pods: a, b" in unknown.err
+    assert cli("down", "--pod", "nope").code == 1
+
+
+def test_down_kills_what_a_local_pod_left_running(cli: Callable[..., CliResult]) -> None:
+    cli("up", "--name", "bg", "--local", "2")
+    result = cli("exec", "--pod", "bg", "--", "nohup sleep 60 >/dev/null 2>&1 &")
+    assert result.code == 0
+    assert len(pod_processes("bg")) == 2
+    assert cli("down", "--pod", "bg").code == 0
+    assert wait_until_gone("bg") == []
+
+
+def test_corrupt_record_is_a_clear_error(state_home: Path, cli: Callable[..., CliResult]) -> None:
+    up(LocalPodSpec(name="dev", workers=1), StateDir())
+    (state_home / "pods" / "dev" / "pod.json").write_text("{not json")
+    result = cli("hosts", "--pod", "dev")
+    assert result.code == 1 and "the record of pod 'dev' is unreadable" in result.err
+    with pytest.raises(StateError):
+        StateDir().load("dev")
+
+
+def test_python_api_errors(state_home: Path) -> None:
+    state = StateDir()
+    up(LocalPodSpec(name="dev", workers=1), state)
+    with pytest.raises(PodExists):
+        up(LocalPodSpec(name="dev", workers=2), state)
+    with pytest.raises(PodNotFound):
+        state.load("other")
+
+
+def test_a_half_made_pod_folder_is_reclaimed(state_home: Path) -> None:
+    (state_home / "pods" / "dev").mkdir(parents=True)  # as if an earlier `up` crashed
+    result = up(LocalPodSpec(name="dev", workers=2), StateDir())
+    assert result.created and len(result.pod.workers) == 2
+
+
+def test_version_and_help(cli: Callable[..., CliResult]) -> None:
+    from tpupod import __version__
+
+    assert cli("--version").out.strip() == f"tpupod {__version__}"
+    for command in ("up", "down", "list", "status", "hosts", "exec"):
+        result = cli(command, "--help")
+        assert result.code == 0 and "Examples" in result.out, command
+
+
+def test_wait_until_gone_helper_sees_processes(cli: Callable[..., CliResult]) -> None:
+    cli("up", "--name", "helper", "--local", "1")
+    cli("exec", "--pod", "helper", "--", "nohup sleep 60 >/dev/null 2>&1 &")
+    assert wait_until_gone("helper", timeout=0.2) != []  # the helper is not blind
+    cli("down", "--pod", "helper")

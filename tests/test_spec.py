@@ -1,0 +1,107 @@
+"""A bad pod spec gets one line naming the file, the field and the problem, a hint, and exit 2."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult
+from tpupod.errors import SpecError
+from tpupod.spec import LocalPodSpec, load_spec_file
+
+BAD_FILES = {
+    "not-yaml": ("name: dev\nworkers: [1, 2\n", "bad.yaml:3:1: not valid YAML"),
+    "empty": ("", "bad.yaml: the file is empty"),
+    "not-a-mapping": ("- dev\n- 2\n", "bad.yaml: expected a mapping of fields, got list"),
+    "unknown-field": ("name: dev\nworker: 2\n", "bad.yaml: worker: unknown field"),
+    "missing-field": ("name: dev\n", "bad.yaml: workers: required field is missing"),
+    "wrong-type": (
+        "name: dev\nworkers: two\n",
+        "bad.yaml: workers: Input should be a valid integer",
+    ),
+    "out-of-range": (
+        "name: dev\nworkers: 0\n",
+        "bad.yaml: workers: Input should be greater than or equal to 1",
+    ),
+    "bad-name": ("name: Dev_1\nworkers: 2\n", "bad.yaml: name: must be 1-63 lowercase letters"),
+    "bad-provider": (
+        "name: dev\nprovider: azure\nworkers: 2\n",
+        "bad.yaml: provider: Input should be 'local'",
+    ),
+    "bad-env-name": (
+        "name: dev\nworkers: 1\nenv: {'1X': a}\n",
+        "bad.yaml: env: '1X' is not a valid",
+    ),
+    "reserved-env": (
+        "name: dev\nworkers: 1\nenv: {TPUPOD_X: a}\n",
+        "bad.yaml: env: 'TPUPOD_X': names starting",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_spec_file_gets_one_line_error_with_hint(
+    case: str, tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    text, expected = BAD_FILES[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = cli("up", "-f", str(path))
+    assert result.code == 2, result.err
+    lines = result.err.splitlines()
+    assert len(lines) == 2, result.err
+    assert lines[0].startswith("error: ") and str(path) in lines[0]
+    assert expected.replace("bad.yaml", str(path)) in lines[0]
+    assert lines[1].startswith("hint: ")
+    assert "Traceback" not in result.err
+
+
+def test_debug_shows_the_traceback(tmp_path: Path, cli: Callable[..., CliResult]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: dev\n")
+    result = cli("--debug", "up", "-f", str(path))
+    assert result.code == 2
+    assert "Traceback" in result.err and "required field is missing" in result.err
+
+
+def test_unknown_field_suggests_the_close_name(tmp_path: Path) -> None:
+    path = tmp_path / "tpupod.yaml"
+    path.write_text("name: dev\nworkers: 2\ndevices_per_workr: 2\n")
+    with pytest.raises(SpecError) as info:
+        load_spec_file(path)
+    assert info.value.hint == "did you mean 'devices_per_worker'?"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="no such file"):
+        load_spec_file(tmp_path / "nope.yaml")
+
+
+def test_several_problems_are_counted(tmp_path: Path) -> None:
+    path = tmp_path / "tpupod.yaml"
+    path.write_text("name: X\nworkers: -1\ndevices_per_worker: 0\n")
+    with pytest.raises(SpecError, match=r"and 2 more problems"):
+        load_spec_file(path)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "tpupod.yaml"
+    path.write_text("name: dev\nworkers: 2\ndevices_per_worker: 4\nenv: {A: '1'}\n")
+    spec = load_spec_file(path, {"name": "dev-2", "workers": None})
+    assert spec == LocalPodSpec(name="dev-2", workers=2, devices_per_worker=4, env={"A": "1"})
+
+
+def test_bad_flags_name_the_flag(cli: Callable[..., CliResult]) -> None:
+    result = cli("up", "--name", "dev", "--local", "0")
+    assert result.code == 2
+    assert result.err.startswith(
+        "error: --local: Input should be greater than or equal to 1 (got 0)"
+    )
+
+
+def test_up_without_anything_explains(cli: Callable[..., CliResult], tmp_path: Path) -> None:
+    result = cli("up")
+    assert result.code == 2
+    assert "nothing to create" in result.err and "hint: " in result.err

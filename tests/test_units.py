@@ -1,0 +1,67 @@
+"""Small pieces: worker selections, line splitting, exit statuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpupod.errors import UsageError
+from tpupod.pod import parse_worker_selection
+from tpupod.transport import ExitStatus
+from tpupod.transport.lines import LineSplitter
+
+
+@pytest.mark.parametrize(
+    ("text", "ids"),
+    [
+        ("0", [0]),
+        ("0,2-3", [0, 2, 3]),
+        ("3,1,1", [1, 3]),
+        (" 1 - 2 ", [1, 2]),
+        ("0-7", list(range(8))),
+    ],
+)
+def test_selection(text: str, ids: list[int]) -> None:
+    assert parse_worker_selection(text, 8) == ids
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("8", "worker 8 does not exist"),
+        ("x", "is not a number"),
+        ("3-1", "runs backwards"),
+        ("-1", "not a number"),
+        ("1,", "is not a number"),
+        ("2-9", "worker 9 does not exist"),
+    ],
+)
+def test_bad_selection(text: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        parse_worker_selection(text, 8)
+
+
+def test_lines_split_across_chunks_and_at_the_end() -> None:
+    splitter = LineSplitter()
+    assert splitter.feed(b"hel") == []
+    assert splitter.feed(b"lo\nwor") == ["hello"]
+    assert splitter.feed(b"ld\r\n\n") == ["world", ""]
+    assert splitter.feed(b"tail") == []
+    assert splitter.finish() == ["tail"]
+    assert splitter.finish() == []
+
+
+def test_invalid_utf8_is_replaced_not_fatal() -> None:
+    assert LineSplitter().feed(b"caf\xe9\n") == ["caf\ufffd"]
+
+
+def test_endless_line_is_cut() -> None:
+    splitter = LineSplitter(max_line=10)
+    assert splitter.feed(b"a" * 25) == ["a" * 10, "a" * 10]
+    assert splitter.finish() == ["a" * 5]
+
+
+def test_exit_status() -> None:
+    assert ExitStatus(0).ok and ExitStatus(0).describe() == "exit 0"
+    assert ExitStatus(None, 15).describe() == "killed by SIGTERM"
+    assert ExitStatus(None, 15).shell_code == 143
+    assert ExitStatus(None, 99).describe() == "killed by signal 99"
