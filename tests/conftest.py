@@ -15,10 +15,13 @@ import pytest
 
 from tpupod.lifecycle import up
 from tpupod.pod import Pod
-from tpupod.spec import LocalPodSpec
+from tpupod.sim import SimPod, missing_prerequisites
+from tpupod.spec import LocalPodSpec, spec_from_mapping
 from tpupod.state import StateDir
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+SIM_HOSTS = 4
+SIM_HOSTS = 4
 
 
 def require(condition: bool, reason: str) -> None:
@@ -45,7 +48,7 @@ def make_pod(state_home: Path) -> Iterator[Callable[..., Pod]]:
     made: list[Pod] = []
 
     def make(workers: int = 3, devices: int = 1, name: str | None = None) -> Pod:
-        name = name or f"t{os.getpid()}-{len(made)}-{time.monotonic_ns() % 100000}"
+        name = name or _unique_name(made)
         pod = up(
             LocalPodSpec(name=name, workers=workers, devices_per_worker=devices), StateDir()
         ).pod
@@ -108,3 +111,80 @@ def cli(state_home: Path) -> Callable[..., CliResult]:
         return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
 
     return run
+
+
+def _unique_name(made: list[Pod]) -> str:
+    return f"t{os.getpid()}-{len(made)}-{time.monotonic_ns() % 100000}"
+
+
+@pytest.fixture(scope="session")
+def sim() -> Iterator[SimPod]:
+    """A simulated pod of 4 hosts (namespaces with real sshd), shared by the session's tests."""
+    missing = missing_prerequisites()
+    require(not missing, f"a simulated pod needs {', '.join(missing)}")
+    with SimPod(SIM_HOSTS) as pod:
+        yield pod
+
+
+@pytest.fixture
+def sim_hosts_up(sim: SimPod) -> Iterator[SimPod]:
+    """The simulated pod, every host brought back up and emptied after the test."""
+    yield sim
+    down = [h.index for h in sim.hosts if h.sshd_pid is None]
+    for index in down:
+        sim.start_host(index)
+    sim.wait_ready(down)
+    for host in sim.hosts:
+        sim.kill_all(host.index)
+
+
+@pytest.fixture
+def make_ssh_pod(state_home: Path, sim_hosts_up: SimPod) -> Callable[..., Pod]:
+    """Create SSH pods over the simulated hosts; worker i is host i % 4."""
+    made: list[Pod] = []
+
+    def make(workers: int = SIM_HOSTS, **options: object) -> Pod:
+        hosts = [sim_hosts_up.hosts[i % SIM_HOSTS].address for i in range(workers)]
+        data = {
+            "name": _unique_name(made),
+            "provider": "ssh",
+            "hosts": hosts,
+            "user": "root",
+            "key": str(sim_hosts_up.key),
+            **options,
+        }
+        pod = up(spec_from_mapping(data, "test"), StateDir()).pod
+        made.append(pod)
+        return pod
+
+    return make
+
+
+@pytest.fixture(params=["local", "ssh"])
+def any_pod(request: pytest.FixtureRequest) -> Callable[..., Pod]:
+    """A test that uses it runs on a local pod and on an SSH pod of simulated hosts."""
+    name = "make_pod" if request.param == "local" else "make_ssh_pod"
+    factory: Callable[..., Pod] = request.getfixturevalue(name)
+    return factory
+
+
+@pytest.fixture
+def leftovers(request: pytest.FixtureRequest) -> Callable[[Pod], list[str]]:
+    """``leftovers(pod)``: what the pod's commands left running (the answer should be nothing)."""
+
+    def find(pod: Pod) -> list[str]:
+        if pod.provider == "local":
+            return [" ".join(p.cmdline()) for p in wait_until_gone(pod.name)]
+        return sim_leftovers(request.getfixturevalue("sim"))
+
+    return find
+
+
+def sim_leftovers(sim: SimPod, timeout: float = 3.0) -> list[str]:
+    """Processes on the simulated hosts other than sshd's, after up to ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [f"{h.hostname}: {args}" for h in sim.hosts for _, args in sim.processes(h.index)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)

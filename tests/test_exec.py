@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv, wait_until_gone
+from tests.conftest import CliResult, tpupod_argv
 from tpupod.pod import Pod
 
 PREFIX = re.compile(r"^\[w(\d+)\]\s+(.*)$")
@@ -30,9 +30,9 @@ def lines_by_worker(out: str) -> dict[int, list[str]]:
 
 @pytest.mark.parametrize("workers", [3, 8])
 def test_every_line_arrives_prefixed_and_in_order(
-    workers: int, make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    workers: int, any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(workers)
+    pod = any_pod(workers)
     result = cli("exec", "--pod", pod.name, "--", COUNTING)
     assert result.code == 0, result.err
     seen = lines_by_worker(result.out)
@@ -43,18 +43,18 @@ def test_every_line_arrives_prefixed_and_in_order(
 
 
 def test_stderr_lines_go_to_stderr_with_prefix(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(2)
+    pod = any_pod(2)
     result = cli("exec", "--pod", pod.name, "--", "echo out; echo err >&2")
     assert sorted(result.out.splitlines()) == ["[w0] out", "[w1] out"]
     assert "[w0] err" in result.err and "[w1] err" in result.err
 
 
 def test_exit_codes_aggregate_to_the_first_failure(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(3)
+    pod = any_pod(3)
     result = cli(
         "exec",
         "--pod",
@@ -67,8 +67,8 @@ def test_exit_codes_aggregate_to_the_first_failure(
     assert "first failure: w2" in result.err and "exit 5" in result.err
 
 
-def test_worker_selection(make_pod: Callable[..., Pod], cli: Callable[..., CliResult]) -> None:
-    pod = make_pod(4)
+def test_worker_selection(any_pod: Callable[..., Pod], cli: Callable[..., CliResult]) -> None:
+    pod = any_pod(4)
     result = cli("exec", "--pod", pod.name, "--worker", "0,2-3", "--", "echo $TPUPOD_WORKER_ID")
     assert result.code == 0, result.err
     assert sorted(result.out.split()) == ["0", "2", "3", "[w0]", "[w2]", "[w3]"]
@@ -77,30 +77,32 @@ def test_worker_selection(make_pod: Callable[..., Pod], cli: Callable[..., CliRe
 
 
 def test_several_arguments_are_quoted(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(1)
+    pod = any_pod(1)
     result = cli("exec", "--pod", pod.name, "--", "printf", "%s|", "a b", "$HOME")
     assert result.out.strip() == "[w0] a b|$HOME|"
 
 
 def test_on_fail_kill_stops_everyone_and_leaves_nothing(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod],
+    leftovers: Callable[[Pod], list[str]],
+    cli: Callable[..., CliResult],
 ) -> None:
-    pod = make_pod(4)
+    pod = any_pod(4)
     command = 'if [ "$TPUPOD_WORKER_ID" = 1 ]; then sleep 0.3; exit 3; fi; sleep 60'
     result = cli("exec", "--pod", pod.name, "--on-fail", "kill", "--", command)
     assert result.code == 3
     assert result.seconds < 5
     assert "first failure: w1" in result.err
     assert "stopped after w1 failed" in result.err
-    assert wait_until_gone(pod.name) == []
+    assert leftovers(pod) == []
 
 
 def test_on_fail_wait_lets_the_others_finish(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(3)
+    pod = any_pod(3)
     command = 'if [ "$TPUPOD_WORKER_ID" = 0 ]; then exit 7; fi; sleep 0.5; echo finished'
     result = cli("exec", "--pod", pod.name, "--", command)
     assert result.code == 7
@@ -108,9 +110,11 @@ def test_on_fail_wait_lets_the_others_finish(
 
 
 def test_timeout_kills_the_process_group(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod],
+    leftovers: Callable[[Pod], list[str]],
+    cli: Callable[..., CliResult],
 ) -> None:
-    pod = make_pod(3)
+    pod = any_pod(3)
     # A pipeline and a background child: all of it lives in the command's process group.
     result = cli(
         "exec", "--pod", pod.name, "--timeout", "1", "--", "sleep 60 & sleep 60 | cat; wait"
@@ -118,13 +122,15 @@ def test_timeout_kills_the_process_group(
     assert result.code == 124
     assert result.seconds < 6
     assert result.err.count("timed out") >= 3
-    assert wait_until_gone(pod.name) == []
+    assert leftovers(pod) == []
 
 
 def test_term_ignoring_command_is_killed_after_grace(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod],
+    leftovers: Callable[[Pod], list[str]],
+    cli: Callable[..., CliResult],
 ) -> None:
-    pod = make_pod(2)
+    pod = any_pod(2)
     result = cli(
         "exec",
         "--pod",
@@ -139,14 +145,18 @@ def test_term_ignoring_command_is_killed_after_grace(
     assert result.code == 124
     assert 1.4 < result.seconds < 6
     assert "SIGKILL" in result.err
-    assert wait_until_gone(pod.name) == []
+    assert leftovers(pod) == []
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_to_the_cli_stops_every_worker(
-    sig: signal.Signals, code: int, make_pod: Callable[..., Pod], state_home: object
+    sig: signal.Signals,
+    code: int,
+    any_pod: Callable[..., Pod],
+    leftovers: Callable[[Pod], list[str]],
+    state_home: object,
 ) -> None:
-    pod = make_pod(3)
+    pod = any_pod(3)
     proc = subprocess.Popen(
         tpupod_argv(
             "exec", "--pod", pod.name, "--grace", "1", "--", 'echo started; trap "" TERM; sleep 60'
@@ -162,13 +172,13 @@ def test_signal_to_the_cli_stops_every_worker(
     _, err = proc.communicate(timeout=10)
     assert proc.returncode == code, err
     assert f"stopped by {sig.name}" in err
-    assert wait_until_gone(pod.name) == []
+    assert leftovers(pod) == []
 
 
 def test_background_child_holding_output_does_not_hang(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(1)
+    pod = any_pod(1)
     result = cli("exec", "--pod", pod.name, "--", "echo main; sleep 30 &")
     assert result.code == 0
     assert result.seconds < 6
@@ -176,9 +186,9 @@ def test_background_child_holding_output_does_not_hang(
 
 
 def test_quiet_prints_only_the_summary(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(2)
+    pod = any_pod(2)
     result = cli("exec", "--pod", pod.name, "--quiet", "--", "echo hello")
     assert result.code == 0
     assert result.out == ""
@@ -186,9 +196,9 @@ def test_quiet_prints_only_the_summary(
 
 
 def test_output_is_plain_when_piped_and_colored_when_forced(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(2)
+    pod = any_pod(2)
     plain = cli("exec", "--pod", pod.name, "--", "echo x")
     assert "\x1b[" not in plain.out
     colored = cli("exec", "--pod", pod.name, "--", "echo x", env={"FORCE_COLOR": "1"})
@@ -196,25 +206,25 @@ def test_output_is_plain_when_piped_and_colored_when_forced(
 
 
 def test_extra_env_reaches_workers(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(2)
+    pod = any_pod(2)
     result = cli("exec", "--pod", pod.name, "-e", "GREETING=hi there", "--", 'echo "$GREETING"')
     assert sorted(result.out.splitlines()) == ["[w0] hi there", "[w1] hi there"]
 
 
 def test_no_command_is_a_usage_error(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(1)
+    pod = any_pod(1)
     result = cli("exec", "--pod", pod.name, "--", " ")
     assert result.code == 2 and "no command given" in result.err
 
 
 def test_elapsed_is_concurrent_not_serial(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
-    pod = make_pod(8)
+    pod = any_pod(8)
     started = time.monotonic()
     result = cli("exec", "--pod", pod.name, "--", "sleep 1")
     assert result.code == 0

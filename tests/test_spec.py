@@ -28,7 +28,7 @@ BAD_FILES = {
     "bad-name": ("name: Dev_1\nworkers: 2\n", "bad.yaml: name: must be 1-63 lowercase letters"),
     "bad-provider": (
         "name: dev\nprovider: azure\nworkers: 2\n",
-        "bad.yaml: provider: Input should be 'local'",
+        "bad.yaml: provider: unknown provider 'azure'",
     ),
     "bad-env-name": (
         "name: dev\nworkers: 1\nenv: {'1X': a}\n",

@@ -28,7 +28,8 @@ from typing import Any
 from tpupod.errors import FanoutFailed, WorkerError
 from tpupod.pod import Pod, Worker
 from tpupod.providers import provider_for
-from tpupod.transport import ExitStatus, OutputLine, RemoteProcess, Transport
+from tpupod.state import StateDir
+from tpupod.transport import Connector, ExitStatus, OutputLine, RemoteProcess, Transport
 
 DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 10
@@ -204,6 +205,8 @@ class _WorkerRun:
             await asyncio.wait_for(pump, OUTPUT_LINGER_S)
         except TimeoutError:
             pass  # wait_for cancelled the pump: a background child holds the output open
+        except WorkerError as exc:  # the connection went away mid-command
+            return self._result(Outcome.UNREACHABLE, None, error=exc.message)
         finally:
             pump.cancel()
             self.proc.close()
@@ -368,26 +371,31 @@ async def execute_async(
     on_line: LineHandler | None = None,
     on_notice: NoticeHandler | None = None,
     interrupt: Interrupt | None = None,
+    connector: Connector | None = None,
 ) -> FanoutResult:
     """Run ``command`` (a bash command line) on the selected workers of ``pod`` at once.
 
     ``workers`` is a selection such as ``"0,2-3"`` or a list of workers (default:
     all). ``on_line`` receives every output line as it arrives. Returns when
     every worker's command has ended; never raises for a worker's failure.
+    Pass a ``connector`` (``tpupod.providers.connect(pod)``) to reuse
+    connections across calls; it is then yours to close.
     """
     provider = provider_for(pod.provider)
     selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
+    own_connector = connector is None
+    pod_connector = connector if connector is not None else provider.connect(pod, StateDir())
     runs = []
     for worker in selected:
         worker_env = {**pod.identity_env(worker), **provider.worker_env(pod, worker), **(env or {})}
-        runs.append(
-            _WorkerRun(worker, provider.transport(pod, worker), command, worker_env, on_line)
-        )
+        transport = pod_connector.transport(worker)
+        runs.append(_WorkerRun(worker, transport, command, worker_env, on_line))
     try:
         policy = Policy(OnFail(on_fail), timeout, grace)
         return await _Fanout(runs, command, policy, interrupt, on_notice).run()
     finally:
-        await asyncio.gather(*(run.transport.close() for run in runs))
+        if own_connector:
+            await pod_connector.close()
 
 
 def execute(pod: Pod, command: str, **options: Any) -> FanoutResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from tpupod.errors import PodExists, StateError
@@ -43,7 +44,7 @@ def up(spec: PodSpec, state: StateDir) -> UpResult:
             hint="set TPUPOD_HOME to a writable directory",
         ) from exc
     try:
-        pod = provider_for(spec.provider).create(spec, state)
+        pod = asyncio.run(provider_for(spec.provider).create(spec, state))
         state.save(pod)
     except BaseException:
         state.remove(spec.name)
@@ -53,9 +54,9 @@ def up(spec: PodSpec, state: StateDir) -> UpResult:
 
 def down(pod: Pod, state: StateDir) -> None:
     """Take the pod's workers down, then forget it."""
-    provider_for(pod.provider).destroy(pod, state)
+    asyncio.run(provider_for(pod.provider).destroy(pod, state))
     state.remove(pod.name)
 
 
 def _describe(spec: PodSpec) -> str:
-    return f"{spec.provider}, {spec.workers} workers x {spec.devices_per_worker} devices"
+    return f"{spec.provider}: {spec.summary()}"

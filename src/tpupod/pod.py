@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from tpupod.errors import UsageError
-from tpupod.spec import PodSpec
+from tpupod.spec import PodSpec, SshHost
 
 RECORD_VERSION = 1
 
@@ -22,6 +22,9 @@ class Worker(BaseModel):
     internal_address: str
     external_address: str | None = None
     workdir: str | None = Field(default=None, description="the directory commands start in")
+    ssh: SshHost | None = Field(
+        default=None, description="how to log in, for workers reached over SSH"
+    )
 
     @property
     def label(self) -> str:
@@ -96,7 +99,3 @@ def parse_worker_selection(selection: str, count: int) -> list[int]:
             )
         ids.update(range(lo, hi + 1))
     return sorted(ids)
-
-
-def now() -> datetime:
-    return datetime.now(UTC)

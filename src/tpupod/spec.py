@@ -9,13 +9,22 @@ the rest): one clear line beats a wall of them.
 from __future__ import annotations
 
 import difflib
+import enum
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tpupod.errors import SpecError
 
@@ -36,17 +45,10 @@ def check_pod_name(name: str) -> str:
     return name
 
 
-class LocalPodSpec(BaseModel):
-    """A pod of simulated hosts on this machine (the default provider)."""
-
+class _SpecBase(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    provider: Literal["local"] = "local"
-    workers: int = Field(ge=1, le=MAX_LOCAL_WORKERS, description="number of simulated hosts")
-    devices_per_worker: int = Field(
-        default=1, ge=1, le=64, description="CPU devices JAX sees on each worker"
-    )
     env: dict[str, str] = Field(
         default_factory=dict, description="extra environment for every worker"
     )
@@ -66,13 +68,97 @@ class LocalPodSpec(BaseModel):
         return env
 
 
-PodSpec = LocalPodSpec
+class LocalPodSpec(_SpecBase):
+    """A pod of simulated hosts on this machine (the default provider)."""
+
+    provider: Literal["local"] = "local"
+    workers: int = Field(ge=1, le=MAX_LOCAL_WORKERS, description="number of simulated hosts")
+    devices_per_worker: int = Field(
+        default=1, ge=1, le=64, description="CPU devices JAX sees on each worker"
+    )
+
+    def summary(self) -> str:
+        plural = "s" if self.devices_per_worker != 1 else ""
+        return f"{self.workers} local workers, {self.devices_per_worker} device{plural} each"
+
+
+class SshHost(BaseModel):
+    """One host of an SSH pod: ``{host, port, user}``, or written ``user@host:port``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field(min_length=1)
+    port: int = Field(default=22, ge=1, le=65535)
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        return parse_host(value) if isinstance(value, str) else value
+
+    def __str__(self) -> str:
+        user = f"{self.user}@" if self.user else ""
+        port = f":{self.port}" if self.port != 22 else ""
+        return f"{user}{self.host}{port}"
+
+
+class HostKeyPolicy(enum.StrEnum):
+    TOFU = "tofu"  # trust on first use, remember, refuse a changed key
+    STRICT = "strict"  # only keys already remembered for the pod
+    INSECURE = "insecure"  # never check (throwaway pods)
+
+
+class SshPodSpec(_SpecBase):
+    """A pod of existing hosts reached over SSH; worker ids follow the order of ``hosts``."""
+
+    provider: Literal["ssh"]
+    hosts: list[SshHost] = Field(min_length=1, max_length=4096)
+    user: str | None = Field(default=None, description="login user for hosts that name none")
+    key: str | None = Field(
+        default=None, description="private key file (default: ssh-agent, ~/.ssh)"
+    )
+    host_keys: HostKeyPolicy = HostKeyPolicy.TOFU
+    connect_concurrency: int = Field(default=64, ge=1, le=1024)
+    connect_stagger_ms: float = Field(default=2.0, ge=0, le=10_000)
+    connect_timeout: float = Field(default=10.0, gt=0, le=600)
+    connect_retries: int = Field(default=3, ge=0, le=100)
+
+    @property
+    def workers(self) -> int:
+        return len(self.hosts)
+
+    def summary(self) -> str:
+        return f"{len(self.hosts)} hosts over SSH, host keys {self.host_keys.value}"
+
+
+def parse_host(text: str) -> dict[str, Any]:
+    """``user@host:port`` (user and port optional; ``[v6]:port`` for IPv6) -> fields."""
+    user, _, rest = text.rpartition("@")
+    host, port = rest, None
+    if rest.startswith("["):
+        host, _, tail = rest[1:].partition("]")
+        port = tail.removeprefix(":") or None
+    elif rest.count(":") == 1:
+        host, port = rest.split(":")
+    data: dict[str, Any] = {"host": host}
+    if user:
+        data["user"] = user
+    if port is not None:
+        data["port"] = port
+    return data
+
+
+PodSpec = Annotated[LocalPodSpec | SshPodSpec, Field(discriminator="provider")]
+PROVIDERS = ("local", "ssh")
+_ADAPTER: TypeAdapter[LocalPodSpec | SshPodSpec] = TypeAdapter(PodSpec)
 FIELD_HINTS = {
     "name": "a pod name like 'dev' or 'qwen-pod-2'",
-    "provider": "supported providers: local",
+    "provider": f"supported providers: {', '.join(PROVIDERS)}",
     "workers": f"the number of workers, 1 to {MAX_LOCAL_WORKERS}",
     "devices_per_worker": "the number of CPU devices per worker, 1 to 64",
     "env": "a mapping of NAME: value",
+    "hosts": "a list of hosts: 'user@host:port' strings or {host, port, user} items",
+    "host_keys": "one of tofu (default), strict, insecure",
 }
 
 
@@ -125,8 +211,9 @@ def spec_from_mapping(
     ``source`` names where the data came from (a file); ``labels`` renames
     fields in messages (``workers`` -> ``--local`` when the spec came from flags).
     """
+    data = {"provider": "local", **data}
     try:
-        return LocalPodSpec.model_validate(dict(data))
+        return _ADAPTER.validate_python(data)
     except ValidationError as exc:
         raise _spec_error(exc, source, labels or {}) from exc
 
@@ -135,8 +222,11 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     # An unknown field is usually a misspelt known one: report it before the "missing" it causes.
     errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
-    field = str(first["loc"][0]) if first["loc"] else ""
-    loc = ".".join([labels.get(field, field), *(str(p) for p in first["loc"][1:])]) or "(top level)"
+    parts = [str(p) for p in first["loc"]]
+    if parts and parts[0] in PROVIDERS:  # pydantic names the union member first
+        parts = parts[1:]
+    field = parts[0] if parts else ""
+    loc = ".".join([labels.get(field, field), *parts[1:]]) or "(top level)"
     if source:
         loc = f"{source}: {loc}"
     more = (
@@ -146,13 +236,25 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     )
     kind = first["type"]
     if kind == "extra_forbidden":
-        known = list(LocalPodSpec.model_fields)
+        model = SshPodSpec if data_provider(first) == "ssh" else LocalPodSpec
+        known = list(model.model_fields)
         close = difflib.get_close_matches(field, known, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"
         return SpecError(f"{loc}: unknown field{more}", hint=hint)
     if kind == "missing":
         return SpecError(f"{loc}: required field is missing{more}", hint=FIELD_HINTS.get(field))
+    if kind == "union_tag_invalid":
+        tag = first.get("ctx", {}).get("tag")
+        where = f"{source}: " if source else ""
+        return SpecError(
+            f"{where}provider: unknown provider {tag!r}{more}", hint=FIELD_HINTS["provider"]
+        )
     message = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
     return SpecError(f"{loc}: {message}{shown}{more}", hint=FIELD_HINTS.get(field))
+
+
+def data_provider(error: Any) -> str:
+    loc = error.get("loc") or ()
+    return str(loc[0]) if loc and str(loc[0]) in PROVIDERS else "local"

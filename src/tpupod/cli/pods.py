@@ -13,7 +13,14 @@ import typer
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption, parse_env
 from tpupod.errors import SpecError
-from tpupod.spec import DEFAULT_SPEC_FILE, PodSpec, load_spec_file, spec_from_mapping
+from tpupod.spec import (
+    DEFAULT_SPEC_FILE,
+    HostKeyPolicy,
+    PodSpec,
+    load_spec_file,
+    parse_host,
+    spec_from_mapping,
+)
 
 # Flags that map onto spec fields, so errors about a field can name the flag.
 FLAG_FOR_FIELD = {
@@ -41,8 +48,36 @@ def up(
             "--devices-per-worker",
             "-d",
             metavar="D",
-            help="CPU devices JAX sees per worker.",
+            help="CPU devices JAX sees per local worker.",
             show_default=False,
+        ),
+    ] = None,
+    ssh: Annotated[
+        str | None,
+        typer.Option(
+            "--ssh",
+            metavar="HOST[,HOST...]",
+            show_default=False,
+            help="Existing hosts over SSH, [user@]host[:port]; worker ids follow the order.",
+        ),
+    ] = None,
+    user: Annotated[
+        str | None, typer.Option("--user", help="SSH login user.", show_default=False)
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option("--port", help="SSH port for hosts that name none.", show_default=False),
+    ] = None,
+    key: Annotated[
+        str | None, typer.Option("--key", help="SSH private key file.", show_default=False)
+    ] = None,
+    host_keys: Annotated[
+        HostKeyPolicy | None,
+        typer.Option(
+            "--host-keys",
+            show_default=False,
+            help="tofu: remember on first use (default); strict: only remembered keys; "
+            "insecure: never check (throwaway pods).",
         ),
     ] = None,
     file: Annotated[
@@ -50,54 +85,67 @@ def up(
         typer.Option(
             "--file",
             "-f",
-            help=f"Pod spec file (default: ./{DEFAULT_SPEC_FILE} when no --local).",
             show_default=False,
+            help=f"Pod spec file (default: ./{DEFAULT_SPEC_FILE} when neither --local nor --ssh).",
         ),
     ] = None,
     env: EnvOption = None,
 ) -> None:
     """Create a pod (or confirm that an identical one is up).
 
+    For an SSH pod, every host must answer; its hostname and address are
+    recorded, and its host key remembered (trust on first use).
+
     Examples:
 
       tpupod up --name dev --local 4 --devices-per-worker 2
 
-      tpupod up -f tpupod.yaml
+      tpupod up --name lab --ssh root@10.0.0.5,root@10.0.0.6 --key ~/.ssh/id_ed25519
 
       tpupod up -f tpupod.yaml --name dev-2      # flags override the file
     """
     from tpupod.lifecycle import up as pod_up
     from tpupod.state import StateDir
 
-    spec = _spec_from_args(name, local, devices_per_worker, file, parse_env(env))
+    overrides: dict[str, Any] = {"name": name, "env": parse_env(env) or None}
+    if local is not None or devices_per_worker is not None:
+        overrides |= {
+            "provider": "local",
+            "workers": local,
+            "devices_per_worker": devices_per_worker,
+        }
+    if ssh is not None:
+        overrides |= {"provider": "ssh", "hosts": _ssh_hosts(ssh, port)}
+    if ssh is not None or user or key or host_keys:
+        overrides |= {"user": user, "key": key, "host_keys": host_keys}
+    spec = _spec_from_args(overrides, file)
     result = pod_up(spec, StateDir())
-    pod = result.pod
     verb = "is up" if result.created else "was already up"
-    print(
-        f"pod {pod.name!r} {verb}: {len(pod.workers)} {pod.provider} workers, "
-        f"{spec.devices_per_worker} device{'s' if spec.devices_per_worker != 1 else ''} each"
-    )
+    print(f"pod {result.pod.name!r} {verb}: {spec.summary()}")
 
 
-def _spec_from_args(
-    name: str | None, local: int | None, devices: int | None, file: Path | None, env: dict[str, str]
-) -> PodSpec:
-    overrides: dict[str, Any] = {"name": name, "workers": local, "devices_per_worker": devices}
-    if env:
-        overrides["env"] = env
-    if file is None and local is None and Path(DEFAULT_SPEC_FILE).is_file():
+def _ssh_hosts(text: str, port: int | None) -> list[dict[str, Any]]:
+    hosts = [parse_host(item.strip()) for item in text.split(",") if item.strip()]
+    if port is not None:
+        for host in hosts:
+            host.setdefault("port", port)
+    return hosts
+
+
+def _spec_from_args(overrides: dict[str, Any], file: Path | None) -> PodSpec:
+    given = {key: value for key, value in overrides.items() if value is not None}
+    if file is None and "provider" not in given and Path(DEFAULT_SPEC_FILE).is_file():
         file = Path(DEFAULT_SPEC_FILE)
     if file is not None:
-        return load_spec_file(file, overrides)
-    if local is None:
+        return load_spec_file(file, given)
+    if "provider" not in given:
         raise SpecError(
-            "nothing to create: no --local N and no tpupod.yaml here",
+            "nothing to create: no --local N, no --ssh HOSTS and no tpupod.yaml here",
             hint="try 'tpupod up --name dev --local 2', or pass a spec with -f FILE",
         )
-    if name is None:
+    if "name" not in given:
         raise SpecError("the pod needs a name", hint="add --name NAME, e.g. --name dev")
-    data = {key: value for key, value in overrides.items() if value is not None}
-    return spec_from_mapping(data, "", labels=FLAG_FOR_FIELD)
+    return spec_from_mapping(given, "", labels=FLAG_FOR_FIELD)
 
 
 @command("down")
@@ -136,14 +184,14 @@ def list_pods(output: FormatOption = Format.TEXT) -> None:
     if not pods:
         print("no pods (create one with 'tpupod up --name dev --local 2')", file=sys.stderr)
         return
-    rows = [("NAME", "PROVIDER", "WORKERS", "DEVICES/WORKER", "CREATED")]
+    rows = [("NAME", "PROVIDER", "WORKERS", "CREATED", "DETAILS")]
     rows += [
         (
             p.name,
             p.provider,
             str(len(p.workers)),
-            str(p.spec.devices_per_worker),
             p.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
+            p.spec.summary(),
         )
         for p in pods
     ]
@@ -210,10 +258,9 @@ def status(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
             )
         )
     else:
-        spec = target.spec
         print(
-            f"pod {target.name!r}: {target.provider}, {len(target.workers)} workers x "
-            f"{spec.devices_per_worker} devices, created {target.created_at:%Y-%m-%d %H:%M:%S} UTC"
+            f"pod {target.name!r}: {target.spec.summary()}, "
+            f"created {target.created_at:%Y-%m-%d %H:%M:%S} UTC"
         )
         rows = [("WORKER", "HOSTNAME", "REACHABLE", "ANSWER", "TIME")]
         rows += [

@@ -8,19 +8,21 @@ from tpupod.errors import UsageError
 from tpupod.pod import Pod, Worker
 from tpupod.spec import PodSpec
 from tpupod.state import StateDir
-from tpupod.transport import Transport
+from tpupod.transport import Connector
 
 
 class Provider(Protocol):
-    def create(self, spec: PodSpec, state: StateDir) -> Pod:
-        """Bring the pod's workers up and return its record (not yet saved)."""
+    async def create(self, spec: PodSpec, state: StateDir) -> Pod:
+        """Bring the pod's workers up (or check they answer) and return its record, unsaved."""
         ...
 
-    def destroy(self, pod: Pod, state: StateDir) -> None:
+    async def destroy(self, pod: Pod, state: StateDir) -> None:
         """Take the pod's workers down; the caller forgets the record afterwards."""
         ...
 
-    def transport(self, pod: Pod, worker: Worker) -> Transport: ...
+    def connect(self, pod: Pod, state: StateDir) -> Connector:
+        """Transports for the pod's workers; close the connector when done."""
+        ...
 
     def worker_env(self, pod: Pod, worker: Worker) -> dict[str, str]:
         """Variables a process on this worker sees, beyond the pod's identity variables."""
@@ -32,4 +34,13 @@ def provider_for(name: str) -> Provider:
         from tpupod.providers.local import LocalProvider
 
         return LocalProvider()
-    raise UsageError(f"unknown provider {name!r}", hint="supported providers: local")
+    if name == "ssh":
+        from tpupod.providers.ssh import SshProvider
+
+        return SshProvider()
+    raise UsageError(f"unknown provider {name!r}", hint="supported providers: local, ssh")
+
+
+def connect(pod: Pod, state: StateDir | None = None) -> Connector:
+    """The pod's transports, from its provider."""
+    return provider_for(pod.provider).connect(pod, state or StateDir())

@@ -7,6 +7,7 @@ JAX pinned to the CPU and showing ``devices_per_worker`` devices.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -15,16 +16,17 @@ import time
 
 from tpupod import procfs
 from tpupod.pod import Pod, Worker
-from tpupod.spec import PodSpec
+from tpupod.spec import LocalPodSpec, PodSpec
 from tpupod.state import StateDir
-from tpupod.transport.local import LocalTransport
+from tpupod.transport.local import LocalConnector
 
 LOOPBACK = "127.0.0.1"
 DOWN_GRACE_S = 5.0
 
 
 class LocalProvider:
-    def create(self, spec: PodSpec, state: StateDir) -> Pod:
+    async def create(self, spec: PodSpec, state: StateDir) -> Pod:
+        assert isinstance(spec, LocalPodSpec)
         hostname = socket.gethostname()
         workers = []
         for i in range(spec.workers):
@@ -35,14 +37,15 @@ class LocalProvider:
             )
         return Pod(name=spec.name, spec=spec, workers=tuple(workers))
 
-    def destroy(self, pod: Pod, state: StateDir) -> None:
+    async def destroy(self, pod: Pod, state: StateDir) -> None:
         """A local host going down takes its processes with it: kill what the pod left running."""
-        stop_processes(find_pod_processes(pod.name), DOWN_GRACE_S)
+        await asyncio.to_thread(stop_processes, find_pod_processes(pod.name), DOWN_GRACE_S)
 
-    def transport(self, pod: Pod, worker: Worker) -> LocalTransport:
-        return LocalTransport(worker)
+    def connect(self, pod: Pod, state: StateDir) -> LocalConnector:
+        return LocalConnector()
 
     def worker_env(self, pod: Pod, worker: Worker) -> dict[str, str]:
+        assert isinstance(pod.spec, LocalPodSpec)
         return {
             "JAX_PLATFORMS": "cpu",
             "JAX_NUM_CPU_DEVICES": str(pod.spec.devices_per_worker),

@@ -1,5 +1,12 @@
 """How commands reach a worker. The fan-out engine sees only :class:`Transport`."""
 
-from tpupod.transport.base import ExitStatus, OutputLine, RemoteProcess, Stream, Transport
+from tpupod.transport.base import (
+    Connector,
+    ExitStatus,
+    OutputLine,
+    RemoteProcess,
+    Stream,
+    Transport,
+)
 
-__all__ = ["ExitStatus", "OutputLine", "RemoteProcess", "Stream", "Transport"]
+__all__ = ["Connector", "ExitStatus", "OutputLine", "RemoteProcess", "Stream", "Transport"]

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from tpupod.pod import Worker
+
 
 class Stream(enum.Enum):
     STDOUT = "stdout"
@@ -78,7 +80,7 @@ class RemoteProcess(Protocol):
 
 
 class Transport(Protocol):
-    """The way to one worker."""
+    """The way to one worker (connections are the Connector's to keep and close)."""
 
     async def start(self, command: str, env: Mapping[str, str]) -> RemoteProcess:
         """Start ``command`` (a bash command line) with ``env`` added to the worker's environment.
@@ -87,6 +89,12 @@ class Transport(Protocol):
         or the command cannot be started.
         """
         ...
+
+
+class Connector(Protocol):
+    """The transports of one pod, sharing whatever connections they need."""
+
+    def transport(self, worker: Worker) -> Transport: ...
 
     async def close(self) -> None:
         """Release connections; running commands are not touched."""

@@ -15,6 +15,7 @@ from tpupod.transport.lines import read_lines
 
 SHELL = "/bin/bash"
 GROUP_POLL_S = 0.05
+STREAM_LIMIT = 2**16
 
 
 class LocalTransport:
@@ -24,8 +25,10 @@ class LocalTransport:
         self.worker = worker
 
     async def start(self, command: str, env: Mapping[str, str]) -> LocalProcess:
+        loop = asyncio.get_running_loop()
         try:
-            proc = await asyncio.create_subprocess_exec(
+            transport, protocol = await loop.subprocess_exec(
+                lambda: _ExitAwareProtocol(loop),
                 SHELL,
                 "-c",
                 command,
@@ -43,15 +46,45 @@ class LocalTransport:
                 "'tpupod down' then 'tpupod up' recreates it",
                 worker=self.worker.id,
             ) from exc
-        return LocalProcess(proc)
+        return LocalProcess(asyncio.subprocess.Process(transport, protocol, loop), protocol)
+
+
+class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's stream protocol, plus a future set the moment the process exits.
+
+    ``Process.wait()`` also waits for the pipes to close, which a background
+    child that inherited them (``sleep 30 &``) can hold open for its lifetime.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=STREAM_LIMIT, loop=loop)
+        self.exited: asyncio.Future[int] = loop.create_future()
+        self._process: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        assert isinstance(transport, asyncio.SubprocessTransport)
+        self._process = transport
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        code = self._process.get_returncode() if self._process is not None else None
+        if code is not None and not self.exited.done():
+            self.exited.set_result(code)
+
+
+class LocalConnector:
+    def transport(self, worker: Worker) -> LocalTransport:
+        return LocalTransport(worker)
 
     async def close(self) -> None:
         return None
 
 
 class LocalProcess:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, protocol: _ExitAwareProtocol) -> None:
         self._proc = proc
+        self._exited = protocol.exited
         assert proc.stdout is not None and proc.stderr is not None
         self._streams: list[tuple[Stream, asyncio.StreamReader]] = [
             (Stream.STDOUT, proc.stdout),
@@ -66,7 +99,7 @@ class LocalProcess:
         return read_lines(list(self._streams))
 
     async def wait(self) -> ExitStatus:
-        code = await self._proc.wait()
+        code = await asyncio.shield(self._exited)
         return ExitStatus(code) if code >= 0 else ExitStatus(None, -code)
 
     def close(self) -> None:

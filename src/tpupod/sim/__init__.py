@@ -1,0 +1,5 @@
+"""A simulated pod of network namespaces running real sshd, for tests and benchmarks (root only)."""
+
+from tpupod.sim.pod import SimError, SimHost, SimPod, cleanup_stale, missing_prerequisites
+
+__all__ = ["SimError", "SimHost", "SimPod", "cleanup_stale", "missing_prerequisites"]

@@ -1,0 +1,428 @@
+"""Commands over SSH (asyncssh): one persistent connection per host, many channels on it.
+
+The only module that imports asyncssh. Every remote command is wrapped so that
+
+* it runs in a process group of its own (``setsid``), whose id it reports
+  first on stderr, so ``kill`` can TERM and then KILL the whole group with a
+  second channel, whatever the command started;
+* the worker's environment is exported in the command itself, so nothing
+  depends on the server's ``AcceptEnv``;
+* a command killed by a signal is reported as killed by that signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import io
+import math
+import random
+import shlex
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import asyncssh
+
+from tpupod.errors import WorkerError
+from tpupod.pod import Worker
+from tpupod.spec import HostKeyPolicy, SshHost
+from tpupod.transport.base import ExitStatus, OutputLine, Stream
+from tpupod.transport.lines import read_lines
+
+PGID_MARKER = b"\x1etpupod-pgid "
+KILL_POLL_S = 0.05
+# curve25519 first: OpenSSH 9.2's default post-quantum exchange costs ~60 ms of CPU per
+# connection on a small host, curve25519 ~9 ms. The rest of asyncssh's defaults follow.
+PREFERRED_KEX = ("curve25519-sha256", "curve25519-sha256@libssh.org")
+RETRY_BASE_S = 0.25
+RETRY_CAP_S = 5.0
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """How to reach a pod's hosts; from the SSH pod spec."""
+
+    user: str | None = None
+    key: str | None = None
+    host_keys: HostKeyPolicy = HostKeyPolicy.TOFU
+    known_hosts: Path | None = None
+    concurrency: int = 64
+    stagger_s: float = 0.002
+    timeout_s: float = 10.0
+    retries: int = 3
+
+
+class KnownHosts:
+    """Host keys remembered per pod, in OpenSSH's known_hosts format."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    @staticmethod
+    def pattern(host: str, port: int) -> str:
+        return host if port == 22 else f"[{host}]:{port}"
+
+    def lookup(self, host: str, port: int) -> list[asyncssh.SSHKey]:
+        if self.path is None or not self.path.exists():
+            return []
+        wanted = self.pattern(host, port)
+        keys = []
+        for line in self.path.read_text().splitlines():
+            names, _, key = line.partition(" ")
+            if wanted in names.split(","):
+                keys.append(asyncssh.import_public_key(key))
+        return keys
+
+    def remember(self, host: str, port: int, key: asyncssh.SSHKey) -> None:
+        if self.path is None:
+            return
+        line = f"{self.pattern(host, port)} {key.export_public_key().decode().strip()}\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(line)
+
+
+class SshPool:
+    """Connections to a pod's hosts, opened on first use, concurrently, and kept open."""
+
+    def __init__(self, options: ConnectOptions) -> None:
+        self.options = options
+        self.known_hosts = KnownHosts(options.known_hosts)
+        self._conns: dict[SshHost, asyncssh.SSHClientConnection] = {}
+        self._locks: dict[SshHost, asyncio.Lock] = {}
+        self._slots: asyncio.Semaphore | None = None
+        self._next_start = 0.0
+
+    async def connection(
+        self, target: SshHost, worker: int | None = None
+    ) -> asyncssh.SSHClientConnection:
+        lock = self._locks.setdefault(target, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(target)
+            if conn is None or conn.is_closed():
+                conn = await self._connect_with_retries(target, worker)
+                self._conns[target] = conn
+            return conn
+
+    def drop(self, target: SshHost) -> None:
+        """Forget a connection that failed, so the next use reconnects."""
+        conn = self._conns.pop(target, None)
+        if conn is not None:
+            conn.abort()
+
+    async def close(self) -> None:
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
+        await asyncio.gather(*(c.wait_closed() for c in conns), return_exceptions=True)
+
+    async def _connect_with_retries(
+        self, target: SshHost, worker: int | None
+    ) -> asyncssh.SSHClientConnection:
+        attempts = self.options.retries + 1
+        for attempt in range(attempts):
+            try:
+                return await self._connect_once(target)
+            except (OSError, TimeoutError, asyncssh.ConnectionLost, asyncssh.ProtocolError) as exc:
+                if attempt + 1 == attempts:
+                    raise _unreachable(target, worker, exc, attempts) from exc
+                delay = min(RETRY_CAP_S, RETRY_BASE_S * 2**attempt)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+            except asyncssh.HostKeyNotVerifiable as exc:
+                raise self._host_key_error(target, worker) from exc
+            except asyncssh.PermissionDenied as exc:
+                raise WorkerError(
+                    f"{_who(target, worker)}: permission denied (publickey)",
+                    hint="check --user and --key (or your ssh-agent); "
+                    "tpupod never asks for a password",
+                    worker=worker,
+                ) from exc
+            except asyncssh.Error as exc:
+                raise WorkerError(f"{_who(target, worker)}: {exc.reason}", worker=worker) from exc
+        raise AssertionError("unreachable")
+
+    async def _connect_once(self, target: SshHost) -> asyncssh.SSHClientConnection:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.options.concurrency)
+        async with self._slots:
+            await self._stagger()
+            trusted = self.known_hosts.lookup(target.host, target.port)
+            policy = self.options.host_keys
+            if policy is HostKeyPolicy.STRICT and not trusted:
+                raise asyncssh.HostKeyNotVerifiable("no remembered host key")
+            check: tuple[list[asyncssh.SSHKey], list[asyncssh.SSHKey], list[asyncssh.SSHKey]] | None
+            check = None if policy is HostKeyPolicy.INSECURE or not trusted else (trusted, [], [])
+            conn = await asyncio.wait_for(
+                asyncssh.connect(
+                    target.host,
+                    target.port,
+                    username=target.user or self.options.user or _local_user(),
+                    client_keys=[self.options.key] if self.options.key else (),
+                    known_hosts=check,
+                    config=None,
+                    password=None,
+                    kbdint_auth=False,
+                    kex_algs=_kex_algs(),
+                    keepalive_interval=30,
+                ),
+                self.options.timeout_s,
+            )
+            if policy is HostKeyPolicy.TOFU and not trusted:
+                key = conn.get_server_host_key()
+                if key is not None:
+                    self.known_hosts.remember(target.host, target.port, key)
+            return conn
+
+    async def _stagger(self) -> None:
+        """Space connection starts ``stagger_s`` apart: hosts and agent are not hit at once."""
+        now = time.monotonic()
+        start = max(now, self._next_start)
+        self._next_start = start + self.options.stagger_s
+        if start > now:
+            await asyncio.sleep(start - now)
+
+    def _host_key_error(self, target: SshHost, worker: int | None) -> WorkerError:
+        where = self.known_hosts.path or "the pod's known_hosts"
+        if self.options.host_keys is HostKeyPolicy.STRICT and not self.known_hosts.lookup(
+            target.host, target.port
+        ):
+            return WorkerError(
+                f"{_who(target, worker)}: no remembered host key and host keys are strict",
+                hint="connect once with host_keys: tofu, or add the key to " + str(where),
+                worker=worker,
+            )
+        return WorkerError(
+            f"{_who(target, worker)}: the host key has CHANGED since it was remembered",
+            hint=f"if the host was recreated, delete its line from {where}; "
+            "for a throwaway pod, set host_keys: insecure",
+            worker=worker,
+        )
+
+
+class SshTransport:
+    """The way to one worker over a pool's connection."""
+
+    def __init__(self, worker: Worker, pool: SshPool) -> None:
+        assert worker.ssh is not None, "an SSH worker records its login target"
+        self.worker = worker
+        self.target = worker.ssh
+        self.pool = pool
+
+    async def start(self, command: str, env: Mapping[str, str]) -> SshProcess:
+        conn = await self.pool.connection(self.target, self.worker.id)
+        try:
+            _, session = await conn.create_session(
+                _ExitAwareProcess, wrap_command(command, env, self.worker.workdir), encoding=None
+            )
+            proc = cast(_ExitAwareProcess, session)
+            await proc.redirect(
+                asyncssh.DEVNULL, asyncssh.PIPE, asyncssh.PIPE, io.DEFAULT_BUFFER_SIZE, True, True
+            )
+            first = await proc.stderr.readline()
+        except (asyncssh.Error, OSError) as exc:
+            self.pool.drop(self.target)
+            raise WorkerError(
+                f"{_who(self.target, self.worker.id)}: cannot start the command: {_reason(exc)}",
+                hint="check that the host is up ('tpupod status')",
+                worker=self.worker.id,
+            ) from exc
+        pgid, pending = None, b""
+        if first.startswith(PGID_MARKER):
+            pgid = int(first[len(PGID_MARKER) :])
+        else:
+            pending = first  # setsid or bash missing: the first line is output, not the marker
+        return SshProcess(self, proc, conn, pgid, pending)
+
+
+class SshConnector:
+    """Hands out SSH transports that share one pool of connections."""
+
+    def __init__(self, pool: SshPool) -> None:
+        self.pool = pool
+
+    def transport(self, worker: Worker) -> SshTransport:
+        return SshTransport(worker, self.pool)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+async def probe(pool: SshPool, target: SshHost, worker: int) -> tuple[str, str]:
+    """Connect to a host and return (its hostname, the address we reached it at)."""
+    conn = await pool.connection(target, worker)
+    try:
+        result = await conn.run("hostname", check=False, timeout=30)
+    except (asyncssh.Error, OSError, TimeoutError) as exc:
+        raise WorkerError(
+            f"{_who(target, worker)}: 'hostname' failed: {_reason(exc)}", worker=worker
+        ) from exc
+    peer = conn.get_extra_info("peername")
+    hostname = str(result.stdout or "").strip() or target.host
+    return hostname, str(peer[0]) if peer else target.host
+
+
+class SshProcess:
+    def __init__(
+        self,
+        transport: SshTransport,
+        proc: _ExitAwareProcess,
+        conn: asyncssh.SSHClientConnection,
+        pgid: int | None,
+        pending: bytes,
+    ) -> None:
+        self._transport = transport
+        self._proc = proc
+        self._conn = conn
+        self.pgid = pgid
+        self._pending = pending
+
+    def lines(self) -> AsyncIterator[OutputLine]:
+        return read_lines(
+            [
+                (Stream.STDOUT, _Reader(self._proc.stdout)),
+                (Stream.STDERR, _Reader(self._proc.stderr, self._pending)),
+            ]
+        )
+
+    async def wait(self) -> ExitStatus:
+        await asyncio.shield(self._proc.exited)
+        code = self._proc.returncode
+        if code is None:
+            target = self._transport.target
+            raise WorkerError(
+                f"{_who(target, self._transport.worker.id)}: connection lost while the command ran",
+                hint="the host may have gone down; 'tpupod status' checks every worker",
+                worker=self._transport.worker.id,
+            )
+        return ExitStatus(code) if code >= 0 else ExitStatus(None, -code)
+
+    async def kill(self, grace: float) -> None:
+        """TERM the remote process group, poll until it is empty, then KILL: one extra channel."""
+        if self.pgid is None:
+            self._proc.close()  # no group id: closing the channel is all we can do
+            return
+        with contextlib.suppress(asyncssh.Error, OSError):
+            await self._conn.run(kill_script(self.pgid, grace), check=False, timeout=grace + 30)
+
+    def close(self) -> None:
+        self._proc.close()
+
+
+class _ExitAwareProcess(asyncssh.SSHClientProcess[bytes]):
+    """asyncssh's process, plus a future set when the exit status (or signal) arrives.
+
+    The channel itself stays open until the output closes, which a background
+    child of the command (``sleep 30 &``) can delay for its whole life.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exited: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def _mark_exited(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    def exit_status_received(self, status: int) -> None:
+        super().exit_status_received(status)
+        self._mark_exited()
+
+    def exit_signal_received(self, signal: str, core_dumped: bool, msg: str, lang: str) -> None:
+        super().exit_signal_received(signal, core_dumped, msg, lang)
+        self._mark_exited()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._mark_exited()
+
+
+class _Reader:
+    """An asyncssh stream as a ByteReader: errors end the stream, and held-back bytes come first."""
+
+    def __init__(self, reader: asyncssh.SSHReader[bytes], pending: bytes = b"") -> None:
+        self._reader = reader
+        self._pending = pending
+
+    async def read(self, n: int = -1) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending, b""
+            return data
+        try:
+            return await self._reader.read(n)
+        except asyncssh.Error:
+            return b""
+
+
+def wrap_command(command: str, env: Mapping[str, str], workdir: str | None) -> str:
+    """The remote command line: a new process group that reports its id, the env, ``command``."""
+    inner = [f"printf '{PGID_MARKER.decode()}%s\\n' \"$$\" >&2"]
+    inner += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    if workdir:
+        inner.append(f"cd {shlex.quote(workdir)} || exit 1")
+    inner.append(command)
+    script = "\n".join(inner)
+    # A background job of a non-interactive shell is not a group leader, so setsid(1)
+    # makes it one without forking, and $! is the group id. A death by signal N comes
+    # back from `wait` as 128+N; re-raising it reports the signal, not an exit code.
+    return (
+        f"setsid /bin/bash -c {shlex.quote(script)} & pg=$!\n"
+        "exec 2>/dev/null\n"  # bash would report a killed job on stderr, quoting the whole script
+        'wait "$pg"; rc=$?\n'
+        'if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ]; then\n'
+        "  trap - $((rc - 128)); kill -$((rc - 128)) $$\n"
+        "fi\n"
+        'exit "$rc"'
+    )
+
+
+def kill_script(pgid: int, grace: float) -> str:
+    polls = math.ceil(grace / KILL_POLL_S) if grace > 0 else 0
+    return (
+        f"kill -TERM -- -{pgid} 2>/dev/null || exit 0\n"
+        f"i=0; while [ $i -lt {polls} ] && kill -0 -- -{pgid} 2>/dev/null; "
+        f"do sleep {KILL_POLL_S}; i=$((i + 1)); done\n"
+        f"kill -KILL -- -{pgid} 2>/dev/null; exit 0"
+    )
+
+
+def _kex_algs() -> list[str]:
+    from asyncssh.kex import get_default_kex_algs
+
+    defaults = [alg.decode() for alg in get_default_kex_algs()]
+    return [*PREFERRED_KEX, *(alg for alg in defaults if alg not in PREFERRED_KEX)]
+
+
+def _local_user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+def _who(target: SshHost, worker: int | None) -> str:
+    return f"w{worker} ({target})" if worker is not None else str(target)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, asyncssh.Error):
+        return exc.reason
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
+def _unreachable(
+    target: SshHost, worker: int | None, exc: BaseException, attempts: int
+) -> WorkerError:
+    tries = f" after {attempts} tries" if attempts > 1 else ""
+    return WorkerError(
+        f"{_who(target, worker)}: cannot connect{tries}: {_reason(exc)}",
+        hint="check that the host is up and sshd listens on that port",
+        worker=worker,
+    )
