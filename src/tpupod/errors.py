@@ -60,11 +60,18 @@ class PodExists(StateError):
 
 
 class WorkerError(TpupodError):
-    """Something failed on one worker before or around its command."""
+    """Something failed on one worker before or around its command.
 
-    def __init__(self, message: str, hint: str | None = None, *, worker: int | None = None) -> None:
+    ``reason`` is the message without the worker's name, for places (a row of
+    the summary table) that already show which worker it is.
+    """
+
+    def __init__(
+        self, message: str, hint: str | None = None, *, worker: int | None = None, reason: str = ""
+    ) -> None:
         super().__init__(message, hint)
         self.worker = worker
+        self.reason = reason or message
 
 
 class FanoutFailed(TpupodError):

@@ -78,6 +78,9 @@ class WorkerResult:
 
     @property
     def last_line(self) -> str:
+        """The last non-blank output line, or for an unreachable worker, why."""
+        if self.error:
+            return self.error
         return next((line for line in reversed(self.tail) if line.strip()), "")
 
     def outcome_text(self) -> str:
@@ -94,7 +97,7 @@ class WorkerResult:
             case Outcome.INTERRUPTED:
                 return "interrupted" + (f" ({status})" if status else "")
             case Outcome.UNREACHABLE:
-                return f"unreachable: {self.error}"
+                return "unreachable"
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,7 @@ class _WorkerRun:
         try:
             self.proc = await self.transport.start(self.command, self.env)
         except WorkerError as exc:
-            return self._result(Outcome.UNREACHABLE, None, error=exc.message)
+            return self._result(Outcome.UNREACHABLE, None, error=exc.reason)
         if self.stop_outcome is not None:  # stopped while it was starting
             await self.proc.kill(self.grace)
         pump = asyncio.create_task(self._pump(self.proc))
@@ -206,7 +209,7 @@ class _WorkerRun:
         except TimeoutError:
             pass  # wait_for cancelled the pump: a background child holds the output open
         except WorkerError as exc:  # the connection went away mid-command
-            return self._result(Outcome.UNREACHABLE, None, error=exc.message)
+            return self._result(Outcome.UNREACHABLE, None, error=exc.reason)
         finally:
             pump.cancel()
             self.proc.close()

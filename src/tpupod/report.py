@@ -124,10 +124,12 @@ def print_summary(
             )
         )
     elif first is not None:
+        why = f": {first.error}" if first.error else ""
         console.print(
             Text(
                 f"first failure: {first.worker.label} ({first.worker.hostname}) "
-                f"{first.outcome_text()} after {format_duration(first.duration)}",
+                f"{first.outcome_text()}{why} after {format_duration(first.duration)}",
                 style="bold red",
-            )
+            ),
+            soft_wrap=True,  # one line, whatever the width: people grep for it
         )

@@ -40,11 +40,13 @@ class LocalTransport:
                 start_new_session=True,
             )
         except OSError as exc:
+            reason = f"cannot start the command: {exc.strerror or exc}"
             raise WorkerError(
-                f"w{self.worker.id}: cannot start the command: {exc.strerror or exc}",
+                f"w{self.worker.id}: {reason}",
                 hint="the pod's working directory may be gone; "
                 "'tpupod down' then 'tpupod up' recreates it",
                 worker=self.worker.id,
+                reason=reason,
             ) from exc
         return LocalProcess(asyncio.subprocess.Process(transport, protocol, loop), protocol)
 

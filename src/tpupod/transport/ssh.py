@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import io
 import math
+import os
 import random
 import shlex
 import time
@@ -136,14 +137,15 @@ class SshPool:
             except asyncssh.HostKeyNotVerifiable as exc:
                 raise self._host_key_error(target, worker) from exc
             except asyncssh.PermissionDenied as exc:
-                raise WorkerError(
-                    f"{_who(target, worker)}: permission denied (publickey)",
+                raise _failure(
+                    target,
+                    worker,
+                    "permission denied (publickey)",
                     hint="check --user and --key (or your ssh-agent); "
                     "tpupod never asks for a password",
-                    worker=worker,
                 ) from exc
             except asyncssh.Error as exc:
-                raise WorkerError(f"{_who(target, worker)}: {exc.reason}", worker=worker) from exc
+                raise _failure(target, worker, exc.reason) from exc
         raise AssertionError("unreachable")
 
     async def _connect_once(self, target: SshHost) -> asyncssh.SSHClientConnection:
@@ -191,16 +193,18 @@ class SshPool:
         if self.options.host_keys is HostKeyPolicy.STRICT and not self.known_hosts.lookup(
             target.host, target.port
         ):
-            return WorkerError(
-                f"{_who(target, worker)}: no remembered host key and host keys are strict",
+            return _failure(
+                target,
+                worker,
+                "no remembered host key and host keys are strict",
                 hint="connect once with host_keys: tofu, or add the key to " + str(where),
-                worker=worker,
             )
-        return WorkerError(
-            f"{_who(target, worker)}: the host key has CHANGED since it was remembered",
+        return _failure(
+            target,
+            worker,
+            "the host key has CHANGED since it was remembered",
             hint=f"if the host was recreated, delete its line from {where}; "
             "for a throwaway pod, set host_keys: insecure",
-            worker=worker,
         )
 
 
@@ -226,10 +230,11 @@ class SshTransport:
             first = await proc.stderr.readline()
         except (asyncssh.Error, OSError) as exc:
             self.pool.drop(self.target)
-            raise WorkerError(
-                f"{_who(self.target, self.worker.id)}: cannot start the command: {_reason(exc)}",
+            raise _failure(
+                self.target,
+                self.worker.id,
+                f"cannot start the command: {_reason(exc)}",
                 hint="check that the host is up ('tpupod status')",
-                worker=self.worker.id,
             ) from exc
         pgid, pending = None, b""
         if first.startswith(PGID_MARKER):
@@ -258,9 +263,7 @@ async def probe(pool: SshPool, target: SshHost, worker: int) -> tuple[str, str]:
     try:
         result = await conn.run("hostname", check=False, timeout=30)
     except (asyncssh.Error, OSError, TimeoutError) as exc:
-        raise WorkerError(
-            f"{_who(target, worker)}: 'hostname' failed: {_reason(exc)}", worker=worker
-        ) from exc
+        raise _failure(target, worker, f"'hostname' failed: {_reason(exc)}") from exc
     peer = conn.get_extra_info("peername")
     hostname = str(result.stdout or "").strip() or target.host
     return hostname, str(peer[0]) if peer else target.host
@@ -294,10 +297,11 @@ class SshProcess:
         code = self._proc.returncode
         if code is None:
             target = self._transport.target
-            raise WorkerError(
-                f"{_who(target, self._transport.worker.id)}: connection lost while the command ran",
+            raise _failure(
+                target,
+                self._transport.worker.id,
+                "connection lost while the command ran",
                 hint="the host may have gone down; 'tpupod status' checks every worker",
-                worker=self._transport.worker.id,
             )
         return ExitStatus(code) if code >= 0 else ExitStatus(None, -code)
 
@@ -412,17 +416,26 @@ def _reason(exc: BaseException) -> str:
         return exc.reason
     if isinstance(exc, TimeoutError):
         return "timed out"
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno).lower()
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror.lower()
     return str(exc) or type(exc).__name__
+
+
+def _failure(
+    target: SshHost, worker: int | None, reason: str, hint: str | None = None
+) -> WorkerError:
+    return WorkerError(f"{_who(target, worker)}: {reason}", hint, worker=worker, reason=reason)
 
 
 def _unreachable(
     target: SshHost, worker: int | None, exc: BaseException, attempts: int
 ) -> WorkerError:
     tries = f" after {attempts} tries" if attempts > 1 else ""
-    return WorkerError(
-        f"{_who(target, worker)}: cannot connect{tries}: {_reason(exc)}",
+    return _failure(
+        target,
+        worker,
+        f"cannot connect{tries}: {_reason(exc)}",
         hint="check that the host is up and sshd listens on that port",
-        worker=worker,
     )
