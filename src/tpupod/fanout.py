@@ -21,7 +21,7 @@ import enum
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ INTERRUPT_REASONS: dict[int, tuple[str, str]] = {
 }
 
 LineHandler = Callable[[Worker, OutputLine], None]
+Action = Callable[[Worker, Transport], Awaitable[str | None]]
 NoticeHandler = Callable[[str], None]
 
 
@@ -87,7 +88,7 @@ class WorkerResult:
         status = self.status.describe() if self.status else ""
         match self.outcome:
             case Outcome.OK | Outcome.FAILED:
-                return status
+                return status or self.outcome.value
             case Outcome.TIMED_OUT:
                 return "timed out" + (f" ({status})" if status else "")
             case Outcome.STOPPED:
@@ -136,8 +137,10 @@ class FanoutResult:
             return 128 + self.interrupt_signal
         if first.outcome is Outcome.TIMED_OUT:
             return 124
-        if first.outcome is Outcome.UNREACHABLE or first.status is None:
+        if first.outcome is Outcome.UNREACHABLE:
             return 255
+        if first.status is None:  # an operation (put, get) that failed
+            return 1
         return first.status.shell_code or 1
 
     def raise_for_failures(self) -> FanoutResult:
@@ -399,6 +402,41 @@ async def execute_async(
     finally:
         if own_connector:
             await pod_connector.close()
+
+
+async def for_each(
+    pod: Pod,
+    action: Action,
+    *,
+    workers: str | Sequence[Worker] | None = None,
+    connector: Connector | None = None,
+) -> FanoutResult:
+    """Run ``action(worker, transport)`` for every selected worker at once (put, get, ...).
+
+    The action returns a one-line summary for the table; a ``WorkerError`` it
+    raises becomes that worker's failure. Never raises for a worker.
+    """
+    provider = provider_for(pod.provider)
+    selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
+    pod_connector = connector if connector is not None else provider.connect(pod, StateDir())
+    started = time.monotonic()
+
+    async def one(worker: Worker) -> WorkerResult:
+        began = time.monotonic()
+        try:
+            summary = await action(worker, pod_connector.transport(worker))
+        except WorkerError as exc:
+            return WorkerResult(worker, Outcome.FAILED, time.monotonic() - began, error=exc.reason)
+        tail = (summary,) if summary else ()
+        return WorkerResult(worker, Outcome.OK, time.monotonic() - began, tail=tail)
+
+    try:
+        results = await asyncio.gather(*(one(worker) for worker in selected))
+    finally:
+        if connector is None:
+            await pod_connector.close()
+    failures = [r.worker.id for r in sorted(results, key=lambda r: r.duration) if not r.ok]
+    return FanoutResult("", list(results), time.monotonic() - started, failure_order=failures)
 
 
 def execute(pod: Pod, command: str, **options: Any) -> FanoutResult:

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import shlex
-import signal
 import sys
+from collections.abc import Awaitable
 from typing import Annotated
 
 import typer
 
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, PodOption, parse_env
+from tpupod.cli.running import Live, run_live
 from tpupod.errors import UsageError
-from tpupod.fanout import DEFAULT_GRACE_S, FanoutResult, Interrupt, OnFail, execute_async
+from tpupod.fanout import DEFAULT_GRACE_S, FanoutResult, OnFail, execute_async
 from tpupod.pod import Pod, Worker
-from tpupod.report import LinePrinter, print_summary
+from tpupod.report import print_summary
 
 WorkerOption = Annotated[
     str | None,
@@ -120,41 +120,18 @@ def run_with_signals(
 ) -> FanoutResult:
     """Run a fan-out with its output printed; SIGINT/SIGTERM stop every worker cleanly."""
 
-    async def go() -> FanoutResult:
-        interrupt = Interrupt()
-        loop = asyncio.get_running_loop()
-        handled = (signal.SIGINT, signal.SIGTERM)
-        for signum in handled:
-            loop.add_signal_handler(signum, interrupt.request, signum)
-        printer = (
-            None
-            if quiet
-            else LinePrinter(
-                workers,
-                sys.stdout,
-                sys.stderr,
-                on_broken_pipe=lambda: interrupt.request(signal.SIGPIPE),
-            )
+    def body(live: Live) -> Awaitable[FanoutResult]:
+        return execute_async(
+            pod,
+            command,
+            workers=workers,
+            on_fail=on_fail,
+            timeout=timeout,
+            grace=grace,
+            env=env,
+            on_line=live.on_line,
+            on_notice=live.on_notice,
+            interrupt=live.interrupt,
         )
-        try:
-            return await execute_async(
-                pod,
-                command,
-                workers=workers,
-                on_fail=on_fail,
-                timeout=timeout,
-                grace=grace,
-                env=env,
-                on_line=printer,
-                on_notice=_notice,
-                interrupt=interrupt,
-            )
-        finally:
-            for signum in handled:
-                loop.remove_signal_handler(signum)
 
-    return asyncio.run(go())
-
-
-def _notice(text: str) -> None:
-    print(f"tpupod: {text}", file=sys.stderr, flush=True)
+    return run_live(workers, quiet, body)

@@ -11,6 +11,7 @@ import enum
 import signal
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from tpupod.pod import Worker
@@ -88,6 +89,18 @@ class Transport(Protocol):
         Raises :class:`~tpupod.errors.WorkerError` when the worker cannot be reached
         or the command cannot be started.
         """
+        ...
+
+    async def put(self, local: Path, remote: str) -> None:
+        """Copy a local file or folder to ``remote`` on the worker, atomically.
+
+        A relative ``remote`` is relative to where the worker's commands start.
+        Raises :class:`~tpupod.errors.WorkerError`.
+        """
+        ...
+
+    async def get(self, remote: str, local: Path) -> None:
+        """Copy ``remote`` (a file or folder) from the worker to ``local``, atomically."""
         ...
 
 

@@ -6,9 +6,11 @@ import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 
 from tpupod import procfs
 from tpupod.errors import WorkerError
+from tpupod.files import copy_atomic, put_target
 from tpupod.pod import Worker
 from tpupod.transport.base import ExitStatus, OutputLine, Stream
 from tpupod.transport.lines import read_lines
@@ -49,6 +51,25 @@ class LocalTransport:
                 reason=reason,
             ) from exc
         return LocalProcess(asyncio.subprocess.Process(transport, protocol, loop), protocol)
+
+    async def put(self, local: Path, remote: str) -> None:
+        await self._copy(local, self._path(put_target(local, remote)))
+
+    async def get(self, remote: str, local: Path) -> None:
+        await self._copy(self._path(remote), local)
+
+    def _path(self, remote: str) -> Path:
+        path = Path(remote).expanduser()
+        return path if path.is_absolute() else Path(self.worker.workdir or ".") / path
+
+    async def _copy(self, src: Path, dest: Path) -> None:
+        try:
+            await asyncio.to_thread(copy_atomic, src, dest)
+        except OSError as exc:
+            reason = f"cannot copy {src} to {dest}: {exc.strerror or exc}"
+            raise WorkerError(
+                f"w{self.worker.id}: {reason}", worker=self.worker.id, reason=reason
+            ) from exc
 
 
 class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):

@@ -18,6 +18,7 @@ import fcntl
 import io
 import math
 import os
+import posixpath
 import random
 import shlex
 import time
@@ -29,6 +30,7 @@ from typing import cast
 import asyncssh
 
 from tpupod.errors import WorkerError
+from tpupod.files import put_target, remove_path, replace, staging_name
 from tpupod.pod import Worker
 from tpupod.spec import HostKeyPolicy, SshHost
 from tpupod.transport.base import ExitStatus, OutputLine, Stream
@@ -242,6 +244,48 @@ class SshTransport:
         else:
             pending = first  # setsid or bash missing: the first line is output, not the marker
         return SshProcess(self, proc, conn, pgid, pending)
+
+    async def put(self, local: Path, remote: str) -> None:
+        target = _sftp_path(put_target(local, remote))
+        staged = staging_name(target)
+        conn = await self.pool.connection(self.target, self.worker.id)
+        try:
+            async with conn.start_sftp_client() as sftp:
+                parent = posixpath.dirname(target)
+                if parent:
+                    await sftp.makedirs(parent, exist_ok=True)
+                await sftp.put(str(local), staged, preserve=True, recurse=True)
+                if await sftp.isdir(target):
+                    old = staging_name(target)
+                    await sftp.rename(target, old)
+                    await sftp.rename(staged, target)
+                    await sftp.rmtree(old)
+                else:
+                    await sftp.posix_rename(staged, target)
+        except (asyncssh.Error, OSError) as exc:
+            with contextlib.suppress(asyncssh.Error, OSError):
+                await conn.run(f"rm -rf -- {shlex.quote(staged)}", check=False)
+            raise _failure(
+                self.target, self.worker.id, f"put {local} -> {target}: {_reason(exc)}"
+            ) from exc
+
+    async def get(self, remote: str, local: Path) -> None:
+        staged = Path(staging_name(local))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        conn = await self.pool.connection(self.target, self.worker.id)
+        try:
+            async with conn.start_sftp_client() as sftp:
+                await sftp.get(_sftp_path(remote), str(staged), preserve=True, recurse=True)
+            await asyncio.to_thread(replace, staged, local)
+        except (asyncssh.Error, OSError) as exc:
+            raise _failure(self.target, self.worker.id, f"get {remote}: {_reason(exc)}") from exc
+        finally:
+            await asyncio.to_thread(remove_path, staged)
+
+
+def _sftp_path(path: str) -> str:
+    """SFTP starts in the home folder and knows no ``~``."""
+    return path[2:] if path.startswith("~/") else path
 
 
 class SshConnector:

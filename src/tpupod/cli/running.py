@@ -1,0 +1,61 @@
+"""Running fan-outs from the CLI: output printed as it arrives, signals turn into a clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tpupod.fanout import Interrupt, LineHandler, NoticeHandler
+from tpupod.pod import Worker
+from tpupod.report import LinePrinter
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Live:
+    """What a running command hands to the fan-outs it starts."""
+
+    interrupt: Interrupt
+    on_line: LineHandler | None
+    on_notice: NoticeHandler
+
+
+def run_live(workers: list[Worker], quiet: bool, body: Callable[[Live], Awaitable[T]]) -> T:
+    """Run ``body`` in an event loop where SIGINT and SIGTERM stop every worker cleanly.
+
+    Output lines are printed with their worker prefix unless ``quiet``; if our
+    stdout goes away (``| head``), the run is stopped as by SIGPIPE.
+    """
+
+    async def go() -> T:
+        interrupt = Interrupt()
+        loop = asyncio.get_running_loop()
+        handled = (signal.SIGINT, signal.SIGTERM)
+        for signum in handled:
+            loop.add_signal_handler(signum, interrupt.request, signum)
+        printer = (
+            None
+            if quiet
+            else LinePrinter(
+                workers,
+                sys.stdout,
+                sys.stderr,
+                on_broken_pipe=lambda: interrupt.request(signal.SIGPIPE),
+            )
+        )
+        try:
+            return await body(Live(interrupt, printer, notice))
+        finally:
+            for signum in handled:
+                loop.remove_signal_handler(signum)
+
+    return asyncio.run(go())
+
+
+def notice(text: str) -> None:
+    print(f"tpupod: {text}", file=sys.stderr, flush=True)

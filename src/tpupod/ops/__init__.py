@@ -1,0 +1,1 @@
+"""Things done to every worker: copy files in and out, sync code, bootstrap, free the TPU."""

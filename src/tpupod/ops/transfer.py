@@ -1,0 +1,73 @@
+"""``put`` and ``get``: files and folders to and from every worker, in parallel, atomically."""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from collections.abc import Sequence
+from pathlib import Path
+
+from tpupod.errors import UsageError
+from tpupod.fanout import FanoutResult, for_each
+from tpupod.pod import Pod, Worker
+from tpupod.transport import Connector, Transport
+
+
+async def put(
+    pod: Pod,
+    local: Path,
+    remote: str,
+    *,
+    workers: str | Sequence[Worker] | None = None,
+    connector: Connector | None = None,
+) -> FanoutResult:
+    """Copy ``local`` (a file or folder) to ``remote`` on every worker."""
+    if not await asyncio.to_thread(local.exists):
+        raise UsageError(f"{local}: no such file or folder", hint="check the local path")
+    files, size = await asyncio.to_thread(_measure, local)
+
+    async def action(worker: Worker, transport: Transport) -> str:
+        await transport.put(local, remote)
+        return f"{files} file{'s' if files != 1 else ''}, {_human(size)}"
+
+    return await for_each(pod, action, workers=workers, connector=connector)
+
+
+async def get(
+    pod: Pod,
+    remote: str,
+    local_dir: Path,
+    *,
+    workers: str | Sequence[Worker] | None = None,
+    connector: Connector | None = None,
+) -> FanoutResult:
+    """Copy ``remote`` from every worker into ``local_dir/worker-N/``."""
+    name = posixpath.basename(remote.rstrip("/"))
+    if not name or name in (".", ".."):
+        raise UsageError(
+            f"cannot tell what to name {remote!r} locally", hint="name a file or folder"
+        )
+
+    async def action(worker: Worker, transport: Transport) -> str:
+        dest = local_dir / f"worker-{worker.id}" / name
+        await transport.get(remote, dest)
+        files, size = await asyncio.to_thread(_measure, dest)
+        return f"{files} file{'s' if files != 1 else ''}, {_human(size)} -> {dest}"
+
+    return await for_each(pod, action, workers=workers, connector=connector)
+
+
+def _measure(path: Path) -> tuple[int, int]:
+    if path.is_file():
+        return 1, path.stat().st_size
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
