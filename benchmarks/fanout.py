@@ -1,0 +1,192 @@
+"""Fan-out latency: `hostname` on every host of a simulated pod, tpupod beside the usual tools.
+
+Run as root (it builds simulated pods of network namespaces with real sshd):
+
+    .venv/bin/python benchmarks/fanout.py                  # 4, 8, 16, 32 hosts; 10 runs each
+    .venv/bin/python benchmarks/fanout.py --hosts 16 --runs 20
+
+Every row is measured in the same run, on the same simulated pod, and
+reported as a median with its ratio to parallel OpenSSH (one `ssh` process per
+host, the by-hand anchor). Needs `pip install -e '.[bench]'` (fabric, parallel-ssh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tpupod.fanout import execute_async
+from tpupod.lifecycle import up
+from tpupod.providers import connect
+from tpupod.sim import SimPod
+from tpupod.spec import spec_from_mapping
+from tpupod.state import StateDir
+
+TPUPOD = str(Path(sys.executable).with_name("tpupod"))
+SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+               "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+
+FABRIC = """
+import sys
+from fabric import ThreadingGroup
+hosts, key = sys.argv[1].split(","), sys.argv[2]
+group = ThreadingGroup(*hosts, user="root", connect_kwargs={"key_filename": key,
+                       "look_for_keys": False, "allow_agent": False})
+results = group.run("hostname", hide=True)
+assert all(r.ok for r in results.values())
+"""
+
+PSSH = """
+import sys
+from pssh.clients import ParallelSSHClient
+hosts, key = sys.argv[1].split(","), sys.argv[2]
+client = ParallelSSHClient(hosts, user="root", pkey=key, num_retries=0)
+output = client.run_command("hostname")
+client.join(output)
+assert all(o.exit_code == 0 for o in output)
+"""
+
+
+def timed(fn: Callable[[], object], runs: int) -> list[float]:
+    fn()  # warm-up: page cache, known_hosts, the holder if any
+    samples = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def run_ok(argv: list[str], env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[:3]} failed ({proc.returncode}): {proc.stderr[-500:]}")
+
+
+def openssh_parallel(sim: SimPod) -> None:
+    procs = [
+        subprocess.Popen(["ssh", *SSH_OPTIONS, "-i", str(sim.key), f"root@{h.address}", "hostname"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for h in sim.hosts
+    ]
+    for proc in procs:
+        if proc.wait() != 0:
+            raise RuntimeError(f"ssh failed: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def measure_pod(sim: SimPod, runs: int, home: Path) -> dict[str, list[float]]:
+    env = {**os.environ, "TPUPOD_HOME": str(home)}
+    os.environ["TPUPOD_HOME"] = str(home)
+    name = f"bench{len(sim.hosts)}"
+    spec = spec_from_mapping({"name": name, "provider": "ssh", "user": "root", "key": str(sim.key),
+                              "hosts": [h.address for h in sim.hosts]}, "bench")
+    pod = up(spec, StateDir()).pod
+    hosts = ",".join(h.address for h in sim.hosts)
+    rows: dict[str, list[float]] = {}
+
+    async def api_warm() -> list[float]:
+        connector = connect(pod)
+        try:
+            async def once() -> None:
+                (await execute_async(pod, "hostname", connector=connector)).raise_for_failures()
+
+            await once()
+            samples = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                await once()
+                samples.append(time.perf_counter() - started)
+            return samples
+        finally:
+            await connector.close()
+
+    rows["tpupod Python API, warm connections"] = asyncio.run(api_warm())
+    rows["tpupod exec CLI, fresh process"] = timed(
+        lambda: run_ok([TPUPOD, "exec", "-q", "--pod", name, "--", "hostname"], env), runs)
+    rows["OpenSSH, one ssh process per host"] = timed(lambda: openssh_parallel(sim), runs)
+    rows["fabric ThreadingGroup, fresh process"] = timed(
+        lambda: run_ok([sys.executable, "-c", FABRIC, hosts, str(sim.key)]), runs)
+    rows["parallel-ssh ParallelSSHClient, fresh process"] = timed(
+        lambda: run_ok([sys.executable, "-c", PSSH, hosts, str(sim.key)]), runs)
+    return rows
+
+
+def measure_sync(sim: SimPod, runs: int, home: Path) -> list[float]:
+    """`tpupod sync --from-local` of a one-file change, as a fresh CLI process each time."""
+    env = {**os.environ, "TPUPOD_HOME": str(home), "GIT_AUTHOR_NAME": "b", "GIT_COMMITTER_NAME": "b",
+           "GIT_AUTHOR_EMAIL": "b@example.com", "GIT_COMMITTER_EMAIL": "b@example.com"}
+    name = f"bench{len(sim.hosts)}"
+    with tempfile.TemporaryDirectory(prefix="tpupod-bench-repo-") as tmp:
+        repo = Path(tmp)
+        subprocess.run(["git", "init", "-q", str(repo)], check=True)
+        for i in range(50):  # a small project
+            (repo / f"module_{i}.py").write_text(f"VALUE = {i}\n" * 40)
+        git = ["git", "-C", str(repo)]
+        subprocess.run([*git, "add", "-A"], check=True, env=env)
+        subprocess.run([*git, "commit", "-q", "-m", "initial"], check=True, env=env)
+        sync = [TPUPOD, "sync", "-q", "--pod", name, "--from-local", "--dir", "bench-code"]
+        subprocess.run(sync, cwd=repo, env=env, check=True, capture_output=True)
+        samples = []
+        for i in range(runs):
+            (repo / "module_0.py").write_text(f"VALUE = {i}\n")
+            subprocess.run([*git, "commit", "-q", "-am", f"change {i}"], check=True, env=env)
+            started = time.perf_counter()
+            proc = subprocess.run(sync, cwd=repo, env=env, capture_output=True, text=True, check=False)
+            samples.append(time.perf_counter() - started)
+            if proc.returncode != 0:
+                raise RuntimeError(f"sync failed: {proc.stderr[-800:]}")
+        return samples
+
+
+def print_table(hosts: int, rows: dict[str, list[float]]) -> None:
+    anchor = statistics.median(rows["OpenSSH, one ssh process per host"])
+    print(f"\n{hosts} hosts ({len(next(iter(rows.values())))} runs each)")
+    print(f"| {'method':<48} | median ms | p90 ms | vs OpenSSH |")
+    print(f"|{'-' * 50}|----------:|-------:|-----------:|")
+    for name, samples in rows.items():
+        median = statistics.median(samples)
+        p90 = sorted(samples)[max(0, int(len(samples) * 0.9) - 1)]
+        print(f"| {name:<48} | {median * 1000:9.1f} | {p90 * 1000:6.1f} | {median / anchor:9.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--sync-hosts", type=int, default=16)
+    parser.add_argument("--json", type=Path, help="also write the samples here")
+    args = parser.parse_args()
+    if shutil.which("ssh") is None:
+        sys.exit("needs OpenSSH's ssh client (apt-get install openssh-client)")
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    results: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="tpupod-bench-") as home:
+        for count in args.hosts:
+            with SimPod(count) as sim:
+                rows = measure_pod(sim, args.runs, Path(home))
+                print_table(count, rows)
+                results[str(count)] = rows
+                if count == args.sync_hosts:
+                    sync = measure_sync(sim, args.runs, Path(home))
+                    results["sync"] = sync
+                    print(f"\ntpupod sync --from-local of a one-file change to {count} hosts: "
+                          f"median {statistics.median(sync) * 1000:.0f} ms over {len(sync)} runs")
+            subprocess.run([TPUPOD, "down", "--pod", f"bench{count}"], env={**os.environ, "TPUPOD_HOME": home},
+                           capture_output=True, check=False)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
