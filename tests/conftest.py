@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tpupod.holder.client import stop_holder
 from tpupod.lifecycle import up
 from tpupod.pod import Pod
 from tpupod.sim import SimPod, missing_prerequisites
@@ -37,6 +38,7 @@ def require(condition: bool, reason: str) -> None:
 def state_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "state"
     monkeypatch.setenv("TPUPOD_HOME", str(home))
+    monkeypatch.setenv("TPUPOD_HOLDER_IDLE", "60")  # a holder a test forgot does not linger
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     return home
@@ -139,7 +141,7 @@ def sim_hosts_up(sim: SimPod) -> Iterator[SimPod]:
 
 
 @pytest.fixture
-def make_ssh_pod(state_home: Path, sim_hosts_up: SimPod) -> Callable[..., Pod]:
+def make_ssh_pod(state_home: Path, sim_hosts_up: SimPod) -> Iterator[Callable[..., Pod]]:
     """Create SSH pods over the simulated hosts; worker i is host i % 4."""
     made: list[Pod] = []
 
@@ -157,7 +159,9 @@ def make_ssh_pod(state_home: Path, sim_hosts_up: SimPod) -> Callable[..., Pod]:
         made.append(pod)
         return pod
 
-    return make
+    yield make
+    for pod in made:  # the CLI may have started a connection holder for it
+        stop_holder(StateDir(), pod.name)
 
 
 @pytest.fixture(params=["local", "ssh"])

@@ -12,10 +12,11 @@ import pytest
 
 from tests.conftest import CliResult, sim_leftovers
 from tpupod.errors import TpupodError
-from tpupod.fanout import Outcome, execute
+from tpupod.fanout import execute
 from tpupod.lifecycle import up
 from tpupod.pod import Pod
 from tpupod.providers import connect
+from tpupod.results import Outcome
 from tpupod.sim import SimPod
 from tpupod.spec import spec_from_mapping
 from tpupod.state import StateDir

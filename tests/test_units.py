@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpupod.errors import UsageError
-from tpupod.pod import parse_worker_selection
+from tpupod.selection import parse_worker_selection
 from tpupod.transport import ExitStatus
 from tpupod.transport.lines import LineSplitter
 

@@ -32,16 +32,17 @@ __all__ = [
 
 if TYPE_CHECKING:
     from tpupod.errors import FanoutFailed, TpupodError
-    from tpupod.fanout import FanoutResult, WorkerResult, execute, execute_async
+    from tpupod.fanout import execute, execute_async
     from tpupod.pod import Pod, Worker
+    from tpupod.results import FanoutResult, WorkerResult
     from tpupod.state import get_pod
 
 # Imported on first use so that `import tpupod` (and the CLI) stays fast.
 _LAZY = {
     "FanoutFailed": "tpupod.errors",
     "TpupodError": "tpupod.errors",
-    "FanoutResult": "tpupod.fanout",
-    "WorkerResult": "tpupod.fanout",
+    "FanoutResult": "tpupod.results",
+    "WorkerResult": "tpupod.results",
     "execute": "tpupod.fanout",
     "execute_async": "tpupod.fanout",
     "Pod": "tpupod.pod",

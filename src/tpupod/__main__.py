@@ -1,5 +1,5 @@
 """``python -m tpupod`` is the ``tpupod`` command."""
 
-from tpupod.cli import main
+from tpupod.entry import main
 
 main()

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tpupod.fanout import FanoutResult
+    from tpupod.results import FanoutResult
 
 
 class TpupodError(Exception):

@@ -17,21 +17,26 @@ process group, then KILL after ``grace`` seconds.
 from __future__ import annotations
 
 import asyncio
-import enum
 import signal
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from tpupod.errors import FanoutFailed, WorkerError
+from tpupod.errors import WorkerError
 from tpupod.pod import Pod, Worker
 from tpupod.providers import provider_for
+from tpupod.results import (
+    DEFAULT_GRACE_S,
+    FanoutResult,
+    OnFail,
+    Outcome,
+    WorkerResult,
+)
 from tpupod.state import StateDir
 from tpupod.transport import Connector, ExitStatus, OutputLine, RemoteProcess, Transport
 
-DEFAULT_GRACE_S = 5.0
 TAIL_LINES = 10
 # After a command exits, how long to keep reading output that a background
 # child still holds open (as `ssh` would wait forever, and we should not).
@@ -46,107 +51,6 @@ INTERRUPT_REASONS: dict[int, tuple[str, str]] = {
 LineHandler = Callable[[Worker, OutputLine], None]
 Action = Callable[[Worker, Transport], Awaitable[str | None]]
 NoticeHandler = Callable[[str], None]
-
-
-class OnFail(enum.StrEnum):
-    KILL = "kill"
-    WAIT = "wait"
-
-
-class Outcome(enum.Enum):
-    OK = "ok"
-    FAILED = "failed"
-    TIMED_OUT = "timed out"
-    STOPPED = "stopped"  # killed because another worker failed first
-    INTERRUPTED = "interrupted"
-    UNREACHABLE = "unreachable"
-
-
-@dataclass(frozen=True)
-class WorkerResult:
-    worker: Worker
-    outcome: Outcome
-    duration: float
-    status: ExitStatus | None = None
-    tail: tuple[str, ...] = ()
-    lines: int = 0
-    error: str | None = None
-    stopped_by: int | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome is Outcome.OK
-
-    @property
-    def last_line(self) -> str:
-        """The last non-blank output line, or for an unreachable worker, why."""
-        if self.error:
-            return self.error
-        return next((line for line in reversed(self.tail) if line.strip()), "")
-
-    def outcome_text(self) -> str:
-        status = self.status.describe() if self.status else ""
-        match self.outcome:
-            case Outcome.OK | Outcome.FAILED:
-                return status or self.outcome.value
-            case Outcome.TIMED_OUT:
-                return "timed out" + (f" ({status})" if status else "")
-            case Outcome.STOPPED:
-                return f"stopped after w{self.stopped_by} failed" + (
-                    f" ({status})" if status else ""
-                )
-            case Outcome.INTERRUPTED:
-                return "interrupted" + (f" ({status})" if status else "")
-            case Outcome.UNREACHABLE:
-                return "unreachable"
-
-
-@dataclass(frozen=True)
-class FanoutResult:
-    command: str
-    workers: list[WorkerResult]
-    elapsed: float
-    failure_order: list[int] = field(default_factory=list)
-    timed_out: bool = False
-    interrupt_signal: int | None = None
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.workers)
-
-    @property
-    def failed_count(self) -> int:
-        return sum(not r.ok for r in self.workers)
-
-    @property
-    def first_failure(self) -> WorkerResult | None:
-        by_id = {r.worker.id: r for r in self.workers}
-        return by_id[self.failure_order[0]] if self.failure_order else None
-
-    def exit_code(self) -> int:
-        """0 when every worker succeeded; else a code that says why, as shells do.
-
-        Interrupted: 128 + the signal. Otherwise the first failure decides:
-        its exit code (128 + signal when killed), 124 for a timeout (as
-        ``timeout(1)``), 255 for an unreachable worker (as ``ssh``).
-        """
-        first = self.first_failure
-        if first is None:
-            return 0
-        if self.interrupt_signal is not None:
-            return 128 + self.interrupt_signal
-        if first.outcome is Outcome.TIMED_OUT:
-            return 124
-        if first.outcome is Outcome.UNREACHABLE:
-            return 255
-        if first.status is None:  # an operation (put, get) that failed
-            return 1
-        return first.status.shell_code or 1
-
-    def raise_for_failures(self) -> FanoutResult:
-        if not self.ok:
-            raise FanoutFailed(self)
-        return self
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tpupod.errors import UsageError
+from tpupod.selection import select_ids
 from tpupod.spec import PodSpec, SshHost
 
 RECORD_VERSION = 1
@@ -48,10 +48,7 @@ class Pod(BaseModel):
 
     def select(self, selection: str | None) -> list[Worker]:
         """The workers named by a selection such as ``"0,2-3"`` (``None`` or ``"all"``: all)."""
-        if selection is None or selection.strip() in ("", "all"):
-            return list(self.workers)
-        ids = parse_worker_selection(selection, len(self.workers))
-        return [self.workers[i] for i in ids]
+        return [self.workers[i] for i in select_ids(selection, len(self.workers))]
 
     def identity_env(self, worker: Worker) -> dict[str, str]:
         """The variables that tell a process which worker of which pod it is.
@@ -71,31 +68,3 @@ class Pod(BaseModel):
             "TPU_WORKER_ID": str(worker.id),
             "TPU_WORKER_HOSTNAMES": hostnames,
         }
-
-
-def parse_worker_selection(selection: str, count: int) -> list[int]:
-    """Parse ``"0,2-3"`` into sorted unique worker ids, each checked against ``count``."""
-    ids: set[int] = set()
-    for token in (t.strip() for t in selection.split(",")):
-        lo_text, sep, hi_text = token.partition("-")
-        try:
-            lo = int(lo_text)
-            hi = int(hi_text) if sep else lo
-        except ValueError:
-            raise UsageError(
-                f"bad worker selection {selection!r}: {token!r} is not a number or a range",
-                hint="write worker ids and ranges like 0,2-3, or 'all'",
-            ) from None
-        if lo > hi:
-            raise UsageError(
-                f"bad worker selection {selection!r}: range {token!r} runs backwards",
-                hint=f"write it as {hi}-{lo}",
-            )
-        if lo < 0 or hi >= count:
-            bad = lo if lo < 0 or lo >= count else hi
-            raise UsageError(
-                f"worker {bad} does not exist: the pod has workers 0-{count - 1}",
-                hint="'tpupod hosts' lists the workers",
-            )
-        ids.update(range(lo, hi + 1))
-    return sorted(ids)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from tpupod import settings
-from tpupod.pod import Worker
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
-    from tpupod.fanout import FanoutResult
+    from tpupod.results import FanoutResult, WorkerLike
 
 # Bright and normal ANSI colors, skipping black/white/grey which vanish on some themes.
 PALETTE = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)
@@ -34,7 +34,7 @@ class LinePrinter:
 
     def __init__(
         self,
-        workers: Sequence[Worker],
+        workers: Sequence[WorkerLike],
         out: TextIO,
         err: TextIO,
         color: bool | None = None,
@@ -48,11 +48,11 @@ class LinePrinter:
         self.broken = False
 
     @staticmethod
-    def _prefix(worker: Worker, width: int, color: bool) -> str:
+    def _prefix(worker: WorkerLike, width: int, color: bool) -> str:
         text = f"[{worker.label}]".ljust(width)
         return f"\x1b[{worker_color(worker.id)}m{text}{RESET}" if color else text
 
-    def __call__(self, worker: Worker, line: OutputLine) -> None:
+    def __call__(self, worker: WorkerLike, line: OutputLine) -> None:
         if self.broken:
             return
         stream = self.out if line.stream is Stream.STDOUT else self.err
@@ -75,61 +75,69 @@ def format_duration(seconds: float) -> str:
 def print_summary(
     result: FanoutResult, file: TextIO, title: str, color: bool | None = None
 ) -> None:
-    """The per-worker table (worker, host, result, duration, last line), then the first failure."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+    """The per-worker table (worker, host, result, time, last line), then the first failure.
 
-    use_color = settings.color_wanted(file.isatty()) if color is None else color
-    console = Console(file=file, no_color=not use_color, highlight=False, soft_wrap=False)
+    Plain aligned text with ANSI colors in a terminal: no table library on the
+    path every command takes (it costs more to import than the table takes to print).
+    """
+    paint = _painter(settings.color_wanted(file.isatty()) if color is None else color)
     ok = len(result.workers) - result.failed_count
-    table = Table(
-        title=f"{title}: {ok}/{len(result.workers)} ok in {format_duration(result.elapsed)}",
-        title_justify="left",
-        box=None,
-        header_style="bold",
-        pad_edge=False,
-    )
+    lines = [f"{title}: {ok}/{len(result.workers)} ok in {format_duration(result.elapsed)}"]
+    header = ("worker", "host", "result", "time")
     rows = [
-        (
-            Text(r.worker.label, style=f"color({worker_color(r.worker.id)})"),
-            Text(r.worker.hostname),
-            Text(r.outcome_text(), style="green" if r.ok else "red"),
-            Text(format_duration(r.duration)),
-            Text(r.last_line),
-        )
+        (r.worker.label, r.worker.hostname, r.outcome_text(), format_duration(r.duration))
         for r in result.workers
     ]
-    # The first four columns never shrink; the last line gets what is left of the width.
-    for i, name in enumerate(("worker", "host", "result", "time")):
-        table.add_column(
-            name, no_wrap=True, min_width=max([len(name)] + [len(row[i]) for row in rows])
-        )
-    fixed = sum(col.min_width or 0 for col in table.columns) + 2 * len(table.columns)
-    table.add_column(
-        "last line",
-        no_wrap=True,
-        overflow="ellipsis",
-        max_width=max(16, min(LAST_LINE_WIDTH, console.width - fixed)),
-    )
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    room = max(16, min(LAST_LINE_WIDTH, _width(file) - sum(widths) - 2 * len(widths)))
+    lines.append(paint("1", _join(header, widths) + "  last line"))
+    for r, row in zip(result.workers, rows, strict=True):
+        label = paint(str(worker_color(r.worker.id)), row[0].ljust(widths[0]))
+        outcome = paint("32" if r.ok else "31", row[2].ljust(widths[2]))
+        cells = "  ".join([label, row[1].ljust(widths[1]), outcome, row[3].ljust(widths[3])])
+        lines.append(f"{cells}  {_clip(r.last_line, room)}".rstrip())
     first = result.first_failure
     if result.interrupt_signal is not None:
         name = signal.Signals(result.interrupt_signal).name
-        console.print(
-            Text(
-                f"stopped by {name}: {result.failed_count} workers did not finish", style="bold red"
-            )
+        lines.append(
+            paint("1;31", f"stopped by {name}: {result.failed_count} workers did not finish")
         )
     elif first is not None:
         why = f": {first.error}" if first.error else ""
-        console.print(
-            Text(
-                f"first failure: {first.worker.label} ({first.worker.hostname}) "
-                f"{first.outcome_text()}{why} after {format_duration(first.duration)}",
-                style="bold red",
-            ),
-            soft_wrap=True,  # one line, whatever the width: people grep for it
+        lines.append(
+            paint(
+                "1;31",
+                (
+                    f"first failure: {first.worker.label} ({first.worker.hostname}) "
+                    f"{first.outcome_text()}{why} after {format_duration(first.duration)}"
+                ),
+            )
         )
+    file.write("\n".join(lines) + "\n")
+    file.flush()
+
+
+def _painter(color: bool) -> Callable[[str, str], str]:
+    if not color:
+        return lambda code, text: text
+    return lambda code, text: f"\x1b[{code}m{text}{RESET}"
+
+
+def _join(cells: Sequence[str], widths: Sequence[int]) -> str:
+    return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True))
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _width(file: TextIO) -> int:
+    if file.isatty():
+        return shutil.get_terminal_size().columns
+    return 100
+
+
+def print_error(message: str, hint: str | None, file: TextIO) -> None:
+    """How every command reports a TpupodError: an ``error:`` line and a ``hint:`` line."""
+    file.write(f"{message}\n" + (f"hint: {hint}\n" if hint else ""))
+    file.flush()

@@ -26,3 +26,22 @@ def color_wanted(is_tty: bool) -> bool:
     if os.environ.get("FORCE_COLOR"):
         return True
     return is_tty and os.environ.get("TERM") != "dumb"
+
+
+def runtime_dir() -> Path:
+    """Where this user's sockets go: ``$XDG_RUNTIME_DIR/tpupod-UID``, else ``/tmp/tpupod-UID``."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / f"tpupod-{os.getuid()}"
+
+
+def holder_enabled() -> bool:
+    """SSH pods keep connections in a holder process unless ``TPUPOD_HOLDER=0``."""
+    return os.environ.get("TPUPOD_HOLDER", "1").lower() not in ("0", "no", "false", "off")
+
+
+def holder_idle_s() -> float:
+    """Seconds a holder waits for the next request before it exits (``TPUPOD_HOLDER_IDLE``)."""
+    try:
+        return float(os.environ.get("TPUPOD_HOLDER_IDLE", "600"))
+    except ValueError:
+        return 600.0

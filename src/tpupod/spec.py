@@ -9,13 +9,10 @@ the rest): one clear line beats a wall of them.
 from __future__ import annotations
 
 import difflib
-import enum
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -26,11 +23,10 @@ from pydantic import (
     model_validator,
 )
 
+from tpupod.choices import DEFAULT_SPEC_FILE, HostKeyPolicy
 from tpupod.errors import SpecError
+from tpupod.names import ENV_NAME_RE, POD_NAME_RE
 
-DEFAULT_SPEC_FILE = "tpupod.yaml"
-POD_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV_PREFIX = "TPUPOD_"
 MAX_LOCAL_WORKERS = 256
 
@@ -100,12 +96,6 @@ class SshHost(BaseModel):
         user = f"{self.user}@" if self.user else ""
         port = f":{self.port}" if self.port != 22 else ""
         return f"{user}{self.host}{port}"
-
-
-class HostKeyPolicy(enum.StrEnum):
-    TOFU = "tofu"  # trust on first use, remember, refuse a changed key
-    STRICT = "strict"  # only keys already remembered for the pod
-    INSECURE = "insecure"  # never check (throwaway pods)
 
 
 class SshPodSpec(_SpecBase):
@@ -181,6 +171,8 @@ def load_spec_file(path: Path, overrides: Mapping[str, Any] | None = None) -> Po
 
 def parse_yaml(text: str, source: str) -> dict[str, Any]:
     """Parse a YAML document that must be a mapping."""
+    import yaml  # only when a file is read: not on every CLI call
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

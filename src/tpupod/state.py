@@ -15,13 +15,16 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from tpupod import settings
 from tpupod.errors import PodNotFound, StateError
-from tpupod.pod import Pod
+from tpupod.names import POD_NAME_RE
+
+if TYPE_CHECKING:
+    from tpupod.pod import Pod
 
 RECORD_FILE = "pod.json"
 
@@ -39,6 +42,23 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@dataclass(frozen=True)
+class WorkerBrief:
+    id: int
+    hostname: str
+
+    @property
+    def label(self) -> str:
+        return f"w{self.id}"
+
+
+@dataclass(frozen=True)
+class PodBrief:
+    name: str
+    provider: str
+    workers: tuple[WorkerBrief, ...]
 
 
 class StateDir:
@@ -68,18 +88,41 @@ class StateDir:
         return (self.pod_dir(name) / RECORD_FILE).is_file()
 
     def load(self, name: str) -> Pod:
+        from pydantic import ValidationError
+
+        from tpupod.pod import Pod
+
+        data = self._read(name)
+        try:
+            return Pod.model_validate(data)
+        except ValidationError as exc:
+            raise self._unreadable(name) from exc
+
+    def load_brief(self, name: str) -> PodBrief:
+        """The little the CLI's fast path needs (provider, workers), without validating it all."""
+        data = self._read(name)
+        try:
+            workers = tuple(WorkerBrief(int(w["id"]), str(w["hostname"])) for w in data["workers"])
+            return PodBrief(name, str(data["spec"]["provider"]), workers)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self._unreadable(name) from exc
+
+    def _read(self, name: str) -> Any:
         path = self.pod_dir(name) / RECORD_FILE
         try:
-            text = path.read_text(encoding="utf-8")
+            return json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
+            if not POD_NAME_RE.match(name):
+                raise PodNotFound(f"{name!r} is not a pod name", hint=self._known_hint()) from None
             raise PodNotFound(f"no pod named {name!r}", hint=self._known_hint()) from None
-        try:
-            return Pod.model_validate(json.loads(text))
-        except (ValueError, ValidationError) as exc:
-            raise StateError(
-                f"the record of pod {name!r} is unreadable: {path}",
-                hint=f"fix or delete that file; 'tpupod down --pod {name} --forget' drops the pod",
-            ) from exc
+        except ValueError as exc:
+            raise self._unreadable(name) from exc
+
+    def _unreadable(self, name: str) -> StateError:
+        return StateError(
+            f"the record of pod {name!r} is unreadable: {self.pod_dir(name) / RECORD_FILE}",
+            hint="fix or delete that file (tpupod writes it whole, so a hand edit broke it)",
+        )
 
     def names(self) -> list[str]:
         if not self.pods_dir.is_dir():
@@ -91,11 +134,15 @@ class StateDir:
 
     def resolve(self, name: str | None) -> Pod:
         """The pod named ``name``, or the only pod when no name is given."""
+        return self.load(self.resolve_name(name))
+
+    def resolve_name(self, name: str | None) -> str:
+        """``name``, or the only pod's name when no name is given."""
         if name is not None:
-            return self.load(name)
+            return name
         names = self.names()
         if len(names) == 1:
-            return self.load(names[0])
+            return names[0]
         if not names:
             raise PodNotFound(
                 f"no pods yet (state directory {self.root})",

@@ -18,6 +18,7 @@ import typer
 
 from tpupod import __version__
 from tpupod.errors import TpupodError
+from tpupod.report import print_error
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -85,9 +86,7 @@ def reporting_errors(func: Callable[P, R]) -> Callable[P, R]:
 def _print_error(message: str, hint: str | None) -> None:
     if _debug_requested():
         traceback.print_exc()
-    print(message, file=sys.stderr)
-    if hint:
-        print(f"hint: {hint}", file=sys.stderr)
+    print_error(message, hint, sys.stderr)
 
 
 def command(name: str, **settings: object) -> Callable[[Callable[P, R]], Callable[P, R]]:

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from collections.abc import Awaitable
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from tpupod import settings
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, PodOption, parse_env
 from tpupod.cli.running import Live, run_live
-from tpupod.errors import UsageError
-from tpupod.fanout import DEFAULT_GRACE_S, FanoutResult, OnFail, execute_async
-from tpupod.pod import Pod, Worker
+from tpupod.execargs import ExecArgs, exec_request, join_command
 from tpupod.report import print_summary
+from tpupod.selection import select_ids
+
+if TYPE_CHECKING:
+    from tpupod.pod import Pod, Worker
+from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 
 WorkerOption = Annotated[
     str | None,
@@ -47,9 +50,7 @@ GraceOption = Annotated[
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary.")]
 
 
-@command(
-    "exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True}
-)
+@command("exec", context_settings={"allow_interspersed_args": False})
 def exec_command(
     command: Annotated[
         list[str],
@@ -81,30 +82,38 @@ def exec_command(
 
       tpupod exec --on-fail kill --timeout 600 -- python train.py --steps 100
     """
+    run_exec(ExecArgs(command, pod, worker, on_fail, timeout, grace, quiet, list(env or [])))
+
+
+def run_exec(args: ExecArgs) -> None:
+    """The exec command proper: through the pod's connection holder for SSH pods, else here."""
     from tpupod.state import StateDir
 
-    target = StateDir().resolve(pod)
-    result = run_with_signals(
-        target,
-        join_command(command),
-        target.select(worker),
-        on_fail=on_fail,
-        timeout=timeout,
-        grace=grace,
-        quiet=quiet,
-        env=parse_env(env),
-    )
-    print_summary(result, sys.stderr, title=f"exec on {target.name}")
-    raise typer.Exit(result.exit_code())
+    state = StateDir()
+    name = state.resolve_name(args.pod)
+    brief = state.load_brief(name)
+    ids = select_ids(args.worker, len(brief.workers))
+    line = join_command(args.command)
+    env = parse_env(args.env)
+    if brief.provider == "ssh" and settings.holder_enabled():
+        from tpupod.holder.client import held_exec
 
-
-def join_command(argv: list[str]) -> str:
-    """One argument is a command line as typed; several are an argv, quoted for the shell."""
-    if not argv or not any(arg.strip() for arg in argv):
-        raise UsageError(
-            "no command given", hint="put the command after --, e.g. tpupod exec -- hostname"
+        workers = [brief.workers[i] for i in ids]
+        result = held_exec(state, name, workers, exec_request(args, line, ids), args.quiet)
+    else:
+        target = state.load(name)
+        result = run_with_signals(
+            target,
+            line,
+            [target.workers[i] for i in ids],
+            on_fail=args.on_fail,
+            timeout=args.timeout,
+            grace=args.grace,
+            quiet=args.quiet,
+            env=env,
         )
-    return argv[0] if len(argv) == 1 else shlex.join(argv)
+    print_summary(result, sys.stderr, title=f"exec on {name}")
+    raise typer.Exit(result.exit_code())
 
 
 def run_with_signals(
@@ -119,6 +128,8 @@ def run_with_signals(
     env: dict[str, str],
 ) -> FanoutResult:
     """Run a fan-out with its output printed; SIGINT/SIGTERM stop every worker cleanly."""
+
+    from tpupod.fanout import execute_async
 
     def body(live: Live) -> Awaitable[FanoutResult]:
         return execute_async(

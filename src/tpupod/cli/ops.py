@@ -14,10 +14,9 @@ from tpupod.cli.exec import QuietOption, TimeoutOption, WorkerOption
 from tpupod.cli.options import PodOption
 from tpupod.cli.running import Live, run_live
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout import FanoutResult
-from tpupod.ops import free_tpu as free_tpu_ops
-from tpupod.ops import setup as setup_ops
+from tpupod.ops import defaults
 from tpupod.report import print_summary
+from tpupod.results import FanoutResult
 
 
 def _finish(result: FanoutResult, title: str) -> None:
@@ -189,7 +188,7 @@ def setup(
         typer.Option(
             "--lock-wait", metavar="S", help="Wait up to S seconds for the apt/dpkg locks."
         ),
-    ] = setup_ops.DEFAULT_LOCK_WAIT_S,
+    ] = defaults.LOCK_WAIT_S,
     lock_file: Annotated[
         list[str] | None,
         typer.Option(
@@ -213,11 +212,12 @@ def setup(
 
       tpupod setup --script setup_tpu.sh --force --lock-wait 600
     """
+    from tpupod.ops import setup as setup_ops
     from tpupod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
-    locks = lock_file or list(setup_ops.DEFAULT_LOCKS)
+    locks = lock_file or list(defaults.APT_LOCKS)
     result = run_live(
         workers,
         quiet,
@@ -253,10 +253,10 @@ def free_tpu(
     ] = None,
     lockfile: Annotated[
         str, typer.Option("--lockfile", help="libtpu's lockfile.")
-    ] = free_tpu_ops.DEFAULT_LOCKFILE,
+    ] = defaults.LIBTPU_LOCKFILE,
     grace: Annotated[
         float, typer.Option("--grace", metavar="S", help="Seconds between TERM and KILL.")
-    ] = free_tpu_ops.DEFAULT_GRACE_S,
+    ] = defaults.FREE_GRACE_S,
     quiet: QuietOption = False,
 ) -> None:
     """Kill whatever holds the accelerator on every worker and remove a stale libtpu lock.
@@ -267,11 +267,12 @@ def free_tpu(
 
       tpupod free-tpu -w 3
     """
+    from tpupod.ops import free_tpu as free_tpu_ops
     from tpupod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
-    devices = device or list(free_tpu_ops.DEFAULT_DEVICES)
+    devices = device or list(defaults.ACCELERATOR_DEVICES)
     result = run_live(
         workers,
         quiet,

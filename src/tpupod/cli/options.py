@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from tpupod.errors import UsageError
-from tpupod.spec import ENV_NAME_RE
+from tpupod.names import ENV_NAME_RE
 
 
 class Format(enum.StrEnum):

@@ -6,21 +6,17 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from tpupod.choices import DEFAULT_SPEC_FILE, HostKeyPolicy
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption, parse_env
 from tpupod.errors import SpecError
-from tpupod.spec import (
-    DEFAULT_SPEC_FILE,
-    HostKeyPolicy,
-    PodSpec,
-    load_spec_file,
-    parse_host,
-    spec_from_mapping,
-)
+
+if TYPE_CHECKING:
+    from tpupod.spec import PodSpec
 
 # Flags that map onto spec fields, so errors about a field can name the flag.
 FLAG_FOR_FIELD = {
@@ -125,6 +121,8 @@ def up(
 
 
 def _ssh_hosts(text: str, port: int | None) -> list[dict[str, Any]]:
+    from tpupod.spec import parse_host
+
     hosts = [parse_host(item.strip()) for item in text.split(",") if item.strip()]
     if port is not None:
         for host in hosts:
@@ -133,6 +131,8 @@ def _ssh_hosts(text: str, port: int | None) -> list[dict[str, Any]]:
 
 
 def _spec_from_args(overrides: dict[str, Any], file: Path | None) -> PodSpec:
+    from tpupod.spec import load_spec_file, spec_from_mapping
+
     given = {key: value for key, value in overrides.items() if value is not None}
     if file is None and "provider" not in given and Path(DEFAULT_SPEC_FILE).is_file():
         file = Path(DEFAULT_SPEC_FILE)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from tpupod.fanout import Interrupt, LineHandler, NoticeHandler
-from tpupod.pod import Worker
 from tpupod.report import LinePrinter
+
+if TYPE_CHECKING:
+    from tpupod.fanout import Interrupt, LineHandler, NoticeHandler
+    from tpupod.results import WorkerLike
 
 T = TypeVar("T")
 
@@ -25,12 +26,16 @@ class Live:
     on_notice: NoticeHandler
 
 
-def run_live(workers: list[Worker], quiet: bool, body: Callable[[Live], Awaitable[T]]) -> T:
+def run_live(workers: Sequence[WorkerLike], quiet: bool, body: Callable[[Live], Awaitable[T]]) -> T:
     """Run ``body`` in an event loop where SIGINT and SIGTERM stop every worker cleanly.
 
     Output lines are printed with their worker prefix unless ``quiet``; if our
     stdout goes away (``| head``), the run is stopped as by SIGPIPE.
     """
+
+    import asyncio
+
+    from tpupod.fanout import Interrupt
 
     async def go() -> T:
         interrupt = Interrupt()

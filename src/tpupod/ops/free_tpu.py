@@ -12,13 +12,15 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from tpupod.fanout import FanoutResult, Interrupt, LineHandler, execute_async
+from tpupod.fanout import Interrupt, LineHandler, execute_async
+from tpupod.ops import defaults
 from tpupod.pod import Pod, Worker
+from tpupod.results import FanoutResult
 from tpupod.transport import Connector
 
-DEFAULT_DEVICES = ("/dev/accel*", "/dev/vfio/*")
-DEFAULT_LOCKFILE = "/tmp/libtpu_lockfile"
-DEFAULT_GRACE_S = 3.0
+DEFAULT_DEVICES = defaults.ACCELERATOR_DEVICES
+DEFAULT_LOCKFILE = defaults.LIBTPU_LOCKFILE
+DEFAULT_GRACE_S = defaults.FREE_GRACE_S
 STILL_BUSY_EXIT = 1
 
 SCRIPT = """set -u

@@ -14,19 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tpupod.errors import UsageError
-from tpupod.fanout import FanoutResult, Interrupt, LineHandler, execute_async
+from tpupod.fanout import Interrupt, LineHandler, execute_async
+from tpupod.ops import defaults
 from tpupod.ops.locks import WAIT_FOR_LOCKS
 from tpupod.ops.transfer import put
 from tpupod.pod import Pod, Worker
+from tpupod.results import FanoutResult
 from tpupod.transport import Connector
 
-DEFAULT_LOCKS = (
-    "/var/lib/dpkg/lock",
-    "/var/lib/dpkg/lock-frontend",
-    "/var/lib/apt/lists/lock",
-    "/var/cache/apt/archives/lock",
-)
-DEFAULT_LOCK_WAIT_S = 300
+DEFAULT_LOCKS = defaults.APT_LOCKS
+DEFAULT_LOCK_WAIT_S = defaults.LOCK_WAIT_S
 STATE_DIR = ".tpupod/setup"  # relative: each worker's home (SSH) or work folder (local)
 LOCK_TIMEOUT_EXIT = 75  # EX_TEMPFAIL
 

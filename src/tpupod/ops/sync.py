@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout import FanoutResult, Interrupt, LineHandler, execute_async
+from tpupod.fanout import Interrupt, LineHandler, execute_async
 from tpupod.ops.transfer import put
 from tpupod.pod import Pod, Worker
+from tpupod.results import FanoutResult
 from tpupod.transport import Connector
 
 COMMIT_MARKER = "tpupod-commit "
@@ -155,7 +156,7 @@ async def sync_local(
         interrupt=interrupt,
         timeout=timeout,
     )
-    selected = [r.worker for r in probe.workers if r.ok]
+    selected = [pod.workers[r.worker.id] for r in probe.workers if r.ok]
     if not selected:
         return SyncResult(probe, {}, head)
     bases = {r.last_line for r in probe.workers if r.ok}

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tpupod.errors import UsageError
-from tpupod.fanout import FanoutResult, for_each
+from tpupod.fanout import for_each
 from tpupod.pod import Pod, Worker
+from tpupod.results import FanoutResult
 from tpupod.transport import Connector, Transport
 
 

@@ -40,7 +40,10 @@ class SshProvider:
         return Pod(name=spec.name, spec=spec, workers=tuple(workers))
 
     async def destroy(self, pod: Pod, state: StateDir) -> None:
-        """The hosts are not ours to delete: forgetting the pod is all there is to do."""
+        """The hosts are not ours to delete: close the pod's held connections, and forget it."""
+        from tpupod.holder.client import stop_holder
+
+        await asyncio.to_thread(stop_holder, state, pod.name)
 
     def connect(self, pod: Pod, state: StateDir) -> SshConnector:
         assert isinstance(pod.spec, SshPodSpec)

@@ -12,9 +12,10 @@ import signal
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from tpupod.pod import Worker
+if TYPE_CHECKING:
+    from tpupod.pod import Worker
 
 
 class Stream(enum.Enum):

@@ -29,10 +29,11 @@ from typing import cast
 
 import asyncssh
 
+from tpupod.choices import HostKeyPolicy
 from tpupod.errors import WorkerError
 from tpupod.files import put_target, remove_path, replace, staging_name
 from tpupod.pod import Worker
-from tpupod.spec import HostKeyPolicy, SshHost
+from tpupod.spec import SshHost
 from tpupod.transport.base import ExitStatus, OutputLine, Stream
 from tpupod.transport.lines import read_lines
 

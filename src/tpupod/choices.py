@@ -1,0 +1,13 @@
+"""Small enums and constants the CLI needs when it starts (kept free of heavy imports)."""
+
+from __future__ import annotations
+
+import enum
+
+DEFAULT_SPEC_FILE = "tpupod.yaml"
+
+
+class HostKeyPolicy(enum.StrEnum):
+    TOFU = "tofu"  # trust on first use, remember, refuse a changed key
+    STRICT = "strict"  # only keys already remembered for the pod
+    INSECURE = "insecure"  # never check (throwaway pods)

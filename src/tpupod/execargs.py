@@ -1,0 +1,159 @@
+"""The arguments of ``tpupod exec``, and its fast path.
+
+``tpupod exec`` on an SSH pod is the command people run most, and its cost is
+mostly Python importing the CLI framework. When the arguments are plain (no
+``--help``, nothing unusual) and the pod's connection holder can run it, the
+console script parses them here with no framework at all and talks to the
+holder directly. Anything else goes to the typer command, which stays the
+reference for what the options mean (tests check that both agree).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+from tpupod import settings
+from tpupod.errors import TpupodError, UsageError
+from tpupod.names import ENV_NAME_RE
+from tpupod.results import DEFAULT_GRACE_S, OnFail
+
+VALUED = {
+    "-p": "pod",
+    "--pod": "pod",
+    "-w": "worker",
+    "--worker": "worker",
+    "--on-fail": "on_fail",
+    "-t": "timeout",
+    "--timeout": "timeout",
+    "--grace": "grace",
+    "-e": "env",
+    "--env": "env",
+}
+FLAGS = {"-q": "quiet", "--quiet": "quiet"}
+
+
+@dataclass
+class ExecArgs:
+    command: list[str]
+    pod: str | None = None
+    worker: str | None = None
+    on_fail: OnFail = OnFail.WAIT
+    timeout: float | None = None
+    grace: float = DEFAULT_GRACE_S
+    quiet: bool = False
+    env: list[str] = field(default_factory=list)
+
+
+def exec_request(args: ExecArgs, line: str, ids: list[int]) -> dict[str, object]:
+    """What the connection holder is asked to run."""
+    return {
+        "command": line,
+        "workers": ids,
+        "on_fail": args.on_fail.value,
+        "timeout": args.timeout,
+        "grace": args.grace,
+        "env": parse_env_items(args.env),
+        "quiet": args.quiet,
+    }
+
+
+def join_command(argv: list[str]) -> str:
+    """One argument is a command line as typed; several are an argv, quoted for the shell."""
+    if not argv or not any(arg.strip() for arg in argv):
+        raise UsageError(
+            "no command given", hint="put the command after --, e.g. tpupod exec -- hostname"
+        )
+    return argv[0] if len(argv) == 1 else shlex.join(argv)
+
+
+def parse_plain(argv: list[str]) -> ExecArgs | None:
+    """``exec``'s arguments when they are plain; None sends them to the full CLI parser."""
+    scanned = _scan(argv)
+    if scanned is None:
+        return None
+    values, env, quiet, command = scanned
+    try:
+        args = ExecArgs(
+            command=command,
+            pod=values.get("pod"),
+            worker=values.get("worker"),
+            quiet=quiet,
+            env=env,
+        )
+        args.on_fail = OnFail(values.get("on_fail", OnFail.WAIT))
+        args.timeout = float(values["timeout"]) if "timeout" in values else None
+        args.grace = float(values.get("grace", DEFAULT_GRACE_S))
+    except ValueError:
+        return None
+    plain = args.command and args.grace >= 0 and (args.timeout is None or args.timeout >= 0.001)
+    env_ok = all("=" in item and ENV_NAME_RE.match(item.partition("=")[0]) for item in env)
+    return args if plain and env_ok else None
+
+
+def _scan(argv: list[str]) -> tuple[dict[str, str], list[str], bool, list[str]] | None:
+    """Options up to ``--`` or the first argument (as the CLI: no options after the command)."""
+    values: dict[str, str] = {}
+    env: list[str] = []
+    quiet = False
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        name, eq, value = argv[i].partition("=") if argv[i].startswith("--") else (argv[i], "", "")
+        if name == "--" and not eq:
+            return values, env, quiet, argv[i + 1 :]
+        if name in FLAGS and not eq:
+            quiet = True
+        elif name in VALUED:
+            if not eq:
+                i += 1
+                if i == len(argv):
+                    return None
+                value = argv[i]
+            if VALUED[name] == "env":
+                env.append(value)
+            else:
+                values[VALUED[name]] = value
+        else:
+            return None  # --help, --debug, a typo: the full parser explains
+        i += 1
+    return values, env, quiet, argv[i:]
+
+
+def parse_env_items(items: list[str]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in items)
+
+
+def fast_exec(argv: list[str]) -> int | None:
+    """Run ``tpupod exec`` through the pod's holder if it applies; None means: use the full CLI."""
+    if not argv or argv[0] != "exec" or not settings.holder_enabled():
+        return None
+    args = parse_plain(argv[1:])
+    if args is None:
+        return None
+    from tpupod.selection import select_ids
+    from tpupod.state import StateDir
+
+    state = StateDir()
+    try:
+        name = state.resolve_name(args.pod)
+        brief = state.load_brief(name)
+        if brief.provider != "ssh":
+            return None
+        ids = select_ids(args.worker, len(brief.workers))
+        line = join_command(args.command)
+    except TpupodError:
+        return None  # the full CLI reports it, the one way
+    from tpupod.holder.client import held_exec
+    from tpupod.report import print_error, print_summary
+
+    request = exec_request(args, line, ids)
+    try:
+        result = held_exec(state, name, [brief.workers[i] for i in ids], request, args.quiet)
+    except TpupodError as exc:
+        print_error(f"error: {exc.message}", exc.hint, sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:
+        return 141
+    print_summary(result, sys.stderr, title=f"exec on {name}")
+    return result.exit_code()

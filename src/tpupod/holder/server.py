@@ -1,0 +1,145 @@
+"""The holder process: serve one pod's fan-outs over a Unix socket, with connections kept open."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from tpupod.fanout import Interrupt, execute_async
+from tpupod.holder import socket_path
+from tpupod.pod import Pod, Worker
+from tpupod.providers import connect
+from tpupod.results import result_to_json
+from tpupod.state import RECORD_FILE, StateDir
+from tpupod.transport import Connector, OutputLine, Stream
+
+CHECK_EVERY_S = 1.0
+
+
+class Holder:
+    def __init__(self, state: StateDir, pod: Pod, idle_s: float) -> None:
+        self.state = state
+        self.pod = pod
+        self.idle_s = idle_s
+        self.record = state.pod_dir(pod.name) / RECORD_FILE
+        self.record_version = _version(self.record)
+        self.connector: Connector = connect(pod, state)
+        self.active = 0
+        self.last_used = time.monotonic()
+        self.stopping = asyncio.Event()
+
+    async def serve(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        server = await asyncio.start_unix_server(self._handle, path=str(path))
+        os.chmod(path, 0o600)
+        warm = asyncio.create_task(self._warm_up())
+        try:
+            while not self.stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), CHECK_EVERY_S)
+                idle = self.active == 0 and time.monotonic() - self.last_used > self.idle_s
+                if idle or _version(self.record) != self.record_version:
+                    self.stopping.set()
+        finally:
+            server.close()
+            path.unlink(missing_ok=True)
+            warm.cancel()
+            await self.connector.close()
+
+    async def _warm_up(self) -> None:
+        """Open every connection now, so the first command does not wait for the handshakes."""
+        await execute_async(self.pod, "true", connector=self.connector, timeout=60)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.active += 1
+        try:
+            request = json.loads(await reader.readline() or b"{}")
+            op = request.get("op")
+            if _version(self.record) != self.record_version:
+                _send(writer, {"error": "stale"})
+                self.stopping.set()
+            elif op == "ping":
+                _send(writer, {"ok": True, "pod": self.pod.name})
+            elif op == "stop":
+                _send(writer, {"ok": True})
+                self.stopping.set()
+            elif op == "exec":
+                await self._exec(request, reader, writer)
+            else:
+                _send(writer, {"error": f"unknown request {op!r}"})
+            await writer.drain()
+        except (ConnectionError, ValueError):
+            pass  # the client went away or sent garbage: nothing to answer
+        finally:
+            self.active -= 1
+            self.last_used = time.monotonic()
+            writer.close()
+
+    async def _exec(
+        self, request: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        interrupt = Interrupt()
+        watcher = asyncio.create_task(_watch_client(reader, interrupt))
+        workers = [self.pod.workers[i] for i in request["workers"]]
+
+        def on_line(worker: Worker, line: OutputLine) -> None:
+            _send(writer, {"line": [worker.id, line.stream is Stream.STDERR, line.text]})
+
+        try:
+            result = await execute_async(
+                self.pod,
+                request["command"],
+                workers=workers,
+                on_fail=request["on_fail"],
+                timeout=request["timeout"],
+                grace=request["grace"],
+                env=request["env"],
+                on_line=None if request.get("quiet") else on_line,
+                on_notice=lambda text: _send(writer, {"notice": text}),
+                interrupt=interrupt,
+                connector=self.connector,
+            )
+        finally:
+            watcher.cancel()
+        _send(writer, {"result": result_to_json(result)})
+
+
+async def _watch_client(reader: asyncio.StreamReader, interrupt: Interrupt) -> None:
+    """Interrupt requests from the client; its going away counts as one (leave nothing running)."""
+    while line := await reader.readline():
+        message = json.loads(line)
+        if message.get("op") == "interrupt":
+            interrupt.request(int(message.get("signal", signal.SIGINT)))
+    interrupt.request(signal.SIGHUP)
+
+
+def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    if not writer.is_closing():
+        writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+
+def _version(record: Path) -> int | None:
+    try:
+        return record.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def run(home: Path, name: str, idle_s: float) -> None:
+    """Serve until idle; a second holder for the same pod exits at once (the lock decides)."""
+    state = StateDir(home)
+    pod = state.load(name)
+    path = socket_path(state.pod_dir(name))
+    with open(path.with_suffix(".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        asyncio.run(Holder(state, pod, idle_s).serve(path))

@@ -1,0 +1,182 @@
+"""What a fan-out produced: how each worker ended, and the whole run's verdict.
+
+Kept free of heavy imports (no pydantic, no asyncio), so that the CLI can
+print a result that a connection holder sent it without loading the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tpupod.errors import FanoutFailed
+from tpupod.transport.base import ExitStatus
+
+DEFAULT_GRACE_S = 5.0
+
+
+class WorkerLike(Protocol):
+    """What a result needs of a worker (a Worker, or a light stand-in for one)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def hostname(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
+
+
+class OnFail(enum.StrEnum):
+    KILL = "kill"
+    WAIT = "wait"
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"
+    TIMED_OUT = "timed out"
+    STOPPED = "stopped"  # killed because another worker failed first
+    INTERRUPTED = "interrupted"
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    worker: WorkerLike
+    outcome: Outcome
+    duration: float
+    status: ExitStatus | None = None
+    tail: tuple[str, ...] = ()
+    lines: int = 0
+    error: str | None = None
+    stopped_by: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    @property
+    def last_line(self) -> str:
+        """The last non-blank output line, or for an unreachable worker, why."""
+        if self.error:
+            return self.error
+        return next((line for line in reversed(self.tail) if line.strip()), "")
+
+    def outcome_text(self) -> str:
+        status = self.status.describe() if self.status else ""
+        match self.outcome:
+            case Outcome.OK | Outcome.FAILED:
+                return status or self.outcome.value
+            case Outcome.TIMED_OUT:
+                return "timed out" + (f" ({status})" if status else "")
+            case Outcome.STOPPED:
+                return f"stopped after w{self.stopped_by} failed" + (
+                    f" ({status})" if status else ""
+                )
+            case Outcome.INTERRUPTED:
+                return "interrupted" + (f" ({status})" if status else "")
+            case Outcome.UNREACHABLE:
+                return "unreachable"
+
+
+@dataclass(frozen=True)
+class FanoutResult:
+    command: str
+    workers: list[WorkerResult]
+    elapsed: float
+    failure_order: list[int] = field(default_factory=list)
+    timed_out: bool = False
+    interrupt_signal: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.workers)
+
+    @property
+    def failed_count(self) -> int:
+        return sum(not r.ok for r in self.workers)
+
+    @property
+    def first_failure(self) -> WorkerResult | None:
+        by_id = {r.worker.id: r for r in self.workers}
+        return by_id[self.failure_order[0]] if self.failure_order else None
+
+    def exit_code(self) -> int:
+        """0 when every worker succeeded; else a code that says why, as shells do.
+
+        Interrupted: 128 + the signal. Otherwise the first failure decides:
+        its exit code (128 + signal when killed), 124 for a timeout (as
+        ``timeout(1)``), 255 for an unreachable worker (as ``ssh``).
+        """
+        first = self.first_failure
+        if first is None:
+            return 0
+        if self.interrupt_signal is not None:
+            return 128 + self.interrupt_signal
+        if first.outcome is Outcome.TIMED_OUT:
+            return 124
+        if first.outcome is Outcome.UNREACHABLE:
+            return 255
+        if first.status is None:  # an operation (put, get) that failed
+            return 1
+        return first.status.shell_code or 1
+
+    def raise_for_failures(self) -> FanoutResult:
+        if not self.ok:
+            raise FanoutFailed(self)
+        return self
+
+
+def result_to_json(result: FanoutResult) -> dict[str, object]:
+    """A result as plain JSON (the connection holder sends it to the CLI)."""
+    return {
+        "command": result.command,
+        "elapsed": result.elapsed,
+        "failure_order": result.failure_order,
+        "timed_out": result.timed_out,
+        "interrupt_signal": result.interrupt_signal,
+        "workers": [
+            {
+                "id": r.worker.id,
+                "outcome": r.outcome.value,
+                "duration": r.duration,
+                "code": r.status.code if r.status else None,
+                "signal": r.status.signal if r.status else None,
+                "has_status": r.status is not None,
+                "tail": list(r.tail),
+                "lines": r.lines,
+                "error": r.error,
+                "stopped_by": r.stopped_by,
+            }
+            for r in result.workers
+        ],
+    }
+
+
+def result_from_json(data: dict[str, Any], workers: Mapping[int, WorkerLike]) -> FanoutResult:
+    """The inverse of :func:`result_to_json`, with the caller's worker objects."""
+    rows = [
+        WorkerResult(
+            worker=workers[row["id"]],
+            outcome=Outcome(row["outcome"]),
+            duration=row["duration"],
+            status=ExitStatus(row["code"], row["signal"]) if row["has_status"] else None,
+            tail=tuple(row["tail"]),
+            lines=row["lines"],
+            error=row["error"],
+            stopped_by=row["stopped_by"],
+        )
+        for row in data["workers"]
+    ]
+    return FanoutResult(
+        command=data["command"],
+        workers=rows,
+        elapsed=data["elapsed"],
+        failure_order=list(data["failure_order"]),
+        timed_out=data["timed_out"],
+        interrupt_signal=data["interrupt_signal"],
+    )

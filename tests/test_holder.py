@@ -1,0 +1,169 @@
+"""The connection holder behind `tpupod exec` on SSH pods, and the fast path that reaches it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult, sim_leftovers, tpupod_argv
+from tpupod.execargs import ExecArgs, parse_plain
+from tpupod.holder import socket_path
+from tpupod.pod import Pod
+from tpupod.sim import SimPod
+from tpupod.state import StateDir
+
+
+def holder_pid(pod: Pod) -> int | None:
+    path = socket_path(StateDir().pod_dir(pod.name))
+    if not path.exists():
+        return None
+    out = subprocess.run(["fuser", str(path)], capture_output=True, text=True, check=False).stdout
+    pids = [int(p) for p in out.split()]
+    return pids[0] if pids else None
+
+
+def test_exec_starts_one_holder_and_reuses_it(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_ssh_pod()
+    first = cli("exec", "--pod", pod.name, "--", "hostname")
+    assert first.code == 0, first.err
+    pid = holder_pid(pod)
+    assert pid is not None
+    again = [cli("exec", "-q", "--pod", pod.name, "--", "true") for _ in range(3)]
+    assert all(r.code == 0 for r in again)
+    assert holder_pid(pod) == pid
+    assert min(r.seconds for r in again) < first.seconds
+
+
+def test_down_stops_the_holder(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_ssh_pod()
+    assert cli("exec", "-q", "--pod", pod.name, "--", "true").code == 0
+    pid = holder_pid(pod)
+    assert pid is not None
+    assert cli("down", "--pod", pod.name).code == 0
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists()
+
+
+def test_an_idle_holder_exits(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_ssh_pod()
+    assert (
+        cli("exec", "-q", "--pod", pod.name, "--", "true", env={"TPUPOD_HOLDER_IDLE": "0.5"}).code
+        == 0
+    )
+    pid = holder_pid(pod)
+    assert pid is not None
+    deadline = time.monotonic() + 8
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
+
+
+def test_a_killed_client_leaves_nothing_running(
+    make_ssh_pod: Callable[..., Pod], sim: SimPod, state_home: Path
+) -> None:
+    pod = make_ssh_pod()
+    proc = subprocess.Popen(
+        tpupod_argv("exec", "--pod", pod.name, "--grace", "1", "--", "echo started; sleep 60"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert all("started" in proc.stdout.readline() for _ in range(4))
+    proc.kill()  # no chance to say goodbye: the holder sees the socket close
+    proc.communicate()
+    assert sim_leftovers(sim) == []
+
+
+def test_without_the_holder(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_ssh_pod()
+    result = cli("exec", "--pod", pod.name, "--", "hostname", env={"TPUPOD_HOLDER": "0"})
+    assert result.code == 0 and "4/4 ok" in result.err
+    assert holder_pid(pod) is None
+
+
+def test_a_stale_holder_is_replaced(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_ssh_pod()
+    assert cli("exec", "-q", "--pod", pod.name, "--", "true").code == 0
+    record = StateDir().pod_dir(pod.name) / "pod.json"
+    os.utime(record, ns=(time.time_ns(), time.time_ns() + 10**9))  # the record changed
+    result = cli("exec", "-q", "--pod", pod.name, "--", "true")
+    assert result.code == 0, result.err
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "-- hostname",
+        "-q -- echo hi",
+        "--pod dev -w 0,2 --on-fail kill -t 5 --grace 1 -e A=1 -e B=x=y -- echo $A",
+        "--pod=dev --worker=1-3 --timeout=2.5 ls -la /",
+        "-w 0 python train.py --steps 3",
+    ],
+)
+def test_the_fast_parser_agrees_with_the_cli(line: str) -> None:
+    args = parse_plain(shlex.split(line))
+    assert args is not None
+    from typer.testing import CliRunner
+
+    from tpupod.cli import app
+    from tpupod.cli import exec as exec_module
+
+    seen: dict[str, ExecArgs] = {}
+
+    def capture(parsed: ExecArgs) -> None:
+        seen["args"] = parsed
+
+    original = exec_module.run_exec
+    exec_module.run_exec = capture  # type: ignore[assignment]
+    try:
+        result = CliRunner().invoke(app, ["exec", *shlex.split(line)])
+    finally:
+        exec_module.run_exec = original  # type: ignore[assignment]
+    assert result.exit_code == 0, result.output
+    assert seen["args"] == args
+
+
+@pytest.mark.parametrize(
+    "line", ["--help", "-- ", "--bogus -- x", "-t 0 -- x", "-e NOPE -- x", "-w"]
+)
+def test_unusual_arguments_go_to_the_full_cli(line: str) -> None:
+    assert parse_plain(shlex.split(line)) is None
+
+
+def test_sigint_reaches_the_holder(make_ssh_pod: Callable[..., Pod], sim: SimPod) -> None:
+    pod = make_ssh_pod()
+    proc = subprocess.Popen(
+        tpupod_argv(
+            "exec", "--pod", pod.name, "--grace", "1", "--", 'echo started; trap "" TERM; sleep 60'
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert all("started" in proc.stdout.readline() for _ in range(4))
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 130, err
+    assert "stopped by SIGINT" in err
+    assert sim_leftovers(sim) == []
