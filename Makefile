@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP_CORE := $(VENV)/.stamp-core
 STAMP_TEST := $(VENV)/.stamp-test
 
-.PHONY: demo test lint typecheck pytest clean
+.PHONY: demo test lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,8 @@ demo: $(STAMP_CORE)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
 lint: $(STAMP_TEST)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 typecheck: $(STAMP_TEST)
 	$(BIN)/mypy
@@ -33,6 +33,10 @@ pytest: $(STAMP_TEST)
 	$(BIN)/pytest
 
 test: lint typecheck pytest
+
+bench: $(STAMP_TEST)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/python benchmarks/fanout.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
