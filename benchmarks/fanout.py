@@ -61,9 +61,10 @@ import sys
 from pssh.clients import ParallelSSHClient
 hosts, key = sys.argv[1].split(","), sys.argv[2]
 client = ParallelSSHClient(hosts, user="root", pkey=key)
-output = client.run_command("hostname")
-client.join(output)
-assert all(o.exit_code == 0 for o in output)
+output = client.run_command("hostname", stop_on_errors=False)
+client.join(output, consume_output=True)  # exit codes can stay None otherwise
+bad = [(o.host, o.exit_code, repr(o.exception)) for o in output if o.exit_code != 0]
+assert not bad, bad[:3]
 """
 
 
