@@ -16,6 +16,8 @@ show() { printf '%s$ %s%s\n' "$D" "$*" "$N"; }
 run() { show "$*"; "$@"; }
 cleanup() {
   tpupod down --pod "$POD" >/dev/null 2>&1 || true
+  tpupod down --pod lab >/dev/null 2>&1 || true
+  if [ -n "${sim_pid:-}" ]; then kill "$sim_pid" 2>/dev/null || true; wait "$sim_pid" 2>/dev/null || true; fi
   [ -z "${demo_home:-}" ] || rm -rf "$demo_home"
 }
 trap cleanup EXIT
@@ -43,5 +45,34 @@ echo "(exit code $rc: worker 1's)"
 
 say "Tear the pod down"
 run tpupod down --pod "$POD"
+
+if [ "$(id -u)" != 0 ] || [ ! -x /usr/sbin/sshd ] || ! command -v ip >/dev/null; then
+  say "Skipping the SSH part: it needs root, iproute2 and openssh-server"
+  exit 0
+fi
+
+say "An SSH pod: 2 simulated hosts, each a network namespace running real sshd"
+sim_out="$TPUPOD_HOME/sim.json"
+mkdir -p "$TPUPOD_HOME"
+python -m tpupod.sim --hosts 2 >"$sim_out" &
+sim_pid=$!
+for _ in $(seq 100); do [ -s "$sim_out" ] && break; sleep 0.1; done
+hosts=$(python -c 'import json,sys; print(",".join("root@" + h["address"] for h in json.load(open(sys.argv[1]))["hosts"]))' "$sim_out")
+key=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))["key"])' "$sim_out")
+run tpupod up --name lab --ssh "$hosts" --key "$key"
+run tpupod hosts --pod lab
+
+say "The same commands work over SSH; connections stay open between calls"
+run tpupod exec --pod lab -- 'echo "$(hostname) is worker $TPUPOD_WORKER_ID of $TPUPOD_NUM_WORKERS"'
+
+say "Ship this repository's HEAD to every host (no git server needed) and check they agree"
+run tpupod sync --pod lab --from-local --dir tpupod-code
+run tpupod exec --pod lab -- 'git -C tpupod-code log -1 --format="%h %s"'
+
+say "Collect a file from every host"
+run tpupod get --pod lab tpupod-code/README.md "$TPUPOD_HOME/collected"
+ls "$TPUPOD_HOME/collected"/*
+
+run tpupod down --pod lab
 
 say "Done."

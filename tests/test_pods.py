@@ -129,7 +129,20 @@ def test_version_and_help(cli: Callable[..., CliResult]) -> None:
     from tpupod import __version__
 
     assert cli("--version").out.strip() == f"tpupod {__version__}"
-    for command in ("up", "down", "list", "status", "hosts", "exec", "put", "get", "sync", "setup", "free-tpu"):
+    commands = [
+        "up",
+        "down",
+        "list",
+        "status",
+        "hosts",
+        "exec",
+        "put",
+        "get",
+        "sync",
+        "setup",
+        "free-tpu",
+    ]
+    for command in commands:
         result = cli(command, "--help")
         assert result.code == 0 and "Examples" in result.out, command
 

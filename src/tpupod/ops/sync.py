@@ -37,6 +37,7 @@ cd "$dir"
 {fetch}
 git checkout -q -f --detach FETCH_HEAD
 echo "{marker}$(git rev-parse HEAD)"
+git log -1 --format='at %h %s'
 """
 
 FETCH_REMOTE = """if git remote get-url origin >/dev/null 2>&1; then git remote set-url origin {url}
