@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The tpupod demo (make demo): a local pod of 2 workers with 2 devices each,
-# the worker list, a command on every worker, a failure and its summary, teardown.
+# the worker list, a command on every worker, a failure and its summary, a
+# lockstep JAX program across the workers, teardown; then, as root, an SSH pod
+# of simulated hosts.
 # It uses its own state directory, so it never touches your pods.
 set -euo pipefail
 
@@ -42,6 +44,10 @@ if [ "$rc" -ne 3 ]; then
   exit 1
 fi
 echo "(exit code $rc: worker 1's)"
+
+say "A lockstep JAX program: every worker calls tpupod.init_jax(), then a cross-host sum"
+run tpupod run --pod "$POD" -- python "$PWD/examples/lockstep_sum.py"
+run tpupod logs --pod "$POD" --worker 1
 
 say "Tear the pod down"
 run tpupod down --pod "$POD"

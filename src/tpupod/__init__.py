@@ -9,6 +9,11 @@ The Python API mirrors the CLI::
     for r in result.workers:
         print(r.worker.id, r.outcome_text(), r.last_line)
     result.raise_for_failures()
+
+A program started on every worker by ``tpupod run`` meets the others with::
+
+    identity = tpupod.init_jax()        # rendezvous, then jax.distributed.initialize
+    tpupod.assert_same(config, "config")  # raises on every worker if one differs
 """
 
 from __future__ import annotations
@@ -25,14 +30,21 @@ __all__ = [
     "Worker",
     "WorkerResult",
     "__version__",
+    "assert_same",
     "execute",
     "execute_async",
     "get_pod",
+    "init_jax",
+    "rendezvous",
+    "worker",
 ]
 
 if TYPE_CHECKING:
     from tpupod.errors import FanoutFailed, TpupodError
     from tpupod.fanout import execute, execute_async
+    from tpupod.launch.client import assert_same, rendezvous
+    from tpupod.launch.identity import worker
+    from tpupod.launch.jaxinit import init_jax
     from tpupod.pod import Pod, Worker
     from tpupod.results import FanoutResult, WorkerResult
     from tpupod.state import get_pod
@@ -48,6 +60,10 @@ _LAZY = {
     "Pod": "tpupod.pod",
     "Worker": "tpupod.pod",
     "get_pod": "tpupod.state",
+    "worker": "tpupod.launch.identity",
+    "rendezvous": "tpupod.launch.client",
+    "assert_same": "tpupod.launch.client",
+    "init_jax": "tpupod.launch.jaxinit",
 }
 
 

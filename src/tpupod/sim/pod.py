@@ -6,9 +6,9 @@ Each host has
   (``198.18.N.0/24``, the range RFC 2544 sets aside for benchmarking),
 * its own hostname (UTS namespace) and process table (PID namespace, where
   sshd is PID 1: stopping it takes the whole host down, as a crash would),
-* its own ``/tmp`` (a tmpfs) and a private writable view of root's home (an
-  overlay over it), so writes on one host are invisible to the others and to
-  this machine,
+* a private writable view of ``/tmp`` and of root's home (overlays over
+  this machine's), so a host sees what is there but its writes are invisible
+  to the others and to this machine,
 * an ``/etc/hosts`` in which every host's name resolves to its namespace
   address (``/etc/netns/NS/hosts``, which ``ip netns exec`` binds over /etc/hosts).
 
@@ -157,11 +157,13 @@ class SimPod:
                 "set -e",
                 "mkdir -p /run/sshd",
                 f"hostname {host.hostname}",
-                "mount -t tmpfs -o mode=1777 tmpfs /tmp",
                 f"mount -t tmpfs tmpfs {homefs}",
-                f"mkdir -p {homefs}/upper {homefs}/work",
-                f"mount -t overlay overlay -o lowerdir={Path.home()},upperdir={homefs}/upper,"
-                f"workdir={homefs}/work {Path.home()}",
+                f"mkdir -p {homefs}/home {homefs}/home.work {homefs}/tmp {homefs}/tmp.work",
+                f"chmod 1777 {homefs}/tmp",
+                f"mount -t overlay overlay -o lowerdir={Path.home()},upperdir={homefs}/home,"
+                f"workdir={homefs}/home.work {Path.home()}",
+                f"mount -t overlay overlay -o lowerdir=/tmp,upperdir={homefs}/tmp,"
+                f"workdir={homefs}/tmp.work /tmp",
                 f"exec {SSHD} -D -e -f {self.dir / 'sshd_config'} -h {host.root / 'host_key'}",
             ]
         )

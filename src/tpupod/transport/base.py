@@ -110,6 +110,10 @@ class Connector(Protocol):
 
     def transport(self, worker: Worker) -> Transport: ...
 
+    async def reachback(self, worker: Worker) -> str:
+        """The address at which ``worker`` reaches this machine (for services we run here)."""
+        ...
+
     async def close(self) -> None:
         """Release connections; running commands are not touched."""
         ...

@@ -100,6 +100,9 @@ class LocalConnector:
     def transport(self, worker: Worker) -> LocalTransport:
         return LocalTransport(worker)
 
+    async def reachback(self, worker: Worker) -> str:
+        return "127.0.0.1"
+
     async def close(self) -> None:
         return None
 

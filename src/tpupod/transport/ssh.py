@@ -296,6 +296,13 @@ class SshConnector:
     def transport(self, worker: Worker) -> SshTransport:
         return SshTransport(worker, self.pool)
 
+    async def reachback(self, worker: Worker) -> str:
+        """Our end of the SSH connection: the address the host already reaches us at."""
+        assert worker.ssh is not None
+        conn = await self.pool.connection(worker.ssh, worker.id)
+        sockname = conn.get_extra_info("sockname")
+        return str(sockname[0])
+
     async def close(self) -> None:
         await self.pool.close()
 

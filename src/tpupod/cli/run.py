@@ -1,0 +1,148 @@
+"""``tpupod run`` (a program on every worker in lockstep) and ``tpupod logs``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from tpupod.cli import command
+from tpupod.cli.exec import GraceOption, QuietOption, TimeoutOption, WorkerOption
+from tpupod.cli.options import EnvOption, PodOption, parse_env
+from tpupod.cli.running import Live, run_live
+from tpupod.execargs import join_command
+from tpupod.report import print_summary
+from tpupod.results import DEFAULT_GRACE_S, OnFail
+
+if TYPE_CHECKING:
+    from tpupod.launch.run import RunResult
+
+
+@command("run", context_settings={"allow_interspersed_args": False})
+def run(
+    command_args: Annotated[
+        list[str], typer.Argument(metavar="-- CMD...", help="The program.", show_default=False)
+    ],
+    pod: PodOption = None,
+    worker: WorkerOption = None,
+    on_fail: Annotated[
+        OnFail, typer.Option("--on-fail", help="On the first failure: kill the others, or wait.")
+    ] = OnFail.KILL,
+    timeout: TimeoutOption = None,
+    grace: GraceOption = DEFAULT_GRACE_S,
+    quiet: QuietOption = False,
+    env: EnvOption = None,
+    coordinator_port: Annotated[
+        int | None,
+        typer.Option(
+            "--coordinator-port",
+            help="JAX coordinator port on worker 0 "
+            "(default: 8476 on hosts, a free port on a local pod).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Run a program on every worker in lockstep: preflight, rendezvous, supervision, logs.
+
+    The program calls tpupod.init_jax() (or tpupod.rendezvous()) to meet the
+    other workers. The first worker that fails stops all others (TERM, then
+    KILL: JAX ignores TERM), and the summary names it. Output is also kept
+    per worker: 'tpupod logs'.
+
+    Examples:
+
+      tpupod run -- python train.py --steps 100
+
+      tpupod run --timeout 3600 -e XLA_FLAGS=--xla_dump_to=/tmp/x -- python bench.py
+    """
+    from tpupod.launch.run import run as launch_run
+    from tpupod.state import StateDir
+
+    target = StateDir().resolve(pod)
+    workers = target.select(worker)
+    line = join_command(command_args)
+
+    def body(live: Live) -> Awaitable[RunResult]:
+        return launch_run(
+            target,
+            line,
+            workers=workers,
+            env=parse_env(env),
+            timeout=timeout,
+            on_fail=on_fail,
+            grace=grace,
+            coordinator_port=coordinator_port,
+            on_line=live.on_line,
+            on_notice=live.on_notice,
+            interrupt=live.interrupt,
+        )
+
+    result = run_live(workers, quiet, body)
+    print_summary(result.fanout, sys.stderr, title=f"run {result.launch.launch_id}")
+    raise typer.Exit(result.fanout.exit_code())
+
+
+@command("logs")
+def logs(
+    run_id: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[RUN]", help="A launch id (default: the latest run).", show_default=False
+        ),
+    ] = None,
+    pod: PodOption = None,
+    worker: Annotated[
+        int | None,
+        typer.Option("--worker", "-w", help="Only this worker's log.", show_default=False),
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")
+    ] = False,
+) -> None:
+    """Show the output of a run, kept per worker ('tpupod run' writes it as the run goes).
+
+    Examples:
+
+      tpupod logs                     # the latest run, every worker
+
+      tpupod logs -w 3 -f             # follow worker 3 of the latest run
+    """
+    from tpupod.errors import UsageError
+    from tpupod.launch.run import run_record, runs
+    from tpupod.report import LinePrinter
+    from tpupod.state import StateDir, WorkerBrief
+    from tpupod.transport import OutputLine, Stream
+
+    state = StateDir()
+    name = state.resolve_name(pod)
+    folders = runs(state, name)
+    if not folders:
+        raise UsageError(f"pod {name!r} has no runs yet", hint="start one with 'tpupod run -- CMD'")
+    chosen = [f for f in folders if f.name == run_id] if run_id else folders[-1:]
+    if not chosen:
+        known = ", ".join(f.name for f in folders[-5:])
+        raise UsageError(f"no run {run_id!r} on pod {name!r}", hint=f"recent runs: {known}")
+    folder = chosen[0]
+    record = run_record(folder)
+    ids = [w["id"] for w in record["workers"] if worker is None or w["id"] == worker]
+    if not ids:
+        raise UsageError(f"run {folder.name} has no worker {worker}", hint="see 'tpupod hosts'")
+    briefs = [WorkerBrief(w["id"], w["hostname"]) for w in record["workers"] if w["id"] in ids]
+    printer = LinePrinter(briefs, sys.stdout, sys.stderr)
+    offsets = dict.fromkeys(ids, 0)
+    while True:
+        for brief in briefs:
+            with (folder / f"w{brief.id}.log").open(encoding="utf-8", errors="replace") as f:
+                f.seek(offsets[brief.id])
+                for text in f:
+                    printer(brief, OutputLine(Stream.STDOUT, text.rstrip("\n")))
+                offsets[brief.id] = f.tell()
+        if not follow or run_record(folder).get("finished"):
+            break
+        time.sleep(0.2)
+    if record.get("finished") or run_record(folder).get("finished"):
+        final = run_record(folder)
+        print(f"run {folder.name} ended with exit code {final.get('exit_code')}", file=sys.stderr)

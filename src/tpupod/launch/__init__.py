@@ -1,0 +1,1 @@
+"""Lockstep launch: who each worker is, rendezvous between them, and `tpupod run`."""

@@ -1,0 +1,38 @@
+"""``tpupod.init_jax()``: meet the other workers, then start JAX's distributed runtime."""
+
+from __future__ import annotations
+
+import os
+
+from tpupod.launch.client import rendezvous
+from tpupod.launch.identity import WorkerIdentity, worker
+
+# Google Cloud's default TPU firewall rule opens 8476, while JAX's own default moved to 8482
+# (jax-ml/jax#35905): always pass the port explicitly.
+DEFAULT_COORDINATOR_PORT = 8476
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def init_jax(timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:
+    """Rendezvous at ``pre_jax_init``, then ``jax.distributed.initialize`` from the identity.
+
+    On CPU pods, cross-process collectives use gloo. A single-host machine
+    (worker 0 of 1) skips both and just returns its identity, so the same
+    program runs on a laptop, a local pod, an SSH pod and a TPU pod.
+    """
+    identity = worker()
+    if identity.count == 1:
+        return identity
+    rendezvous("pre_jax_init", timeout)
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
+    coordinator = identity.coordinator or f"{identity.hostnames[0]}:{DEFAULT_COORDINATOR_PORT}"
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=identity.count,
+        process_id=identity.id,
+        initialization_timeout=int(timeout),
+    )
+    return identity

@@ -1,0 +1,200 @@
+"""The rendezvous service of one launch: registration, named barriers, a small value exchange.
+
+``tpupod run`` starts it and tells every worker where it is and the launch's
+token. Protocol: one TCP connection per worker process, one JSON object per
+line. The first message registers (token, launch id, worker id, hostname,
+pid, a digest of what the worker will run); then each request gets one reply:
+
+* ``{"op": "barrier", "name": N, "timeout": S}`` -> ``{"ok": true}`` once all
+  ``count`` workers arrived, or ``{"error": "timeout", "arrived": [...],
+  "missing": [...]}``;
+* ``{"op": "exchange", "name": N, "value": V, "timeout": S}`` -> every
+  worker's value, ``{"values": {"0": V0, ...}}``.
+
+A worker with another launch id, a bad token or a worker id already taken is
+refused with a reason; the launcher hears of it too (``on_event``). If the
+registered workers report different digests, every barrier fails, naming
+the workers that differ from the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 300.0
+DIGEST_BARRIER = "__digests__"
+
+
+@dataclass
+class Member:
+    worker: int
+    hostname: str
+    pid: int
+    digest: str
+    uses: Counter[str] = field(default_factory=Counter)  # how often it used each name
+
+    def key(self, kind: str, name: str) -> str:
+        """The n-th use of a name is its own gathering, so a barrier can be passed again."""
+        self.uses[kind + name] += 1
+        return f"{kind}:{name}:{self.uses[kind + name]}"
+
+
+@dataclass
+class _Gathering:
+    """Workers arriving at one named barrier (or exchange), and their values."""
+
+    values: dict[int, Any] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RendezvousServer:
+    def __init__(
+        self, launch_id: str, token: str, count: int, on_event: Callable[[str], None] | None = None
+    ) -> None:
+        self.launch_id = launch_id
+        self.token = token
+        self.count = count
+        self.on_event = on_event or (lambda text: None)
+        self.members: dict[int, Member] = {}
+        self._gatherings: dict[str, _Gathering] = {}
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int = 0) -> tuple[str, int]:
+        self._server = await asyncio.start_server(self._handle, host, port, backlog=4096)
+        address = self._server.sockets[0].getsockname()
+        return str(address[0]), int(address[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        member = None
+        try:
+            member = self._register(json.loads(await reader.readline() or b"{}"))
+            _reply(writer, {"ok": True, "count": self.count})
+            while line := await reader.readline():
+                _reply(writer, await self._serve(member, json.loads(line)))
+                await writer.drain()
+        except _Refused as exc:
+            _reply(writer, {"error": str(exc)})
+            self.on_event(f"refused a worker: {exc}")
+        except (ConnectionError, ValueError):
+            pass
+        finally:
+            if member is not None and self.members.get(member.worker) is member:
+                del self.members[member.worker]
+            writer.close()
+
+    def _register(self, message: dict[str, Any]) -> Member:
+        if not hmac.compare_digest(str(message.get("token", "")), self.token):
+            raise _Refused("wrong rendezvous token (is this worker from another launch?)")
+        worker = int(message.get("worker", -1))
+        who = f"w{worker} ({message.get('hostname')}, pid {message.get('pid')})"
+        if message.get("launch_id") != self.launch_id:
+            raise _Refused(
+                f"{who} has launch id {message.get('launch_id')}, this launch is {self.launch_id}: "
+                "it was started by another 'tpupod run'"
+            )
+        if not 0 <= worker < self.count:
+            raise _Refused(f"{who}: worker id out of range 0..{self.count - 1}")
+        taken = self.members.get(worker)
+        if taken is not None:
+            raise _Refused(
+                f"{who}: worker id {worker} is already taken by {taken.hostname} pid {taken.pid}"
+            )
+        member = Member(
+            worker,
+            str(message.get("hostname")),
+            int(message.get("pid", 0)),
+            str(message.get("digest", "")),
+        )
+        self.members[worker] = member
+        return member
+
+    async def _serve(self, member: Member, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        name = str(request.get("name", ""))
+        timeout = float(request.get("timeout", DEFAULT_TIMEOUT_S))
+        if op == "barrier":
+            values = await self._gather(member.key("b", name), member, None, timeout)
+            if isinstance(values, dict) and "error" in values:
+                return values
+            return self._digest_check() or {"ok": True}
+        if op == "exchange":
+            values = await self._gather(
+                member.key("x", name), member, request.get("value"), timeout
+            )
+            if "error" in values:
+                return values
+            return {"values": {str(k): v for k, v in values.items()}}
+        return {"error": f"unknown request {op!r}"}
+
+    async def _gather(self, key: str, member: Member, value: Any, timeout: float) -> dict[Any, Any]:
+        gathering = self._gatherings.setdefault(key, _Gathering())
+        gathering.values[member.worker] = value
+        if len(gathering.values) == self.count:
+            gathering.done.set()
+        try:
+            await asyncio.wait_for(gathering.done.wait(), timeout)
+        except TimeoutError:
+            arrived = sorted(gathering.values)
+            missing = [w for w in range(self.count) if w not in gathering.values]
+            return {"error": "timeout", "arrived": arrived, "missing": missing}
+        return gathering.values
+
+    def _digest_check(self) -> dict[str, Any] | None:
+        digests = {m.worker: m.digest for m in self.members.values()}
+        common, _ = Counter(digests.values()).most_common(1)[0]
+        odd = sorted(w for w, d in digests.items() if d != common)
+        if not odd:
+            return None
+        hosts = ", ".join(f"w{w} ({self.members[w].hostname})" for w in odd)
+        return {
+            "error": "differ",
+            "workers": odd,
+            "message": f"{hosts} will run something different from the other workers "
+            "(code, config or command): their digests differ",
+        }
+
+
+class _Refused(Exception):
+    pass
+
+
+def _reply(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    if not writer.is_closing():
+        writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+
+class AsyncMember:
+    """A worker's side of the protocol in asyncio (tests and benchmarks run many in one process)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def join(
+        cls, address: tuple[str, int], registration: dict[str, Any]
+    ) -> tuple[AsyncMember, dict[str, Any]]:
+        reader, writer = await asyncio.open_connection(*address)
+        member = cls(reader, writer)
+        return member, await member.request(registration)
+
+    async def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        self._writer.write(json.dumps(message).encode() + b"\n")
+        await self._writer.drain()
+        reply: dict[str, Any] = json.loads(await self._reader.readline() or b'{"error": "closed"}')
+        return reply
+
+    async def close(self) -> None:
+        self._writer.close()
+        await self._writer.wait_closed()

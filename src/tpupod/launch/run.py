@@ -1,0 +1,263 @@
+"""``tpupod run``: one program on every worker in lockstep, supervised from outside.
+
+Preflight (every worker answers, JAX's coordinator port is free on worker 0,
+no process holds the accelerator), a new launch id and token, the rendezvous
+service, every worker's environment, then the fan-out with ``on_fail=kill``:
+when one JAX process dies its peers would wait out JAX's heartbeat timeout
+(about 100 s) and ignore TERM, so the launcher kills them (TERM, then KILL).
+Every line of output is also kept in ``runs/LAUNCH_ID/wN.log`` under the
+pod's state folder, with ``run.json`` describing the run.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from tpupod.errors import TpupodError
+from tpupod.fanout import Interrupt, LineHandler, NoticeHandler, execute_async
+from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
+from tpupod.launch.rendezvous import RendezvousServer
+from tpupod.ops.free_tpu import free_tpu_script
+from tpupod.pod import Pod, Worker
+from tpupod.providers import provider_for
+from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
+from tpupod.state import StateDir, write_atomic
+from tpupod.transport import Connector, OutputLine
+
+RUNS_DIR = "runs"
+RUN_FILE = "run.json"
+PREFLIGHT_TIMEOUT_S = 30.0
+
+# Is the port taken on the worker? (bash's /dev/tcp: no nc or ss needed.)
+PORT_CHECK = (
+    "if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then echo busy; else echo free; fi"
+)
+
+
+class PreflightError(TpupodError):
+    """A worker is not ready for a launch; nothing was started."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    launch_id: str
+    run_dir: Path
+    coordinator: str
+    rendezvous: str
+
+
+@dataclass(frozen=True)
+class RunResult:
+    launch: Launch
+    fanout: FanoutResult
+
+
+def new_launch_id() -> str:
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+async def run(
+    pod: Pod,
+    command: str,
+    *,
+    workers: Sequence[Worker] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    on_fail: OnFail = OnFail.KILL,
+    grace: float = DEFAULT_GRACE_S,
+    coordinator_port: int | None = None,
+    on_line: LineHandler | None = None,
+    on_notice: NoticeHandler | None = None,
+    interrupt: Interrupt | None = None,
+    state: StateDir | None = None,
+) -> RunResult:
+    """Launch ``command`` on every selected worker in lockstep and supervise it to the end."""
+    state = state or StateDir()
+    selected = list(workers) if workers is not None else list(pod.workers)
+    notice = on_notice or (lambda text: None)
+    connector = provider_for(pod.provider).connect(pod, state)
+    try:
+        port = coordinator_port or await _coordinator_port(pod, connector, selected)
+        await _preflight(pod, connector, selected, port)
+        launch_id = new_launch_id()
+        token = secrets.token_hex(16)
+        server = RendezvousServer(launch_id, token, len(selected), on_event=notice)
+        host, rv_port = await server.start(await connector.reachback(selected[0]))
+        launch = Launch(
+            launch_id=launch_id,
+            run_dir=state.pod_dir(pod.name) / RUNS_DIR / launch_id,
+            coordinator=f"{selected[0].internal_address}:{port}",
+            rendezvous=f"{host}:{rv_port}",
+        )
+        run_env = {
+            **(env or {}),
+            "TPUPOD_LAUNCH_ID": launch_id,
+            "TPUPOD_RENDEZVOUS": launch.rendezvous,
+            "TPUPOD_RENDEZVOUS_TOKEN": token,
+            "TPUPOD_COORDINATOR": launch.coordinator,
+        }
+        # A run's identity is the selected workers, renumbered 0..N-1 in order.
+        sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
+        notice(f"launch {launch_id}: {len(selected)} workers, logs in {launch.run_dir}")
+        with _RunLog(launch, command, selected) as log:
+            try:
+                result = await execute_async(
+                    sub_pod,
+                    command,
+                    env=run_env,
+                    timeout=timeout,
+                    on_fail=on_fail,
+                    grace=grace,
+                    on_line=log.tee(on_line),
+                    on_notice=on_notice,
+                    interrupt=interrupt,
+                    connector=_Renumbered(connector, selected) if sub_pod is not pod else connector,
+                )
+            finally:
+                await server.close()
+            log.finish(result)
+        return RunResult(launch, result)
+    finally:
+        await connector.close()
+
+
+async def _coordinator_port(pod: Pod, connector: Connector, workers: Sequence[Worker]) -> int:
+    """Local pods share this machine: take a free port. Real hosts: the TPU firewall's port."""
+    if pod.provider != "local":
+        return DEFAULT_COORDINATOR_PORT
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _preflight(pod: Pod, connector: Connector, workers: Sequence[Worker], port: int) -> None:
+    """Every worker answers; the coordinator port is free on worker 0; nothing holds a TPU."""
+    probe = await execute_async(
+        pod,
+        free_tpu_script(dry_run=True),
+        workers=workers,
+        connector=connector,
+        timeout=PREFLIGHT_TIMEOUT_S,
+    )
+    down = [r for r in probe.workers if not r.ok]
+    if down:
+        reasons = "; ".join(
+            f"{r.worker.label} ({r.worker.hostname}): {r.outcome_text()} {r.error or r.last_line}"
+            for r in down
+        )
+        raise PreflightError(
+            f"{len(down)} worker(s) not ready: {reasons}",
+            hint="'tpupod status' checks every worker",
+        )
+    busy = [r for r in probe.workers if any(line.startswith("holder:") for line in r.tail)]
+    if busy:
+        names = ", ".join(r.worker.label for r in busy)
+        raise PreflightError(
+            f"the accelerator is in use on {names}",
+            hint="'tpupod free-tpu --dry-run' shows by whom; 'tpupod free-tpu' frees it",
+        )
+    check = await execute_async(
+        pod,
+        PORT_CHECK.format(port=port),
+        workers=[workers[0]],
+        connector=connector,
+        timeout=PREFLIGHT_TIMEOUT_S,
+    )
+    if check.workers[0].last_line == "busy":
+        raise PreflightError(
+            f"port {port} (JAX's coordinator) is in use on {workers[0].label} "
+            f"({workers[0].hostname})",
+            hint="stop what holds it (an earlier run?), or pass --coordinator-port",
+        )
+
+
+def _subset(pod: Pod, selected: Sequence[Worker]) -> Pod:
+    """A pod of just the selected workers, numbered 0..N-1 (JAX wants dense process ids)."""
+    renumbered = tuple(w.model_copy(update={"id": i}) for i, w in enumerate(selected))
+    return pod.model_copy(update={"workers": renumbered})
+
+
+class _Renumbered:
+    """A connector that maps a subset's worker ids back to the pod's workers."""
+
+    def __init__(self, connector: Connector, selected: Sequence[Worker]) -> None:
+        self._connector = connector
+        self._selected = list(selected)
+
+    def transport(self, worker: Worker) -> Any:
+        return self._connector.transport(self._selected[worker.id])
+
+    async def reachback(self, worker: Worker) -> str:
+        return await self._connector.reachback(self._selected[worker.id])
+
+    async def close(self) -> None:
+        return None
+
+
+class _RunLog:
+    """Per-worker log files and the run's record (``run.json``), written as the run goes."""
+
+    def __init__(self, launch: Launch, command: str, workers: Sequence[Worker]) -> None:
+        self.launch = launch
+        self.record: dict[str, Any] = {
+            "launch_id": launch.launch_id,
+            "command": command,
+            "workers": [{"id": i, "hostname": w.hostname} for i, w in enumerate(workers)],
+            "coordinator": launch.coordinator,
+            "started": time.time(),
+            "finished": None,
+        }
+        self.files: dict[int, IO[str]] = {}
+
+    def __enter__(self) -> _RunLog:
+        self.launch.run_dir.mkdir(parents=True, exist_ok=True)
+        for worker in self.record["workers"]:
+            path = self.launch.run_dir / f"w{worker['id']}.log"
+            self.files[worker["id"]] = path.open("a", encoding="utf-8")
+        self._save()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for file in self.files.values():
+            file.close()
+
+    def tee(self, on_line: LineHandler | None) -> LineHandler:
+        def handle(worker: Worker, line: OutputLine) -> None:
+            file = self.files[worker.id]
+            file.write(line.text + "\n")
+            file.flush()
+            if on_line is not None:
+                on_line(worker, line)
+
+        return handle
+
+    def finish(self, result: FanoutResult) -> None:
+        self.record["finished"] = time.time()
+        self.record["exit_code"] = result.exit_code()
+        self.record["results"] = [
+            {"worker": r.worker.id, "outcome": r.outcome_text(), "last_line": r.last_line}
+            for r in result.workers
+        ]
+        self._save()
+
+    def _save(self) -> None:
+        write_atomic(self.launch.run_dir / RUN_FILE, json.dumps(self.record, indent=2) + "\n")
+
+
+def runs(state: StateDir, pod_name: str) -> list[Path]:
+    """The pod's run folders, oldest first (launch ids sort by time)."""
+    folder = state.pod_dir(pod_name) / RUNS_DIR
+    return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+
+def run_record(run_dir: Path) -> dict[str, Any]:
+    record: dict[str, Any] = json.loads((run_dir / RUN_FILE).read_text())
+    return record

@@ -1,0 +1,281 @@
+"""Lockstep launch: identity, rendezvous, and `tpupod run` of a real multi-process JAX program."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult, require
+from tpupod.launch.identity import IdentityError, worker
+from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
+from tpupod.pod import Pod
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAM = ROOT / "examples" / "lockstep_sum.py"
+PYTHON = sys.executable
+
+
+# -- identity -------------------------------------------------------------------------
+
+
+def no_metadata(key: str) -> str | None:
+    return None
+
+
+def test_identity_from_tpupod_variables() -> None:
+    env = {
+        "TPUPOD_WORKER_ID": "2",
+        "TPUPOD_NUM_WORKERS": "4",
+        "TPUPOD_WORKER_HOSTNAMES": "a,b,c,d",
+        "TPUPOD_LAUNCH_ID": "L1",
+        "TPUPOD_COORDINATOR": "a:8476",
+        "TPUPOD_POD": "dev",
+        "TPU_WORKER_ID": "0",
+        "TPU_WORKER_HOSTNAMES": "x",
+    }
+    found = worker(env, no_metadata)
+    assert (found.id, found.count, found.hostnames, found.source) == (
+        2,
+        4,
+        ("a", "b", "c", "d"),
+        "tpupod",
+    )
+    assert (found.launch_id, found.coordinator, found.pod) == ("L1", "a:8476", "dev")
+
+
+def test_identity_from_gke() -> None:
+    found = worker({"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "h0,h1,h2"}, no_metadata)
+    assert (found.id, found.count, found.source) == (1, 3, "gke")
+
+
+def test_identity_from_gce_metadata() -> None:
+    data = {
+        "agent-worker-number": "3",
+        "worker-network-endpoints": "n:0:10.0.0.2,n:1:10.0.0.3,n:2:10.0.0.4,n:3:10.0.0.5",
+    }
+    found = worker({}, data.get)
+    assert (found.id, found.count, found.source) == (3, 4, "gce-metadata")
+    assert found.hostnames[3] == "10.0.0.5"
+
+
+def test_a_single_host_is_worker_0_of_1() -> None:
+    found = worker({}, None)
+    assert (found.id, found.count, found.source) == (0, 1, "single-host")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CLOUD_TPU_TASK_ID": "0"}, "only CLOUD_TPU_TASK_ID=0 says which worker"),
+        ({"TPU_WORKER_ID": "1"}, "only TPU_WORKER_ID=1 says which worker"),
+        (
+            {"TPUPOD_WORKER_ID": "x", "TPUPOD_NUM_WORKERS": "2"},
+            "TPUPOD_WORKER_ID='x' is not a number",
+        ),
+        ({"TPUPOD_WORKER_ID": "4", "TPUPOD_NUM_WORKERS": "4"}, "worker id 4 is not in 0..3"),
+        (
+            {"TPUPOD_WORKER_ID": "0", "TPUPOD_NUM_WORKERS": "3", "TPUPOD_WORKER_HOSTNAMES": "a,b"},
+            "TPUPOD_NUM_WORKERS=3 but TPUPOD_WORKER_HOSTNAMES lists 2 hosts",
+        ),
+    ],
+)
+def test_ambiguous_identity_is_an_error(env: dict[str, str], message: str) -> None:
+    with pytest.raises(IdentityError, match=message) as info:
+        worker(env, no_metadata)
+    assert info.value.hint
+
+
+# -- rendezvous -----------------------------------------------------------------------
+
+
+def registration(
+    worker_id: int, launch_id: str = "L", token: str = "t", digest: str = "d"
+) -> dict[str, object]:
+    return {
+        "token": token,
+        "launch_id": launch_id,
+        "worker": worker_id,
+        "hostname": f"h{worker_id}",
+        "pid": 100 + worker_id,
+        "digest": digest,
+    }
+
+
+async def serve(
+    count: int, events: list[str] | None = None
+) -> tuple[RendezvousServer, tuple[str, int]]:
+    server = RendezvousServer(
+        "L", "t", count, on_event=(events.append if events is not None else None)
+    )
+    return server, await server.start("127.0.0.1")
+
+
+def test_refusals_are_clear_on_both_sides() -> None:
+    async def go() -> list[str]:
+        events: list[str] = []
+        server, address = await serve(2, events)
+        first, ok = await AsyncMember.join(address, registration(0))
+        assert ok == {"ok": True, "count": 2}
+        a, other_launch = await AsyncMember.join(address, registration(1, launch_id="OTHER"))
+        b, taken = await AsyncMember.join(address, registration(0))
+        c, bad_token = await AsyncMember.join(address, registration(1, token="nope"))
+        for member in (first, a, b, c):
+            await member.close()
+        await server.close()
+        return [other_launch["error"], taken["error"], bad_token["error"], *events]
+
+    replies = asyncio.run(go())
+    assert "has launch id OTHER, this launch is L" in replies[0]
+    assert "worker id 0 is already taken by h0 pid 100" in replies[1]
+    assert "wrong rendezvous token" in replies[2]
+    assert len(replies) == 6 and all(r.startswith("refused a worker:") for r in replies[3:])
+
+
+def test_a_barrier_timeout_names_who_is_missing() -> None:
+    async def go() -> dict[str, object]:
+        server, address = await serve(3)
+        members = [(await AsyncMember.join(address, registration(i)))[0] for i in (0, 2)]
+        replies = await asyncio.gather(
+            *(m.request({"op": "barrier", "name": "b", "timeout": 0.3}) for m in members)
+        )
+        for member in members:
+            await member.close()
+        await server.close()
+        return replies[0]
+
+    assert asyncio.run(go()) == {"error": "timeout", "arrived": [0, 2], "missing": [1]}
+
+
+def test_differing_digests_fail_the_barrier_naming_the_odd_worker() -> None:
+    async def go() -> list[dict[str, object]]:
+        server, address = await serve(3)
+        members = [
+            (await AsyncMember.join(address, registration(i, digest="x" if i == 1 else "d")))[0]
+            for i in range(3)
+        ]
+        replies = await asyncio.gather(
+            *(m.request({"op": "barrier", "name": "b", "timeout": 5}) for m in members)
+        )
+        for member in members:
+            await member.close()
+        await server.close()
+        return list(replies)
+
+    replies = asyncio.run(go())
+    assert all(r["error"] == "differ" and r["workers"] == [1] for r in replies)
+    assert "w1 (h1) will run something different" in str(replies[0]["message"])
+
+
+def test_1024_clients_pass_one_barrier_twice() -> None:
+    async def go() -> float:
+        server, address = await serve(1024)
+        members = [(await AsyncMember.join(address, registration(i)))[0] for i in range(1024)]
+        started = time.perf_counter()
+        for name in ("b", "b"):  # the same name twice is two barriers
+            replies = await asyncio.gather(
+                *(m.request({"op": "barrier", "name": name, "timeout": 30}) for m in members)
+            )
+            assert all(r == {"ok": True} for r in replies)
+        elapsed = (time.perf_counter() - started) / 2
+        await asyncio.gather(*(m.close() for m in members))
+        await server.close()
+        return elapsed
+
+    assert asyncio.run(go()) < 5  # benchmarks/launch.py measures it; this only bounds it
+
+
+# -- tpupod run -------------------------------------------------------------------------
+
+
+def needs_jax() -> None:
+    require(
+        importlib.util.find_spec("jax") is not None,
+        "jax is not installed (pip install -e '.[test]')",
+    )
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_run_a_lockstep_jax_program_on_a_local_pod(
+    workers: int, make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    needs_jax()
+    pod = make_pod(workers, devices=2)
+    result = cli("run", "--pod", pod.name, "--", PYTHON, str(PROGRAM), timeout=120)
+    assert result.code == 0, result.err[-2000:]
+    n = 2 * workers
+    lines = [line for line in result.out.splitlines() if "cross-host sum" in line]
+    assert len(lines) == workers
+    for i in range(workers):
+        assert any(
+            line.startswith(f"[w{i}]") and f"worker {i} of {workers}" in line for line in lines
+        )
+    assert all(
+        f"{n} devices in the mesh, cross-host sum {n * (n + 1) // 2} " in line for line in lines
+    )
+    assert all(f"processes {list(range(workers))}" in line for line in lines)
+
+
+def test_run_over_ssh_on_the_simulated_pod(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    needs_jax()
+    pod = make_ssh_pod(2, env={"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"})
+    result = cli("run", "--pod", pod.name, "--", PYTHON, str(PROGRAM), timeout=120)
+    assert result.code == 0, result.err[-2000:]
+    lines = [line for line in result.out.splitlines() if "cross-host sum 10 (expected 10)" in line]
+    assert len(lines) == 2 and any("[w1]" in line for line in lines)
+
+
+def test_a_worker_that_dies_ends_the_run_quickly(
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    leftovers: Callable[[Pod], list[str]],
+) -> None:
+    needs_jax()
+    pod = make_pod(3, devices=1)
+    program = (
+        "import os, time, tpupod; me = tpupod.init_jax(); import jax; jax.devices(); "
+        "print('initialized', flush=True); "
+        "os._exit(3) if me.id == 1 else time.sleep(120)"
+    )
+    result = cli("run", "--pod", pod.name, "--grace", "2", "--", PYTHON, "-c", program, timeout=120)
+    assert result.code == 3
+    assert result.seconds < 30  # JAX alone would wait out its 100 s heartbeat
+    assert "first failure: w1" in result.err and "exit 3" in result.err
+    assert leftovers(pod) == []
+
+
+def test_logs_keep_every_workers_output(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    pod = make_pod(2)
+    program = "import tpupod; me = tpupod.rendezvous('start'); print(f'hello from {me.id}')"
+    result = cli("run", "--pod", pod.name, "--", PYTHON, "-c", program)
+    assert result.code == 0, result.err
+    logs = cli("logs", "--pod", pod.name)
+    assert sorted(logs.out.splitlines()) == ["[w0] hello from 0", "[w1] hello from 1"]
+    only = cli("logs", "--pod", pod.name, "--worker", "1")
+    assert only.out.splitlines() == ["[w1] hello from 1"]
+    run_dir = next((state_home / "pods" / pod.name / "runs").iterdir())
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["exit_code"] == 0 and record["finished"]
+
+
+def test_assert_same_names_the_odd_worker(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(3)
+    program = (
+        "import os, tpupod; me = tpupod.worker(); "
+        "tpupod.assert_same({'lr': 0.1 if me.id != 2 else 0.2}, 'config')"
+    )
+    result = cli("run", "--pod", pod.name, "--on-fail", "wait", "--", PYTHON, "-c", program)
+    assert result.code != 0
+    assert result.err.count("workers disagree on 'config': w2: {'lr': 0.2}") >= 3
