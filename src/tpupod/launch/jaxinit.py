@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 from tpupod.launch.client import rendezvous
 from tpupod.launch.identity import WorkerIdentity, worker
@@ -23,12 +25,14 @@ def init_jax(timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:
     identity = worker()
     if identity.count == 1:
         return identity
-    rendezvous("pre_jax_init", timeout)
-    import jax
+    import jax  # importing starts no backend; every worker does it at once, before the barrier
 
+    rendezvous("pre_jax_init", timeout)
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
     coordinator = identity.coordinator or f"{identity.hostnames[0]}:{DEFAULT_COORDINATOR_PORT}"
+    if not identity.is_coordinator:
+        _wait_for_port(coordinator, timeout)
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=identity.count,
@@ -36,3 +40,15 @@ def init_jax(timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:
         initialization_timeout=int(timeout),
     )
     return identity
+
+
+def _wait_for_port(address: str, timeout: float) -> None:
+    """Wait until worker 0's coordinator listens: JAX's own client backs off ~1 s on a refusal."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.01)

@@ -1,8 +1,10 @@
 """A shell snippet that waits while any of some files is locked (by fcntl/lockf or flock).
 
 It reads ``/proc/locks`` rather than calling ``fuser`` or ``lsof``, which a
-fresh host may not have. A lock there is named by device and inode, as
-``MAJOR:MINOR:INODE`` (major and minor in hex).
+fresh host may not have. A lock there is named ``MAJOR:MINOR:INODE``; the
+device is not compared, since on overlay filesystems (containers) ``stat``
+reports the overlay's device and ``/proc/locks`` the real one: a holder
+found by inode is confirmed by its open file descriptors instead.
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ from __future__ import annotations
 WAIT_FOR_LOCKS = """lock_holder() {{
   for f in {locks}; do
     [ -e "$f" ] || continue
-    d=$((0x$(stat -c %D "$f"))); i=$(stat -c %i "$f")
-    key=$(printf '%02x:%02x:%s' $(( (d >> 8) & 0xfff )) $(( (d & 0xff) | ((d >> 12) & 0xfff00) )) "$i")
-    pid=$(awk -v k="$key" '$2 != "->" && $6 == k {{ print $5; exit }}' /proc/locks)
-    if [ -n "$pid" ]; then echo "$f $pid"; return 0; fi
+    i=$(stat -c %i "$f")
+    # Match the inode (an overlay reports another device than /proc/locks), then confirm
+    # that the process really has this file open.
+    for pid in $(awk -v i=":$i" '$2 != "->" && substr($6, length($6) - length(i) + 1) == i {{ print $5 }}' /proc/locks); do
+      for fd in /proc/"$pid"/fd/*; do
+        if [ "$(readlink "$fd" 2>/dev/null)" = "$f" ]; then echo "$f $pid"; return 0; fi
+      done
+    done
   done
   return 1
 }}
