@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -12,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, require
+from tests.conftest import CliResult, require, tpupod_argv
 from tpupod.launch.identity import IdentityError, worker
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
 from tpupod.pod import Pod
+from tpupod.sim import SimPod
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "examples" / "lockstep_sum.py"
@@ -279,3 +283,95 @@ def test_assert_same_names_the_odd_worker(
     result = cli("run", "--pod", pod.name, "--on-fail", "wait", "--", PYTHON, "-c", program)
     assert result.code != 0
     assert result.err.count("workers disagree on 'config': w2: {'lr': 0.2}") >= 3
+
+
+def test_run_with_sync_runs_the_shipped_commit(
+    make_pod: Callable[..., Pod], state_home: Path, tmp_path: Path
+) -> None:
+    pod = make_pod(2)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "prog.py").write_text(
+        "import os, tpupod\nme = tpupod.rendezvous('start')\n"
+        "print(me.id, os.environ['TPUPOD_CODE_COMMIT'][:12], os.path.basename(os.getcwd()))\n"
+    )
+    git_env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@e",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@e",
+    }
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "prog"]):
+        subprocess.run(["git", "-C", str(repo), *argv], check=True, env=git_env)
+    head = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    proc = subprocess.run(
+        tpupod_argv("run", "--pod", pod.name, "--sync", "code", "--", PYTHON, "prog.py"),
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [
+        f"[w0] 0 {head[:12]} code",
+        f"[w1] 1 {head[:12]} code",
+    ]
+    assert f"every worker at {head[:12]} in code" in proc.stderr
+
+
+def test_preflight_refuses_a_busy_coordinator_port(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    pod = make_pod(2)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = cli(
+            "run", "--pod", pod.name, "--coordinator-port", str(port), "--", "echo started"
+        )
+    assert result.code == 1
+    assert f"port {port} (JAX's coordinator) is in use on w0" in result.err
+    assert "started" not in result.out
+    assert not (state_home / "pods" / pod.name / "runs").exists()
+
+
+def test_preflight_refuses_when_the_accelerator_is_held(
+    make_ssh_pod: Callable[..., Pod], sim: SimPod, cli: Callable[..., CliResult]
+) -> None:
+    pod = make_ssh_pod()
+    sim.run_on(2, "sh -c 'exec 3>/tmp/fake-accel1; sleep 60' >/dev/null 2>&1 &")
+    result = cli(
+        "run",
+        "--pod",
+        pod.name,
+        "--",
+        "echo started",
+        env={"TPUPOD_ACCELERATOR_DEVICES": "/tmp/fake-accel*"},
+    )
+    assert result.code == 1
+    assert "the accelerator is in use on w2" in result.err and "tpupod free-tpu" in result.err
+    assert "started" not in result.out
+
+
+def test_logs_follow_a_running_launch(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    pod = make_pod(2)
+    program = "import time; print('one', flush=True); time.sleep(1.5); print('two', flush=True)"
+    run = subprocess.Popen(
+        tpupod_argv("run", "--pod", pod.name, "-q", "--", PYTHON, "-c", program),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    runs_dir = state_home / "pods" / pod.name / "runs"
+    deadline = time.monotonic() + 10
+    while not (runs_dir.exists() and any(runs_dir.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    follow = cli("logs", "--pod", pod.name, "--follow", timeout=30)
+    run.wait(timeout=30)
+    assert sorted(follow.out.splitlines()) == ["[w0] one", "[w0] two", "[w1] one", "[w1] two"]
+    assert "ended with exit code 0" in follow.err

@@ -45,3 +45,10 @@ def holder_idle_s() -> float:
         return float(os.environ.get("TPUPOD_HOLDER_IDLE", "600"))
     except ValueError:
         return 600.0
+
+
+def accelerator_devices(default: tuple[str, ...]) -> tuple[str, ...]:
+    """Device-file patterns that mean "holds the accelerator" (``TPUPOD_ACCELERATOR_DEVICES``,
+    colon-separated), for hosts whose accelerator is not at /dev/accel* or /dev/vfio/*."""
+    value = os.environ.get("TPUPOD_ACCELERATOR_DEVICES")
+    return tuple(p for p in value.split(":") if p) if value else default

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from tpupod import settings
 from tpupod.cli import command
 from tpupod.cli.exec import QuietOption, TimeoutOption, WorkerOption
 from tpupod.cli.options import PodOption
@@ -272,7 +273,7 @@ def free_tpu(
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
-    devices = device or list(defaults.ACCELERATOR_DEVICES)
+    devices = device or list(settings.accelerator_devices(defaults.ACCELERATOR_DEVICES))
     result = run_live(
         workers,
         quiet,

@@ -35,6 +35,16 @@ def run(
     grace: GraceOption = DEFAULT_GRACE_S,
     quiet: QuietOption = False,
     env: EnvOption = None,
+    sync: Annotated[
+        str | None,
+        typer.Option(
+            "--sync",
+            metavar="DIR",
+            help="First ship this repository's HEAD to DIR on "
+            "every worker (all must end at the same commit), and run the program there.",
+            show_default=False,
+        ),
+    ] = None,
     coordinator_port: Annotated[
         int | None,
         typer.Option(
@@ -56,6 +66,8 @@ def run(
 
       tpupod run -- python train.py --steps 100
 
+      tpupod run --sync ~/code -- python train.py   # this repository's HEAD, on every worker
+
       tpupod run --timeout 3600 -e XLA_FLAGS=--xla_dump_to=/tmp/x -- python bench.py
     """
     from tpupod.launch.run import run as launch_run
@@ -75,6 +87,7 @@ def run(
             on_fail=on_fail,
             grace=grace,
             coordinator_port=coordinator_port,
+            sync_dir=sync,
             on_line=live.on_line,
             on_notice=live.on_notice,
             interrupt=live.interrupt,

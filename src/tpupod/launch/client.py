@@ -123,11 +123,12 @@ def assert_same(value: Any, name: str, timeout: float = DEFAULT_TIMEOUT_S) -> No
 
 
 def program_digest() -> str:
-    """What this worker will run: its command line and main script, plus TPUPOD_CONFIG_DIGEST."""
+    """What this worker runs: command line, main script, synced commit, TPUPOD_CONFIG_DIGEST."""
     digest = hashlib.sha256(json.dumps(sys.argv).encode())
     main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     if main is not None and main.is_file():
         digest.update(main.read_bytes())
+    digest.update(os.environ.get("TPUPOD_CODE_COMMIT", "").encode())
     digest.update(os.environ.get("TPUPOD_CONFIG_DIGEST", "").encode())
     return digest.hexdigest()
 

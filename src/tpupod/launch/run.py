@@ -21,11 +21,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from tpupod import settings
 from tpupod.errors import TpupodError
 from tpupod.fanout import Interrupt, LineHandler, NoticeHandler, execute_async
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import RendezvousServer
+from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
+from tpupod.ops.sync import shell_path, sync_local
 from tpupod.pod import Pod, Worker
 from tpupod.providers import provider_for
 from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
@@ -74,6 +77,8 @@ async def run(
     on_fail: OnFail = OnFail.KILL,
     grace: float = DEFAULT_GRACE_S,
     coordinator_port: int | None = None,
+    sync_dir: str | None = None,
+    repo: Path | None = None,
     on_line: LineHandler | None = None,
     on_notice: NoticeHandler | None = None,
     interrupt: Interrupt | None = None,
@@ -87,6 +92,17 @@ async def run(
     try:
         port = coordinator_port or await _coordinator_port(pod, connector, selected)
         await _preflight(pod, connector, selected, port)
+        if sync_dir is not None:
+            commit = await _sync(
+                pod,
+                connector=connector,
+                workers=selected,
+                repo=repo or Path.cwd(),
+                directory=sync_dir,
+                notice=notice,
+            )
+            env = {**(env or {}), "TPUPOD_CODE_COMMIT": commit}
+            command = f"cd {shell_path(sync_dir)} && {command}"
         launch_id = new_launch_id()
         token = secrets.token_hex(16)
         server = RendezvousServer(launch_id, token, len(selected), on_event=notice)
@@ -140,9 +156,10 @@ async def _coordinator_port(pod: Pod, connector: Connector, workers: Sequence[Wo
 
 async def _preflight(pod: Pod, connector: Connector, workers: Sequence[Worker], port: int) -> None:
     """Every worker answers; the coordinator port is free on worker 0; nothing holds a TPU."""
+    devices = settings.accelerator_devices(defaults.ACCELERATOR_DEVICES)
     probe = await execute_async(
         pod,
-        free_tpu_script(dry_run=True),
+        free_tpu_script(devices=devices, dry_run=True),
         workers=workers,
         connector=connector,
         timeout=PREFLIGHT_TIMEOUT_S,
@@ -177,6 +194,30 @@ async def _preflight(pod: Pod, connector: Connector, workers: Sequence[Worker], 
             f"({workers[0].hostname})",
             hint="stop what holds it (an earlier run?), or pass --coordinator-port",
         )
+
+
+async def _sync(
+    pod: Pod,
+    *,
+    connector: Connector,
+    workers: Sequence[Worker],
+    repo: Path,
+    directory: str,
+    notice: NoticeHandler,
+) -> str:
+    """Ship the local HEAD to ``directory`` on every worker; all must end at that commit."""
+    result = await sync_local(pod, repo, directory, workers=workers, connector=connector)
+    if not result.ok:
+        failed = [r for r in result.fanout.workers if not r.ok]
+        detail = "; ".join(f"{r.worker.label}: {r.error or r.last_line}" for r in failed)
+        odd = ", ".join(f"w{w}" for w in result.differing)
+        raise PreflightError(
+            f"sync to {directory} failed: {detail or f'{odd} not at {result.expected}'}",
+            hint="'tpupod sync --from-local' shows each worker's output",
+        )
+    assert result.expected is not None
+    notice(f"every worker at {result.expected[:12]} in {directory}")
+    return result.expected
 
 
 def _subset(pod: Pod, selected: Sequence[Worker]) -> Pod:

@@ -120,7 +120,7 @@ async def sync_remote(
     """Fetch ``ref`` from ``repo_url`` into ``directory`` on every worker and check it out."""
     fetch = FETCH_REMOTE.format(url=shlex.quote(repo_url), ref=shlex.quote(ref))
     script = CHECKOUT.format(
-        before="", dir=_shell_path(directory), fetch=fetch, marker=COMMIT_MARKER
+        before="", dir=shell_path(directory), fetch=fetch, marker=COMMIT_MARKER
     )
     result = await execute_async(
         pod,
@@ -148,7 +148,7 @@ async def sync_local(
 ) -> SyncResult:
     """Ship the local repository's HEAD (committed, pushed or not) to every worker."""
     head = _git(repo, "rev-parse", "HEAD")
-    quoted_dir = _shell_path(directory)
+    quoted_dir = shell_path(directory)
     probe = await execute_async(
         pod,
         f"git -C {quoted_dir} rev-parse HEAD 2>/dev/null || true",
@@ -170,7 +170,7 @@ async def sync_local(
         sent = await put(pod, bundle, remote_bundle, workers=selected, connector=connector)
     if not sent.ok:
         return SyncResult(sent, {}, head)
-    before = BUNDLE_PATH.format(bundle=_shell_path(remote_bundle))
+    before = BUNDLE_PATH.format(bundle=shell_path(remote_bundle))
     script = CHECKOUT.format(
         before=before, dir=quoted_dir, fetch=FETCH_BUNDLE, marker=COMMIT_MARKER
     )
@@ -215,7 +215,7 @@ def _git(repo: Path, *args: str) -> str:
     return proc.stdout.strip()
 
 
-def _shell_path(path: str) -> str:
+def shell_path(path: str) -> str:
     """Quote a path for the shell, keeping a leading ``~/`` expandable."""
     return "~/" + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
 
