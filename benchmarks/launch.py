@@ -4,7 +4,8 @@
 
 1. Time from starting ``tpupod run`` to the first line of the program on
    every worker, beside the same JAX program started by hand (one background
-   process per worker, its environment set in the script) in the same run.
+   process per worker, its environment set in the script) in the same run;
+   also over SSH on a simulated pod (as root), beside one ``ssh`` per host.
 2. Latency of one barrier for 16, 256 and 1,024 clients of one rendezvous
    service (asyncio clients in this process).
 """
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -25,10 +27,21 @@ from pathlib import Path
 
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
 from tpupod.lifecycle import up
-from tpupod.spec import LocalPodSpec
+from tpupod.sim import SimPod
+from tpupod.spec import LocalPodSpec, spec_from_mapping
 from tpupod.state import StateDir
 
 TPUPOD = str(Path(sys.executable).with_name("tpupod"))
+SSH_OPTIONS = [
+    "-o",
+    "BatchMode=yes",
+    "-o",
+    "StrictHostKeyChecking=no",
+    "-o",
+    "UserKnownHostsFile=/dev/null",
+    "-o",
+    "LogLevel=ERROR",
+]
 # The program: meet the others, start JAX, print one line (what "first line" times).
 PROGRAM = (
     "import tpupod; me = tpupod.init_jax(); import jax; "
@@ -79,6 +92,41 @@ def by_hand(count: int) -> float:
     return first_lines(["bash", "-c", script], count, dict(os.environ))
 
 
+def by_hand_ssh(sim: SimPod, port: int) -> float:
+    """One `ssh` per host, each starting the program with its identity in the environment."""
+    count = len(sim.hosts)
+    env = f"N={count} COORD={sim.hosts[0].address}:{port} JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=2"
+    ssh = f"ssh {' '.join(SSH_OPTIONS)} -i {sim.key}"
+    script = " ".join(
+        f"{ssh} root@{h.address} "
+        + shlex.quote(f"I={h.index} {env} {sys.executable} -c {shlex.quote(BY_HAND)}")
+        + " &"
+        for h in sim.hosts
+    )
+    return first_lines(["bash", "-c", script + " wait"], count, dict(os.environ))
+
+
+def measure_ssh_launch(hosts: int, runs: int) -> None:
+    with SimPod(hosts) as sim:
+        spec = spec_from_mapping(
+            {
+                "name": "launchssh",
+                "provider": "ssh",
+                "user": "root",
+                "key": str(sim.key),
+                "hosts": [h.address for h in sim.hosts],
+                "env": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"},
+            },
+            "bench",
+        )
+        up(spec, StateDir())
+        command = [TPUPOD, "run", "--pod", "launchssh", "--", sys.executable, "-c", PROGRAM]
+        ours = [first_lines(command, hosts, dict(os.environ)) for _ in range(runs)]
+        hand = [by_hand_ssh(sim, 8477 + i) for i in range(runs)]
+        a, b = statistics.median(ours), statistics.median(hand)
+        print(f"| {hosts:4d} SSH | {a:20.2f} | {b:17.2f} | {a - b:10.2f} | {a / b:5.2f} |")
+
+
 def measure_launch(counts: list[int], runs: int) -> None:
     print("\n| workers | tpupod run, median s | by hand, median s | overhead s | ratio |")
     print("|--------:|---------------------:|------------------:|-----------:|------:|")
@@ -125,11 +173,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--clients", type=int, nargs="+", default=[16, 256, 1024])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--ssh-hosts", type=int, default=2, help="0 skips the SSH row (needs root)")
     args = parser.parse_args()
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     with tempfile.TemporaryDirectory(prefix="tpupod-bench-") as home:
         os.environ["TPUPOD_HOME"] = home
         measure_launch(args.workers, args.runs)
+        if args.ssh_hosts:
+            measure_ssh_launch(args.ssh_hosts, args.runs)
     print("\n| clients | one barrier, median ms (10 rounds) |")
     print("|--------:|-----------------------------------:|")
     for clients in args.clients:
