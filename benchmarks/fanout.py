@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from common import SSH_OPTIONS, TPUPOD
+
 from tpupod.fanout import execute_async
 from tpupod.holder.client import stop_holder
 from tpupod.lifecycle import up
@@ -33,18 +35,6 @@ from tpupod.providers import connect
 from tpupod.sim import SimPod
 from tpupod.spec import spec_from_mapping
 from tpupod.state import StateDir
-
-TPUPOD = str(Path(sys.executable).with_name("tpupod"))
-SSH_OPTIONS = [
-    "-o",
-    "BatchMode=yes",
-    "-o",
-    "StrictHostKeyChecking=no",
-    "-o",
-    "UserKnownHostsFile=/dev/null",
-    "-o",
-    "LogLevel=ERROR",
-]
 
 FABRIC = """
 import sys

@@ -23,7 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from common import SSH_OPTIONS, TPUPOD
 
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
 from tpupod.lifecycle import up
@@ -31,17 +32,6 @@ from tpupod.sim import SimPod
 from tpupod.spec import LocalPodSpec, spec_from_mapping
 from tpupod.state import StateDir
 
-TPUPOD = str(Path(sys.executable).with_name("tpupod"))
-SSH_OPTIONS = [
-    "-o",
-    "BatchMode=yes",
-    "-o",
-    "StrictHostKeyChecking=no",
-    "-o",
-    "UserKnownHostsFile=/dev/null",
-    "-o",
-    "LogLevel=ERROR",
-]
 # The program: meet the others, start JAX, print one line (what "first line" times).
 PROGRAM = (
     "import tpupod; me = tpupod.init_jax(); import jax; "
