@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tpupod.fanout import Interrupt, execute_async
 from tpupod.holder import socket_path
@@ -137,9 +137,22 @@ def run(home: Path, name: str, idle_s: float) -> None:
     state = StateDir(home)
     pod = state.load(name)
     path = socket_path(state.pod_dir(name))
-    with open(path.with_suffix(".lock"), "w") as lock:
+    lock_path = path.with_suffix(".lock")
+    with open(lock_path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return
-        asyncio.run(Holder(state, pod, idle_s).serve(path))
+        if not _same_file(lock, lock_path):
+            return  # an exiting holder removed this file after we opened it: let the next try
+        try:
+            asyncio.run(Holder(state, pod, idle_s).serve(path))
+        finally:
+            lock_path.unlink(missing_ok=True)  # still locked: no other holder can be inside
+
+
+def _same_file(handle: IO[str], path: Path) -> bool:
+    try:
+        return os.fstat(handle.fileno()).st_ino == path.stat().st_ino
+    except FileNotFoundError:
+        return False
