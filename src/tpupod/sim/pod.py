@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from tpupod import procfs
+
 PREFIX = "tps"
 STATE_ROOT = Path("/run/tpupod-sim")
 SSHD = "/usr/sbin/sshd"
@@ -346,7 +348,7 @@ def cleanup_stale() -> None:
             owner = None
         if owner is None and time.time() - path.stat().st_mtime < 60:
             continue  # being created right now
-        if owner is None or not Path(f"/proc/{owner}").exists():
+        if owner is None or not _alive(owner):
             _teardown(int(path.name))
 
 
@@ -357,14 +359,28 @@ def _teardown(index: int) -> None:
     # Every process still inside one of this pod's network namespaces.
     namespaces = _run(["ip", "netns", "list"], check=False).stdout.split()
     for netns in (n for n in namespaces if n.startswith(tag)):
-        pids = _run(["ip", "netns", "pids", netns], check=False).stdout.split()
-        for pid in pids:
+        for pid in _run(["ip", "netns", "pids", netns], check=False).stdout.split():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
         _run(["ip", "netns", "del", netns], check=False)
         shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
+    # And anything still running from this pod's files (an sshd whose namespace is gone).
+    marker = f"{STATE_ROOT / str(index)}/".encode()
+    for number in procfs.pids():
+        try:
+            with open(f"/proc/{number}/cmdline", "rb") as f:
+                if marker in f.read():
+                    os.kill(number, signal.SIGKILL)
+        except OSError:
+            continue
     _run(["ip", "link", "del", f"{PREFIX}{index}br"], check=False)
     shutil.rmtree(STATE_ROOT / str(index), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie: an owner killed under a parent that never reaps it is gone too."""
+    st = procfs.stat(pid)
+    return st is not None and st.alive
 
 
 def _port_open(address: str, port: int) -> bool:
