@@ -375,3 +375,34 @@ def test_logs_follow_a_running_launch(
     run.wait(timeout=30)
     assert sorted(follow.out.splitlines()) == ["[w0] one", "[w0] two", "[w1] one", "[w1] two"]
     assert "ended with exit code 0" in follow.err
+
+
+@pytest.mark.parametrize("kind", ["local", "ssh"])
+def test_a_killed_launcher_leaves_nothing_running(
+    kind: str,
+    request: pytest.FixtureRequest,
+    leftovers: Callable[[Pod], list[str]],
+    state_home: Path,
+) -> None:
+    make = request.getfixturevalue("make_pod" if kind == "local" else "make_ssh_pod")
+    pod = make(2)
+    launcher = subprocess.Popen(
+        tpupod_argv("run", "--pod", pod.name, "--", "echo started; sleep 60 & sleep 60; wait"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert launcher.stdout is not None
+    assert all("started" in launcher.stdout.readline() for _ in range(2))
+    launcher.kill()  # no chance to stop anything: the orphan guard on each worker does it
+    launcher.communicate()
+    assert leftovers(pod) == []
+
+
+def test_exec_leaves_deliberate_background_processes_alone(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult], sim: SimPod
+) -> None:
+    pod = make_ssh_pod(1)
+    result = cli("exec", "--pod", pod.name, "--", "nohup sleep 30 >/dev/null 2>&1 &")
+    assert result.code == 0
+    assert sim.run_on(0, "pgrep -f 'slee[p] 30'").stdout.strip()

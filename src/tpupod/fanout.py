@@ -88,12 +88,15 @@ class _WorkerRun:
         command: str,
         env: dict[str, str],
         on_line: LineHandler | None,
+        *,
+        guard: bool = False,
     ) -> None:
         self.worker = worker
         self.transport = transport
         self.command = command
         self.env = env
         self.on_line = on_line
+        self.guard = guard
         self.proc: RemoteProcess | None = None
         self.stop_outcome: Outcome | None = None
         self.stopped_by: int | None = None
@@ -104,7 +107,7 @@ class _WorkerRun:
 
     async def run(self) -> WorkerResult:
         try:
-            self.proc = await self.transport.start(self.command, self.env)
+            self.proc = await self.transport.start(self.command, self.env, guard=self.guard)
         except WorkerError as exc:
             return self._result(Outcome.UNREACHABLE, None, error=exc.reason)
         if self.stop_outcome is not None:  # stopped while it was starting
@@ -282,6 +285,7 @@ async def execute_async(
     on_notice: NoticeHandler | None = None,
     interrupt: Interrupt | None = None,
     connector: Connector | None = None,
+    guard: bool = False,
 ) -> FanoutResult:
     """Run ``command`` (a bash command line) on the selected workers of ``pod`` at once.
 
@@ -289,7 +293,8 @@ async def execute_async(
     all). ``on_line`` receives every output line as it arrives. Returns when
     every worker's command has ended; never raises for a worker's failure.
     Pass a ``connector`` (``tpupod.providers.connect(pod)``) to reuse
-    connections across calls; it is then yours to close.
+    connections across calls; it is then yours to close. ``guard`` kills the
+    commands if this process dies while they run (see ``transport.base.guarded``).
     """
     provider = provider_for(pod.provider)
     selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
@@ -299,7 +304,7 @@ async def execute_async(
     for worker in selected:
         worker_env = {**pod.identity_env(worker), **provider.worker_env(pod, worker), **(env or {})}
         transport = pod_connector.transport(worker)
-        runs.append(_WorkerRun(worker, transport, command, worker_env, on_line))
+        runs.append(_WorkerRun(worker, transport, command, worker_env, on_line, guard=guard))
     try:
         policy = Policy(OnFail(on_fail), timeout, grace)
         return await _Fanout(runs, command, policy, interrupt, on_notice).run()

@@ -143,6 +143,7 @@ def run_with_signals(
             on_line=live.on_line,
             on_notice=live.on_notice,
             interrupt=live.interrupt,
+            guard=True,  # killed outright, this process takes its commands with it
         )
 
     return run_live(workers, quiet, body)

@@ -136,6 +136,7 @@ async def run(
                     on_notice=on_notice,
                     interrupt=interrupt,
                     connector=_Renumbered(connector, selected) if sub_pod is not pod else connector,
+                    guard=True,  # a supervised program never outlives its launcher
                 )
             finally:
                 await server.close()

@@ -84,8 +84,14 @@ class RemoteProcess(Protocol):
 class Transport(Protocol):
     """The way to one worker (connections are the Connector's to keep and close)."""
 
-    async def start(self, command: str, env: Mapping[str, str]) -> RemoteProcess:
+    async def start(
+        self, command: str, env: Mapping[str, str], *, guard: bool = False
+    ) -> RemoteProcess:
         """Start ``command`` (a bash command line) with ``env`` added to the worker's environment.
+
+        With ``guard``, the command's process group is killed if we go away
+        while it runs (the launcher killed, the connection lost), so a
+        supervised program never outlives its supervisor.
 
         Raises :class:`~tpupod.errors.WorkerError` when the worker cannot be reached
         or the command cannot be started.
@@ -117,3 +123,31 @@ class Connector(Protocol):
     async def close(self) -> None:
         """Release connections; running commands are not touched."""
         ...
+
+
+def guarded(command: str, grace: float = 3.0) -> str:
+    """``command`` with an orphan guard: the group dies when our end of its stdin closes.
+
+    The command's standard input stays open to us (we never write to it) and
+    is handed to a guard process; the command itself reads /dev/null. If we
+    vanish, the guard reads EOF and TERMs, then KILLs, the whole process group.
+    When the command ends, the guard stands down first, so background
+    processes it deliberately left (``nohup ... &``) live on.
+    """
+    return "\n".join(
+        [
+            "exec 3<&0 </dev/null",
+            "( cat <&3 >/dev/null 2>&1; kill -TERM -- -$$ 2>/dev/null; "
+            f"sleep {grace:g}; kill -KILL -- -$$ 2>/dev/null ) >/dev/null 2>&1 &",
+            "tpupod_guard=$!",
+            "exec 3<&-",
+            command,
+            "tpupod_rc=$?",
+            "kill $tpupod_guard 2>/dev/null",
+            # A command killed by signal N ends with 128+N; re-raise N so it is reported as one.
+            'if [ "$tpupod_rc" -gt 128 ] && [ "$tpupod_rc" -lt 160 ]; then',
+            "  trap - $((tpupod_rc - 128)); kill -$((tpupod_rc - 128)) $$",
+            "fi",
+            '(exit "$tpupod_rc")',
+        ]
+    )

@@ -12,7 +12,7 @@ from tpupod import procfs
 from tpupod.errors import WorkerError
 from tpupod.files import copy_atomic, put_target
 from tpupod.pod import Worker
-from tpupod.transport.base import ExitStatus, OutputLine, Stream
+from tpupod.transport.base import ExitStatus, OutputLine, Stream, guarded
 from tpupod.transport.lines import read_lines
 
 SHELL = "/bin/bash"
@@ -26,15 +26,18 @@ class LocalTransport:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
 
-    async def start(self, command: str, env: Mapping[str, str]) -> LocalProcess:
+    async def start(
+        self, command: str, env: Mapping[str, str], *, guard: bool = False
+    ) -> LocalProcess:
         loop = asyncio.get_running_loop()
         try:
             transport, protocol = await loop.subprocess_exec(
                 lambda: _ExitAwareProtocol(loop),
                 SHELL,
                 "-c",
-                command,
-                stdin=asyncio.subprocess.DEVNULL,
+                guarded(command) if guard else command,
+                # Guarded: a pipe we never write to, whose end (ours) closes if we die.
+                stdin=asyncio.subprocess.PIPE if guard else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 cwd=self.worker.workdir,

@@ -34,7 +34,7 @@ from tpupod.errors import WorkerError
 from tpupod.files import put_target, remove_path, replace, staging_name
 from tpupod.pod import Worker
 from tpupod.spec import SshHost
-from tpupod.transport.base import ExitStatus, OutputLine, Stream
+from tpupod.transport.base import ExitStatus, OutputLine, Stream, guarded
 from tpupod.transport.lines import LineSplitter
 
 PGID_MARKER = b"\x1etpupod-pgid "
@@ -226,13 +226,18 @@ class SshTransport:
         self.target = worker.ssh
         self.pool = pool
 
-    async def start(self, command: str, env: Mapping[str, str]) -> SshProcess:
+    async def start(
+        self, command: str, env: Mapping[str, str], *, guard: bool = False
+    ) -> SshProcess:
         conn = await self.pool.connection(self.target, self.worker.id)
         try:
             chan, session = await conn.create_session(
-                _CommandSession, wrap_command(command, env, self.worker.workdir), encoding=None
+                _CommandSession,
+                wrap_command(guarded(command) if guard else command, env, self.worker.workdir),
+                encoding=None,
             )
-            chan.write_eof()  # no input: a command that reads stdin sees its end
+            if not guard:
+                chan.write_eof()  # no input: a command that reads stdin sees its end
             pgid = await cast(_CommandSession, session).group
         except (asyncssh.Error, OSError) as exc:
             self.pool.drop(self.target)
