@@ -240,7 +240,7 @@ def status(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
             "worker": r.worker.id,
             "hostname": r.worker.hostname,
             "reachable": r.ok,
-            "answer": r.last_line if r.ok else r.outcome_text(),
+            "answer": r.last_line if r.ok else f"{r.outcome_text()}: {r.last_line}",
             "seconds": round(r.duration, 3),
         }
         for r in probe.workers

@@ -168,7 +168,7 @@ async def _preflight(pod: Pod, connector: Connector, workers: Sequence[Worker], 
     down = [r for r in probe.workers if not r.ok]
     if down:
         reasons = "; ".join(
-            f"{r.worker.label} ({r.worker.hostname}): {r.outcome_text()} {r.error or r.last_line}"
+            f"{r.worker.label} ({r.worker.hostname}): {r.outcome_text()}: {r.last_line}"
             for r in down
         )
         raise PreflightError(
