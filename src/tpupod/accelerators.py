@@ -100,9 +100,9 @@ def lookup(name: str) -> AcceleratorType:
 
 
 def _suggest(name: str, match: re.Match[str] | None, generation: Generation | None) -> str:
-    if match is not None and match["prefix"] in ALIASES and generation is not None:
-        if int(match["size"]) in generation.sizes:
-            return f"the API calls it {generation.prefix}-{match['size']}"
+    renamed = match is not None and match["prefix"] in ALIASES
+    if renamed and generation is not None and match and int(match["size"]) in generation.sizes:
+        return f"the API calls it {generation.prefix}-{match['size']}"
     if generation is not None:
         sizes = ", ".join(str(s) for s in generation.sizes)
         return f"{generation.prefix} comes in sizes {sizes}"
