@@ -11,3 +11,13 @@ class HostKeyPolicy(enum.StrEnum):
     TOFU = "tofu"  # trust on first use, remember, refuse a changed key
     STRICT = "strict"  # only keys already remembered for the pod
     INSECURE = "insecure"  # never check (throwaway pods)
+
+
+class Capacity(enum.StrEnum):
+    """How a TPU is paid for and kept (Google Cloud)."""
+
+    ON_DEMAND = "on-demand"
+    SPOT = "spot"
+    PREEMPTIBLE = "preemptible"
+    RESERVED = "reserved"
+    BEST_EFFORT = "best-effort"

@@ -52,3 +52,8 @@ def accelerator_devices(default: tuple[str, ...]) -> tuple[str, ...]:
     colon-separated), for hosts whose accelerator is not at /dev/accel* or /dev/vfio/*."""
     value = os.environ.get("TPUPOD_ACCELERATOR_DEVICES")
     return tuple(p for p in value.split(":") if p) if value else default
+
+
+def gcp_project() -> str | None:
+    """The Google Cloud project named in the environment (as gcloud and Google's libraries)."""
+    return os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("CLOUDSDK_CORE_PROJECT") or None

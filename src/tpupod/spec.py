@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,9 +23,12 @@ from pydantic import (
     model_validator,
 )
 
-from tpupod.choices import DEFAULT_SPEC_FILE, HostKeyPolicy
-from tpupod.errors import SpecError
+from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy
+from tpupod.errors import SpecError, TpupodError
 from tpupod.names import ENV_NAME_RE, POD_NAME_RE
+
+if TYPE_CHECKING:
+    from tpupod.accelerators import AcceleratorType
 
 RESERVED_ENV_PREFIX = "TPUPOD_"
 MAX_LOCAL_WORKERS = 256
@@ -98,7 +101,19 @@ class SshHost(BaseModel):
         return f"{user}{self.host}{port}"
 
 
-class SshPodSpec(_SpecBase):
+class _SshOptions(BaseModel):
+    """How tpupod reaches hosts over SSH (SSH pods, and the workers of a TPU pod)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host_keys: HostKeyPolicy = HostKeyPolicy.TOFU
+    connect_concurrency: int = Field(default=64, ge=1, le=1024)
+    connect_stagger_ms: float = Field(default=2.0, ge=0, le=10_000)
+    connect_timeout: float = Field(default=10.0, gt=0, le=600)
+    connect_retries: int = Field(default=3, ge=0, le=100)
+
+
+class SshPodSpec(_SpecBase, _SshOptions):
     """A pod of existing hosts reached over SSH; worker ids follow the order of ``hosts``."""
 
     provider: Literal["ssh"]
@@ -107,11 +122,6 @@ class SshPodSpec(_SpecBase):
     key: str | None = Field(
         default=None, description="private key file (default: ssh-agent, ~/.ssh)"
     )
-    host_keys: HostKeyPolicy = HostKeyPolicy.TOFU
-    connect_concurrency: int = Field(default=64, ge=1, le=1024)
-    connect_stagger_ms: float = Field(default=2.0, ge=0, le=10_000)
-    connect_timeout: float = Field(default=10.0, gt=0, le=600)
-    connect_retries: int = Field(default=3, ge=0, le=100)
 
     @property
     def workers(self) -> int:
@@ -119,6 +129,60 @@ class SshPodSpec(_SpecBase):
 
     def summary(self) -> str:
         return f"{len(self.hosts)} hosts over SSH, host keys {self.host_keys.value}"
+
+
+class GcpPodSpec(_SpecBase, _SshOptions):
+    """A Cloud TPU (one slice, or several through a queued resource), reached over SSH."""
+
+    provider: Literal["gcp"]
+    tpu_type: str
+    zone: str = Field(pattern=r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+    project: str | None = None
+    runtime_version: str | None = None
+    capacity: Capacity = Capacity.ON_DEMAND
+    node_count: int = Field(default=1, ge=1, le=64, description="slices (multislice when > 1)")
+    network: str | None = None
+    subnetwork: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+    internal: bool = Field(default=False, description="reach workers at internal addresses")
+    user: str = Field(default="tpupod", description="the login user put in ssh-keys metadata")
+    key: str | None = Field(
+        default=None, description="an existing private key (default: one per pod)"
+    )
+
+    @field_validator("tpu_type")
+    @classmethod
+    def _check_type(cls, value: str) -> str:
+        from tpupod.accelerators import lookup
+
+        try:
+            return lookup(value).name
+        except TpupodError as exc:
+            raise ValueError(f"unknown TPU type: {exc.hint}") from None
+
+    @property
+    def accelerator(self) -> AcceleratorType:
+        from tpupod.accelerators import lookup
+
+        return lookup(self.tpu_type)
+
+    @property
+    def workers(self) -> int:
+        return self.accelerator.workers * self.node_count
+
+    @property
+    def queued(self) -> bool:
+        """Multislice, spot, best-effort and reserved capacity go through Queued Resources."""
+        return self.node_count > 1 or self.capacity in (
+            Capacity.SPOT,
+            Capacity.BEST_EFFORT,
+            Capacity.RESERVED,
+        )
+
+    def summary(self) -> str:
+        slices = f" x {self.node_count} slices" if self.node_count > 1 else ""
+        return f"{self.tpu_type}{slices} in {self.zone}, {self.workers} workers ({self.capacity})"
 
 
 def parse_host(text: str) -> dict[str, Any]:
@@ -138,9 +202,9 @@ def parse_host(text: str) -> dict[str, Any]:
     return data
 
 
-PodSpec = Annotated[LocalPodSpec | SshPodSpec, Field(discriminator="provider")]
-PROVIDERS = ("local", "ssh")
-_ADAPTER: TypeAdapter[LocalPodSpec | SshPodSpec] = TypeAdapter(PodSpec)
+PodSpec = Annotated[LocalPodSpec | SshPodSpec | GcpPodSpec, Field(discriminator="provider")]
+PROVIDERS = ("local", "ssh", "gcp")
+_ADAPTER: TypeAdapter[LocalPodSpec | SshPodSpec | GcpPodSpec] = TypeAdapter(PodSpec)
 FIELD_HINTS = {
     "name": "a pod name like 'dev' or 'qwen-pod-2'",
     "provider": f"supported providers: {', '.join(PROVIDERS)}",
@@ -149,6 +213,9 @@ FIELD_HINTS = {
     "env": "a mapping of NAME: value",
     "hosts": "a list of hosts: 'user@host:port' strings or {host, port, user} items",
     "host_keys": "one of tofu (default), strict, insecure",
+    "tpu_type": "a Cloud TPU type such as v4-16, v5litepod-64 or v6e-16",
+    "zone": "a zone such as us-central2-b",
+    "capacity": "one of on-demand (default), spot, preemptible, reserved, best-effort",
 }
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tpupod.choices import DEFAULT_SPEC_FILE, HostKeyPolicy
+from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption, parse_env
 from tpupod.errors import SpecError
@@ -76,6 +76,66 @@ def up(
             "insecure: never check (throwaway pods).",
         ),
     ] = None,
+    gcp: Annotated[
+        bool, typer.Option("--gcp", help="A Cloud TPU (needs --tpu-type and --zone).")
+    ] = False,
+    tpu_type: Annotated[
+        str | None,
+        typer.Option("--tpu-type", help="e.g. v4-16, v5litepod-64, v6e-16.", show_default=False),
+    ] = None,
+    zone: Annotated[
+        str | None, typer.Option("--zone", help="e.g. us-central2-b.", show_default=False)
+    ] = None,
+    project: Annotated[
+        str | None,
+        typer.Option(
+            "--project",
+            help="Default: Application Default Credentials' project.",
+            show_default=False,
+        ),
+    ] = None,
+    runtime_version: Annotated[
+        str | None,
+        typer.Option(
+            "--runtime-version", help="Default: the type's usual image.", show_default=False
+        ),
+    ] = None,
+    capacity: Annotated[
+        Capacity | None,
+        typer.Option(
+            "--capacity",
+            help="on-demand (default), spot, preemptible, reserved or best-effort.",
+            show_default=False,
+        ),
+    ] = None,
+    node_count: Annotated[
+        int | None,
+        typer.Option("--node-count", help="Slices (multislice when > 1).", show_default=False),
+    ] = None,
+    network: Annotated[str | None, typer.Option("--network", show_default=False)] = None,
+    subnetwork: Annotated[str | None, typer.Option("--subnetwork", show_default=False)] = None,
+    tag: Annotated[
+        list[str] | None,
+        typer.Option("--tag", help="Network tag (repeatable).", show_default=False),
+    ] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option("--label", metavar="K=V", help="Label (repeatable).", show_default=False),
+    ] = None,
+    internal: Annotated[
+        bool,
+        typer.Option(
+            "--internal",
+            help="Reach workers at internal addresses (from a VM in the same network).",
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print what would be created (for gcp: the API request); create nothing.",
+        ),
+    ] = False,
     file: Annotated[
         Path | None,
         typer.Option(
@@ -114,10 +174,69 @@ def up(
         overrides |= {"provider": "ssh", "hosts": _ssh_hosts(ssh, port)}
     if ssh is not None or user or key or host_keys:
         overrides |= {"user": user, "key": key, "host_keys": host_keys}
+    if gcp or tpu_type:
+        overrides |= {
+            "provider": "gcp",
+            "tpu_type": tpu_type,
+            "zone": zone,
+            "project": project,
+            "runtime_version": runtime_version,
+            "capacity": capacity,
+            "node_count": node_count,
+            "network": network,
+            "subnetwork": subnetwork,
+            "tags": tag or None,
+            "labels": _labels(label),
+            "internal": internal or None,
+        }
     spec = _spec_from_args(overrides, file)
+    if dry_run:
+        _dry_run_up(spec)
+        return
     result = pod_up(spec, StateDir())
     verb = "is up" if result.created else "was already up"
     print(f"pod {result.pod.name!r} {verb}: {spec.summary()}")
+
+
+def _labels(items: list[str] | None) -> dict[str, str] | None:
+    if not items:
+        return None
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError(
+                f"bad --label {item!r}", hint="write --label KEY=VALUE, e.g. --label team=ml"
+            )
+        labels[key] = value
+    return labels
+
+
+def _dry_run_up(spec: PodSpec) -> None:
+    """What `up` would do, without doing it (and, for a TPU, without credentials)."""
+    from tpupod.spec import GcpPodSpec
+
+    print(f"dry run: would create pod {spec.name!r}: {spec.summary()}")
+    if isinstance(spec, GcpPodSpec):
+        from tpupod.providers.gcp_api import create_request
+
+        request = create_request(
+            spec, _project(spec), f"{spec.user}:<the pod's public key> {spec.user}"
+        )
+        _print_request(request)
+
+
+def _project(spec: Any) -> str:
+    from tpupod import settings
+
+    return str(spec.project or settings.gcp_project() or "PROJECT_ID")
+
+
+def _print_request(request: Any) -> None:
+    print(f"API: Cloud TPU {request.version}, {request.api}")
+    print(f"{request.method} {request.url}")
+    if request.body is not None:
+        print(json.dumps(request.body, indent=2))
 
 
 def _ssh_hosts(text: str, port: int | None) -> list[dict[str, Any]]:
