@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult
+from tests.conftest import CliResult, tpupod_argv
+from tpupod.sim import SimPod
+from tpupod.sim.tpu_api import TpuApiStandIn
 
 
 def dry_run_body(out: str) -> dict[str, object]:
@@ -95,3 +101,100 @@ def test_a_wrong_type_names_the_right_one(cli: Callable[..., CliResult]) -> None
     result = cli("up", "--name", "x", "--tpu-type", "v5e-256", "--zone", "us-west4-a", "--dry-run")
     assert result.code == 2
     assert "the API calls it v5litepod-256" in result.err
+
+
+@pytest.fixture
+def tpu_api(sim_hosts_up: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuApiStandIn]:
+    """The stand-in Cloud TPU API, handing out the simulated hosts as TPU workers."""
+    api = TpuApiStandIn(
+        [(h.address, h.address) for h in sim_hosts_up.hosts], on_ssh_keys=sim_hosts_up.authorize
+    )
+    monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start())
+    monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.01")
+    yield api
+    api.stop()
+
+
+UP = ("up", "--gcp", "--zone", "us-central2-b", "--project", "proj", "--user", "root")
+
+
+def test_a_single_slice_from_create_to_delete(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult], sim: SimPod, state_home: Path
+) -> None:
+    made = cli(*UP, "--name", "tpu1", "--tpu-type", "v4-16")
+    assert made.code == 0, made.err
+    assert "tpu1: CREATING" in made.err and "tpu1: READY" in made.err
+    assert ("POST", "nodes/") in tpu_api.calls and not any(
+        k.startswith("queued") for _, k in tpu_api.calls
+    )
+    key = state_home / "pods" / "tpu1" / "id_ed25519"
+    assert key.stat().st_mode & 0o777 == 0o600
+    rows = [line.split() for line in cli("hosts", "--pod", "tpu1").out.splitlines()[1:]]
+    assert [row[1] for row in rows] == ["host-0", "host-1"]  # hostnames as the workers report them
+    result = cli("exec", "--pod", "tpu1", "--", "hostname")
+    assert result.code == 0, result.err
+    assert sorted(result.out.split()) == ["[w0]", "[w1]", "host-0", "host-1"]
+    gone = cli("down", "--pod", "tpu1")
+    assert gone.code == 0, gone.err
+    assert ("DELETE", "nodes/tpu1") in tpu_api.calls
+    assert not tpu_api.resources
+
+
+def test_a_multislice_queued_resource_lists_every_slice(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    made = cli(*UP, "--name", "ms", "--tpu-type", "v4-8", "--node-count", "2")
+    assert made.code == 0, made.err
+    for state in ("WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"):
+        assert f"ms: {state}" in made.err
+    hosts = json.loads(cli("hosts", "--pod", "ms", "--format", "json").out)
+    assert [(w["id"], w["slice"]) for w in hosts] == [(0, 0), (1, 1)]
+    assert cli("exec", "--pod", "ms", "--", "true").code == 0
+    assert cli("down", "--pod", "ms").code == 0
+    assert ("DELETE", "queuedResources/ms") in tpu_api.calls and not tpu_api.resources
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "hint"),
+    [
+        ("RESOURCE_EXHAUSTED", "Quota 'TPUV4sPerProjectPerZone' exceeded", "ask for TPU quota"),
+        ("PERMISSION_DENIED", "Permission 'tpu.nodes.create' denied", "roles/tpu.admin"),
+        ("ALREADY_EXISTS", "Resource exists", "pick another --name"),
+    ],
+)
+def test_api_errors_are_one_line_with_what_to_do(
+    status: str,
+    message: str,
+    hint: str,
+    tpu_api: TpuApiStandIn,
+    cli: Callable[..., CliResult],
+    state_home: Path,
+) -> None:
+    tpu_api.fail("POST", "nodes", status, message)
+    result = cli(*UP, "--name", "err", "--tpu-type", "v4-8")
+    assert result.code == 1
+    lines = result.err.strip().splitlines()
+    assert lines[-2].startswith("error: Cloud TPU API (err)") and message in lines[-2]
+    assert lines[-1].startswith("hint: ") and hint in lines[-1]
+    assert "Traceback" not in result.err
+    assert not (state_home / "pods" / "err").exists()
+
+
+def test_a_preempted_tpu_is_reported_plainly(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    tpu_api.steps = 50  # slow enough to preempt it while it is created
+    proc = subprocess.Popen(
+        tpupod_argv(*UP, "--name", "pre", "--tpu-type", "v4-8"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
+    deadline = time.monotonic() + 10
+    while not tpu_api.resources and time.monotonic() < deadline:
+        time.sleep(0.02)
+    tpu_api.preempt("pre")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "error: TPU 'pre' is PREEMPTED" in err and "--recreate" in err

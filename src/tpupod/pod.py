@@ -22,6 +22,7 @@ class Worker(BaseModel):
     internal_address: str
     external_address: str | None = None
     workdir: str | None = Field(default=None, description="the directory commands start in")
+    slice: int | None = Field(default=None, description="which slice of a multislice TPU")
     ssh: SshHost | None = Field(
         default=None, description="how to log in, for workers reached over SSH"
     )

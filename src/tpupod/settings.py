@@ -57,3 +57,16 @@ def accelerator_devices(default: tuple[str, ...]) -> tuple[str, ...]:
 def gcp_project() -> str | None:
     """The Google Cloud project named in the environment (as gcloud and Google's libraries)."""
     return os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("CLOUDSDK_CORE_PROJECT") or None
+
+
+def tpu_api_endpoint() -> str | None:
+    """``TPUPOD_TPU_API_ENDPOINT``: another Cloud TPU API (a test stand-in), reached anonymously."""
+    return os.environ.get("TPUPOD_TPU_API_ENDPOINT") or None
+
+
+def gcp_poll_s() -> float:
+    """Seconds between state checks while a TPU is created or deleted (``TPUPOD_GCP_POLL_S``)."""
+    try:
+        return float(os.environ.get("TPUPOD_GCP_POLL_S", "5"))
+    except ValueError:
+        return 5.0

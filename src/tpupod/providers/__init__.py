@@ -38,7 +38,11 @@ def provider_for(name: str) -> Provider:
         from tpupod.providers.ssh import SshProvider
 
         return SshProvider()
-    raise UsageError(f"unknown provider {name!r}", hint="supported providers: local, ssh")
+    if name == "gcp":
+        from tpupod.providers.gcp import GcpProvider
+
+        return GcpProvider()
+    raise UsageError(f"unknown provider {name!r}", hint="supported providers: local, ssh, gcp")
 
 
 def connect(pod: Pod, state: StateDir | None = None) -> Connector:

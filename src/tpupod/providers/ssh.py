@@ -10,7 +10,7 @@ import asyncio
 
 from tpupod.errors import TpupodError, WorkerError
 from tpupod.pod import Pod, Worker
-from tpupod.spec import PodSpec, SshHost, SshPodSpec
+from tpupod.spec import GcpPodSpec, PodSpec, SshHost, SshPodSpec
 from tpupod.state import StateDir
 from tpupod.transport.ssh import ConnectOptions, SshConnector, SshPool, probe
 
@@ -58,7 +58,7 @@ def login_target(spec: SshPodSpec, host: SshHost) -> SshHost:
     return host if host.user or not spec.user else host.model_copy(update={"user": spec.user})
 
 
-def connect_options(spec: SshPodSpec, state: StateDir) -> ConnectOptions:
+def connect_options(spec: SshPodSpec | GcpPodSpec, state: StateDir) -> ConnectOptions:
     return ConnectOptions(
         user=spec.user,
         key=spec.key,

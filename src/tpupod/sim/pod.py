@@ -250,6 +250,13 @@ class SimPod:
                 rows.append((int(pid), args))
         return rows
 
+    def authorize(self, keys: str) -> None:
+        """Accept more public keys for root on every host, given as GCE ``ssh-keys`` metadata
+        (``user:ssh-ed25519 AAAA... comment`` lines), as a TPU VM's guest agent would."""
+        lines = [line.split(":", 1)[-1].strip() for line in keys.splitlines() if line.strip()]
+        with (self.dir / "authorized_keys").open("a") as f:
+            f.writelines(line + "\n" for line in lines)
+
     def kill_all(self, index: int) -> None:
         """Kill every process on host ``index`` but its sshd (PID 1) and sshd's sessions."""
         pids = " ".join(str(pid) for pid, _ in self.processes(index))

@@ -292,6 +292,24 @@ def _sftp_path(path: str) -> str:
     return path[2:] if path.startswith("~/") else path
 
 
+def generate_key(path: Path, comment: str) -> str:
+    """A new ed25519 key pair at ``path`` (private, mode 0600) and ``path.pub``; the public line."""
+    key = asyncssh.generate_private_key("ssh-ed25519", comment=comment)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key.write_private_key(str(path))
+    path.chmod(0o600)
+    key.write_public_key(str(path) + ".pub")
+    return key.export_public_key().decode().strip()
+
+
+def public_key_line(private_key: Path) -> str:
+    """The public half of an existing key (from its .pub file, else derived)."""
+    pub = Path(str(private_key) + ".pub")
+    if pub.is_file():
+        return pub.read_text().strip()
+    return asyncssh.read_private_key(str(private_key)).export_public_key().decode().strip()
+
+
 class SshConnector:
     """Hands out SSH transports that share one pool of connections."""
 

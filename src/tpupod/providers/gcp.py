@@ -1,0 +1,307 @@
+"""The GCP provider: Cloud TPU VMs and queued resources, then SSH to their workers.
+
+``up`` makes a key pair for the pod (or takes ``key:``), puts its public half
+in the node's ``ssh-keys`` metadata, creates the TPU through whichever API
+fits (see ``gcp_api``), follows its states until READY/ACTIVE, and records
+every worker's internal and external address, slice by slice. ``down``
+deletes it and waits. Workers are then reached over the SSH transport, with
+no gcloud anywhere. Credentials are Application Default Credentials; with
+``TPUPOD_TPU_API_ENDPOINT`` set (tests), another endpoint is used anonymously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tpupod import settings
+from tpupod.errors import TpupodError, UsageError
+from tpupod.pod import Pod, Worker
+from tpupod.providers.gcp_api import parent
+from tpupod.providers.ssh import connect_options
+from tpupod.spec import GcpPodSpec, PodSpec, SshHost
+from tpupod.state import StateDir
+from tpupod.transport.ssh import SshConnector, SshPool, generate_key, probe, public_key_line
+
+KEY_FILE = "id_ed25519"
+WAIT_S = 3600.0
+READY = {"READY", "ACTIVE"}
+BROKEN = {"FAILED", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
+
+
+class GcpError(TpupodError):
+    """The Cloud TPU API refused, or a TPU ended up in a state it cannot be used in."""
+
+
+def _notice(text: str) -> None:
+    print(f"tpupod: {text}", file=sys.stderr, flush=True)
+
+
+class GcpProvider:
+    def __init__(self, progress: Callable[[str], None] = _notice) -> None:
+        self.progress = progress
+
+    async def create(self, spec: PodSpec, state: StateDir) -> Pod:
+        assert isinstance(spec, GcpPodSpec)
+        spec = spec.model_copy(update={"project": spec.project or project_of(spec)})
+        key_line = _pod_key(spec, state)
+        api = TpuApi(spec)
+        await asyncio.to_thread(api.create, f"{spec.user}:{key_line}")
+        await self._wait(api, spec)
+        nodes = await asyncio.to_thread(api.nodes)
+        workers = await _workers(spec, state, nodes, self.progress)
+        return Pod(name=spec.name, spec=spec, workers=tuple(workers))
+
+    async def destroy(self, pod: Pod, state: StateDir) -> None:
+        assert isinstance(pod.spec, GcpPodSpec)
+        self.progress(f"deleting {pod.spec.tpu_type} {pod.name!r} in {pod.spec.zone}")
+        await asyncio.to_thread(TpuApi(pod.spec).delete)
+
+    def connect(self, pod: Pod, state: StateDir) -> SshConnector:
+        assert isinstance(pod.spec, GcpPodSpec)
+        return SshConnector(SshPool(connect_options(_as_ssh(pod.spec, state), state)))
+
+    def worker_env(self, pod: Pod, worker: Worker) -> dict[str, str]:
+        return dict(pod.spec.env)
+
+    async def _wait(self, api: TpuApi, spec: GcpPodSpec) -> None:
+        started = time.monotonic()
+        last = None
+        while time.monotonic() - started < WAIT_S:
+            state = await asyncio.to_thread(api.state)
+            if state != last:
+                self.progress(f"{spec.name}: {state} ({time.monotonic() - started:.0f}s)")
+                last = state
+            if state in READY:
+                return
+            if state in BROKEN:
+                raise GcpError(
+                    f"TPU {spec.name!r} is {state}",
+                    hint="'tpupod up --recreate' deletes it and creates it again",
+                )
+            await asyncio.sleep(settings.gcp_poll_s())
+        raise GcpError(
+            f"TPU {spec.name!r} not ready after {WAIT_S:.0f}s (last state {last})",
+            hint="'tpupod status' shows it; 'tpupod down' deletes it",
+        )
+
+
+class TpuApi:
+    """The calls tpupod makes, through the real client; API errors become one-line GcpErrors."""
+
+    def __init__(self, spec: GcpPodSpec) -> None:
+        self.spec = spec
+        self.parent = parent(spec.project or project_of(spec), spec.zone)
+
+    def create(self, ssh_keys: str) -> None:
+        from google.cloud import tpu_v2
+
+        from tpupod.providers.gcp_api import create_request
+
+        request = create_request(self.spec, self.spec.project or "", ssh_keys)
+        assert request.body is not None
+        with _api_errors(self.spec.name):
+            client = _client(request.version)
+            if request.api.startswith("TPU VM"):
+                node = tpu_v2.Node.from_json(_json(request.body))
+                client.create_node(parent=self.parent, node_id=self.spec.name, node=node)
+            else:
+                qr_type = _module(request.version).QueuedResource
+                queued = qr_type.from_json(_json(request.body))
+                client.create_queued_resource(
+                    parent=self.parent, queued_resource_id=self.spec.name, queued_resource=queued
+                )
+
+    def state(self) -> str:
+        with _api_errors(self.spec.name):
+            client = _client("v2")
+            if self.spec.queued:
+                qr = client.get_queued_resource(name=self._name("queuedResources"))
+                return str(qr.state.state.name)
+            return str(client.get_node(name=self._name("nodes")).state.name)
+
+    def nodes(self) -> list[Any]:
+        """The TPU's nodes in slice order (one, or one per slice of a queued resource)."""
+        with _api_errors(self.spec.name):
+            client = _client("v2")
+            if not self.spec.queued:
+                return [client.get_node(name=self._name("nodes"))]
+            ids = (
+                [f"{self.spec.name}-{i}" for i in range(self.spec.node_count)]
+                if self.spec.node_count > 1
+                else [self.spec.name]
+            )
+            return [client.get_node(name=f"{self.parent}/nodes/{node_id}") for node_id in ids]
+
+    def delete(self) -> None:
+        from google.api_core import exceptions
+
+        with _api_errors(self.spec.name):
+            client = _client("v2")
+            try:
+                if self.spec.queued:
+                    operation = client.delete_queued_resource(
+                        request={"name": self._name("queuedResources"), "force": True}
+                    )
+                else:
+                    operation = client.delete_node(name=self._name("nodes"))
+            except exceptions.NotFound:
+                return  # already gone
+            operation.result(timeout=WAIT_S)
+
+    def _name(self, kind: str) -> str:
+        return f"{self.parent}/{kind}/{self.spec.name}"
+
+
+def project_of(spec: GcpPodSpec) -> str:
+    """The spec's project, else the environment's, else Application Default Credentials'."""
+    if spec.project:
+        return spec.project
+    named = settings.gcp_project()
+    if named:
+        return named
+    _, project = _credentials()
+    if not project:
+        raise UsageError(
+            "no Google Cloud project given",
+            hint="pass --project P, or run 'gcloud config set project P'",
+        )
+    return project
+
+
+def _credentials() -> tuple[Any, str | None]:
+    if settings.tpu_api_endpoint():
+        from google.auth.credentials import AnonymousCredentials
+
+        return AnonymousCredentials(), None  # type: ignore[no-untyped-call]
+    import google.auth
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        credentials, project = google.auth.default()
+    except DefaultCredentialsError:
+        raise GcpError(
+            "no Google Cloud credentials (Application Default Credentials)",
+            hint="run 'gcloud auth application-default login', or set "
+            "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file",
+        ) from None
+    return credentials, project
+
+
+def _module(version: str) -> Any:
+    if version == "v2alpha1":
+        from google.cloud import tpu_v2alpha1
+
+        return tpu_v2alpha1
+    from google.cloud import tpu_v2
+
+    return tpu_v2
+
+
+def _client(version: str) -> Any:
+    module = _module(version)
+    credentials, _ = _credentials()
+    endpoint = settings.tpu_api_endpoint()
+    if endpoint:
+        scheme, _, host = endpoint.partition("://")
+        transport_type = module.services.tpu.transports.TpuRestTransport
+        transport = transport_type(host=host, credentials=credentials, url_scheme=scheme)
+        return module.TpuClient(transport=transport)
+    return module.TpuClient(credentials=credentials, transport="rest")
+
+
+ROLE_HINT = "the account needs roles/tpu.admin on the project, and the TPU API enabled"
+QUOTA_HINT = "ask for TPU quota in this zone, try another zone, or use --capacity spot"
+EXISTS_HINT = "pick another --name, or 'tpupod up --adopt NAME' to record that TPU"
+ARGUMENT_HINT = "check the type, the zone and the runtime version"
+API_HINTS = {
+    "PermissionDenied": ROLE_HINT,
+    "Forbidden": ROLE_HINT,
+    "ResourceExhausted": QUOTA_HINT,
+    "TooManyRequests": QUOTA_HINT,
+    "AlreadyExists": EXISTS_HINT,
+    "Conflict": EXISTS_HINT,
+    "NotFound": "check the name, the zone and the project",
+    "InvalidArgument": ARGUMENT_HINT,
+    "BadRequest": ARGUMENT_HINT,
+}
+
+
+@contextlib.contextmanager
+def _api_errors(name: str) -> Iterator[None]:
+    """Translate google-api-core errors into GcpErrors that say what to do."""
+    from google.api_core import exceptions
+
+    try:
+        yield
+    except exceptions.GoogleAPICallError as exc:
+        reason = type(exc).__name__
+        raise GcpError(
+            f"Cloud TPU API ({name}): {reason}: {exc.message}",
+            hint=API_HINTS.get(reason, "'tpupod status' shows the TPU's state"),
+        ) from exc
+
+
+def _json(body: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(body)
+
+
+def _pod_key(spec: GcpPodSpec, state: StateDir) -> str:
+    """The public key the workers will accept: the given key's, else a new one kept with the pod."""
+    if spec.key:
+        return public_key_line(Path(spec.key).expanduser())
+    return generate_key(state.pod_dir(spec.name) / KEY_FILE, comment=f"tpupod-{spec.name}")
+
+
+def _as_ssh(spec: GcpPodSpec, state: StateDir) -> Any:
+    """The SSH side of a TPU pod: its user and key, the same connection settings."""
+    key = spec.key or str(state.pod_dir(spec.name) / KEY_FILE)
+    return spec.model_copy(update={"key": key})
+
+
+async def _workers(
+    spec: GcpPodSpec, state: StateDir, nodes: list[Any], progress: Callable[[str], None]
+) -> list[Worker]:
+    """Every worker of every slice, in order, with the hostname it reports over SSH."""
+    targets: list[tuple[int, Any, SshHost]] = []
+    for slice_id, node in enumerate(nodes):
+        for endpoint in node.network_endpoints:
+            address = (
+                endpoint.ip_address
+                if spec.internal
+                else (endpoint.access_config.external_ip or endpoint.ip_address)
+            )
+            targets.append((slice_id, endpoint, SshHost(host=address, user=spec.user)))
+    pool = SshPool(connect_options(_as_ssh(spec, state), state))
+    try:
+        answers = await asyncio.gather(
+            *(probe(pool, target, i) for i, (_, _, target) in enumerate(targets)),
+            return_exceptions=True,
+        )
+    finally:
+        await pool.close()
+    workers = []
+    for i, ((slice_id, endpoint, target), answer) in enumerate(zip(targets, answers, strict=True)):
+        if isinstance(answer, BaseException):
+            progress(f"w{i} ({target.host}) does not answer over SSH yet: {answer}")
+            hostname = f"{spec.name}-s{slice_id}-w{i}"
+        else:
+            hostname = answer[0]
+        workers.append(
+            Worker(
+                id=i,
+                hostname=hostname,
+                internal_address=endpoint.ip_address,
+                external_address=endpoint.access_config.external_ip or None,
+                ssh=target,
+                slice=slice_id,
+            )
+        )
+    return workers
