@@ -198,3 +198,99 @@ def test_a_preempted_tpu_is_reported_plainly(
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert "error: TPU 'pre' is PREEMPTED" in err and "--recreate" in err
+
+
+def test_status_shows_the_cloud_state_and_recreate_replaces_a_preempted_tpu(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    assert cli(*UP, "--name", "pt", "--tpu-type", "v4-8").code == 0
+    assert "cloud state READY" in cli("status", "--pod", "pt").out
+    tpu_api.preempt("pt")
+    status = cli("status", "--pod", "pt", "--format", "json")
+    assert json.loads(status.out)["cloud_state"] == "PREEMPTED"
+    again = cli(*UP, "--name", "pt", "--tpu-type", "v4-8")
+    assert again.code == 0 and "was already up" in again.out  # the record is unchanged...
+    refused = cli(*UP, "--name", "pt2", "--tpu-type", "v4-8")
+    assert refused.code == 0  # another name is another TPU
+    recreated = cli(*UP, "--name", "pt", "--tpu-type", "v4-8", "--recreate")
+    assert recreated.code == 0, recreated.err
+    assert "pt: PREEMPTED; deleting it to create it again" in recreated.err
+    assert "cloud state READY" in cli("status", "--pod", "pt").out
+
+
+def test_adopt_records_a_tpu_made_elsewhere_and_down_leaves_it(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult], sim: SimPod, state_home: Path
+) -> None:
+    # A TPU someone made elsewhere: the API has it, tpupod has no record of it.
+    made = cli(*UP, "--name", "elsewhere", "--tpu-type", "v4-16")
+    assert made.code == 0
+    (state_home / "pods" / "elsewhere" / "pod.json").unlink()  # tpupod forgets it
+    adopted = cli(
+        "up",
+        "--adopt",
+        "elsewhere",
+        "--zone",
+        "us-central2-b",
+        "--project",
+        "proj",
+        "--user",
+        "root",
+        "--key",
+        str(sim.key),
+    )
+    assert adopted.code == 0, adopted.err
+    assert "v4-16 in us-central2-b, 2 workers" in adopted.out
+    assert cli("exec", "--pod", "elsewhere", "--", "true").code == 0
+    listed = cli("list", "--all", "--zone", "us-central2-b", "--project", "proj")
+    assert "node  elsewhere  v4-16  READY" in " ".join(listed.out.split("\n"))
+    gone = cli("down", "--pod", "elsewhere")
+    assert gone.code == 0 and "not deleting the TPU" in gone.err
+    assert any(key.endswith("/nodes/elsewhere") for key in tpu_api.resources)
+
+
+def test_status_of_any_tpu_by_name_tries_queued_resources_then_nodes(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    assert cli(*UP, "--name", "plain", "--tpu-type", "v4-8").code == 0
+    assert cli(*UP, "--name", "queued", "--tpu-type", "v4-8", "--capacity", "spot").code == 0
+    plain = cli("status", "--tpu", "plain", "--zone", "us-central2-b", "--project", "proj")
+    assert plain.code == 0 and plain.out.split() == ["plain:", "node,", "v4-8,", "READY"]
+    queued = cli("status", "--tpu", "queued", "--zone", "us-central2-b", "--project", "proj")
+    assert queued.out.split() == ["queued:", "queued", "resource,", "v4-8,", "ACTIVE"]
+    missing = cli("status", "--tpu", "nope", "--zone", "us-central2-b", "--project", "proj")
+    assert missing.code == 1 and "NotFound" in missing.err
+
+
+def test_down_dry_run_shows_the_delete(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    assert cli(*UP, "--name", "dd", "--tpu-type", "v4-8", "--node-count", "2").code == 0
+    shown = cli("down", "--pod", "dd", "--dry-run")
+    assert (
+        "DELETE https://tpu.googleapis.com/v2/projects/proj/locations/us-central2-b/queuedResources/dd?force=true"
+        in shown.out
+    )
+    assert "dd" in cli("list").out  # still there
+
+
+def test_missing_credentials_say_what_to_run(cli: Callable[..., CliResult], tmp_path: Path) -> None:
+    env = {
+        "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "none.json"),
+        "NO_GCE_CHECK": "True",
+        "TPUPOD_TPU_API_ENDPOINT": "",
+    }
+    result = cli(
+        "up",
+        "--name",
+        "nocreds",
+        "--tpu-type",
+        "v4-8",
+        "--zone",
+        "us-central2-b",
+        "--project",
+        "p",
+        env=env,
+    )
+    assert result.code == 1
+    assert "error: no Google Cloud credentials" in result.err
+    assert "gcloud auth application-default login" in result.err

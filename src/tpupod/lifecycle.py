@@ -18,12 +18,14 @@ class UpResult:
     created: bool  # False: an identical pod was already up
 
 
-def up(spec: PodSpec, state: StateDir) -> UpResult:
+def up(spec: PodSpec, state: StateDir, *, recreate: bool = False) -> UpResult:
     """Create the pod, or return the existing one if it has the same spec.
 
     The pod's folder is claimed first (an atomic mkdir), and removed again if
     the provider fails, so a pod is never recorded half-made.
     """
+    if state.exists(spec.name) and recreate:
+        state.remove(spec.name)  # the provider replaces what the record described
     if state.exists(spec.name):
         existing = state.load(spec.name)
         if existing.spec == spec:
@@ -44,7 +46,7 @@ def up(spec: PodSpec, state: StateDir) -> UpResult:
             hint="set TPUPOD_HOME to a writable directory",
         ) from exc
     try:
-        pod = asyncio.run(provider_for(spec.provider).create(spec, state))
+        pod = asyncio.run(provider_for(spec.provider).create(spec, state, recreate=recreate))
         state.save(pod)
     except BaseException:
         state.remove(spec.name)

@@ -150,6 +150,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
     key: str | None = Field(
         default=None, description="an existing private key (default: one per pod)"
     )
+    adopted: bool = Field(default=False, description="made elsewhere: recorded, never deleted")
 
     @field_validator("tpu_type")
     @classmethod

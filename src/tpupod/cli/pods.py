@@ -129,6 +129,22 @@ def up(
             help="Reach workers at internal addresses (from a VM in the same network).",
         ),
     ] = False,
+    recreate: Annotated[
+        bool,
+        typer.Option(
+            "--recreate", help="Delete and create again a TPU that was preempted or failed."
+        ),
+    ] = False,
+    adopt: Annotated[
+        str | None,
+        typer.Option(
+            "--adopt",
+            metavar="TPU",
+            help="Record an existing TPU made "
+            "elsewhere (never deleted by 'down'); needs --zone and --key.",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -174,7 +190,9 @@ def up(
         overrides |= {"provider": "ssh", "hosts": _ssh_hosts(ssh, port)}
     if ssh is not None or user or key or host_keys:
         overrides |= {"user": user, "key": key, "host_keys": host_keys}
-    if gcp or tpu_type:
+    if adopt:
+        overrides |= _adopted(adopt, zone, project, user, key)
+    elif gcp or tpu_type:
         overrides |= {
             "provider": "gcp",
             "tpu_type": tpu_type,
@@ -193,9 +211,34 @@ def up(
     if dry_run:
         _dry_run_up(spec)
         return
-    result = pod_up(spec, StateDir())
+    result = pod_up(spec, StateDir(), recreate=recreate)
     verb = "is up" if result.created else "was already up"
     print(f"pod {result.pod.name!r} {verb}: {spec.summary()}")
+
+
+def _adopted(
+    tpu: str, zone: str | None, project: str | None, user: str | None, key: str | None
+) -> dict[str, Any]:
+    """The spec of an existing TPU, read from the API (type, slices, capacity)."""
+    from tpupod.providers.gcp import describe_existing
+
+    if not zone or not key:
+        raise SpecError(
+            "--adopt needs --zone and --key (and --user if not tpupod)",
+            hint="e.g. --adopt my-tpu --zone us-central2-b --key ~/.ssh/google_compute_engine "
+            "--user root",
+        )
+    found = describe_existing(tpu, zone, project)
+    return {
+        "provider": "gcp",
+        "name": tpu,
+        "zone": zone,
+        "project": project,
+        "adopted": True,
+        "user": user or "tpupod",
+        "key": key,
+        **found,
+    }
 
 
 def _labels(items: list[str] | None) -> dict[str, str] | None:
@@ -268,53 +311,84 @@ def _spec_from_args(overrides: dict[str, Any], file: Path | None) -> PodSpec:
 
 
 @command("down")
-def down(pod: PodOption = None) -> None:
-    """Take a pod down and forget it (a local pod's leftover processes are killed).
+def down(
+    pod: PodOption = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would be deleted (for gcp: the request).")
+    ] = False,
+) -> None:
+    """Take a pod down and forget it (a local pod's leftover processes are killed;
+    a Cloud TPU is deleted unless it was adopted).
 
     Examples:
 
       tpupod down --pod dev
+
+      tpupod down --pod big-tpu --dry-run
     """
     from tpupod.lifecycle import down as pod_down
+    from tpupod.spec import GcpPodSpec
     from tpupod.state import StateDir
 
     state = StateDir()
     target = state.resolve(pod)
+    if dry_run:
+        print(f"dry run: would take pod {target.name!r} down: {target.spec.summary()}")
+        if isinstance(target.spec, GcpPodSpec) and not target.spec.adopted:
+            from tpupod.providers.gcp_api import delete_request
+
+            _print_request(delete_request(target.spec, _project(target.spec)))
+        return
     pod_down(target, state)
     print(f"pod {target.name!r} is down")
 
 
 @command("list")
-def list_pods(output: FormatOption = Format.TEXT) -> None:
-    """List known pods.
+def list_pods(
+    output: FormatOption = Format.TEXT,
+    all_tpus: Annotated[
+        bool, typer.Option("--all", help="Also every Cloud TPU in --zone, made by tpupod or not.")
+    ] = False,
+    zone: Annotated[str | None, typer.Option("--zone", show_default=False)] = None,
+    project: Annotated[str | None, typer.Option("--project", show_default=False)] = None,
+) -> None:
+    """List known pods (and with --all, every TPU in a zone).
 
     Examples:
 
       tpupod list
 
-      tpupod list --format json
+      tpupod list --all --zone us-central2-b
     """
     from tpupod.state import StateDir
 
     pods = StateDir().pods()
     if output is Format.JSON:
         print(json.dumps([json.loads(p.model_dump_json()) for p in pods], indent=2))
-        return
-    if not pods:
+    elif not pods:
         print("no pods (create one with 'tpupod up --name dev --local 2')", file=sys.stderr)
-        return
-    rows = [("NAME", "PROVIDER", "WORKERS", "CREATED", "DETAILS")]
-    rows += [
-        (
-            p.name,
-            p.provider,
-            str(len(p.workers)),
-            p.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
-            p.spec.summary(),
-        )
-        for p in pods
-    ]
-    _print_columns(rows)
+    else:
+        rows = [("NAME", "PROVIDER", "WORKERS", "CREATED", "DETAILS")]
+        rows += [
+            (
+                p.name,
+                p.provider,
+                str(len(p.workers)),
+                p.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
+                p.spec.summary(),
+            )
+            for p in pods
+        ]
+        _print_columns(rows)
+    if all_tpus:
+        if not zone:
+            raise SpecError(
+                "--all needs --zone", hint="e.g. tpupod list --all --zone us-central2-b"
+            )
+        from tpupod.providers.gcp import list_tpus
+
+        print(f"\nCloud TPUs in {zone}:")
+        _print_columns([("API", "NAME", "TYPE", "STATE"), *list_tpus(zone, project)])
 
 
 @command("hosts")
@@ -342,17 +416,35 @@ def hosts(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
 
 
 @command("status")
-def status(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
+def status(
+    pod: PodOption = None,
+    output: FormatOption = Format.TEXT,
+    tpu: Annotated[
+        str | None,
+        typer.Option(
+            "--tpu", help="Any Cloud TPU by name (with --zone), pod or not.", show_default=False
+        ),
+    ] = None,
+    zone: Annotated[str | None, typer.Option("--zone", show_default=False)] = None,
+    project: Annotated[str | None, typer.Option("--project", show_default=False)] = None,
+) -> None:
     """Show a pod and check that every worker answers (runs 'hostname' on each).
 
     Examples:
 
       tpupod status --pod dev
     """
+    import asyncio
+
     from tpupod.fanout import execute
+    from tpupod.providers import provider_for
     from tpupod.state import StateDir
 
+    if tpu is not None:
+        _status_of_tpu(tpu, zone, project)
+        return
     target = StateDir().resolve(pod)
+    live = asyncio.run(provider_for(target.provider).live_state(target))
     probe = execute(target, "hostname", timeout=PROBE_TIMEOUT_S, grace=1.0)
     rows_json = [
         {
@@ -371,6 +463,7 @@ def status(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
                     "pod": target.name,
                     "provider": target.provider,
                     "workers": rows_json,
+                    "cloud_state": live,
                     "healthy": probe.ok,
                 },
                 indent=2,
@@ -380,6 +473,7 @@ def status(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
         print(
             f"pod {target.name!r}: {target.spec.summary()}, "
             f"created {target.created_at:%Y-%m-%d %H:%M:%S} UTC"
+            + (f", cloud state {live}" if live else "")
         )
         rows = [("WORKER", "HOSTNAME", "REACHABLE", "ANSWER", "TIME")]
         rows += [
@@ -395,6 +489,18 @@ def status(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
         _print_columns(rows)
     if not probe.ok:
         raise typer.Exit(1)
+
+
+def _status_of_tpu(name: str, zone: str | None, project: str | None) -> None:
+    from tpupod.providers.gcp import find_tpu, tpu_summary
+
+    if not zone:
+        raise SpecError(
+            "--tpu needs --zone", hint="e.g. tpupod status --tpu my-tpu --zone us-central2-b"
+        )
+    kind, found = find_tpu(name, zone, project)
+    tpu_type, state = tpu_summary(kind, found)
+    print(f"{name}: {kind}, {tpu_type}, {state}")
 
 
 def _print_columns(rows: Sequence[Sequence[str]]) -> None:

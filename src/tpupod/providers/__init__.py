@@ -12,12 +12,20 @@ from tpupod.transport import Connector
 
 
 class Provider(Protocol):
-    async def create(self, spec: PodSpec, state: StateDir) -> Pod:
-        """Bring the pod's workers up (or check they answer) and return its record, unsaved."""
+    async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
+        """Bring the pod's workers up (or check they answer) and return its record, unsaved.
+
+        ``recreate``: a cloud resource of that name that is broken (preempted,
+        failed) is deleted and made again instead of being reported.
+        """
         ...
 
     async def destroy(self, pod: Pod, state: StateDir) -> None:
         """Take the pod's workers down; the caller forgets the record afterwards."""
+        ...
+
+    async def live_state(self, pod: Pod) -> str | None:
+        """What the cloud says of the pod (READY, PREEMPTED, ...); None where there is no cloud."""
         ...
 
     def connect(self, pod: Pod, state: StateDir) -> Connector:

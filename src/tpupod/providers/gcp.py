@@ -46,12 +46,14 @@ class GcpProvider:
     def __init__(self, progress: Callable[[str], None] = _notice) -> None:
         self.progress = progress
 
-    async def create(self, spec: PodSpec, state: StateDir) -> Pod:
+    async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
         assert isinstance(spec, GcpPodSpec)
         spec = spec.model_copy(update={"project": spec.project or project_of(spec)})
-        key_line = _pod_key(spec, state)
         api = TpuApi(spec)
-        await asyncio.to_thread(api.create, f"{spec.user}:{key_line}")
+        if not spec.adopted:
+            await self._make_room(api, spec, recreate)
+            key_line = _pod_key(spec, state)
+            await asyncio.to_thread(api.create, f"{spec.user}:{key_line}")
         await self._wait(api, spec)
         nodes = await asyncio.to_thread(api.nodes)
         workers = await _workers(spec, state, nodes, self.progress)
@@ -59,8 +61,34 @@ class GcpProvider:
 
     async def destroy(self, pod: Pod, state: StateDir) -> None:
         assert isinstance(pod.spec, GcpPodSpec)
+        if pod.spec.adopted:
+            self.progress(f"{pod.name!r} was adopted: forgetting it, not deleting the TPU")
+            return
         self.progress(f"deleting {pod.spec.tpu_type} {pod.name!r} in {pod.spec.zone}")
         await asyncio.to_thread(TpuApi(pod.spec).delete)
+
+    async def live_state(self, pod: Pod) -> str | None:
+        assert isinstance(pod.spec, GcpPodSpec)
+        return await asyncio.to_thread(TpuApi(pod.spec).state)
+
+    async def _make_room(self, api: TpuApi, spec: GcpPodSpec, recreate: bool) -> None:
+        """An existing TPU of that name: deleted if broken and --recreate, else an error."""
+        state = await asyncio.to_thread(api.state_or_none)
+        if state is None:
+            return
+        if state in BROKEN and recreate:
+            self.progress(f"{spec.name}: {state}; deleting it to create it again")
+            await asyncio.to_thread(api.delete)
+            return
+        if state in BROKEN:
+            raise GcpError(
+                f"TPU {spec.name!r} exists and is {state}",
+                hint="'tpupod up --recreate' deletes it and creates it again",
+            )
+        raise GcpError(
+            f"a TPU named {spec.name!r} already exists ({state})",
+            hint=f"'tpupod up --adopt {spec.name}' records it, or pick another --name",
+        )
 
     def connect(self, pod: Pod, state: StateDir) -> SshConnector:
         assert isinstance(pod.spec, GcpPodSpec)
@@ -125,6 +153,16 @@ class TpuApi:
                 return str(qr.state.state.name)
             return str(client.get_node(name=self._name("nodes")).state.name)
 
+    def state_or_none(self) -> str | None:
+        from google.api_core import exceptions
+
+        try:
+            return self.state()
+        except GcpError as exc:
+            if isinstance(exc.__cause__, exceptions.NotFound):
+                return None
+            raise
+
     def nodes(self) -> list[Any]:
         """The TPU's nodes in slice order (one, or one per slice of a queued resource)."""
         with _api_errors(self.spec.name):
@@ -156,6 +194,70 @@ class TpuApi:
 
     def _name(self, kind: str) -> str:
         return f"{self.parent}/{kind}/{self.spec.name}"
+
+
+def find_tpu(name: str, zone: str, project: str | None) -> tuple[str, Any]:
+    """An existing TPU by name, as seed 004 looks: queued resources first, then nodes."""
+    from google.api_core import exceptions
+
+    where = parent(project or _project_from_env(), zone)
+    with _api_errors(name):
+        client = _client("v2")
+        try:
+            return "queued resource", client.get_queued_resource(
+                name=f"{where}/queuedResources/{name}"
+            )
+        except exceptions.NotFound:
+            return "node", client.get_node(name=f"{where}/nodes/{name}")
+
+
+def tpu_summary(kind: str, found: Any) -> tuple[str, str]:
+    """(type, state) of what find_tpu found."""
+    if kind == "node":
+        return str(found.accelerator_type), str(found.state.name)
+    spec = found.tpu.node_spec[0]
+    return str(spec.node.accelerator_type), str(found.state.state.name)
+
+
+def describe_existing(name: str, zone: str, project: str | None) -> dict[str, Any]:
+    """Type, slices and capacity of an existing TPU, for adopting it."""
+    kind, found = find_tpu(name, zone, project)
+    if kind == "node":
+        return {"tpu_type": found.accelerator_type}
+    spec = found.tpu.node_spec[0]
+    count = spec.multislice_params.node_count or 1
+    capacity = "spot" if "spot" in found else "on-demand"
+    return {"tpu_type": spec.node.accelerator_type, "node_count": count, "capacity": capacity}
+
+
+def list_tpus(zone: str, project: str | None) -> list[tuple[str, str, str, str]]:
+    """Every TPU in the zone: (API, name, type, state), queued resources first."""
+    where = parent(project or _project_from_env(), zone)
+    rows = []
+    with _api_errors(zone):
+        client = _client("v2")
+        for qr in client.list_queued_resources(parent=where):
+            spec = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
+            kind = spec.node.accelerator_type if spec else "?"
+            rows.append(("queued resource", qr.name.rsplit("/", 1)[-1], kind, qr.state.state.name))
+        for node in client.list_nodes(parent=where):
+            rows.append(
+                ("node", node.name.rsplit("/", 1)[-1], node.accelerator_type, node.state.name)
+            )
+    return rows
+
+
+def _project_from_env() -> str:
+    named = settings.gcp_project()
+    if named:
+        return named
+    _, project = _credentials()
+    if not project:
+        raise UsageError(
+            "no Google Cloud project given",
+            hint="pass --project P, or run 'gcloud config set project P'",
+        )
+    return project
 
 
 def project_of(spec: GcpPodSpec) -> str:

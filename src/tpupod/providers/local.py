@@ -25,7 +25,7 @@ DOWN_GRACE_S = 5.0
 
 
 class LocalProvider:
-    async def create(self, spec: PodSpec, state: StateDir) -> Pod:
+    async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
         assert isinstance(spec, LocalPodSpec)
         hostname = socket.gethostname()
         workers = []
@@ -40,6 +40,9 @@ class LocalProvider:
     async def destroy(self, pod: Pod, state: StateDir) -> None:
         """A local host going down takes its processes with it: kill what the pod left running."""
         await asyncio.to_thread(stop_processes, find_pod_processes(pod.name), DOWN_GRACE_S)
+
+    async def live_state(self, pod: Pod) -> str | None:
+        return None
 
     def connect(self, pod: Pod, state: StateDir) -> LocalConnector:
         return LocalConnector()

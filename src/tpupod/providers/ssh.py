@@ -18,7 +18,7 @@ KNOWN_HOSTS_FILE = "known_hosts"
 
 
 class SshProvider:
-    async def create(self, spec: PodSpec, state: StateDir) -> Pod:
+    async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
         assert isinstance(spec, SshPodSpec)
         pool = SshPool(connect_options(spec, state))
         targets = [login_target(spec, host) for host in spec.hosts]
@@ -44,6 +44,9 @@ class SshProvider:
         from tpupod.holder.client import stop_holder
 
         await asyncio.to_thread(stop_holder, state, pod.name)
+
+    async def live_state(self, pod: Pod) -> str | None:
+        return None
 
     def connect(self, pod: Pod, state: StateDir) -> SshConnector:
         assert isinstance(pod.spec, SshPodSpec)
