@@ -294,3 +294,14 @@ def test_missing_credentials_say_what_to_run(cli: Callable[..., CliResult], tmp_
     assert result.code == 1
     assert "error: no Google Cloud credentials" in result.err
     assert "gcloud auth application-default login" in result.err
+
+
+def test_a_zone_that_does_not_offer_the_type_names_what_it_offers(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    tpu_api.offered = {"us-central2-b": ["v4-8", "v4-16", "v4-32"]}
+    result = cli(*UP, "--name", "nz", "--tpu-type", "v5litepod-8")
+    assert result.code == 1
+    assert "error: zone us-central2-b does not offer v5litepod-8" in result.err
+    assert "types offered there include v4-8" in result.err
+    assert not [k for k in tpu_api.resources if k.endswith("/nz")]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ class GcpProvider:
         spec = spec.model_copy(update={"project": spec.project or project_of(spec)})
         api = TpuApi(spec)
         if not spec.adopted:
+            await asyncio.to_thread(api.check_zone_offers)
             await self._make_room(api, spec, recreate)
             key_line = _pod_key(spec, state)
             await asyncio.to_thread(api.create, f"{spec.user}:{key_line}")
@@ -152,6 +154,18 @@ class TpuApi:
                 qr = client.get_queued_resource(name=self._name("queuedResources"))
                 return str(qr.state.state.name)
             return str(client.get_node(name=self._name("nodes")).state.name)
+
+    def check_zone_offers(self) -> None:
+        """Refuse a type the zone does not offer, naming the nearest ones it does."""
+        with _api_errors(self.spec.zone):
+            offered = [t.type_ for t in _client("v2").list_accelerator_types(parent=self.parent)]
+        if offered and self.spec.tpu_type not in offered:
+            close = difflib.get_close_matches(self.spec.tpu_type, offered, n=4, cutoff=0.3)
+            raise GcpError(
+                f"zone {self.spec.zone} does not offer {self.spec.tpu_type}",
+                hint=f"types offered there include {', '.join(close or offered[:4])}; "
+                "or pick another --zone",
+            )
 
     def state_or_none(self) -> str | None:
         from google.api_core import exceptions

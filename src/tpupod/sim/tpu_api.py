@@ -22,14 +22,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from tpupod.accelerators import lookup
+from tpupod.accelerators import all_names, lookup
 
 NODE_TYPE = "type.googleapis.com/google.cloud.tpu.{version}.Node"
 QR_TYPE = "type.googleapis.com/google.cloud.tpu.{version}.QueuedResource"
 EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
 PATH_RE = re.compile(
     r"^/(?P<version>v2|v2alpha1)/projects/(?P<project>[^/]+)/locations/(?P<zone>[^/]+)"
-    r"/(?P<kind>nodes|queuedResources|operations)(?:/(?P<name>[^/:?]+))?$"
+    r"/(?P<kind>nodes|queuedResources|operations|acceleratorTypes)(?:/(?P<name>[^/:?]+))?$"
 )
 STATUS_CODES = {
     "INVALID_ARGUMENT": 400,
@@ -54,10 +54,12 @@ class TpuApiStandIn:
         endpoints: list[tuple[str, str]],
         steps: int = 2,
         on_ssh_keys: Callable[[str], None] | None = None,
+        offered: dict[str, list[str]] | None = None,
     ) -> None:
         self.endpoints = list(endpoints)  # (internal, external) for each new worker, in order
         self.steps = steps
         self.on_ssh_keys = on_ssh_keys or (lambda keys: None)
+        self.offered = offered or {}  # zone -> types it offers (a zone not named offers all)
         self.resources: dict[str, _Resource] = {}
         self.operations: dict[str, dict[str, Any]] = {}
         self.failures: list[tuple[str, str, str, str]] = []  # (method, kind, status, message)
@@ -105,6 +107,13 @@ class TpuApiStandIn:
                 del self.failures[i]
                 return _error(status, message)
         with self._lock:
+            if kind == "acceleratorTypes" and method == "GET":
+                types = self.offered.get(match["zone"], all_names())
+                return 200, {
+                    "acceleratorTypes": [
+                        {"name": f"{parent}/acceleratorTypes/{t}", "type": t} for t in types
+                    ]
+                }
             if kind == "operations" and name:
                 op = self.operations.get(f"{parent}/operations/{name}")
                 return (200, op) if op else _error("NOT_FOUND", f"operation {name} not found")
