@@ -305,3 +305,18 @@ def test_a_zone_that_does_not_offer_the_type_names_what_it_offers(
     assert "error: zone us-central2-b does not offer v5litepod-8" in result.err
     assert "types offered there include v4-8" in result.err
     assert not [k for k in tpu_api.resources if k.endswith("/nz")]
+
+
+def test_capacity_shorthands(cli: Callable[..., CliResult]) -> None:
+    base = ("up", "--name", "c", "--tpu-type", "v4-8", "--zone", "us-central2-b", "--dry-run")
+    assert '"preemptible": true' in cli(*base, "--preemptible").out
+    assert "Queued Resources" in cli(*base, "--reserved").out
+    both = cli(*base, "--spot", "--preemptible")
+    assert both.code == 2 and "preemptible and spot contradict each other" in both.err
+
+
+def test_internal_addresses(tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]) -> None:
+    shown = cli(*UP, "--name", "in", "--tpu-type", "v4-8", "--internal", "--dry-run")
+    assert '"enableExternalIps": false' in shown.out
+    assert cli(*UP, "--name", "in", "--tpu-type", "v4-8", "--internal").code == 0
+    assert cli("exec", "--pod", "in", "--", "true").code == 0

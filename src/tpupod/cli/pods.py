@@ -108,6 +108,16 @@ def up(
             show_default=False,
         ),
     ] = None,
+    spot: Annotated[bool, typer.Option("--spot", help="Same as --capacity spot.")] = False,
+    preemptible: Annotated[
+        bool, typer.Option("--preemptible", help="Same as --capacity preemptible.")
+    ] = False,
+    reserved: Annotated[
+        bool, typer.Option("--reserved", help="Same as --capacity reserved.")
+    ] = False,
+    best_effort: Annotated[
+        bool, typer.Option("--best-effort", help="Same as --capacity best-effort.")
+    ] = False,
     node_count: Annotated[
         int | None,
         typer.Option("--node-count", help="Slices (multislice when > 1).", show_default=False),
@@ -193,6 +203,9 @@ def up(
     if adopt:
         overrides |= _adopted(adopt, zone, project, user, key)
     elif gcp or tpu_type:
+        capacity = _capacity(
+            capacity, spot=spot, preemptible=preemptible, reserved=reserved, best_effort=best_effort
+        )
         overrides |= {
             "provider": "gcp",
             "tpu_type": tpu_type,
@@ -239,6 +252,17 @@ def _adopted(
         "key": key,
         **found,
     }
+
+
+def _capacity(given: Capacity | None, **flags: bool) -> Capacity | None:
+    """--capacity, or one of its shorthands (--spot, --preemptible, --reserved, --best-effort)."""
+    chosen = [Capacity(name.replace("_", "-")) for name, on in flags.items() if on]
+    if given is not None:
+        chosen.append(given)
+    if len(set(chosen)) > 1:
+        names = " and ".join(sorted({c.value for c in chosen}))
+        raise SpecError(f"{names} contradict each other", hint="pick one kind of capacity")
+    return chosen[0] if chosen else None
 
 
 def _labels(items: list[str] | None) -> dict[str, str] | None:
