@@ -33,7 +33,14 @@ def test_round_trip(cli: Callable[..., CliResult], state_home: Path) -> None:
 
     as_json = json.loads(cli("hosts", "--pod", "dev", "--format", "json").out)
     assert [w["id"] for w in as_json] == [0, 1, 2]
-    assert set(as_json[0]) == {"id", "hostname", "internal_address", "external_address", "ssh"}
+    assert set(as_json[0]) == {
+        "id",
+        "hostname",
+        "internal_address",
+        "external_address",
+        "ssh",
+        "slice",
+    }
 
     status = cli("status", "--pod", "dev")
     assert status.code == 0, status.err
