@@ -117,8 +117,8 @@ class GcpProvider:
             await asyncio.sleep(settings.gcp_poll_s())
         raise GcpError(
             f"TPU {spec.name!r} not ready after {WAIT_S:.0f}s (last state {last})",
-            hint=f"the TPU still exists: 'tpupod status --tpu {spec.name} --zone {spec.zone}' shows "
-            "it; 'tpupod up --recreate' with the same flags replaces it",
+            hint=f"it still exists: 'tpupod status --tpu {spec.name} --zone {spec.zone}' shows it; "
+            "'tpupod up --recreate' with the same flags replaces it",
         )
 
 
