@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, require, tpupod_argv
+from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
 from tpupod.launch.identity import IdentityError, worker
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
 from tpupod.pod import Pod
@@ -406,3 +406,55 @@ def test_exec_leaves_deliberate_background_processes_alone(
     result = cli("exec", "--pod", pod.name, "--", "nohup sleep 30 >/dev/null 2>&1 &")
     assert result.code == 0
     assert sim.run_on(0, "pgrep -f 'slee[p] 30'").stdout.strip()
+
+
+def test_the_rendezvous_can_run_on_worker_0(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult], sim: SimPod
+) -> None:
+    pod = make_ssh_pod(3)
+    program = (
+        "import os, tpupod; me = tpupod.rendezvous('start'); "
+        "print(me.id, os.environ['TPUPOD_RENDEZVOUS'])"
+    )
+    result = cli(
+        "run",
+        "--pod",
+        pod.name,
+        "--rendezvous-on",
+        "worker0",
+        "--worker-python",
+        PYTHON,
+        "--",
+        PYTHON,
+        "-c",
+        program,
+        timeout=60,
+    )
+    assert result.code == 0, result.err
+    lines = sorted(line.split()[1:] for line in result.out.splitlines())
+    assert [line[0] for line in lines] == ["0", "1", "2"]
+    assert all(line[1].startswith(sim.hosts[0].address + ":") for line in lines)
+    assert sim_leftovers(sim) == []  # the service went away with the run
+
+
+def test_a_rendezvous_that_cannot_start_on_worker_0_says_why(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_ssh_pod(2)
+    result = cli(
+        "run",
+        "--pod",
+        pod.name,
+        "--rendezvous-on",
+        "worker0",
+        "--worker-python",
+        "/nonexistent/python",
+        "--",
+        "true",
+        timeout=60,
+    )
+    assert result.code == 1
+    assert (
+        "the rendezvous service did not start on w0" in result.err
+        and "--worker-python" in result.err
+    )

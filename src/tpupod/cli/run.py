@@ -45,6 +45,21 @@ def run(
             show_default=False,
         ),
     ] = None,
+    rendezvous_on: Annotated[
+        str,
+        typer.Option(
+            "--rendezvous-on",
+            help="Where the rendezvous runs: launcher, worker0, or auto "
+            "(worker0 for a Cloud TPU reached at external addresses).",
+        ),
+    ] = "auto",
+    worker_python: Annotated[
+        str,
+        typer.Option(
+            "--worker-python",
+            help="The python on worker 0 that has tpupod (for --rendezvous-on worker0).",
+        ),
+    ] = "python3",
     coordinator_port: Annotated[
         int | None,
         typer.Option(
@@ -88,6 +103,8 @@ def run(
             grace=grace,
             coordinator_port=coordinator_port,
             sync_dir=sync,
+            rendezvous_on=rendezvous_on,
+            worker_python=worker_python,
             on_line=live.on_line,
             on_notice=live.on_notice,
             interrupt=live.interrupt,

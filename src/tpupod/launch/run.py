@@ -11,33 +11,38 @@ pod's state folder, with ``run.json`` describing the run.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import shlex
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from tpupod import settings
 from tpupod.errors import TpupodError
 from tpupod.fanout import Interrupt, LineHandler, NoticeHandler, execute_async
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import RendezvousServer
+from tpupod.launch.serve import READY
 from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
 from tpupod.ops.sync import shell_path, sync_local
 from tpupod.pod import Pod, Worker
 from tpupod.providers import provider_for
 from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
+from tpupod.spec import GcpPodSpec
 from tpupod.state import StateDir, write_atomic
-from tpupod.transport import Connector, OutputLine
+from tpupod.transport import Connector, OutputLine, RemoteProcess
 
 RUNS_DIR = "runs"
 RUN_FILE = "run.json"
 PREFLIGHT_TIMEOUT_S = 30.0
+RENDEZVOUS_START_S = 30.0
 
 # Is the port taken on the worker? (bash's /dev/tcp: no nc or ss needed.)
 PORT_CHECK = (
@@ -79,6 +84,8 @@ async def run(
     coordinator_port: int | None = None,
     sync_dir: str | None = None,
     repo: Path | None = None,
+    rendezvous_on: str = "auto",
+    worker_python: str = "python3",
     on_line: LineHandler | None = None,
     on_notice: NoticeHandler | None = None,
     interrupt: Interrupt | None = None,
@@ -105,13 +112,15 @@ async def run(
             command = f"cd {shell_path(sync_dir)} && {command}"
         launch_id = new_launch_id()
         token = secrets.token_hex(16)
-        server = RendezvousServer(launch_id, token, len(selected), on_event=notice)
-        host, rv_port = await server.start(await connector.reachback(selected[0]))
+        if _on_worker0(pod, rendezvous_on):
+            server: _Rendezvous = _Worker0Rendezvous(connector, selected[0], worker_python, notice)
+        else:
+            server = _LauncherRendezvous(connector, selected[0], notice)
         launch = Launch(
             launch_id=launch_id,
             run_dir=state.pod_dir(pod.name) / RUNS_DIR / launch_id,
             coordinator=f"{selected[0].internal_address}:{port}",
-            rendezvous=f"{host}:{rv_port}",
+            rendezvous=await server.start(launch_id, token, len(selected)),
         )
         run_env = {
             **(env or {}),
@@ -144,6 +153,88 @@ async def run(
         return RunResult(launch, result)
     finally:
         await connector.close()
+
+
+def _on_worker0(pod: Pod, where: str) -> bool:
+    """Where the rendezvous runs: on the launcher, unless the workers may not reach it
+    (a Cloud TPU reached at its external addresses: the launcher is probably behind NAT)."""
+    if where == "auto":
+        spec = pod.spec
+        return isinstance(spec, GcpPodSpec) and not spec.internal
+    if where not in ("launcher", "worker0"):
+        raise TpupodError(f"--rendezvous-on {where!r}", hint="one of auto, launcher, worker0")
+    return where == "worker0"
+
+
+class _Rendezvous(Protocol):
+    async def start(self, launch_id: str, token: str, count: int) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+class _LauncherRendezvous:
+    """The service in this process, at the address the workers already reach us at."""
+
+    def __init__(self, connector: Connector, first: Worker, notice: NoticeHandler) -> None:
+        self.connector, self.first, self.notice = connector, first, notice
+        self.server: RendezvousServer | None = None
+
+    async def start(self, launch_id: str, token: str, count: int) -> str:
+        self.server = RendezvousServer(launch_id, token, count, on_event=self.notice)
+        host, port = await self.server.start(await self.connector.reachback(self.first))
+        return f"{host}:{port}"
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+
+
+class _Worker0Rendezvous:
+    """The service as a process on worker 0 (``python -m tpupod.launch.serve``)."""
+
+    def __init__(
+        self, connector: Connector, first: Worker, python: str, notice: NoticeHandler
+    ) -> None:
+        self.transport = connector.transport(first)
+        self.first, self.python, self.notice = first, python, notice
+        self.proc: RemoteProcess | None = None
+        self.relay: asyncio.Task[None] | None = None
+
+    async def start(self, launch_id: str, token: str, count: int) -> str:
+        command = (
+            f"{shlex.quote(self.python)} -m tpupod.launch.serve --launch-id {launch_id} "
+            f"--count {count} --host {shlex.quote(self.first.internal_address)}"
+        )
+        self.proc = await self.transport.start(
+            command, {"TPUPOD_RENDEZVOUS_TOKEN": token}, guard=True
+        )
+        lines = self.proc.lines()
+        try:
+            async with asyncio.timeout(RENDEZVOUS_START_S):
+                async for line in lines:
+                    if line.text.startswith(READY):
+                        self.relay = asyncio.create_task(self._relay(lines))
+                        return line.text.split()[1]
+                    self.notice(f"rendezvous on {self.first.label}: {line.text}")
+        except TimeoutError:
+            pass
+        await self.close()
+        raise PreflightError(
+            f"the rendezvous service did not start on {self.first.label} ({self.first.hostname})",
+            hint=f"tpupod must be importable by {self.python} there ('--worker-python PATH'), "
+            "or use --rendezvous-on launcher when the workers can reach this machine",
+        )
+
+    async def _relay(self, lines: AsyncIterator[OutputLine]) -> None:
+        async for line in lines:
+            self.notice(f"rendezvous on {self.first.label}: {line.text}")
+
+    async def close(self) -> None:
+        if self.relay is not None:
+            self.relay.cancel()
+        if self.proc is not None:
+            await self.proc.kill(1.0)
+            self.proc.close()
 
 
 async def _coordinator_port(pod: Pod, connector: Connector, workers: Sequence[Worker]) -> int:
