@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
@@ -141,3 +142,8 @@ def print_error(message: str, hint: str | None, file: TextIO) -> None:
     """How every command reports a TpupodError: an ``error:`` line and a ``hint:`` line."""
     file.write(f"{message}\n" + (f"hint: {hint}\n" if hint else ""))
     file.flush()
+
+
+def notice(text: str) -> None:
+    """A line from tpupod itself (not from a worker), on stderr: ``tpupod: ...``."""
+    print(f"tpupod: {text}", file=sys.stderr, flush=True)

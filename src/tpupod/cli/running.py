@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from tpupod.report import LinePrinter
+from tpupod.report import LinePrinter, notice
 
 if TYPE_CHECKING:
     from tpupod.fanout import Interrupt, LineHandler, NoticeHandler
@@ -60,7 +60,3 @@ def run_live(workers: Sequence[WorkerLike], quiet: bool, body: Callable[[Live], 
                 loop.remove_signal_handler(signum)
 
     return asyncio.run(go())
-
-
-def notice(text: str) -> None:
-    print(f"tpupod: {text}", file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ from types import FrameType
 
 from tpupod.errors import TpupodError
 from tpupod.holder import socket_path
-from tpupod.report import LinePrinter
+from tpupod.report import LinePrinter, notice
 from tpupod.results import FanoutResult, WorkerLike, result_from_json
 from tpupod.state import StateDir
 from tpupod.transport.base import OutputLine, Stream
@@ -69,12 +69,8 @@ def held_exec(
         workers={w.id: w for w in workers},
         request=request,
         printer=printer,
-        notice=_notice,
+        notice=notice,
     )
-
-
-def _notice(text: str) -> None:
-    print(f"tpupod: {text}", file=sys.stderr, flush=True)
 
 
 def stop_holder(state: StateDir, name: str) -> None:

@@ -97,7 +97,7 @@ async def run(
     notice = on_notice or (lambda text: None)
     connector = provider_for(pod.provider).connect(pod, state)
     try:
-        port = coordinator_port or await _coordinator_port(pod, connector, selected)
+        port = coordinator_port or _coordinator_port(pod)
         await _preflight(pod, connector, selected, port)
         if sync_dir is not None:
             commit = await _sync(
@@ -237,7 +237,7 @@ class _Worker0Rendezvous:
             self.proc.close()
 
 
-async def _coordinator_port(pod: Pod, connector: Connector, workers: Sequence[Worker]) -> int:
+def _coordinator_port(pod: Pod) -> int:
     """Local pods share this machine: take a free port. Real hosts: the TPU firewall's port."""
     if pod.provider != "local":
         return DEFAULT_COORDINATOR_PORT

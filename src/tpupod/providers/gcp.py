@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from tpupod.errors import TpupodError, UsageError
 from tpupod.pod import Pod, Worker
 from tpupod.providers.gcp_api import parent
 from tpupod.providers.ssh import connect_options
+from tpupod.report import notice
 from tpupod.spec import GcpPodSpec, PodSpec, SshHost
 from tpupod.state import StateDir
 from tpupod.transport.ssh import SshConnector, SshPool, generate_key, probe, public_key_line
@@ -39,12 +39,8 @@ class GcpError(TpupodError):
     """The Cloud TPU API refused, or a TPU ended up in a state it cannot be used in."""
 
 
-def _notice(text: str) -> None:
-    print(f"tpupod: {text}", file=sys.stderr, flush=True)
-
-
 class GcpProvider:
-    def __init__(self, progress: Callable[[str], None] = _notice) -> None:
+    def __init__(self, progress: Callable[[str], None] = notice) -> None:
         self.progress = progress
 
     async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
@@ -127,7 +123,7 @@ class TpuApi:
 
     def __init__(self, spec: GcpPodSpec) -> None:
         self.spec = spec
-        self.parent = parent(spec.project or project_of(spec), spec.zone)
+        self.parent = parent(project_of(spec), spec.zone)
 
     def create(self, ssh_keys: str) -> None:
         from google.cloud import tpu_v2
@@ -263,6 +259,7 @@ def list_tpus(zone: str, project: str | None) -> list[tuple[str, str, str, str]]
 
 
 def _project_from_env() -> str:
+    """The environment's project, else Application Default Credentials'."""
     named = settings.gcp_project()
     if named:
         return named
@@ -277,18 +274,7 @@ def _project_from_env() -> str:
 
 def project_of(spec: GcpPodSpec) -> str:
     """The spec's project, else the environment's, else Application Default Credentials'."""
-    if spec.project:
-        return spec.project
-    named = settings.gcp_project()
-    if named:
-        return named
-    _, project = _credentials()
-    if not project:
-        raise UsageError(
-            "no Google Cloud project given",
-            hint="pass --project P, or run 'gcloud config set project P'",
-        )
-    return project
+    return spec.project or _project_from_env()
 
 
 def _credentials() -> tuple[Any, str | None]:
