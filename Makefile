@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP_CORE := $(VENV)/.stamp-core
 STAMP_TEST := $(VENV)/.stamp-test
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test test-reference lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +34,20 @@ pytest: $(STAMP_TEST)
 
 test: lint typecheck pytest
 
+# Rerun the model tests against outputs transformers computes now (needs torch;
+# TORCH names the wheel to install when it is missing).
+TORCH ?= torch==2.13.0
+REFERENCE_DIR ?= $(CURDIR)/.reference-fixtures
+test-reference: $(STAMP_TEST)
+	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install -q '$(TORCH)'
+	$(BIN)/python -c 'import transformers' 2>/dev/null || $(BIN)/pip install -q transformers
+	rm -rf $(REFERENCE_DIR)
+	$(BIN)/python tests/fixtures/make_qwen_fixtures.py --out $(REFERENCE_DIR)
+	TPUPOD_MODEL_FIXTURES=$(REFERENCE_DIR) $(BIN)/pytest tests/test_model.py
+
 bench: $(STAMP_TEST)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/python benchmarks/fanout.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .reference-fixtures

@@ -12,6 +12,8 @@ translated into these at the seam where they arise, chained with ``from``.
     │   ├── PodNotFound
     │   └── PodExists
     ├── WorkerError              exit 1   one worker: could not start or reach it
+    ├── ModelError               exit 1   the model: bad arguments, generation limits
+    │   └── CheckpointError      exit 1   a folder that is not a loadable Qwen checkpoint
     └── FanoutFailed             exit N   a fan-out where some worker did not succeed
 """
 
@@ -72,6 +74,24 @@ class WorkerError(TpupodError):
         super().__init__(message, hint)
         self.worker = worker
         self.reason = reason or message
+
+
+class ModelError(TpupodError):
+    """The model was asked for something it cannot do (a layer it lacks, too long a prompt)."""
+
+
+class CheckpointError(ModelError):
+    """A checkpoint folder that is not a supported, complete Qwen checkpoint.
+
+    ``problems`` lists every mismatch found (missing, unexpected or misshapen
+    tensors), so one load reports all of them at once.
+    """
+
+    def __init__(self, message: str, hint: str | None = None, problems: list[str] | None = None):
+        self.problems = problems or []
+        if self.problems:
+            message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message, hint)
 
 
 class FanoutFailed(TpupodError):

@@ -70,3 +70,17 @@ def gcp_poll_s() -> float:
         return float(os.environ.get("TPUPOD_GCP_POLL_S", "5"))
     except ValueError:
         return 5.0
+
+
+def model_cache_dir() -> Path:
+    """Where checkpoints read from remote storage (``gs://``) are copied.
+
+    ``$TPUPOD_MODEL_CACHE``, else ``$XDG_CACHE_HOME/tpupod/models``, else
+    ``~/.cache/tpupod/models``.
+    """
+    explicit = os.environ.get("TPUPOD_MODEL_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "tpupod" / "models"

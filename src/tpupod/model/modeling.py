@@ -1,0 +1,220 @@
+"""The Qwen2 / Qwen3 decoder in Flax NNX.
+
+Shapes are named by letters: B batch, T query positions, S key positions,
+D hidden, N query heads, K key/value heads, G query heads per key/value head
+(N = K * G), H head dim, F MLP width, V vocabulary, L layers.
+
+Numerics follow transformers so hidden states match it closely: RMSNorm
+normalises in float32 and casts back before the scale, rotary embeddings are
+computed in float32 and cast to the compute dtype, attention softmax runs in
+float32. Positions come from the attention mask (a cumulative sum), so left
+padding, right padding and no padding give the same values at real tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tpupod.model.config import QwenConfig
+
+Array = jax.Array
+KVCache = tuple[Array, Array]  # each [B, S, K, H]
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param[Array]:
+    return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype) -> None:
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_kernel = _normal(rngs, (d, n, h), dtype)  # [D, N, H]
+        self.k_kernel = _normal(rngs, (d, k, h), dtype)  # [D, K, H]
+        self.v_kernel = _normal(rngs, (d, k, h), dtype)
+        self.o_kernel = _normal(rngs, (n, h, d), dtype)  # [N, H, D]
+        self.q_bias = nnx.Param(jnp.zeros((n, h), dtype)) if cfg.qkv_bias else None
+        self.k_bias = nnx.Param(jnp.zeros((k, h), dtype)) if cfg.qkv_bias else None
+        self.v_bias = nnx.Param(jnp.zeros((k, h), dtype)) if cfg.qkv_bias else None
+        self.o_bias = nnx.Param(jnp.zeros((d,), dtype)) if cfg.o_bias else None
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.groups = n // k
+
+    def __call__(
+        self,
+        x: Array,  # [B, T, D]
+        rope: tuple[Array, Array],  # cos, sin: [B, T, H]
+        mask: Array,  # [B, T, S] bool
+        cache: KVCache | None,
+        cache_index: Array | None,
+    ) -> tuple[Array, KVCache]:
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_kernel[...])
+        k = jnp.einsum("btd,dkh->btkh", x, self.k_kernel[...])
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_kernel[...])
+        if self.q_bias is not None and self.k_bias is not None and self.v_bias is not None:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, rope), _rotate(k, rope)
+        if cache is not None:
+            assert cache_index is not None
+            start = (0, cache_index, 0, 0)
+            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
+            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
+        out = _attend(q, k, v, mask, self.groups)  # [B, T, N, H]
+        y = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...])
+        if self.o_bias is not None:
+            y = y + self.o_bias[...]
+        return y, (k, v)
+
+
+def _rotate(x: Array, rope: tuple[Array, Array]) -> Array:
+    """Rotary embedding, transformers' rotate-half layout. x: [B, T, N, H]."""
+    cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _attend(q: Array, k: Array, v: Array, mask: Array, groups: int) -> Array:
+    """Grouped-query attention; q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S]."""
+    b, t, n, h = q.shape
+    qg = q.reshape(b, t, n // groups, groups, h)  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(q.dtype)).astype(jnp.float32)
+    scores = scores * (h**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype))
+    return out.reshape(b, t, n, h)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_kernel = _normal(rngs, (d, f), dtype)  # [D, F]
+        self.up_kernel = _normal(rngs, (d, f), dtype)
+        self.down_kernel = _normal(rngs, (f, d), dtype)  # [F, D]
+
+    def __call__(self, x: Array) -> Array:
+        gate = jnp.einsum("btd,df->btf", x, self.gate_kernel[...])
+        up = jnp.einsum("btd,df->btf", x, self.up_kernel[...])
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_kernel[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(
+        self,
+        x: Array,
+        rope: tuple[Array, Array],
+        mask: Array,
+        cache: KVCache | None = None,
+        cache_index: Array | None = None,
+    ) -> tuple[Array, KVCache]:
+        attn_out, kv = self.attn(self.input_norm(x), rope, mask, cache, cache_index)
+        x = x + attn_out
+        return x + self.mlp(self.post_attn_norm(x)), kv
+
+
+class Qwen(nnx.Module):
+    """The decoder stack: embedding, L layers, final norm, LM head."""
+
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.config = cfg
+        self.dtype = dtype
+        self.embedding = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)  # [V, D]
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _normal(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)  # [D, V]
+        )
+
+    def rope(self, positions: Array) -> tuple[Array, Array]:
+        """cos and sin [B, T, H] for integer positions [B, T]."""
+        h = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+        angles = jnp.concatenate([freqs, freqs], axis=-1)
+        return jnp.cos(angles).astype(self.dtype), jnp.sin(angles).astype(self.dtype)
+
+    def logits(self, x: Array) -> Array:
+        """[B, T, D] normed hidden states to [B, T, V] logits."""
+        if self.lm_head is None:
+            return jnp.einsum("btd,vd->btv", x, self.embedding[...])
+        return jnp.einsum("btd,dv->btv", x, self.lm_head[...])
+
+
+class Hidden(NamedTuple):
+    """What one pass through the stack produced."""
+
+    last: Array  # [B, T, D] after the final norm
+    states: dict[int, Array]  # the requested hidden states, transformers' indexing
+    caches: list[KVCache]
+
+
+def run_layers(
+    model: Qwen,
+    input_ids: Array,  # [B, T]
+    positions: Array,  # [B, T]
+    mask: Array,  # [B, T, S]
+    *,
+    keep: frozenset[int] = frozenset(),
+    caches: list[KVCache] | None = None,
+    cache_index: Array | None = None,
+    constrain: ActivationSharding | None = None,
+) -> Hidden:
+    """Embed, run every decoder layer, apply the final norm.
+
+    ``keep`` names hidden-state indices as transformers counts them: 0 is the
+    embedding output, i the output of decoder layer i (1-based), and
+    ``num_layers`` the final norm's output.
+    """
+    x = jnp.take(model.embedding[...], input_ids, axis=0)
+    x = constrain(x) if constrain else x
+    rope = model.rope(positions)
+    states = {0: x} if 0 in keep else {}
+    new_caches: list[KVCache] = []
+    last_layer = model.config.num_layers
+    for i, layer in enumerate(model.layers):
+        cache = caches[i] if caches is not None else None
+        x, kv = layer(x, rope, mask, cache, cache_index)
+        x = constrain(x) if constrain else x
+        new_caches.append(kv)
+        if i + 1 in keep and i + 1 != last_layer:
+            states[i + 1] = x
+    x = model.final_norm(x)
+    if last_layer in keep:
+        states[last_layer] = x
+    return Hidden(x, states, new_caches)
+
+
+class ActivationSharding:
+    """Pins activations [B, ...] to the mesh's data axis inside jitted code."""
+
+    def __init__(self, sharding: jax.sharding.NamedSharding) -> None:
+        self.sharding = sharding
+
+    def __call__(self, x: Array) -> Array:
+        return jax.lax.with_sharding_constraint(x, self.sharding)
