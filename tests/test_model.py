@@ -281,6 +281,10 @@ def test_loads_through_fsspec_into_the_cache(
     copies = list((tmp_path / "cache").iterdir())
     assert len(copies) == 1 and not copies[0].name.startswith(".partial")
     assert not (copies[0] / "reference.npz").exists()  # only checkpoint files travel
+    fs.rm("/ckpt/qwen3-tiny", recursive=True)  # a second load reads the cache alone
+    assert load_model("memory://ckpt/qwen3-tiny").config == remote.config
+    with pytest.raises(CheckpointError, match="cannot list memory://ckpt/other"):
+        load_model("memory://ckpt/other")
 
 
 SHARDED = """
@@ -347,3 +351,86 @@ def test_tensor_parallel_across_the_processes_of_a_lockstep_run(
     ]
     assert len(lines) == 2, result.out[-2000:]
     assert all("mesh {'data': 2, 'model': 2}" in line for line in lines)
+
+
+# the config.json of Qwen/Qwen2.5-0.5B as published (fields the model reads, and some it ignores)
+QWEN2_5_0_5B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 24,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "non_embedding"),
+    [
+        ("qwen2.5-0.5b", 494_032_768, 0.36e9),  # the model card: 0.49B, 0.36B non-embedding
+        ("qwen3-0.6b", 596_049_920, 0.44e9),  # 0.6B, 0.44B
+        ("qwen3-1.7b", 1_720_574_976, 1.4e9),  # 1.7B, 1.4B
+    ],
+)
+def test_presets_have_the_published_sizes(name: str, total: int, non_embedding: float) -> None:
+    from flax import nnx
+
+    from tpupod.model import PRESETS
+    from tpupod.model.modeling import Qwen
+
+    config = PRESETS[name]()
+    shapes = nnx.eval_shape(lambda: Qwen(config, np.float32, nnx.Rngs(0)))
+    count = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(shapes)))
+    assert count == total
+    assert abs(config.non_embedding_params() - non_embedding) / non_embedding < 0.03
+
+
+def test_a_published_config_reads_as_its_preset() -> None:
+    from tpupod.model import QwenConfig, qwen2_5_0_5b
+
+    assert QwenConfig.from_hf(QWEN2_5_0_5B_CONFIG) == qwen2_5_0_5b()
+    with pytest.raises(CheckpointError, match="unsupported rope scaling 'yarn'"):
+        QwenConfig.from_hf({**QWEN2_5_0_5B_CONFIG, "rope_scaling": {"type": "yarn"}})
+    with pytest.raises(CheckpointError, match="sliding-window attention"):
+        QwenConfig.from_hf({**QWEN2_5_0_5B_CONFIG, "use_sliding_window": True})
+    broken = dict(QWEN2_5_0_5B_CONFIG)
+    del broken["hidden_size"]
+    with pytest.raises(CheckpointError, match=r"config\.json lacks 'hidden_size'"):
+        QwenConfig.from_hf(broken)
+
+
+def test_blocked_causal_attention_equals_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts longer than a CPU attention block (64) take the blocked path; padded too."""
+    import jax
+
+    from tpupod.model import modeling
+
+    model = model_of("qwen3")
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(0, 400, n).tolist() for n in (150, 97, 64)]
+    blocked, _ = model.forward(rows, layers=[1]).numpy()
+    greedy = model.generate(rows, max_new_tokens=5, stop_tokens=()).tokens
+    monkeypatch.setattr(modeling, "ATTENTION_BLOCK", {})
+    jax.clear_caches()
+    whole, _ = model.forward(rows, layers=[1]).numpy()
+    assert blocked is not None and whole is not None
+    for row, ids in enumerate(rows):
+        np.testing.assert_allclose(blocked[row, : len(ids)], whole[row, : len(ids)], atol=1e-5)
+    assert model.generate(rows, max_new_tokens=5, stop_tokens=()).tokens == greedy
+    jax.clear_caches()

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tpupod.model.modeling import ActivationSharding, KVCache, Qwen, run_layers
+from tpupod.model.modeling import ActivationSharding, CausalLengths, KVCache, Mask, Qwen, run_layers
 
 Array = jax.Array
 
@@ -36,7 +36,10 @@ def _last_index(valid: Array) -> Array:
     return t - 1 - jnp.argmax(valid[:, ::-1], axis=1)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "keep", "logits", "act_sharding", "logits_sharding"))
+@partial(
+    jax.jit,
+    static_argnames=("graphdef", "keep", "logits", "fused", "act_sharding", "logits_sharding"),
+)
 def forward(
     graphdef: nnx.GraphDef[Qwen],
     state: Any,
@@ -45,16 +48,21 @@ def forward(
     *,
     keep: frozenset[int],
     logits: str,
-    act_sharding: NamedSharding | None,
+    fused: bool = False,
+    act_sharding: NamedSharding | None = None,
     logits_sharding: NamedSharding | None = None,
 ) -> tuple[Array | None, dict[int, Array]]:
     """Logits (``"all"`` [B, T, V], ``"last"`` [B, V] at each row's last token, or
-    ``"none"``) and the hidden states named in ``keep``."""
+    ``"none"``) and the hidden states named in ``keep``. ``fused``: the rows are
+    right-padded, so attention may run as cuDNN flash attention (GPU)."""
     model = nnx.merge(graphdef, state)
     valid = mask.astype(bool)
     t = input_ids.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    attn_mask = causal[None] & valid[:, None, :]
+    attn_mask: Mask
+    if fused:
+        attn_mask = CausalLengths(jnp.maximum(valid.sum(axis=1), 1).astype(jnp.int32))
+    else:
+        attn_mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
     constrain = ActivationSharding(act_sharding) if act_sharding is not None else None
     hidden = run_layers(
         model, input_ids, _positions(mask), attn_mask, keep=keep, constrain=constrain
@@ -128,7 +136,7 @@ def generate(  # noqa: PLR0917 (jit takes the arrays positionally)
     )
 
     def grow(kv: Array) -> Array:
-        cache = jnp.pad(kv, ((0, 0), (0, new_capacity), (0, 0), (0, 0)))
+        cache = jnp.pad(kv, ((0, 0), (0, 0), (0, new_capacity), (0, 0)))
         if cache_sharding is not None:
             cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
         return cache

@@ -169,20 +169,8 @@ def qwen3_0_6b() -> QwenConfig:
 
 
 def qwen3_1_7b() -> QwenConfig:
-    """Qwen/Qwen3-1.7B (1.7B parameters, tied embeddings)."""
-    return QwenConfig(
-        family="qwen3",
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_layers=28,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-        eos_token_ids=(151645,),
-    )
+    """Qwen/Qwen3-1.7B (1.7B parameters, tied embeddings): Qwen3-0.6B, wider."""
+    return dataclasses.replace(qwen3_0_6b(), hidden_size=2048, intermediate_size=6144)
 
 
 PRESETS = {

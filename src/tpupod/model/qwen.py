@@ -12,6 +12,7 @@ and inputs are placed shard by shard from each process's full host copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ from tpupod.model.tokenizer import Message, Tokenizer
 
 DTypeLike = str | Any
 Logits = Literal["all", "last", "none"]
+# "auto": cuDNN flash attention for right-padded bf16/f16 batches on a GPU, else XLA's
+Attention = Literal["auto", "xla", "cudnn"]
 MIN_LENGTH_BUCKET = 16
 
 
@@ -82,8 +85,10 @@ class QwenModel:
         tokenizer: Tokenizer | None = None,
         mesh: Mesh | None = None,
         stop_tokens: Sequence[int] = (),
+        attention: Attention = "auto",
     ) -> None:
         self.module = module
+        self.attention = attention
         self.config: QwenConfig = module.config
         self.dtype = module.dtype
         self.tokenizer = tokenizer
@@ -107,8 +112,6 @@ class QwenModel:
         if not rows:
             raise ModelError("no prompts given")
         b, t = len(rows), max(len(r) for r in rows)
-        if attention_mask is None and not left and isinstance(input_ids, np.ndarray | jax.Array):
-            t = int(np.shape(input_ids)[1])
         if t + extra > self.config.max_position_embeddings:
             raise ModelError(
                 f"{t + extra} positions exceed the model's {self.config.max_position_embeddings}",
@@ -148,6 +151,33 @@ class QwenModel:
             )
         return layer % n
 
+    def _precision(self) -> contextlib.AbstractContextManager[Any]:
+        """float32 means float32: GPUs would otherwise multiply in TF32 and TPUs in
+        bfloat16 passes (10^-3 off transformers, where float32 is exact)."""
+        if self.dtype == jnp.float32:
+            return jax.default_matmul_precision("highest")
+        return contextlib.nullcontext()
+
+    def _fused(self, mask: np.ndarray) -> bool:
+        """Whether this batch's attention can run fused (cuDNN): rows right-padded,
+        a half-precision dtype, a head size cuDNN takes, and a GPU (or asked for)."""
+        if self.attention == "xla":
+            return False
+        lengths = mask.sum(axis=1, keepdims=True)
+        right_padded = bool(np.all(mask == (np.arange(mask.shape[1]) < lengths)))
+        if self.attention == "cudnn":
+            if not right_padded:
+                raise ModelError("cuDNN attention needs right-padded rows", hint="pad on the right")
+            return True
+        head_dim = self.config.head_dim
+        return (
+            right_padded
+            and jax.default_backend() == "gpu"
+            and self.dtype in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0
+            and head_dim <= 128
+        )
+
     # ---- forward ------------------------------------------------------------
 
     def forward(
@@ -163,20 +193,22 @@ class QwenModel:
         left or right padded) or a list of token-id lists (right-padded here)."""
         keep = frozenset(self.hidden_index(i) for i in layers or ())
         ids, mask, b, t = self._batch(input_ids, attention_mask, left=False)
-        out, states = compute.forward(
-            self._graphdef,
-            self._state,
-            self._place(ids),
-            self._place(mask),
-            keep=keep,
-            logits=logits,
-            act_sharding=self._act_sharding(),
-            logits_sharding=(
-                None
-                if self.mesh is None
-                else sharding.logits_sharding(self.mesh, self.config.vocab_size)
-            ),
-        )
+        with self._precision():
+            out, states = compute.forward(
+                self._graphdef,
+                self._state,
+                self._place(ids),
+                self._place(mask),
+                keep=keep,
+                logits=logits,
+                fused=self._fused(mask),
+                act_sharding=self._act_sharding(),
+                logits_sharding=(
+                    None
+                    if self.mesh is None
+                    else sharding.logits_sharding(self.mesh, self.config.vocab_size)
+                ),
+            )
         if out is not None:
             out = _crop(out, (b, t) if logits == "all" else (b,))
         ordered = {i: _crop(states[i], (b, t)) for i in sorted(keep)}
@@ -209,26 +241,27 @@ class QwenModel:
         stop[: len(stops)] = stops
         capacity = bucket(max_new_tokens, MIN_LENGTH_BUCKET)
         pad = self.tokenizer.pad_id if self.tokenizer is not None else None
-        out, _ = compute.generate(
-            self._graphdef,
-            self._state,
-            self._place(ids),
-            self._place(mask),
-            jnp.int32(max_new_tokens),
-            jnp.asarray(stop),
-            jnp.float32(max(temperature, 1e-6)),
-            jnp.float32(top_p),
-            jax.random.key(seed),
-            jnp.int32(pad if pad is not None else 0),
-            new_capacity=capacity,
-            sample=temperature > 0,
-            act_sharding=self._act_sharding(),
-            cache_sharding=(
-                None
-                if self.mesh is None
-                else sharding.cache_sharding(self.mesh, self.config.num_kv_heads)
-            ),
-        )
+        with self._precision():
+            out, _ = compute.generate(
+                self._graphdef,
+                self._state,
+                self._place(ids),
+                self._place(mask),
+                jnp.int32(max_new_tokens),
+                jnp.asarray(stop),
+                jnp.float32(max(temperature, 1e-6)),
+                jnp.float32(top_p),
+                jax.random.key(seed),
+                jnp.int32(pad if pad is not None else 0),
+                new_capacity=capacity,
+                sample=temperature > 0,
+                act_sharding=self._act_sharding(),
+                cache_sharding=(
+                    None
+                    if self.mesh is None
+                    else sharding.cache_sharding(self.mesh, self.config.num_kv_heads)
+                ),
+            )
         host = to_host(out)[:b, :max_new_tokens]
         tokens, reasons = [], []
         for row in host.tolist():
@@ -346,11 +379,14 @@ def load_model(
     dtype: DTypeLike = "float32",
     mesh: Mesh | None = None,
     tokenizer: bool = True,
+    attention: Attention = "auto",
 ) -> QwenModel:
     """Load a Hugging Face Qwen2 / Qwen2.5 / Qwen3 folder (local or ``gs://``).
 
     ``dtype``: ``"float32"`` or ``"bfloat16"`` (weights and compute). ``mesh``:
     a (data, model) mesh from ``make_mesh`` for tensor and data parallelism.
+    ``attention``: ``"auto"`` uses cuDNN flash attention where it can (right-padded
+    half-precision batches on a GPU), ``"xla"`` never, ``"cudnn"`` always.
     """
     folder = loading.localize(path)
     config = loading.read_config(folder)
@@ -363,7 +399,7 @@ def load_model(
     weights = loading.read_weights(folder, config, expected)
     module = _build(config, dtype, mesh, weights, seed=0)
     tok = Tokenizer(folder) if tokenizer else None
-    return QwenModel(module, tok, mesh, _stop_tokens(folder, config, tok))
+    return QwenModel(module, tok, mesh, _stop_tokens(folder, config, tok), attention)
 
 
 def _stop_tokens(folder: Path, config: QwenConfig, tok: Tokenizer | None) -> list[int]:
@@ -378,9 +414,13 @@ def _stop_tokens(folder: Path, config: QwenConfig, tok: Tokenizer | None) -> lis
 
 
 def random_model(
-    config: QwenConfig, dtype: DTypeLike = "float32", mesh: Mesh | None = None, seed: int = 0
+    config: QwenConfig,
+    dtype: DTypeLike = "float32",
+    mesh: Mesh | None = None,
+    seed: int = 0,
+    attention: Attention = "auto",
 ) -> QwenModel:
     """A model of ``config``'s shape with random weights (benchmarks, tests)."""
     config.validate()
     module = _build(config, _dtype(dtype), mesh, None, seed)
-    return QwenModel(module, None, mesh, config.eos_token_ids)
+    return QwenModel(module, None, mesh, config.eos_token_ids, attention)

@@ -71,9 +71,9 @@ def logits_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
 
 
 def cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-    """KV cache [B, S, K, H]: batch by data, heads by model where they divide."""
+    """KV cache [B, K, S, H]: batch by data, heads by model where they divide."""
     heads = MODEL if num_kv_heads % mesh.shape[MODEL] == 0 else None
-    return NamedSharding(mesh, PartitionSpec(DATA, None, heads, None))
+    return NamedSharding(mesh, PartitionSpec(DATA, heads, None, None))
 
 
 def place(array: np.typing.ArrayLike, sharding: NamedSharding) -> jax.Array:
