@@ -22,7 +22,6 @@ from tpupod.state import StateDir
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SIM_HOSTS = 4
-SIM_HOSTS = 4
 
 
 def require(condition: bool, reason: str) -> None:
