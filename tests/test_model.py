@@ -255,6 +255,9 @@ def test_loader_refuses_an_unsupported_architecture(tmp_path: Path) -> None:
 def test_loader_says_what_a_folder_lacks(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no checkpoint folder"):
         load_model(tmp_path / "nowhere")
+    with pytest.raises(ModelError, match="unsupported dtype 'bf16'") as info:
+        load_model(FIXTURES / "qwen2-tiny", dtype="bf16")
+    assert info.value.hint == "choose one of float32, bfloat16, float16"
     with pytest.raises(CheckpointError, match=r"has no config\.json"):
         load_model(tmp_path)
     folder = _copy("qwen3", tmp_path)

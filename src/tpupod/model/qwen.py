@@ -263,7 +263,8 @@ class QwenModel:
                 ),
             )
         host = to_host(out)[:b, :max_new_tokens]
-        tokens, reasons = [], []
+        tokens: list[list[int]] = []
+        reasons: list[Literal["stop", "length"]] = []
         for row in host.tolist():
             end = next((i for i, tok in enumerate(row) if tok in stops), None)
             tokens.append(row if end is None else row[: end + 1])
@@ -271,7 +272,7 @@ class QwenModel:
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(t) for t in tokens]
-        return Generation(tokens, reasons, [int(m.sum()) for m in mask[:b]], texts)  # type: ignore[arg-type]
+        return Generation(tokens, reasons, [int(m.sum()) for m in mask[:b]], texts)
 
     def chat(
         self,
@@ -333,22 +334,35 @@ def _rows(input_ids: Any, attention_mask: Any) -> list[list[int]]:
     return [list(map(int, r)) for r in input_ids]
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _dtype(dtype: DTypeLike) -> Any:
-    return jnp.dtype(dtype)
+    """The compute dtype, refusing what the model does not run in."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in DTYPES:
+        raise ModelError(f"unsupported dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPES)}")
+    return resolved
 
 
-def _build(config: QwenConfig, dtype: Any, mesh: Mesh | None, weights: Any, seed: int) -> Qwen:
-    """The module, each parameter placed on the mesh from ``weights`` (path -> array)
-    or, without weights, drawn at random."""
-    abstract = nnx.eval_shape(lambda: Qwen(config, dtype, nnx.Rngs(seed)))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
-    if weights is None:
-        weights = _random_weights(
-            config, dtype, seed, {k: v.get_value().shape for k, v in flat.items()}
-        )
-    for path, variable in flat.items():
-        name = ".".join(map(str, path))
+def _abstract(config: QwenConfig, dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """The module's graph and its parameters (shapes only) by dotted name."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen(config, dtype, nnx.Rngs(0))))
+    return graphdef, {".".join(map(str, p)): (p, v) for p, v in nnx.to_flat_state(state)}
+
+
+def _build(
+    graphdef: Any,
+    params: dict[str, Any],
+    weights: dict[str, np.ndarray],
+    dtype: Any,
+    mesh: Mesh | None,
+) -> Qwen:
+    """The module with each parameter placed (on the mesh, if any) from ``weights``."""
+    for name, (_, variable) in params.items():
         host = loading.cast(np.asarray(weights[name]), dtype)
         if mesh is None:
             variable.set_value(jnp.asarray(host))
@@ -356,21 +370,19 @@ def _build(config: QwenConfig, dtype: Any, mesh: Mesh | None, weights: Any, seed
             variable.set_value(
                 sharding.place(host, sharding.param_sharding(name, host.shape, mesh))
             )
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return nnx.merge(graphdef, nnx.from_flat_state(list(params.values())))
 
 
-def _random_weights(
-    config: QwenConfig, dtype: Any, seed: int, shapes: dict[Any, tuple[int, ...]]
-) -> dict[str, np.ndarray]:
+def _random_weights(params: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     """Small normal weights (norm scales 1), drawn on the host so every process agrees."""
     rng = np.random.default_rng(seed)
     weights = {}
-    for path, shape in shapes.items():
-        name = ".".join(map(str, path))
+    for name, (_, variable) in params.items():
+        shape = variable.get_value().shape
         if name.endswith("scale"):
             weights[name] = np.ones(shape, np.float32)
         else:
-            weights[name] = (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+            weights[name] = 0.02 * rng.standard_normal(shape, np.float32)
     return weights
 
 
@@ -391,13 +403,10 @@ def load_model(
     folder = loading.localize(path)
     config = loading.read_config(folder)
     dtype = _dtype(dtype)
-    abstract = nnx.eval_shape(lambda: Qwen(config, dtype, nnx.Rngs(0)))
-    expected = {
-        ".".join(map(str, p)): tuple(v.get_value().shape)
-        for p, v in nnx.to_flat_state(nnx.state(abstract))
-    }
+    graphdef, params = _abstract(config, dtype)
+    expected = {name: tuple(v.get_value().shape) for name, (_, v) in params.items()}
     weights = loading.read_weights(folder, config, expected)
-    module = _build(config, dtype, mesh, weights, seed=0)
+    module = _build(graphdef, params, weights, dtype, mesh)
     tok = Tokenizer(folder) if tokenizer else None
     return QwenModel(module, tok, mesh, _stop_tokens(folder, config, tok), attention)
 
@@ -422,5 +431,7 @@ def random_model(
 ) -> QwenModel:
     """A model of ``config``'s shape with random weights (benchmarks, tests)."""
     config.validate()
-    module = _build(config, _dtype(dtype), mesh, None, seed)
+    dtype = _dtype(dtype)
+    graphdef, params = _abstract(config, dtype)
+    module = _build(graphdef, params, _random_weights(params, seed), dtype, mesh)
     return QwenModel(module, None, mesh, config.eos_token_ids, attention)

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tpupod.errors import ModelError
+
 DATA, MODEL = "data", "model"
 
 # parameter path (dots) -> which dimension the model axis splits, or None
@@ -33,8 +35,6 @@ def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | Non
     """A (data, model) mesh over ``data * model`` devices (all processes' devices)."""
     devices = list(devices if devices is not None else jax.devices())
     if data * model != len(devices):
-        from tpupod.errors import ModelError
-
         raise ModelError(
             f"a {data} x {model} mesh needs {data * model} devices; there are {len(devices)}",
             hint="choose data and model so that their product is the device count",
