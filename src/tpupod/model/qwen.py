@@ -166,6 +166,10 @@ class QwenModel:
         lengths = mask.sum(axis=1, keepdims=True)
         right_padded = bool(np.all(mask == (np.arange(mask.shape[1]) < lengths)))
         if self.attention == "cudnn":
+            if jax.default_backend() != "gpu":
+                raise ModelError(
+                    "cuDNN attention needs a GPU", hint="use attention='auto' or 'xla'"
+                )
             if not right_padded:
                 raise ModelError("cuDNN attention needs right-padded rows", hint="pad on the right")
             return True
