@@ -12,6 +12,10 @@ translated into these at the seam where they arise, chained with ``from``.
     │   ├── PodNotFound
     │   └── PodExists
     ├── WorkerError              exit 1   one worker: could not start or reach it
+    ├── IdentityError            exit 1   a worker's identity cannot be told for sure
+    ├── RendezvousError          exit 1   a barrier timed out, workers disagree, or one was refused
+    ├── PreflightError           exit 1   a worker is not ready for a launch; nothing started
+    ├── GcpError                 exit 1   the Cloud TPU API refused, or a TPU is in a bad state
     ├── ModelError               exit 1   the model: bad arguments, generation limits
     │   └── CheckpointError      exit 1   a folder that is not a loadable Qwen checkpoint
     └── FanoutFailed             exit N   a fan-out where some worker did not succeed
@@ -74,6 +78,22 @@ class WorkerError(TpupodError):
         super().__init__(message, hint)
         self.worker = worker
         self.reason = reason or message
+
+
+class IdentityError(TpupodError):
+    """The worker's identity cannot be told for sure."""
+
+
+class RendezvousError(TpupodError):
+    """A barrier timed out, the workers disagree, or this worker was refused."""
+
+
+class PreflightError(TpupodError):
+    """A worker is not ready for a launch; nothing was started."""
+
+
+class GcpError(TpupodError):
+    """The Cloud TPU API refused, or a TPU ended up in a state it cannot be used in."""
 
 
 class ModelError(TpupodError):

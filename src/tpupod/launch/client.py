@@ -18,15 +18,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tpupod.errors import TpupodError
+from tpupod.errors import RendezvousError
 from tpupod.launch.identity import WorkerIdentity, worker
 from tpupod.launch.rendezvous import DEFAULT_TIMEOUT_S
 
 CONNECT_TIMEOUT_S = 30.0
-
-
-class RendezvousError(TpupodError):
-    """A barrier timed out, the workers disagree, or this worker was refused."""
 
 
 class RendezvousClient:

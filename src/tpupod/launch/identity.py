@@ -17,15 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpupod.errors import TpupodError
+from tpupod.errors import IdentityError
 
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
 METADATA_TIMEOUT_S = 1.0
 GCE_PRODUCT_FILE = Path("/sys/class/dmi/id/product_name")
-
-
-class IdentityError(TpupodError):
-    """The worker's identity cannot be told for sure."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from tpupod import settings
-from tpupod.errors import TpupodError
+from tpupod.errors import PreflightError, TpupodError
 from tpupod.fanout import Interrupt, LineHandler, NoticeHandler, execute_async
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import RendezvousServer
@@ -48,10 +48,6 @@ RENDEZVOUS_START_S = 30.0
 PORT_CHECK = (
     "if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then echo busy; else echo free; fi"
 )
-
-
-class PreflightError(TpupodError):
-    """A worker is not ready for a launch; nothing was started."""
 
 
 @dataclass(frozen=True)

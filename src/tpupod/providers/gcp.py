@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod import settings
-from tpupod.errors import TpupodError, UsageError
+from tpupod.errors import GcpError, UsageError
 from tpupod.pod import Pod, Worker
 from tpupod.providers.gcp_api import parent
 from tpupod.providers.ssh import connect_options
@@ -33,10 +33,6 @@ KEY_FILE = "id_ed25519"
 WAIT_S = 3600.0
 READY = {"READY", "ACTIVE"}
 BROKEN = {"FAILED", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
-
-
-class GcpError(TpupodError):
-    """The Cloud TPU API refused, or a TPU ended up in a state it cannot be used in."""
 
 
 class GcpProvider:
