@@ -84,9 +84,14 @@ def missing_prerequisites() -> list[str]:
 
 
 class SimPod:
-    """``with SimPod(4) as sim:`` gives four hosts reachable over SSH as root with ``sim.key``."""
+    """``with SimPod(4) as sim:`` gives four hosts reachable over SSH as root with ``sim.key``.
 
-    def __init__(self, hosts: int, *, sshd_options: dict[str, str] | None = None) -> None:
+    ``sshd_options`` are added to (or replace) the hosts' sshd_config lines; an
+    option set to None is left out, so ``{"Subsystem": None}`` makes hosts
+    without SFTP, like a minimal image's or a hardened sshd.
+    """
+
+    def __init__(self, hosts: int, *, sshd_options: dict[str, str | None] | None = None) -> None:
         if not 1 <= hosts <= MAX_HOSTS:
             raise SimError(f"a simulated pod has 1 to {MAX_HOSTS} hosts, not {hosts}")
         missing = missing_prerequisites()
@@ -327,7 +332,7 @@ class SimPod:
             "LogLevel": "ERROR",
             **self.sshd_options,
         }
-        text = "".join(f"{key} {value}\n" for key, value in options.items())
+        text = "".join(f"{key} {value}\n" for key, value in options.items() if value is not None)
         (self.dir / "sshd_config").write_text(text)
 
 
