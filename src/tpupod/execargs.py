@@ -13,11 +13,17 @@ from __future__ import annotations
 import shlex
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tpupod import settings
+from tpupod.envargs import parse_env
 from tpupod.errors import TpupodError, UsageError
-from tpupod.names import ENV_NAME_RE
 from tpupod.results import DEFAULT_GRACE_S, OnFail
+from tpupod.selection import select_ids
+
+if TYPE_CHECKING:
+    from tpupod.results import FanoutResult
+    from tpupod.state import PodBrief, StateDir
 
 VALUED = {
     "-p": "pod",
@@ -46,15 +52,55 @@ class ExecArgs:
     env: list[str] = field(default_factory=list)
 
 
-def exec_request(args: ExecArgs, line: str, ids: list[int]) -> dict[str, object]:
+@dataclass(frozen=True)
+class ExecPlan:
+    """What one ``tpupod exec`` does: on which pod and workers, which command line."""
+
+    name: str
+    brief: PodBrief
+    ids: list[int]
+    line: str
+    env: dict[str, str]
+
+    @property
+    def held(self) -> bool:
+        """Through the pod's connection holder (SSH pods, unless turned off)."""
+        return self.brief.provider == "ssh" and settings.holder_enabled()
+
+
+def plan_exec(args: ExecArgs, state: StateDir) -> ExecPlan:
+    """Check exec's arguments against the pod's record (a light read, no pydantic)."""
+    name = state.resolve_name(args.pod)
+    brief = state.load_brief(name)
+    ids = select_ids(args.worker, len(brief.workers))
+    return ExecPlan(name, brief, ids, join_command(args.command), parse_env(args.env))
+
+
+def run_held(state: StateDir, plan: ExecPlan, args: ExecArgs) -> FanoutResult:
+    """Run the plan through the pod's connection holder, output printed as it arrives."""
+    from tpupod.holder.client import held_exec
+
+    workers = [plan.brief.workers[i] for i in plan.ids]
+    return held_exec(state, plan.name, workers, exec_request(args, plan), args.quiet)
+
+
+def finish(result: FanoutResult, plan: ExecPlan) -> int:
+    """Print the summary; the exit code."""
+    from tpupod.report import print_summary
+
+    print_summary(result, sys.stderr, title=f"exec on {plan.name}")
+    return result.exit_code()
+
+
+def exec_request(args: ExecArgs, plan: ExecPlan) -> dict[str, object]:
     """What the connection holder is asked to run."""
     return {
-        "command": line,
-        "workers": ids,
+        "command": plan.line,
+        "workers": plan.ids,
         "on_fail": args.on_fail.value,
         "timeout": args.timeout,
         "grace": args.grace,
-        "env": parse_env_items(args.env),
+        "env": plan.env,
         "quiet": args.quiet,
     }
 
@@ -88,8 +134,15 @@ def parse_plain(argv: list[str]) -> ExecArgs | None:
     except ValueError:
         return None
     plain = args.command and args.grace >= 0 and (args.timeout is None or args.timeout >= 0.001)
-    env_ok = all("=" in item and ENV_NAME_RE.match(item.partition("=")[0]) for item in env)
-    return args if plain and env_ok else None
+    return args if plain and _env_ok(env) else None
+
+
+def _env_ok(items: list[str]) -> bool:
+    try:
+        parse_env(items)
+    except UsageError:
+        return False
+    return True
 
 
 def _scan(argv: list[str]) -> tuple[dict[str, str], list[str], bool, list[str]] | None:
@@ -120,10 +173,6 @@ def _scan(argv: list[str]) -> tuple[dict[str, str], list[str], bool, list[str]] 
     return values, env, quiet, argv[i:]
 
 
-def parse_env_items(items: list[str]) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in items)
-
-
 def fast_exec(argv: list[str]) -> int | None:
     """Run ``tpupod exec`` through the pod's holder if it applies; None means: use the full CLI."""
     if not argv or argv[0] != "exec" or not settings.holder_enabled():
@@ -131,29 +180,22 @@ def fast_exec(argv: list[str]) -> int | None:
     args = parse_plain(argv[1:])
     if args is None:
         return None
-    from tpupod.selection import select_ids
     from tpupod.state import StateDir
 
     state = StateDir()
     try:
-        name = state.resolve_name(args.pod)
-        brief = state.load_brief(name)
-        if brief.provider != "ssh":
-            return None
-        ids = select_ids(args.worker, len(brief.workers))
-        line = join_command(args.command)
+        plan = plan_exec(args, state)
     except TpupodError:
         return None  # the full CLI reports it, the one way
-    from tpupod.holder.client import held_exec
-    from tpupod.report import print_error, print_summary
-
-    request = exec_request(args, line, ids)
+    if not plan.held:
+        return None
     try:
-        result = held_exec(state, name, [brief.workers[i] for i in ids], request, args.quiet)
+        result = run_held(state, plan, args)
     except TpupodError as exc:
+        from tpupod.report import print_error
+
         print_error(f"error: {exc.message}", exc.hint, sys.stderr)
         return exc.exit_code
     except BrokenPipeError:
         return 141
-    print_summary(result, sys.stderr, title=f"exec on {name}")
-    return result.exit_code()
+    return finish(result, plan)

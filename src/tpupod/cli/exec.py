@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from tpupod import settings
 from tpupod.cli import command
-from tpupod.cli.options import EnvOption, PodOption, parse_env
+from tpupod.cli.options import EnvOption, PodOption
 from tpupod.cli.running import Live, run_live
-from tpupod.execargs import ExecArgs, exec_request, join_command
-from tpupod.report import print_summary
-from tpupod.selection import select_ids
+from tpupod.execargs import ExecArgs, finish, plan_exec, run_held
+from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 
 if TYPE_CHECKING:
     from tpupod.pod import Pod, Worker
-from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 
 WorkerOption = Annotated[
     str | None,
@@ -90,30 +86,22 @@ def run_exec(args: ExecArgs) -> None:
     from tpupod.state import StateDir
 
     state = StateDir()
-    name = state.resolve_name(args.pod)
-    brief = state.load_brief(name)
-    ids = select_ids(args.worker, len(brief.workers))
-    line = join_command(args.command)
-    env = parse_env(args.env)
-    if brief.provider == "ssh" and settings.holder_enabled():
-        from tpupod.holder.client import held_exec
-
-        workers = [brief.workers[i] for i in ids]
-        result = held_exec(state, name, workers, exec_request(args, line, ids), args.quiet)
+    plan = plan_exec(args, state)
+    if plan.held:
+        result = run_held(state, plan, args)
     else:
-        target = state.load(name)
+        target = state.load(plan.name)
         result = run_with_signals(
             target,
-            line,
-            [target.workers[i] for i in ids],
+            plan.line,
+            [target.workers[i] for i in plan.ids],
             on_fail=args.on_fail,
             timeout=args.timeout,
             grace=args.grace,
             quiet=args.quiet,
-            env=env,
+            env=plan.env,
         )
-    print_summary(result, sys.stderr, title=f"exec on {name}")
-    raise typer.Exit(result.exit_code())
+    raise typer.Exit(finish(result, plan))
 
 
 def run_with_signals(

@@ -7,9 +7,6 @@ from typing import Annotated
 
 import typer
 
-from tpupod.errors import UsageError
-from tpupod.names import ENV_NAME_RE
-
 
 class Format(enum.StrEnum):
     TEXT = "text"
@@ -31,16 +28,3 @@ EnvOption = Annotated[
         show_default=False,
     ),
 ]
-
-
-def parse_env(items: list[str] | None) -> dict[str, str]:
-    """``["A=1", "B=x=y"]`` -> ``{"A": "1", "B": "x=y"}``, each name checked."""
-    env: dict[str, str] = {}
-    for item in items or []:
-        name, sep, value = item.partition("=")
-        if not sep or not ENV_NAME_RE.match(name):
-            raise UsageError(
-                f"bad --env {item!r}", hint="write --env NAME=VALUE, e.g. --env XLA_FLAGS=--foo"
-            )
-        env[name] = value
-    return env

@@ -11,8 +11,9 @@ import typer
 
 from tpupod.cli import command
 from tpupod.cli.exec import GraceOption, QuietOption, TimeoutOption, WorkerOption
-from tpupod.cli.options import EnvOption, PodOption, parse_env
+from tpupod.cli.options import EnvOption, PodOption
 from tpupod.cli.running import Live, run_live
+from tpupod.envargs import parse_env
 from tpupod.execargs import join_command
 from tpupod.report import print_summary
 from tpupod.results import DEFAULT_GRACE_S, OnFail
