@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
@@ -24,6 +26,7 @@ from pydantic import (
 )
 
 from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy
+from tpupod.envargs import parse_env
 from tpupod.errors import SpecError, TpupodError
 from tpupod.names import ENV_NAME_RE, POD_NAME_RE
 
@@ -32,6 +35,17 @@ if TYPE_CHECKING:
 
 RESERVED_ENV_PREFIX = "TPUPOD_"
 MAX_LOCAL_WORKERS = 256
+
+
+def _refuse_bool(value: Any) -> Any:
+    """YAML reads ``yes`` and ``true`` as booleans, which pydantic would take as 1."""
+    if isinstance(value, bool):
+        raise ValueError("Input should be a valid integer, not true or false")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_refuse_bool)]
+Float = Annotated[float, BeforeValidator(_refuse_bool)]
 
 
 def check_pod_name(name: str) -> str:
@@ -71,8 +85,8 @@ class LocalPodSpec(_SpecBase):
     """A pod of simulated hosts on this machine (the default provider)."""
 
     provider: Literal["local"] = "local"
-    workers: int = Field(ge=1, le=MAX_LOCAL_WORKERS, description="number of simulated hosts")
-    devices_per_worker: int = Field(
+    workers: Int = Field(ge=1, le=MAX_LOCAL_WORKERS, description="number of simulated hosts")
+    devices_per_worker: Int = Field(
         default=1, ge=1, le=64, description="CPU devices JAX sees on each worker"
     )
 
@@ -87,7 +101,7 @@ class SshHost(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: str = Field(min_length=1)
-    port: int = Field(default=22, ge=1, le=65535)
+    port: Int = Field(default=22, ge=1, le=65535)
     user: str | None = None
 
     @model_validator(mode="before")
@@ -107,10 +121,10 @@ class _SshOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host_keys: HostKeyPolicy = HostKeyPolicy.TOFU
-    connect_concurrency: int = Field(default=64, ge=1, le=1024)
-    connect_stagger_ms: float = Field(default=2.0, ge=0, le=10_000)
-    connect_timeout: float = Field(default=10.0, gt=0, le=600)
-    connect_retries: int = Field(default=3, ge=0, le=100)
+    connect_concurrency: Int = Field(default=64, ge=1, le=1024)
+    connect_stagger_ms: Float = Field(default=2.0, ge=0, le=10_000)
+    connect_timeout: Float = Field(default=10.0, gt=0, le=600)
+    connect_retries: Int = Field(default=3, ge=0, le=100)
 
 
 class SshPodSpec(_SpecBase, _SshOptions):
@@ -130,6 +144,22 @@ class SshPodSpec(_SpecBase, _SshOptions):
     def summary(self) -> str:
         return f"{len(self.hosts)} hosts over SSH, host keys {self.host_keys.value}"
 
+    def repeated_hosts(self) -> list[str]:
+        """A line for each host named more than once (same address and port)."""
+        workers: dict[tuple[str, int], list[int]] = {}
+        for i, host in enumerate(self.hosts):
+            workers.setdefault((host.host, host.port), []).append(i)
+        return [
+            f"{SshHost(host=host, port=port)} is given {_times(len(ids))} "
+            f"(workers {', '.join(map(str, ids[:-1]))} and {ids[-1]})"
+            for (host, port), ids in workers.items()
+            if len(ids) > 1
+        ]
+
+
+def _times(count: int) -> str:
+    return "twice" if count == 2 else f"{count} times"
+
 
 class GcpPodSpec(_SpecBase, _SshOptions):
     """A Cloud TPU (one slice, or several through a queued resource), reached over SSH."""
@@ -140,7 +170,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
     project: str | None = None
     runtime_version: str | None = None
     capacity: Capacity = Capacity.ON_DEMAND
-    node_count: int = Field(default=1, ge=1, le=64, description="slices (multislice when > 1)")
+    node_count: Int = Field(default=1, ge=1, le=64, description="slices (multislice when > 1)")
     network: str | None = None
     subnetwork: str | None = None
     tags: list[str] = Field(default_factory=list)
@@ -205,6 +235,7 @@ def parse_host(text: str) -> dict[str, Any]:
 
 PodSpec = Annotated[LocalPodSpec | SshPodSpec | GcpPodSpec, Field(discriminator="provider")]
 PROVIDERS = ("local", "ssh", "gcp")
+MODELS: dict[str, type[_SpecBase]] = {"local": LocalPodSpec, "ssh": SshPodSpec, "gcp": GcpPodSpec}
 _ADAPTER: TypeAdapter[LocalPodSpec | SshPodSpec | GcpPodSpec] = TypeAdapter(PodSpec)
 FIELD_HINTS = {
     "name": "a pod name like 'dev' or 'qwen-pod-2'",
@@ -217,11 +248,24 @@ FIELD_HINTS = {
     "tpu_type": "a Cloud TPU type such as v4-16, v5litepod-64 or v6e-16",
     "zone": "a zone such as us-central2-b",
     "capacity": "one of on-demand (default), spot, preemptible, reserved, best-effort",
+    "node_count": "the number of slices, 1 to 64",
+    "key": "the path of a private key file, e.g. ~/.ssh/id_ed25519",
+    "user": "a login user name, e.g. root",
+    "labels": "a mapping of KEY: value",
+    "tags": "a list of network tags",
 }
+OTHER_HINT = "fix that value ('tpupod up --help' describes each field's flag)"
 
 
 def load_spec_file(path: Path, overrides: Mapping[str, Any] | None = None) -> PodSpec:
     """Read and validate a spec file; ``overrides`` (from flags) win over the file's values."""
+    data = read_spec_file(path)
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return spec_from_mapping(data, str(path))
+
+
+def read_spec_file(path: Path) -> dict[str, Any]:
+    """A spec file's fields, not yet validated."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -232,9 +276,7 @@ def load_spec_file(path: Path, overrides: Mapping[str, Any] | None = None) -> Po
         raise SpecError(
             f"{path}: cannot read: {exc}", hint="check the path and its permissions"
         ) from exc
-    data = parse_yaml(text, str(path))
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return spec_from_mapping(data, str(path))
+    return parse_yaml(text, str(path))
 
 
 def parse_yaml(text: str, source: str) -> dict[str, Any]:
@@ -286,9 +328,11 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     if parts and parts[0] in PROVIDERS:  # pydantic names the union member first
         parts = parts[1:]
     field = parts[0] if parts else ""
-    loc = ".".join([labels.get(field, field), *parts[1:]]) or "(top level)"
-    if source:
-        loc = f"{source}: {loc}"
+    if field in labels:  # it came from a flag: name the flag, not the file
+        loc = labels[field] + (f" ({'.'.join(parts[1:])})" if parts[1:] else "")
+    else:
+        loc = ".".join(parts) or "(top level)"
+        loc = f"{source}: {loc}" if source else loc
     more = (
         f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
         if len(errors) > 1
@@ -296,13 +340,14 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     )
     kind = first["type"]
     if kind == "extra_forbidden":
-        model = SshPodSpec if data_provider(first) == "ssh" else LocalPodSpec
-        known = list(model.model_fields)
+        known = list(MODELS[data_provider(first)].model_fields)
         close = difflib.get_close_matches(field, known, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"
         return SpecError(f"{loc}: unknown field{more}", hint=hint)
     if kind == "missing":
-        return SpecError(f"{loc}: required field is missing{more}", hint=FIELD_HINTS.get(field))
+        return SpecError(
+            f"{loc}: required field is missing{more}", hint=FIELD_HINTS.get(field, OTHER_HINT)
+        )
     if kind == "union_tag_invalid":
         tag = first.get("ctx", {}).get("tag")
         where = f"{source}: " if source else ""
@@ -312,9 +357,247 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     message = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
-    return SpecError(f"{loc}: {message}{shown}{more}", hint=FIELD_HINTS.get(field))
+    return SpecError(f"{loc}: {message}{shown}{more}", hint=FIELD_HINTS.get(field, OTHER_HINT))
 
 
 def data_provider(error: Any) -> str:
     loc = error.get("loc") or ()
     return str(loc[0]) if loc and str(loc[0]) in PROVIDERS else "local"
+
+
+# -- `tpupod up`'s flags -> PodSpec ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpFlags:
+    """``tpupod up``'s flags as typed; None, False or empty where a flag was not given."""
+
+    name: str | None = None
+    local: int | None = None
+    devices_per_worker: int | None = None
+    ssh: str | None = None
+    port: int | None = None
+    user: str | None = None
+    key: str | None = None
+    host_keys: HostKeyPolicy | None = None
+    gcp: bool = False
+    tpu_type: str | None = None
+    adopt: str | None = None
+    zone: str | None = None
+    project: str | None = None
+    runtime_version: str | None = None
+    capacity: Capacity | None = None
+    spot: bool = False
+    preemptible: bool = False
+    reserved: bool = False
+    best_effort: bool = False
+    node_count: int | None = None
+    network: str | None = None
+    subnetwork: str | None = None
+    tags: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()
+    internal: bool = False
+    env: tuple[str, ...] = ()
+    file: Path | None = None
+
+    def given(self) -> list[str]:
+        """The flags given (as attribute names), in the order above."""
+        return [f.name for f in fields(self) if _given(getattr(self, f.name))]
+
+
+def _given(value: object) -> bool:
+    return value is not None and value is not False and value != ()
+
+
+def flag(attribute: str) -> str:
+    """An UpFlags attribute as the user types it: ``tpu_type`` -> ``--tpu-type``."""
+    return "--" + {"tags": "tag", "labels": "label"}.get(attribute, attribute).replace("_", "-")
+
+
+# The flags that say which kind of pod to make, and the kinds the other flags belong to.
+CHOOSERS = {"local": "local", "ssh": "ssh", "gcp": "gcp", "tpu_type": "gcp", "adopt": "gcp"}
+SSH_LOGIN_FLAGS = ("user", "key", "host_keys")
+KIND_FLAGS = {
+    "local": ("local", "devices_per_worker"),
+    "ssh": ("ssh", "port", *SSH_LOGIN_FLAGS),
+    "gcp": (
+        *("gcp", "tpu_type", "adopt", "zone", "project", "runtime_version", "capacity"),
+        *("spot", "preemptible", "reserved", "best_effort", "node_count", "network"),
+        *("subnetwork", "tags", "labels", "internal", *SSH_LOGIN_FLAGS),
+    ),
+}
+KIND_TEXT = {"local": "local pods (--local)", "ssh": "pods over SSH (--ssh)", "gcp": "Cloud TPUs"}
+KINDS_HINT = (
+    "a pod is local (--local N), existing hosts (--ssh HOSTS) "
+    "or a Cloud TPU (--gcp --tpu-type T --zone Z): keep one"
+)
+CAPACITY_FLAGS = ("capacity", "spot", "preemptible", "reserved", "best_effort")
+# Spec fields set by a flag, so that an error about the field names the flag.
+FIELD_FLAGS = {
+    "workers": "local",
+    "hosts": "ssh",
+    **{name: name for name in ("name", "devices_per_worker", "env", *SSH_LOGIN_FLAGS)},
+    **{name: name for name in KIND_FLAGS["gcp"] if name not in CAPACITY_FLAGS},
+}
+
+
+def chosen_kind(flags: UpFlags) -> str | None:
+    """The kind of pod the flags ask for (None: they do not say); two kinds is an error."""
+    by_kind: dict[str, str] = {}
+    for attribute in flags.given():
+        if attribute in CHOOSERS:
+            by_kind.setdefault(CHOOSERS[attribute], attribute)
+    if len(by_kind) > 1:
+        first, second = list(by_kind.values())[:2]
+        raise SpecError(
+            f"{flag(first)} and {flag(second)} ask for different kinds of pod", hint=KINDS_HINT
+        )
+    return next(iter(by_kind), None)
+
+
+def adoption(flags: UpFlags) -> tuple[str, str, str | None] | None:
+    """(TPU, zone, project) when the flags adopt a TPU made elsewhere; checked before any call."""
+    if flags.adopt is None:
+        return None
+    chosen_kind(flags)
+    _check_flags_fit(flags, "gcp", None)
+    if not flags.zone or not flags.key:
+        raise SpecError(
+            "--adopt needs --zone and --key (and --user if not tpupod)",
+            hint="e.g. --adopt my-tpu --zone us-central2-b --key ~/.ssh/google_compute_engine "
+            "--user root",
+        )
+    return flags.adopt, flags.zone, flags.project
+
+
+def spec_from_flags(flags: UpFlags, adopted: Mapping[str, Any] | None = None) -> PodSpec:
+    """The pod ``tpupod up`` is asked for: its flags, over the fields of ``--file`` (or of
+    ``./tpupod.yaml`` when no flag says which kind of pod). ``adopted``: what the Cloud TPU
+    API says of the TPU named by ``--adopt``. Errors name the flag where a flag set the field."""
+    kind = chosen_kind(flags)
+    file = flags.file
+    if file is None and kind is None and Path(DEFAULT_SPEC_FILE).is_file():
+        file = Path(DEFAULT_SPEC_FILE)
+    data = read_spec_file(file) if file is not None else {}
+    kind = _settle_kind(flags, kind, file, data)
+    _check_flags_fit(flags, kind, file)
+    data.update(_flag_fields(flags, kind, adopted))
+    if file is None and "name" not in data:
+        raise SpecError("the pod needs a name", hint="add --name NAME, e.g. --name dev")
+    return spec_from_mapping(data, str(file or ""), labels=_flag_labels(flags, file is None))
+
+
+def _settle_kind(flags: UpFlags, kind: str | None, file: Path | None, data: dict[str, Any]) -> str:
+    if file is None:
+        if kind is None:
+            raise SpecError(
+                "nothing to create: no --local N, no --ssh HOSTS, no --gcp and no tpupod.yaml here",
+                hint="try 'tpupod up --name dev --local 2', or pass a spec with -f FILE",
+            )
+        return kind
+    described = str(data.get("provider", "local"))
+    if kind is not None and kind != described and described in PROVIDERS:
+        chooser = next(a for a in flags.given() if a in CHOOSERS)
+        raise SpecError(
+            f"{flag(chooser)} asks for another kind of pod than {file} ({described})",
+            hint=f"leave out {flag(chooser)}, or pass a file of that kind",
+        )
+    return kind or described
+
+
+def _check_flags_fit(flags: UpFlags, kind: str, file: Path | None) -> None:
+    """Refuse a flag that belongs to another kind of pod, naming it and what it goes with."""
+    if kind not in KIND_FLAGS:
+        return  # an unknown provider in the file: validation says so
+    given = flags.given()
+    chooser = next((a for a in given if a in CHOOSERS), None)
+    for attribute in given:
+        kinds = [k for k, names in KIND_FLAGS.items() if attribute in names]
+        if kinds and kind not in kinds:
+            against = flag(chooser) if chooser else f"{file} (a {kind} pod)"
+            raise SpecError(
+                f"{flag(attribute)} does not go with {against}: it is for "
+                + " and ".join(KIND_TEXT[k] for k in kinds),
+                hint=f"leave out {flag(attribute)}",
+            )
+
+
+def _flag_fields(flags: UpFlags, kind: str, adopted: Mapping[str, Any] | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"name": flags.name, "env": parse_env(flags.env) or None}
+    fields |= {name: getattr(flags, name) for name in SSH_LOGIN_FLAGS}
+    if kind == "local":
+        fields |= {"workers": flags.local, "devices_per_worker": flags.devices_per_worker}
+    elif kind == "ssh":
+        fields |= {"provider": "ssh", "hosts": _ssh_hosts(flags)}
+    elif kind == "gcp":
+        fields |= _gcp_fields(flags)
+    if adopted is not None:
+        assert flags.adopt is not None
+        fields |= {"name": flags.adopt, "adopted": True, "user": flags.user or "tpupod"}
+        fields |= adopted
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def _gcp_fields(flags: UpFlags) -> dict[str, Any]:
+    return {
+        "provider": "gcp",
+        **{name: getattr(flags, name) for name in ("tpu_type", "zone", "project")},
+        **{name: getattr(flags, name) for name in ("runtime_version", "node_count")},
+        **{name: getattr(flags, name) for name in ("network", "subnetwork")},
+        "capacity": _capacity(flags),
+        "tags": list(flags.tags) or None,
+        "labels": _labels(flags.labels),
+        "internal": flags.internal or None,
+    }
+
+
+def _ssh_hosts(flags: UpFlags) -> list[dict[str, Any]] | None:
+    """``--ssh`` (and ``--port`` for hosts that name none) as host fields."""
+    if flags.ssh is None:
+        if flags.port is not None:
+            raise SpecError("--port goes with --ssh", hint="in a spec file, write host:port")
+        return None
+    if flags.port is not None and not 1 <= flags.port <= 65535:
+        raise SpecError(f"--port: {flags.port} is not a port", hint="a port is 1 to 65535")
+    hosts = [parse_host(item.strip()) for item in flags.ssh.split(",") if item.strip()]
+    for host in hosts:
+        if flags.port is not None:
+            host.setdefault("port", flags.port)
+    return hosts
+
+
+def _capacity(flags: UpFlags) -> Capacity | None:
+    """--capacity, or one of its shorthands (--spot, --preemptible, --reserved, --best-effort)."""
+    chosen = [
+        Capacity(name.replace("_", "-")) for name in CAPACITY_FLAGS[1:] if getattr(flags, name)
+    ]
+    if flags.capacity is not None:
+        chosen.append(flags.capacity)
+    if len(set(chosen)) > 1:
+        names = " and ".join(sorted({c.value for c in chosen}))
+        raise SpecError(f"{names} contradict each other", hint="pick one kind of capacity")
+    return chosen[0] if chosen else None
+
+
+def _labels(items: tuple[str, ...]) -> dict[str, str] | None:
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError(
+                f"bad --label {item!r}", hint="write --label KEY=VALUE, e.g. --label team=ml"
+            )
+        labels[key] = value
+    return labels or None
+
+
+def _flag_labels(flags: UpFlags, every: bool) -> dict[str, str]:
+    """Spec field -> the flag that set it (``every``: or would set it), for error messages."""
+    given = flags.given()
+    labels = {field: flag(name) for field, name in FIELD_FLAGS.items() if every or name in given}
+    capacity = next((name for name in CAPACITY_FLAGS if name in given), None)
+    if capacity is not None:
+        labels["capacity"] = flag(capacity)
+    if flags.adopt is not None:
+        labels["name"] = "--adopt"
+    return labels

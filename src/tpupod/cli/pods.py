@@ -12,18 +12,12 @@ import typer
 
 from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy
 from tpupod.cli import command
-from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption, parse_env
+from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption
 from tpupod.errors import SpecError
 
 if TYPE_CHECKING:
-    from tpupod.spec import PodSpec
+    from tpupod.spec import PodSpec, UpFlags
 
-# Flags that map onto spec fields, so errors about a field can name the flag.
-FLAG_FOR_FIELD = {
-    "name": "--name",
-    "workers": "--local",
-    "devices_per_worker": "--devices-per-worker",
-}
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -168,7 +162,8 @@ def up(
             "--file",
             "-f",
             show_default=False,
-            help=f"Pod spec file (default: ./{DEFAULT_SPEC_FILE} when neither --local nor --ssh).",
+            help=f"Pod spec file (default: ./{DEFAULT_SPEC_FILE} when no flag "
+            "says which kind of pod).",
         ),
     ] = None,
     env: EnvOption = None,
@@ -187,40 +182,39 @@ def up(
       tpupod up -f tpupod.yaml --name dev-2      # flags override the file
     """
     from tpupod.lifecycle import up as pod_up
+    from tpupod.spec import UpFlags
     from tpupod.state import StateDir
 
-    overrides: dict[str, Any] = {"name": name, "env": parse_env(env) or None}
-    if local is not None or devices_per_worker is not None:
-        overrides |= {
-            "provider": "local",
-            "workers": local,
-            "devices_per_worker": devices_per_worker,
-        }
-    if ssh is not None:
-        overrides |= {"provider": "ssh", "hosts": _ssh_hosts(ssh, port)}
-    if ssh is not None or user or key or host_keys:
-        overrides |= {"user": user, "key": key, "host_keys": host_keys}
-    if adopt:
-        overrides |= _adopted(adopt, zone, project, user, key)
-    elif gcp or tpu_type:
-        capacity = _capacity(
-            capacity, spot=spot, preemptible=preemptible, reserved=reserved, best_effort=best_effort
-        )
-        overrides |= {
-            "provider": "gcp",
-            "tpu_type": tpu_type,
-            "zone": zone,
-            "project": project,
-            "runtime_version": runtime_version,
-            "capacity": capacity,
-            "node_count": node_count,
-            "network": network,
-            "subnetwork": subnetwork,
-            "tags": tag or None,
-            "labels": _labels(label),
-            "internal": internal or None,
-        }
-    spec = _spec_from_args(overrides, file)
+    flags = UpFlags(
+        name=name,
+        local=local,
+        devices_per_worker=devices_per_worker,
+        ssh=ssh,
+        port=port,
+        user=user,
+        key=key,
+        host_keys=host_keys,
+        gcp=gcp,
+        tpu_type=tpu_type,
+        adopt=adopt,
+        zone=zone,
+        project=project,
+        runtime_version=runtime_version,
+        capacity=capacity,
+        spot=spot,
+        preemptible=preemptible,
+        reserved=reserved,
+        best_effort=best_effort,
+        node_count=node_count,
+        network=network,
+        subnetwork=subnetwork,
+        tags=tuple(tag or ()),
+        labels=tuple(label or ()),
+        internal=internal,
+        env=tuple(env or ()),
+        file=file,
+    )
+    spec = _spec(flags)
     if dry_run:
         _dry_run_up(spec)
         return
@@ -229,54 +223,22 @@ def up(
     print(f"pod {result.pod.name!r} {verb}: {spec.summary()}")
 
 
-def _adopted(
-    tpu: str, zone: str | None, project: str | None, user: str | None, key: str | None
-) -> dict[str, Any]:
-    """The spec of an existing TPU, read from the API (type, slices, capacity)."""
-    from tpupod.providers.gcp import describe_existing
+def _spec(flags: UpFlags) -> PodSpec:
+    """The spec the flags ask for (a TPU to adopt is read from the API first), with warnings."""
+    from tpupod.report import notice
+    from tpupod.spec import SshPodSpec, adoption, spec_from_flags
 
-    if not zone or not key:
-        raise SpecError(
-            "--adopt needs --zone and --key (and --user if not tpupod)",
-            hint="e.g. --adopt my-tpu --zone us-central2-b --key ~/.ssh/google_compute_engine "
-            "--user root",
-        )
-    found = describe_existing(tpu, zone, project)
-    return {
-        "provider": "gcp",
-        "name": tpu,
-        "zone": zone,
-        "project": project,
-        "adopted": True,
-        "user": user or "tpupod",
-        "key": key,
-        **found,
-    }
+    adopted = None
+    target = adoption(flags)
+    if target is not None:
+        from tpupod.providers.gcp import describe_existing
 
-
-def _capacity(given: Capacity | None, **flags: bool) -> Capacity | None:
-    """--capacity, or one of its shorthands (--spot, --preemptible, --reserved, --best-effort)."""
-    chosen = [Capacity(name.replace("_", "-")) for name, on in flags.items() if on]
-    if given is not None:
-        chosen.append(given)
-    if len(set(chosen)) > 1:
-        names = " and ".join(sorted({c.value for c in chosen}))
-        raise SpecError(f"{names} contradict each other", hint="pick one kind of capacity")
-    return chosen[0] if chosen else None
-
-
-def _labels(items: list[str] | None) -> dict[str, str] | None:
-    if not items:
-        return None
-    labels = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SpecError(
-                f"bad --label {item!r}", hint="write --label KEY=VALUE, e.g. --label team=ml"
-            )
-        labels[key] = value
-    return labels
+        adopted = describe_existing(*target)
+    spec = spec_from_flags(flags, adopted)
+    if isinstance(spec, SshPodSpec):
+        for line in spec.repeated_hosts():
+            notice(f"warning: {line}: those workers share that host")
+    return spec
 
 
 def _dry_run_up(spec: PodSpec) -> None:
@@ -304,34 +266,6 @@ def _print_request(request: Any) -> None:
     print(f"{request.method} {request.url}")
     if request.body is not None:
         print(json.dumps(request.body, indent=2))
-
-
-def _ssh_hosts(text: str, port: int | None) -> list[dict[str, Any]]:
-    from tpupod.spec import parse_host
-
-    hosts = [parse_host(item.strip()) for item in text.split(",") if item.strip()]
-    if port is not None:
-        for host in hosts:
-            host.setdefault("port", port)
-    return hosts
-
-
-def _spec_from_args(overrides: dict[str, Any], file: Path | None) -> PodSpec:
-    from tpupod.spec import load_spec_file, spec_from_mapping
-
-    given = {key: value for key, value in overrides.items() if value is not None}
-    if file is None and "provider" not in given and Path(DEFAULT_SPEC_FILE).is_file():
-        file = Path(DEFAULT_SPEC_FILE)
-    if file is not None:
-        return load_spec_file(file, given)
-    if "provider" not in given:
-        raise SpecError(
-            "nothing to create: no --local N, no --ssh HOSTS and no tpupod.yaml here",
-            hint="try 'tpupod up --name dev --local 2', or pass a spec with -f FILE",
-        )
-    if "name" not in given:
-        raise SpecError("the pod needs a name", hint="add --name NAME, e.g. --name dev")
-    return spec_from_mapping(given, "", labels=FLAG_FOR_FIELD)
 
 
 @command("down")
