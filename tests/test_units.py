@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpupod.errors import UsageError
-from tpupod.selection import parse_worker_selection
+from tpupod.selection import parse_worker_selection, select_ids
 from tpupod.transport import ExitStatus
 from tpupod.transport.lines import LineSplitter
 
@@ -38,6 +38,13 @@ def test_selection(text: str, ids: list[int]) -> None:
 def test_bad_selection(text: str, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         parse_worker_selection(text, 8)
+
+
+@pytest.mark.parametrize("text", ["", " ", "\t"])
+def test_an_empty_selection_is_not_all(text: str) -> None:
+    with pytest.raises(UsageError, match="empty worker selection"):
+        select_ids(text, 4)
+    assert select_ids(None, 3) == select_ids("all", 3) == [0, 1, 2]
 
 
 def test_lines_split_across_chunks_and_at_the_end() -> None:

@@ -6,9 +6,17 @@ from tpupod.errors import UsageError
 
 
 def select_ids(selection: str | None, count: int) -> list[int]:
-    """The worker ids a selection names (``None``, ``""`` or ``"all"``: every worker)."""
-    if selection is None or selection.strip() in ("", "all"):
+    """The worker ids a selection names (``None`` or ``"all"``: every worker).
+
+    An empty selection is an error, not "all": ``-w "$IDS"`` with IDS unset must
+    not quietly run on every worker.
+    """
+    if selection is None or selection.strip() == "all":
         return list(range(count))
+    if not selection.strip():
+        raise UsageError(
+            "empty worker selection", hint="write worker ids and ranges like 0,2-3, or 'all'"
+        )
     return parse_worker_selection(selection, count)
 
 
