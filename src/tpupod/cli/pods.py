@@ -232,7 +232,9 @@ def _spec(flags: UpFlags) -> PodSpec:
     target = adoption(flags)
     if target is not None:
         from tpupod.providers.gcp import describe_existing
+        from tpupod.providers.ssh import check_key_file
 
+        check_key_file(str(flags.key))  # before the API is asked
         adopted = describe_existing(*target)
     spec = spec_from_flags(flags, adopted)
     if isinstance(spec, SshPodSpec):

@@ -23,7 +23,7 @@ from tpupod import settings
 from tpupod.errors import GcpError, UsageError
 from tpupod.pod import Pod, Worker
 from tpupod.providers.gcp_api import parent
-from tpupod.providers.ssh import connect_options
+from tpupod.providers.ssh import check_key_file, connect_options
 from tpupod.report import notice
 from tpupod.spec import GcpPodSpec, PodSpec, SshHost
 from tpupod.state import StateDir
@@ -41,6 +41,8 @@ class GcpProvider:
 
     async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
         assert isinstance(spec, GcpPodSpec)
+        if spec.key:
+            await asyncio.to_thread(check_key_file, spec.key)
         spec = spec.model_copy(update={"project": spec.project or project_of(spec)})
         api = TpuApi(spec)
         if not spec.adopted:

@@ -7,19 +7,32 @@ if any host does not, nothing is recorded and the error names each one.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+from pathlib import Path
 
-from tpupod.errors import TpupodError, WorkerError
+from tpupod.errors import SpecError, TpupodError, WorkerError
 from tpupod.pod import Pod, Worker
 from tpupod.spec import GcpPodSpec, PodSpec, SshHost, SshPodSpec
 from tpupod.state import StateDir
 from tpupod.transport.ssh import ConnectOptions, SshConnector, SshPool, probe
 
 KNOWN_HOSTS_FILE = "known_hosts"
+KEY_HINT = "give the path of an SSH private key, or leave out --key to use ssh-agent and ~/.ssh"
+PASSPHRASE = (
+    "is protected by a passphrase",
+    "tpupod never asks for one: load the key into ssh-agent (ssh-add) and leave out --key",
+)
+NOT_VALID = ("is not a valid private key", "the file looks damaged: " + KEY_HINT)
+OPENSSH_BEGIN = b"-----BEGIN OPENSSH PRIVATE KEY-----"
+OPENSSH_MAGIC = b"openssh-key-v1\0"
 
 
 class SshProvider:
     async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
         assert isinstance(spec, SshPodSpec)
+        if spec.key:
+            await asyncio.to_thread(check_key_file, spec.key)
         pool = SshPool(connect_options(spec, state))
         targets = [login_target(spec, host) for host in spec.hosts]
         try:
@@ -59,6 +72,52 @@ class SshProvider:
 def login_target(spec: SshPodSpec, host: SshHost) -> SshHost:
     """The host with its login user settled (the host's own, else the pod's, else ours)."""
     return host if host.user or not spec.user else host.model_copy(update={"user": spec.user})
+
+
+def check_key_file(path: str) -> None:
+    """Refuse a key file that cannot work, before any host is tried: a missing or unreadable
+    file, a public key, a passphrase (never asked for), or text that is no private key."""
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except FileNotFoundError:
+        raise SpecError(f"key file {path} does not exist", hint=KEY_HINT) from None
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise SpecError(f"key file {path} cannot be read: {reason}", hint=KEY_HINT) from None
+    problem = _key_problem(data.strip())
+    if problem is not None:
+        raise SpecError(f"key file {path} {problem[0]}", hint=problem[1])
+
+
+def _key_problem(text: bytes) -> tuple[str, str] | None:
+    """What is wrong with a private key file's contents (formats asyncssh reads), if anything."""
+    if not text:
+        return "is empty", KEY_HINT
+    if text.startswith((b"ssh-", b"ecdsa-", b"sk-")):
+        return "is a public key", "give the private key: the same path without .pub"
+    if text.startswith(OPENSSH_BEGIN):
+        return _openssh_problem(text)
+    if text.startswith(b"-----BEGIN ") and b"PRIVATE KEY-----" in text.split(b"\n", 1)[0]:
+        return PASSPHRASE if b"ENCRYPTED" in text[:200] else None  # PEM: PKCS#1, #8, SEC1
+    if text.startswith(b"PuTTY-User-Key-File-"):
+        return None if b"Encryption: none" in text else PASSPHRASE
+    if text[0] == 0x30:
+        return None  # DER: a binary ASN.1 sequence
+    return "is not a private key", KEY_HINT
+
+
+def _openssh_problem(text: bytes) -> tuple[str, str] | None:
+    """OpenSSH's format: base64 of the magic, then the cipher's name ("none" unless encrypted)."""
+    body = text.removeprefix(OPENSSH_BEGIN).split(b"-----END", 1)[0]
+    try:
+        blob = base64.b64decode(b"".join(body.split()), validate=True)
+    except binascii.Error:
+        return NOT_VALID
+    start = len(OPENSSH_MAGIC) + 4
+    if not blob.startswith(OPENSSH_MAGIC) or len(blob) < start:
+        return NOT_VALID
+    length = int.from_bytes(blob[len(OPENSSH_MAGIC) : start], "big")
+    return None if blob[start : start + length] == b"none" else PASSPHRASE
 
 
 def connect_options(spec: SshPodSpec | GcpPodSpec, state: StateDir) -> ConnectOptions:
