@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,13 +50,29 @@ async def get(
             f"cannot tell what to name {remote!r} locally", hint="name a file or folder"
         )
 
-    async def action(worker: Worker, transport: Transport) -> str:
-        dest = local_dir / f"worker-{worker.id}" / name
-        await transport.get(remote, dest)
-        files, size = await asyncio.to_thread(_measure, dest)
-        return f"{files} file{'s' if files != 1 else ''}, {_human(size)} -> {dest}"
+    made_dir = not await asyncio.to_thread(local_dir.exists)
 
-    return await for_each(pod, action, workers=workers, connector=connector)
+    async def action(worker: Worker, transport: Transport) -> str:
+        folder = local_dir / f"worker-{worker.id}"
+        made = not await asyncio.to_thread(folder.exists)
+        try:
+            await transport.get(remote, folder / name)
+        except BaseException:
+            if made:  # a failed copy leaves no empty worker-N folder behind
+                await asyncio.to_thread(_remove_if_empty, folder)
+            raise
+        files, size = await asyncio.to_thread(_measure, folder / name)
+        return f"{files} file{'s' if files != 1 else ''}, {_human(size)} -> {folder / name}"
+
+    result = await for_each(pod, action, workers=workers, connector=connector)
+    if made_dir:
+        await asyncio.to_thread(_remove_if_empty, local_dir)
+    return result
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty, or already gone
+        folder.rmdir()
 
 
 def _measure(path: Path) -> tuple[int, int]:
