@@ -1,11 +1,16 @@
-# make demo: the main job on a local pod.   make test: lint, types, tests.
+# make demo: the main job on a local pod.   make test: lint, types, every test tier.
+# make test-fast: the unit tier only (no root, seconds).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP_CORE := $(VENV)/.stamp-core
 STAMP_TEST := $(VENV)/.stamp-test
 
-.PHONY: demo test test-reference lint typecheck pytest bench clean
+.PHONY: demo test test-fast test-reference lint typecheck pytest prereqs bench clean
+
+# As root, installs the Debian packages the tests and the demo need when missing.
+prereqs:
+	@PYTHON=$(PYTHON) bash scripts/test-prereqs.sh
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +24,7 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@ $(STAMP_CORE)
 
-demo: $(STAMP_CORE)
+demo: prereqs $(STAMP_CORE)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
 lint: $(STAMP_TEST)
@@ -29,10 +34,23 @@ lint: $(STAMP_TEST)
 typecheck: $(STAMP_TEST)
 	$(BIN)/mypy
 
-pytest: $(STAMP_TEST)
-	$(BIN)/pytest
+# The tiers (markers set in tests/conftest.py): unit, local, ssh. Without root the
+# ssh tier is left out, said once; in CI nothing is left out (a missing prerequisite fails).
+ROOT := $(filter 0,$(shell id -u))
+SKIP_TIERS := $(if $(or $(ROOT),$(filter true 1 yes,$(CI))),,ssh)
 
-test: lint typecheck pytest
+pytest: $(STAMP_TEST)
+ifneq ($(SKIP_TIERS),)
+	@echo "make test: skipping the ssh tier: simulated hosts (network namespaces running sshd) need root"
+	$(BIN)/pytest -m "not ssh"
+else
+	$(BIN)/pytest
+endif
+
+test: prereqs lint typecheck pytest
+
+test-fast: $(STAMP_TEST)
+	$(BIN)/pytest -m unit
 
 # Rerun the model tests against outputs transformers computes now (needs torch;
 # TORCH names the wheel to install when it is missing).

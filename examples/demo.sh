@@ -52,8 +52,14 @@ run tpupod logs --pod "$POD" --worker 1
 say "Tear the pod down"
 run tpupod down --pod "$POD"
 
-if [ "$(id -u)" != 0 ] || [ ! -x /usr/sbin/sshd ] || ! command -v ip >/dev/null; then
-  say "Skipping the SSH part: it needs root, iproute2 and openssh-server"
+if [ "$(id -u)" != 0 ]; then
+  say "Skipping the SSH part: simulated hosts are network namespaces running sshd, which needs root"
+  exit 0
+fi
+# openssh-server, iproute2, util-linux, git: installed when missing (as make test does)
+bash "$(dirname "$0")/../scripts/test-prereqs.sh"
+if [ ! -x /usr/sbin/sshd ] || ! command -v ip >/dev/null || ! command -v unshare >/dev/null; then
+  say "Skipping the SSH part: it needs openssh-server, iproute2 and util-linux"
   exit 0
 fi
 

@@ -191,3 +191,37 @@ def sim_leftovers(sim: SimPod, timeout: float = 3.0) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+# Test tiers. `make test-fast` runs the unit tier; `make test` runs them all (the ssh
+# tier only as root). A test's tier follows from what it uses, so a new test lands in
+# the right one by itself; a module can also name its own (`pytestmark = pytest.mark.local`).
+TIERS = {
+    "unit": "in-process tests: no root, no pods, no CLI process",
+    "local": "processes on this machine: the CLI, local pods, multi-process JAX, the model",
+    "ssh": "simulated hosts: network namespaces running real sshd (root)",
+}
+# Modules whose tests are slow for a reason no fixture shows: JAX compiles the model.
+MODULE_TIERS = {"test_model.py": "local"}
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The tier of one collected test (see TIERS)."""
+    own = [mark.name for mark in item.iter_markers() if mark.name in TIERS]
+    if own:
+        return own[0]
+    fixtures = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    # any_pod and tests like it pick their pod's kind from a parameter, "local" or "ssh"
+    kinds = {v for v in (callspec.params.values() if callspec else ()) if isinstance(v, str)}
+    if "sim" in fixtures or "ssh" in kinds:
+        return "ssh"
+    if item.path.name in MODULE_TIERS:
+        return MODULE_TIERS[item.path.name]
+    return "local" if fixtures & {"cli", "make_pod"} or "local" in kinds else "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by these marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(tier_of(item))
