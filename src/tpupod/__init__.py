@@ -14,6 +14,9 @@ A program started on every worker by ``tpupod run`` meets the others with::
 
     identity = tpupod.init_jax()        # rendezvous, then jax.distributed.initialize
     tpupod.assert_same(config, "config")  # raises on every worker if one differs
+
+and the launcher reads its runs back with ``tpupod.get_run("dev")`` (the latest)
+or ``tpupod.runs("dev")`` (all, oldest first).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ __all__ = [
     "FanoutFailed",
     "FanoutResult",
     "Pod",
+    "RunOutcome",
+    "RunRecord",
     "TpupodError",
     "Worker",
     "WorkerResult",
@@ -34,8 +39,10 @@ __all__ = [
     "execute",
     "execute_async",
     "get_pod",
+    "get_run",
     "init_jax",
     "rendezvous",
+    "runs",
     "worker",
 ]
 
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
     from tpupod.launch.client import assert_same, rendezvous
     from tpupod.launch.identity import worker
     from tpupod.launch.jaxinit import init_jax
+    from tpupod.launch.records import RunOutcome, RunRecord, get_run, runs
     from tpupod.pod import Pod, Worker
     from tpupod.results import FanoutResult, WorkerResult
     from tpupod.state import get_pod
@@ -64,6 +72,10 @@ _LAZY = {
     "rendezvous": "tpupod.launch.client",
     "assert_same": "tpupod.launch.client",
     "init_jax": "tpupod.launch.jaxinit",
+    "RunRecord": "tpupod.launch.records",
+    "RunOutcome": "tpupod.launch.records",
+    "runs": "tpupod.launch.records",
+    "get_run": "tpupod.launch.records",
 }
 
 

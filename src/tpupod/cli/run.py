@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Annotated
 
@@ -142,38 +141,21 @@ def logs(
       tpupod logs -w 3 -f             # follow worker 3 of the latest run
     """
     from tpupod.errors import UsageError
-    from tpupod.launch.run import run_record, runs
+    from tpupod.launch.records import get_run, read_logs
     from tpupod.report import LinePrinter
-    from tpupod.state import StateDir, WorkerBrief
+    from tpupod.state import StateDir
     from tpupod.transport import OutputLine, Stream
 
     state = StateDir()
-    name = state.resolve_name(pod)
-    folders = runs(state, name)
-    if not folders:
-        raise UsageError(f"pod {name!r} has no runs yet", hint="start one with 'tpupod run -- CMD'")
-    chosen = [f for f in folders if f.name == run_id] if run_id else folders[-1:]
-    if not chosen:
-        known = ", ".join(f.name for f in folders[-5:])
-        raise UsageError(f"no run {run_id!r} on pod {name!r}", hint=f"recent runs: {known}")
-    folder = chosen[0]
-    record = run_record(folder)
-    ids = [w["id"] for w in record["workers"] if worker is None or w["id"] == worker]
+    record = get_run(state.resolve_name(pod), run_id, state)
+    ids = [w.id for w in record.workers if worker is None or w.id == worker]
     if not ids:
-        raise UsageError(f"run {folder.name} has no worker {worker}", hint="see 'tpupod hosts'")
-    briefs = [WorkerBrief(w["id"], w["hostname"]) for w in record["workers"] if w["id"] in ids]
-    printer = LinePrinter(briefs, sys.stdout, sys.stderr)
-    offsets = dict.fromkeys(ids, 0)
-    while True:
-        for brief in briefs:
-            with (folder / f"w{brief.id}.log").open(encoding="utf-8", errors="replace") as f:
-                f.seek(offsets[brief.id])
-                for text in f:
-                    printer(brief, OutputLine(Stream.STDOUT, text.rstrip("\n")))
-                offsets[brief.id] = f.tell()
-        if not follow or run_record(folder).get("finished"):
-            break
-        time.sleep(0.2)
-    if record.get("finished") or run_record(folder).get("finished"):
-        final = run_record(folder)
-        print(f"run {folder.name} ended with exit code {final.get('exit_code')}", file=sys.stderr)
+        raise UsageError(
+            f"run {record.launch_id} has no worker {worker}", hint="see 'tpupod hosts'"
+        )
+    printer = LinePrinter([w for w in record.workers if w.id in ids], sys.stdout, sys.stderr)
+    for brief, text in read_logs(record, ids, follow=follow):
+        printer(brief, OutputLine(Stream.STDOUT, text))
+    final = record.reread()
+    if final.done:
+        print(f"run {final.launch_id} ended with exit code {final.exit_code}", file=sys.stderr)

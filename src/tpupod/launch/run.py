@@ -379,14 +379,3 @@ class _RunLog:
 
     def _save(self) -> None:
         write_atomic(self.launch.run_dir / RUN_FILE, json.dumps(self.record, indent=2) + "\n")
-
-
-def runs(state: StateDir, pod_name: str) -> list[Path]:
-    """The pod's run folders, oldest first (launch ids sort by time)."""
-    folder = state.pod_dir(pod_name) / RUNS_DIR
-    return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-
-
-def run_record(run_dir: Path) -> dict[str, Any]:
-    record: dict[str, Any] = json.loads((run_dir / RUN_FILE).read_text())
-    return record

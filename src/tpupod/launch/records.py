@@ -1,0 +1,161 @@
+"""The runs of ``tpupod run`` as typed records: listed, looked up, their logs read and followed.
+
+``tpupod run`` keeps each launch in ``pods/NAME/runs/LAUNCH_ID/``: ``run.json``
+(what ran, on which workers, when, how it ended) and one ``wN.log`` per worker,
+written as the run goes (see ``launch/run.py``). Launch ids start with the
+second the run started and end with random hex, so two launches in one second
+do not sort by name: runs are ordered by their ``started`` time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tpupod.errors import StateError, UsageError
+from tpupod.launch.run import RUN_FILE, RUNS_DIR
+from tpupod.state import StateDir, WorkerBrief
+
+FOLLOW_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How one worker's program ended."""
+
+    worker: int
+    outcome: str
+    last_line: str
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One launch, as its ``run.json`` describes it (``finished`` is None while it runs)."""
+
+    folder: Path
+    launch_id: str
+    command: str
+    workers: tuple[WorkerBrief, ...]
+    coordinator: str
+    started: float
+    finished: float | None = None
+    exit_code: int | None = None
+    results: tuple[RunOutcome, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+    def log_file(self, worker: int) -> Path:
+        return self.folder / f"w{worker}.log"
+
+    def reread(self) -> RunRecord:
+        """The record as it is now (a running launch rewrites it when it ends)."""
+        return run_record(self.folder)
+
+
+def run_record(folder: Path) -> RunRecord:
+    """The record in a run folder; a StateError when it is missing or unreadable."""
+    try:
+        data = json.loads((folder / RUN_FILE).read_text(encoding="utf-8"))
+        return _from_json(folder, data)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StateError(
+            f"the record of run {folder.name} is unreadable: {folder / RUN_FILE}",
+            hint="'tpupod run' writes it when a launch starts; a hand edit may have broken it",
+        ) from exc
+
+
+def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
+    exit_code = data.get("exit_code")
+    return RunRecord(
+        folder=folder,
+        launch_id=str(data["launch_id"]),
+        command=str(data["command"]),
+        workers=tuple(WorkerBrief(int(w["id"]), str(w["hostname"])) for w in data["workers"]),
+        coordinator=str(data["coordinator"]),
+        started=float(data["started"]),
+        finished=None if data.get("finished") is None else float(data["finished"]),
+        exit_code=None if exit_code is None else int(exit_code),
+        results=tuple(
+            RunOutcome(int(r["worker"]), str(r["outcome"]), str(r["last_line"]))
+            for r in data.get("results") or ()
+        ),
+    )
+
+
+def runs(pod_name: str, state: StateDir | None = None) -> list[RunRecord]:
+    """The pod's runs, oldest first by start time (then launch id).
+
+    A folder whose record is not written yet (a launch this instant) or is
+    unreadable is left out. An unknown pod is a PodNotFound.
+    """
+    state = state or StateDir()
+    state.load_brief(pod_name)  # the pod must exist
+    folder = state.pod_dir(pod_name) / RUNS_DIR
+    records = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        try:
+            records.append(run_record(path))
+        except StateError:
+            continue
+    return sorted(records, key=lambda r: (r.started, r.launch_id))
+
+
+def get_run(
+    pod_name: str, launch_id: str | None = None, state: StateDir | None = None
+) -> RunRecord:
+    """A run of the pod by launch id, or its latest run."""
+    found = runs(pod_name, state)
+    if not found:
+        raise UsageError(
+            f"pod {pod_name!r} has no runs yet", hint="start one with 'tpupod run -- CMD'"
+        )
+    if launch_id is None:
+        return found[-1]
+    for record in found:
+        if record.launch_id == launch_id:
+            return record
+    recent = ", ".join(r.launch_id for r in found[-5:])
+    raise UsageError(f"no run {launch_id!r} on pod {pod_name!r}", hint=f"recent runs: {recent}")
+
+
+def read_logs(
+    record: RunRecord,
+    workers: Sequence[int],
+    *,
+    follow: bool = False,
+    poll_s: float = FOLLOW_POLL_S,
+) -> Iterator[tuple[WorkerBrief, str]]:
+    """The selected workers' log lines, worker by worker as far as written; with ``follow``,
+    again every ``poll_s`` seconds until the run has ended and everything is read."""
+    briefs = [w for w in record.workers if w.id in workers]
+    offsets = dict.fromkeys(workers, 0)
+    while True:
+        # Ended before this pass: the pass reads all there is, and it is the last.
+        last = not follow or record.reread().done
+        for brief in briefs:
+            lines, offsets[brief.id] = _new_lines(
+                record.log_file(brief.id), offsets[brief.id], last
+            )
+            yield from ((brief, line) for line in lines)
+        if last:
+            return
+        time.sleep(poll_s)
+
+
+def _new_lines(path: Path, offset: int, last: bool) -> tuple[list[str], int]:
+    """Whole lines written since ``offset`` (and, on the ``last`` pass, a final partial one)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(offset)
+            data = file.read()
+    except FileNotFoundError:
+        return [], offset
+    end = len(data) if last else data.rfind(b"\n") + 1
+    text = data[:end].decode("utf-8", errors="replace")
+    return text.splitlines(), offset + end
