@@ -21,3 +21,11 @@ class Capacity(enum.StrEnum):
     PREEMPTIBLE = "preemptible"
     RESERVED = "reserved"
     BEST_EFFORT = "best-effort"
+
+
+class RendezvousOn(enum.StrEnum):
+    """Where ``tpupod run``'s rendezvous service runs."""
+
+    AUTO = "auto"  # worker 0 for a Cloud TPU reached at external addresses, else the launcher
+    LAUNCHER = "launcher"
+    WORKER0 = "worker0"

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from tpupod.choices import RendezvousOn
 from tpupod.cli import command
 from tpupod.cli.exec import GraceOption, QuietOption, TimeoutOption, WorkerOption
 from tpupod.cli.options import EnvOption, PodOption
@@ -46,13 +47,13 @@ def run(
         ),
     ] = None,
     rendezvous_on: Annotated[
-        str,
+        RendezvousOn,
         typer.Option(
             "--rendezvous-on",
             help="Where the rendezvous runs: launcher, worker0, or auto "
             "(worker0 for a Cloud TPU reached at external addresses).",
         ),
-    ] = "auto",
+    ] = RendezvousOn.AUTO,
     worker_python: Annotated[
         str,
         typer.Option(
@@ -103,7 +104,7 @@ def run(
             grace=grace,
             coordinator_port=coordinator_port,
             sync_dir=sync,
-            rendezvous_on=rendezvous_on,
+            rendezvous_on=rendezvous_on.value,
             worker_python=worker_python,
             on_line=live.on_line,
             on_notice=live.on_notice,
