@@ -1,0 +1,326 @@
+"""The README's command blocks, run as written against a fresh state directory.
+
+Every ``$ command`` of a ```console block, and every line of a bare ``` block, is run
+with bash in the block's setting (below), and must exit 0; where the README shows output,
+each line it shows must appear (loosely: durations, launch ids, the state directory and
+the README machine's hostname may differ; ``...`` ends what is compared). Commands that
+cannot run here are listed in NOT_RUN with the reason; a README command in neither is a
+failure, so a new block or command cannot go untested.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import pod_processes
+from tpupod.holder.client import stop_holder
+from tpupod.sim import SimPod
+from tpupod.state import StateDir
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+TOUR = "A tour of the CLI"
+SSH = "SSH pods: hosts that already exist"
+GCP = "Cloud TPUs: no gcloud needed"
+RUN = "Lockstep programs: `tpupod run`"
+TOP = "tpupod"  # the block under the title
+
+NEEDS_CLOUD = "needs a TPU in Google Cloud, which cannot be reached from here"
+NOT_RUN = {
+    (TOP, "make test"): "runs this suite, which runs this test",
+    (TOP, "make test-fast"): "runs this suite's unit tier",
+    (SSH, "tpupod sync --repo-url https://github.com/google/orbax --pr 123"): (
+        "fetches from GitHub; the tests reach no network (sync from a server is tested"
+        " against a local repository in test_ops.py)"
+    ),
+    (GCP, "tpupod up --name big --gcp --tpu-type v5litepod-64 --zone us-west4-a"): NEEDS_CLOUD,
+    (GCP, "tpupod exec -- 'python -c \"import jax; print(jax.device_count())\"'"): NEEDS_CLOUD,
+    (GCP, "tpupod status"): NEEDS_CLOUD,
+    (GCP, "tpupod down"): NEEDS_CLOUD,
+}
+
+# What may differ between the README's output and ours: (name, as shown, as matched).
+VARIABLE = [
+    ("launch_id", r"\d{8}-\d{6}-[0-9a-f]{6}", r"\d{8}-\d{6}-[0-9a-f]{6}"),
+    ("duration", r"\d+\.\d+s\b", r"\d+(?:\.\d+)?s"),
+    ("state_dir", r"~/\.local/state/tpupod", r"\S+"),
+    ("hostname", r"\bvm\b", r"\S+"),
+]
+VARIABLE_RE = re.compile("|".join(f"(?P<{name}>{shown})" for name, shown, _ in VARIABLE))
+MATCHED_AS = {name: matched for name, _, matched in VARIABLE}
+
+
+@dataclass
+class Command:
+    line: str  # as the README shows it, comment and all
+    shown: list[str] = field(default_factory=list)  # the output lines the README shows
+
+    @property
+    def key(self) -> str:
+        """The command without its trailing comment, as NOT_RUN names it."""
+        quote = ""
+        for i, char in enumerate(self.line):
+            if quote:
+                quote = "" if char == quote else quote
+            elif char in "'\"":
+                quote = char
+            elif char == "#" and self.line[i - 1].isspace():
+                return self.line[:i].strip()
+        return self.line.strip()
+
+
+@dataclass
+class Block:
+    heading: str
+    commands: list[Command]
+
+
+def readme_blocks(text: str) -> Iterator[Block]:
+    """The console blocks (``$ `` lines and their output) and bare blocks (one command a line)."""
+    heading = ""
+    lines = iter(text.splitlines())
+    for line in lines:
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif line.strip() in ("```console", "```"):
+            console = line.strip() == "```console"
+            body = []
+            for inner in lines:
+                if inner.strip() == "```":
+                    break
+                body.append(inner)
+            yield Block(heading, console_commands(body) if console else bare_commands(body))
+        elif line.startswith("```"):  # ```yaml, ```python: not commands
+            for inner in lines:
+                if inner.strip() == "```":
+                    break
+
+
+def console_commands(body: list[str]) -> list[Command]:
+    commands: list[Command] = []
+    for line in body:
+        if line.startswith("$ "):
+            commands.append(Command(line[2:]))
+        elif line.strip() and commands:
+            commands[-1].shown.append(line)
+    return commands
+
+
+def bare_commands(body: list[str]) -> list[Command]:
+    return [Command(line) for line in body if line.strip()]
+
+
+def blocks() -> dict[str, list[Command]]:
+    found: dict[str, list[Command]] = {}
+    for block in readme_blocks(README.read_text()):
+        found.setdefault(block.heading, []).extend(block.commands)
+    return found
+
+
+def line_pattern(shown: str) -> re.Pattern[str] | None:
+    """A regex for one output line the README shows; None for a bare ``...``."""
+    prefix_only = "..." in shown
+    text = shown.partition("...")[0].rstrip() if prefix_only else shown
+    if not text.strip():
+        return None
+    parts, pos = [], 0
+    for match in VARIABLE_RE.finditer(text):
+        parts += [literal(text[pos : match.start()]), MATCHED_AS[match.lastgroup or ""]]
+        pos = match.end()
+    parts.append(literal(text[pos:]))
+    return re.compile("".join(parts) + ("" if prefix_only else r"\s*$"))
+
+
+def literal(text: str) -> str:
+    """Text as a regex in which any run of spaces matches any run of whitespace."""
+    words = [re.escape(word) for word in text.split()]
+    if not words:
+        return r"\s+" if text else ""
+    lead = r"\s+" if text[0].isspace() else ""
+    trail = r"\s+" if text[-1].isspace() else ""
+    return lead + r"\s+".join(words) + trail
+
+
+def unmatched(shown: list[str], output: str) -> list[str]:
+    """The README's lines that no line of the output matches."""
+    actual = [line.strip() for line in output.splitlines()]
+    missing = []
+    for line in shown:
+        pattern = line_pattern(line.strip())
+        if pattern is not None and not any(pattern.match(a) for a in actual):
+            missing.append(line)
+    return missing
+
+
+@dataclass
+class Setting:
+    """Where a block's commands run, and what in them stands for something here."""
+
+    cwd: Path
+    env: dict[str, str]
+    replace: dict[str, str] = field(default_factory=dict)
+    timeout: float = 120
+
+
+def run_block(heading: str, setting: Setting) -> list[subprocess.CompletedProcess[str]]:
+    commands = blocks()[heading]
+    assert commands, f"no commands under {heading!r} in the README"
+    done = []
+    for command in commands:
+        if (heading, command.key) in NOT_RUN:
+            continue
+        line = command.line
+        for old, new in setting.replace.items():
+            line = line.replace(old, new)
+        proc = subprocess.run(
+            ["bash", "-c", line],
+            cwd=setting.cwd,
+            env=setting.env,
+            capture_output=True,
+            text=True,
+            timeout=setting.timeout,
+        )
+        report = f"$ {line}\n(exit {proc.returncode})\n{proc.stdout}{proc.stderr}"
+        assert proc.returncode == 0, report
+        missing = unmatched(command.shown, proc.stdout + proc.stderr)
+        assert not missing, "the README shows lines the output lacks:\n" + "\n".join(
+            [*missing, "---", report]
+        )
+        done.append(proc)
+    return done
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """os.environ (TPUPOD_HOME is the test's, from state_home) with this venv's tpupod first."""
+    env = {**os.environ, **extra}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    for name in ("NO_COLOR", "FORCE_COLOR", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT"):
+        env.pop(name, None)
+    return env
+
+
+def take_down(env: dict[str, str], *pods: str) -> None:
+    for pod in pods:
+        subprocess.run(["tpupod", "down", "--pod", pod], env=env, capture_output=True, timeout=60)
+        stop_holder(StateDir(), pod)
+        for proc in pod_processes(pod):
+            proc.kill()
+
+
+# -- the tests ---------------------------------------------------------------------------
+
+
+def test_every_command_is_run_or_listed_with_a_reason() -> None:
+    known = {TOP, TOUR, SSH, GCP, RUN}
+    found = blocks()
+    assert set(found) <= known, f"README blocks this test does not run: {set(found) - known}"
+    listed = {(heading, command.key) for heading, cmds in found.items() for command in cmds}
+    stale = set(NOT_RUN) - listed
+    assert not stale, f"NOT_RUN names commands the README no longer has: {stale}"
+
+
+def test_the_output_matcher() -> None:
+    shown = ["exec on dev: 4/4 ok in 0.01s", "0       vm        127.0.0.1  -", "[w0] a...", "..."]
+    output = "[w0] a b\n0  host-7  127.0.0.1  -\nexec on dev: 4/4 ok in 12.5s\n"
+    assert unmatched(shown, output) == []
+    assert unmatched(["exec on dev: 4/4 ok in 0.01s"], "exec on dev: 3/4 ok in 1s") != []
+    assert Command("tpupod status   # the TPU's state").key == "tpupod status"
+    assert Command("tpupod exec -- 'echo #1' # one").key == "tpupod exec -- 'echo #1'"
+
+
+@pytest.mark.local
+@pytest.mark.timeout(300)
+def test_the_tour(state_home: Path, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(
+        "import argparse\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--steps', type=int)\n"
+        "print(f'trained {parser.parse_args().steps} steps')\n"
+    )
+    env = environment()
+    try:
+        run_block(TOUR, Setting(project, env))
+    finally:
+        take_down(env, "dev")
+
+
+@pytest.mark.local
+@pytest.mark.timeout(300)
+def test_lockstep_run_and_logs(state_home: Path) -> None:
+    env = environment()
+    try:
+        *_, logs = run_block(RUN, Setting(REPO, env))
+    finally:
+        take_down(env, "dev")
+    assert "[w1]" in logs.stdout and "[w0]" not in logs.stdout
+
+
+@pytest.mark.local
+def test_the_gcp_dry_run(state_home: Path, tmp_path: Path) -> None:
+    # no project and no credentials: the request shows PROJECT_ID, as in the README
+    env = environment(GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "none.json"))
+    run_block(GCP, Setting(tmp_path, env))
+    listed = subprocess.run(["tpupod", "list"], env=env, capture_output=True, text=True)
+    assert listed.stdout == ""  # nothing was created
+
+
+def user_project(root: Path) -> Path:
+    """A user's repository: the files the SSH block's commands name, committed."""
+    project = root / "bench-project"
+    (project / "configs").mkdir(parents=True)
+    (project / "configs" / "bench.yaml").write_text("steps: 3\n")
+    (project / "setup_tpu.sh").write_text('echo "set up $(hostname)"\n')
+    (project / "bench.py").write_text(
+        "import argparse, os, socket\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--config')\n"
+        "config = open(parser.parse_args().config).read().strip()\n"
+        "os.makedirs('results', exist_ok=True)\n"
+        "with open('results/bench.txt', 'w') as f:\n"
+        "    f.write(f'{socket.gethostname()} {config}\\n')\n"
+        "print(f'{socket.gethostname()}: {config}')\n"
+    )
+    git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "bench"], check=True)
+    return project
+
+
+@pytest.mark.timeout(300)
+def test_ssh_pods(state_home: Path, tmp_path: Path, sim_hosts_up: SimPod) -> None:
+    project = user_project(tmp_path)
+    hosts = sim_hosts_up.hosts
+    replace = {  # the README's example hosts and key are these simulated hosts and their key
+        "root@10.130.0.21,root@10.130.0.20": f"root@{hosts[0].address},root@{hosts[1].address}",
+        "~/.ssh/google_compute_engine": str(sim_hosts_up.key),
+    }
+    env = environment()
+    try:
+        run_block(SSH, Setting(project, env, replace))
+    finally:
+        take_down(env, "lab")
+    for worker in (0, 1):
+        collected = project / "results" / f"worker-{worker}" / "results" / "bench.txt"
+        assert collected.read_text() == f"{hosts[worker].hostname} steps: 3\n"
+
+
+@pytest.mark.local
+@pytest.mark.timeout(600)
+def test_make_demo(state_home: Path) -> None:
+    """``make demo``: its local part anywhere, and as root its SSH part too."""
+    env = environment()
+    (demo,) = run_block(TOP, Setting(REPO, env, timeout=300))
+    if os.geteuid() == 0:
+        assert "An SSH pod" in demo.stdout and "Skipping the SSH part" not in demo.stdout
