@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -320,3 +321,76 @@ def test_internal_addresses(tpu_api: TpuApiStandIn, cli: Callable[..., CliResult
     assert '"enableExternalIps": false' in shown.out
     assert cli(*UP, "--name", "in", "--tpu-type", "v4-8", "--internal").code == 0
     assert cli("exec", "--pod", "in", "--", "true").code == 0
+
+
+BLOCK_GCP_EXTRA = """
+import sys
+
+
+class _NoGcpExtra:
+    # As if google-cloud-tpu (the gcp extra) and what it brings were not installed.
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith(("google.cloud.tpu", "google.api_core")):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoGcpExtra())
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("status", "--tpu", "x", "--zone", "us-central2-b", "--project", "p"),
+        ("list", "--all", "--zone", "us-central2-b", "--project", "p"),
+        ("up", "--name", "x", "--tpu-type", "v4-8", "--zone", "us-central2-b", "--project", "p"),
+    ],
+)
+def test_without_the_gcp_extra_says_what_to_install(
+    command: tuple[str, ...], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_GCP_EXTRA)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = cli(*command, env=env)
+    assert result.code == 1, result.err
+    lines = result.err.strip().splitlines()
+    assert lines[-2] == "error: the Cloud TPU client library is not installed", result.err
+    assert lines[-1].startswith("hint: ") and "pip install 'tpupod[gcp]'" in lines[-1]
+    assert "Traceback" not in result.err
+    dry = cli("up", "--name", "x", "--tpu-type", "v4-8", "--zone", "us-central2-b", "--dry-run")
+    assert dry.code == 0, dry.err  # a dry run needs no client library
+
+
+def test_the_provider_holds_one_client(
+    tpu_api: TpuApiStandIn, state_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from google.cloud import tpu_v2
+
+    from tpupod.lifecycle import down, up
+    from tpupod.providers.gcp import GcpProvider
+    from tpupod.spec import GcpPodSpec
+    from tpupod.state import StateDir
+
+    made: list[object] = []
+    original = tpu_v2.TpuClient.__init__
+
+    def counting(self: object, *args: object, **kwargs: object) -> None:
+        made.append(self)
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tpu_v2.TpuClient, "__init__", counting)
+    tpu_api.steps = 4  # several polls
+    spec = GcpPodSpec(
+        name="one", provider="gcp", tpu_type="v4-8", zone="us-central2-b", project="proj",
+        user="root",
+    )  # fmt: skip
+    pod = up(spec, StateDir()).pod
+    reads = [call for call in tpu_api.calls if call[0] == "GET"]
+    assert len(reads) > 3 and len(made) == 1
+    provider = GcpProvider()
+    asyncio.run(provider.live_state(pod))
+    asyncio.run(provider.live_state(pod))
+    assert len(made) == 2  # one more provider, one more client
+    down(pod, StateDir())
+    assert not tpu_api.resources

@@ -7,6 +7,9 @@ every worker's internal and external address, slice by slice. ``down``
 deletes it and waits. Workers are then reached over the SSH transport, with
 no gcloud anywhere. Credentials are Application Default Credentials; with
 ``TPUPOD_TPU_API_ENDPOINT`` set (tests), another endpoint is used anonymously.
+Credentials and the client are made once per provider (``TpuSession``) and
+shared by every call, the state polls included. The client library is the
+``gcp`` extra, imported only here and only when a call is made.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import importlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,15 +40,18 @@ BROKEN = {"FAILED", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
 
 
 class GcpProvider:
-    def __init__(self, progress: Callable[[str], None] = notice) -> None:
+    def __init__(
+        self, progress: Callable[[str], None] = notice, session: TpuSession | None = None
+    ) -> None:
         self.progress = progress
+        self.session = session or TpuSession()
 
     async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
         assert isinstance(spec, GcpPodSpec)
         if spec.key:
             await asyncio.to_thread(check_key_file, spec.key)
-        spec = spec.model_copy(update={"project": spec.project or project_of(spec)})
-        api = TpuApi(spec)
+        spec = spec.model_copy(update={"project": self.session.project(spec.project)})
+        api = TpuApi(spec, self.session)
         if not spec.adopted:
             await asyncio.to_thread(api.check_zone_offers)
             await self._make_room(api, spec, recreate)
@@ -61,11 +68,11 @@ class GcpProvider:
             self.progress(f"{pod.name!r} was adopted: forgetting it, not deleting the TPU")
             return
         self.progress(f"deleting {pod.spec.tpu_type} {pod.name!r} in {pod.spec.zone}")
-        await asyncio.to_thread(TpuApi(pod.spec).delete)
+        await asyncio.to_thread(TpuApi(pod.spec, self.session).delete)
 
     async def live_state(self, pod: Pod) -> str | None:
         assert isinstance(pod.spec, GcpPodSpec)
-        return await asyncio.to_thread(TpuApi(pod.spec).state)
+        return await asyncio.to_thread(TpuApi(pod.spec, self.session).state)
 
     async def _make_room(self, api: TpuApi, spec: GcpPodSpec, recreate: bool) -> None:
         """An existing TPU of that name: deleted if broken and --recreate, else an error."""
@@ -116,35 +123,64 @@ class GcpProvider:
         )
 
 
+class TpuSession:
+    """Credentials, project and clients, made on first use and then shared by every call."""
+
+    def __init__(self) -> None:
+        self._credentials: tuple[Any, str | None] | None = None
+        self._clients: dict[str, Any] = {}
+
+    def credentials(self) -> tuple[Any, str | None]:
+        """(credentials, Application Default Credentials' project), looked up once."""
+        if self._credentials is None:
+            self._credentials = _credentials()
+        return self._credentials
+
+    def project(self, given: str | None = None) -> str:
+        """``given``, else the environment's project, else Application Default Credentials'."""
+        project = given or settings.gcp_project() or self.credentials()[1]
+        if not project:
+            raise UsageError(
+                "no Google Cloud project given",
+                hint="pass --project P, or run 'gcloud config set project P'",
+            )
+        return project
+
+    def client(self, version: str = "v2") -> Any:
+        """The API's client (v2; v2alpha1 only for what v2 lacks), made once."""
+        if version not in self._clients:
+            self._clients[version] = _new_client(version, self.credentials()[0])
+        return self._clients[version]
+
+
 class TpuApi:
     """The calls tpupod makes, through the real client; API errors become one-line GcpErrors."""
 
-    def __init__(self, spec: GcpPodSpec) -> None:
+    def __init__(self, spec: GcpPodSpec, session: TpuSession | None = None) -> None:
         self.spec = spec
-        self.parent = parent(project_of(spec), spec.zone)
+        self.session = session or TpuSession()
+        self.parent = parent(self.session.project(spec.project), spec.zone)
 
     def create(self, ssh_keys: str) -> None:
-        from google.cloud import tpu_v2
-
         from tpupod.providers.gcp_api import create_request
 
         request = create_request(self.spec, self.spec.project or "", ssh_keys)
         assert request.body is not None
+        module = _module(request.version)
         with _api_errors(self.spec.name):
-            client = _client(request.version)
+            client = self.session.client(request.version)
             if request.api.startswith("TPU VM"):
-                node = tpu_v2.Node.from_json(_json(request.body))
+                node = module.Node.from_json(_json(request.body))
                 client.create_node(parent=self.parent, node_id=self.spec.name, node=node)
             else:
-                qr_type = _module(request.version).QueuedResource
-                queued = qr_type.from_json(_json(request.body))
+                queued = module.QueuedResource.from_json(_json(request.body))
                 client.create_queued_resource(
                     parent=self.parent, queued_resource_id=self.spec.name, queued_resource=queued
                 )
 
     def state(self) -> str:
         with _api_errors(self.spec.name):
-            client = _client("v2")
+            client = self.session.client()
             if self.spec.queued:
                 qr = client.get_queued_resource(name=self._name("queuedResources"))
                 return str(qr.state.state.name)
@@ -153,7 +189,8 @@ class TpuApi:
     def check_zone_offers(self) -> None:
         """Refuse a type the zone does not offer, naming the nearest ones it does."""
         with _api_errors(self.spec.zone):
-            offered = [t.type_ for t in _client("v2").list_accelerator_types(parent=self.parent)]
+            client = self.session.client()
+            offered = [t.type_ for t in client.list_accelerator_types(parent=self.parent)]
         if offered and self.spec.tpu_type not in offered:
             close = difflib.get_close_matches(self.spec.tpu_type, offered, n=4, cutoff=0.3)
             raise GcpError(
@@ -163,19 +200,17 @@ class TpuApi:
             )
 
     def state_or_none(self) -> str | None:
-        from google.api_core import exceptions
-
         try:
             return self.state()
         except GcpError as exc:
-            if isinstance(exc.__cause__, exceptions.NotFound):
+            if isinstance(exc.__cause__, _exceptions().NotFound):
                 return None
             raise
 
     def nodes(self) -> list[Any]:
         """The TPU's nodes in slice order (one, or one per slice of a queued resource)."""
         with _api_errors(self.spec.name):
-            client = _client("v2")
+            client = self.session.client()
             if not self.spec.queued:
                 return [client.get_node(name=self._name("nodes"))]
             ids = (
@@ -186,10 +221,9 @@ class TpuApi:
             return [client.get_node(name=f"{self.parent}/nodes/{node_id}") for node_id in ids]
 
     def delete(self) -> None:
-        from google.api_core import exceptions
-
+        exceptions = _exceptions()
         with _api_errors(self.spec.name):
-            client = _client("v2")
+            client = self.session.client()
             try:
                 if self.spec.queued:
                     operation = client.delete_queued_resource(
@@ -205,13 +239,15 @@ class TpuApi:
         return f"{self.parent}/{kind}/{self.spec.name}"
 
 
-def find_tpu(name: str, zone: str, project: str | None) -> tuple[str, Any]:
+def find_tpu(
+    name: str, zone: str, project: str | None, session: TpuSession | None = None
+) -> tuple[str, Any]:
     """An existing TPU by name, as seed 004 looks: queued resources first, then nodes."""
-    from google.api_core import exceptions
-
-    where = parent(project or _project_from_env(), zone)
+    session = session or TpuSession()
+    exceptions = _exceptions()
+    where = parent(session.project(project), zone)
     with _api_errors(name):
-        client = _client("v2")
+        client = session.client()
         try:
             return "queued resource", client.get_queued_resource(
                 name=f"{where}/queuedResources/{name}"
@@ -228,9 +264,11 @@ def tpu_summary(kind: str, found: Any) -> tuple[str, str]:
     return str(spec.node.accelerator_type), str(found.state.state.name)
 
 
-def describe_existing(name: str, zone: str, project: str | None) -> dict[str, Any]:
+def describe_existing(
+    name: str, zone: str, project: str | None, session: TpuSession | None = None
+) -> dict[str, Any]:
     """Type, slices and capacity of an existing TPU, for adopting it."""
-    kind, found = find_tpu(name, zone, project)
+    kind, found = find_tpu(name, zone, project, session)
     if kind == "node":
         return {"tpu_type": found.accelerator_type}
     spec = found.tpu.node_spec[0]
@@ -239,12 +277,15 @@ def describe_existing(name: str, zone: str, project: str | None) -> dict[str, An
     return {"tpu_type": spec.node.accelerator_type, "node_count": count, "capacity": capacity}
 
 
-def list_tpus(zone: str, project: str | None) -> list[tuple[str, str, str, str]]:
+def list_tpus(
+    zone: str, project: str | None, session: TpuSession | None = None
+) -> list[tuple[str, str, str, str]]:
     """Every TPU in the zone: (API, name, type, state), queued resources first."""
-    where = parent(project or _project_from_env(), zone)
+    session = session or TpuSession()
+    where = parent(session.project(project), zone)
     rows = []
     with _api_errors(zone):
-        client = _client("v2")
+        client = session.client()
         for qr in client.list_queued_resources(parent=where):
             spec = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
             kind = spec.node.accelerator_type if spec else "?"
@@ -256,36 +297,29 @@ def list_tpus(zone: str, project: str | None) -> list[tuple[str, str, str, str]]
     return rows
 
 
-def _project_from_env() -> str:
-    """The environment's project, else Application Default Credentials'."""
-    named = settings.gcp_project()
-    if named:
-        return named
-    _, project = _credentials()
-    if not project:
-        raise UsageError(
-            "no Google Cloud project given",
-            hint="pass --project P, or run 'gcloud config set project P'",
-        )
-    return project
+def _library(name: str) -> Any:
+    """A module of the Cloud TPU client library (the ``gcp`` extra), or a clear error."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise GcpError(
+            "the Cloud TPU client library is not installed",
+            hint="pip install 'tpupod[gcp]' (the gcp extra: google-cloud-tpu)",
+        ) from exc
 
 
-def project_of(spec: GcpPodSpec) -> str:
-    """The spec's project, else the environment's, else Application Default Credentials'."""
-    return spec.project or _project_from_env()
+def _exceptions() -> Any:
+    return _library("google.api_core.exceptions")
 
 
 def _credentials() -> tuple[Any, str | None]:
     if settings.tpu_api_endpoint():
-        from google.auth.credentials import AnonymousCredentials
-
-        return AnonymousCredentials(), None  # type: ignore[no-untyped-call]
-    import google.auth
-    from google.auth.exceptions import DefaultCredentialsError
-
+        anonymous = _library("google.auth.credentials").AnonymousCredentials
+        return anonymous(), None
+    auth = _library("google.auth")
     try:
-        credentials, project = google.auth.default()
-    except DefaultCredentialsError:
+        credentials, project = auth.default()
+    except _library("google.auth.exceptions").DefaultCredentialsError:
         raise GcpError(
             "no Google Cloud credentials (Application Default Credentials)",
             hint="run 'gcloud auth application-default login', or set "
@@ -295,18 +329,11 @@ def _credentials() -> tuple[Any, str | None]:
 
 
 def _module(version: str) -> Any:
-    if version == "v2alpha1":
-        from google.cloud import tpu_v2alpha1
-
-        return tpu_v2alpha1
-    from google.cloud import tpu_v2
-
-    return tpu_v2
+    return _library(f"google.cloud.tpu_{version}")
 
 
-def _client(version: str) -> Any:
+def _new_client(version: str, credentials: Any) -> Any:
     module = _module(version)
-    credentials, _ = _credentials()
     endpoint = settings.tpu_api_endpoint()
     if endpoint:
         scheme, _, host = endpoint.partition("://")
@@ -336,8 +363,7 @@ API_HINTS = {
 @contextlib.contextmanager
 def _api_errors(name: str) -> Iterator[None]:
     """Translate google-api-core errors into GcpErrors that say what to do."""
-    from google.api_core import exceptions
-
+    exceptions = _exceptions()
     try:
         yield
     except exceptions.GoogleAPICallError as exc:
