@@ -174,6 +174,8 @@ class Setting:
 def run_block(heading: str, setting: Setting) -> list[subprocess.CompletedProcess[str]]:
     commands = blocks()[heading]
     assert commands, f"no commands under {heading!r} in the README"
+    for old in setting.replace:
+        assert any(old in c.line for c in commands), f"{old!r} is no longer under {heading!r}"
     done = []
     for command in commands:
         if (heading, command.key) in NOT_RUN:
