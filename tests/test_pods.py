@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import CliResult, pod_processes, wait_until_gone
 from tpupod.errors import PodExists, PodNotFound, StateError
 from tpupod.lifecycle import up
+from tpupod.pod import Pod
 from tpupod.spec import LocalPodSpec
 from tpupod.state import StateDir
 
@@ -159,3 +160,16 @@ def test_wait_until_gone_helper_sees_processes(cli: Callable[..., CliResult]) ->
     cli("exec", "--pod", "helper", "--", "nohup sleep 60 >/dev/null 2>&1 &")
     assert wait_until_gone("helper", timeout=0.2) != []  # the helper is not blind
     cli("down", "--pod", "helper")
+
+
+def test_status_is_a_typed_record_in_the_python_api(make_pod: Callable[..., Pod]) -> None:
+    import tpupod
+    from tpupod import PodStatus, WorkerStatus
+
+    pod = make_pod(2)
+    status = tpupod.pod_status(pod)
+    assert isinstance(status, PodStatus) and status.healthy and status.cloud_state is None
+    assert [type(w) for w in status.workers] == [WorkerStatus, WorkerStatus]
+    assert [(w.worker, w.reachable) for w in status.workers] == [(0, True), (1, True)]
+    assert status.workers[0].answer == pod.workers[0].hostname
+    assert status.to_json()["healthy"] is True

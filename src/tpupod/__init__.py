@@ -9,6 +9,7 @@ The Python API mirrors the CLI::
     for r in result.workers:
         print(r.worker.id, r.outcome_text(), r.last_line)
     result.raise_for_failures()
+    print(tpupod.pod_status(pod).healthy)        # every worker answers
 
 A program started on every worker by ``tpupod run`` meets the others with::
 
@@ -29,11 +30,13 @@ __all__ = [
     "FanoutFailed",
     "FanoutResult",
     "Pod",
+    "PodStatus",
     "RunOutcome",
     "RunRecord",
     "TpupodError",
     "Worker",
     "WorkerResult",
+    "WorkerStatus",
     "__version__",
     "assert_same",
     "execute",
@@ -41,6 +44,7 @@ __all__ = [
     "get_pod",
     "get_run",
     "init_jax",
+    "pod_status",
     "rendezvous",
     "runs",
     "worker",
@@ -53,6 +57,7 @@ if TYPE_CHECKING:
     from tpupod.launch.identity import worker
     from tpupod.launch.jaxinit import init_jax
     from tpupod.launch.records import RunOutcome, RunRecord, get_run, runs
+    from tpupod.ops.status import PodStatus, WorkerStatus, pod_status
     from tpupod.pod import Pod, Worker
     from tpupod.results import FanoutResult, WorkerResult
     from tpupod.state import get_pod
@@ -68,6 +73,9 @@ _LAZY = {
     "Pod": "tpupod.pod",
     "Worker": "tpupod.pod",
     "get_pod": "tpupod.state",
+    "pod_status": "tpupod.ops.status",
+    "PodStatus": "tpupod.ops.status",
+    "WorkerStatus": "tpupod.ops.status",
     "worker": "tpupod.launch.identity",
     "rendezvous": "tpupod.launch.client",
     "assert_same": "tpupod.launch.client",

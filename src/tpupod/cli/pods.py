@@ -16,9 +16,8 @@ from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption
 from tpupod.errors import SpecError
 
 if TYPE_CHECKING:
+    from tpupod.ops.status import PodStatus
     from tpupod.spec import PodSpec, UpFlags
-
-PROBE_TIMEOUT_S = 10.0
 
 
 @command("up")
@@ -394,61 +393,40 @@ def status(
 
       tpupod status --pod dev
     """
-    import asyncio
-
-    from tpupod.fanout import execute
-    from tpupod.providers import provider_for
+    from tpupod.ops.status import pod_status
     from tpupod.state import StateDir
 
     if tpu is not None:
         _status_of_tpu(tpu, zone, project)
         return
-    target = StateDir().resolve(pod)
-    live = asyncio.run(provider_for(target.provider).live_state(target))
-    probe = execute(target, "hostname", timeout=PROBE_TIMEOUT_S, grace=1.0)
-    rows_json = [
-        {
-            "worker": r.worker.id,
-            "hostname": r.worker.hostname,
-            "reachable": r.ok,
-            "answer": r.last_line if r.ok else f"{r.outcome_text()}: {r.last_line}",
-            "seconds": round(r.duration, 3),
-        }
-        for r in probe.workers
-    ]
+    found = pod_status(StateDir().resolve(pod))
     if output is Format.JSON:
-        print(
-            json.dumps(
-                {
-                    "pod": target.name,
-                    "provider": target.provider,
-                    "workers": rows_json,
-                    "cloud_state": live,
-                    "healthy": probe.ok,
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps(found.to_json(), indent=2))
     else:
-        print(
-            f"pod {target.name!r}: {target.spec.summary()}, "
-            f"created {target.created_at:%Y-%m-%d %H:%M:%S} UTC"
-            + (f", cloud state {live}" if live else "")
-        )
-        rows = [("WORKER", "HOSTNAME", "REACHABLE", "ANSWER", "TIME")]
-        rows += [
-            (
-                str(r["worker"]),
-                str(r["hostname"]),
-                "yes" if r["reachable"] else "NO",
-                str(r["answer"]),
-                f"{r['seconds']:.3f}s",
-            )
-            for r in rows_json
-        ]
-        _print_columns(rows)
-    if not probe.ok:
+        _print_status(found)
+    if not found.healthy:
         raise typer.Exit(1)
+
+
+def _print_status(found: PodStatus) -> None:
+    target = found.pod
+    print(
+        f"pod {target.name!r}: {target.spec.summary()}, "
+        f"created {target.created_at:%Y-%m-%d %H:%M:%S} UTC"
+        + (f", cloud state {found.cloud_state}" if found.cloud_state else "")
+    )
+    rows = [("WORKER", "HOSTNAME", "REACHABLE", "ANSWER", "TIME")]
+    rows += [
+        (
+            str(w.worker),
+            w.hostname,
+            "yes" if w.reachable else "NO",
+            w.answer,
+            f"{w.seconds:.3f}s",
+        )
+        for w in found.workers
+    ]
+    _print_columns(rows)
 
 
 def _status_of_tpu(name: str, zone: str | None, project: str | None) -> None:

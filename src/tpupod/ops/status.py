@@ -1,0 +1,82 @@
+"""A pod's health: what its cloud says of it, and whether every worker answers.
+
+``tpupod status`` prints it; the Python API returns it (``tpupod.pod_status``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass
+
+from tpupod.fanout import execute_async
+from tpupod.pod import Pod
+from tpupod.providers import provider_for
+from tpupod.results import FanoutResult
+
+PROBE_TIMEOUT_S = 10.0
+PROBE_GRACE_S = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker's answer to ``hostname`` (or why there was none)."""
+
+    worker: int
+    hostname: str
+    reachable: bool
+    answer: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PodStatus:
+    """A pod as its cloud reports it (None where there is no cloud) and as its workers answer."""
+
+    pod: Pod
+    cloud_state: str | None
+    workers: tuple[WorkerStatus, ...]
+
+    @property
+    def healthy(self) -> bool:
+        return all(w.reachable for w in self.workers)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "pod": self.pod.name,
+            "provider": self.pod.provider,
+            "workers": [asdict(w) for w in self.workers],
+            "cloud_state": self.cloud_state,
+            "healthy": self.healthy,
+        }
+
+
+async def pod_status_async(pod: Pod, *, timeout: float = PROBE_TIMEOUT_S) -> PodStatus:
+    """Ask the cloud and every worker at once; a worker that does not answer is not an error."""
+    live, probe = await asyncio.gather(
+        provider_for(pod.provider).live_state(pod),
+        execute_async(pod, "hostname", timeout=timeout, grace=PROBE_GRACE_S),
+        return_exceptions=True,
+    )
+    if isinstance(live, BaseException):
+        raise live
+    if isinstance(probe, BaseException):
+        raise probe
+    return PodStatus(pod, live, _answers(probe))
+
+
+def pod_status(pod: Pod, *, timeout: float = PROBE_TIMEOUT_S) -> PodStatus:
+    """:func:`pod_status_async`, for code that is not async."""
+    return asyncio.run(pod_status_async(pod, timeout=timeout))
+
+
+def _answers(probe: FanoutResult) -> tuple[WorkerStatus, ...]:
+    return tuple(
+        WorkerStatus(
+            worker=r.worker.id,
+            hostname=r.worker.hostname,
+            reachable=r.ok,
+            answer=r.last_line if r.ok else f"{r.outcome_text()}: {r.last_line}",
+            seconds=round(r.duration, 3),
+        )
+        for r in probe.workers
+    )
