@@ -66,6 +66,15 @@ def test_debug_shows_the_traceback(tmp_path: Path, cli: Callable[..., CliResult]
     assert "Traceback" in result.err and "required field is missing" in result.err
 
 
+def test_tpupod_debug_shows_the_traceback(tmp_path: Path, cli: Callable[..., CliResult]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: dev\n")
+    result = cli("up", "-f", str(path), env={"TPUPOD_DEBUG": "1"})
+    assert result.code == 2 and "Traceback" in result.err
+    quiet = cli("up", "-f", str(path), env={"TPUPOD_DEBUG": "0"})
+    assert quiet.code == 2 and "Traceback" not in quiet.err
+
+
 def test_unknown_field_suggests_the_close_name(tmp_path: Path) -> None:
     path = tmp_path / "tpupod.yaml"
     path.write_text("name: dev\nworkers: 2\ndevices_per_workr: 2\n")

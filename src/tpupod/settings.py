@@ -19,6 +19,11 @@ def state_home() -> Path:
     return base / "tpupod"
 
 
+def debug() -> bool:
+    """Tracebacks for errors, as ``--debug`` gives them (``TPUPOD_DEBUG``, anything but 0)."""
+    return os.environ.get("TPUPOD_DEBUG", "") not in ("", "0")
+
+
 def color_wanted(is_tty: bool) -> bool:
     """Color in a terminal, never when piped; ``NO_COLOR`` and ``FORCE_COLOR`` override."""
     if os.environ.get("NO_COLOR"):

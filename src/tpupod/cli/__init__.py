@@ -8,7 +8,6 @@ traceback is shown only with ``--debug`` (or ``TPUPOD_DEBUG=1``).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from typing import Annotated, ParamSpec, TypeVar
 
 import typer
 
-from tpupod import __version__
+from tpupod import __version__, settings
 from tpupod.errors import TpupodError
 from tpupod.report import print_error
 
@@ -56,7 +55,7 @@ def _root(
 def _debug_requested() -> bool:
     argv = sys.argv[1:]
     options = argv[: argv.index("--")] if "--" in argv else argv
-    return "--debug" in options or os.environ.get("TPUPOD_DEBUG", "") not in ("", "0")
+    return "--debug" in options or settings.debug()
 
 
 def reporting_errors(func: Callable[P, R]) -> Callable[P, R]:
