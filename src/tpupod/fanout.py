@@ -9,6 +9,9 @@ Policies:
 * ``timeout``: at that many seconds, every worker still running is stopped.
 * ``interrupt``: a Ctrl-C or SIGTERM of the caller stops every worker; a
   second request kills at once.
+* ``supervision``: failures a worker reports itself before its process ends
+  (``tpupod run``'s workers do, see ``launch/exits.py``) count as soon as they
+  arrive, and the supervisor hears when the fan-out starts stopping workers.
 
 Stopping a worker means its transport's ``kill``: TERM to the command's whole
 process group, then KILL after ``grace`` seconds.
@@ -78,6 +81,36 @@ class Interrupt:
             self.requested.set()
 
 
+@dataclass(frozen=True)
+class FailureReport:
+    """A worker's own word that its program failed, sent before its process ends.
+
+    ``reason`` (an exception's type and message, ``sys.exit(3)``) is shown in
+    place of the worker's last line; None when the worker vanished without a word.
+    """
+
+    worker: int
+    reason: str | None
+    status: ExitStatus | None = None  # when the failure is the process's exit itself
+
+
+class Supervision:
+    """The link between a fan-out and an outside supervisor (the rendezvous of ``tpupod run``).
+
+    The supervisor calls :meth:`report_failure` when a worker says it is
+    failing; the fan-out calls ``on_stopping(reason)`` when it begins to stop
+    the workers still running, so the supervisor can tell them to exit too.
+    """
+
+    def __init__(self, on_stopping: Callable[[str], None] | None = None) -> None:
+        # Failures in the order they were learned: reports, and exits as they happen.
+        self.reports: asyncio.Queue[FailureReport] = asyncio.Queue()
+        self.on_stopping = on_stopping or (lambda reason: None)
+
+    def report_failure(self, worker: int, reason: str | None) -> None:
+        self.reports.put_nowait(FailureReport(worker, reason))
+
+
 class _WorkerRun:
     """One worker's command, from start to result; ``stop`` may be called at any time."""
 
@@ -98,9 +131,16 @@ class _WorkerRun:
         self.on_line = on_line
         self.guard = guard
         self.proc: RemoteProcess | None = None
+        self.exited = False
         self.stop_outcome: Outcome | None = None
         self.stopped_by: int | None = None
-        self.grace = DEFAULT_GRACE_S
+        self.grace = float("inf")  # set when a stop is decided
+        self.failing = False  # it failed (said so, or exited) and is ending by itself
+        self.exit_status: ExitStatus | None = None
+        self.reason: str | None = None  # ... and why
+        # Told the moment the command exits, before its last output is read (which can
+        # take OUTPUT_LINGER_S): failures are ordered by when they happened.
+        self.on_exit: Callable[[int, ExitStatus], None] | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.lines = 0
         self.started = time.monotonic()
@@ -115,6 +155,9 @@ class _WorkerRun:
         pump = asyncio.create_task(self._pump(self.proc))
         try:
             status = await self.proc.wait()
+            self.exited = True
+            if self.on_exit is not None:
+                self.on_exit(self.worker.id, status)
             await asyncio.wait_for(pump, OUTPUT_LINGER_S)
         except TimeoutError:
             pass  # wait_for cancelled the pump: a background child holds the output open
@@ -127,10 +170,19 @@ class _WorkerRun:
             return self._result(self.stop_outcome, status)
         return self._result(Outcome.OK if status.ok else Outcome.FAILED, status)
 
-    async def stop(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
+    @property
+    def running(self) -> bool:
+        """Still to be stopped: not ended, and not already exiting after reporting a failure."""
+        return not self.exited and not self.failing
+
+    def mark_stopping(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
+        """Decide how this run will be reported, before anything is sent to it."""
         if self.stop_outcome is None:
             self.stop_outcome, self.stopped_by = outcome, by
-        self.grace = grace
+        self.grace = min(self.grace, grace)
+
+    async def stop(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
+        self.mark_stopping(outcome, grace, by)
         if self.proc is not None:
             await self.proc.kill(grace)
 
@@ -144,6 +196,7 @@ class _WorkerRun:
     def _result(
         self, outcome: Outcome, status: ExitStatus | None, error: str | None = None
     ) -> WorkerResult:
+        stopped = outcome in (Outcome.STOPPED, Outcome.TIMED_OUT, Outcome.INTERRUPTED)
         return WorkerResult(
             worker=self.worker,
             outcome=outcome,
@@ -151,8 +204,13 @@ class _WorkerRun:
             status=status,
             tail=tuple(self.tail),
             lines=self.lines,
-            error=error,
+            error=error or self.reason,
             stopped_by=self.stopped_by if outcome is Outcome.STOPPED else None,
+            # Only our escalation sends KILL to a group that was sent TERM first.
+            killed_after_term=stopped
+            and self.grace > 0
+            and status is not None
+            and status.signal == signal.SIGKILL,
         )
 
 
@@ -166,8 +224,14 @@ class _Fanout:
         policy: Policy,
         interrupt: Interrupt | None,
         on_notice: NoticeHandler | None,
+        *,
+        supervision: Supervision | None = None,
     ) -> None:
         self.runs = runs
+        self.by_id = {run.worker.id: run for run in runs}
+        self.supervision = supervision or Supervision()
+        for run in runs:
+            run.on_exit = self._exited
         self.command = command
         self.on_fail = policy.on_fail
         self.timeout = policy.timeout
@@ -204,20 +268,29 @@ class _Fanout:
     async def _watch(self, pending: set[asyncio.Task[WorkerResult]], started: float) -> None:
         interrupted = asyncio.create_task(self.interrupt.requested.wait())
         forced = asyncio.create_task(self.interrupt.forced.wait())
+        reports = self.supervision.reports
+        report = asyncio.create_task(reports.get())
         try:
             while pending:
                 remaining = None
                 if self.timeout is not None and not self.timed_out:
                     remaining = max(0.0, started + self.timeout - time.monotonic())
-                watch: set[asyncio.Future[Any]] = {*pending, forced}
+                watch: set[asyncio.Future[Any]] = {*pending, forced, report}
                 if not interrupted.done():
                     watch.add(interrupted)
                 done, _ = await asyncio.wait(
                     watch, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
                 )
-                for task in [t for t in pending if t in done]:
-                    pending.discard(task)
+                if report in done:
+                    self._reported(report.result())
+                    report = asyncio.create_task(reports.get())
+                finished = [t for t in pending if t in done]
+                pending.difference_update(finished)
+                # Record every run that ended in this round before acting on any of them, so
+                # a stop never counts (or signals) workers that are already gone.
+                for task in finished:
                     self._record(task.result())
+                self._act_on_failures()
                 if interrupted in done and not forced.done():
                     self._begin_stop(
                         Outcome.INTERRUPTED,
@@ -232,31 +305,59 @@ class _Fanout:
         finally:
             interrupted.cancel()
             forced.cancel()
+            report.cancel()
+
+    def _exited(self, worker: int, status: ExitStatus) -> None:
+        if not status.ok:
+            self.supervision.reports.put_nowait(FailureReport(worker, None, status))
+
+    def _reported(self, report: FailureReport) -> None:
+        """A worker says it failed: it counts now, in the order failures were learned."""
+        run = self.by_id.get(report.worker)
+        if run is None or run.worker.id in self.results or run.stop_outcome is not None:
+            return  # unknown, already ended, or being stopped for another worker's failure
+        run.failing, run.reason = True, run.reason or report.reason
+        run.exit_status = run.exit_status or report.status
+        if report.worker not in self.failure_order:
+            self.failure_order.append(report.worker)
 
     def _record(self, result: WorkerResult) -> None:
         self.results[result.worker.id] = result
-        if result.ok:
+        failed = result.worker.id in self.failure_order
+        if not result.ok and not failed:
+            self.failure_order.append(result.worker.id)
+        elif result.ok and failed:  # it vanished without a word, yet exited 0 (os._exit(0))
+            self.failure_order.remove(result.worker.id)
+
+    def _act_on_failures(self) -> None:
+        if self.on_fail is not OnFail.KILL or self.stopping or not self.failure_order:
             return
-        self.failure_order.append(result.worker.id)
-        if self.on_fail is OnFail.KILL and not self.stopping:
-            self._begin_stop(
-                Outcome.STOPPED,
-                f"w{result.worker.id} failed ({result.outcome_text()})",
-                by=result.worker.id,
-            )
+        first = self.failure_order[0]
+        result = self.results.get(first)
+        run = self.by_id[first]
+        if result is not None:
+            what = result.outcome_text()
+        elif run.exit_status is not None:
+            what = run.exit_status.describe()
+        else:
+            what = run.reason or "its process ended without a word"
+        self._begin_stop(Outcome.STOPPED, f"w{first} failed ({what})", by=first)
 
     def _begin_stop(
         self, outcome: Outcome, reason: str, extra: str = "", by: int | None = None
     ) -> None:
-        running = [run for run in self.runs if run.worker.id not in self.results]
+        running = [run for run in self.runs if run.worker.id not in self.results and run.running]
         if not running:
             return
         self.stopping = True
+        for run in running:  # before any worker can end because of the stop
+            run.mark_stopping(outcome, self.grace, by)
         plan = f"TERM, then KILL after {self.grace:g}s" if self.grace > 0 else "KILL"
         note = (
             f"{reason}: stopping {len(running)} worker{'s' if len(running) != 1 else ''} ({plan})"
         )
         self.on_notice(f"{note}; {extra}" if extra else note)
+        self.supervision.on_stopping(reason)
         self._spawn_stop(outcome, self.grace, by)
 
     def _spawn_stop(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
@@ -268,7 +369,7 @@ class _Fanout:
         await asyncio.wait(pending)
 
     async def _stop_all(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
-        running = [run for run in self.runs if run.worker.id not in self.results]
+        running = [run for run in self.runs if run.worker.id not in self.results and run.running]
         await asyncio.gather(*(run.stop(outcome, grace, by) for run in running))
 
 
@@ -286,6 +387,7 @@ async def execute_async(
     interrupt: Interrupt | None = None,
     connector: Connector | None = None,
     guard: bool = False,
+    supervision: Supervision | None = None,
 ) -> FanoutResult:
     """Run ``command`` (a bash command line) on the selected workers of ``pod`` at once.
 
@@ -294,7 +396,7 @@ async def execute_async(
     every worker's command has ended; never raises for a worker's failure.
     Pass a ``connector`` (``tpupod.providers.connect(pod)``) to reuse
     connections across calls; it is then yours to close. ``guard`` kills the
-    commands if this process dies while they run (see ``transport.base.guarded``).
+    commands if this process dies while they run (see ``transport.base.command_script``).
     """
     provider = provider_for(pod.provider)
     selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
@@ -307,7 +409,9 @@ async def execute_async(
         runs.append(_WorkerRun(worker, transport, command, worker_env, on_line, guard=guard))
     try:
         policy = Policy(OnFail(on_fail), timeout, grace)
-        return await _Fanout(runs, command, policy, interrupt, on_notice).run()
+        return await _Fanout(
+            runs, command, policy, interrupt, on_notice, supervision=supervision
+        ).run()
     finally:
         if own_connector:
             await pod_connector.close()

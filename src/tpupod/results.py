@@ -54,6 +54,7 @@ class WorkerResult:
     lines: int = 0
     error: str | None = None
     stopped_by: int | None = None
+    killed_after_term: bool = False  # TERM was ignored, KILL after the grace ended it
 
     @property
     def ok(self) -> bool:
@@ -68,6 +69,8 @@ class WorkerResult:
 
     def outcome_text(self) -> str:
         status = self.status.describe() if self.status else ""
+        if self.killed_after_term:
+            status = "killed (SIGKILL after TERM)"
         match self.outcome:
             case Outcome.OK | Outcome.FAILED:
                 return status or self.outcome.value
@@ -151,6 +154,7 @@ def result_to_json(result: FanoutResult) -> dict[str, object]:
                 "lines": r.lines,
                 "error": r.error,
                 "stopped_by": r.stopped_by,
+                "killed_after_term": r.killed_after_term,
             }
             for r in result.workers
         ],
@@ -169,6 +173,7 @@ def result_from_json(data: dict[str, Any], workers: Mapping[int, WorkerLike]) ->
             lines=row["lines"],
             error=row["error"],
             stopped_by=row["stopped_by"],
+            killed_after_term=row.get("killed_after_term", False),
         )
         for row in data["workers"]
     ]

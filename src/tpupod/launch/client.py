@@ -8,24 +8,41 @@ runs. Plain blocking sockets: a JAX program has no event loop to share.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
+import queue
 import socket
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tpupod.errors import RendezvousError
+from tpupod.launch.exits import watch_exit
 from tpupod.launch.identity import WorkerIdentity, worker
 from tpupod.launch.rendezvous import DEFAULT_TIMEOUT_S
 
 CONNECT_TIMEOUT_S = 30.0
+# A worker told to stop exits with the code TERM would give it (128 + 15).
+STOPPED_EXIT = 143
 
 
 class RendezvousClient:
+    """A worker's connection to its launch's rendezvous service.
+
+    Requests (barrier, exchange, exit) are answered in order; a reader thread
+    takes every line the service sends, so the service can also tell the
+    worker to stop at any moment (``{"op": "stop"}``, when another worker
+    failed or the run is being stopped): the worker then leaves at once, even
+    in the middle of a JAX computation that would otherwise hang on a dead peer.
+    A connection that closes under a running worker means the launcher is gone:
+    the worker leaves too, so nothing outlives its launcher.
+    """
+
     def __init__(self, address: str, token: str, identity: WorkerIdentity, digest: str) -> None:
         host, _, port = address.rpartition(":")
         self.identity = identity
@@ -33,7 +50,10 @@ class RendezvousClient:
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._file = self._sock.makefile("rb")
-        reply = self._call(
+        self._lock = threading.Lock()  # one request at a time
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._leaving = False
+        self._send(
             {
                 "token": token,
                 "launch_id": identity.launch_id,
@@ -43,11 +63,14 @@ class RendezvousClient:
                 "digest": digest,
             }
         )
-        if "error" in reply:
+        reply = self._read_line()
+        if reply is None or "error" in reply:
+            why = reply["error"] if reply else "the service closed the connection"
             raise RendezvousError(
-                f"the rendezvous refused w{identity.id}: {reply['error']}",
+                f"the rendezvous refused w{identity.id}: {why}",
                 hint="start every worker with the same 'tpupod run'",
             )
+        threading.Thread(target=self._read_forever, name="tpupod-rendezvous", daemon=True).start()
 
     def barrier(self, name: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         reply = self._call({"op": "barrier", "name": name, "timeout": timeout})
@@ -74,13 +97,60 @@ class RendezvousClient:
             )
         return {int(k): v for k, v in reply["values"].items()}
 
+    def report_exit(self, code: int | None, reason: str | None, timeout: float) -> None:
+        """Tell the service how this process ends (``code`` None: not known, but deliberate).
+
+        Best effort and bounded: a process on its way out must not hang here.
+        """
+        self._leaving = True
+        message = {"op": "exit", "code": code, "reason": reason}
+        if not self._lock.acquire(timeout=timeout):
+            return
+        try:
+            self._send(message)
+            self._replies.get(timeout=timeout)
+        except (OSError, queue.Empty):
+            pass
+        finally:
+            self._lock.release()
+
     def _call(self, message: dict[str, Any]) -> dict[str, Any]:
-        self._sock.sendall(json.dumps(message).encode() + b"\n")
-        line = self._file.readline()
-        if not line:
+        with self._lock:
+            self._send(message)
+            reply = self._replies.get()
+        if reply is None:
             raise RendezvousError("the rendezvous service went away (did the launcher stop?)")
-        reply: dict[str, Any] = json.loads(line)
         return reply
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self._sock.sendall(json.dumps(message).encode() + b"\n")
+
+    def _read_line(self) -> dict[str, Any] | None:
+        try:
+            line = self._file.readline()
+        except OSError:
+            return None
+        if not line:
+            return None
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def _read_forever(self) -> None:
+        while (message := self._read_line()) is not None:
+            if message.get("op") == "stop":
+                _leave(f"stopping w{self.identity.id}: {message.get('reason', 'asked to')}")
+            self._replies.put(message)
+        self._replies.put(None)
+        if not self._leaving:
+            _leave(f"w{self.identity.id} lost its launcher (the rendezvous closed); stopping")
+
+
+def _leave(why: str) -> NoReturn:
+    """Leave now, as TERM would, from any thread (JAX holds TERM for its preemption notice)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        print(f"tpupod: {why}", file=sys.stderr, flush=True)
+    os._exit(STOPPED_EXIT)
 
 
 @functools.cache
@@ -93,7 +163,9 @@ def client() -> RendezvousClient:
             "no rendezvous service: TPUPOD_RENDEZVOUS is not set",
             hint="start the program on every worker with 'tpupod run -- CMD'",
         )
-    return RendezvousClient(address, token, worker(), program_digest())
+    connected = RendezvousClient(address, token, worker(), program_digest())
+    watch_exit(connected)
+    return connected
 
 
 def rendezvous(name: str, timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:

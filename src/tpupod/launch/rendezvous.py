@@ -9,7 +9,17 @@ pid, a digest of what the worker will run); then each request gets one reply:
   ``count`` workers arrived, or ``{"error": "timeout", "arrived": [...],
   "missing": [...]}``;
 * ``{"op": "exchange", "name": N, "value": V, "timeout": S}`` -> every
-  worker's value, ``{"values": {"0": V0, ...}}``.
+  worker's value, ``{"values": {"0": V0, ...}}``;
+* ``{"op": "exit", "code": C, "reason": R}`` -> ``{"ok": true}``: the worker is
+  leaving (see ``exits.py``); a code other than 0 or null is a failure, passed
+  to ``on_failure`` at once, before the process is gone.
+
+The service may also send a worker ``{"op": "stop", "reason": R}`` at any
+time (:meth:`RendezvousServer.stop`); the worker leaves when it reads it.
+A worker whose connection closes without an ``exit`` vanished (killed,
+``os._exit``); when another worker then reports a failure, the vanished ones
+are reported first: they died first, and the other most likely failed
+because of them (a collective with a dead peer).
 
 A worker with another launch id, a bad token or a worker id already taken is
 refused with a reason; the launcher hears of it too (``on_event``). If the
@@ -37,7 +47,10 @@ class Member:
     hostname: str
     pid: int
     digest: str
+    writer: asyncio.StreamWriter | None = None
     uses: Counter[str] = field(default_factory=Counter)  # how often it used each name
+    leaving: bool = False  # it said it exits
+    stopped: bool = False  # we told it to stop
 
     def key(self, kind: str, name: str) -> str:
         """The n-th use of a name is its own gathering, so a barrier can be passed again."""
@@ -53,32 +66,61 @@ class _Gathering:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+FailureHandler = Callable[[int, "str | None"], None]
+
+
 class RendezvousServer:
     def __init__(
-        self, launch_id: str, token: str, count: int, on_event: Callable[[str], None] | None = None
+        self,
+        launch_id: str,
+        token: str,
+        count: int,
+        on_event: Callable[[str], None] | None = None,
+        on_failure: FailureHandler | None = None,
     ) -> None:
         self.launch_id = launch_id
         self.token = token
         self.count = count
         self.on_event = on_event or (lambda text: None)
+        self.on_failure = on_failure or (lambda worker, reason: None)
         self.members: dict[int, Member] = {}
         self._gatherings: dict[str, _Gathering] = {}
         self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._vanished: list[int] = []  # closed without a word, not yet reported
+        self._closing = False
 
     async def start(self, host: str, port: int = 0) -> tuple[str, int]:
         self._server = await asyncio.start_server(self._handle, host, port, backlog=4096)
         address = self._server.sockets[0].getsockname()
         return str(address[0]), int(address[1])
 
+    def stop(self, reason: str) -> None:
+        """Tell every connected worker that is not already leaving to stop now."""
+        for member in list(self.members.values()):
+            if not member.leaving and not member.stopped and member.writer is not None:
+                member.stopped = True
+                _reply(member.writer, {"op": "stop", "reason": reason})
+
     async def close(self) -> None:
+        """Stop listening and end every connection (its handler too: nothing left pending)."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
             await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         member = None
         try:
             member = self._register(json.loads(await reader.readline() or b"{}"))
+            member.writer = writer
             _reply(writer, {"ok": True, "count": self.count})
             while line := await reader.readline():
                 _reply(writer, await self._serve(member, json.loads(line)))
@@ -86,12 +128,16 @@ class RendezvousServer:
         except _Refused as exc:
             _reply(writer, {"error": str(exc)})
             self.on_event(f"refused a worker: {exc}")
-        except (ConnectionError, ValueError):
+        except (ConnectionError, ValueError, asyncio.CancelledError):
             pass
         finally:
             if member is not None and self.members.get(member.worker) is member:
                 del self.members[member.worker]
+                if not (member.leaving or member.stopped or self._closing):
+                    self._vanished.append(member.worker)
             writer.close()
+            if task is not None:
+                self._handlers.discard(task)
 
     def _register(self, message: dict[str, Any]) -> Member:
         if not hmac.compare_digest(str(message.get("token", "")), self.token):
@@ -128,6 +174,8 @@ class RendezvousServer:
             if isinstance(values, dict) and "error" in values:
                 return values
             return self._digest_check() or {"ok": True}
+        if op == "exit":
+            return self._exit(member, request.get("code"), request.get("reason"))
         if op == "exchange":
             values = await self._gather(
                 member.key("x", name), member, request.get("value"), timeout
@@ -149,6 +197,15 @@ class RendezvousServer:
             missing = [w for w in range(self.count) if w not in gathering.values]
             return {"error": "timeout", "arrived": arrived, "missing": missing}
         return gathering.values
+
+    def _exit(self, member: Member, code: Any, reason: Any) -> dict[str, Any]:
+        member.leaving = True
+        if code and not member.stopped:  # a failure of its own, not the end we asked for
+            vanished, self._vanished = self._vanished, []
+            for worker in vanished:
+                self.on_failure(worker, None)
+            self.on_failure(member.worker, str(reason) if reason else f"exit {code}")
+        return {"ok": True}
 
     def _digest_check(self) -> dict[str, Any] | None:
         digests = {m.worker: m.digest for m in self.members.values()}

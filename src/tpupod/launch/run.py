@@ -25,10 +25,10 @@ from typing import IO, Any, Protocol
 
 from tpupod import settings
 from tpupod.errors import PreflightError, TpupodError
-from tpupod.fanout import Interrupt, LineHandler, NoticeHandler, execute_async
+from tpupod.fanout import Interrupt, LineHandler, NoticeHandler, Supervision, execute_async
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
-from tpupod.launch.rendezvous import RendezvousServer
-from tpupod.launch.serve import READY
+from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
+from tpupod.launch.serve import FAILED, READY
 from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
 from tpupod.ops.sync import shell_path, sync_local
@@ -108,10 +108,16 @@ async def run(
             command = f"cd {shell_path(sync_dir)} && {command}"
         launch_id = new_launch_id()
         token = secrets.token_hex(16)
+        # Workers report their own failures to the rendezvous before JAX's shutdown can hold
+        # them; the fan-out counts them at once and has the rendezvous stop the others.
+        supervision = Supervision()
         if _on_worker0(pod, rendezvous_on):
-            server: _Rendezvous = _Worker0Rendezvous(connector, selected[0], worker_python, notice)
+            server: _Rendezvous = _Worker0Rendezvous(
+                connector, selected[0], worker_python, notice, supervision.report_failure
+            )
         else:
-            server = _LauncherRendezvous(connector, selected[0], notice)
+            server = _LauncherRendezvous(connector, selected[0], notice, supervision.report_failure)
+        supervision.on_stopping = server.stop
         launch = Launch(
             launch_id=launch_id,
             run_dir=state.pod_dir(pod.name) / RUNS_DIR / launch_id,
@@ -142,6 +148,7 @@ async def run(
                     interrupt=interrupt,
                     connector=_Renumbered(connector, selected) if sub_pod is not pod else connector,
                     guard=True,  # a supervised program never outlives its launcher
+                    supervision=supervision,
                 )
             finally:
                 await server.close()
@@ -165,20 +172,37 @@ def _on_worker0(pod: Pod, where: str) -> bool:
 class _Rendezvous(Protocol):
     async def start(self, launch_id: str, token: str, count: int) -> str: ...
 
+    def stop(self, reason: str) -> None:
+        """Tell every worker still running to leave now."""
+        ...
+
     async def close(self) -> None: ...
 
 
 class _LauncherRendezvous:
     """The service in this process, at the address the workers already reach us at."""
 
-    def __init__(self, connector: Connector, first: Worker, notice: NoticeHandler) -> None:
+    def __init__(
+        self,
+        connector: Connector,
+        first: Worker,
+        notice: NoticeHandler,
+        on_failure: FailureHandler,
+    ) -> None:
         self.connector, self.first, self.notice = connector, first, notice
+        self.on_failure = on_failure
         self.server: RendezvousServer | None = None
 
     async def start(self, launch_id: str, token: str, count: int) -> str:
-        self.server = RendezvousServer(launch_id, token, count, on_event=self.notice)
+        self.server = RendezvousServer(
+            launch_id, token, count, on_event=self.notice, on_failure=self.on_failure
+        )
         host, port = await self.server.start(await self.connector.reachback(self.first))
         return f"{host}:{port}"
+
+    def stop(self, reason: str) -> None:
+        if self.server is not None:
+            self.server.stop(reason)
 
     async def close(self) -> None:
         if self.server is not None:
@@ -189,12 +213,19 @@ class _Worker0Rendezvous:
     """The service as a process on worker 0 (``python -m tpupod.launch.serve``)."""
 
     def __init__(
-        self, connector: Connector, first: Worker, python: str, notice: NoticeHandler
+        self,
+        connector: Connector,
+        first: Worker,
+        python: str,
+        notice: NoticeHandler,
+        on_failure: FailureHandler,
     ) -> None:
         self.transport = connector.transport(first)
         self.first, self.python, self.notice = first, python, notice
+        self.on_failure = on_failure
         self.proc: RemoteProcess | None = None
         self.relay: asyncio.Task[None] | None = None
+        self.stopping: asyncio.Task[None] | None = None
 
     async def start(self, launch_id: str, token: str, count: int) -> str:
         command = (
@@ -223,7 +254,16 @@ class _Worker0Rendezvous:
 
     async def _relay(self, lines: AsyncIterator[OutputLine]) -> None:
         async for line in lines:
-            self.notice(f"rendezvous on {self.first.label}: {line.text}")
+            if line.text.startswith(FAILED):
+                _, worker, reason = line.text.split(" ", 2)
+                self.on_failure(int(worker), json.loads(reason))
+            else:
+                self.notice(f"rendezvous on {self.first.label}: {line.text}")
+
+    def stop(self, reason: str) -> None:
+        """Ending the service closes every worker's connection, and a worker leaves on that."""
+        if self.stopping is None:
+            self.stopping = asyncio.create_task(self.close())
 
     async def close(self) -> None:
         if self.relay is not None:

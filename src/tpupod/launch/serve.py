@@ -3,19 +3,24 @@
 ``tpupod run --rendezvous-on worker0`` starts it when the workers cannot
 reach the launcher (a laptop behind NAT driving a Cloud TPU). The token comes
 in ``TPUPOD_RENDEZVOUS_TOKEN``; once listening it prints one line,
-``tpupod-rendezvous-ready HOST:PORT``, then one line per refused worker, and
-serves until it is killed (the launcher's orphan guard sees to that).
+``tpupod-rendezvous-ready HOST:PORT``, then one line per refused worker and
+``tpupod-rendezvous-failed WORKER REASON-JSON`` per failure a worker reports
+(the launcher decides what follows), and serves until it is killed (the
+launcher's orphan guard sees to that). Killing it tells every worker to stop:
+a worker leaves when its rendezvous connection closes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 
 from tpupod.launch.rendezvous import RendezvousServer
 
 READY = "tpupod-rendezvous-ready"
+FAILED = "tpupod-rendezvous-failed"
 
 
 def main() -> None:
@@ -29,7 +34,13 @@ def main() -> None:
 
     async def serve() -> None:
         server = RendezvousServer(
-            args.launch_id, token, args.count, on_event=lambda text: print(text, flush=True)
+            args.launch_id,
+            token,
+            args.count,
+            on_event=lambda text: print(text, flush=True),
+            on_failure=lambda worker, reason: print(
+                f"{FAILED} {worker} {json.dumps(reason)}", flush=True
+            ),
         )
         host, port = await server.start(args.host, args.port)
         print(f"{READY} {host}:{port}", flush=True)

@@ -8,6 +8,7 @@ these two small protocols and nothing else.
 from __future__ import annotations
 
 import enum
+import shlex
 import signal
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -125,29 +126,57 @@ class Connector(Protocol):
         ...
 
 
-def guarded(command: str, grace: float = 3.0) -> str:
-    """``command`` with an orphan guard: the group dies when our end of its stdin closes.
+# A missing program reads "python: command not found", not "bash: line 22: python: ...".
+NOT_FOUND = (
+    "command_not_found_handle() { printf '%s: command not found\\n' \"$1\" >&2; return 127; }"
+)
+# TERM while the command runs: wait for it to end, then end this shell with TERM too. So the
+# status is the command's real end (a JAX process ignores TERM and dies by the KILL that
+# follows), and a line of several commands does not go on to the next one.
+TERM_TRAP = "trap 'trap - TERM; kill -TERM $$' TERM"
+# A command killed by signal N ends with 128+N; re-raise N so it is reported as one.
+RERAISE = [
+    'if [ "$tpupod_rc" -gt 128 ] && [ "$tpupod_rc" -lt 160 ]; then',
+    "  trap - $((tpupod_rc - 128)); kill -$((tpupod_rc - 128)) $$",
+    "fi",
+]
+GUARD_GRACE_S = 3.0
+GUARD_POLL_S = 0.05
 
-    The command's standard input stays open to us (we never write to it) and
-    is handed to a guard process; the command itself reads /dev/null. If we
-    vanish, the guard reads EOF and TERMs, then KILLs, the whole process group.
-    When the command ends, the guard stands down first, so background
+
+def command_script(command: str, *, guard: bool = False, grace: float = GUARD_GRACE_S) -> str:
+    """The bash script that runs ``command`` on a worker (local or SSH), in its own group.
+
+    With ``guard``, an orphan guard kills the group when our end of its stdin
+    closes: the command's standard input stays open to us (we never write to
+    it) and is handed to a guard process, while the command reads /dev/null.
+    If we vanish (killed, connection lost), the guard reads EOF and TERMs the
+    whole process group, waits until it is empty or ``grace`` has passed, then
+    KILLs what is left. The guard runs in a session of its own (``setsid``), so
+    it is not in the group it kills and leaves as soon as the group is gone
+    (without ``setsid`` it stays in the group, ignores TERM, and waits out the
+    grace). When the command ends, the guard stands down first, so background
     processes it deliberately left (``nohup ... &``) live on.
     """
-    return "\n".join(
-        [
+    lines = [NOT_FOUND]
+    if guard:
+        polls = max(1, round(grace / GUARD_POLL_S))
+        watch = (
+            "cat >/dev/null 2>&1; kill -TERM -- -$1 2>/dev/null; i=0; "
+            f"while [ $i -lt {polls} ] && kill -0 -- -$1 2>/dev/null; do sleep {GUARD_POLL_S:g}; "
+            "i=$((i + 1)); done; kill -KILL -- -$1 2>/dev/null"
+        )
+        lines += [
             "exec 3<&0 </dev/null",
-            "( cat <&3 >/dev/null 2>&1; kill -TERM -- -$$ 2>/dev/null; "
-            f"sleep {grace:g}; kill -KILL -- -$$ 2>/dev/null ) >/dev/null 2>&1 &",
-            "tpupod_guard=$!",
-            "exec 3<&-",
-            command,
-            "tpupod_rc=$?",
-            "kill $tpupod_guard 2>/dev/null",
-            # A command killed by signal N ends with 128+N; re-raise N so it is reported as one.
-            'if [ "$tpupod_rc" -gt 128 ] && [ "$tpupod_rc" -lt 160 ]; then',
-            "  trap - $((tpupod_rc - 128)); kill -$((tpupod_rc - 128)) $$",
+            "if command -v setsid >/dev/null; then",
+            f"  setsid /bin/bash -c {shlex.quote(watch)} tpupod-guard $$ <&3 >/dev/null 2>&1 &",
+            "else",
+            f"  ( trap '' TERM; set -- $$; {watch} ) <&3 >/dev/null 2>&1 &",
             "fi",
-            '(exit "$tpupod_rc")',
+            "tpupod_guard=$!; disown $tpupod_guard",  # no job note when it stands down
+            "exec 3<&-",
         ]
-    )
+    lines += [TERM_TRAP, command, "tpupod_rc=$?"]
+    if guard:
+        lines.append("kill -KILL $tpupod_guard 2>/dev/null")
+    return "\n".join([*lines, *RERAISE, '(exit "$tpupod_rc")'])

@@ -12,7 +12,7 @@ from tpupod import procfs
 from tpupod.errors import WorkerError
 from tpupod.files import copy_atomic, put_target
 from tpupod.pod import Worker
-from tpupod.transport.base import ExitStatus, OutputLine, Stream, guarded
+from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
 from tpupod.transport.lines import read_lines
 
 SHELL = "/bin/bash"
@@ -35,7 +35,7 @@ class LocalTransport:
                 lambda: _ExitAwareProtocol(loop),
                 SHELL,
                 "-c",
-                guarded(command) if guard else command,
+                command_script(command, guard=guard),
                 # Guarded: a pipe we never write to, whose end (ours) closes if we die.
                 stdin=asyncio.subprocess.PIPE if guard else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
