@@ -92,13 +92,14 @@ def run(
     target = StateDir().resolve(pod)
     workers = target.select(worker)
     line = join_command(command_args)
+    run_env = parse_env(env)  # every option is checked before any work
 
     def body(live: Live) -> Awaitable[RunResult]:
         return launch_run(
             target,
             line,
             workers=workers,
-            env=parse_env(env),
+            env=run_env,
             timeout=timeout,
             on_fail=on_fail,
             grace=grace,
