@@ -1,11 +1,14 @@
-"""Files to and from a host as a tar stream over an exec channel, for hosts without SFTP.
+"""Files to and from a host as a tar stream over an exec channel.
 
-Minimal images and hardened sshd configurations often have no SFTP
-subsystem, but nearly every host has ``tar``. ``put`` runs ``tar -x`` on the
-host and feeds it an archive packed here; ``get`` runs ``tar -c`` there and
-unpacks what it sends. Packing and unpacking use Python's ``tarfile`` in a
-worker thread, so nothing depends on a local ``tar`` and no user string is
-ever pasted into a shell: the host's scripts are built with ``shlex`` quoting.
+tpupod sends folders this way (1,000 small files move 4-10x faster than over
+asyncssh's SFTP, which copies them one by one; see BENCHMARKS.md), and
+everything to hosts without SFTP: minimal images and hardened sshd
+configurations often have no SFTP subsystem, but nearly every host has
+``tar``. ``put`` runs ``tar -x`` on the host and feeds it an archive packed
+here; ``get`` runs ``tar -c`` there and unpacks what it sends. Packing and
+unpacking use Python's ``tarfile`` in a worker thread, so nothing depends on
+a local ``tar`` and no user string is ever pasted into a shell: the host's
+scripts are built with ``shlex`` quoting.
 
 The semantics are the SFTP path's: a put lands in a hidden sibling of the
 target first and is renamed into place (a folder already there is moved
