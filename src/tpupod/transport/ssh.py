@@ -1,6 +1,7 @@
 """Commands over SSH (asyncssh): one persistent connection per host, many channels on it.
 
-The only module that imports asyncssh. Every remote command is wrapped so that
+With tarstream.py (files as a tar stream), the only module that imports asyncssh.
+Every remote command is wrapped so that
 
 * it runs in a process group of its own (sshd's session, else ``setsid``),
   whose id it reports first on stderr, so ``kill`` can TERM and then KILL the
