@@ -108,6 +108,10 @@ def tree_with_modes(root: Path) -> Path:
     (root / "sub" / "deeper").chmod(0o700)
     (root / "a.txt").chmod(0o600)
     (root / "link").symlink_to("a.txt")
+    (root / "ünï cödé.txt").write_text("utf-8 names\n")
+    long = root / ("l" * 90) / ("m" * 90)  # past ustar's 100-byte names
+    long.mkdir(parents=True)
+    (long / ("n" * 120 + ".txt")).write_text("long\n")
     for i, path in enumerate(sorted(root.rglob("*"), reverse=True)):
         os.utime(path, (1_000_000_000 + i, 1_000_000_000 + i), follow_symlinks=False)
     os.utime(root, (999_999_999, 999_999_999))
