@@ -426,7 +426,11 @@ KIND_FLAGS = {
         *("subnetwork", "tags", "labels", "internal", *SSH_LOGIN_FLAGS),
     ),
 }
-KIND_TEXT = {"local": "local pods (--local)", "ssh": "pods over SSH (--ssh)", "gcp": "Cloud TPUs"}
+KIND_TEXT = {
+    "local": "local pods (--local)",
+    "ssh": "pods over SSH (--ssh)",
+    "gcp": "Cloud TPUs (--gcp)",
+}
 KINDS_HINT = (
     "a pod is local (--local N), existing hosts (--ssh HOSTS) "
     "or a Cloud TPU (--gcp --tpu-type T --zone Z): keep one"
@@ -437,7 +441,7 @@ FIELD_FLAGS = {
     "workers": "local",
     "hosts": "ssh",
     **{name: name for name in ("name", "devices_per_worker", "env", *SSH_LOGIN_FLAGS)},
-    **{name: name for name in KIND_FLAGS["gcp"] if name not in CAPACITY_FLAGS},
+    **{name: name for name in KIND_FLAGS["gcp"] if name not in (*CAPACITY_FLAGS, "gcp", "adopt")},
 }
 
 
