@@ -362,3 +362,35 @@ def test_unpack_renames_the_top_and_keeps_symlinks(tmp_path: Path) -> None:
     tarstream.unpack(stream, "top", tmp_path / ".dest.staged")  # type: ignore[arg-type]
     assert (tmp_path / ".dest.staged" / "a").read_bytes() == b"alpha"
     assert os.readlink(tmp_path / ".dest.staged" / "l") == "/somewhere/else"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("status", "stderr", "local", "reason"),
+    [
+        (127, b"tpupod-no-tar\n", None, "no tar on the host"),
+        (2, b"tpupod-missing\n", tarfile.ReadError("empty file"), "no such file or folder"),
+        # the host's own words beat a broken stream that they explain
+        (2, b"tar: ./x: Cannot open: Permission denied\n", tarfile.ReadError("bad"), "./x: Cannot"),
+        # a local file's failure beats the host's complaint about the cut stream
+        (
+            1,
+            b"tpupod-cut-short\n",
+            OSError(13, "Permission denied", "/data/x"),
+            "permission denied",
+        ),
+        (None, b"", None, "the connection closed"),
+    ],
+)
+def test_a_failed_transfer_is_one_line_naming_the_cause(
+    status: int | None, stderr: bytes, local: Exception | None, reason: str
+) -> None:
+    error = tarstream._why(status, stderr, local)
+    assert error.reason.startswith(reason) and "\n" not in error.reason
+
+
+@pytest.mark.unit
+def test_a_file_that_changed_while_read_is_not_a_failed_get() -> None:
+    assert tarstream._only_changed(b"tar: ./logs/run.log: file changed as we read it\n")
+    assert not tarstream._only_changed(b"tar: ./x: Cannot open: Permission denied\n")
+    assert not tarstream._only_changed(b"")

@@ -321,14 +321,16 @@ def _why(status: int | None, stderr: bytes, local: Exception | None) -> TarStrea
         return TarStreamError("no such file or folder", hint="check the path on the host")
     if isinstance(local, TarStreamError):
         return local
-    if isinstance(local, OSError) and local.strerror:
+    if isinstance(local, OSError):  # a local file (unreadable, shrank, disk full)
+        if not local.strerror:
+            return TarStreamError(str(local) or type(local).__name__)
         where = f": {local.filename}" if local.filename else ""
         return TarStreamError(f"{local.strerror.lower()}{where}")
-    if isinstance(local, tarfile.TarError):
-        return TarStreamError(f"a broken archive: {local}")
     told = [line for line in lines if line != CUT_SHORT]
     if status not in (0, None) and told:
         return TarStreamError(told[0].removeprefix("tar: "))
+    if isinstance(local, tarfile.TarError):  # after the host's words: often their consequence
+        return TarStreamError(f"a broken archive: {local}")
     if status is None or status < 0:
         return TarStreamError("the connection closed during the transfer")
     if status == 0:  # the host was fine; the channel failed under us
