@@ -44,6 +44,9 @@ TAIL_LINES = 10
 # After a command exits, how long to keep reading output that a background
 # child still holds open (as `ssh` would wait forever, and we should not).
 OUTPUT_LINGER_S = 2.0
+# How long after the first failure the others are stopped: processes that end together (a
+# crash that takes several workers down) reach us a few milliseconds apart.
+SETTLE_S = 0.05
 
 INTERRUPT_REASONS: dict[int, tuple[str, str]] = {
     signal.SIGINT: ("interrupted (Ctrl-C)", "press Ctrl-C again to kill at once"),
@@ -86,7 +89,10 @@ class FailureReport:
     """A worker's own word that its program failed, sent before its process ends.
 
     ``reason`` (an exception's type and message, ``sys.exit(3)``) is shown in
-    place of the worker's last line; None when the worker vanished without a word.
+    place of the worker's last line. With neither ``reason`` nor ``status``, the
+    worker vanished without a word (its supervisor's connection closed): not a
+    failure by itself, but when another worker fails after that, the one that
+    vanished is counted as failing first.
     """
 
     worker: int
@@ -242,6 +248,8 @@ class _Fanout:
         self.failure_order: list[int] = []
         self.stoppers: set[asyncio.Task[None]] = set()
         self.stopping = False
+        self.stop_due: float | None = None  # when to act on the first failure
+        self.vanished: list[int] = []
         self.forced = False
         self.timed_out = False
 
@@ -272,14 +280,17 @@ class _Fanout:
         report = asyncio.create_task(reports.get())
         try:
             while pending:
-                remaining = None
+                deadline = None
                 if self.timeout is not None and not self.timed_out:
-                    remaining = max(0.0, started + self.timeout - time.monotonic())
+                    deadline = started + self.timeout
+                wake = min((t for t in (deadline, self.stop_due) if t is not None), default=None)
                 watch: set[asyncio.Future[Any]] = {*pending, forced, report}
                 if not interrupted.done():
                     watch.add(interrupted)
                 done, _ = await asyncio.wait(
-                    watch, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    watch,
+                    timeout=None if wake is None else max(0.0, wake - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if report in done:
                     self._reported(report.result())
@@ -299,7 +310,7 @@ class _Fanout:
                 if forced.done() and not self.forced:
                     self.forced = True
                     self._spawn_stop(Outcome.INTERRUPTED, 0.0)
-                if remaining is not None and not done:
+                if deadline is not None and time.monotonic() >= deadline:
                     self.timed_out = True
                     self._begin_stop(Outcome.TIMED_OUT, f"timeout of {self.timeout:g}s reached")
         finally:
@@ -314,24 +325,45 @@ class _Fanout:
     def _reported(self, report: FailureReport) -> None:
         """A worker says it failed: it counts now, in the order failures were learned."""
         run = self.by_id.get(report.worker)
-        if run is None or run.worker.id in self.results or run.stop_outcome is not None:
-            return  # unknown, already ended, or being stopped for another worker's failure
+        if run is None or run.stop_outcome is not None:
+            return  # unknown, or being stopped for another worker's failure
+        if report.reason is None and report.status is None:
+            self.vanished.append(report.worker)
+            return
+        if run.worker.id in self.results:
+            return
         run.failing, run.reason = True, run.reason or report.reason
         run.exit_status = run.exit_status or report.status
-        if report.worker not in self.failure_order:
-            self.failure_order.append(report.worker)
+        self._count_failure(report.worker)
+
+    def _count_failure(self, worker: int) -> None:
+        """``worker`` failed: after any worker that vanished before, and failed or is running."""
+        for gone in self.vanished:
+            result = self.results.get(gone)
+            if gone != worker and gone not in self.failure_order and not (result and result.ok):
+                self.by_id[gone].failing = True
+                self.failure_order.append(gone)
+        if worker not in self.failure_order:
+            self.failure_order.append(worker)
 
     def _record(self, result: WorkerResult) -> None:
         self.results[result.worker.id] = result
         failed = result.worker.id in self.failure_order
         if not result.ok and not failed:
-            self.failure_order.append(result.worker.id)
+            self._count_failure(result.worker.id)
         elif result.ok and failed:  # it vanished without a word, yet exited 0 (os._exit(0))
             self.failure_order.remove(result.worker.id)
 
     def _act_on_failures(self) -> None:
+        """On the first failure, stop the others (after SETTLE_S: workers that fail together
+        are then all counted as failed, and none is told to stop after it has ended)."""
         if self.on_fail is not OnFail.KILL or self.stopping or not self.failure_order:
             return
+        if self.stop_due is None:
+            self.stop_due = time.monotonic() + SETTLE_S
+        if time.monotonic() < self.stop_due:
+            return
+        self.stop_due = None
         first = self.failure_order[0]
         result = self.results.get(first)
         run = self.by_id[first]

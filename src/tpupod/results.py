@@ -70,7 +70,7 @@ class WorkerResult:
     def outcome_text(self) -> str:
         status = self.status.describe() if self.status else ""
         if self.killed_after_term:
-            status = "killed (SIGKILL after TERM)"
+            status = "killed by SIGKILL after TERM"
         match self.outcome:
             case Outcome.OK | Outcome.FAILED:
                 return status or self.outcome.value

@@ -17,9 +17,11 @@ pid, a digest of what the worker will run); then each request gets one reply:
 The service may also send a worker ``{"op": "stop", "reason": R}`` at any
 time (:meth:`RendezvousServer.stop`); the worker leaves when it reads it.
 A worker whose connection closes without an ``exit`` vanished (killed,
-``os._exit``); when another worker then reports a failure, the vanished ones
-are reported first: they died first, and the other most likely failed
-because of them (a collective with a dead peer).
+``os._exit``): ``on_failure(worker, None)`` says so at once. That is not a
+failure by itself (``os._exit(0)`` vanishes too), but it is the earliest sign
+of a death: when another worker then fails, most likely because of it (JAX
+aborts when its coordinator dies; a collective with a dead peer fails), the
+supervisor can blame the one that vanished first.
 
 A worker with another launch id, a bad token or a worker id already taken is
 refused with a reason; the launcher hears of it too (``on_event``). If the
@@ -66,6 +68,7 @@ class _Gathering:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+# on_failure(worker, reason): a failure it reported, or None: it vanished without a word.
 FailureHandler = Callable[[int, "str | None"], None]
 
 
@@ -87,7 +90,6 @@ class RendezvousServer:
         self._gatherings: dict[str, _Gathering] = {}
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
-        self._vanished: list[int] = []  # closed without a word, not yet reported
         self._closing = False
 
     async def start(self, host: str, port: int = 0) -> tuple[str, int]:
@@ -134,7 +136,7 @@ class RendezvousServer:
             if member is not None and self.members.get(member.worker) is member:
                 del self.members[member.worker]
                 if not (member.leaving or member.stopped or self._closing):
-                    self._vanished.append(member.worker)
+                    self.on_failure(member.worker, None)
             writer.close()
             if task is not None:
                 self._handlers.discard(task)
@@ -201,9 +203,6 @@ class RendezvousServer:
     def _exit(self, member: Member, code: Any, reason: Any) -> dict[str, Any]:
         member.leaving = True
         if code and not member.stopped:  # a failure of its own, not the end we asked for
-            vanished, self._vanished = self._vanished, []
-            for worker in vanished:
-                self.on_failure(worker, None)
             self.on_failure(member.worker, str(reason) if reason else f"exit {code}")
         return {"ok": True}
 

@@ -291,6 +291,7 @@ async def _preflight(pod: Pod, connector: Connector, workers: Sequence[Worker], 
         workers=workers,
         connector=connector,
         timeout=PREFLIGHT_TIMEOUT_S,
+        guard=True,
     )
     down = [r for r in probe.workers if not r.ok]
     if down:
@@ -315,6 +316,7 @@ async def _preflight(pod: Pod, connector: Connector, workers: Sequence[Worker], 
         workers=[workers[0]],
         connector=connector,
         timeout=PREFLIGHT_TIMEOUT_S,
+        guard=True,
     )
     if check.workers[0].last_line == "busy":
         raise PreflightError(

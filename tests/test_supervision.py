@@ -1,0 +1,240 @@
+"""Supervision of `tpupod run`: a failing worker ends the run in seconds, a killed launcher
+leaves nothing behind, and the summary says what really ended each process."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult, tpupod_argv
+from tests.test_launch import needs_jax
+from tpupod.pod import Pod
+
+PYTHON = sys.executable
+JAX_ENV = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
+
+# Every worker joins JAX, then one fails while the others compute (or sit in a collective
+# with it); each prints when it fails, so the test can time the end of the run from there.
+FAILING = """
+import os, signal, sys, time
+import tpupod
+me = tpupod.init_jax()
+import jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+jax.devices()
+print("initialized", flush=True)
+if me.id == {worker}:
+    time.sleep(0.5)
+    print(f"failing at {{time.time()}}", flush=True)
+    {failure}
+elif {in_collective}:
+    multihost_utils.sync_global_devices("never")
+time.sleep(120)
+"""
+
+FAILURES = {
+    "exception": ("raise ValueError('bad shard 7')", 1, "ValueError: bad shard 7"),
+    "sys.exit": ("sys.exit(3)", 3, "sys.exit(3)"),
+    "os._exit": ("os._exit(3)", 3, "exit 3"),
+    "SIGKILL": ("os.kill(os.getpid(), signal.SIGKILL)", 137, "killed by SIGKILL"),
+}
+
+
+def run_failing(
+    cli: Callable[..., CliResult], pod: Pod, worker: int, failure: str, in_collective: bool = False
+) -> tuple[CliResult, float]:
+    code = FAILURES[failure][0]
+    program = FAILING.format(worker=worker, failure=code, in_collective=in_collective)
+    result = cli("run", "--pod", pod.name, "--", PYTHON, "-c", program, timeout=120)
+    failed_at = float(re.findall(r"failing at ([0-9.]+)", result.out)[0])
+    return result, time.time() - failed_at  # cli() returns once the launcher has exited
+
+
+def check_summary(result: CliResult, pod: Pod, worker: int, failure: str) -> None:
+    _, code, shown = FAILURES[failure]
+    assert result.code == code, result.err[-3000:]
+    first = re.findall(r"^first failure: (.*)$", result.err, re.MULTILINE)
+    assert len(first) == 1 and first[0].startswith(f"w{worker} "), result.err[-3000:]
+    assert shown in first[0]
+    rows = {line.split()[0]: line for line in result.err.splitlines() if re.match(r"w\d+ ", line)}
+    for other in range(len(pod.workers)):
+        if other != worker:  # stopped by us, or ended by JAX itself after w{worker} died
+            row = rows[f"w{other}"]
+            stopped = f"stopped after w{worker} failed" in row
+            assert stopped or "killed by SIGABRT" in row, result.err[-3000:]
+    assert "Traceback" not in _tpupod_lines(result.err)
+
+
+def _tpupod_lines(err: str) -> str:
+    """What tpupod itself printed: everything but the workers' own [wN] lines."""
+    return "\n".join(line for line in err.splitlines() if not line.startswith("[w"))
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+@pytest.mark.parametrize("worker", [0, 2])
+def test_a_worker_failing_after_init_jax_ends_the_run_in_seconds(
+    failure: str,
+    worker: int,
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    leftovers: Callable[[Pod], list[str]],
+) -> None:
+    needs_jax()
+    pod = make_pod(3, devices=2)
+    result, seconds = run_failing(cli, pod, worker, failure)
+    check_summary(result, pod, worker, failure)
+    assert seconds < 5, f"the run ended {seconds:.1f}s after w{worker} failed"
+    assert leftovers(pod) == []
+
+
+@pytest.mark.parametrize(
+    ("failure", "worker"), [("exception", 0), ("sys.exit", 1), ("os._exit", 0), ("SIGKILL", 1)]
+)
+def test_a_failing_worker_ends_an_ssh_run_in_seconds(
+    failure: str,
+    worker: int,
+    make_ssh_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    leftovers: Callable[[Pod], list[str]],
+) -> None:
+    needs_jax()
+    pod = make_ssh_pod(2, env=JAX_ENV)
+    result, seconds = run_failing(cli, pod, worker, failure)
+    check_summary(result, pod, worker, failure)
+    assert seconds < 5, f"the run ended {seconds:.1f}s after w{worker} failed"
+    assert leftovers(pod) == []
+
+
+def test_a_failure_while_the_others_wait_in_a_collective_blames_the_failing_worker(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    needs_jax()
+    pod = make_pod(3, devices=1)
+    result, seconds = run_failing(cli, pod, 1, "SIGKILL", in_collective=True)
+    check_summary(result, pod, 1, "SIGKILL")
+    assert seconds < 5
+
+
+def test_a_worker_that_finishes_early_is_not_a_failure(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    needs_jax()
+    pod = make_pod(2, devices=1)
+    program = (
+        "import time, tpupod; me = tpupod.init_jax(); import jax; jax.devices(); "
+        "time.sleep(0 if me.id == 1 else 3); print('done', me.id)"
+    )
+    result = cli("run", "--pod", pod.name, "--", PYTHON, "-c", program, timeout=120)
+    assert result.code == 0, result.err[-2000:]
+    assert "2/2 ok" in result.err
+
+
+def test_a_worker_that_ignores_term_is_reported_as_killed_after_term(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(2)
+    program = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    result = cli(
+        "run", "--pod", pod.name, "--timeout", "1", "--grace", "1", "--", PYTHON, "-c", program
+    )
+    assert result.code == 124
+    rows = [line for line in result.err.splitlines() if re.match(r"w\d+ ", line)]
+    assert len(rows) == 2
+    assert all("timed out (killed by SIGKILL after TERM)" in row for row in rows), result.err
+
+
+def test_a_timed_out_jax_run_ends_without_a_traceback(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    needs_jax()
+    pod = make_pod(2, devices=1)
+    program = "import time, tpupod; tpupod.init_jax(); import jax; jax.devices(); time.sleep(60)"
+    result = cli("run", "--pod", pod.name, "--timeout", "4", "--", PYTHON, "-c", program)
+    assert result.code == 124, result.err[-2000:]
+    assert result.seconds < 15
+    assert "Traceback" not in result.err and "CancelledError" not in result.err
+
+
+def test_no_stopping_notice_when_every_worker_already_ended(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(2)
+    # Both exit at once, while a background child keeps their output open (read for 2 s more).
+    result = cli("exec", "--pod", pod.name, "--on-fail", "kill", "--", "sleep 3 & exit 5")
+    assert result.code == 5
+    assert "stopping" not in result.err
+
+
+# -- a killed launcher ----------------------------------------------------------------
+
+LAUNCHER_STAGES = {
+    # killed at once: while preflight probes the workers, or just after
+    "preflight": "echo never",
+    # killed while workers wait at the pre_jax_init barrier for a worker that is late
+    "barrier": (
+        "import os, time, tpupod; me = tpupod.worker(); print('started', flush=True); "
+        "time.sleep(30 if me.id == 1 else 0); tpupod.init_jax(); time.sleep(60)"
+    ),
+    # killed mid-run, JAX initialized everywhere (JAX ignores TERM)
+    "mid-run": (
+        "import time, tpupod; tpupod.init_jax(); import jax; jax.devices(); "
+        "print('started', flush=True); time.sleep(60)"
+    ),
+}
+
+
+@pytest.mark.parametrize("stage", sorted(LAUNCHER_STAGES))
+@pytest.mark.parametrize("kind", ["local", "ssh"])
+def test_nothing_outlives_a_killed_launcher(
+    kind: str,
+    stage: str,
+    request: pytest.FixtureRequest,
+    leftovers: Callable[[Pod], list[str]],
+    cli: Callable[..., CliResult],
+) -> None:
+    needs_jax()
+    make = request.getfixturevalue("make_pod" if kind == "local" else "make_ssh_pod")
+    pod = make(2, env=JAX_ENV) if kind == "ssh" else make(2, devices=2)
+    program = LAUNCHER_STAGES[stage]
+    argv = [
+        "run",
+        "--pod",
+        pod.name,
+        "--",
+        *([PYTHON, "-c", program] if stage != "preflight" else [program]),
+    ]
+    launcher = subprocess.Popen(
+        tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    assert launcher.stdout is not None
+    if stage == "preflight":
+        time.sleep(0.3)
+    else:
+        assert "started" in launcher.stdout.readline()
+        if stage == "mid-run":
+            assert "started" in launcher.stdout.readline()
+    launcher.send_signal(signal.SIGKILL)
+    launcher.communicate()
+    killed_at = time.monotonic()
+    assert leftovers(pod) == []  # waits up to 3 s: the guard's grace is 3 s, JAX ignores TERM
+    assert time.monotonic() - killed_at < 5
+    again = cli("run", "--pod", pod.name, "--", "echo again", timeout=60)
+    assert again.code == 0, again.err[-2000:]
+
+
+def test_the_run_folder_records_the_reported_failure(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    needs_jax()
+    pod = make_pod(2, devices=1)
+    result, _ = run_failing(cli, pod, 1, "exception")
+    assert result.code == 1
+    logs = cli("logs", "--pod", pod.name, "--worker", "1")
+    assert "ValueError: bad shard 7" in logs.out
