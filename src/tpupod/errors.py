@@ -69,15 +69,24 @@ class WorkerError(TpupodError):
     """Something failed on one worker before or around its command.
 
     ``reason`` is the message without the worker's name, for places (a row of
-    the summary table) that already show which worker it is.
+    the summary table) that already show which worker it is. ``unreachable``:
+    the worker could not be reached at all (no connection, no answer), which
+    every command reports with exit code 255, as ``ssh`` does.
     """
 
     def __init__(
-        self, message: str, hint: str | None = None, *, worker: int | None = None, reason: str = ""
+        self,
+        message: str,
+        hint: str | None = None,
+        *,
+        worker: int | None = None,
+        reason: str = "",
+        unreachable: bool = False,
     ) -> None:
         super().__init__(message, hint)
         self.worker = worker
         self.reason = reason or message
+        self.unreachable = unreachable
 
 
 class IdentityError(TpupodError):

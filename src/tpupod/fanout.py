@@ -47,6 +47,9 @@ OUTPUT_LINGER_S = 2.0
 # How long after the first failure the others are stopped: processes that end together (a
 # crash that takes several workers down) reach us a few milliseconds apart.
 SETTLE_S = 0.05
+# After a stop's kill returned, how long a worker may take to report its end before we give
+# up on it (its host went silent): a --timeout is honoured within about this much.
+ANSWER_S = 1.0
 
 INTERRUPT_REASONS: dict[int, tuple[str, str]] = {
     signal.SIGINT: ("interrupted (Ctrl-C)", "press Ctrl-C again to kill at once"),
@@ -144,6 +147,7 @@ class _WorkerRun:
         self.failing = False  # it failed (said so, or exited) and is ending by itself
         self.exit_status: ExitStatus | None = None
         self.reason: str | None = None  # ... and why
+        self.gave_up = asyncio.Event()  # set when the worker stopped answering our stop
         # Told the moment the command exits, before its last output is read (which can
         # take OUTPUT_LINGER_S): failures are ordered by when they happened.
         self.on_exit: Callable[[int, ExitStatus], None] | None = None
@@ -152,15 +156,23 @@ class _WorkerRun:
         self.started = time.monotonic()
 
     async def run(self) -> WorkerResult:
+        starting = asyncio.create_task(
+            self.transport.start(self.command, self.env, guard=self.guard)
+        )
+        if not await self._unless_silent(starting):
+            return self._given_up()
         try:
-            self.proc = await self.transport.start(self.command, self.env, guard=self.guard)
+            self.proc = starting.result()
         except WorkerError as exc:
             return self._result(Outcome.UNREACHABLE, None, error=exc.reason)
         if self.stop_outcome is not None:  # stopped while it was starting
             await self.proc.kill(self.grace)
         pump = asyncio.create_task(self._pump(self.proc))
+        waiting = asyncio.create_task(self.proc.wait())
         try:
-            status = await self.proc.wait()
+            if not await self._unless_silent(waiting):
+                return self._given_up()
+            status = waiting.result()
             self.exited = True
             if self.on_exit is not None:
                 self.on_exit(self.worker.id, status)
@@ -176,6 +188,25 @@ class _WorkerRun:
             return self._result(self.stop_outcome, status)
         return self._result(Outcome.OK if status.ok else Outcome.FAILED, status)
 
+    async def _unless_silent(self, step: asyncio.Task[Any]) -> bool:
+        """Wait for ``step``; False (and ``step`` cancelled) if we gave up on the worker first."""
+        gave_up = asyncio.create_task(self.gave_up.wait())
+        try:
+            await asyncio.wait({step, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gave_up.cancel()
+        if step.done():
+            return True
+        step.cancel()
+        return False
+
+    def _given_up(self) -> WorkerResult:
+        """A worker that answered neither the command's end nor our stop: its host went silent.
+        (A guarded command still dies there: closing its channel ends the guard's input.)"""
+        if self.proc is not None:
+            self.proc.close()
+        return self._result(Outcome.UNREACHABLE, None, error="no answer from the host after stop")
+
     @property
     def running(self) -> bool:
         """Still to be stopped: not ended, and not already exiting after reporting a failure."""
@@ -188,9 +219,13 @@ class _WorkerRun:
         self.grace = min(self.grace, grace)
 
     async def stop(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
+        """Kill the command (TERM, then KILL after ``grace``); a worker that has not ended
+        ANSWER_S after that (or that is still starting ANSWER_S after the stop) is given up."""
         self.mark_stopping(outcome, grace, by)
         if self.proc is not None:
             await self.proc.kill(grace)
+        if not self.exited:
+            asyncio.get_running_loop().call_later(ANSWER_S, self.gave_up.set)
 
     async def _pump(self, proc: RemoteProcess) -> None:
         async for line in proc.lines():
@@ -471,7 +506,8 @@ async def for_each(
         try:
             summary = await action(worker, pod_connector.transport(worker))
         except WorkerError as exc:
-            return WorkerResult(worker, Outcome.FAILED, time.monotonic() - began, error=exc.reason)
+            outcome = Outcome.UNREACHABLE if exc.unreachable else Outcome.FAILED
+            return WorkerResult(worker, outcome, time.monotonic() - began, error=exc.reason)
         tail = (summary,) if summary else ()
         return WorkerResult(worker, Outcome.OK, time.monotonic() - began, tail=tail)
 

@@ -123,8 +123,12 @@ class _SshOptions(BaseModel):
     host_keys: HostKeyPolicy = HostKeyPolicy.TOFU
     connect_concurrency: Int = Field(default=64, ge=1, le=1024)
     connect_stagger_ms: Float = Field(default=2.0, ge=0, le=10_000)
-    connect_timeout: Float = Field(default=10.0, gt=0, le=600)
+    # seconds to connect, and for a host to start a command
+    connect_timeout: Float = Field(default=5.0, gt=0, le=600)
     connect_retries: Int = Field(default=3, ge=0, le=100)
+    # a connection that answers no keepalive for interval * count seconds is dropped (0: none)
+    keepalive_interval: Float = Field(default=5.0, ge=0, le=3600)
+    keepalive_count: Int = Field(default=3, ge=1, le=100)
 
 
 class SshPodSpec(_SpecBase, _SshOptions):

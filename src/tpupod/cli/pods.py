@@ -405,7 +405,7 @@ def status(
     else:
         _print_status(found)
     if not found.healthy:
-        raise typer.Exit(1)
+        raise typer.Exit(found.exit_code or 1)
 
 
 def _print_status(found: PodStatus) -> None:

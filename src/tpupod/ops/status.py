@@ -35,6 +35,7 @@ class PodStatus:
     pod: Pod
     cloud_state: str | None
     workers: tuple[WorkerStatus, ...]
+    exit_code: int = 0  # as every fan-out's: 255 when a worker could not be reached
 
     @property
     def healthy(self) -> bool:
@@ -61,7 +62,7 @@ async def pod_status_async(pod: Pod, *, timeout: float = PROBE_TIMEOUT_S) -> Pod
         raise live
     if isinstance(probe, BaseException):
         raise probe
-    return PodStatus(pod, live, _answers(probe))
+    return PodStatus(pod, live, _answers(probe), probe.exit_code())
 
 
 def pod_status(pod: Pod, *, timeout: float = PROBE_TIMEOUT_S) -> PodStatus:

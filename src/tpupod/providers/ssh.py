@@ -130,6 +130,8 @@ def connect_options(spec: SshPodSpec | GcpPodSpec, state: StateDir) -> ConnectOp
         stagger_s=spec.connect_stagger_ms / 1000,
         timeout_s=spec.connect_timeout,
         retries=spec.connect_retries,
+        keepalive_s=spec.keepalive_interval,
+        keepalive_count=spec.keepalive_count,
     )
 
 

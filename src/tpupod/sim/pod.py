@@ -201,6 +201,15 @@ class SimPod:
         )
         log.close()
 
+    def unplug(self, index: int) -> None:
+        """Make host ``index`` silent: its link goes down, so packets vanish (no reset, no error),
+        as when a host's network fails. Its processes keep running."""
+        _run(["ip", "-n", self.hosts[index].netns, "link", "set", "eth0", "down"])
+
+    def plug(self, index: int) -> None:
+        """Bring host ``index``'s link back after :meth:`unplug`."""
+        _run(["ip", "-n", self.hosts[index].netns, "link", "set", "eth0", "up"])
+
     def stop_host(self, index: int) -> None:
         """Take host ``index`` down: killing its PID 1 ends every process on it."""
         host = self.hosts[index]
@@ -385,6 +394,11 @@ def _teardown(index: int) -> None:
                     os.kill(number, signal.SIGKILL)
         except OSError:
             continue
+    # A namespace's end frees its veth pair only once the kernel gets to it: remove our ends.
+    links = _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines()
+    for name in (line.split(":")[1].strip().split("@")[0] for line in links if ":" in line):
+        if name.startswith(tag):
+            _run(["ip", "link", "del", name], check=False)
     _run(["ip", "link", "del", f"{PREFIX}{index}br"], check=False)
     shutil.rmtree(STATE_ROOT / str(index), ignore_errors=True)
 

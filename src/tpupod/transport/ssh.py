@@ -44,6 +44,7 @@ PGID_MARKER = b"\x1etpupod-pgid "
 PGID_TEXT = PGID_MARKER.decode()
 QUEUE_HIGH = 1024
 KILL_POLL_S = 0.05
+KILL_ANSWER_S = 1.0  # a kill that gets no answer within this (and its grace) is given up
 # curve25519 first: OpenSSH 9.2's default post-quantum exchange costs ~60 ms of CPU per
 # connection on a small host, curve25519 ~9 ms. The rest of asyncssh's defaults follow.
 PREFERRED_KEX = ("curve25519-sha256", "curve25519-sha256@libssh.org")
@@ -64,7 +65,9 @@ class ConnectOptions:
     known_hosts: Path | None = None
     concurrency: int = 64
     stagger_s: float = 0.002
-    timeout_s: float = 10.0
+    timeout_s: float = 5.0  # to connect, and for a host to answer a new command
+    keepalive_s: float = 5.0  # a silent connection is dropped after keepalive_s * keepalive_count
+    keepalive_count: int = 3
     retries: int = 3
 
 
@@ -141,7 +144,10 @@ class SshPool:
             try:
                 return await self._connect_once(target)
             except (OSError, TimeoutError, asyncssh.ConnectionLost, asyncssh.ProtocolError) as exc:
-                if attempt + 1 == attempts:
+                # A refusal or reset is often a host still booting: worth another try. Silence
+                # for timeout_s is not: a host whose network is gone stays silent.
+                if attempt + 1 == attempts or isinstance(exc, TimeoutError):
+                    attempts = attempt + 1
                     raise _unreachable(target, worker, exc, attempts) from exc
                 delay = min(RETRY_CAP_S, RETRY_BASE_S * 2**attempt)
                 await asyncio.sleep(delay * (0.5 + random.random()))
@@ -182,7 +188,8 @@ class SshPool:
                     kbdint_auth=False,
                     kex_algs=_preferring(PREFERRED_KEX, "kex"),
                     encryption_algs=_preferring(PREFERRED_CIPHERS, "encryption"),
-                    keepalive_interval=30,
+                    keepalive_interval=self.options.keepalive_s or None,
+                    keepalive_count_max=self.options.keepalive_count,
                 ),
                 self.options.timeout_s,
             )
@@ -233,22 +240,28 @@ class SshTransport:
         self, command: str, env: Mapping[str, str], *, guard: bool = False
     ) -> SshProcess:
         conn = await self.pool.connection(self.target, self.worker.id)
+        answer_s = self.pool.options.timeout_s
         try:
-            chan, session = await conn.create_session(
-                _CommandSession,
-                wrap_command(command_script(command, guard=guard), env, self.worker.workdir),
-                encoding=None,
-            )
-            if not guard:
-                chan.write_eof()  # no input: a command that reads stdin sees its end
-            pgid = await cast(_CommandSession, session).group
-        except (asyncssh.Error, OSError) as exc:
+            # A connection kept open may lead to a host that has since gone silent: a command
+            # that is not running within the connect timeout counts as unreachable.
+            async with asyncio.timeout(answer_s):
+                chan, session = await conn.create_session(
+                    _CommandSession,
+                    wrap_command(command_script(command, guard=guard), env, self.worker.workdir),
+                    encoding=None,
+                )
+                if not guard:
+                    chan.write_eof()  # no input: a command that reads stdin sees its end
+                pgid = await cast(_CommandSession, session).group
+        except (asyncssh.Error, OSError, TimeoutError) as exc:
             self.pool.drop(self.target)
+            why = f"no answer in {answer_s:g}s" if isinstance(exc, TimeoutError) else _reason(exc)
             raise _failure(
                 self.target,
                 self.worker.id,
-                f"cannot start the command: {_reason(exc)}",
+                f"cannot start the command: {why}",
                 hint="check that the host is up ('tpupod status')",
+                unreachable=True,
             ) from exc
         return SshProcess(self, cast(_CommandSession, session), conn, pgid)
 
@@ -449,16 +462,25 @@ class SshProcess:
                 self._transport.worker.id,
                 "connection lost while the command ran",
                 hint="the host may have gone down; 'tpupod status' checks every worker",
+                unreachable=True,
             )
         return status
 
     async def kill(self, grace: float) -> None:
-        """TERM the remote process group, poll until it is empty, then KILL: one extra channel."""
+        """TERM the remote process group, poll until it is empty, then KILL: one extra channel.
+
+        Bounded: a host that does not confirm the TERM within KILL_ANSWER_S, or the
+        end within ``grace`` more, is left to the caller (it went silent).
+        """
         if self.pgid is None:
             self._session.close()  # no group id: closing the channel is all we can do
             return
-        with contextlib.suppress(asyncssh.Error, OSError):
-            await self._conn.run(kill_script(self.pgid, grace), check=False, timeout=grace + 30)
+        with contextlib.suppress(asyncssh.Error, OSError, TimeoutError):
+            async with asyncio.timeout(KILL_ANSWER_S):
+                killer = await self._conn.create_process(kill_script(self.pgid, grace))
+                await killer.stdout.readline()  # TERM was sent (or the group was gone)
+            async with asyncio.timeout(grace + KILL_ANSWER_S):
+                await killer.wait()
 
     def close(self) -> None:
         self._session.close()
@@ -557,9 +579,11 @@ def wrap_command(script: str, env: Mapping[str, str], workdir: str | None) -> st
 
 
 def kill_script(pgid: int, grace: float) -> str:
+    """TERM the group and say so at once, poll until it is empty for ``grace`` s, then KILL."""
     polls = math.ceil(grace / KILL_POLL_S) if grace > 0 else 0
     return (
         f"kill -TERM -- -{pgid} 2>/dev/null || exit 0\n"
+        "echo sent\n"
         f"i=0; while [ $i -lt {polls} ] && kill -0 -- -{pgid} 2>/dev/null; "
         f"do sleep {KILL_POLL_S}; i=$((i + 1)); done\n"
         f"kill -KILL -- -{pgid} 2>/dev/null; exit 0"
@@ -599,9 +623,20 @@ def _reason(exc: BaseException) -> str:
 
 
 def _failure(
-    target: SshHost, worker: int | None, reason: str, hint: str | None = None
+    target: SshHost,
+    worker: int | None,
+    reason: str,
+    hint: str | None = None,
+    *,
+    unreachable: bool = False,
 ) -> WorkerError:
-    return WorkerError(f"{_who(target, worker)}: {reason}", hint, worker=worker, reason=reason)
+    return WorkerError(
+        f"{_who(target, worker)}: {reason}",
+        hint,
+        worker=worker,
+        reason=reason,
+        unreachable=unreachable,
+    )
 
 
 def _unreachable(
@@ -613,4 +648,5 @@ def _unreachable(
         worker,
         f"cannot connect{tries}: {_reason(exc)}",
         hint="check that the host is up and sshd listens on that port",
+        unreachable=True,
     )

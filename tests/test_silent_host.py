@@ -1,0 +1,148 @@
+"""A host whose network goes silent (link down: no reset, no error) cannot hang a command:
+connecting, starting, keepalives and stops are all bounded, and the host is named unreachable
+while the others' results print."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult, tpupod_argv
+from tpupod.pod import Pod
+from tpupod.sim import SimPod
+
+SILENT = 1  # the worker whose host goes silent
+
+
+@pytest.fixture
+def unplug(sim_hosts_up: SimPod) -> Iterator[Callable[[int], None]]:
+    """``unplug(i)`` takes host i's link down; every host is plugged back in afterwards."""
+    unplugged: list[int] = []
+
+    def take_down(index: int) -> None:
+        sim_hosts_up.unplug(index)
+        unplugged.append(index)
+
+    yield take_down
+    for index in unplugged:
+        sim_hosts_up.plug(index)
+
+
+def rows(result: CliResult) -> dict[str, str]:
+    return {line.split()[0]: line for line in result.err.splitlines() if line[:1] == "w"}
+
+
+def assert_silent_named(result: CliResult) -> None:
+    assert result.code == 255, result.err
+    assert "unreachable" in rows(result)[f"w{SILENT}"], result.err
+
+
+@pytest.mark.parametrize("holder", ["1", "0"])
+def test_exec_names_a_silent_host_within_the_connect_timeout(
+    holder: str,
+    make_ssh_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    unplug: Callable[[int], None],
+) -> None:
+    pod = make_ssh_pod(2)
+    env = {"TPUPOD_HOLDER": holder}
+    assert cli("exec", "--pod", pod.name, "--", "hostname", env=env).code == 0  # connections up
+    unplug(SILENT)
+    result = cli("exec", "--pod", pod.name, "--", "hostname", env=env, timeout=60)
+    assert_silent_named(result)
+    assert "[w0] host-0" in result.out  # the others' results print
+    assert result.seconds < 9  # connect timeout 5 s
+
+
+def test_a_timeout_is_honoured_when_a_host_goes_silent_mid_command(
+    make_ssh_pod: Callable[..., Pod], unplug: Callable[[int], None], state_home: Path
+) -> None:
+    pod = make_ssh_pod(2)
+    argv = ["exec", "--pod", pod.name, "--timeout", "4", "--grace", "1", "--", "echo up; sleep 60"]
+    proc = subprocess.Popen(
+        tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    started = time.monotonic()
+    assert all("up" in proc.stdout.readline() for _ in range(2))
+    unplug(SILENT)
+    _, err = proc.communicate(timeout=60)
+    seconds = time.monotonic() - started
+    assert seconds < 4 + 3, err  # the kill gets no answer: given up about a second later
+    assert proc.returncode in (124, 255)
+    assert "unreachable" in [line for line in err.splitlines() if line.startswith("w1")][0]
+
+
+def test_keepalives_notice_a_silent_host_while_a_command_runs(
+    make_ssh_pod: Callable[..., Pod], unplug: Callable[[int], None], state_home: Path
+) -> None:
+    pod = make_ssh_pod(2, keepalive_interval=1, keepalive_count=2)
+    argv = ["exec", "--pod", pod.name, "--", "echo up; sleep 60"]
+    proc = subprocess.Popen(
+        tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert all("up" in proc.stdout.readline() for _ in range(2))
+    unplug(SILENT)
+    started = time.monotonic()
+    # w0 goes on sleeping; w1 is given up by the keepalives: stop the rest with Ctrl-C later
+    deadline = started + 20
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        if time.monotonic() - started > 6:
+            proc.send_signal(2)
+    _, err = proc.communicate(timeout=30)
+    w1 = [line for line in err.splitlines() if line.startswith("w1")][0]
+    assert "unreachable" in w1 and "connection lost" in w1, err
+
+
+def test_status_names_a_silent_host(
+    make_ssh_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    unplug: Callable[[int], None],
+) -> None:
+    pod = make_ssh_pod(2)
+    unplug(SILENT)
+    result = cli("status", "--pod", pod.name, timeout=60)
+    assert result.code == 255
+    assert "1       host-1    NO         unreachable" in result.out
+    assert result.seconds < 9
+
+
+@pytest.mark.parametrize("operation", ["put", "get"])
+def test_put_and_get_name_a_silent_host(
+    operation: str,
+    make_ssh_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    unplug: Callable[[int], None],
+    tmp_path: Path,
+) -> None:
+    pod = make_ssh_pod(2)
+    source = tmp_path / "file.txt"
+    source.write_text("x\n")
+    assert cli("put", "--pod", pod.name, str(source), "file.txt").code == 0
+    unplug(SILENT)
+    if operation == "put":
+        result = cli("put", "--pod", pod.name, str(source), "file.txt", timeout=60)
+    else:
+        result = cli("get", "--pod", pod.name, "file.txt", str(tmp_path / "got"), timeout=60)
+    assert result.code == 255, result.err
+    assert result.seconds < 25  # keepalives (5 s x 3) at worst
+    assert (tmp_path / "got" / "worker-0").exists() or operation == "put"
+
+
+def test_run_preflight_names_a_silent_host(
+    make_ssh_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    unplug: Callable[[int], None],
+) -> None:
+    pod = make_ssh_pod(2)
+    unplug(SILENT)
+    result = cli("run", "--pod", pod.name, "--", "echo started", timeout=60)
+    assert result.code != 0
+    assert "w1" in result.err and "started" not in result.out
+    assert result.seconds < 9
