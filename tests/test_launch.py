@@ -458,3 +458,38 @@ def test_a_rendezvous_that_cannot_start_on_worker_0_says_why(
         "the rendezvous service did not start on w0" in result.err
         and "--worker-python" in result.err
     )
+
+
+def test_run_starts_local_workers_where_the_launcher_stands(
+    make_pod: Callable[..., Pod], state_home: Path, tmp_path: Path
+) -> None:
+    pod = make_pod(2)
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "prog.py").write_text(
+        "import os, tpupod\nme = tpupod.rendezvous('start')\nprint(me.id, os.getcwd())\n"
+    )
+    proc = subprocess.run(
+        tpupod_argv("run", "--pod", pod.name, "--", PYTHON, "examples/prog.py"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [f"[w0] 0 {tmp_path}", f"[w1] 1 {tmp_path}"]
+
+
+def test_gloo_chatter_stays_in_the_logs(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    needs_jax()
+    pod = make_pod(2, devices=2)
+    result = cli("run", "--pod", pod.name, "--", PYTHON, str(PROGRAM), timeout=120)
+    assert result.code == 0, result.err[-2000:]
+    assert "[Gloo]" not in result.out + result.err
+    rows = [line for line in result.err.splitlines() if line.startswith(("w0 ", "w1 "))]
+    assert len(rows) == 2 and all("cross-host sum 10" in row for row in rows)
+    logs = cli("logs", "--pod", pod.name)
+    assert "[Gloo] Rank" in logs.out
+    verbose = cli("run", "--pod", pod.name, "--verbose", "--", PYTHON, str(PROGRAM), timeout=120)
+    assert "[Gloo] Rank" in verbose.out + verbose.err

@@ -148,6 +148,7 @@ class _WorkerRun:
         self.exit_status: ExitStatus | None = None
         self.reason: str | None = None  # ... and why
         self.gave_up = asyncio.Event()  # set when the worker stopped answering our stop
+        self.chatter: Callable[[str], bool] | None = None  # lines kept out of the tail
         # Told the moment the command exits, before its last output is read (which can
         # take OUTPUT_LINGER_S): failures are ordered by when they happened.
         self.on_exit: Callable[[int, ExitStatus], None] | None = None
@@ -230,7 +231,8 @@ class _WorkerRun:
     async def _pump(self, proc: RemoteProcess) -> None:
         async for line in proc.lines():
             self.lines += 1
-            self.tail.append(line.text)
+            if self.chatter is None or not self.chatter(line.text):
+                self.tail.append(line.text)
             if self.on_line is not None:
                 self.on_line(self.worker, line)
 
@@ -455,6 +457,7 @@ async def execute_async(
     connector: Connector | None = None,
     guard: bool = False,
     supervision: Supervision | None = None,
+    chatter: Callable[[], Callable[[str], bool]] | None = None,
 ) -> FanoutResult:
     """Run ``command`` (a bash command line) on the selected workers of ``pod`` at once.
 
@@ -464,6 +467,9 @@ async def execute_async(
     Pass a ``connector`` (``tpupod.providers.connect(pod)``) to reuse
     connections across calls; it is then yours to close. ``guard`` kills the
     commands if this process dies while they run (see ``transport.base.command_script``).
+    ``chatter`` makes, for each worker, a test of its lines (it may keep state from one
+    line to the next): lines it calls chatter (a runtime's own noise) still reach
+    ``on_line`` but never the summary's last lines.
     """
     provider = provider_for(pod.provider)
     selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
@@ -473,7 +479,9 @@ async def execute_async(
     for worker in selected:
         worker_env = {**pod.identity_env(worker), **provider.worker_env(pod, worker), **(env or {})}
         transport = pod_connector.transport(worker)
-        runs.append(_WorkerRun(worker, transport, command, worker_env, on_line, guard=guard))
+        run = _WorkerRun(worker, transport, command, worker_env, on_line, guard=guard)
+        run.chatter = chatter() if chatter is not None else None
+        runs.append(run)
     try:
         policy = Policy(OnFail(on_fail), timeout, grace)
         return await _Fanout(

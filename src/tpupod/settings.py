@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -89,3 +90,28 @@ def model_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "tpupod" / "models"
+
+
+def environment() -> Mapping[str, str]:
+    """The whole environment, for what reads many variables by rule (a worker's identity:
+    ``TPUPOD_*``, GKE's ``TPU_WORKER_*``, ``CLOUD_TPU_TASK_ID``; see launch/identity.py)."""
+    return os.environ
+
+
+def rendezvous() -> tuple[str | None, str]:
+    """Where this worker's launch meets (``TPUPOD_RENDEZVOUS``, host:port) and its token
+    (``TPUPOD_RENDEZVOUS_TOKEN``); ``tpupod run`` sets both."""
+    return os.environ.get("TPUPOD_RENDEZVOUS") or None, os.environ.get(
+        "TPUPOD_RENDEZVOUS_TOKEN", ""
+    )
+
+
+def program_identity() -> tuple[str, str]:
+    """What besides the command line makes two workers' programs the same: the synced commit
+    (``TPUPOD_CODE_COMMIT``) and the user's ``TPUPOD_CONFIG_DIGEST``."""
+    return os.environ.get("TPUPOD_CODE_COMMIT", ""), os.environ.get("TPUPOD_CONFIG_DIGEST", "")
+
+
+def jax_on_cpu() -> bool:
+    """``JAX_PLATFORMS=cpu``: JAX runs on the CPU (cross-process collectives then need gloo)."""
+    return os.environ.get("JAX_PLATFORMS", "") == "cpu"

@@ -35,6 +35,15 @@ def run(
     timeout: TimeoutOption = None,
     grace: GraceOption = DEFAULT_GRACE_S,
     quiet: QuietOption = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Also print the runtime's own chatter (gloo's connection lines); "
+            "it is always kept in 'tpupod logs'.",
+        ),
+    ] = False,
     env: EnvOption = None,
     sync: Annotated[
         str | None,
@@ -107,6 +116,7 @@ def run(
             sync_dir=sync,
             rendezvous_on=rendezvous_on.value,
             worker_python=worker_python,
+            show_chatter=verbose,
             on_line=live.on_line,
             on_notice=live.on_notice,
             interrupt=live.interrupt,

@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn
 
+from tpupod import settings
 from tpupod.errors import RendezvousError
 from tpupod.launch.exits import watch_exit
 from tpupod.launch.identity import WorkerIdentity, worker
@@ -156,8 +157,7 @@ def _leave(why: str) -> NoReturn:
 @functools.cache
 def client() -> RendezvousClient:
     """This process's connection to its launch's rendezvous (opened once)."""
-    address = os.environ.get("TPUPOD_RENDEZVOUS")
-    token = os.environ.get("TPUPOD_RENDEZVOUS_TOKEN", "")
+    address, token = settings.rendezvous()
     if not address:
         raise RendezvousError(
             "no rendezvous service: TPUPOD_RENDEZVOUS is not set",
@@ -196,8 +196,8 @@ def program_digest() -> str:
     main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     if main is not None and main.is_file():
         digest.update(main.read_bytes())
-    digest.update(os.environ.get("TPUPOD_CODE_COMMIT", "").encode())
-    digest.update(os.environ.get("TPUPOD_CONFIG_DIGEST", "").encode())
+    for part in settings.program_identity():
+        digest.update(part.encode())
     return digest.hexdigest()
 
 

@@ -10,13 +10,13 @@ sources raise an error that lists what was tried.
 
 from __future__ import annotations
 
-import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpupod import settings
 from tpupod.errors import IdentityError
 
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
@@ -46,7 +46,7 @@ def worker(
     environ: Mapping[str, str] | None = None, metadata: Metadata | None = None
 ) -> WorkerIdentity:
     """This process's worker identity (see the module docstring for the order of sources)."""
-    env = os.environ if environ is None else environ
+    env = settings.environment() if environ is None else environ
     tried: list[str] = []
     for source in (_from_tpupod, _from_gke):
         found = source(env, tried)

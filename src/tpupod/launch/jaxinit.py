@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
+from tpupod import settings
 from tpupod.launch.client import rendezvous
 from tpupod.launch.identity import WorkerIdentity, worker
 
@@ -28,7 +28,7 @@ def init_jax(timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:
     import jax  # importing starts no backend; every worker does it at once, before the barrier
 
     rendezvous("pre_jax_init", timeout)
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    if settings.jax_on_cpu():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
     coordinator = identity.coordinator or f"{identity.hostnames[0]}:{DEFAULT_COORDINATOR_PORT}"
     if not identity.is_coordinator:

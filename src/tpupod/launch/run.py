@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import shlex
 import socket
@@ -39,6 +40,10 @@ from tpupod.spec import GcpPodSpec
 from tpupod.state import StateDir, write_atomic
 from tpupod.transport import Connector, OutputLine, RemoteProcess
 
+# What runtimes print for themselves at every start: kept in the per-worker logs, but off the
+# terminal (unless asked for) and out of the summary's last lines.
+GLOO = "[Gloo] Rank "
+
 RUNS_DIR = "runs"
 RUN_FILE = "run.json"
 PREFLIGHT_TIMEOUT_S = 30.0
@@ -64,6 +69,25 @@ class RunResult:
     fanout: FanoutResult
 
 
+class Chatter:
+    """Tells one worker's chatter lines: gloo's "[Gloo] Rank N is connected to M peer ranks".
+
+    gloo prints them from several threads at once, so two can interleave into one line
+    and leave the end of one ("3") alone on the next: that line is chatter too.
+    """
+
+    def __init__(self) -> None:
+        self.interleaved = False
+
+    def __call__(self, text: str) -> bool:
+        if text.startswith(GLOO):
+            self.interleaved = text.count(GLOO) > 1
+            return True
+        leftover = self.interleaved and text.strip().isdigit()
+        self.interleaved = False
+        return leftover
+
+
 def new_launch_id() -> str:
     return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
@@ -82,6 +106,7 @@ async def run(
     repo: Path | None = None,
     rendezvous_on: str = "auto",
     worker_python: str = "python3",
+    show_chatter: bool = False,
     on_line: LineHandler | None = None,
     on_notice: NoticeHandler | None = None,
     interrupt: Interrupt | None = None,
@@ -106,6 +131,10 @@ async def run(
             )
             env = {**(env or {}), "TPUPOD_CODE_COMMIT": commit}
             command = f"cd {shell_path(sync_dir)} && {command}"
+        elif pod.provider == "local":
+            # Local workers share this machine's files: start where the launcher stands, so
+            # `tpupod run -- python examples/x.py` means what it says.
+            command = f"cd {shlex.quote(os.getcwd())} && {command}"
         launch_id = new_launch_id()
         token = secrets.token_hex(16)
         # Workers report their own failures to the rendezvous before JAX's shutdown can hold
@@ -143,12 +172,13 @@ async def run(
                     timeout=timeout,
                     on_fail=on_fail,
                     grace=grace,
-                    on_line=log.tee(on_line),
+                    on_line=log.tee(on_line, show_chatter=show_chatter),
                     on_notice=on_notice,
                     interrupt=interrupt,
                     connector=_Renumbered(connector, selected) if sub_pod is not pod else connector,
                     guard=True,  # a supervised program never outlives its launcher
                     supervision=supervision,
+                    chatter=Chatter,
                 )
             finally:
                 await server.close()
@@ -400,12 +430,15 @@ class _RunLog:
         for file in self.files.values():
             file.close()
 
-    def tee(self, on_line: LineHandler | None) -> LineHandler:
+    def tee(self, on_line: LineHandler | None, *, show_chatter: bool) -> LineHandler:
+        """Every line to the worker's log; to ``on_line`` too, but chatter only if asked."""
+        hide = {worker: Chatter() for worker in self.files}
+
         def handle(worker: Worker, line: OutputLine) -> None:
             file = self.files[worker.id]
             file.write(line.text + "\n")
             file.flush()
-            if on_line is not None:
+            if on_line is not None and (show_chatter or not hide[worker.id](line.text)):
                 on_line(worker, line)
 
         return handle

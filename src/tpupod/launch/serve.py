@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 
+from tpupod import settings
 from tpupod.launch.rendezvous import RendezvousServer
 
 READY = "tpupod-rendezvous-ready"
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
-    token = os.environ["TPUPOD_RENDEZVOUS_TOKEN"]
+    _, token = settings.rendezvous()
 
     async def serve() -> None:
         server = RendezvousServer(
