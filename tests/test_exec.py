@@ -229,3 +229,16 @@ def test_elapsed_is_concurrent_not_serial(
     result = cli("exec", "--pod", pod.name, "--", "sleep 1")
     assert result.code == 0
     assert time.monotonic() - started < 4  # serial would be 8 s
+
+
+def test_a_missing_program_reads_plainly(
+    any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = any_pod(2)
+    result = cli("exec", "--pod", pod.name, "--", "no-such-program --flag")
+    assert result.code == 127
+    lines = [line for line in result.err.splitlines() if line.startswith("[w")]
+    assert sorted(lines) == [
+        "[w0] no-such-program: command not found",
+        "[w1] no-such-program: command not found",
+    ]
