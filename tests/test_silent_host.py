@@ -74,7 +74,7 @@ def test_a_timeout_is_honoured_when_a_host_goes_silent_mid_command(
     seconds = time.monotonic() - started
     assert seconds < 4 + 3, err  # the kill gets no answer: given up about a second later
     assert proc.returncode in (124, 255)
-    assert "unreachable" in [line for line in err.splitlines() if line.startswith("w1")][0]
+    assert "unreachable" in next(line for line in err.splitlines() if line.startswith("w1"))
 
 
 def test_keepalives_notice_a_silent_host_while_a_command_runs(
@@ -96,7 +96,7 @@ def test_keepalives_notice_a_silent_host_while_a_command_runs(
         if time.monotonic() - started > 6:
             proc.send_signal(2)
     _, err = proc.communicate(timeout=30)
-    w1 = [line for line in err.splitlines() if line.startswith("w1")][0]
+    w1 = next(line for line in err.splitlines() if line.startswith("w1"))
     assert "unreachable" in w1 and "connection lost" in w1, err
 
 

@@ -77,38 +77,32 @@ def _tpupod_lines(err: str) -> str:
     return "\n".join(line for line in err.splitlines() if not line.startswith("[w"))
 
 
+def make_jax_pod(kind: str, request: pytest.FixtureRequest) -> Pod:
+    """3 local workers x 2 devices, or 2 simulated SSH hosts x 2 CPU devices."""
+    if kind == "local":
+        pod: Pod = request.getfixturevalue("make_pod")(3, devices=2)
+    else:
+        pod = request.getfixturevalue("make_ssh_pod")(2, env=JAX_ENV)
+    return pod
+
+
 @pytest.mark.parametrize("failure", sorted(FAILURES))
-@pytest.mark.parametrize("worker", [0, 2])
+@pytest.mark.parametrize("worker", ["first", "other"])
+@pytest.mark.parametrize("kind", ["local", "ssh"])
 def test_a_worker_failing_after_init_jax_ends_the_run_in_seconds(
+    kind: str,
+    worker: str,
     failure: str,
-    worker: int,
-    make_pod: Callable[..., Pod],
+    request: pytest.FixtureRequest,
     cli: Callable[..., CliResult],
     leftovers: Callable[[Pod], list[str]],
 ) -> None:
     needs_jax()
-    pod = make_pod(3, devices=2)
-    result, seconds = run_failing(cli, pod, worker, failure)
-    check_summary(result, pod, worker, failure)
-    assert seconds < 5, f"the run ended {seconds:.1f}s after w{worker} failed"
-    assert leftovers(pod) == []
-
-
-@pytest.mark.parametrize(
-    ("failure", "worker"), [("exception", 0), ("sys.exit", 1), ("os._exit", 0), ("SIGKILL", 1)]
-)
-def test_a_failing_worker_ends_an_ssh_run_in_seconds(
-    failure: str,
-    worker: int,
-    make_ssh_pod: Callable[..., Pod],
-    cli: Callable[..., CliResult],
-    leftovers: Callable[[Pod], list[str]],
-) -> None:
-    needs_jax()
-    pod = make_ssh_pod(2, env=JAX_ENV)
-    result, seconds = run_failing(cli, pod, worker, failure)
-    check_summary(result, pod, worker, failure)
-    assert seconds < 5, f"the run ended {seconds:.1f}s after w{worker} failed"
+    pod = make_jax_pod(kind, request)
+    failing = 0 if worker == "first" else len(pod.workers) - 1
+    result, seconds = run_failing(cli, pod, failing, failure)
+    check_summary(result, pod, failing, failure)
+    assert seconds < 5, f"the run ended {seconds:.1f}s after w{failing} failed"
     assert leftovers(pod) == []
 
 
@@ -200,8 +194,7 @@ def test_nothing_outlives_a_killed_launcher(
     cli: Callable[..., CliResult],
 ) -> None:
     needs_jax()
-    make = request.getfixturevalue("make_pod" if kind == "local" else "make_ssh_pod")
-    pod = make(2, env=JAX_ENV) if kind == "ssh" else make(2, devices=2)
+    pod = make_jax_pod(kind, request)
     program = LAUNCHER_STAGES[stage]
     argv = [
         "run",
@@ -219,7 +212,7 @@ def test_nothing_outlives_a_killed_launcher(
     else:
         assert "started" in launcher.stdout.readline()
         if stage == "mid-run":
-            assert "started" in launcher.stdout.readline()
+            assert all("started" in launcher.stdout.readline() for _ in pod.workers[1:])
     launcher.send_signal(signal.SIGKILL)
     launcher.communicate()
     killed_at = time.monotonic()
