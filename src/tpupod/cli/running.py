@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, TypeVar
 from tpupod.report import LinePrinter, notice
 
 if TYPE_CHECKING:
-    from tpupod.fanout import Interrupt, LineHandler, NoticeHandler
+    from tpupod.fanout import Interrupt, NoticeHandler
     from tpupod.results import WorkerLike
+    from tpupod.workerrun import LineHandler
 
 T = TypeVar("T")
 

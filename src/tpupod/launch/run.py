@@ -26,7 +26,7 @@ from typing import IO, Any, Protocol
 
 from tpupod import settings
 from tpupod.errors import PreflightError, TpupodError
-from tpupod.fanout import Interrupt, LineHandler, NoticeHandler, Supervision, execute_async
+from tpupod.fanout import Interrupt, NoticeHandler, Supervision, execute_async
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
 from tpupod.launch.serve import FAILED, READY
@@ -39,6 +39,7 @@ from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 from tpupod.spec import GcpPodSpec
 from tpupod.state import StateDir, write_atomic
 from tpupod.transport import Connector, OutputLine, RemoteProcess
+from tpupod.workerrun import LineHandler
 
 # What runtimes print for themselves at every start: kept in the per-worker logs, but off the
 # terminal (unless asked for) and out of the summary's last lines.

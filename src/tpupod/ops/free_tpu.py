@@ -12,11 +12,12 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from tpupod.fanout import Interrupt, LineHandler, execute_async
+from tpupod.fanout import Interrupt, execute_async
 from tpupod.ops import defaults
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult
 from tpupod.transport import Connector
+from tpupod.workerrun import LineHandler
 
 DEFAULT_DEVICES = defaults.ACCELERATOR_DEVICES
 DEFAULT_LOCKFILE = defaults.LIBTPU_LOCKFILE

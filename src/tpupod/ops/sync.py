@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout import Interrupt, LineHandler, execute_async
+from tpupod.fanout import Interrupt, execute_async
 from tpupod.ops.transfer import put
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult
 from tpupod.transport import Connector
+from tpupod.workerrun import LineHandler
 
 COMMIT_MARKER = "tpupod-commit "
 
