@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv
+from tests.conftest import CliResult, sim_leftovers, tpupod_argv
 from tests.test_launch import needs_jax
 from tpupod.pod import Pod
+from tpupod.sim import SimPod
 
 PYTHON = sys.executable
 JAX_ENV = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
@@ -231,3 +232,17 @@ def test_the_run_folder_records_the_reported_failure(
     assert result.code == 1
     logs = cli("logs", "--pod", pod.name, "--worker", "1")
     assert "ValueError: bad shard 7" in logs.out
+
+
+def test_a_failure_ends_the_run_when_the_rendezvous_runs_on_worker_0(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult], sim: SimPod
+) -> None:
+    needs_jax()
+    pod = make_ssh_pod(2, env=JAX_ENV)
+    program = FAILING.format(worker=1, failure=FAILURES["exception"][0], in_collective=False)
+    argv = ["run", "--pod", pod.name, "--rendezvous-on", "worker0", "--worker-python", PYTHON]
+    result = cli(*argv, "--", PYTHON, "-c", program, timeout=120)
+    failed_at = float(re.findall(r"failing at ([0-9.]+)", result.out)[0])
+    check_summary(result, pod, 1, "exception")
+    assert time.time() - failed_at < 5
+    assert sim_leftovers(sim) == []
