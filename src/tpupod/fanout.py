@@ -265,7 +265,9 @@ class _Fanout:
         elif run.exit_status is not None:
             what = run.exit_status.describe()
         else:
-            what = run.reason or "its process ended without a word"
+            what = "" if run.reason else "its process ended without a word"
+        if run.reason and run.reason not in what:
+            what = f"{what}: {run.reason}" if what else run.reason
         self._begin_stop(Outcome.STOPPED, f"w{first} failed ({what})", by=first)
 
     def _begin_stop(

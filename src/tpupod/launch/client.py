@@ -28,8 +28,9 @@ from tpupod.launch.identity import WorkerIdentity, worker
 from tpupod.launch.rendezvous import DEFAULT_TIMEOUT_S
 
 CONNECT_TIMEOUT_S = 30.0
-# A worker told to stop exits with the code TERM would give it (128 + 15).
+# A worker told to stop exits with the code TERM would give it (128 + 15), after one line.
 STOPPED_EXIT = 143
+LEAVING = "tpupod: stopping"
 
 
 class RendezvousClient:
@@ -139,18 +140,18 @@ class RendezvousClient:
     def _read_forever(self) -> None:
         while (message := self._read_line()) is not None:
             if message.get("op") == "stop":
-                _leave(f"stopping w{self.identity.id}: {message.get('reason', 'asked to')}")
+                _leave(f"{LEAVING} w{self.identity.id}: {message.get('reason', 'asked to')}")
             self._replies.put(message)
         self._replies.put(None)
         if not self._leaving:
-            _leave(f"w{self.identity.id} lost its launcher (the rendezvous closed); stopping")
+            _leave(f"{LEAVING} w{self.identity.id}: its launcher is gone (the rendezvous closed)")
 
 
 def _leave(why: str) -> NoReturn:
     """Leave now, as TERM would, from any thread (JAX holds TERM for its preemption notice)."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
-        print(f"tpupod: {why}", file=sys.stderr, flush=True)
+        print(why, file=sys.stderr, flush=True)
     os._exit(STOPPED_EXIT)
 
 

@@ -27,6 +27,7 @@ from typing import IO, Any, Protocol
 from tpupod import settings
 from tpupod.errors import PreflightError, TpupodError
 from tpupod.fanout import Interrupt, NoticeHandler, Supervision, execute_async
+from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
 from tpupod.launch.serve import FAILED, READY
@@ -71,7 +72,8 @@ class RunResult:
 
 
 class Chatter:
-    """Tells one worker's chatter lines: gloo's "[Gloo] Rank N is connected to M peer ranks".
+    """Tells one worker's chatter lines: gloo's "[Gloo] Rank N is connected to M peer ranks",
+    and the line a worker told to stop leaves (the summary already says why it stopped).
 
     gloo prints them from several threads at once, so two can interleave into one line
     and leave the end of one ("3") alone on the next: that line is chatter too.
@@ -81,6 +83,8 @@ class Chatter:
         self.interleaved = False
 
     def __call__(self, text: str) -> bool:
+        if text.startswith(LEAVING):
+            return True
         if text.startswith(GLOO):
             self.interleaved = text.count(GLOO) > 1
             return True
