@@ -7,7 +7,8 @@ translated into these at the seam where they arise, chained with ``from``.
 
     TpupodError                  exit 1
     ├── UsageError               exit 2   bad flags or arguments
-    │   └── SpecError            exit 2   a pod spec file that does not validate
+    │   ├── SpecError            exit 2   a pod spec file that does not validate
+    │   └── BenchConfigError     exit 2   a checkpoint benchmark config that does not validate
     ├── StateError               exit 1   the state directory: unknown pod, exists, corrupt
     │   ├── PodNotFound
     │   └── PodExists
@@ -18,6 +19,7 @@ translated into these at the seam where they arise, chained with ``from``.
     ├── GcpError                 exit 1   the Cloud TPU API refused, or a TPU is in a bad state
     ├── ModelError               exit 1   the model: bad arguments, generation limits
     │   └── CheckpointError      exit 1   a folder that is not a loadable Qwen checkpoint
+    ├── BenchError               exit 1   a checkpoint benchmark that failed or restored wrong data
     └── FanoutFailed             exit N   a fan-out where some worker did not succeed
 """
 
@@ -51,6 +53,18 @@ class UsageError(TpupodError):
 
 class SpecError(UsageError):
     """A pod spec (tpupod.yaml or flags) does not validate."""
+
+
+class BenchConfigError(UsageError):
+    """A ``tpupod bench checkpoint`` config with problems, every one named by its key."""
+
+    @classmethod
+    def of(cls, source: str, problems: list[str]) -> BenchConfigError:
+        hint = "the format is Orbax's benchmark YAML; see 'tpupod bench checkpoint --help'"
+        if len(problems) == 1:
+            return cls(f"{source}: {problems[0]}", hint)
+        listed = "\n".join(f"  - {p}" for p in problems)
+        return cls(f"{source}: {len(problems)} problems\n{listed}", hint)
 
 
 class StateError(TpupodError):
@@ -121,6 +135,10 @@ class CheckpointError(ModelError):
         if self.problems:
             message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(message, hint)
+
+
+class BenchError(TpupodError):
+    """A checkpoint benchmark that did not finish, or whose restored arrays differ."""
 
 
 class FanoutFailed(TpupodError):

@@ -115,3 +115,8 @@ def program_identity() -> tuple[str, str]:
 def jax_on_cpu() -> bool:
     """``JAX_PLATFORMS=cpu``: JAX runs on the CPU (cross-process collectives then need gloo)."""
     return os.environ.get("JAX_PLATFORMS", "") == "cpu"
+
+
+def bench_plan() -> str | None:
+    """``TPUPOD_BENCH_PLAN``: what ``tpupod bench checkpoint`` asks each worker to run (JSON)."""
+    return os.environ.get("TPUPOD_BENCH_PLAN") or None

@@ -1,0 +1,293 @@
+"""A benchmark config in Orbax's harness format -> a checked BenchConfig and its sweep.
+
+The format is Orbax's (``configs/pytree_checkpoint_benchmark.yaml`` runs
+unchanged): ``suite_name``, ``num_repeats``, ``checkpoint_config`` (a ``spec``
+of named arrays with dtype, shape and sharding), ``mesh_config`` or
+``mesh_configs`` (``mesh_axes``, ``ici_parallelism``, ``dcn_parallelism``),
+and ``benchmarks``, each a ``generator`` (Orbax's class path, or ``pytree``)
+with ``options`` whose list values are swept as a cartesian product. Every
+problem is found before anything runs and named by its key, with what is
+allowed; they are reported together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tpupod.bench import orbax_harness
+from tpupod.errors import BenchConfigError
+
+TOP_KEYS = (
+    "suite_name",
+    "num_repeats",
+    "checkpoint_config",
+    "checkpoint_configs",
+    "mesh_config",
+    "mesh_configs",
+    "benchmarks",
+    "baseline_path",  # Orbax's own baseline keys: read, ignored (--baseline does this)
+    "baseline_capture_path",
+)
+CHECKPOINT_KEYS = ("spec", "random_seed")
+MESH_KEYS = (
+    "mesh_axes",
+    "ici_parallelism",
+    "dcn_parallelism",
+    "allow_split_physical_axes",
+    "process_is_granule",
+)
+ARRAY_KEYS = ("dtype", "shape", "sharding")
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One benchmark to run: a generator's options (one point of the sweep) on one mesh."""
+
+    index: int
+    generator: str  # Orbax's class path
+    options: dict[str, Any]  # every field of the options dataclass
+    swept: dict[str, Any]  # the fields the config sweeps (lists of several), this point's values
+    mesh: int | None  # index into BenchConfig.meshes
+    checkpoint: int  # index into BenchConfig.checkpoints
+    meshes: int = 1  # how many meshes the config has (the label names one only among several)
+    checkpoints: int = 1
+
+    @property
+    def label(self) -> str:
+        name = self.generator.rpartition(".")[2]
+        parts = [f"{k}={v}" for k, v in self.swept.items()]
+        if self.meshes > 1:
+            parts.append(f"mesh={self.mesh}")
+        if self.checkpoints > 1:
+            parts.append(f"checkpoint={self.checkpoint}")
+        return " ".join([name, *parts])
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    suite_name: str
+    num_repeats: int
+    checkpoints: list[dict[str, Any]]
+    meshes: list[dict[str, Any]]
+    combinations: list[Combination]
+    raw: dict[str, Any] = field(repr=False)
+
+
+def load_config(path: Path) -> BenchConfig:
+    """Read and check a config file; every problem at once, as a BenchConfigError."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise BenchConfigError(f"{path}: {exc.strerror}", hint="check the path") from exc
+    except yaml.YAMLError as exc:
+        raise BenchConfigError(f"{path}: not YAML: {str(exc).splitlines()[0]}") from exc
+    return parse_config(raw, str(path))
+
+
+def parse_config(raw: object, source: str = "config") -> BenchConfig:
+    """Check a config mapping (from YAML, or sent to a worker) and build its sweep."""
+    if not isinstance(raw, dict):
+        raise BenchConfigError(f"{source}: a mapping with suite_name and benchmarks, please")
+    problems = _unknown(raw, TOP_KEYS, "")
+    meshes = _meshes(raw, problems)
+    checkpoints = _checkpoints(raw, meshes, problems)
+    benchmarks = _benchmarks(raw.get("benchmarks"), problems)
+    suite = raw.get("suite_name")
+    if not isinstance(suite, str) or not suite.strip():
+        problems.append("suite_name: missing; a name for the suite, which baselines go by")
+    repeats = raw.get("num_repeats", 1)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        problems.append(f"num_repeats: {repeats!r}; allowed: a whole number from 1")
+    if problems:
+        raise BenchConfigError.of(source, problems)
+    assert isinstance(suite, str) and isinstance(repeats, int)
+    return BenchConfig(
+        suite_name=suite,
+        num_repeats=repeats,
+        checkpoints=checkpoints,
+        meshes=meshes,
+        combinations=_combinations(benchmarks, len(meshes), len(checkpoints)),
+        raw=raw,
+    )
+
+
+def _unknown(mapping: dict[str, Any], allowed: tuple[str, ...], where: str) -> list[str]:
+    return [
+        f"{where}{key}: unknown key; allowed: {', '.join(allowed)}"
+        for key in mapping
+        if key not in allowed
+    ]
+
+
+def _listed(raw: dict[str, Any], one: str, many: str, problems: list[str]) -> list[tuple[str, Any]]:
+    if many in raw:
+        items = raw[many]
+        if not isinstance(items, list) or not items:
+            problems.append(f"{many}: a non-empty list, please")
+            return []
+        return [(f"{many}[{i}]", item) for i, item in enumerate(items)]
+    return [(one, raw[one])] if one in raw else []
+
+
+def _meshes(raw: dict[str, Any], problems: list[str]) -> list[dict[str, Any]]:
+    meshes = []
+    for where, mesh in _listed(raw, "mesh_config", "mesh_configs", problems):
+        if not isinstance(mesh, dict):
+            problems.append(f"{where}: a mapping with mesh_axes, please")
+            continue
+        problems += _unknown(mesh, MESH_KEYS, f"{where}.")
+        axes = mesh.get("mesh_axes")
+        if not isinstance(axes, list) or not axes or not all(isinstance(a, str) for a in axes):
+            problems.append(f"{where}.mesh_axes: a list of axis names, please")
+            continue
+        for key in ("ici_parallelism", "dcn_parallelism"):
+            sizes = mesh.get(key) or {}
+            if not isinstance(sizes, dict):
+                problems.append(f"{where}.{key}: a mapping of axis name to size, please")
+                continue
+            for axis, size in sizes.items():
+                if axis not in axes:
+                    problems.append(
+                        f"{where}.{key}.{axis}: not a mesh axis; allowed: {', '.join(axes)}"
+                    )
+                elif not isinstance(size, int) or size < 1:
+                    problems.append(
+                        f"{where}.{key}.{axis}: {size!r}; allowed: a whole number from 1"
+                    )
+        meshes.append(mesh)
+    return meshes
+
+
+def axis_sizes(mesh: dict[str, Any]) -> dict[str, int]:
+    """Each axis's size in the global mesh: its ICI times its DCN parallelism."""
+    ici = mesh.get("ici_parallelism") or {}
+    dcn = mesh.get("dcn_parallelism") or {}
+    return {a: int(ici.get(a, 1)) * int(dcn.get(a, 1)) for a in mesh["mesh_axes"]}
+
+
+def _checkpoints(
+    raw: dict[str, Any], meshes: list[dict[str, Any]], problems: list[str]
+) -> list[dict[str, Any]]:
+    found = _listed(raw, "checkpoint_config", "checkpoint_configs", problems)
+    if not found:
+        problems.append("checkpoint_config: missing; a spec of named arrays to save and restore")
+    checkpoints = []
+    for where, checkpoint in found:
+        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("spec"), dict):
+            problems.append(f"{where}.spec: a mapping of names to arrays, please")
+            continue
+        problems += _unknown(checkpoint, CHECKPOINT_KEYS, f"{where}.")
+        for name, array in checkpoint["spec"].items():
+            problems += _array_problems(f"{where}.spec.{name}", array, meshes)
+        checkpoints.append(checkpoint)
+    return checkpoints
+
+
+def _array_problems(where: str, array: object, meshes: list[dict[str, Any]]) -> list[str]:
+    if array in ("int", "str"):
+        return []
+    if not isinstance(array, dict):
+        return [f"{where}: 'int', 'str' or a mapping with dtype, shape, sharding"]
+    problems = _unknown(array, ARRAY_KEYS, f"{where}.")
+    if array.get("dtype") not in DTYPES:
+        problems.append(f"{where}.dtype: {array.get('dtype')!r}; allowed: {', '.join(DTYPES)}")
+    shape = array.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape):
+        return [*problems, f"{where}.shape: a list of positive whole numbers, please"]
+    sharding = array.get("sharding")
+    if sharding is None:
+        return problems
+    if not isinstance(sharding, list) or len(sharding) != len(shape):
+        return [
+            *problems,
+            f"{where}.sharding: one entry (an axis, a list of axes or null) per dimension",
+        ]
+    if not meshes:
+        return [*problems, f"{where}.sharding: needs a mesh_config to name its axes"]
+    for i, mesh in enumerate(meshes):
+        problems += _divides(
+            where, shape, sharding, axis_sizes(mesh), i if len(meshes) > 1 else None
+        )
+    return problems
+
+
+def _divides(
+    where: str, shape: list[int], sharding: list[Any], sizes: dict[str, int], mesh: int | None
+) -> list[str]:
+    on = "" if mesh is None else f" (mesh_configs[{mesh}])"
+    problems = []
+    for dim, (length, entry) in enumerate(zip(shape, sharding, strict=True)):
+        axes = [] if entry is None else entry if isinstance(entry, list) else [entry]
+        unknown = [a for a in axes if a not in sizes]
+        if unknown:
+            problems.append(
+                f"{where}.sharding[{dim}]: {unknown[0]!r} is not a mesh axis{on}; "
+                f"allowed: {', '.join(sizes)}"
+            )
+            continue
+        parts = math.prod(sizes[a] for a in axes)
+        if length % parts:
+            problems.append(
+                f"{where}.sharding[{dim}]: {'x'.join(axes)} splits dimension {dim} "
+                f"({length}) into {parts} parts{on}, which does not divide it"
+            )
+    return problems
+
+
+def _benchmarks(items: object, problems: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    if not isinstance(items, list) or not items:
+        problems.append("benchmarks: missing; a list of {generator, options}")
+        return []
+    found = []
+    for i, item in enumerate(items):
+        where = f"benchmarks[{i}]"
+        if not isinstance(item, dict):
+            problems.append(f"{where}: a mapping with generator and options, please")
+            continue
+        problems += _unknown(item, ("generator", "options"), f"{where}.")
+        name = str(item.get("generator"))
+        path = orbax_harness.resolve(name)
+        if path is None:
+            allowed = ", ".join(orbax_harness.generator_names())
+            problems.append(f"{where}.generator: {name!r} is not supported; allowed: {allowed}")
+            continue
+        options = item.get("options") or {}
+        if not isinstance(options, dict):
+            problems.append(f"{where}.options: a mapping, please")
+            continue
+        fields = orbax_harness.option_defaults(path)
+        bad = _unknown(options, tuple(fields), f"{where}.options.")
+        problems += [p.replace("unknown key", "unknown option") for p in bad]
+        if not bad:
+            found.append((path, options))
+    return found
+
+
+def _combinations(
+    benchmarks: list[tuple[str, dict[str, Any]]], meshes: int, checkpoints: int
+) -> list[Combination]:
+    combos: list[Combination] = []
+    for path, options in benchmarks:
+        swept = [k for k, v in options.items() if isinstance(v, list) and len(v) > 1]
+        for point in orbax_harness.sweep(path, options):
+            for mesh in range(meshes) if meshes else [None]:
+                for checkpoint in range(checkpoints):
+                    combos.append(
+                        Combination(
+                            index=len(combos),
+                            generator=path,
+                            options=point,
+                            swept={k: point[k] for k in swept},
+                            mesh=mesh,
+                            checkpoint=checkpoint,
+                            meshes=meshes,
+                            checkpoints=checkpoints,
+                        )
+                    )
+    return combos

@@ -1,0 +1,124 @@
+"""The launcher's side of ``tpupod bench checkpoint``: plan, ``tpupod run``, results on disk.
+
+The config is checked here, before anything starts. The plan goes to every
+worker in the environment, the workers run under ``tpupod run`` (preflight,
+rendezvous, supervision, per-worker logs), and worker 0's results come back
+as output lines. They are written to ``OUTPUT/<suite>/<launch id>/results.json``
+with one PNG per benchmark beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpupod.bench.baseline import RESULTS_FILE, suite_dir
+from tpupod.bench.config import BenchConfig
+from tpupod.bench.plots import write_plots
+from tpupod.bench.results import Results
+from tpupod.bench.wire import Collector, Plan
+from tpupod.errors import BenchError
+from tpupod.fanout import Interrupt, NoticeHandler
+from tpupod.launch.run import RunResult
+from tpupod.launch.run import run as launch_run
+from tpupod.pod import Pod, Worker
+from tpupod.state import write_atomic
+from tpupod.transport import OutputLine
+from tpupod.workerrun import LineHandler
+
+WORKER_MODULE = "tpupod.bench.worker"
+# On hosts, checkpoints go here (relative to the home) unless --checkpoint-dir names a shared
+# folder: a multi-host Orbax checkpoint is one folder that every host writes its part of.
+HOST_CHECKPOINT_DIR = "tpupod-bench/checkpoints"
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    run: RunResult
+    results: Results | None
+    folder: Path | None  # where results.json and the plots are
+    plots: list[Path]
+
+
+def checkpoint_dir(pod: Pod, output: Path, chosen: str | None) -> str:
+    """Where the workers write checkpoints (a launch id is added below it)."""
+    if chosen:
+        return chosen if pod.provider != "local" else str(Path(chosen).expanduser().resolve())
+    if pod.provider == "local":
+        return str((output / "checkpoints").resolve())
+    return HOST_CHECKPOINT_DIR
+
+
+def commit() -> str:
+    """The commit of the code being benchmarked (this repository's HEAD, '+dirty' if changed)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head}+dirty" if dirty else head
+
+
+async def run_bench(
+    pod: Pod,
+    config: BenchConfig,
+    source: str,
+    *,
+    output: Path,
+    checkpoints: str,
+    worker_python: str,
+    workers: list[Worker] | None = None,
+    timeout: float | None = None,
+    on_line: LineHandler | None = None,
+    on_notice: NoticeHandler | None = None,
+    interrupt: Interrupt | None = None,
+) -> BenchRun:
+    plan = Plan(
+        config=config.raw,
+        source=os.path.basename(source),
+        checkpoint_dir=checkpoints,
+        commit=commit(),
+        pod=pod.name,
+    )
+    collector = Collector()
+
+    def take(worker: Worker, line: OutputLine) -> None:
+        if collector.feed(line.text) or on_line is None:
+            return
+        on_line(worker, line)
+
+    result = await launch_run(
+        pod,
+        f"{shlex.quote(worker_python)} -m {WORKER_MODULE}",
+        workers=workers,
+        env={"TPUPOD_BENCH_PLAN": plan.model_dump_json()},
+        timeout=timeout,
+        on_line=take,
+        on_notice=on_notice,
+        interrupt=interrupt,
+    )
+    results = collector.results()
+    if results is None:
+        return BenchRun(result, None, None, [])
+    folder = suite_dir(output, results.suite_name) / results.launch_id
+    write_atomic(folder / RESULTS_FILE, results.model_dump_json(indent=1) + "\n")
+    return BenchRun(result, results, folder, write_plots(results, folder))
+
+
+def raise_for_mismatch(results: Results) -> None:
+    problems = results.problems()
+    if problems:
+        raise BenchError(
+            f"restored arrays differ from the saved ones ({len(problems)}): {problems[0]}",
+            hint="the results file lists every one; the checkpoint storage lost or changed data",
+        )

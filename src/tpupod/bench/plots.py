@@ -1,0 +1,63 @@
+"""One PNG per benchmark (generator): save and restore GB/s of every combination.
+
+Bars are the pod's mean over repeats with the std as error bars; dots are each
+host's mean, so a slow host shows. matplotlib's Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tpupod.bench.results import CombinationResult, Results
+
+OPS = (("save_gbps", "save"), ("restore_gbps", "restore"))
+
+
+def write_plots(results: Results, folder: Path) -> list[Path]:
+    by_generator: dict[str, list[CombinationResult]] = {}
+    for combo in results.combinations:
+        if combo.repeats:
+            by_generator.setdefault(combo.generator.rpartition(".")[2], []).append(combo)
+    return [_plot(name, combos, results, folder) for name, combos in by_generator.items()]
+
+
+def _plot(name: str, combos: list[CombinationResult], results: Results, folder: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(combos) + 2), 4.5))
+    width = 0.38
+    for k, (metric, op) in enumerate(OPS):
+        xs = [i + (k - 0.5) * width for i in range(len(combos))]
+        means = [c.repeats[metric].mean for c in combos]
+        stds = [c.repeats[metric].std for c in combos]
+        ax.bar(xs, means, width, yerr=stds, capsize=3, label=f"{op} (pod, mean of repeats)")
+        for x, combo in zip(xs, combos, strict=True):
+            hosts = _host_means(combo, metric)
+            ax.plot([x] * len(hosts), hosts, "k.", markersize=4)
+    ax.set_xticks(range(len(combos)))
+    ax.set_xticklabels([_short(c) for c in combos], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title(
+        f"{results.suite_name}: {name}\n{results.workers} workers, commit {results.commit[:12]}"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = folder / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _host_means(combo: CombinationResult, metric: str) -> list[float]:
+    per: dict[int, list[float]] = {}
+    for s in combo.samples:
+        per.setdefault(s.worker, []).append(s.value(metric))
+    return [sum(v) / len(v) for v in per.values()]
+
+
+def _short(combo: CombinationResult) -> str:
+    parts = combo.label.split(" ")[1:]
+    return "\n".join(parts) or f"#{combo.index}"

@@ -1,0 +1,210 @@
+"""What ``tpupod bench checkpoint`` runs on every worker: ``python -m tpupod.bench.worker``.
+
+One JAX process per worker (``tpupod.init_jax``). For every combination and
+repeat, all workers meet, build the same pytree on the combination's mesh, and
+run Orbax's own ``test_fn`` (save, wait, restore, measured by Orbax's metrics);
+each worker then checks what it restored against a fresh copy of what it saved.
+At the end every worker's samples go to worker 0 through the rendezvous, and
+worker 0 aggregates them and prints the results for the launcher (``wire``).
+Worker 0 also prints progress: which combination, which repeat, elapsed, left.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tpupod import settings
+from tpupod.bench import orbax_harness
+from tpupod.bench.config import BenchConfig, Combination, parse_config
+from tpupod.bench.results import CombinationResult, Results, Sample, Status
+from tpupod.bench.verify import restore_problems
+from tpupod.bench.wire import Plan, encode
+from tpupod.errors import BenchError
+from tpupod.launch.client import client, rendezvous
+from tpupod.launch.identity import WorkerIdentity
+from tpupod.launch.jaxinit import init_jax
+
+
+def main() -> int:
+    text = settings.bench_plan()
+    if text is None:
+        raise BenchError(
+            "no benchmark plan in the environment", hint="start it with 'tpupod bench checkpoint'"
+        )
+    plan = Plan.model_validate_json(text)
+    identity = init_jax()
+    if identity.launch_id is None:
+        raise BenchError("no launch id", hint="start it with 'tpupod bench checkpoint'")
+    _quiet_absl()
+    config = parse_config(plan.config, plan.source)
+    root = Path(plan.checkpoint_dir).expanduser() / identity.launch_id
+    started, started_at = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    runner = _Runner(identity, config, root)
+    done = runner.run_all()
+    if identity.id == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    gathered = client().exchange("bench:samples", [c.model_dump(mode="json") for c in done])
+    if identity.id == 0:
+        results = _results(plan, identity, config, gathered, started_at)
+        results.seconds = time.monotonic() - started
+        for line in encode(results):
+            print(line, flush=True)
+    return 0
+
+
+def _quiet_absl() -> None:
+    """Orbax logs through absl at INFO and WARNING on every call; keep the output for results."""
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)
+
+
+class _Runner:
+    def __init__(self, identity: WorkerIdentity, config: BenchConfig, root: Path) -> None:
+        self.identity = identity
+        self.config = config
+        self.root = root
+        self.meshes: dict[int | None, Any] = {}
+        self.total = len(config.combinations) * config.num_repeats
+        self.done = 0
+        self.started = time.monotonic()
+
+    def run_all(self) -> list[CombinationResult]:
+        return [self.run(combo) for combo in self.config.combinations]
+
+    def run(self, combo: Combination) -> CombinationResult:
+        result = CombinationResult(
+            index=combo.index,
+            label=combo.label,
+            generator=combo.generator,
+            options=combo.options,
+            swept=combo.swept,
+            mesh=combo.mesh,
+            checkpoint=combo.checkpoint,
+            status=Status.OK,
+        )
+        mesh, why = self._mesh(combo.mesh)
+        if why:
+            result.status, result.reason = Status.SKIPPED, why
+            self.done += self.config.num_repeats
+            self._progress(
+                f"{combo.index + 1}/{len(self.config.combinations)} {combo.label}: skipped, {why}"
+            )
+            return result
+        for repeat in range(self.config.num_repeats):
+            sample = self._sample(combo, mesh, repeat)
+            result.samples.append(sample)
+            self.done += 1
+            self._report(combo, sample)
+        return result
+
+    def _mesh(self, index: int | None) -> tuple[Any, str]:
+        if index is None:
+            return None, ""
+        if index not in self.meshes:
+            try:
+                self.meshes[index] = orbax_harness.make_mesh(self.config.meshes[index])
+            except ValueError as exc:  # Orbax skips meshes that do not fit the devices, too
+                self.meshes[index] = str(exc).splitlines()[0]
+        mesh = self.meshes[index]
+        return (None, mesh) if isinstance(mesh, str) else (mesh, "")
+
+    def _sample(self, combo: Combination, mesh: Any, repeat: int) -> Sample:
+        import jax
+
+        spec = self.config.checkpoints[combo.checkpoint]
+        directory = self.root / f"c{combo.index}" / f"r{repeat}"
+        directory.mkdir(parents=True, exist_ok=True)
+        pytree = orbax_harness.make_pytree(spec, mesh)
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(pytree) if isinstance(x, jax.Array))
+        rendezvous(f"bench:c{combo.index}:r{repeat}")  # every host starts together
+        measured = orbax_harness.save_and_restore(combo.generator, combo.options, pytree, directory)
+        problems = restore_problems(orbax_harness.make_pytree(spec, mesh), measured.restored)
+        jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, measured.restored)
+        m = measured.metrics
+        blocking = m[f"save::{orbax_harness.TIME}"]
+        waited = m.get(f"wait_until_finished::{orbax_harness.TIME}", 0.0)
+        return Sample(
+            worker=self.identity.id,
+            hostname=socket.gethostname(),
+            repeat=repeat,
+            save_blocking_s=blocking,
+            save_total_s=blocking + waited,
+            restore_s=m[f"restore::{orbax_harness.TIME}"],
+            rss_save_mb=m[f"save::{orbax_harness.RSS}"]
+            + m.get(f"wait_until_finished::{orbax_harness.RSS}", 0.0),
+            rss_restore_mb=m[f"restore::{orbax_harness.RSS}"],
+            nbytes=nbytes,
+            problems=problems,
+        )
+
+    def _report(self, combo: Combination, sample: Sample) -> None:
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.done * (self.total - self.done)
+        self._progress(
+            f"{combo.index + 1}/{len(self.config.combinations)} {combo.label} "
+            f"repeat {sample.repeat + 1}/{self.config.num_repeats}: "
+            f"save {sample.save_total_s:.3f}s restore {sample.restore_s:.3f}s"
+            f"{'' if not sample.problems else ' RESTORED VALUES DIFFER'} | "
+            f"{elapsed:.1f}s elapsed, ~{left:.1f}s left"
+        )
+
+    def _progress(self, text: str) -> None:
+        if self.identity.id == 0:
+            print(f"bench {text}", flush=True)
+
+
+def _results(
+    plan: Plan,
+    identity: WorkerIdentity,
+    config: BenchConfig,
+    gathered: dict[int, Any],
+    started: str,
+) -> Results:
+    combos = [CombinationResult.model_validate(c) for c in gathered[0]]
+    for worker, theirs in sorted(gathered.items()):
+        if worker == 0:
+            continue
+        for mine, other in zip(combos, theirs, strict=True):
+            mine.samples += CombinationResult.model_validate(other).samples
+    for combo in combos:
+        combo.mismatch_check()
+        combo.aggregate()
+    return Results(
+        suite_name=config.suite_name,
+        launch_id=identity.launch_id or "",
+        started=started,
+        seconds=0.0,
+        commit=plan.commit,
+        pod=plan.pod,
+        workers=identity.count,
+        machine=_machine(),
+        versions=orbax_harness.versions(),
+        config=config.raw,
+        combinations=combos,
+    )
+
+
+def _machine() -> dict[str, Any]:
+    import jax
+
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

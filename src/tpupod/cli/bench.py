@@ -1,0 +1,237 @@
+"""``tpupod bench checkpoint``: Orbax's checkpoint benchmarks on every worker, one report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from tpupod.cli import app, reporting_errors
+from tpupod.cli.exec import QuietOption, TimeoutOption
+from tpupod.cli.options import PodOption
+from tpupod.cli.running import Live, run_live
+from tpupod.errors import BenchError, UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from tpupod.bench.baseline import Comparison
+    from tpupod.bench.launcher import BenchRun
+    from tpupod.bench.results import Results
+
+TIMED = ("save_blocking_s", "save_total_s", "restore_s")
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Benchmarks that run on every worker of a pod.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("checkpoint")
+@reporting_errors
+def checkpoint(
+    config: Annotated[
+        Path,
+        typer.Option(
+            "--config",
+            "-c",
+            metavar="FILE.yaml",
+            help="The suite, in Orbax's benchmark YAML format.",
+            show_default=False,
+        ),
+    ],
+    pod: PodOption = None,
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="DIR",
+            help="Results go to DIR/<suite>/<launch id>/ (results.json and a PNG per benchmark).",
+        ),
+    ] = Path("bench-results"),
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            "--baseline",
+            metavar="FILE|latest",
+            help="Compare with an earlier results.json, or this suite's latest in --output.",
+            show_default=False,
+        ),
+    ] = None,
+    threshold: Annotated[
+        float,
+        typer.Option(
+            "--threshold", help="A metric worse than the baseline by more than this regresses."
+        ),
+    ] = 0.10,
+    ramfs_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--ramfs-dir",
+            metavar="DIR",
+            help="Write checkpoints to a memory-backed folder (such as /dev/shm).",
+            show_default=False,
+        ),
+    ] = None,
+    checkpoint_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint-dir",
+            metavar="DIR",
+            help="Where workers write checkpoints: a folder every worker shares (default: "
+            "under --output on a local pod, ~/tpupod-bench/checkpoints on hosts).",
+            show_default=False,
+        ),
+    ] = None,
+    worker_python: Annotated[
+        str | None,
+        typer.Option(
+            "--worker-python",
+            help="The python with tpupod[checkpoint-bench] on the workers (default: this one on a "
+            "local pod, python3 on hosts).",
+            show_default=False,
+        ),
+    ] = None,
+    timeout: TimeoutOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Save and restore a pytree with Orbax on every worker in lockstep; aggregate, plot, compare.
+
+    Every combination of the config's swept options runs num_repeats times on
+    all workers at once (Orbax's own benchmark code, through 'tpupod run');
+    each worker checks that what it restored equals what it saved, sharding
+    included. Worker 0 aggregates across hosts and repeats; the launcher
+    writes results.json and plots, prints a table, and with --baseline flags
+    every metric worse by more than --threshold (exit 1).
+
+    Examples:
+
+      tpupod bench checkpoint --config bench.yaml
+
+      tpupod bench checkpoint -c bench.yaml --baseline latest --threshold 0.2
+
+      tpupod bench checkpoint -c bench.yaml --ramfs-dir /dev/shm/ckpt
+    """
+    from tpupod.bench import baseline as baselines
+    from tpupod.bench.config import load_config
+    from tpupod.bench.launcher import checkpoint_dir as where
+    from tpupod.bench.launcher import raise_for_mismatch, run_bench
+    from tpupod.state import StateDir
+
+    if str(output).startswith("gs:/"):
+        raise UsageError("--output gs://... is not supported yet", hint="give a local folder")
+    suite = load_config(config)  # every problem before anything starts
+    earlier = _baseline_path(baseline, output, suite.suite_name)
+    target = StateDir().resolve(pod)
+    workers = target.select(None)
+    local = target.provider == "local"
+    python = worker_python or (sys.executable if local else "python3")
+    checkpoints = ramfs_dir or where(target, output, checkpoint_dir)
+
+    def body(live: Live) -> Awaitable[BenchRun]:
+        return run_bench(
+            target,
+            suite,
+            str(config),
+            output=output,
+            checkpoints=checkpoints,
+            worker_python=python,
+            timeout=timeout,
+            on_line=live.on_line,
+            on_notice=live.on_notice,
+            interrupt=live.interrupt,
+        )
+
+    done = run_live(workers, quiet, body)
+    if done.results is None:
+        from tpupod.report import print_summary
+
+        print_summary(done.run.fanout, sys.stderr, title=f"bench {done.run.launch.launch_id}")
+        code = done.run.fanout.exit_code()
+        if code:
+            raise typer.Exit(code)
+        raise BenchError("worker 0 sent no results", hint="see 'tpupod logs -w 0'")
+    _print_results(done.results)
+    print(f"results: {done.folder}/{baselines.RESULTS_FILE}", file=sys.stderr)
+    for plot in done.plots:
+        print(f"plot: {plot}", file=sys.stderr)
+    raise_for_mismatch(done.results)
+    if earlier is not None:
+        before = baselines.load(earlier)
+        _check_baseline(baselines.compare(done.results, before, earlier, threshold), threshold)
+
+
+def _baseline_path(baseline: str | None, output: Path, suite: str) -> Path | None:
+    from tpupod.bench import baseline as baselines
+
+    if baseline is None:
+        return None
+    if baseline == "latest":
+        return baselines.latest(output, suite)
+    path = Path(baseline)
+    baselines.load(path)  # a bad file is found before the run, not after
+    return path
+
+
+def _print_results(results: Results) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"{results.suite_name}: {results.workers} workers, "
+        f"commit {results.commit[:12]}, {results.seconds:.1f}s",
+        title_justify="left",
+    )
+    for column in ("combination", "save blocking s", "save total s", "restore s"):
+        table.add_column(column, justify="left" if column == "combination" else "right")
+    for column in ("save GB/s", "restore GB/s", "slowest host save s", "RSS +MB save/restore"):
+        table.add_column(column, justify="right")
+    table.add_column("status")
+    for c in results.combinations:
+        if not c.repeats:
+            table.add_row(c.label, *[""] * 7, f"{c.status.value}: {c.reason}")
+            continue
+        r, h = c.repeats, c.hosts
+        table.add_row(
+            c.label,
+            *(
+                f"{r[m].mean:.3f}±{r[m].std:.3f}"
+                for m in ("save_blocking_s", "save_total_s", "restore_s")
+            ),
+            *(f"{r[m].mean:.3g}" for m in ("save_gbps", "restore_gbps")),
+            f"{h['save_total_s'].max:.3f}",
+            f"{h['rss_save_mb'].max:.0f}/{h['rss_restore_mb'].max:.0f}",
+            c.status.value,
+        )
+    Console(file=sys.stdout, width=200).print(table)
+
+
+def _check_baseline(comparison: Comparison, threshold: float) -> None:
+    print(
+        f"baseline: {comparison.baseline_path} (commit {comparison.baseline_commit[:12]}) "
+        f"-> now (commit {comparison.current_commit[:12]})"
+    )
+    for change in comparison.changes:
+        flag = "REGRESSION" if change.regressed else "ok"
+        print(
+            f"  {change.label} {change.metric}: {change.baseline:.4g} -> {change.current:.4g} "
+            f"({change.ratio:.2f}x) {flag}"
+        )
+    worse = comparison.regressions
+    if worse:
+        first = worse[0]
+        raise BenchError(
+            f"{len(worse)} regression{'s' if len(worse) > 1 else ''} beyond {threshold:.0%} "
+            f"against commit {comparison.baseline_commit[:12]}: {first.label} {first.metric} "
+            f"{first.baseline:.4g} -> {first.current:.4g}",
+            hint="the lines above list every metric; rerun to rule out noise",
+        )

@@ -1,0 +1,211 @@
+"""`tpupod bench checkpoint`: Orbax's checkpoint benchmarks on every worker of a local pod."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import CliResult
+from tpupod.bench import baseline
+from tpupod.bench.config import load_config, parse_config
+from tpupod.bench.results import METRICS, Results
+from tpupod.errors import BenchConfigError
+from tpupod.pod import Pod
+
+SMALL = {
+    "suite_name": "small sweep",
+    "num_repeats": 2,
+    "checkpoint_config": {
+        "spec": {
+            "w": {"dtype": "float32", "shape": [64, 32], "sharding": ["data", "model"]},
+            "b": {"dtype": "bfloat16", "shape": [16], "sharding": [None]},
+            "step": "int",
+        }
+    },
+    "mesh_config": {
+        "mesh_axes": ["data", "model"],
+        "dcn_parallelism": {"data": 2},
+        "ici_parallelism": {"model": 2},
+    },
+    "benchmarks": [
+        {
+            "generator": "orbax.checkpoint._src.testing.benchmarks."
+            "pytree_checkpoint_benchmark.PyTreeCheckpointBenchmark",
+            "options": {"use_zarr3": [True, False], "async_enabled": True},
+        }
+    ],
+}
+
+
+def write_config(folder: Path, config: dict[str, object], name: str = "bench.yaml") -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def results_of(folder: Path) -> tuple[Path, Results]:
+    (path,) = folder.glob("*/*/results.json")
+    return path, Results.model_validate_json(path.read_text())
+
+
+# -- on a pod -----------------------------------------------------------------------------
+
+
+def test_sweep_runs_on_every_worker_and_flags_a_regression(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(workers=2, devices=2)
+    config = write_config(tmp_path, SMALL)
+    out = tmp_path / "out"
+
+    run = cli(
+        "bench", "checkpoint", "--pod", pod.name, "-c", str(config), "-o", str(out), timeout=120
+    )
+
+    assert run.code == 0, run.err
+    path, results = results_of(out)
+    assert results.workers == 2 and results.suite_name == "small sweep"
+    assert results.versions["orbax-checkpoint"] and results.machine["processes"] == 2
+    assert results.config == SMALL
+    assert [c.swept for c in results.combinations] == [{"use_zarr3": True}, {"use_zarr3": False}]
+    for combo in results.combinations:
+        assert combo.status == "ok"
+        ran = sorted((s.worker, s.repeat) for s in combo.samples)
+        assert ran == [(0, 0), (0, 1), (1, 0), (1, 1)]  # every repeat on both workers
+        assert all(s.problems == [] for s in combo.samples)  # restored == saved, with sharding
+        assert all(
+            s.save_total_s >= s.save_blocking_s > 0 and s.restore_s > 0 for s in combo.samples
+        )
+        assert all(s.nbytes == 64 * 32 * 4 + 16 * 2 for s in combo.samples)
+        assert set(combo.hosts) == set(METRICS) == set(combo.repeats)
+        assert combo.hosts["save_total_s"].max >= combo.hosts["save_total_s"].min
+    assert (path.parent / "PyTreeCheckpointBenchmark.png").read_bytes()[:4] == b"\x89PNG"
+    assert "use_zarr3=True" in run.out and "restore GB/s" in run.out
+    assert "bench 2/2 PyTreeCheckpointBenchmark use_zarr3=False repeat 2/2" in run.out
+
+    # A baseline ten times faster than anything this machine does: every time regresses.
+    doctored = json.loads(path.read_text())
+    doctored["commit"] = "0123456789abcdef"
+    for combo in doctored["combinations"]:
+        for stats in combo["repeats"].values():
+            stats["mean"] = stats["mean"] / 10
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(doctored))
+
+    again = cli(
+        "bench", "checkpoint", "--pod", pod.name, "-c", str(config), "-o", str(out),
+        "--baseline", str(fast), timeout=120,
+    )  # fmt: skip
+
+    assert again.code == 1, again.err
+    assert "REGRESSION" in again.out and "save_total_s" in again.out
+    assert "error: " in again.err and "against commit 0123456789ab" in again.err
+    assert "(commit 0123456789ab) -> now (commit" in again.out
+
+    # 'latest' is the newest run of the suite in --output (the second one), found before starting.
+    third = cli(
+        "bench", "checkpoint", "--pod", pod.name, "-c", str(config), "-o", str(out),
+        "--baseline", "latest", "--threshold", "100", timeout=120,
+    )  # fmt: skip
+    assert third.code == 0, third.err
+    assert "REGRESSION" not in third.out and "baseline: " in third.out
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda c: c["benchmarks"][0].update(generator="orbax.Nope"), "benchmarks[0].generator"),
+        (
+            lambda c: c["benchmarks"][0]["options"].update(use_zarr=[True]),
+            "benchmarks[0].options.use_zarr: unknown option; allowed: enable_trace",
+        ),
+        (
+            lambda c: c["checkpoint_config"]["spec"]["w"].update(shape=[63, 32]),
+            "checkpoint_config.spec.w.sharding[0]: data splits dimension 0 (63) into 2 parts",
+        ),
+    ],
+    ids=["unknown-generator", "unknown-option", "sharding-does-not-divide"],
+)
+def test_bad_config_is_one_error_naming_the_key(
+    cli: Callable[..., CliResult],
+    make_pod: Callable[..., Pod],
+    tmp_path: Path,
+    change: Callable[[dict[str, object]], None],
+    named: str,
+) -> None:
+    pod = make_pod(workers=2)
+    config = json.loads(json.dumps(SMALL))
+    change(config)
+    run = cli("bench", "checkpoint", "--pod", pod.name, "-c", str(write_config(tmp_path, config)))
+    assert run.code == 2
+    lines = run.err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: ")
+    assert named in lines[0]
+    assert "Traceback" not in run.err and not (tmp_path / "bench-results").exists()
+
+
+# -- in process -----------------------------------------------------------------------
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    config = json.loads(json.dumps(SMALL))
+    config["surprise"] = 1
+    config["num_repeats"] = 0
+    config["mesh_config"]["ici_parallelism"]["modle"] = 2
+    config["checkpoint_config"]["spec"]["w"]["dtype"] = "float33"
+    with pytest.raises(BenchConfigError) as caught:
+        parse_config(config, "bench.yaml")
+    message = caught.value.message
+    assert message.startswith("bench.yaml: 4 problems\n")
+    for key in ("surprise: unknown key", "num_repeats: 0", "ici_parallelism.modle", "w.dtype"):
+        assert key in message
+
+
+def test_orbax_own_config_parses_unchanged() -> None:
+    spec = importlib.util.find_spec("orbax.checkpoint._src.testing.benchmarks")
+    assert spec is not None and spec.submodule_search_locations
+    shipped = Path(spec.submodule_search_locations[0]) / "configs/pytree_checkpoint_benchmark.yaml"
+    config = load_config(shipped)
+    assert config.suite_name == "PyTreeCheckpointer Performance Matrix"
+    assert len(config.meshes) == 2
+    labels = [c.label for c in config.combinations]  # use_zarr3 x two meshes
+    assert labels == [
+        "PyTreeCheckpointBenchmark use_zarr3=True mesh=0",
+        "PyTreeCheckpointBenchmark use_zarr3=True mesh=1",
+        "PyTreeCheckpointBenchmark use_zarr3=False mesh=0",
+        "PyTreeCheckpointBenchmark use_zarr3=False mesh=1",
+    ]
+
+
+def test_restore_problems_names_what_differs() -> None:
+    import jax.numpy as jnp
+
+    from tpupod.bench.verify import restore_problems
+
+    saved = {"a": jnp.arange(4.0), "b": jnp.ones(3), "step": 1}
+    same = {"a": jnp.arange(4.0), "b": jnp.ones(3), "step": 1}
+    assert restore_problems(saved, same) == []
+    changed = {"a": jnp.arange(4.0).at[2].set(7.0), "b": jnp.ones(4), "step": 2}
+    problems = restore_problems(saved, changed)
+    assert problems[0].startswith("['a']: values differ on device")
+    assert problems[1] == "['b']: float32[4] != float32[3]"
+    assert problems[2] == "['step']: 2 != 1"
+    assert restore_problems(saved, {"a": saved["a"]}) == [
+        "['b']: missing after restore",
+        "['step']: missing after restore",
+    ]
+
+
+def test_latest_baseline_is_the_newest_earlier_run(tmp_path: Path) -> None:
+    for launch in ("20261126-090000-aaaaaa", "20261126-100000-bbbbbb"):
+        folder = baseline.suite_dir(tmp_path, "My Suite!") / launch
+        folder.mkdir(parents=True)
+        (folder / baseline.RESULTS_FILE).write_text("{}")
+    assert baseline.latest(tmp_path, "My Suite!").parent.name == "20261126-100000-bbbbbb"
+    with pytest.raises(Exception, match="no earlier results of suite 'other'"):
+        baseline.latest(tmp_path, "other")
