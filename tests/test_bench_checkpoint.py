@@ -166,11 +166,34 @@ def test_every_problem_is_reported_at_once() -> None:
         assert key in message
 
 
-def test_orbax_own_config_parses_unchanged() -> None:
+def orbax_config() -> Path:
+    """The config Orbax ships for its own harness."""
     spec = importlib.util.find_spec("orbax.checkpoint._src.testing.benchmarks")
     assert spec is not None and spec.submodule_search_locations
-    shipped = Path(spec.submodule_search_locations[0]) / "configs/pytree_checkpoint_benchmark.yaml"
-    config = load_config(shipped)
+    return Path(spec.submodule_search_locations[0]) / "configs/pytree_checkpoint_benchmark.yaml"
+
+
+def test_orbax_own_config_runs_unchanged(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(workers=2, devices=8)  # its second mesh: tensor=16; its first needs 4 hosts
+    out = tmp_path / "out"
+    run = cli("bench", "checkpoint", "--pod", pod.name, "-c", str(orbax_config()), "-o", str(out))
+    assert run.code == 0, run.err
+    _, results = results_of(out)
+    assert [(c.mesh, c.status.value) for c in results.combinations] == [
+        (0, "skipped"),
+        (1, "ok"),
+        (0, "skipped"),
+        (1, "ok"),
+    ]
+    assert results.combinations[0].reason == "the mesh has 4 devices, the pod 16"
+    assert all(len(c.samples) == 2 for c in results.combinations if c.status == "ok")
+    assert results.problems() == []
+
+
+def test_orbax_own_config_parses_unchanged() -> None:
+    config = load_config(orbax_config())
     assert config.suite_name == "PyTreeCheckpointer Performance Matrix"
     assert len(config.meshes) == 2
     labels = [c.label for c in config.combinations]  # use_zarr3 x two meshes

@@ -11,6 +11,7 @@ Worker 0 also prints progress: which combination, which repeat, elapsed, left.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shutil
@@ -22,7 +23,7 @@ from typing import Any
 
 from tpupod import settings
 from tpupod.bench import orbax_harness
-from tpupod.bench.config import BenchConfig, Combination, parse_config
+from tpupod.bench.config import BenchConfig, Combination, axis_sizes, parse_config
 from tpupod.bench.results import CombinationResult, Results, Sample, Status
 from tpupod.bench.verify import restore_problems
 from tpupod.bench.wire import Plan, encode
@@ -109,10 +110,7 @@ class _Runner:
         if index is None:
             return None, ""
         if index not in self.meshes:
-            try:
-                self.meshes[index] = orbax_harness.make_mesh(self.config.meshes[index])
-            except ValueError as exc:  # Orbax skips meshes that do not fit the devices, too
-                self.meshes[index] = str(exc).splitlines()[0]
+            self.meshes[index] = _mesh_or_why(self.config.meshes[index])
         mesh = self.meshes[index]
         return (None, mesh) if isinstance(mesh, str) else (mesh, "")
 
@@ -159,6 +157,19 @@ class _Runner:
     def _progress(self, text: str) -> None:
         if self.identity.id == 0:
             print(f"bench {text}", flush=True)
+
+
+def _mesh_or_why(mesh: dict[str, Any]) -> Any:
+    """The mesh, or why this pod cannot have it (Orbax skips such meshes too)."""
+    import jax
+
+    need = math.prod(axis_sizes(mesh).values())
+    if need != jax.device_count():
+        return f"the mesh has {need} devices, the pod {jax.device_count()}"
+    try:
+        return orbax_harness.make_mesh(mesh)
+    except ValueError as exc:
+        return str(exc).splitlines()[0]
 
 
 def _results(
