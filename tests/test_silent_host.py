@@ -4,6 +4,7 @@ while the others' results print."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -146,3 +147,33 @@ def test_run_preflight_names_a_silent_host(
     assert result.code != 0
     assert "w1" in result.err and "started" not in result.out
     assert result.seconds < 9
+
+
+def test_sync_names_a_silent_host(
+    make_ssh_pod: Callable[..., Pod], unplug: Callable[[int], None], tmp_path: Path
+) -> None:
+    pod = make_ssh_pod(2)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.py").write_text("print('v1')\n")
+    env = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.com",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.com",
+        "PATH": os.environ["PATH"],
+    }
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "v1"]):
+        subprocess.run(["git", "-C", str(repo), *argv], check=True, env=env)
+    unplug(SILENT)
+    started = time.monotonic()
+    proc = subprocess.run(
+        tpupod_argv("sync", "--pod", pod.name, "--from-local", "--dir", "code"),
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 255, proc.stderr
+    assert "unreachable" in next(line for line in proc.stderr.splitlines() if line[:2] == "w1")
+    assert time.monotonic() - started < 9

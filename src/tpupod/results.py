@@ -134,6 +134,25 @@ class FanoutResult:
         return self
 
 
+def chain(earlier: FanoutResult, later: FanoutResult) -> FanoutResult:
+    """One result for a step run on the workers ``earlier`` left standing: each worker's row
+    from the later step where it took part, else its (failed) row from the earlier one, so
+    a worker that dropped out on the way is still reported (and counts as failing first)."""
+    rows = {r.worker.id: r for r in earlier.workers} | {r.worker.id: r for r in later.workers}
+    order = [
+        *earlier.failure_order,
+        *(w for w in later.failure_order if w not in earlier.failure_order),
+    ]
+    return FanoutResult(
+        command=later.command or earlier.command,
+        workers=[rows[w] for w in sorted(rows)],
+        elapsed=earlier.elapsed + later.elapsed,
+        failure_order=order,
+        timed_out=earlier.timed_out or later.timed_out,
+        interrupt_signal=later.interrupt_signal or earlier.interrupt_signal,
+    )
+
+
 def result_to_json(result: FanoutResult) -> dict[str, object]:
     """A result as plain JSON (the connection holder sends it to the CLI)."""
     return {

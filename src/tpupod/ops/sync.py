@@ -23,7 +23,7 @@ from tpupod.errors import TpupodError, UsageError
 from tpupod.fanout import Interrupt, execute_async
 from tpupod.ops.transfer import put
 from tpupod.pod import Pod, Worker
-from tpupod.results import FanoutResult
+from tpupod.results import FanoutResult, chain
 from tpupod.transport import Connector
 from tpupod.workerrun import LineHandler
 
@@ -163,14 +163,14 @@ async def sync_local(
         return SyncResult(probe, {}, head)
     bases = {r.last_line for r in probe.workers if r.ok}
     if bases == {head}:
-        return SyncResult(probe, {w.id: head for w in selected}, head)
+        return SyncResult(probe, {r.worker.id: head for r in probe.workers if r.ok}, head)
     with tempfile.TemporaryDirectory(prefix="tpupod-sync-") as tmp:
         bundle = Path(tmp) / "head.bundle"
         _bundle(repo, bundle, bases)
         remote_bundle = f"{directory.rstrip('/')}.tpupod-sync.bundle"
         sent = await put(pod, bundle, remote_bundle, workers=selected, connector=connector)
     if not sent.ok:
-        return SyncResult(sent, {}, head)
+        return SyncResult(chain(probe, sent), {}, head)
     before = BUNDLE_PATH.format(bundle=shell_path(remote_bundle))
     script = CHECKOUT.format(
         before=before, dir=quoted_dir, fetch=FETCH_BUNDLE, marker=COMMIT_MARKER
@@ -184,7 +184,7 @@ async def sync_local(
         interrupt=interrupt,
         timeout=timeout,
     )
-    return SyncResult(result, _commits(result), head)
+    return SyncResult(chain(probe, result), _commits(result), head)
 
 
 def _bundle(repo: Path, bundle: Path, bases: set[str]) -> None:
