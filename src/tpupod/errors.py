@@ -8,7 +8,9 @@ translated into these at the seam where they arise, chained with ``from``.
     TpupodError                  exit 1
     ├── UsageError               exit 2   bad flags or arguments
     │   ├── SpecError            exit 2   a pod spec file that does not validate
-    │   └── BenchConfigError     exit 2   a checkpoint benchmark config that does not validate
+    │   ├── BenchConfigError     exit 2   a checkpoint benchmark config that does not validate
+    │   └── ExtractError         exit 2   extraction input or output that cannot be used
+    │       └── DataError        exit 2   a data file: malformed lines (--strict), duplicate ids
     ├── StateError               exit 1   the state directory: unknown pod, exists, corrupt
     │   ├── PodNotFound
     │   └── PodExists
@@ -53,6 +55,14 @@ class UsageError(TpupodError):
 
 class SpecError(UsageError):
     """A pod spec (tpupod.yaml or flags) does not validate."""
+
+
+class ExtractError(UsageError):
+    """``tpupod extract`` was given input or an output folder it cannot use."""
+
+
+class DataError(ExtractError):
+    """A data file that cannot be extracted from: malformed lines, duplicate ids, no samples."""
 
 
 class BenchConfigError(UsageError):

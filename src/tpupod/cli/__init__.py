@@ -100,8 +100,9 @@ def command(name: str, **settings: object) -> Callable[[Callable[P, R]], Callabl
 
 def main() -> None:
     """The console script: load the command modules and run."""
-    from tpupod.cli import exec as _exec  # noqa: F401  (registers its commands)
     from tpupod.cli import bench as _bench  # noqa: F401
+    from tpupod.cli import exec as _exec  # noqa: F401  (registers its commands)
+    from tpupod.cli import extract as _extract  # noqa: F401
     from tpupod.cli import ops as _ops  # noqa: F401
     from tpupod.cli import pods as _pods  # noqa: F401
     from tpupod.cli import run as _run  # noqa: F401

@@ -1,0 +1,241 @@
+"""``tpupod extract`` (layer activations of a dataset, on one machine or every worker of a
+pod) and ``tpupod extract convert-arc`` (ARC tasks to JSONL prompts)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from tpupod.cli import command
+from tpupod.cli.options import PodOption
+from tpupod.errors import ExtractError
+
+if TYPE_CHECKING:
+    from tpupod.extract.runner import ExtractOptions
+
+FINAL_EXCHANGE_S = 7 * 24 * 3600.0  # hosts finish their shards at their own pace
+
+
+def _mesh(text: str) -> tuple[int, int]:
+    parts = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
+    try:
+        mesh = int(parts.pop("data", 1)), int(parts.pop("model", 1))
+    except ValueError:
+        mesh = (0, 0)
+    if parts or min(mesh) < 1 or text.count("=") != text.count(",") + 1:
+        raise ExtractError(f"bad --mesh {text!r}", hint="e.g. --mesh data=2,model=1")
+    return mesh
+
+
+@command("extract")
+def extract(
+    args: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[LAYER... | convert-arc SRC OUT.jsonl]",
+            help="More layers after --layers, or the convert-arc command.",
+            show_default=False,
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Checkpoint folder or gs:// URL.")
+    ] = None,
+    data: Annotated[
+        str | None, typer.Option("--data", help="JSONL file or folder (plain or .gz), or gs://.")
+    ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            "--layers", help="Hidden states to save, e.g. '15 16' or 15,16 (0 = embeddings)."
+        ),
+    ] = None,
+    out: Annotated[
+        str | None, typer.Option("--out", help="Output folder or gs://BUCKET/PREFIX.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Samples per step.")] = 8,
+    max_length: Annotated[int, typer.Option("--max-length", help="Tokens kept per sample.")] = 512,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
+    mesh: Annotated[
+        str, typer.Option("--mesh", help="Each host's devices as data=D,model=M.")
+    ] = "data=1,model=1",
+    max_samples: Annotated[
+        int | None,
+        typer.Option("--max-samples", help="Only the first N samples.", show_default=False),
+    ] = None,
+    generate: Annotated[
+        int, typer.Option("--generate", help="Also write each sample's N-token completion.")
+    ] = 0,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="With --generate: 0 is greedy.")
+    ] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="With --generate: the sampling seed.")] = 0,
+    shard_samples: Annotated[
+        int, typer.Option("--shard-samples", help="Samples per output shard.")
+    ] = 256,
+    strict: Annotated[bool, typer.Option("--strict", help="A malformed line is fatal.")] = False,
+    pod: PodOption = None,
+) -> None:
+    """Save chosen layers' activations of every sample, resumably, in safetensors shards;
+    or 'tpupod extract convert-arc SRC OUT.jsonl' (ARC tasks to JSONL prompts).
+
+    With --pod, every worker runs its share (by a hash of each id) under
+    'tpupod run'; without it, this machine does all. A rerun resumes: it skips
+    every committed shard. Read the output with tpupod.extract.open(OUT).
+
+    Examples:
+
+      tpupod extract --model ./qwen --data prompts.jsonl --layers 15 16 --out acts
+
+      tpupod extract --pod dev --model gs://b/qwen --data gs://b/arc.jsonl --layers 12 --out gs://b/acts
+
+      tpupod extract convert-arc arc_format_train.json arc.jsonl
+    """
+    if args and args[0] == "convert-arc":
+        _convert_arc(args[1:])
+        return
+    missing = [
+        n
+        for n, v in (("--model", model), ("--data", data), ("--layers", layers), ("--out", out))
+        if not v
+    ]
+    if missing:
+        raise ExtractError(f"missing {', '.join(missing)}", hint="see 'tpupod extract --help'")
+    from tpupod.extract.runner import ExtractOptions
+
+    assert model and data and layers and out
+    options = ExtractOptions(
+        model=model,
+        data=data,
+        layers=_layers(" ".join([layers, *(args or [])])),
+        out=out,
+        batch_size=batch_size,
+        max_length=max_length,
+        dtype=dtype,
+        mesh=_mesh(mesh),
+        max_samples=max_samples,
+        generate=generate,
+        temperature=temperature,
+        seed=seed,
+        shard_samples=shard_samples,
+        strict=strict,
+    )
+    if pod is not None:
+        raise typer.Exit(_on_pod(pod, options))
+    _here(options)
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.replace(",", " ").split())
+    except ValueError:
+        raise ExtractError(
+            f"bad --layers {text!r}", hint="integers, e.g. --layers '15 16'"
+        ) from None
+
+
+def _worker_argv(options: ExtractOptions) -> list[str]:
+    """The same extraction, as each worker runs it."""
+    argv = [sys.executable, "-m", "tpupod", "extract"]
+    argv += ["--model", options.model, "--data", options.data, "--out", options.out]
+    argv += ["--layers", ",".join(map(str, options.layers))]
+    argv += ["--batch-size", str(options.batch_size), "--max-length", str(options.max_length)]
+    argv += ["--dtype", options.dtype, "--mesh", f"data={options.mesh[0]},model={options.mesh[1]}"]
+    argv += ["--generate", str(options.generate), "--temperature", str(options.temperature)]
+    argv += ["--seed", str(options.seed), "--shard-samples", str(options.shard_samples)]
+    if options.max_samples is not None:
+        argv += ["--max-samples", str(options.max_samples)]
+    if options.strict:
+        argv.append("--strict")
+    return argv
+
+
+def _on_pod(pod: str, options: ExtractOptions) -> int:
+    """Check the input here first (one clear error, nothing started), then launch everywhere."""
+    from tpupod.cli.running import run_live
+    from tpupod.extract.runner import prepare
+    from tpupod.launch.run import run as launch_run
+    from tpupod.report import print_summary
+    from tpupod.state import StateDir
+
+    prepare(options, say=lambda line: None)
+    target = StateDir().resolve(pod)
+    workers = target.select(None)
+    line = shlex.join(_worker_argv(options))
+    if not options.out.startswith(("/", "gs://")) and "://" not in options.out:
+        line = shlex.join(_worker_argv(_absolute(options)))
+    result = run_live(
+        workers,
+        False,
+        lambda live: launch_run(
+            target,
+            line,
+            workers=workers,
+            on_line=live.on_line,
+            on_notice=live.on_notice,
+            interrupt=live.interrupt,
+        ),
+    )
+    print_summary(result.fanout, sys.stderr, title=f"extract {result.launch.launch_id}")
+    return result.fanout.exit_code()
+
+
+def _absolute(options: ExtractOptions) -> ExtractOptions:
+    import dataclasses
+
+    def fix(p: str) -> str:
+        return p if "://" in p else str(Path(p).absolute())
+
+    return dataclasses.replace(
+        options, model=fix(options.model), data=fix(options.data), out=fix(options.out)
+    )
+
+
+def _here(options: ExtractOptions) -> None:
+    """This process's part: all of it alone, or its share as a worker of 'tpupod run'."""
+    import dataclasses
+
+    from tpupod.extract import runner
+    from tpupod.launch.identity import worker
+
+    identity = worker()
+    say = _say
+    if identity.count > 1:
+        from tpupod.launch.client import client
+
+        client()  # connect now: a failure from here on reaches the launcher at once
+    stats = runner.extract_here(options, say, identity.id, identity.count)
+    rows = [dataclasses.asdict(stats)]
+    if identity.count > 1:
+        from tpupod.launch.client import client
+
+        values = client().exchange("extract_done", rows[0], FINAL_EXCHANGE_S)
+        rows = [values[k] for k in sorted(values)]
+    if identity.id != 0:
+        return
+    prepared = runner.prepare(options, say=lambda line: None)
+    samples = runner.merge_manifests(options, prepared)
+    for line in runner.stats_table(rows):
+        say(line)
+    say(f"{samples} samples in {options.out} (tpupod.extract.open to read them)")
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _convert_arc(paths: list[str]) -> None:
+    """ARC tasks (a JSON file of tasks, a task file, or a folder) to JSONL prompts, one per
+    test input; the rendering is stable (tpupod.extract.arc), expected outputs go in "answer"."""
+    from tpupod.extract.arc import convert
+
+    if len(paths) != 2:
+        raise ExtractError(
+            "convert-arc takes SRC and OUT.jsonl",
+            hint="tpupod extract convert-arc arc_format_train.json arc.jsonl",
+        )
+    n = convert(Path(paths[0]), Path(paths[1]))
+    print(f"{n} samples written to {paths[1]}")

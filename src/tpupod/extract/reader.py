@@ -1,0 +1,148 @@
+"""Read an extraction back: ``tpupod.extract.open(PATH)`` (a folder or a gs:// prefix).
+
+The merged ``manifest.json`` says where each sample is; a run still going (or
+killed) has no merged manifest yet, so the committed shards' manifests are
+read instead. Local shards are memory-mapped (a layer of a shard is one
+``np.memmap`` into the safetensors file, no copy); remote shards are fetched
+once each and kept.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tpupod.errors import ExtractError
+from tpupod.extract import shards
+from tpupod.extract.store import Store, open_store
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "I64": "int64"}
+
+
+class Dataset:
+    """Activations by sample id: ``ids``, ``layers``, ``activations``, ``tokens``,
+    ``completion``, and ``layer(shard, layer)`` for bulk reads."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        entries = _entries(store)
+        if not entries:
+            raise ExtractError(
+                f"no extraction output at {store.url}", hint="give the --out of 'tpupod extract'"
+            )
+        self.shards: list[dict[str, Any]] = entries
+        self.layers: list[int] = list(entries[0]["layers"])
+        self.dtype: str = entries[0]["dtype"]
+        self._where: dict[str, tuple[int, int]] = {}
+        for n, entry in enumerate(entries):
+            for i, sample_id in enumerate(entry["ids"]):
+                self._where[sample_id] = (n, i)
+        self.ids: list[str] = list(self._where)
+        self._files: dict[int, _SafetensorsFile] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def activations(self, sample_id: str, layer: int) -> np.ndarray:
+        """``[tokens, d_model]``: that sample's real tokens at hidden state ``layer``."""
+        n, i = self._find(sample_id)
+        if layer not in self.layers:
+            raise ExtractError(f"layer {layer} was not extracted", hint=f"one of {self.layers}")
+        entry = self.shards[n]
+        return self._file(n).tensor(f"hidden.{layer}")[
+            entry["offsets"][i] : entry["offsets"][i + 1]
+        ]
+
+    def tokens(self, sample_id: str) -> np.ndarray:
+        n, i = self._find(sample_id)
+        entry = self.shards[n]
+        return self._file(n).tensor("tokens")[entry["offsets"][i] : entry["offsets"][i + 1]]
+
+    def completion(self, sample_id: str) -> str:
+        n, i = self._find(sample_id)
+        completions = self.shards[n].get("completions")
+        if completions is None:
+            raise ExtractError(
+                "this extraction has no completions", hint="extract with --generate N"
+            )
+        return str(completions[i])
+
+    def layer(self, shard: int, layer: int) -> np.ndarray:
+        """All of one shard's tokens at ``layer`` (memory-mapped when local); rows per sample
+        are given by ``self.shards[shard]["offsets"]``."""
+        return self._file(shard).tensor(f"hidden.{layer}")
+
+    def _find(self, sample_id: str) -> tuple[int, int]:
+        try:
+            return self._where[sample_id]
+        except KeyError:
+            raise ExtractError(f"no sample {sample_id!r}", hint="see ds.ids") from None
+
+    def _file(self, n: int) -> _SafetensorsFile:
+        if n not in self._files:
+            name = self.shards[n]["file"]
+            local = self._store.local_path(name)
+            raw = None if local is not None else self._store.read(name)
+            self._files[n] = _SafetensorsFile(local, raw)
+        return self._files[n]
+
+
+def _entries(store: Store) -> list[dict[str, Any]]:
+    merged = store.read(shards.MANIFEST_FILE)
+    if merged is not None:
+        return list(json.loads(merged)["shards"])
+    found = []
+    for name in store.names():
+        if name.startswith("shard-") and name.endswith(".json"):
+            raw = store.read(name)
+            if raw is not None:
+                found.append(json.loads(raw))
+    return sorted(found, key=lambda e: int(e["shard"]))
+
+
+class _SafetensorsFile:
+    """Tensors of one safetensors file as numpy views: an ``np.memmap`` of a local
+    file, or slices of the bytes of a fetched one."""
+
+    def __init__(self, path: Path | None, raw: bytes | None) -> None:
+        if path is not None:
+            with path.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = f.read(size)
+            self.data: np.ndarray = np.memmap(path, np.uint8, "r", offset=8 + size)
+        else:
+            raw = raw or b""
+            (size,) = struct.unpack("<Q", raw[:8])
+            header = raw[8 : 8 + size]
+            self.data = np.frombuffer(raw, np.uint8, offset=8 + size)
+        self.header: dict[str, Any] = json.loads(header)
+        self.header.pop("__metadata__", None)
+
+    def tensor(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_DTYPES[info["dtype"]]) if info["dtype"] != "BF16" else _bf16()
+        view: np.ndarray = self.data[start:end].view(dtype).reshape(info["shape"])
+        return view
+
+
+def _bf16() -> np.dtype[Any]:
+    import ml_dtypes
+
+    bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return bf16
+
+
+def open(path: str) -> Dataset:
+    """Open an extraction's output folder or ``gs://`` prefix."""
+    return Dataset(open_store(path) if "://" in path else _existing(path))
+
+
+def _existing(path: str) -> Store:
+    if not Path(path).is_dir():
+        raise ExtractError(f"no folder {path}", hint="give the --out of 'tpupod extract'")
+    return open_store(path)

@@ -1,0 +1,270 @@
+"""One host's part of an extraction: check everything, load the model, compute its
+shards that are not yet committed, and (worker 0) merge the manifests.
+
+Every host holds a whole copy of the model on its own devices (``--mesh``
+splits those) and computes its shards alone: there is no collective between
+hosts, so no host can hang another by compiling a different program, and a
+shard's bytes do not depend on how many hosts run. Hosts meet only through
+the rendezvous of ``tpupod run``: at the start, and at the end, where
+worker 0 merges the manifests and prints a per-host table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tpupod.errors import CheckpointError, ExtractError
+from tpupod.extract import plan, shards
+from tpupod.extract.data import Sample, read_samples
+from tpupod.extract.progress import HostStats, Progress
+from tpupod.extract.store import LocalStore, Store, Writer, open_store
+
+Say = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractOptions:
+    """What ``tpupod extract`` was asked for."""
+
+    model: str
+    data: str
+    layers: tuple[int, ...]
+    out: str
+    batch_size: int = 8
+    max_length: int = 512
+    dtype: str = "float32"
+    mesh: tuple[int, int] = (1, 1)
+    max_samples: int | None = None
+    generate: int = 0
+    temperature: float = 0.0
+    seed: int = 0
+    shard_samples: int = 256
+    strict: bool = False
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Checked inputs: samples, the model's folder and config, the run's identity."""
+
+    samples: list[Sample]
+    folder: Path
+    config: shards.RunConfig
+
+
+def prepare(options: ExtractOptions, say: Say) -> Prepared:
+    """Every check that needs no compute, before anything is written."""
+    _check_numbers(options)
+    read = read_samples(options.data, options.strict, on_skip=say)
+    samples = read.samples[: options.max_samples]
+    folder, config_hash, hidden_states = _checkpoint(options.model)
+    check_layers(options.layers, hidden_states)
+    config = shards.RunConfig(
+        model=options.model.rstrip("/").rsplit("/", 1)[-1],
+        config_hash=config_hash,
+        data_hash=read.digest,
+        layers=options.layers,
+        dtype=options.dtype,
+        max_length=options.max_length,
+        batch_size=options.batch_size,
+        shard_samples=options.shard_samples,
+        max_samples=options.max_samples,
+        generate=options.generate,
+        temperature=options.temperature,
+        seed=options.seed,
+    )
+    return Prepared(samples, folder, config)
+
+
+def _check_numbers(options: ExtractOptions) -> None:
+    for name, value in (
+        ("--batch-size", options.batch_size),
+        ("--max-length", options.max_length),
+        ("--shard-samples", options.shard_samples),
+    ):
+        if value < 1:
+            raise ExtractError(f"{name} must be at least 1", hint=f"give a positive {name}")
+    if options.shard_samples % options.batch_size:
+        raise ExtractError(
+            f"--shard-samples {options.shard_samples} is not a multiple of --batch-size "
+            f"{options.batch_size}",
+            hint="full batches make every step the same program",
+        )
+    if not options.layers:
+        raise ExtractError("no --layers given", hint="e.g. --layers 15 16 (0 = embeddings)")
+    if options.dtype not in ("float32", "bfloat16"):
+        raise ExtractError(f"unsupported --dtype {options.dtype}", hint="float32 or bfloat16")
+
+
+def _checkpoint(model: str) -> tuple[Path, str, int]:
+    """The local checkpoint folder, the hash of its config, its number of hidden states."""
+    from tpupod.model import loading
+
+    try:
+        folder = loading.localize(model)
+        config = loading.read_config(folder)
+    except CheckpointError as exc:
+        raise ExtractError(exc.message, exc.hint) from exc
+    digest = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
+    return folder, digest, config.num_hidden_states
+
+
+def check_layers(layers: tuple[int, ...], num_hidden_states: int) -> None:
+    bad = [i for i in layers if not 0 <= i < num_hidden_states]
+    if bad:
+        raise ExtractError(
+            f"no layer {bad[0]}: this model has hidden states 0..{num_hidden_states - 1} "
+            f"(0 = embeddings, {num_hidden_states - 1} = after the final norm)",
+            hint=f"choose --layers in 0..{num_hidden_states - 1}",
+        )
+
+
+def open_output(where: str, config: shards.RunConfig) -> Store:
+    """The output store, with ``run.json`` written or checked; leftovers of a killed run removed."""
+    store = open_store(where)
+    shards.check_run(store.read(shards.RUN_FILE), config, store.url)
+    if isinstance(store, LocalStore):
+        store.remove_staged()
+    store.write(shards.RUN_FILE, config.to_json())
+    return store
+
+
+def todo(prepared: Prepared, store: Store, host: int, hosts: int) -> list[plan.ShardPlan]:
+    """This host's shards that are not committed yet."""
+    mine = plan.for_host(
+        plan.plan_shards(prepared.samples, prepared.config.shard_samples), host, hosts
+    )
+    present = set(store.names())
+    left = []
+    for shard in mine:
+        _, manifest = shards.files_of(shard.index)
+        if manifest not in present or not shards.committed(store.read(manifest), prepared.config):
+            left.append(shard)
+    return left
+
+
+class Extractor:
+    """The loaded model and the per-shard compute."""
+
+    def __init__(self, prepared: Prepared, options: ExtractOptions) -> None:
+        import jax
+
+        from tpupod.model import load_model, make_mesh
+
+        data, model_axis = options.mesh
+        mesh = None
+        if data * model_axis > 1:
+            mesh = make_mesh(data, model_axis, devices=jax.local_devices()[: data * model_axis])
+        self.model = load_model(prepared.folder, dtype=options.dtype, mesh=mesh)
+        self.options = options
+        self.config = prepared.config
+        assert self.model.tokenizer is not None
+        self.tokenizer = self.model.tokenizer
+
+    def tokens(self, sample: Sample) -> np.ndarray:
+        if sample.messages is not None:
+            text = self.tokenizer.apply_chat_template(list(sample.messages))
+        else:
+            text = sample.text or ""
+        ids = self.tokenizer.encode(text)[: self.options.max_length] or [self._filler()]
+        return np.asarray(ids, np.int32)
+
+    def _filler(self) -> int:
+        return self.tokenizer.pad_id or 0
+
+    def shard(
+        self, shard: plan.ShardPlan, on_batch: Callable[[int, int], None]
+    ) -> shards.ShardResult:
+        """Compute one shard: fixed-size batches, shortest samples first."""
+        toks = [self.tokens(s) for s in shard.samples]
+        order: list[int] = []
+        hidden: dict[int, list[np.ndarray]] = {layer: [] for layer in self.options.layers}
+        completions: list[str] = []
+        completion_tokens: list[list[int]] = []
+        for batch in plan.batches([len(t) for t in toks], self.options.batch_size):
+            rows = [toks[i].tolist() for i in batch]
+            rows += [[self._filler()]] * (self.options.batch_size - len(rows))  # fixed shape
+            out = self.model.forward(rows, layers=list(self.options.layers), logits="none")
+            _, states = out.numpy()
+            for r, i in enumerate(batch):
+                for layer in self.options.layers:
+                    hidden[layer].append(np.ascontiguousarray(states[layer][r, : len(toks[i])]))
+            if self.options.generate:
+                gen = self.model.generate(
+                    rows,
+                    max_new_tokens=self.options.generate,
+                    temperature=self.options.temperature,
+                    seed=self.options.seed + shard.index,
+                )
+                completions += [gen.texts[r] if gen.texts else "" for r in range(len(batch))]
+                completion_tokens += gen.tokens[: len(batch)]
+            order += batch
+            on_batch(len(batch), sum(len(toks[i]) for i in batch))
+        return shards.ShardResult(
+            shard.index,
+            [shard.samples[i].id for i in order],
+            [toks[i] for i in order],
+            hidden,
+            completions if self.options.generate else None,
+            completion_tokens if self.options.generate else None,
+        )
+
+
+def extract_here(options: ExtractOptions, say: Say, host: int = 0, hosts: int = 1) -> HostStats:
+    """This host's whole part: prepare, compute its shards, write them; returns its stats."""
+    prepared = prepare(options, say if host == 0 else lambda line: None)
+    extractor = Extractor(prepared, options)
+    store = open_output(options.out, prepared.config)
+    left = todo(prepared, store, host, hosts)
+    total = sum(len(s.samples) for s in left)
+    progress = Progress(host, total, say if host == 0 else None)
+    writer = Writer(store, progress.written)
+    progress.pending = lambda: writer.pending
+    for shard in left:
+        result = extractor.shard(shard, progress.step)
+        tensors, manifest = shards.encode(result, prepared.config)
+        safetensors_name, manifest_name = shards.files_of(shard.index)
+        writer.put([(safetensors_name, tensors), (manifest_name, manifest)])  # manifest last
+        progress.shard_done()
+    writer.close()
+    return progress.finish()
+
+
+def merge_manifests(options: ExtractOptions, prepared: Prepared) -> int:
+    """Write ``manifest.json`` from every shard's manifest; the number of samples in it."""
+    store = open_store(options.out)
+    planned = plan.plan_shards(prepared.samples, prepared.config.shard_samples)
+    manifests = []
+    missing = []
+    for shard in planned:
+        raw = store.read(shards.files_of(shard.index)[1])
+        if raw is None or not shards.committed(raw, prepared.config):
+            missing.append(shard.name)
+        else:
+            manifests.append(raw)
+    if missing:
+        raise ExtractError(
+            f"{len(missing)} shards are not in {store.url} (first: {missing[0]})",
+            hint="every host must write to the same place (gs://...), or rerun to resume",
+        )
+    store.write(shards.MANIFEST_FILE, shards.merge(prepared.config, manifests))
+    return len(prepared.samples)
+
+
+def stats_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The per-host summary, one line per host."""
+    lines = [
+        f"{'host':<6}{'samples':>9}{'tokens':>10}{'MB written':>12}{'seconds':>9}{'tok/s':>10}"
+    ]
+    for r in rows:
+        rate = r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0
+        lines.append(
+            f"w{r['host']:<5}{r['samples']:>9}{r['tokens']:>10}{r['bytes'] / 1e6:>12.1f}"
+            f"{r['seconds']:>9.1f}{rate:>10.0f}"
+        )
+    return lines

@@ -1,0 +1,298 @@
+"""``tpupod extract``: data checks, ARC prompts, shards by hash of id, the output format,
+resume after ``kill -9``, a 2-worker pod equal to one process bit for bit, and the
+reader, against transformers' hidden states on the tiny fixtures."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tpupod.extract
+from tests.conftest import CliResult, pod_processes, tpupod_argv, wait_until_gone
+from tpupod.errors import DataError, ExtractError
+from tpupod.extract import arc, plan
+from tpupod.extract.data import Sample, read_samples
+from tpupod.pod import Pod
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN2 = FIXTURES / "qwen2-tiny"
+LAYERS = ("0", "1", "3")
+F32_ATOL = 1e-4  # tests/test_model.py's tolerance against transformers
+
+
+def _reference(family: str) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+    folder = FIXTURES / f"{family}-tiny"
+    return json.loads((folder / "reference.json").read_text()), dict(
+        np.load(folder / "reference.npz")
+    )
+
+
+def _write_data(path: Path, extra: int = 60) -> Path:
+    """The fixtures' reference prompts (s0..s2), their chat, and ``extra`` varied texts."""
+    meta, _ = _reference("qwen2")
+    lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(meta["prompts"])]  # type: ignore[arg-type]
+    lines.append({"id": "chat", "messages": meta["chat_messages"]})
+    words = ["run", "the", "same", "program", "on", "every", "host", "in", "lockstep", "and"]
+    for i in range(extra):
+        lines.append({"id": f"x{i}", "text": " ".join(words[: 1 + i % len(words)] * (1 + i % 2))})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _args(data: Path, out: Path, *more: str) -> list[str]:
+    return [
+        "extract", "--model", str(QWEN2), "--data", str(data), "--layers", *LAYERS,
+        "--out", str(out), "--batch-size", "4", "--shard-samples", "8", *more,
+    ]  # fmt: skip
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _ok(result: CliResult) -> CliResult:
+    assert result.code == 0, result.err + result.out
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One uninterrupted single-process extraction: (its data file, its output folder)."""
+    folder = tmp_path_factory.mktemp("extract")
+    data = _write_data(folder / "data.jsonl")
+    out = folder / "out"
+    proc = subprocess.run(tpupod_argv(*_args(data, out)), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "64 samples in" in proc.stdout
+    return data, out
+
+
+# ---- data --------------------------------------------------------------------------
+
+
+def test_reads_text_and_messages_plain_and_gzip_and_names_bad_lines(tmp_path: Path) -> None:
+    good = [{"id": "a", "text": "hi"}, {"id": 7, "messages": [{"role": "user", "content": "x"}]}]
+    body = "\n".join([json.dumps(good[0]), "{not json", json.dumps(good[1]), '{"id": "b"}'])
+    (tmp_path / "one.jsonl").write_text(body + "\n")
+    (tmp_path / "two.jsonl.gz").write_bytes(gzip.compress(b'{"id": "c", "text": "z"}\n'))
+    skipped: list[str] = []
+    read = read_samples(str(tmp_path), on_skip=skipped.append)
+    assert [s.id for s in read.samples] == ["a", "7", "c"]
+    assert read.samples[1].messages == ({"role": "user", "content": "x"},)
+    assert [line.split(": ", 1)[0] for line in skipped] == [
+        f"skipped {tmp_path}/one.jsonl:2",
+        f"skipped {tmp_path}/one.jsonl:4",
+    ]
+    assert "exactly one of" in skipped[1]
+    with pytest.raises(DataError, match=r"one\.jsonl:2: "):
+        read_samples(str(tmp_path), strict=True)
+    again = read_samples(str(tmp_path), on_skip=lambda line: None)
+    assert again.digest == read.digest
+    (tmp_path / "two.jsonl.gz").write_bytes(gzip.compress(b'{"id": "c", "text": "Z"}\n'))
+    assert read_samples(str(tmp_path), on_skip=lambda line: None).digest != read.digest
+
+
+def test_duplicate_ids_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"id": "a", "text": "1"}\n{"id": "b", "text": "2"}\n{"id": "a", "text": "3"}\n'
+    )
+    with pytest.raises(DataError, match="duplicate sample ids: 'a'"):
+        read_samples(str(path))
+
+
+BAD_INPUT = {
+    "malformed line with --strict": (
+        lambda d: d.write_text('{"id": "a", "text": "1"}\n[1, 2]\n'),
+        ["--strict"],
+        "data.jsonl:2: a line must be a JSON object",
+    ),
+    "duplicate ids": (
+        lambda d: d.write_text('{"id": "a", "text": "1"}\n{"id": "a", "text": "2"}\n'),
+        [],
+        "duplicate sample ids: 'a'",
+    ),
+    "unknown layer": (
+        lambda d: d.write_text('{"id": "a", "text": "1"}\n'),
+        ["--layers", "9"],
+        "no layer 9: this model has hidden states 0..3",
+    ),
+    "not a checkpoint": (
+        lambda d: d.write_text('{"id": "a", "text": "1"}\n'),
+        ["--model", str(FIXTURES)],
+        "has no config.json",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_error_line_with_a_hint_and_nothing_written(
+    case: str, tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    write, more, message = BAD_INPUT[case]
+    data = tmp_path / "data.jsonl"
+    write(data)
+    out = tmp_path / "out"
+    args = ["extract", "--model", str(QWEN2), "--data", str(data), "--layers", "1"]
+    result = cli(*args, "--out", str(out), *more)
+    assert result.code == 2, result.err
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: ")
+    assert message in lines[0]
+    assert not out.exists()
+
+
+# ---- ARC ----------------------------------------------------------------------------
+
+
+def test_arc_tasks_become_stable_prompts(tmp_path: Path, cli: Callable[..., CliResult]) -> None:
+    task = {
+        "train": [{"input": [[0, 1], [1, 0]], "output": [[1, 0], [0, 1]]}],
+        "test": [{"input": [[2, 0]], "output": [[0, 2]]}, {"input": [[3]]}],
+    }
+    src = tmp_path / "arc.json"
+    src.write_text(json.dumps({"t2": task, "t1": {**task, "test": task["test"][:1]}}))
+    out = tmp_path / "arc.jsonl"
+    assert _ok(cli("extract", "convert-arc", str(src), str(out))).out == (
+        f"3 samples written to {out}\n"
+    )
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["t1", "t2-0", "t2-1"]
+    assert lines[0]["answer"] == "0 2" and "answer" not in lines[2]
+    assert lines[0]["text"] == (
+        f"{arc.INTRO}\n\nExample 1\nInput:\n0 1\n1 0\nOutput:\n1 0\n0 1\n\n"
+        "Test input:\n2 0\nTest output:\n"
+    )
+    src.write_text(json.dumps({"t": {"train": [], "test": [{"input": [[10]]}]}}))
+    bad = cli("extract", "convert-arc", str(src), str(tmp_path / "x.jsonl"))
+    assert bad.code == 2 and "not grids of digits" in bad.err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+# ---- plan ---------------------------------------------------------------------------
+
+
+def test_shards_do_not_depend_on_the_number_of_hosts() -> None:
+    samples = [Sample(f"id{i}", text="t") for i in range(50)]
+    shards = plan.plan_shards(samples, 8)
+    assert [len(s.samples) for s in shards] == [8] * 6 + [2]
+    assert plan.plan_shards(list(reversed(samples)), 8) == shards  # file order does not matter
+    for hosts in (1, 2, 3, 5):
+        owned = [plan.for_host(shards, h, hosts) for h in range(hosts)]
+        assert sorted(s.index for part in owned for s in part) == list(range(7))
+    assert plan.batches([5, 1, 3, 1], 2) == [[1, 3], [2, 0]]
+
+
+# ---- output and reader ----------------------------------------------------------------
+
+
+@pytest.mark.local
+def test_single_process_output_matches_transformers(reference_run: tuple[Path, Path]) -> None:
+    _, out = reference_run
+    meta, arrays = _reference("qwen2")
+    ds = tpupod.extract.open(str(out))
+    assert len(ds) == 64 and sorted(ds.ids) == sorted(ds.ids) and ds.layers == [0, 1, 3]
+    for i, prompt in enumerate(meta["prompt_ids"]):  # type: ignore[arg-type]
+        assert ds.tokens(f"s{i}").tolist() == prompt
+        for layer in ds.layers:
+            got = ds.activations(f"s{i}", layer)
+            np.testing.assert_allclose(got, arrays[f"hidden_f32_{i}"][layer], atol=F32_ATOL, rtol=0)
+    assert ds.tokens("chat").tolist() == meta["chat_ids"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"] == 64 and len(manifest["shards"]) == 8
+    first = manifest["shards"][0]
+    bulk = ds.layer(0, 1)
+    assert isinstance(bulk, np.memmap) and bulk.shape == (first["offsets"][-1], 64)
+    row = first["ids"].index(first["ids"][-1])
+    np.testing.assert_array_equal(
+        bulk[first["offsets"][row] : first["offsets"][row + 1]], ds.activations(first["ids"][-1], 1)
+    )
+    with pytest.raises(ExtractError, match="has no completions"):
+        ds.completion("s0")
+
+
+def test_two_workers_equal_one_process_bit_for_bit(
+    reference_run: tuple[Path, Path], make_pod: Callable[..., Pod], cli: Callable[..., CliResult],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    data, single = reference_run
+    pod = make_pod(workers=2)
+    out = tmp_path / "out"
+    result = _ok(cli(*_args(data, out), "--pod", pod.name, timeout=120))
+    assert "[w0] w1 " in result.out  # the per-host table lists both hosts
+    assert _files(out) == _files(single)
+
+
+def test_resume_after_kill_9_at_several_points_is_identical(
+    reference_run: tuple[Path, Path], tmp_path: Path, state_home: Path
+) -> None:
+    data, single = reference_run
+    out = tmp_path / "out"
+    for after in (0, 2):  # manifests committed before the kill (0: mid-batch or mid-write)
+        proc = subprocess.Popen(tpupod_argv(*_args(data, out)), stdout=subprocess.DEVNULL)
+        _kill_when(proc, lambda after=after: _staged_or_committed(out) > after)
+    proc = subprocess.run(tpupod_argv(*_args(data, out)), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert _files(out) == _files(single)
+
+
+def test_kill_9_of_a_worker_and_of_the_launcher_then_resume_on_three_workers(
+    reference_run: tuple[Path, Path], make_pod: Callable[..., Pod], cli: Callable[..., CliResult],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    data, single = reference_run
+    two, three = make_pod(workers=2), make_pod(workers=3)
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(
+        tpupod_argv(*_args(data, out), "--pod", two.name), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    _kill_when(launcher, lambda: _committed(out) >= 1)
+    assert not wait_until_gone(two.name, timeout=10), "workers outlived their launcher"
+    launcher = subprocess.Popen(
+        tpupod_argv(*_args(data, out), "--pod", two.name), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    before = _committed(out)
+    deadline = time.monotonic() + 60
+    while _committed(out) <= before and time.monotonic() < deadline:
+        time.sleep(0.005)
+    workers = [p for p in pod_processes(two.name) if "extract" in " ".join(p.cmdline())]
+    victim = next(p for p in workers if p.environ().get("TPUPOD_WORKER_ID") == "1")
+    victim.send_signal(signal.SIGKILL)
+    assert launcher.wait(60) != 0
+    assert not (out / "manifest.json").exists()
+    _ok(cli(*_args(data, out), "--pod", three.name, timeout=120))
+    assert _files(out) == _files(single)
+
+
+def _committed(out: Path) -> int:
+    return len(list(out.glob("shard-*.json"))) if out.is_dir() else 0
+
+
+def _staged_or_committed(out: Path) -> int:
+    if not out.is_dir():
+        return 0
+    return _committed(out) + (1 if list(out.glob(".shard-*")) else 0)
+
+
+def _kill_when(
+    proc: subprocess.Popen[bytes] | subprocess.Popen[str], ready: Callable[[], bool]
+) -> None:
+    """SIGKILL ``proc`` as soon as ``ready()``; fail if it finished first (the kill must land)."""
+    deadline = time.monotonic() + 60
+    while not ready():
+        assert proc.poll() is None, "the run ended before the kill point"
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
