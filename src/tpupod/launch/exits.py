@@ -26,7 +26,9 @@ early waits there for the others, as JAX wants.
 
 Limits: a bare ``raise SystemExit(N)`` (not through ``sys.exit``) is not
 seen as a failure here; such a worker still ends with code N, but only when
-the others do. A failing JAX worker skips ``atexit`` hooks registered before
+the others do. A program that catches the ``SystemExit`` of its own
+``sys.exit(N)`` in the main thread and then ends normally is taken to fail
+with N. A failing JAX worker skips ``atexit`` hooks registered before
 tpupod's (``logging`` is flushed by hand). ``os._exit`` and signals skip every
 hook: the launcher learns of those from the process's exit, and the
 rendezvous from the connection closing without a word.
@@ -39,6 +41,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -58,7 +61,10 @@ class _ExitWatch:
         self.original_exit: Callable[[Any], NoReturn] = sys.exit
 
     def exit(self, status: Any = None) -> NoReturn:
-        """``sys.exit``, remembering the code it gives the process."""
+        """``sys.exit``, remembering the code it gives the process (in another thread it
+        ends only that thread, so it is not remembered)."""
+        if threading.current_thread() is not threading.main_thread():
+            self.original_exit(status)
         if status is None or isinstance(status, int):
             self.code, self.reason = status or 0, f"sys.exit({status})"
         else:  # sys.exit("message"): Python prints it and exits with 1
