@@ -148,7 +148,7 @@ class SshPool:
                 # for timeout_s is not: a host whose network is gone stays silent.
                 if attempt + 1 == attempts or isinstance(exc, TimeoutError):
                     attempts = attempt + 1
-                    raise _unreachable(target, worker, exc, attempts) from exc
+                    raise _unreachable(target, worker, exc, attempts, self.options) from exc
                 delay = min(RETRY_CAP_S, RETRY_BASE_S * 2**attempt)
                 await asyncio.sleep(delay * (0.5 + random.random()))
             except asyncssh.HostKeyNotVerifiable as exc:
@@ -640,9 +640,18 @@ def _failure(
 
 
 def _unreachable(
-    target: SshHost, worker: int | None, exc: BaseException, attempts: int
+    target: SshHost, worker: int | None, exc: BaseException, attempts: int, options: ConnectOptions
 ) -> WorkerError:
     tries = f" after {attempts} tries" if attempts > 1 else ""
+    if isinstance(exc, TimeoutError):
+        return _failure(
+            target,
+            worker,
+            f"cannot connect: no answer in {options.timeout_s:g}s",
+            hint="the host or its network may be down; a slow network can raise "
+            "connect_timeout in the pod spec",
+            unreachable=True,
+        )
     return _failure(
         target,
         worker,
