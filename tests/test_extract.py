@@ -8,10 +8,12 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from tests.conftest import CliResult, pod_processes, tpupod_argv, wait_until_gon
 from tpupod.errors import DataError, ExtractError
 from tpupod.extract import arc, plan
 from tpupod.extract.data import Sample, read_samples
+from tpupod.model import load_model
 from tpupod.pod import Pod
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -36,11 +39,11 @@ def _reference(family: str) -> tuple[dict[str, object], dict[str, np.ndarray]]:
     )
 
 
-def _write_data(path: Path, extra: int = 60) -> Path:
-    """The fixtures' reference prompts (s0..s2), their chat, and ``extra`` varied texts."""
+def _write_data(path: Path, extra: int = 61) -> Path:
+    """The fixtures' reference prompts (s0..s2) and ``extra`` varied texts (at most 32 tokens:
+    two length buckets, so each process compiles two programs)."""
     meta, _ = _reference("qwen2")
     lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(meta["prompts"])]  # type: ignore[arg-type]
-    lines.append({"id": "chat", "messages": meta["chat_messages"]})
     words = ["run", "the", "same", "program", "on", "every", "host", "in", "lockstep", "and"]
     for i in range(extra):
         lines.append({"id": f"x{i}", "text": " ".join(words[: 1 + i % len(words)] * (1 + i % 2))})
@@ -206,7 +209,6 @@ def test_single_process_output_matches_transformers(reference_run: tuple[Path, P
         for layer in ds.layers:
             got = ds.activations(f"s{i}", layer)
             np.testing.assert_allclose(got, arrays[f"hidden_f32_{i}"][layer], atol=F32_ATOL, rtol=0)
-    assert ds.tokens("chat").tolist() == meta["chat_ids"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == 64 and len(manifest["shards"]) == 8
     first = manifest["shards"][0]
@@ -218,6 +220,27 @@ def test_single_process_output_matches_transformers(reference_run: tuple[Path, P
     )
     with pytest.raises(ExtractError, match="has no completions"):
         ds.completion("s0")
+
+
+def test_generate_writes_each_samples_greedy_completion(
+    tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    meta, arrays = _reference("qwen2")
+    data = tmp_path / "data.jsonl"
+    prompts = meta["prompts"][: meta["greedy_prompts"]]  # type: ignore[index]
+    lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(prompts)]
+    lines.append({"id": "chat", "messages": meta["chat_messages"]})  # the chat template applied
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    _ok(cli(*_args(data, out), "--generate", "20", timeout=120))
+    ds = tpupod.extract.open(str(out))
+    stops = set(load_model(QWEN2).stop_tokens)
+    for i in range(len(prompts)):
+        got = ds.completion_tokens(f"s{i}")
+        assert got == arrays["greedy"][i].tolist()[: len(got)]  # transformers' greedy tokens
+        assert len(got) == 20 or got[-1] in stops
+        assert ds.completion(f"s{i}") and isinstance(ds.completion(f"s{i}"), str)
+    assert ds.tokens("chat").tolist() == meta["chat_ids"]
 
 
 def test_two_workers_equal_one_process_bit_for_bit(
@@ -237,7 +260,7 @@ def test_resume_after_kill_9_at_several_points_is_identical(
 ) -> None:
     data, single = reference_run
     out = tmp_path / "out"
-    for after in (0, 2):  # manifests committed before the kill (0: mid-batch or mid-write)
+    for after in (0, 2):  # files staged or committed before the kill
         proc = subprocess.Popen(tpupod_argv(*_args(data, out)), stdout=subprocess.DEVNULL)
         _kill_when(proc, lambda after=after: _staged_or_committed(out) > after)
     proc = subprocess.run(tpupod_argv(*_args(data, out)), capture_output=True, text=True)
@@ -273,6 +296,44 @@ def test_kill_9_of_a_worker_and_of_the_launcher_then_resume_on_three_workers(
     assert not (out / "manifest.json").exists()
     _ok(cli(*_args(data, out), "--pod", three.name, timeout=120))
     assert _files(out) == _files(single)
+
+
+@pytest.fixture
+def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local GCS emulator with bucket ``bkt``; gcsfs (here and in the CLI) talks to it."""
+    from gcp_storage_emulator.server import create_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="bkt")
+    server.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else ~60 s per call
+    import fsspec
+
+    fsspec.config.conf.pop("gcs", None)
+    fs, _ = fsspec.core.url_to_fs("gs://bkt", skip_instance_cache=True)
+    yield fs
+    server.stop()
+
+
+def test_gs_input_and_output_through_a_gcs_emulator(
+    reference_run: tuple[Path, Path], gcs: Any, cli: Callable[..., CliResult]
+) -> None:
+    data, single = reference_run
+    gcs.pipe_file("bkt/in/data.jsonl.gz", gzip.compress(data.read_bytes()))
+    args = _args(data, Path("unused"))
+    args[args.index(str(data))] = "gs://bkt/in/data.jsonl.gz"
+    args[args.index("unused")] = "gs://bkt/acts"
+    _ok(cli(*args, timeout=120))
+    gcs.invalidate_cache()
+    remote = {n.rsplit("/", 1)[-1]: gcs.cat_file(n) for n in gcs.ls("bkt/acts", detail=False)}
+    assert remote == _files(single)
+    ds = tpupod.extract.open("gs://bkt/acts")
+    local = tpupod.extract.open(str(single))
+    assert ds.ids == local.ids
+    np.testing.assert_array_equal(ds.activations("s1", 3), local.activations("s1", 3))
 
 
 def _committed(out: Path) -> int:

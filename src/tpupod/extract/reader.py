@@ -25,7 +25,8 @@ _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32
 
 class Dataset:
     """Activations by sample id: ``ids``, ``layers``, ``activations``, ``tokens``,
-    ``completion``, and ``layer(shard, layer)`` for bulk reads."""
+    ``completion`` and ``completion_tokens`` (with ``--generate``), and
+    ``layer(shard, layer)`` for bulk reads."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
@@ -70,6 +71,11 @@ class Dataset:
                 "this extraction has no completions", hint="extract with --generate N"
             )
         return str(completions[i])
+
+    def completion_tokens(self, sample_id: str) -> list[int]:
+        n, i = self._find(sample_id)
+        self.completion(sample_id)  # says so when there are none
+        return list(self.shards[n]["completion_tokens"][i])
 
     def layer(self, shard: int, layer: int) -> np.ndarray:
         """All of one shard's tokens at ``layer`` (memory-mapped when local); rows per sample
