@@ -17,8 +17,6 @@ from tpupod.errors import ExtractError
 if TYPE_CHECKING:
     from tpupod.extract.runner import ExtractOptions
 
-FINAL_EXCHANGE_S = 7 * 24 * 3600.0  # hosts finish their shards at their own pace
-
 
 def _mesh(text: str) -> tuple[int, int]:
     parts = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
@@ -195,32 +193,9 @@ def _absolute(options: ExtractOptions) -> ExtractOptions:
 
 
 def _here(options: ExtractOptions) -> None:
-    """This process's part: all of it alone, or its share as a worker of 'tpupod run'."""
-    import dataclasses
+    from tpupod.extract.runner import run_worker
 
-    from tpupod.extract import runner
-    from tpupod.launch.identity import worker
-
-    identity = worker()
-    say = _say
-    if identity.count > 1:
-        from tpupod.launch.client import client
-
-        client()  # connect now: a failure from here on reaches the launcher at once
-    stats = runner.extract_here(options, say, identity.id, identity.count)
-    rows = [dataclasses.asdict(stats)]
-    if identity.count > 1:
-        from tpupod.launch.client import client
-
-        values = client().exchange("extract_done", rows[0], FINAL_EXCHANGE_S)
-        rows = [values[k] for k in sorted(values)]
-    if identity.id != 0:
-        return
-    prepared = runner.prepare(options, say=lambda line: None)
-    samples = runner.merge_manifests(options, prepared)
-    for line in runner.stats_table(rows):
-        say(line)
-    say(f"{samples} samples in {options.out} (tpupod.extract.open to read them)")
+    run_worker(options, _say)
 
 
 def _say(line: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from tpupod.extract.progress import HostStats, Progress
 from tpupod.extract.store import LocalStore, Store, Writer, open_store
 
 Say = Callable[[str], None]
+FINAL_EXCHANGE_S = 7 * 24 * 3600.0  # hosts finish their shards at their own pace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,9 +217,17 @@ class Extractor:
         )
 
 
-def extract_here(options: ExtractOptions, say: Say, host: int = 0, hosts: int = 1) -> HostStats:
-    """This host's whole part: prepare, compute its shards, write them; returns its stats."""
+def extract_here(
+    options: ExtractOptions,
+    say: Say,
+    host: int = 0,
+    hosts: int = 1,
+    agree: Callable[[shards.RunConfig], None] = lambda config: None,
+) -> tuple[Prepared, HostStats]:
+    """This host's whole part: prepare, compute its shards, write them. ``agree`` is
+    called with the run's config before any compute (workers check they all have it)."""
     prepared = prepare(options, say if host == 0 else lambda line: None)
+    agree(prepared.config)
     extractor = Extractor(prepared, options)
     store = open_output(options.out, prepared.config)
     left = todo(prepared, store, host, hosts)
@@ -232,7 +242,47 @@ def extract_here(options: ExtractOptions, say: Say, host: int = 0, hosts: int = 
         writer.put([(safetensors_name, tensors), (manifest_name, manifest)])  # manifest last
         progress.shard_done()
     writer.close()
-    return progress.finish()
+    return prepared, progress.finish()
+
+
+def run_worker(options: ExtractOptions, say: Say) -> None:
+    """This process's part: all of it alone, or its share as a worker of ``tpupod run``
+    (``init_jax``, every worker checked to have the same run, stats gathered at the end)."""
+    from tpupod.launch.identity import worker
+
+    identity = worker()
+    if identity.count > 1:
+        from tpupod.launch.jaxinit import init_jax
+
+        init_jax()  # a TPU slice's runtime starts on every host together
+    prepared, stats = extract_here(
+        options, say, identity.id, identity.count, _agree(identity.count)
+    )
+    rows = [dataclasses.asdict(stats)]
+    if identity.count > 1:
+        from tpupod.launch.client import client
+
+        values = client().exchange("extract_done", rows[0], FINAL_EXCHANGE_S)
+        rows = [values[k] for k in sorted(values)]
+    if identity.id != 0:
+        return
+    samples = merge_manifests(options, prepared)
+    for line in stats_table(rows):
+        say(line)
+    say(f"{samples} samples in {options.out} (tpupod.extract.open to read them)")
+
+
+def _agree(hosts: int) -> Callable[[shards.RunConfig], None]:
+    """On a pod, every worker must extract the same run (same data, model, options):
+    a host with another copy of the data would silently write other shards."""
+
+    def agree(config: shards.RunConfig) -> None:
+        if hosts > 1:
+            from tpupod.launch.client import assert_same
+
+            assert_same(json.loads(config.to_json()), "extraction run")
+
+    return agree
 
 
 def merge_manifests(options: ExtractOptions, prepared: Prepared) -> int:
