@@ -11,6 +11,7 @@
 set -euo pipefail
 
 packages=(make procps psmisc git iproute2 util-linux openssh-server openssh-client)
+packages+=(postgresql) # tests/test_jobs.py starts its own PostgreSQL cluster on loopback
 python=${PYTHON:-python3}
 if ! command -v "$python" >/dev/null 2>&1; then
   packages+=(python3 python3-venv)

@@ -22,6 +22,10 @@ translated into these at the seam where they arise, chained with ``from``.
     ├── ModelError               exit 1   the model: bad arguments, generation limits
     │   └── CheckpointError      exit 1   a folder that is not a loadable Qwen checkpoint
     ├── BenchError               exit 1   a checkpoint benchmark that failed or restored wrong data
+    ├── JobError                 exit 1   the job service: a job failed, or the store refused
+    │   ├── JobStoreError        exit 1   the database cannot be opened or reached
+    │   ├── JobNotFound          exit 1   no job by that id
+    │   └── LeaseLost            exit 1   a runner's write was fenced off (a newer attempt owns it)
     └── FanoutFailed             exit N   a fan-out where some worker did not succeed
 """
 
@@ -149,6 +153,22 @@ class CheckpointError(ModelError):
 
 class BenchError(TpupodError):
     """A checkpoint benchmark that did not finish, or whose restored arrays differ."""
+
+
+class JobError(TpupodError):
+    """The job service: a job that failed, or a store that cannot be used."""
+
+
+class JobStoreError(JobError):
+    """The job store's database cannot be opened or reached, or refused a query."""
+
+
+class JobNotFound(JobError):
+    """No job by that id in the store."""
+
+
+class LeaseLost(JobError):
+    """A runner's write was fenced off: its lease on that attempt expired or was taken over."""
 
 
 class FanoutFailed(TpupodError):

@@ -120,3 +120,19 @@ def jax_on_cpu() -> bool:
 def bench_plan() -> str | None:
     """``TPUPOD_BENCH_PLAN``: what ``tpupod bench checkpoint`` asks each worker to run (JSON)."""
     return os.environ.get("TPUPOD_BENCH_PLAN") or None
+
+
+def jobs_db() -> str | None:
+    """``TPUPOD_JOBS_DB``: the job store's URL (``sqlite:///PATH``, ``postgresql://...``)."""
+    return os.environ.get("TPUPOD_JOBS_DB") or None
+
+
+def jobs_token() -> str | None:
+    """``TPUPOD_JOBS_TOKEN``: the job API's bearer token (``tpupod jobs serve`` and clients)."""
+    return os.environ.get("TPUPOD_JOBS_TOKEN") or None
+
+
+def job_code() -> str | None:
+    """``TPUPOD_JOB_CODE``: the Python source (base64) a code job's worker runs; set by the
+    job runner for ``python -m tpupod.jobs.code``."""
+    return os.environ.get("TPUPOD_JOB_CODE") or None

@@ -1,0 +1,317 @@
+"""``tpupod jobs``: submit work to the job store, follow it, and run runners."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from tpupod.cli import app, reporting_errors
+from tpupod.cli.options import PodOption
+from tpupod.errors import JobError, UsageError
+from tpupod.report import notice
+
+if TYPE_CHECKING:
+    from tpupod.jobs.models import Job, JobRequest
+    from tpupod.jobs.runner import Runner
+    from tpupod.jobs.store import Store
+
+jobs_app = typer.Typer(
+    name="jobs",
+    help="Queued jobs: submit Python code or a command, gang-run it on a pod, follow it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(jobs_app, name="jobs")
+
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        metavar="URL",
+        help="The job store: sqlite:///PATH or postgresql://... "
+        "(default: $TPUPOD_JOBS_DB, else jobs.db in the state directory).",
+        show_default=False,
+    ),
+]
+JobId = Annotated[int, typer.Argument(metavar="ID", help="The job's id.", show_default=False)]
+POLL_S = 0.2
+
+
+def _store(db: str | None) -> Store:
+    from tpupod.jobs.store import Store
+
+    return Store.open(db)
+
+
+def _request(args: list[str], dashed: bool) -> JobRequest:
+    """``FILE.py`` (code), ``FILE.json`` (seed 003's job document) or ``-- CMD...``."""
+    from pydantic import ValidationError
+
+    from tpupod.jobs.models import JobRequest
+
+    if not args:
+        raise UsageError("nothing to submit", hint="tpupod jobs submit FILE.py | -- CMD...")
+    if dashed or len(args) > 1 or not args[0].endswith((".py", ".json")):
+        return JobRequest(command=shlex.join(args))
+    path = Path(args[0])
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file", hint="give a .py or .json file, or -- CMD...")
+    if path.suffix == ".py":
+        return JobRequest(code=path.read_text())
+    try:
+        return JobRequest.model_validate(json.loads(path.read_text()))
+    except (ValueError, ValidationError) as exc:
+        raise UsageError(f"{path}: {_first_problem(exc)}", hint=JSON_HINT) from exc
+
+
+JSON_HINT = 'a job document: {"code": "...", "timeout": 300} or {"command": "..."}'
+
+
+def _first_problem(exc: Exception) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        return f"{where}: {err['msg']}" if where else str(err["msg"])
+    return f"not JSON: {exc}"
+
+
+def _labels(values: list[str] | None) -> dict[str, str]:
+    labels = {}
+    for value in values or []:
+        name, sep, text = value.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--label {value!r}", hint="labels are NAME=VALUE")
+        labels[name] = text
+    return labels
+
+
+@jobs_app.command("submit")
+@reporting_errors
+def submit(
+    what: Annotated[
+        list[str],
+        typer.Argument(metavar="FILE.py | FILE.json | -- CMD...", show_default=False),
+    ],
+    db: DbOption = None,
+    pod: PodOption = None,
+    name: Annotated[str, typer.Option("--name", help="A name to know it by.")] = "",
+    label: Annotated[
+        list[str] | None,
+        typer.Option("--label", "-l", metavar="NAME=VALUE", help="Repeatable."),
+    ] = None,
+    priority: Annotated[int, typer.Option("--priority", help="Higher runs first.")] = 0,
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", help="Seconds.", show_default=False)
+    ] = None,
+    max_attempts: Annotated[
+        int, typer.Option("--max-attempts", help="Attempts when its runner is lost.")
+    ] = 3,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait, then print the result.")] = False,
+) -> None:
+    """Queue a job; print its id alone on stdout (id=$(tpupod jobs submit ...))."""
+    from pydantic import ValidationError
+
+    dashed = "--" in sys.argv
+    try:
+        request = _request(what, dashed)
+        changes = {"name": name or request.name, "priority": priority or request.priority}
+        extra = {"timeout": timeout, "pod": pod, "labels": _labels(label) or None}
+        changes.update({k: v for k, v in extra.items() if v is not None})
+        if max_attempts != 3:
+            changes["max_attempts"] = max_attempts
+        request = type(request).model_validate({**request.model_dump(), **changes})
+    except ValidationError as exc:
+        raise UsageError(_first_problem(exc), hint=JSON_HINT) from exc
+    store = _store(db)
+    job_id = store.submit(request)
+    print(job_id, flush=True)
+    if wait:
+        _wait_and_print(store, job_id, None)
+
+
+@jobs_app.command("ls")
+@reporting_errors
+def ls(
+    db: DbOption = None,
+    status: Annotated[
+        list[str] | None, typer.Option("--status", "-s", help="Repeatable.", show_default=False)
+    ] = None,
+    label: Annotated[
+        list[str] | None, typer.Option("--label", "-l", metavar="NAME=VALUE", show_default=False)
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many, newest first.")] = 50,
+) -> None:
+    """List jobs, newest first."""
+    from tpupod.jobs.models import JobStatus
+
+    try:
+        statuses = [JobStatus(s) for s in status or []]
+    except ValueError as exc:
+        choices = ", ".join(s.value for s in JobStatus)
+        raise UsageError(f"--status: {exc}", hint=f"one of {choices}") from exc
+    found = _store(db).find(statuses=statuses, labels=_labels(label), limit=limit)
+    print(f"{'ID':>6}  {'STATUS':<10} {'TRY':>3}  {'AGE':>7}  {'POD':<12} NAME")
+    for job in found:
+        age = _age(time.time() - job.created_at)
+        tries = f"{job.attempt}/{job.max_attempts}"
+        where = job.pod or "-"
+        print(f"{job.id:>6}  {job.status.value:<10} {tries:>3}  {age:>7}  {where:<12} {job.name}")
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.0f}h"
+
+
+@jobs_app.command("show")
+@reporting_errors
+def show(
+    job_id: JobId,
+    db: DbOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The whole record as JSON.")] = False,
+) -> None:
+    """One job's record."""
+    job = _store(db).get(job_id)
+    if as_json:
+        print(json.dumps(job.to_dict(), indent=2))
+        return
+    print(f"job {job.id} {job.name}".rstrip())
+    print(f"  status    {job.status.value} (attempt {job.attempt} of {job.max_attempts})")
+    print(f"  runs      {job.command if job.command is not None else 'Python code'}")
+    print(f"  pod       {job.pod or 'any runner'}")
+    if job.result is not None:
+        print(f"  result    {job.result}")
+    if job.error:
+        print(f"  error     {job.error}")
+
+
+@jobs_app.command("logs")
+@reporting_errors
+def logs(
+    job_id: JobId,
+    db: DbOption = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Until the job ends.")] = False,
+    offset: Annotated[int, typer.Option("--offset", help="Only lines after this offset.")] = 0,
+) -> None:
+    """A job's output lines ([wN] shows the worker on a pod)."""
+    store = _store(db)
+    pod = store.get(job_id).pod
+    while True:
+        finished = store.get(job_id).status.finished if follow else True
+        for line in store.logs(job_id, after=offset):
+            print(f"[w{line.worker}] {line.line}" if pod else line.line, flush=True)
+            offset = line.seq
+        if finished and not store.logs(job_id, after=offset, limit=1):
+            return
+        time.sleep(POLL_S)
+
+
+@jobs_app.command("cancel")
+@reporting_errors
+def cancel(job_id: JobId, db: DbOption = None) -> None:
+    """Cancel a job: a pending one at once, a running one on every worker."""
+    job = _store(db).cancel(job_id)
+    state = job.status.value if job.status.finished else "cancel requested"
+    print(f"job {job.id}: {state}")
+
+
+@jobs_app.command("wait")
+@reporting_errors
+def wait(
+    job_id: JobId,
+    db: DbOption = None,
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", help="Seconds.", show_default=False)
+    ] = None,
+) -> None:
+    """Wait for a job to end; print its result (exit 1 when it did not complete)."""
+    _wait_and_print(_store(db), job_id, timeout)
+
+
+def _wait_and_print(store: Store, job_id: int, timeout: float | None) -> None:
+    from tpupod.jobs.models import JobStatus
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    job = store.get(job_id)
+    while not job.status.finished:
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobError(
+                f"job {job_id} is still {job.status.value} after {timeout:g} s",
+                hint=f"'tpupod jobs logs -f {job_id}' follows it",
+            )
+        time.sleep(POLL_S)
+        job = store.get(job_id)
+    if job.status is not JobStatus.COMPLETED:
+        raise _job_failed(job)
+    if job.result is not None:
+        print(job.result)
+
+
+def _job_failed(job: Job) -> JobError:
+    return JobError(
+        f"job {job.id} {job.status.value}: {job.error}",
+        hint=f"'tpupod jobs logs {job.id}' shows its output",
+    )
+
+
+@jobs_app.command("worker")
+@reporting_errors
+def worker(
+    db: DbOption = None,
+    pod: PodOption = None,
+    local: Annotated[bool, typer.Option("--local", help="Run jobs here, not on a pod.")] = False,
+    lease: Annotated[
+        float, typer.Option("--lease", help="Lease seconds (heartbeats at 1/3).")
+    ] = 15.0,
+    until_empty: Annotated[
+        bool, typer.Option("--until-empty", help="Exit when no job is left to run.")
+    ] = False,
+    max_jobs: Annotated[
+        int | None, typer.Option("--max-jobs", help="Exit after this many.", show_default=False)
+    ] = None,
+    worker_python: Annotated[
+        str, typer.Option("--worker-python", help="Python on the workers (code jobs).")
+    ] = "python3",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No line per job.")] = False,
+) -> None:
+    """Run jobs: on every worker of a pod (gang-run through 'tpupod run'), or here (--local)."""
+    from tpupod.jobs.execute import Executor, LocalExecutor, PodExecutor
+    from tpupod.jobs.runner import Runner
+    from tpupod.state import StateDir
+
+    executor: Executor
+    target = None
+    if local:
+        executor = LocalExecutor()
+    else:
+        found = StateDir().resolve(pod)
+        target = found.name
+        python = sys.executable if found.provider == "local" else worker_python
+        executor = PodExecutor(found, worker_python=python)
+    runner = Runner(
+        _store(db), executor, pod=target, lease_s=lease, on_event=None if quiet else notice
+    )
+    asyncio.run(_serve(runner, until_empty, max_jobs))
+
+
+async def _serve(runner: Runner, until_empty: bool, max_jobs: int | None) -> None:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, runner.shutdown.set)
+    await runner.serve(until_empty=until_empty, max_jobs=max_jobs)

@@ -1,0 +1,197 @@
+"""A runner's side of the store: claim a job, hold the lease, write fenced, and reap.
+
+A claim takes one pending job and starts its next attempt; every later write of that
+runner names (job id, attempt, owner) and changes nothing once the lease is gone, so a
+runner that was presumed dead can never overwrite a newer attempt (``LeaseLost``).
+PostgreSQL claims with ``FOR UPDATE SKIP LOCKED`` (runners never wait on each other's
+rows); SQLite's ``BEGIN IMMEDIATE`` serializes claims on the database lock instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from sqlalchemy import ColumnElement, Connection, and_, func, insert, or_, select, update
+
+from tpupod.errors import LeaseLost
+from tpupod.jobs.models import LEASED, Claim, Job, JobStatus
+from tpupod.jobs.schema import jobs, log_lines
+from tpupod.jobs.store import Store
+
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 60.0
+
+
+def backoff_s(attempt: int) -> float:
+    """How long a job whose ``attempt`` lost its runner waits before the next one."""
+    return float(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** max(0, attempt - 1)))
+
+
+def _fence(claim: Claim) -> ColumnElement[bool]:
+    return and_(
+        jobs.c.id == claim.job.id,
+        jobs.c.attempt == claim.attempt,
+        jobs.c.lease_owner == claim.owner,
+        jobs.c.status.in_([s.value for s in LEASED]),
+    )
+
+
+def claim(store: Store, owner: str, *, pod: str | None, lease_s: float) -> Claim | None:
+    """Lease the most urgent pending job this runner may take, or None."""
+    now = time.time()
+    mine = jobs.c.pod.is_(None) if pod is None else or_(jobs.c.pod.is_(None), jobs.c.pod == pod)
+    pick = (
+        select(jobs.c.id)
+        .where(jobs.c.status == JobStatus.PENDING.value, jobs.c.run_after <= now, mine)
+        .order_by(jobs.c.priority.desc(), jobs.c.id)
+        .limit(1)
+    )
+    if store.postgres:
+        pick = pick.with_for_update(skip_locked=True)
+    with store.write() as conn:
+        job_id = conn.execute(pick).scalar()
+        if job_id is None:
+            return None
+        row = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id)
+            .values(
+                status=JobStatus.SCHEDULED.value,
+                attempt=jobs.c.attempt + 1,
+                lease_owner=owner,
+                lease_expires_at=now + lease_s,
+                scheduled_at=now,
+                updated_at=now,
+            )
+            .returning(*jobs.c)
+        ).one()
+        last = conn.execute(
+            select(func.coalesce(func.max(log_lines.c.seq), 0)).where(log_lines.c.job_id == job_id)
+        ).scalar_one()
+    job = Job.from_row(row)
+    return Claim(job=job, attempt=job.attempt, owner=owner, next_seq=int(last) + 1)
+
+
+def _fenced_update(conn: Connection, claim: Claim, **values: object) -> bool:
+    """Update the claimed attempt; True when this runner still held it."""
+    done = conn.execute(update(jobs).where(_fence(claim)).values(updated_at=time.time(), **values))
+    return done.rowcount == 1
+
+
+def started(store: Store, claim: Claim) -> None:
+    """Every worker started: the job is running."""
+    with store.write() as conn:
+        if not _fenced_update(conn, claim, status=JobStatus.RUNNING.value, started_at=time.time()):
+            raise _lost(claim)
+
+
+def heartbeat(store: Store, claim: Claim, lease_s: float) -> bool:
+    """Renew the lease; returns whether a cancel was asked for. Raises ``LeaseLost``."""
+    with store.write() as conn:
+        if not _fenced_update(conn, claim, lease_expires_at=time.time() + lease_s):
+            raise _lost(claim)
+        cancel = conn.execute(select(jobs.c.cancel_requested).where(jobs.c.id == claim.job.id))
+        return bool(cancel.scalar())
+
+
+def append_logs(store: Store, claim: Claim, first: int, lines: Sequence[tuple[int, str]]) -> int:
+    """Add (worker, line) pairs at offsets ``first``, ``first + 1``...; returns the next.
+
+    Fenced like every write: the lease is checked and the rows inserted in one transaction
+    (PostgreSQL locks the job row for share, so the reaper cannot slip in between)."""
+    if not lines:
+        return first
+    rows = [
+        {"job_id": claim.job.id, "seq": first + i, "attempt": claim.attempt, "worker": w, "line": t}
+        for i, (w, t) in enumerate(lines)
+    ]
+    check = select(jobs.c.id).where(_fence(claim))
+    if store.postgres:
+        check = check.with_for_update(read=True)
+    with store.write() as conn:
+        if conn.execute(check).first() is None:
+            raise _lost(claim)
+        conn.execute(insert(log_lines), rows)
+    return first + len(rows)
+
+
+def finish(
+    store: Store,
+    claim: Claim,
+    status: JobStatus,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+) -> None:
+    """End the attempt (completed, failed or cancelled); fenced."""
+    now = time.time()
+    with store.write() as conn:
+        ended = _fenced_update(
+            conn,
+            claim,
+            status=status.value,
+            result=result,
+            error=error,
+            completed_at=now,
+            lease_owner=None,
+            lease_expires_at=None,
+        )
+        if not ended:
+            raise _lost(claim)
+
+
+def release(store: Store, claim: Claim, reason: str) -> None:
+    """Give the job back at once (a runner told to stop while holding it)."""
+    with store.write() as conn:
+        given = _fenced_update(
+            conn,
+            claim,
+            status=JobStatus.PENDING.value,
+            lease_owner=None,
+            lease_expires_at=None,
+            run_after=0.0,
+            error=reason,
+        )
+        if given:
+            store.notify(conn)
+
+
+def reap(store: Store) -> int:
+    """Requeue attempts whose lease expired (with backoff), or fail them after max_attempts.
+    Returns how many jobs it changed."""
+    now = time.time()
+    expired = (
+        select(jobs.c.id, jobs.c.attempt, jobs.c.max_attempts, jobs.c.lease_owner)
+        .where(jobs.c.status.in_([s.value for s in LEASED]), jobs.c.lease_expires_at < now)
+        .limit(100)
+    )
+    if store.postgres:
+        expired = expired.with_for_update(skip_locked=True)
+    with store.write() as conn:
+        rows = conn.execute(expired).all()
+        for row in rows:
+            lost = f"attempt {row.attempt} lost its runner {row.lease_owner} (lease expired)"
+            base = update(jobs).where(jobs.c.id == row.id, jobs.c.attempt == row.attempt)
+            common = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
+            if row.attempt >= row.max_attempts:
+                failed = f"{lost}; gave up after {row.max_attempts} attempts"
+                conn.execute(
+                    base.values(
+                        status=JobStatus.FAILED.value, error=failed, completed_at=now, **common
+                    )
+                )
+            else:
+                again = now + backoff_s(row.attempt)
+                pending = JobStatus.PENDING.value
+                conn.execute(base.values(status=pending, error=lost, run_after=again, **common))
+        if rows:
+            store.notify(conn)
+    return len(rows)
+
+
+def _lost(claim: Claim) -> LeaseLost:
+    return LeaseLost(
+        f"job {claim.job.id} attempt {claim.attempt}: runner {claim.owner} no longer holds it",
+        hint="its lease expired and the job was requeued or taken by another runner",
+    )

@@ -1,0 +1,198 @@
+"""How one attempt of a job runs: here (the local runner) or on every worker of a pod.
+
+Both report lines and the moment every worker started through ``Hooks``, stop when the
+runner sets ``stop`` (a cancel, a lost lease, the runner itself stopping) and end in an
+``Outcome``; neither touches the store (the runner writes, fenced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from tpupod.errors import TpupodError
+from tpupod.jobs.code import MARK, RESULT, STARTED
+from tpupod.jobs.models import Job, JobStatus
+from tpupod.results import Outcome as WorkerOutcome
+
+if TYPE_CHECKING:
+    from tpupod.fanout import Interrupt
+    from tpupod.pod import Pod
+
+GRACE_S = 3.0  # TERM, then KILL: JAX ignores TERM
+
+
+@dataclass
+class Hooks:
+    on_line: Callable[[int, str], None]
+    on_started: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: JobStatus
+    result: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Marks:
+    """Reads the workers' marker lines: who started, worker 0's result."""
+
+    workers: int
+    hooks: Hooks
+    started: set[int] = field(default_factory=set)
+    result: str | None = None
+    last: str = "(no output)"
+
+    def line(self, worker: int, text: str) -> None:
+        if not text.startswith(MARK):
+            self.hooks.on_line(worker, text)
+            if text.strip():
+                self.last = text
+        elif text == STARTED:
+            self.started.add(worker)
+            if len(self.started) == self.workers:
+                self.hooks.on_started()
+        elif text.startswith(RESULT) and worker == 0:
+            self.result = json.loads(text[len(RESULT) :])
+
+
+def job_env(job: Job, attempt: int) -> dict[str, str]:
+    env = {"TPUPOD_JOB_ID": str(job.id), "TPUPOD_JOB_ATTEMPT": str(attempt)}
+    if job.code is not None:
+        env["TPUPOD_JOB_CODE"] = base64.b64encode(job.code.encode()).decode()
+    return env
+
+
+def job_command(job: Job, python: str) -> str:
+    """The bash command line every worker runs; it says when it started."""
+    if job.code is not None:
+        return f"{shlex.quote(python)} -m tpupod.jobs.code"
+    assert job.command is not None
+    return f"echo {shlex.quote(STARTED)}; {job.command}"
+
+
+class Executor(Protocol):
+    async def execute(
+        self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event
+    ) -> Outcome: ...
+
+
+class LocalExecutor:
+    """Runs the job on this machine, in a process group of its own."""
+
+    def __init__(self, grace_s: float = GRACE_S) -> None:
+        self.grace_s = grace_s
+
+    async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
+        marks = _Marks(1, hooks)
+        proc = await asyncio.create_subprocess_exec(
+            "bash",
+            "-c",
+            job_command(job, sys.executable),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **job_env(job, attempt)},
+            start_new_session=True,
+        )
+        pump = asyncio.create_task(self._pump(proc, marks))
+        stopped = asyncio.create_task(stop.wait())
+        waited = asyncio.create_task(proc.wait())
+        done, _ = await asyncio.wait(
+            {waited, stopped}, timeout=job.timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        stopped.cancel()
+        if waited not in done:
+            await self._kill(proc)
+            await pump
+            if stop.is_set():
+                return Outcome(JobStatus.CANCELLED, error="stopped")
+            return Outcome(JobStatus.FAILED, error=f"timed out after {job.timeout:g} s")
+        with contextlib.suppress(ProcessLookupError):  # what it left in the background
+            os.killpg(proc.pid, signal.SIGKILL)
+        await pump
+        code = proc.returncode
+        if code == 0:
+            return Outcome(JobStatus.COMPLETED, result=marks.result)
+        return Outcome(JobStatus.FAILED, error=f"{_describe(code)}: {marks.last}")
+
+    async def _pump(self, proc: asyncio.subprocess.Process, marks: _Marks) -> None:
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            text = raw.decode(errors="replace").rstrip("\n")
+            marks.line(0, text)
+
+    async def _kill(self, proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+def _describe(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit {code}"
+
+
+class PodExecutor:
+    """Gang-runs the job on every worker of a pod through ``tpupod run`` (lockstep launch,
+    supervision from outside JAX): any worker's failure ends the attempt and names it;
+    a timeout or a stop ends every worker's process group (TERM, then KILL)."""
+
+    def __init__(self, pod: Pod, *, worker_python: str = "python3", grace_s: float = GRACE_S):
+        self.pod, self.worker_python, self.grace_s = pod, worker_python, grace_s
+
+    async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
+        from tpupod.fanout import Interrupt
+        from tpupod.launch.run import run
+
+        marks = _Marks(len(self.pod.workers), hooks)
+        interrupt = Interrupt()
+        watcher = asyncio.create_task(_relay_stop(stop, interrupt))
+        try:
+            done = await run(
+                self.pod,
+                job_command(job, self.worker_python),
+                env=job_env(job, attempt),
+                timeout=job.timeout,
+                grace=self.grace_s,
+                worker_python=self.worker_python,
+                on_line=lambda worker, line: marks.line(worker.id, line.text),
+                interrupt=interrupt,
+            )
+        except TpupodError as exc:  # preflight: a worker not ready; nothing started
+            return Outcome(JobStatus.FAILED, error=f"{exc.message} ({exc.hint})")
+        finally:
+            watcher.cancel()
+        fanout = done.fanout
+        if fanout.ok:
+            return Outcome(JobStatus.COMPLETED, result=marks.result)
+        if stop.is_set():
+            return Outcome(JobStatus.CANCELLED, error="stopped")
+        first = fanout.first_failure
+        assert first is not None
+        where = f"w{first.worker.id} ({first.worker.hostname})"
+        if first.outcome is WorkerOutcome.TIMED_OUT:
+            return Outcome(JobStatus.FAILED, error=f"timed out after {job.timeout:g} s")
+        return Outcome(JobStatus.FAILED, error=f"{where} {first.outcome_text()}: {first.last_line}")
+
+
+async def _relay_stop(stop: asyncio.Event, interrupt: Interrupt) -> None:
+    await stop.wait()
+    interrupt.request(signal.SIGTERM)

@@ -1,0 +1,197 @@
+"""A runner: claim a job, run its attempt (here or on a pod), keep the lease, write fenced.
+
+One job at a time per runner (a pod runs one gang job at a time anyway); start more
+runner processes for more throughput. Every runner also reaps expired leases, so a
+runner killed with ``kill -9`` costs its job one lease period, never the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tpupod.errors import JobStoreError, LeaseLost
+from tpupod.jobs import claims
+from tpupod.jobs.execute import Executor, Hooks, Outcome
+from tpupod.jobs.models import LEASED, Claim, JobStatus
+from tpupod.jobs.store import Store
+from tpupod.jobs.wakeup import Wakeup
+
+DEFAULT_LEASE_S = 15.0
+FLUSH_S = 0.2
+
+
+def new_owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass
+class _Attempt:
+    """What one attempt gathers while it runs."""
+
+    claim: Claim
+    next_seq: int
+    pending: list[tuple[int, str]] = field(default_factory=list)
+    started: bool = False
+    marked_started: bool = False
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    why: str | None = None  # "cancel", "lost", "shutdown"
+
+    def line(self, worker: int, text: str) -> None:
+        self.pending.append((worker, text))
+
+    def mark_started(self) -> None:
+        self.started = True
+
+    def stop_for(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+        self.stop.set()
+
+
+class Runner:
+    def __init__(
+        self,
+        store: Store,
+        executor: Executor,
+        *,
+        pod: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        owner: str | None = None,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.store, self.executor, self.pod = store, executor, pod
+        self.lease_s = lease_s
+        self.owner = owner or new_owner()
+        self.say = on_event or (lambda text: None)
+        self.shutdown = asyncio.Event()
+        self.done = 0
+
+    async def serve(self, *, until_empty: bool = False, max_jobs: int | None = None) -> int:
+        """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``)."""
+        wakeup = Wakeup(self.store)
+        reaped_at = 0.0
+        try:
+            while not self.shutdown.is_set() and (max_jobs is None or self.done < max_jobs):
+                if time.monotonic() - reaped_at > self.lease_s / 3:
+                    await self._reap()
+                    reaped_at = time.monotonic()
+                claim = await self._claim()
+                if claim is not None:
+                    await self.run_one(claim)
+                    continue
+                if until_empty and not await self._anything_left():
+                    break
+                await wakeup.wait(self.lease_s / 3)
+        finally:
+            wakeup.close()
+        return self.done
+
+    async def _claim(self) -> Claim | None:
+        try:
+            return await asyncio.to_thread(
+                claims.claim, self.store, self.owner, pod=self.pod, lease_s=self.lease_s
+            )
+        except JobStoreError as exc:
+            self.say(f"runner {self.owner}: {exc.message}; retrying")
+            await asyncio.sleep(1.0)
+            return None
+
+    async def _reap(self) -> None:
+        try:
+            if reaped := await asyncio.to_thread(claims.reap, self.store):
+                self.say(f"requeued or failed {reaped} job(s) whose runner was lost")
+        except JobStoreError as exc:
+            self.say(f"runner {self.owner}: {exc.message}")
+
+    async def _anything_left(self) -> bool:
+        counts = await asyncio.to_thread(self.store.counts)
+        return any(counts.get(s, 0) for s in (JobStatus.PENDING, *LEASED))
+
+    async def run_one(self, claim: Claim) -> None:
+        job = claim.job
+        attempt = _Attempt(claim, claim.next_seq)
+        self.say(f"job {job.id} attempt {claim.attempt}: started ({job.name or 'unnamed'})")
+        began = time.monotonic()
+        hooks = Hooks(on_line=lambda w, t: attempt.pending.append((w, t)), on_started=lambda: None)
+        hooks.on_started = lambda: setattr(attempt, "started", True)
+        running = asyncio.create_task(
+            self.executor.execute(job, claim.attempt, hooks, attempt.stop)
+        )
+        beat_at = time.monotonic()
+        while not running.done():
+            await asyncio.wait({running}, timeout=FLUSH_S)
+            if self.shutdown.is_set():
+                attempt.stop_for("shutdown")
+            await self._write_progress(attempt)
+            if time.monotonic() - beat_at > self.lease_s / 3:
+                await self._heartbeat(attempt)
+                beat_at = time.monotonic()
+        outcome = running.result()
+        await self._write_progress(attempt)
+        await self._end(attempt, outcome)
+        self.done += 1
+        self.say(
+            f"job {job.id} attempt {claim.attempt}: {attempt.why or outcome.status.value} "
+            f"in {time.monotonic() - began:.2f} s"
+        )
+
+    async def _write_progress(self, attempt: _Attempt) -> None:
+        if attempt.why == "lost":
+            return
+        try:
+            if attempt.started and not attempt.marked_started:
+                await asyncio.to_thread(claims.started, self.store, attempt.claim)
+                attempt.marked_started = True
+            if attempt.pending:
+                lines, attempt.pending = attempt.pending, []
+                attempt.next_seq = await asyncio.to_thread(
+                    claims.append_logs, self.store, attempt.claim, attempt.next_seq, lines
+                )
+        except LeaseLost:
+            attempt.stop_for("lost")
+        except JobStoreError as exc:  # the database is away: keep running, retry later
+            self.say(f"job {attempt.claim.job.id}: {exc.message}")
+
+    async def _heartbeat(self, attempt: _Attempt) -> None:
+        try:
+            cancel = await asyncio.to_thread(
+                claims.heartbeat, self.store, attempt.claim, self.lease_s
+            )
+            if cancel:
+                attempt.stop_for("cancel")
+        except LeaseLost:
+            attempt.stop_for("lost")
+        except JobStoreError as exc:
+            self.say(f"job {attempt.claim.job.id}: heartbeat failed: {exc.message}")
+
+    async def _end(self, attempt: _Attempt, outcome: Outcome) -> None:
+        claim = attempt.claim
+        for tries in range(30):  # the database may be restarting: the lease covers a while
+            try:
+                await asyncio.to_thread(self._write_end, attempt, outcome)
+                return
+            except LeaseLost:
+                self.say(f"job {claim.job.id} attempt {claim.attempt}: lease lost, not recorded")
+                return
+            except JobStoreError as exc:
+                self.say(f"job {claim.job.id}: {exc.message}; retrying ({tries + 1})")
+                await asyncio.sleep(0.5)
+
+    def _write_end(self, attempt: _Attempt, outcome: Outcome) -> None:
+        claim = attempt.claim
+        if attempt.why == "lost":
+            raise LeaseLost(f"job {claim.job.id}", hint="")
+        if attempt.why == "shutdown":
+            claims.release(self.store, claim, f"attempt {claim.attempt}: its runner stopped")
+        elif attempt.why == "cancel":
+            claims.finish(self.store, claim, JobStatus.CANCELLED, error="cancelled by request")
+        else:
+            claims.finish(
+                self.store, claim, outcome.status, result=outcome.result, error=outcome.error
+            )

@@ -1,0 +1,123 @@
+"""The job store's tables and their migrations (one schema, SQLite and PostgreSQL).
+
+Times are UNIX seconds (floats) so both databases compare them the same way. Log lines
+live in their own table, never on the job row: a busy job writes many, and a job row
+stays small for the claim query. ``tpupod_jobs_schema`` holds the version; ``migrate``
+applies what is missing, under a lock, so runners started together migrate once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import (
+    Boolean,
+    CheckConstraint,
+    Column,
+    Connection,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    select,
+    text,
+)
+
+from tpupod.jobs.models import JobStatus
+
+metadata = MetaData()
+
+STATUSES = ", ".join(f"'{s.value}'" for s in JobStatus)
+
+version_table = Table("tpupod_jobs_schema", metadata, Column("version", Integer, nullable=False))
+
+jobs = Table(
+    "tpupod_jobs",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(200), nullable=False, default=""),
+    Column("status", String(16), nullable=False),
+    Column("code", Text),
+    Column("command", Text),
+    Column("labels", Text, nullable=False, default="{}"),  # JSON {name: value}
+    Column("priority", Integer, nullable=False, default=0),
+    Column("timeout_s", Float),
+    Column("pod", String(200)),  # None: any runner may take it
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("max_attempts", Integer, nullable=False, default=3),
+    Column("lease_owner", String(200)),
+    Column("lease_expires_at", Float),
+    Column("run_after", Float, nullable=False, default=0.0),  # backoff after a lost lease
+    Column("cancel_requested", Boolean, nullable=False, default=False),
+    Column("created_at", Float, nullable=False),
+    Column("scheduled_at", Float),
+    Column("started_at", Float),
+    Column("completed_at", Float),
+    Column("updated_at", Float, nullable=False),
+    Column("result", Text),
+    Column("error", Text),
+    Column("metadata", Text, nullable=False, default="{}"),  # JSON, e.g. submitted_by
+    CheckConstraint(f"status IN ({STATUSES})", name="tpupod_jobs_status"),
+    CheckConstraint("(code IS NULL) <> (command IS NULL)", name="tpupod_jobs_one_body"),
+)
+
+# The claim reads only pending rows in priority order; the reaper only leased ones.
+Index(
+    "tpupod_jobs_pending",
+    jobs.c.priority.desc(),
+    jobs.c.id,
+    postgresql_where=jobs.c.status == "pending",
+    sqlite_where=jobs.c.status == "pending",
+)
+Index(
+    "tpupod_jobs_leased",
+    jobs.c.lease_expires_at,
+    postgresql_where=jobs.c.status.in_(["scheduled", "running"]),
+    sqlite_where=jobs.c.status.in_(["scheduled", "running"]),
+)
+Index("tpupod_jobs_created", jobs.c.created_at)
+
+log_lines = Table(
+    "tpupod_job_logs",
+    metadata,
+    Column("job_id", Integer, ForeignKey("tpupod_jobs.id", ondelete="CASCADE"), nullable=False),
+    Column("seq", Integer, nullable=False),  # the line's offset in the job's log, from 1
+    Column("attempt", Integer, nullable=False),
+    Column("worker", Integer, nullable=False),
+    Column("line", Text, nullable=False),
+    PrimaryKeyConstraint("job_id", "seq"),
+)
+
+
+def _v1(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[jobs, log_lines])
+
+
+# version -> what brings the schema from version - 1 to it
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1}
+LATEST = max(MIGRATIONS)
+
+
+def current_version(conn: Connection) -> int:
+    metadata.create_all(conn, tables=[version_table])
+    found = conn.execute(select(version_table.c.version)).scalar()
+    return int(found or 0)
+
+
+def migrate(conn: Connection) -> int:
+    """Bring the schema to ``LATEST`` inside the caller's (write-locked) transaction."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(7314001)"))  # runners start together
+    version = current_version(conn)
+    for step in range(version + 1, LATEST + 1):
+        MIGRATIONS[step](conn)
+    if version == 0:
+        conn.execute(version_table.insert().values(version=LATEST))
+    elif version < LATEST:
+        conn.execute(version_table.update().values(version=LATEST))
+    return version

@@ -1,0 +1,238 @@
+"""The connection to the job store: SQLite (default, WAL, in the state directory) or
+PostgreSQL by URL, and the queries people make (submit, read, list, logs, cancel).
+
+SQLite writes take the database lock at ``BEGIN IMMEDIATE``, so a claim's read and its
+update cannot interleave with another runner's; reads begin deferred and, under WAL,
+never wait for writers. Database errors are translated into ``JobStoreError`` here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, func, insert, select, update
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+
+from tpupod import settings
+from tpupod.errors import JobNotFound, JobStoreError
+from tpupod.jobs import schema
+from tpupod.jobs.models import FINISHED, Job, JobRequest, JobStatus, LogLine
+from tpupod.jobs.schema import jobs, log_lines
+
+NOTIFY_CHANNEL = "tpupod_jobs"
+DB_FILE = "jobs.db"
+
+
+def default_url() -> str:
+    """``TPUPOD_JOBS_DB``, else ``jobs.db`` (SQLite) in the state directory."""
+    return settings.jobs_db() or f"sqlite:///{settings.state_home() / DB_FILE}"
+
+
+def _engine_url(url: str) -> str:
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def _sqlite_engine(url: str) -> Engine:
+    path = url.split("sqlite:///", 1)[-1]
+    if path and path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"timeout": 60})
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (below)
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        read = conn.get_execution_options().get("tpupod_read", False)
+        conn.exec_driver_sql("BEGIN" if read else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+def open_engine(url: str) -> Engine:
+    """An engine for ``url``; an unusable URL is a ``JobStoreError`` with a hint."""
+    try:
+        if url.startswith("sqlite:"):
+            return _sqlite_engine(url)
+        return create_engine(_engine_url(url), pool_pre_ping=True, pool_size=2)
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        raise JobStoreError(
+            f"cannot use the job store URL: {exc}",
+            hint="sqlite:///PATH or postgresql://USER@HOST:PORT/DB (--db or TPUPOD_JOBS_DB)",
+        ) from exc
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
+
+
+class Store:
+    """One job store. Open with ``Store.open(url)``; it migrates the schema on open."""
+
+    def __init__(self, url: str, engine: Engine) -> None:
+        self.url = url
+        self.engine = engine
+        self.postgres = engine.dialect.name == "postgresql"
+
+    @classmethod
+    def open(cls, url: str | None = None) -> Store:
+        url = url or default_url()
+        store = cls(url, open_engine(url))
+        with store.write() as conn:
+            found = schema.current_version(conn)
+            if found > schema.LATEST:
+                raise JobStoreError(
+                    f"the job store {redact(url)} has schema version {found}, "
+                    f"this tpupod knows up to {schema.LATEST}",
+                    hint="upgrade tpupod on this machine",
+                )
+            schema.migrate(conn)
+        return store
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A transaction that may write (SQLite: BEGIN IMMEDIATE)."""
+        with self._translated(), self.engine.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        with (
+            self._translated(),
+            self.engine.connect().execution_options(tpupod_read=True) as conn,
+            conn.begin(),
+        ):
+            yield conn
+
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except DBAPIError as exc:
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+            raise JobStoreError(
+                f"job store {redact(self.url)}: {reason}",
+                hint="check that the database is up and reachable (--db or TPUPOD_JOBS_DB)",
+            ) from exc
+
+    # -- the queries people make --------------------------------------------------
+
+    def submit(self, request: JobRequest) -> int:
+        now = time.time()
+        meta = {"submitted_by": f"{getpass.getuser()}@{socket.gethostname()}"}
+        meta.update(request.metadata)
+        values = {
+            "name": request.name,
+            "status": JobStatus.PENDING.value,
+            "code": request.code,
+            "command": request.command,
+            "labels": json.dumps(request.labels, sort_keys=True),
+            "priority": request.priority,
+            "timeout_s": request.timeout,
+            "pod": request.pod,
+            "max_attempts": request.max_attempts,
+            "created_at": now,
+            "updated_at": now,
+            "run_after": 0.0,
+            "metadata": json.dumps(meta, sort_keys=True, default=str),
+        }
+        with self.write() as conn:
+            job_id = int(
+                conn.execute(insert(jobs).values(values).returning(jobs.c.id)).scalar_one()
+            )
+            self.notify(conn)
+        return job_id
+
+    def notify(self, conn: Connection) -> None:
+        """Wake idle runners (PostgreSQL; sent when the transaction commits)."""
+        if self.postgres:
+            conn.exec_driver_sql(f"NOTIFY {NOTIFY_CHANNEL}")
+
+    def get(self, job_id: int) -> Job:
+        with self.read() as conn:
+            row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
+        if row is None:
+            raise JobNotFound(f"no job {job_id}", hint="'tpupod jobs ls' lists the jobs")
+        return Job.from_row(row)
+
+    def find(
+        self,
+        *,
+        statuses: Sequence[JobStatus] = (),
+        labels: dict[str, str] | None = None,
+        since: float | None = None,
+        limit: int = 100,
+    ) -> list[Job]:
+        query = select(jobs).order_by(jobs.c.id.desc())
+        if statuses:
+            query = query.where(jobs.c.status.in_([s.value for s in statuses]))
+        if since is not None:
+            query = query.where(jobs.c.created_at >= since)
+        wanted = (labels or {}).items()
+        if not wanted:
+            query = query.limit(limit)
+        with self.read() as conn:
+            rows = conn.execute(query).all()
+        found = [Job.from_row(row) for row in rows]
+        return [job for job in found if wanted <= job.labels.items()][:limit]
+
+    def logs(self, job_id: int, *, after: int = 0, limit: int = 1000) -> list[LogLine]:
+        """Lines with offset (``seq``) greater than ``after``, in order."""
+        query = (
+            select(log_lines)
+            .where(log_lines.c.job_id == job_id, log_lines.c.seq > after)
+            .order_by(log_lines.c.seq)
+            .limit(limit)
+        )
+        with self.read() as conn:
+            rows = conn.execute(query).all()
+        return [LogLine(r.seq, r.attempt, r.worker, r.line) for r in rows]
+
+    def cancel(self, job_id: int) -> Job:
+        """A pending job ends now; a leased one is asked to stop (its runner kills it)."""
+        now = time.time()
+        with self.write() as conn:
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.status == JobStatus.PENDING.value)
+                .values(
+                    status=JobStatus.CANCELLED.value,
+                    completed_at=now,
+                    updated_at=now,
+                    error="cancelled before it started",
+                )
+            )
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.status.not_in([s.value for s in FINISHED]))
+                .values(cancel_requested=True, updated_at=now)
+            )
+        return self.get(job_id)
+
+    def counts(self) -> dict[JobStatus, int]:
+        query = select(jobs.c.status, func.count()).group_by(jobs.c.status)
+        with self.read() as conn:
+            return {JobStatus(s): int(n) for s, n in conn.execute(query).all()}

@@ -1,0 +1,409 @@
+"""The job service on SQLite and on PostgreSQL (started here on loopback): claims that cannot
+double-run, fencing by (job id, attempt), the reaper, runners as real processes, and a gang
+job on a local pod."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import CliResult, require, tpupod_argv
+from tpupod.errors import LeaseLost
+from tpupod.jobs import claims
+from tpupod.jobs.models import Claim, JobRequest, JobStatus
+from tpupod.jobs.store import Store
+from tpupod.pod import Pod
+
+pytestmark = pytest.mark.local  # a database server and runner processes
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def _pg_bin() -> Path | None:
+    found = shutil.which("initdb")
+    if found:
+        return Path(found).resolve().parent
+    return PG_BIN if (PG_BIN / "initdb").exists() else None
+
+
+def _as_postgres(argv: list[str]) -> list[str]:
+    """Root may not run PostgreSQL: run it as the postgres user Debian's package made."""
+    return ["runuser", "-u", "postgres", "--", *argv] if os.getuid() == 0 else argv
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[str]:
+    """A PostgreSQL cluster of our own on 127.0.0.1 (trust auth), for this module."""
+    bindir = _pg_bin()
+    require(bindir is not None, "PostgreSQL is not installed (apt-get install postgresql)")
+    assert bindir is not None
+    data = Path(tempfile.mkdtemp(prefix="tpupod-pg-"))
+    if os.getuid() == 0:
+        shutil.chown(data, "postgres", "postgres")
+    port = _free_port()
+    run = subprocess.run
+    run(
+        _as_postgres(
+            [str(bindir / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres"]
+        ),
+        check=True,
+        capture_output=True,
+    )
+    options = f"-h 127.0.0.1 -p {port} -k {data} -c fsync=off -c max_connections=100"
+    start = [str(bindir / "pg_ctl"), "-D", str(data / "db"), "-o", options, "-w", "-l"]
+    run(_as_postgres([*start, str(data / "log"), "start"]), check=True, capture_output=True)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}"
+    finally:
+        stop = [str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "immediate", "stop"]
+        run(_as_postgres(stop), capture_output=True)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty job store on each database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'jobs.db'}"
+    import psycopg
+
+    server: str = request.getfixturevalue("postgres")
+    name = f"t{os.getpid()}_{time.monotonic_ns()}"
+    with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"{server}/{name}"
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    opened = Store.open(db_url)
+    yield opened
+    opened.close()
+
+
+def command_job(command: str, **fields: object) -> JobRequest:
+    return JobRequest.model_validate({"command": command, **fields})
+
+
+# -- the store and its claims, in process ---------------------------------------------
+
+
+def test_schema_is_versioned_and_opening_again_migrates_nothing(db_url: str) -> None:
+    from tpupod.jobs import schema
+
+    first = Store.open(db_url)
+    with first.write() as conn:
+        assert schema.current_version(conn) == schema.LATEST
+        assert schema.migrate(conn) == schema.LATEST  # nothing left to do
+    first.close()
+
+
+def test_a_claim_runs_the_most_urgent_job_and_no_job_twice(store: Store) -> None:
+    low = store.submit(command_job("true"))
+    high = store.submit(command_job("true", priority=5))
+    first = claims.claim(store, "a", pod=None, lease_s=30)
+    second = claims.claim(store, "b", pod=None, lease_s=30)
+    assert first is not None and second is not None
+    assert (first.job.id, second.job.id) == (high, low)
+    assert claims.claim(store, "c", pod=None, lease_s=30) is None
+    assert store.get(high).status is JobStatus.SCHEDULED
+
+
+def test_jobs_for_a_pod_go_only_to_that_pods_runners(store: Store) -> None:
+    job = store.submit(command_job("true", pod="big"))
+    assert claims.claim(store, "here", pod=None, lease_s=30) is None
+    assert claims.claim(store, "other", pod="small", lease_s=30) is None
+    taken = claims.claim(store, "big-runner", pod="big", lease_s=30)
+    assert taken is not None and taken.job.id == job
+
+
+def test_an_expired_lease_is_requeued_with_backoff_and_the_old_runner_is_fenced(
+    store: Store,
+) -> None:
+    job = store.submit(command_job("true"))
+    old = claims.claim(store, "dead-runner", pod=None, lease_s=0.05)
+    assert old is not None
+    claims.started(store, old)
+    time.sleep(0.1)
+    assert claims.reap(store) == 1
+    requeued = store.get(job)
+    assert requeued.status is JobStatus.PENDING
+    assert "attempt 1 lost its runner dead-runner" in (requeued.error or "")
+    assert claims.claim(store, "new", pod=None, lease_s=30) is None  # backoff: 1 s
+    time.sleep(claims.backoff_s(1))
+    new = claims.claim(store, "new", pod=None, lease_s=30)
+    assert new is not None and new.attempt == 2
+    # the presumed-dead runner wakes up: every write it tries is refused
+    with pytest.raises(LeaseLost):
+        claims.append_logs(store, old, old.next_seq, [(0, "late line")])
+    with pytest.raises(LeaseLost):
+        claims.heartbeat(store, old, 30)
+    with pytest.raises(LeaseLost):
+        claims.finish(store, old, JobStatus.COMPLETED, result="stale")
+    claims.append_logs(store, new, new.next_seq, [(0, "fresh line")])
+    claims.finish(store, new, JobStatus.COMPLETED, result="fresh")
+    done = store.get(job)
+    assert (done.status, done.result, done.attempt) == (JobStatus.COMPLETED, "fresh", 2)
+    assert [line.line for line in store.logs(job)] == ["fresh line"]
+
+
+def test_a_job_that_loses_its_runner_max_attempts_times_fails_with_the_reason(
+    store: Store,
+) -> None:
+    job = store.submit(command_job("true", max_attempts=1))
+    assert claims.claim(store, "r1", pod=None, lease_s=0.01) is not None
+    time.sleep(0.05)
+    claims.reap(store)
+    failed = store.get(job)
+    assert failed.status is JobStatus.FAILED
+    assert "gave up after 1 attempts" in (failed.error or "")
+
+
+def test_cancel_ends_a_pending_job_and_asks_a_leased_one_to_stop(store: Store) -> None:
+    pending = store.submit(command_job("true"))
+    leased = store.submit(command_job("true"))
+    store.cancel(pending)
+    taken = claims.claim(store, "r", pod=None, lease_s=30)
+    assert taken is not None and taken.job.id == leased
+    assert store.get(pending).status is JobStatus.CANCELLED
+    assert store.cancel(leased).status is JobStatus.SCHEDULED
+    assert claims.heartbeat(store, taken, 30) is True  # the runner learns it at its heartbeat
+
+
+def test_seed_003_documents_are_accepted_as_they_are() -> None:
+    doc = {
+        "challenge_number": 42,
+        "code": "result = 1",
+        "timeout": 300,
+        "status": "pending",
+        "created_at": "SERVER_TIMESTAMP",
+    }
+    request = JobRequest.model_validate(doc)
+    assert request.timeout == 300 and request.metadata == {"challenge_number": 42}
+
+
+# -- runners as processes -------------------------------------------------------------
+
+
+def runner(db_url: str, *args: str) -> subprocess.Popen[str]:
+    argv = tpupod_argv("jobs", "worker", "--db", db_url, *args)
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_1000_jobs_through_3_runner_processes_each_run_exactly_once(
+    store: Store, db_url: str, tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    request = command_job(f"echo $TPUPOD_JOB_ID >> {ran}")
+    ids = [store.submit(request) for _ in range(1000)]
+    runners = [runner(db_url, "--local", "--until-empty", "-q") for _ in range(3)]
+    for proc in runners:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    lines = ran.read_text().split()
+    assert sorted(int(x) for x in lines) == ids  # every job ran, none twice
+    assert store.counts() == {JobStatus.COMPLETED: 1000}
+    with store.read() as conn:
+        from sqlalchemy import func, select
+
+        from tpupod.jobs.schema import jobs
+
+        owners = conn.execute(select(func.count(func.distinct(jobs.c.lease_owner)))).scalar()
+        attempts = conn.execute(select(func.max(jobs.c.attempt))).scalar()
+    assert owners == 0 and attempts == 1  # leases released, no retries
+
+
+def _wait_for(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_a_runner_killed_mid_job_loses_the_job_to_another_and_its_late_writes_are_fenced(
+    store: Store, db_url: str, tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    job = store.submit(command_job(f"echo begin; sleep 1; echo $TPUPOD_JOB_ATTEMPT >> {ran}"))
+    first = runner(db_url, "--local", "--lease", "1.5")
+    _wait_for(lambda: store.get(job).status is JobStatus.RUNNING)
+    held = store.get(job)
+    # the runner's machine dies: the runner and the job it started
+    for proc in psutil.Process(first.pid).children(recursive=True):
+        proc.kill()
+    first.kill()
+    first.communicate()
+    second = runner(db_url, "--local", "--lease", "1.5", "--until-empty")
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    done = store.get(job)
+    assert done.status is JobStatus.COMPLETED and done.attempt == 2, done
+    assert ran.read_text().split() == ["2"]  # completed once
+    assert [line.line for line in store.logs(job)] == ["begin", "begin"]
+    stale = Claim(job=held, attempt=held.attempt, owner=held.lease_owner or "", next_seq=99)
+    with pytest.raises(LeaseLost):
+        claims.append_logs(store, stale, 99, [(0, "from the dead")])
+    with pytest.raises(LeaseLost):
+        claims.finish(store, stale, JobStatus.FAILED, error="from the dead")
+    assert store.get(job).status is JobStatus.COMPLETED
+    assert len(store.logs(job)) == 2
+
+
+# -- the CLI --------------------------------------------------------------------------
+
+
+def test_submit_prints_the_id_alone_and_wait_prints_the_result(
+    cli: Callable[..., CliResult], tmp_path: Path, db_url: str
+) -> None:
+    code = tmp_path / "job.py"
+    code.write_text("logger.info('working')\nresult = {'answer': 6 * 7}\n")
+    submitted = cli("jobs", "submit", str(code), "--db", db_url, "--name", "answer")
+    assert submitted.code == 0, submitted.err
+    job_id = submitted.out.strip()
+    assert job_id.isdigit() and submitted.out == f"{job_id}\n"
+    worker = cli("jobs", "worker", "--db", db_url, "--local", "--until-empty", "-q")
+    assert worker.code == 0, worker.err
+    waited = cli("jobs", "wait", job_id, "--db", db_url)
+    assert (waited.code, waited.out) == (0, '{"answer": 42}\n')
+    logs = cli("jobs", "logs", job_id, "--db", db_url)
+    assert logs.out == "INFO working\n"
+    shown = json.loads(cli("jobs", "show", job_id, "--json", "--db", db_url).out)
+    assert shown["status"] == "completed" and shown["name"] == "answer"
+    listed = cli("jobs", "ls", "--db", db_url, "--status", "completed")
+    assert f"{job_id}  completed" in listed.out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--", "true", "--timeout", "x"], None),  # after --: part of the command, accepted
+        (["--timeout", "-1", "--", "true"], "timeout: Input should be greater than 0"),
+        (["--label", "novalue", "--", "true"], "--label 'novalue'"),
+        (["missing.py"], "missing.py: no such file"),
+    ],
+)
+def test_bad_submissions_get_one_error_line_and_exit_2(
+    cli: Callable[..., CliResult], tmp_path: Path, args: list[str], message: str | None
+) -> None:
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    result = cli("jobs", "submit", "--db", db, *args)
+    if message is None:
+        assert result.code == 0, result.err
+        return
+    assert result.code == 2
+    lines = result.err.splitlines()
+    assert lines[0] == f"error: {message}" and lines[1].startswith("hint: "), result.err
+    assert "Traceback" not in result.err
+
+
+def test_a_failed_job_fails_wait_with_its_reason(
+    cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    job_id = cli("jobs", "submit", "--db", db, "--", "bash", "-c", "echo oops; exit 3").out.strip()
+    cli("jobs", "worker", "--db", db, "--local", "--until-empty", "-q")
+    waited = cli("jobs", "wait", job_id, "--db", db)
+    assert waited.code == 1
+    assert waited.err.splitlines()[0] == f"error: job {job_id} failed: exit 3: oops"
+
+
+# -- gang jobs on a local pod ---------------------------------------------------------
+
+GANG = """
+import time, tpupod
+me = tpupod.worker()
+logger.info(f"worker {{me.id}} of {{me.count}}")
+if me.id == {fail}:
+    raise ValueError("bad shard 7")
+time.sleep({sleep})
+result = me.count
+"""
+
+
+def test_a_gang_job_runs_on_every_worker_and_worker_0_gives_the_result(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(2)
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    code = tmp_path / "gang.py"
+    code.write_text(GANG.format(fail=-1, sleep=0))
+    job_id = cli("jobs", "submit", str(code), "--db", db, "--pod", pod.name).out.strip()
+    worker = cli("jobs", "worker", "--db", db, "--pod", pod.name, "--until-empty", timeout=60)
+    assert worker.code == 0, worker.err
+    waited = cli("jobs", "wait", job_id, "--db", db)
+    assert (waited.code, waited.out) == (0, "2\n"), waited.err
+    logs = cli("jobs", "logs", job_id, "--db", db).out.splitlines()
+    assert sorted(logs) == ["[w0] INFO worker 0 of 2", "[w1] INFO worker 1 of 2"]
+
+
+def test_a_gang_job_where_w1_fails_fails_the_attempt_naming_w1_and_leaves_nothing(
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    leftovers: Callable[[Pod], list[str]],
+    tmp_path: Path,
+) -> None:
+    pod = make_pod(2)
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    code = tmp_path / "gang.py"
+    code.write_text(GANG.format(fail=1, sleep=60))
+    job_id = cli("jobs", "submit", str(code), "--db", db, "--pod", pod.name).out.strip()
+    worker = cli("jobs", "worker", "--db", db, "--pod", pod.name, "--until-empty", timeout=60)
+    assert worker.code == 0, worker.err
+    assert worker.seconds < 15, worker.err
+    shown = json.loads(cli("jobs", "show", job_id, "--json", "--db", db).out)
+    assert shown["status"] == "failed"
+    assert shown["error"].startswith("w1 "), shown["error"]
+    assert "ValueError: bad shard 7" in shown["error"]
+    assert leftovers(pod) == []
+
+
+def test_cancel_and_timeout_stop_every_worker_of_a_gang_job(
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    leftovers: Callable[[Pod], list[str]],
+    tmp_path: Path,
+) -> None:
+    pod = make_pod(2)
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    store = Store.open(db)
+    slow = "echo up; sleep 60"
+    timed = store.submit(command_job(slow, pod=pod.name, timeout=1.5))
+    cancelled = store.submit(command_job(slow, pod=pod.name))
+    proc = runner(db, "--pod", pod.name, "--lease", "1.5", "--until-empty")
+    _wait_for(lambda: store.get(cancelled).status is JobStatus.RUNNING, timeout=30)
+    store.cancel(cancelled)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert store.get(timed).status is JobStatus.FAILED
+    assert store.get(timed).error == "timed out after 1.5 s"
+    assert store.get(cancelled).status is JobStatus.CANCELLED
+    assert leftovers(pod) == []
+    store.close()
+
+
+def test_sigterm_to_a_runner_gives_its_job_back(store: Store, db_url: str) -> None:
+    job = store.submit(command_job("echo up; sleep 60"))
+    proc = runner(db_url, "--local")
+    _wait_for(lambda: store.get(job).status is JobStatus.RUNNING)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    back = store.get(job)
+    assert back.status is JobStatus.PENDING and back.lease_owner is None
