@@ -245,11 +245,10 @@ def test_a_runner_killed_mid_job_loses_the_job_to_another_and_its_late_writes_ar
     first = runner(db_url, "--local", "--lease", "1.5")
     _wait_for(lambda: store.get(job).status is JobStatus.RUNNING)
     held = store.get(job)
-    # the runner's machine dies: the runner and the job it started
-    for proc in psutil.Process(first.pid).children(recursive=True):
-        proc.kill()
-    first.kill()
+    started = [p for p in psutil.Process(first.pid).children(recursive=True) if p.name() == "sleep"]
+    first.kill()  # kill -9: no chance to give the job back or stop it
     first.communicate()
+    assert started and psutil.wait_procs(started, timeout=5)[1] == []  # the guard ended it
     second = runner(db_url, "--local", "--lease", "1.5", "--until-empty")
     _, err = second.communicate(timeout=60)
     assert second.returncode == 0, err

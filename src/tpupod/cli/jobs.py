@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 import signal
 import sys
@@ -315,3 +316,49 @@ async def _serve(runner: Runner, until_empty: bool, max_jobs: int | None) -> Non
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, runner.shutdown.set)
     await runner.serve(until_empty=until_empty, max_jobs=max_jobs)
+
+
+TOKEN_FILE = "jobs-token"
+
+
+def _token() -> tuple[str, str]:
+    """The API's token and where it came from: $TPUPOD_JOBS_TOKEN, else a file of ours (0600)."""
+    import secrets
+
+    from tpupod import settings
+
+    given = settings.jobs_token()
+    if given:
+        return given, "$TPUPOD_JOBS_TOKEN"
+    path = settings.state_home() / TOKEN_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_name(f".{TOKEN_FILE}.tmp")
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(secrets.token_urlsafe(32) + "\n")
+        staged.replace(path)
+    return path.read_text().strip(), str(path)
+
+
+@jobs_app.command("serve")
+@reporting_errors
+def serve(
+    db: DbOption = None,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind (loopback unless you mean it).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to bind.")] = 8765,
+) -> None:
+    """The HTTP API: POST/GET /jobs, GET /jobs/ID, /jobs/ID/logs (SSE follow), cancel.
+
+    Every request needs 'Authorization: Bearer TOKEN' ($TPUPOD_JOBS_TOKEN, else the
+    token file in the state directory, which this prints the path of, never the token)."""
+    import uvicorn
+
+    from tpupod.jobs.api import create_app
+
+    token, source = _token()
+    app = create_app(_store(db), token)
+    notice(f"job API on http://{host}:{port} (bearer token: {source})")
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -23,6 +23,7 @@ from tpupod.errors import TpupodError
 from tpupod.jobs.code import MARK, RESULT, STARTED
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.results import Outcome as WorkerOutcome
+from tpupod.transport.base import command_script
 
 if TYPE_CHECKING:
     from tpupod.fanout import Interrupt
@@ -96,11 +97,13 @@ class LocalExecutor:
 
     async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
         marks = _Marks(1, hooks)
+        # Guarded as `tpupod run` guards its workers: if this runner dies (even by kill -9),
+        # the guard sees its stdin close and ends the job's whole process group.
         proc = await asyncio.create_subprocess_exec(
-            "bash",
+            "/bin/bash",
             "-c",
-            job_command(job, sys.executable),
-            stdin=asyncio.subprocess.DEVNULL,
+            command_script(job_command(job, sys.executable), guard=True),
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **job_env(job, attempt)},

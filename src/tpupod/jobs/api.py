@@ -1,0 +1,107 @@
+"""The job API (FastAPI): submit, list, read, follow and cancel jobs over HTTP.
+
+Every route needs ``Authorization: Bearer TOKEN``. A log follow is a stream of server-sent
+events whose ids are the lines' offsets, so a client that reconnects with
+``Last-Event-ID`` (or ``?offset=``) gets every line once: none missed, none repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from tpupod.errors import JobNotFound, JobStoreError
+from tpupod.jobs.models import JobRequest, JobStatus
+from tpupod.jobs.store import Store
+
+FOLLOW_POLL_S = 0.2
+PAGE = 500
+
+
+BEARER = HTTPBearer(auto_error=False)
+
+
+def authorized(
+    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
+) -> None:
+    token: str = request.app.state.token
+    given = creds.credentials if creds is not None else ""
+    if not secrets.compare_digest(given.encode(), token.encode()):
+        raise HTTPException(
+            401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+
+def create_app(store: Store, token: str) -> FastAPI:
+    app = FastAPI(title="tpupod jobs", dependencies=[Depends(authorized)])
+    app.state.token = token
+
+    @app.exception_handler(JobNotFound)
+    async def _not_found(request: Request, exc: JobNotFound) -> JSONResponse:
+        return JSONResponse({"detail": exc.message}, status_code=404)
+
+    @app.exception_handler(JobStoreError)
+    async def _store_down(request: Request, exc: JobStoreError) -> JSONResponse:
+        return JSONResponse({"detail": exc.message}, status_code=503)
+
+    @app.post("/jobs", status_code=201)
+    def submit(body: JobRequest) -> dict[str, int]:
+        return {"id": store.submit(body)}
+
+    @app.get("/jobs")
+    def listing(
+        status: Annotated[list[JobStatus] | None, Query()] = None,
+        label: Annotated[list[str] | None, Query(description="NAME=VALUE")] = None,
+        since: float | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[dict[str, Any]]:
+        labels = dict(item.partition("=")[::2] for item in label or [])
+        found = store.find(statuses=status or [], labels=labels, since=since, limit=limit)
+        return [job.to_dict() for job in found]
+
+    @app.get("/jobs/{job_id}")
+    def one(job_id: int) -> dict[str, Any]:
+        return store.get(job_id).to_dict()
+
+    @app.post("/jobs/{job_id}/cancel")
+    def cancel(job_id: int) -> dict[str, Any]:
+        return store.cancel(job_id).to_dict()
+
+    @app.get("/jobs/{job_id}/logs", response_model=None)
+    def logs(
+        job_id: int,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        follow: bool = False,
+        last_event_id: Annotated[int | None, Header()] = None,
+    ) -> StreamingResponse | list[dict[str, Any]]:
+        store.get(job_id)  # 404 before a stream starts
+        after = last_event_id if last_event_id is not None else offset
+        if follow:
+            return StreamingResponse(_follow(store, job_id, after), media_type="text/event-stream")
+        return [asdict(line) for line in store.logs(job_id, after=after, limit=PAGE)]
+
+    return app
+
+
+async def _follow(store: Store, job_id: int, after: int) -> AsyncIterator[str]:
+    """Lines after ``after`` as they come, then an ``end`` event with the job's status."""
+    while True:
+        finished = (await asyncio.to_thread(store.get, job_id)).status.finished
+        lines = await asyncio.to_thread(store.logs, job_id, after=after, limit=PAGE)
+        for line in lines:
+            after = line.seq
+            yield f"id: {line.seq}\nevent: line\ndata: {json.dumps(asdict(line))}\n\n"
+        if finished and len(lines) < PAGE:
+            status = (await asyncio.to_thread(store.get, job_id)).status.value
+            yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
+            return
+        if not lines:
+            await asyncio.sleep(FOLLOW_POLL_S)
