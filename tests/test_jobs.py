@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -48,9 +49,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[str]:
+@dataclass
+class Postgres:
     """A PostgreSQL cluster of our own on 127.0.0.1 (trust auth), for this module."""
+
+    url: str
+    pg_ctl: list[str]
+
+    def restart(self) -> None:
+        subprocess.run([*self.pg_ctl, "-m", "fast", "restart"], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Postgres]:
     bindir = _pg_bin()
     require(bindir is not None, "PostgreSQL is not installed (apt-get install postgresql)")
     assert bindir is not None
@@ -58,22 +69,26 @@ def postgres() -> Iterator[str]:
     if os.getuid() == 0:
         shutil.chown(data, "postgres", "postgres")
     port = _free_port()
-    run = subprocess.run
-    run(
-        _as_postgres(
-            [str(bindir / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres"]
-        ),
-        check=True,
-        capture_output=True,
-    )
+    initdb = [str(bindir / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres"]
+    subprocess.run(_as_postgres(initdb), check=True, capture_output=True)
     options = f"-h 127.0.0.1 -p {port} -k {data} -c fsync=off -c max_connections=100"
-    start = [str(bindir / "pg_ctl"), "-D", str(data / "db"), "-o", options, "-w", "-l"]
-    run(_as_postgres([*start, str(data / "log"), "start"]), check=True, capture_output=True)
+    pg_ctl = _as_postgres(
+        [
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data / "db"),
+            "-o",
+            options,
+            "-w",
+            "-l",
+            str(data / "log"),
+        ]
+    )
+    subprocess.run([*pg_ctl, "start"], check=True, capture_output=True)
     try:
-        yield f"postgresql://postgres@127.0.0.1:{port}"
+        yield Postgres(f"postgresql://postgres@127.0.0.1:{port}", pg_ctl)
     finally:
-        stop = [str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "immediate", "stop"]
-        run(_as_postgres(stop), capture_output=True)
+        subprocess.run([*pg_ctl, "-m", "immediate", "stop"], capture_output=True)
         shutil.rmtree(data, ignore_errors=True)
 
 
@@ -84,7 +99,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'jobs.db'}"
     import psycopg
 
-    server: str = request.getfixturevalue("postgres")
+    server: str = request.getfixturevalue("postgres").url
     name = f"t{os.getpid()}_{time.monotonic_ns()}"
     with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
@@ -406,3 +421,45 @@ def test_sigterm_to_a_runner_gives_its_job_back(store: Store, db_url: str) -> No
     assert proc.returncode == 0, err
     back = store.get(job)
     assert back.status is JobStatus.PENDING and back.lease_owner is None
+
+
+def test_an_idle_runner_wakes_for_a_new_job_at_once(store: Store, db_url: str) -> None:
+    """PostgreSQL: NOTIFY wakes it (its own wait is lease/3 = 5 s); SQLite: it polls."""
+    proc = runner(db_url, "--local", "--lease", "15")
+    try:
+        time.sleep(1.5)  # started, found nothing, now waiting
+        submitted = time.monotonic()
+        job = store.submit(command_job("true"))
+        _wait_for(lambda: store.get(job).status is not JobStatus.PENDING, timeout=10)
+        assert time.monotonic() - submitted < 1.0
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+
+
+def test_postgres_restarted_under_load_loses_nothing_and_runs_nothing_twice(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    import psycopg
+
+    server: Postgres = request.getfixturevalue("postgres")
+    with psycopg.connect(f"{server.url}/postgres", autocommit=True) as conn:
+        conn.execute("CREATE DATABASE restart_load")
+    url = f"{server.url}/restart_load"
+    store = Store.open(url)
+    ran = tmp_path / "ran"
+    ids = [
+        store.submit(command_job(f"sleep 0.01; echo $TPUPOD_JOB_ID >> {ran}")) for _ in range(200)
+    ]
+    runners = [runner(url, "--local", "--until-empty", "--lease", "20") for _ in range(2)]
+    _wait_for(lambda: ran.exists() and len(ran.read_text().split()) > 30, timeout=30)
+    server.restart()
+    errs = []
+    for proc in runners:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        errs.append(err)
+    assert "job store postgresql://" in "".join(errs)  # the restart was felt, and survived
+    assert sorted(int(x) for x in ran.read_text().split()) == ids
+    assert store.counts() == {JobStatus.COMPLETED: 200}
+    store.close()

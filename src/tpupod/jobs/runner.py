@@ -87,10 +87,18 @@ class Runner:
                     continue
                 if until_empty and not await self._anything_left():
                     break
-                await wakeup.wait(self.lease_s / 3)
+                await self._idle(wakeup)
         finally:
-            wakeup.close()
+            await wakeup.close()
         return self.done
+
+    async def _idle(self, wakeup: Wakeup) -> None:
+        """Until there may be work (or the lease period's third has passed), or shutdown."""
+        waiting = asyncio.create_task(wakeup.wait(self.lease_s / 3))
+        stopping = asyncio.create_task(self.shutdown.wait())
+        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (waiting, stopping):
+            task.cancel()
 
     async def _claim(self) -> Claim | None:
         try:
@@ -110,13 +118,17 @@ class Runner:
             self.say(f"runner {self.owner}: {exc.message}")
 
     async def _anything_left(self) -> bool:
-        counts = await asyncio.to_thread(self.store.counts)
+        try:
+            counts = await asyncio.to_thread(self.store.counts)
+        except JobStoreError:  # cannot tell: keep going, the claim will report it
+            return True
         return any(counts.get(s, 0) for s in (JobStatus.PENDING, *LEASED))
 
     async def run_one(self, claim: Claim) -> None:
         job = claim.job
         attempt = _Attempt(claim, claim.next_seq)
-        self.say(f"job {job.id} attempt {claim.attempt}: started ({job.name or 'unnamed'})")
+        named = f" ({job.name})" if job.name else ""
+        self.say(f"job {job.id} attempt {claim.attempt}: started{named}")
         began = time.monotonic()
         hooks = Hooks(on_line=lambda w, t: attempt.pending.append((w, t)), on_started=lambda: None)
         hooks.on_started = lambda: setattr(attempt, "started", True)
@@ -138,7 +150,7 @@ class Runner:
         self.done += 1
         self.say(
             f"job {job.id} attempt {claim.attempt}: {attempt.why or outcome.status.value} "
-            f"in {time.monotonic() - began:.2f} s"
+            f"in {time.monotonic() - began:.2f}s"
         )
 
     async def _write_progress(self, attempt: _Attempt) -> None:

@@ -19,28 +19,30 @@ class Wakeup:
         self.conn: Any = None
 
     async def wait(self, timeout: float) -> None:
-        """Return at the next notification, or after ``timeout`` seconds."""
+        """Return at the next notification, or after ``timeout`` seconds (cancellable)."""
         if not self.store.postgres:
             await asyncio.sleep(min(timeout, SQLITE_POLL_S))
             return
         try:
-            await asyncio.to_thread(self._listen, timeout)
+            await self._listen(timeout)
         except Exception:  # psycopg.Error: the server went away; the next claim says so
-            self.close()
+            await self.close()
             await asyncio.sleep(min(timeout, 0.5))
 
-    def _listen(self, timeout: float) -> None:
+    async def _listen(self, timeout: float) -> None:
         import psycopg
 
         if self.conn is None or self.conn.closed:
             url = self.store.engine.url.set(drivername="postgresql")
-            self.conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
-            self.conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        for _ in self.conn.notifies(timeout=timeout, stop_after=1):
+            self.conn = await psycopg.AsyncConnection.connect(
+                url.render_as_string(hide_password=False), autocommit=True
+            )
+            await self.conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        async for _ in self.conn.notifies(timeout=timeout, stop_after=1):
             pass
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self.conn is not None:
             with contextlib.suppress(Exception):
-                self.conn.close()
+                await self.conn.close()
             self.conn = None
