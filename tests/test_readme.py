@@ -32,6 +32,7 @@ TOUR = "A tour of the CLI"
 SSH = "SSH pods: hosts that already exist"
 GCP = "Cloud TPUs: no gcloud needed"
 RUN = "Lockstep programs: `tpupod run`"
+JOBS = "Queued jobs: `tpupod jobs`"
 TOP = "tpupod"  # the block under the title
 
 NEEDS_CLOUD = "needs a TPU in Google Cloud, which cannot be reached from here"
@@ -222,7 +223,7 @@ def take_down(env: dict[str, str], *pods: str) -> None:
 
 
 def test_every_command_is_run_or_listed_with_a_reason() -> None:
-    known = {TOP, TOUR, SSH, GCP, RUN}
+    known = {TOP, TOUR, SSH, GCP, RUN, JOBS}
     found = blocks()
     assert set(found) <= known, f"README blocks this test does not run: {set(found) - known}"
     listed = {(heading, command.key) for heading, cmds in found.items() for command in cmds}
@@ -266,6 +267,16 @@ def test_lockstep_run_and_logs(state_home: Path) -> None:
     finally:
         take_down(env, "dev")
     assert "[w1]" in logs.stdout and "[w0]" not in logs.stdout
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_queued_jobs(state_home: Path) -> None:
+    env = environment()
+    try:
+        run_block(JOBS, Setting(REPO, env))
+    finally:
+        take_down(env, "dev")
 
 
 @pytest.mark.local
