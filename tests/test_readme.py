@@ -33,6 +33,7 @@ SSH = "SSH pods: hosts that already exist"
 GCP = "Cloud TPUs: no gcloud needed"
 RUN = "Lockstep programs: `tpupod run`"
 JOBS = "Queued jobs: `tpupod jobs`"
+BENCH = "Checkpoint benchmarks: `tpupod bench checkpoint`"
 TOP = "tpupod"  # the block under the title
 
 NEEDS_CLOUD = "needs a TPU in Google Cloud, which cannot be reached from here"
@@ -47,6 +48,10 @@ NOT_RUN = {
     (GCP, "tpupod exec -- 'python -c \"import jax; print(jax.device_count())\"'"): NEEDS_CLOUD,
     (GCP, "tpupod status"): NEEDS_CLOUD,
     (GCP, "tpupod down"): NEEDS_CLOUD,
+    (BENCH, "tpupod bench checkpoint -c examples/bench_checkpoint.yaml --baseline latest"): (
+        "a tiny pytree's timings vary between two runs by more than any threshold; the"
+        " regression check is tested in test_bench_checkpoint.py against a doctored baseline"
+    ),
 }
 
 # What may differ between the README's output and ours: (name, as shown, as matched).
@@ -223,7 +228,7 @@ def take_down(env: dict[str, str], *pods: str) -> None:
 
 
 def test_every_command_is_run_or_listed_with_a_reason() -> None:
-    known = {TOP, TOUR, SSH, GCP, RUN, JOBS}
+    known = {TOP, TOUR, SSH, GCP, RUN, BENCH, JOBS}
     found = blocks()
     assert set(found) <= known, f"README blocks this test does not run: {set(found) - known}"
     listed = {(heading, command.key) for heading, cmds in found.items() for command in cmds}
@@ -277,6 +282,19 @@ def test_queued_jobs(state_home: Path) -> None:
         run_block(JOBS, Setting(REPO, env))
     finally:
         take_down(env, "dev")
+
+
+@pytest.mark.local
+@pytest.mark.timeout(300)
+def test_checkpoint_benchmark(state_home: Path, tmp_path: Path) -> None:
+    env = environment()
+    config = str(REPO / "examples" / "bench_checkpoint.yaml")
+    replace = {"examples/bench_checkpoint.yaml": config}
+    try:
+        run_block(BENCH, Setting(tmp_path, env, replace))
+    finally:
+        take_down(env, "dev")
+    assert list(tmp_path.glob("bench-results/small-pytree-sweep/*/results.json"))
 
 
 @pytest.mark.local

@@ -242,7 +242,7 @@ def _divides(
 
 def _benchmarks(items: object, problems: list[str]) -> list[tuple[str, dict[str, Any]]]:
     if not isinstance(items, list) or not items:
-        problems.append("benchmarks: missing; a list of {generator, options}")
+        problems.append("benchmarks: missing or empty; a list of {generator, options}")
         return []
     found = []
     for i, item in enumerate(items):
