@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import tpupod.extract
 from tests.conftest import CliResult, pod_processes, tpupod_argv, wait_until_gone
@@ -220,6 +221,10 @@ def test_single_process_output_matches_transformers(reference_run: tuple[Path, P
     )
     with pytest.raises(ExtractError, match="has no completions"):
         ds.completion("s0")
+    official = load_file(out / first["file"])  # the safetensors library reads our shards
+    assert sorted(official) == ["hidden.0", "hidden.1", "hidden.3", "offsets", "tokens"]
+    np.testing.assert_array_equal(official["hidden.1"], bulk)
+    assert official["offsets"].tolist() == first["offsets"]
 
 
 def test_generate_writes_each_samples_greedy_completion(

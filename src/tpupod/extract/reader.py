@@ -10,7 +10,6 @@ once each and kept.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,7 @@ import numpy as np
 from tpupod.errors import ExtractError
 from tpupod.extract import shards
 from tpupod.extract.store import Store, open_store
-
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "I64": "int64"}
+from tpupod.extract.tensorfile import TensorFile
 
 
 class Dataset:
@@ -43,7 +41,7 @@ class Dataset:
             for i, sample_id in enumerate(entry["ids"]):
                 self._where[sample_id] = (n, i)
         self.ids: list[str] = list(self._where)
-        self._files: dict[int, _SafetensorsFile] = {}
+        self._files: dict[int, TensorFile] = {}
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -88,12 +86,12 @@ class Dataset:
         except KeyError:
             raise ExtractError(f"no sample {sample_id!r}", hint="see ds.ids") from None
 
-    def _file(self, n: int) -> _SafetensorsFile:
+    def _file(self, n: int) -> TensorFile:
         if n not in self._files:
             name = self.shards[n]["file"]
             local = self._store.local_path(name)
             raw = None if local is not None else self._store.read(name)
-            self._files[n] = _SafetensorsFile(local, raw)
+            self._files[n] = TensorFile(local, raw)
         return self._files[n]
 
 
@@ -108,39 +106,6 @@ def _entries(store: Store) -> list[dict[str, Any]]:
             if raw is not None:
                 found.append(json.loads(raw))
     return sorted(found, key=lambda e: int(e["shard"]))
-
-
-class _SafetensorsFile:
-    """Tensors of one safetensors file as numpy views: an ``np.memmap`` of a local
-    file, or slices of the bytes of a fetched one."""
-
-    def __init__(self, path: Path | None, raw: bytes | None) -> None:
-        if path is not None:
-            with path.open("rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = f.read(size)
-            self.data: np.ndarray = np.memmap(path, np.uint8, "r", offset=8 + size)
-        else:
-            raw = raw or b""
-            (size,) = struct.unpack("<Q", raw[:8])
-            header = raw[8 : 8 + size]
-            self.data = np.frombuffer(raw, np.uint8, offset=8 + size)
-        self.header: dict[str, Any] = json.loads(header)
-        self.header.pop("__metadata__", None)
-
-    def tensor(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        start, end = info["data_offsets"]
-        dtype = np.dtype(_DTYPES[info["dtype"]]) if info["dtype"] != "BF16" else _bf16()
-        view: np.ndarray = self.data[start:end].view(dtype).reshape(info["shape"])
-        return view
-
-
-def _bf16() -> np.dtype[Any]:
-    import ml_dtypes
-
-    bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-    return bf16
 
 
 def open(path: str) -> Dataset:

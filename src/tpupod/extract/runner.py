@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from tpupod.extract import plan, shards
 from tpupod.extract.data import Sample, read_samples
 from tpupod.extract.progress import HostStats, Progress
 from tpupod.extract.store import LocalStore, Store, Writer, open_store
+
+if TYPE_CHECKING:
+    from tpupod.model import ForwardOutput
 
 Say = Callable[[str], None]
 FINAL_EXCHANGE_S = 7 * 24 * 3600.0  # hosts finish their shards at their own pace
@@ -182,38 +185,73 @@ class Extractor:
     def shard(
         self, shard: plan.ShardPlan, on_batch: Callable[[int, int], None]
     ) -> shards.ShardResult:
-        """Compute one shard: fixed-size batches, shortest samples first."""
+        """Compute one shard: fixed-size batches, shortest samples first. Batch k+1 is
+        dispatched before batch k is copied out, so the device never waits on the host."""
         toks = [self.tokens(s) for s in shard.samples]
-        order: list[int] = []
-        hidden: dict[int, list[np.ndarray]] = {layer: [] for layer in self.options.layers}
-        completions: list[str] = []
-        completion_tokens: list[list[int]] = []
-        for batch in plan.batches([len(t) for t in toks], self.options.batch_size):
-            rows = [toks[i].tolist() for i in batch]
-            rows += [[self._filler()]] * (self.options.batch_size - len(rows))  # fixed shape
-            out = self.model.forward(rows, layers=list(self.options.layers), logits="none")
-            _, states = out.numpy()
-            for r, i in enumerate(batch):
-                for layer in self.options.layers:
-                    hidden[layer].append(np.ascontiguousarray(states[layer][r, : len(toks[i])]))
-            if self.options.generate:
-                gen = self.model.generate(
-                    rows,
-                    max_new_tokens=self.options.generate,
-                    temperature=self.options.temperature,
-                    seed=self.options.seed + shard.index,
-                )
-                completions += [gen.texts[r] if gen.texts else "" for r in range(len(batch))]
-                completion_tokens += gen.tokens[: len(batch)]
-            order += batch
-            on_batch(len(batch), sum(len(toks[i]) for i in batch))
+        built = _Built(self.options.layers)
+        pending: tuple[list[int], ForwardOutput] | None = None
+        for batch in [*plan.batches([len(t) for t in toks], self.options.batch_size), None]:
+            launched = None if batch is None else (batch, self._launch(toks, batch))
+            if pending is not None:
+                self._collect(shard.index, toks, *pending, built)
+                on_batch(len(pending[0]), sum(len(toks[i]) for i in pending[0]))
+            pending = launched
+        return built.result(shard, toks, self.options.generate > 0)
+
+    def _rows(self, toks: list[np.ndarray], batch: list[int]) -> list[list[int]]:
+        rows = [toks[i].tolist() for i in batch]
+        return rows + [[self._filler()]] * (self.options.batch_size - len(rows))  # fixed shape
+
+    def _launch(self, toks: list[np.ndarray], batch: list[int]) -> ForwardOutput:
+        out = self.model.forward(self._rows(toks, batch), layers=self.options.layers, logits="none")
+        for state in out.hidden_states.values():
+            state.copy_to_host_async()
+        return out
+
+    def _collect(
+        self,
+        index: int,
+        toks: list[np.ndarray],
+        batch: list[int],
+        out: ForwardOutput,
+        built: _Built,
+    ) -> None:
+        """The batch's real tokens of each layer (views of the host copy, no copy)."""
+        _, states = out.numpy()
+        for r, i in enumerate(batch):
+            for layer in self.options.layers:
+                built.hidden[layer].append(states[layer][r, : len(toks[i])])
+        built.order += batch
+        if self.options.generate:
+            gen = self.model.generate(
+                self._rows(toks, batch),
+                max_new_tokens=self.options.generate,
+                temperature=self.options.temperature,
+                seed=self.options.seed + index,
+            )
+            built.completions += [gen.texts[r] if gen.texts else "" for r in range(len(batch))]
+            built.completion_tokens += gen.tokens[: len(batch)]
+
+
+class _Built:
+    """A shard's outputs as its batches come back."""
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.order: list[int] = []
+        self.hidden: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
+        self.completions: list[str] = []
+        self.completion_tokens: list[list[int]] = []
+
+    def result(
+        self, shard: plan.ShardPlan, toks: list[np.ndarray], generated: bool
+    ) -> shards.ShardResult:
         return shards.ShardResult(
             shard.index,
-            [shard.samples[i].id for i in order],
-            [toks[i] for i in order],
-            hidden,
-            completions if self.options.generate else None,
-            completion_tokens if self.options.generate else None,
+            [shard.samples[i].id for i in self.order],
+            [toks[i] for i in self.order],
+            self.hidden,
+            self.completions if generated else None,
+            self.completion_tokens if generated else None,
         )
 
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from tpupod import __version__
 from tpupod.errors import ExtractError
+from tpupod.extract import tensorfile
+from tpupod.extract.tensorfile import Buffer
 
 RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.json"
@@ -68,15 +71,15 @@ class ShardResult:
     completion_tokens: list[list[int]] | None = None
 
 
-def encode(shard: ShardResult, config: RunConfig) -> tuple[bytes, bytes]:
-    """The shard's safetensors bytes and its manifest's bytes."""
-    from safetensors.numpy import save
-
+def encode(shard: ShardResult, config: RunConfig) -> tuple[list[Buffer], bytes]:
+    """The shard's safetensors file (as buffers to write in order) and its manifest."""
     lengths = [len(t) for t in shard.tokens]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tensors = {f"hidden.{layer}": np.concatenate(parts) for layer, parts in shard.hidden.items()}
-    tensors["tokens"] = np.concatenate(shard.tokens).astype(np.int32)
-    tensors["offsets"] = offsets
+    tensors: dict[str, Sequence[np.ndarray]] = {
+        f"hidden.{layer}": parts for layer, parts in shard.hidden.items()
+    }
+    tensors["tokens"] = [t.astype(np.int32) for t in shard.tokens]
+    tensors["offsets"] = [offsets]
     manifest: dict[str, Any] = {
         "shard": shard.index,
         "file": f"{_stem(shard.index)}.safetensors",
@@ -90,7 +93,7 @@ def encode(shard: ShardResult, config: RunConfig) -> tuple[bytes, bytes]:
     if shard.completions is not None:
         manifest["completions"] = shard.completions
         manifest["completion_tokens"] = shard.completion_tokens
-    return save(tensors), _dump(manifest)
+    return tensorfile.encode(tensors), _dump(manifest)
 
 
 def files_of(index: int) -> tuple[str, str]:

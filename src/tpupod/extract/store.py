@@ -17,15 +17,27 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tpupod.errors import ExtractError
+from tpupod.extract.tensorfile import Buffer
 from tpupod.files import staging_name
 
 QUEUE_DEPTH = 4  # shards waiting to be written before compute waits
 
 
+Data = bytes | list[Buffer]  # a whole file, or its parts in order
+
+
+def _parts(data: Data) -> list[Buffer]:
+    return [data] if isinstance(data, bytes) else data
+
+
+def size_of(data: Data) -> int:
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in _parts(data))
+
+
 class Store(Protocol):
     url: str
 
-    def write(self, name: str, data: bytes) -> None: ...
+    def write(self, name: str, data: Data) -> None: ...
     def read(self, name: str) -> bytes | None: ...
     def names(self) -> list[str]: ...
     def local_path(self, name: str) -> Path | None: ...
@@ -42,10 +54,12 @@ class LocalStore:
                 f"cannot create {folder}: {exc.strerror}", hint="choose --out"
             ) from exc
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: Data) -> None:
         dest = self.folder / name
         staged = Path(staging_name(dest))
-        staged.write_bytes(data)
+        with staged.open("wb") as f:
+            for part in _parts(data):
+                f.write(part)
         staged.replace(dest)
 
     def read(self, name: str) -> bytes | None:
@@ -73,8 +87,10 @@ class FsspecStore:
         self.fs: Any
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
 
-    def write(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(f"{self.root}/{name}", data)
+    def write(self, name: str, data: Data) -> None:
+        with self.fs.open(f"{self.root}/{name}", "wb") as f:  # one object, complete or absent
+            for part in _parts(data):
+                f.write(part)
 
     def read(self, name: str) -> bytes | None:
         try:
@@ -100,14 +116,14 @@ def open_store(where: str) -> LocalStore | FsspecStore:
 
 
 class Writer:
-    """Writes (name, bytes) groups in order on one thread; ``put`` waits only when
+    """Writes (name, data) groups in order on one thread; ``put`` waits only when
     ``QUEUE_DEPTH`` groups are already pending. An error in the thread comes back
     at the next ``put`` or at ``close``."""
 
     def __init__(self, store: Store, on_written: Callable[[int], None] = lambda n: None) -> None:
         self.store = store
         self.on_written = on_written
-        self._queue: queue.Queue[list[tuple[str, bytes]] | None] = queue.Queue(QUEUE_DEPTH)
+        self._queue: queue.Queue[list[tuple[str, Data]] | None] = queue.Queue(QUEUE_DEPTH)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tpupod-extract-writer", daemon=True)
         self._thread.start()
@@ -116,7 +132,7 @@ class Writer:
     def pending(self) -> int:
         return self._queue.qsize()
 
-    def put(self, files: list[tuple[str, bytes]]) -> None:
+    def put(self, files: list[tuple[str, Data]]) -> None:
         self._raise()
         self._queue.put(files)
 
@@ -139,6 +155,6 @@ class Writer:
             try:
                 for name, data in files:
                     self.store.write(name, data)
-                    self.on_written(len(data))
+                    self.on_written(size_of(data))
             except Exception as exc:  # reported to the computing thread, with its cause
                 self._error = exc
