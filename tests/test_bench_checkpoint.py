@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -149,6 +152,20 @@ def test_bad_config_is_one_error_naming_the_key(
     assert "Traceback" not in run.err and not (tmp_path / "bench-results").exists()
 
 
+def test_a_mesh_no_combination_fits_is_an_error(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(workers=2, devices=1)  # the mesh wants 2 x 2 devices
+    config = write_config(tmp_path, SMALL)
+    run = cli("bench", "checkpoint", "--pod", pod.name, "-c", str(config), "-o", str(tmp_path))
+    assert run.code == 1
+    assert (
+        "error: no combination ran: every mesh was skipped (the mesh has 4 devices, the pod 2)"
+        in (run.err)
+    )
+    assert "skipped" in run.out
+
+
 # -- in process -----------------------------------------------------------------------
 
 
@@ -232,3 +249,29 @@ def test_latest_baseline_is_the_newest_earlier_run(tmp_path: Path) -> None:
     assert baseline.latest(tmp_path, "My Suite!").parent.name == "20261126-100000-bbbbbb"
     with pytest.raises(Exception, match="no earlier results of suite 'other'"):
         baseline.latest(tmp_path, "other")
+
+
+def test_over_ssh_results_come_back_as_output(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    # Simulated hosts keep /tmp and their home to themselves and share /var/tmp: the
+    # checkpoint folder every worker writes its part of must be one they all see.
+    shared = Path(tempfile.mkdtemp(prefix="tpupod-bench-", dir="/var/tmp"))
+    pod = make_ssh_pod(workers=2)
+    config = json.loads(json.dumps(SMALL))
+    config["num_repeats"] = 1
+    config["mesh_config"]["ici_parallelism"] = {}  # a host has one CPU device
+    path = write_config(tmp_path, config)
+    try:
+        run = cli(
+            "bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", str(tmp_path / "out"),
+            "--checkpoint-dir", str(shared), "--worker-python", sys.executable, timeout=120,
+        )  # fmt: skip
+        assert run.code == 0, run.err
+        _, results = results_of(tmp_path / "out")
+        hosts = {s.hostname for c in results.combinations for s in c.samples}
+        assert len(hosts) == 2  # two simulated hosts, each its own hostname
+        assert results.problems() == [] and all(c.status == "ok" for c in results.combinations)
+        assert list(shared.iterdir()) == []  # worker 0 removed the launch's checkpoints
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

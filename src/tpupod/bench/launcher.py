@@ -18,7 +18,7 @@ from pathlib import Path
 from tpupod.bench.baseline import RESULTS_FILE, suite_dir
 from tpupod.bench.config import BenchConfig
 from tpupod.bench.plots import write_plots
-from tpupod.bench.results import Results
+from tpupod.bench.results import Results, Status
 from tpupod.bench.wire import Collector, Plan
 from tpupod.errors import BenchError
 from tpupod.fanout import Interrupt, NoticeHandler
@@ -115,7 +115,14 @@ async def run_bench(
     return BenchRun(result, results, folder, write_plots(results, folder))
 
 
-def raise_for_mismatch(results: Results) -> None:
+def raise_for_failures(results: Results) -> None:
+    """Restored arrays that differ, or a run where no combination could run at all."""
+    if all(c.status == Status.SKIPPED for c in results.combinations):
+        first = results.combinations[0]
+        raise BenchError(
+            f"no combination ran: every mesh was skipped ({first.reason})",
+            hint="give mesh_config parallelism whose product is the pod's device count",
+        )
     problems = results.problems()
     if problems:
         raise BenchError(

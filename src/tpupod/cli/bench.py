@@ -124,7 +124,7 @@ def checkpoint(
     from tpupod.bench import baseline as baselines
     from tpupod.bench.config import load_config
     from tpupod.bench.launcher import checkpoint_dir as where
-    from tpupod.bench.launcher import raise_for_mismatch, run_bench
+    from tpupod.bench.launcher import raise_for_failures, run_bench
     from tpupod.state import StateDir
 
     if str(output).startswith("gs:/"):
@@ -164,7 +164,7 @@ def checkpoint(
     print(f"results: {done.folder}/{baselines.RESULTS_FILE}", file=sys.stderr)
     for plot in done.plots:
         print(f"plot: {plot}", file=sys.stderr)
-    raise_for_mismatch(done.results)
+    raise_for_failures(done.results)
     if earlier is not None:
         before = baselines.load(earlier)
         _check_baseline(baselines.compare(done.results, before, earlier, threshold), threshold)
