@@ -162,7 +162,7 @@ def ls(
         statuses = [JobStatus(s) for s in status or []]
     except ValueError as exc:
         choices = ", ".join(s.value for s in JobStatus)
-        raise UsageError(f"--status: {exc}", hint=f"one of {choices}") from exc
+        raise UsageError(f"--status {exc.args[0].split()[0]}", hint=f"one of {choices}") from exc
     found = _store(db).find(statuses=statuses, labels=_labels(label), limit=limit)
     print(f"{'ID':>6}  {'STATUS':<10} {'TRY':>3}  {'AGE':>7}  {'POD':<12} NAME")
     for job in found:

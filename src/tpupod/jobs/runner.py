@@ -24,6 +24,7 @@ from tpupod.jobs.wakeup import Wakeup
 
 DEFAULT_LEASE_S = 15.0
 FLUSH_S = 0.2
+UNTIL_EMPTY_POLL_S = 0.2
 
 
 def new_owner() -> str:
@@ -87,14 +88,15 @@ class Runner:
                     continue
                 if until_empty and not await self._anything_left():
                     break
-                await self._idle(wakeup)
+                # --until-empty: others' last jobs end without a notice, so look again soon
+                await self._idle(wakeup, UNTIL_EMPTY_POLL_S if until_empty else self.lease_s / 3)
         finally:
             await wakeup.close()
         return self.done
 
-    async def _idle(self, wakeup: Wakeup) -> None:
-        """Until there may be work (or the lease period's third has passed), or shutdown."""
-        waiting = asyncio.create_task(wakeup.wait(self.lease_s / 3))
+    async def _idle(self, wakeup: Wakeup, timeout: float) -> None:
+        """Until there may be work (or ``timeout`` has passed), or shutdown."""
+        waiting = asyncio.create_task(wakeup.wait(timeout))
         stopping = asyncio.create_task(self.shutdown.wait())
         await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         for task in (waiting, stopping):

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, func, insert, s
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from tpupod import settings
-from tpupod.errors import JobNotFound, JobStoreError
+from tpupod.errors import JobNotFound, JobStoreError, UsageError
 from tpupod.jobs import schema
 from tpupod.jobs.models import FINISHED, Job, JobRequest, JobStatus, LogLine
 from tpupod.jobs.schema import jobs, log_lines
@@ -71,8 +71,8 @@ def open_engine(url: str) -> Engine:
             return _sqlite_engine(url)
         return create_engine(_engine_url(url), pool_pre_ping=True, pool_size=2)
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
-        raise JobStoreError(
-            f"cannot use the job store URL: {exc}",
+        raise UsageError(
+            f"cannot use the job store URL {redact(url)!r}: {exc}",
             hint="sqlite:///PATH or postgresql://USER@HOST:PORT/DB (--db or TPUPOD_JOBS_DB)",
         ) from exc
 
