@@ -21,6 +21,7 @@ from tpupod.extract.tensorfile import Buffer
 from tpupod.files import staging_name
 
 QUEUE_DEPTH = 4  # shards waiting to be written before compute waits
+WRITER_THREADS = 4
 
 
 Data = bytes | list[Buffer]  # a whole file, or its parts in order
@@ -116,17 +117,24 @@ def open_store(where: str) -> LocalStore | FsspecStore:
 
 
 class Writer:
-    """Writes (name, data) groups in order on one thread; ``put`` waits only when
-    ``QUEUE_DEPTH`` groups are already pending. An error in the thread comes back
-    at the next ``put`` or at ``close``."""
+    """Writes (name, data) groups on ``WRITER_THREADS`` threads, each group in order (a
+    shard's tensors, then its manifest); ``put`` waits only when ``QUEUE_DEPTH`` groups
+    are already pending. An error in a thread comes back at the next ``put`` or at
+    ``close``. Several threads because one thread's writes (a memcpy into the page
+    cache, or one upload) run slower than a GPU produces activations."""
 
     def __init__(self, store: Store, on_written: Callable[[int], None] = lambda n: None) -> None:
         self.store = store
         self.on_written = on_written
         self._queue: queue.Queue[list[tuple[str, Data]] | None] = queue.Queue(QUEUE_DEPTH)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tpupod-extract-writer", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"tpupod-extract-writer-{n}", daemon=True)
+            for n in range(WRITER_THREADS)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def pending(self) -> int:
@@ -137,8 +145,10 @@ class Writer:
         self._queue.put(files)
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
         self._raise()
 
     def _raise(self) -> None:
@@ -155,6 +165,7 @@ class Writer:
             try:
                 for name, data in files:
                     self.store.write(name, data)
-                    self.on_written(size_of(data))
+                    with self._lock:
+                        self.on_written(size_of(data))
             except Exception as exc:  # reported to the computing thread, with its cause
                 self._error = exc
