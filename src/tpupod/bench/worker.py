@@ -49,10 +49,9 @@ def main() -> int:
     started, started_at = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     runner = _Runner(identity, config, root)
     done = runner.run_all()
-    if identity.id == 0:
-        shutil.rmtree(root, ignore_errors=True)
     gathered = client().exchange("bench:samples", [c.model_dump(mode="json") for c in done])
     if identity.id == 0:
+        shutil.rmtree(root, ignore_errors=True)
         results = _results(plan, identity, config, gathered, started_at)
         results.seconds = time.monotonic() - started
         for line in encode(results):
@@ -125,6 +124,11 @@ class _Runner:
         nbytes = sum(x.nbytes for x in jax.tree.leaves(pytree) if isinstance(x, jax.Array))
         rendezvous(f"bench:c{combo.index}:r{repeat}")  # every host starts together
         measured = orbax_harness.save_and_restore(combo.generator, combo.options, pytree, directory)
+        # Once every host has restored, the checkpoint goes: a sweep of large pytrees would
+        # otherwise keep one on disk per combination and repeat.
+        rendezvous(f"bench:c{combo.index}:r{repeat}:restored")
+        if self.identity.id == 0:
+            shutil.rmtree(directory, ignore_errors=True)
         problems = restore_problems(orbax_harness.make_pytree(spec, mesh), measured.restored)
         jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, measured.restored)
         m = measured.metrics
