@@ -185,8 +185,8 @@ def _results(
     started: str,
 ) -> Results:
     combos = [CombinationResult.model_validate(c) for c in gathered[0]]
-    for worker, theirs in sorted(gathered.items()):
-        if worker == 0:
+    for member, theirs in sorted(gathered.items()):
+        if member == 0:
             continue
         for mine, other in zip(combos, theirs, strict=True):
             mine.samples += CombinationResult.model_validate(other).samples
@@ -222,5 +222,14 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def run() -> int:
+    """``main``, with what a worker cannot do (a checkpoint folder it cannot write) in one line."""
+    try:
+        return main()
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
