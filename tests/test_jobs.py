@@ -28,14 +28,16 @@ from tpupod.pod import Pod
 
 pytestmark = pytest.mark.local  # a database server and runner processes
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
-
 
 def _pg_bin() -> Path | None:
+    """Where initdb and pg_ctl are: on PATH, else Debian's newest /usr/lib/postgresql/N/bin."""
     found = shutil.which("initdb")
     if found:
         return Path(found).resolve().parent
-    return PG_BIN if (PG_BIN / "initdb").exists() else None
+    debian = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3])
+    )
+    return debian[-1].parent if debian else None
 
 
 def _as_postgres(argv: list[str]) -> list[str]:
@@ -500,3 +502,26 @@ def test_postgres_restarted_under_load_loses_nothing_and_runs_nothing_twice(
     assert sorted(int(x) for x in ran.read_text().split()) == ids
     assert store.counts() == {JobStatus.COMPLETED: 100}
     store.close()
+
+
+def test_a_gang_job_on_an_ssh_pod_fails_naming_the_worker_and_leaves_nothing(
+    make_ssh_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    leftovers: Callable[[Pod], list[str]],
+    tmp_path: Path,
+) -> None:
+    pod = make_ssh_pod(2)
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    failing = (  # one argument: a command line, as `tpupod exec -- '...'` takes it
+        'echo "job $TPUPOD_JOB_ID on w$TPUPOD_WORKER_ID"; [ "$TPUPOD_WORKER_ID" = 1 ] && exit 3; '
+        "sleep 60"
+    )
+    job_id = cli("jobs", "submit", "--db", db, "--pod", pod.name, "--", failing).out.strip()
+    worker = cli("jobs", "worker", "--db", db, "--pod", pod.name, "--until-empty", timeout=60)
+    assert worker.code == 0, worker.err
+    shown = json.loads(cli("jobs", "show", job_id, "--json", "--db", db).out)
+    assert shown["status"] == "failed"
+    assert shown["error"].startswith("w1 ") and "exit 3" in shown["error"], shown["error"]
+    logs = cli("jobs", "logs", job_id, "--db", db).out.splitlines()
+    assert {f"[w0] job {job_id} on w0", f"[w1] job {job_id} on w1"} <= set(logs)  # w0 also
+    assert leftovers(pod) == []  # may say "Terminated": it was stopped when w1 failed

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shlex
 import signal
 import sys
 import time
@@ -17,6 +16,7 @@ import typer
 from tpupod.cli import app, reporting_errors
 from tpupod.cli.options import PodOption
 from tpupod.errors import JobError, UsageError
+from tpupod.execargs import join_command
 from tpupod.report import notice
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def _request(args: list[str], dashed: bool) -> JobRequest:
     if not args:
         raise UsageError("nothing to submit", hint="tpupod jobs submit FILE.py | -- CMD...")
     if dashed or len(args) > 1 or not args[0].endswith((".py", ".json")):
-        return JobRequest(command=shlex.join(args))
+        return JobRequest(command=join_command(args))  # as exec and run read it
     path = Path(args[0])
     if not path.is_file():
         raise UsageError(f"{path}: no such file", hint="give a .py or .json file, or -- CMD...")
