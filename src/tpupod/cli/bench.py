@@ -212,7 +212,8 @@ def _print_results(results: Results) -> None:
             f"{h['rss_save_mb'].max:.0f}/{h['rss_restore_mb'].max:.0f}",
             c.status.value,
         )
-    Console(file=sys.stdout, width=200).print(table)
+    # a terminal wraps to its width; piped output keeps each row on one line
+    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def _check_baseline(comparison: Comparison, threshold: float) -> None:
