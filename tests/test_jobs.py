@@ -145,6 +145,8 @@ def test_a_claim_runs_the_most_urgent_job_and_no_job_twice(store: Store) -> None
 
 def test_jobs_for_a_pod_go_only_to_that_pods_runners(store: Store) -> None:
     job = store.submit(command_job("true", pod="big"))
+    assert claims.remaining(store, None) == 0  # so a local --until-empty runner ends
+    assert claims.remaining(store, "big") == 1
     assert claims.claim(store, "here", pod=None, lease_s=30) is None
     assert claims.claim(store, "other", pod="small", lease_s=30) is None
     taken = claims.claim(store, "big-runner", pod="big", lease_s=30)

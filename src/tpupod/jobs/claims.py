@@ -37,10 +37,23 @@ def _fence(claim: Claim) -> ColumnElement[bool]:
     )
 
 
+def _mine(pod: str | None) -> ColumnElement[bool]:
+    """The jobs a runner for ``pod`` (None: a local runner) may take."""
+    return jobs.c.pod.is_(None) if pod is None else or_(jobs.c.pod.is_(None), jobs.c.pod == pod)
+
+
+def remaining(store: Store, pod: str | None) -> int:
+    """Jobs a runner for ``pod`` may still take or see end (pending, or leased)."""
+    live = [JobStatus.PENDING.value, *(s.value for s in LEASED)]
+    query = select(func.count()).where(jobs.c.status.in_(live), _mine(pod))
+    with store.read() as conn:
+        return int(conn.execute(query).scalar_one())
+
+
 def claim(store: Store, owner: str, *, pod: str | None, lease_s: float) -> Claim | None:
     """Lease the most urgent pending job this runner may take, or None."""
     now = time.time()
-    mine = jobs.c.pod.is_(None) if pod is None else or_(jobs.c.pod.is_(None), jobs.c.pod == pod)
+    mine = _mine(pod)
     pick = (
         select(jobs.c.id)
         .where(jobs.c.status == JobStatus.PENDING.value, jobs.c.run_after <= now, mine)

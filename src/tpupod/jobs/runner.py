@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tpupod.errors import JobStoreError, LeaseLost
 from tpupod.jobs import claims
 from tpupod.jobs.execute import Executor, Hooks, Outcome
-from tpupod.jobs.models import LEASED, Claim, JobStatus
+from tpupod.jobs.models import Claim, JobStatus
 from tpupod.jobs.store import Store
 from tpupod.jobs.wakeup import Wakeup
 
@@ -121,10 +121,9 @@ class Runner:
 
     async def _anything_left(self) -> bool:
         try:
-            counts = await asyncio.to_thread(self.store.counts)
+            return await asyncio.to_thread(claims.remaining, self.store, self.pod) > 0
         except JobStoreError:  # cannot tell: keep going, the claim will report it
             return True
-        return any(counts.get(s, 0) for s in (JobStatus.PENDING, *LEASED))
 
     async def run_one(self, claim: Claim) -> None:
         job = claim.job
