@@ -157,6 +157,21 @@ def transformers_by_hand(
     return time.perf_counter() - started
 
 
+def device_to_host(args: argparse.Namespace, cfg: QwenConfig) -> float:
+    """Bytes/s of copying one batch's activations (all layers) from the device to numpy."""
+    import jax.numpy as jnp
+
+    shape = (len(args.layer_list), args.batch, args.length, cfg.hidden_size)
+    x = jax.block_until_ready(jnp.ones(shape, args.dtype))
+    seconds = []
+    for _ in range(4):
+        y = jax.block_until_ready(x + 1)  # a fresh array: no cached host copy
+        started = time.perf_counter()
+        np.asarray(y)
+        seconds.append(time.perf_counter() - started)
+    return float(y.nbytes / statistics.median(seconds[1:]))
+
+
 def writes(source: Path, folder: Path) -> tuple[float, float, int]:
     """Seconds to write ``source``'s files again through the store, and as one tofile."""
     files = [(p.name, p.read_bytes()) for p in sorted(source.iterdir()) if p.is_file()]
@@ -237,6 +252,9 @@ def measure(cfg: QwenConfig, args: argparse.Namespace, work: Path) -> dict[str, 
         "extract_tok_s": tokens / statistics.median(extract_s),
         "extract_bytes": stats.bytes,
     }
+    result["d2h_bytes_s"] = device_to_host(args, cfg)
+    per_token = len(args.layer_list) * cfg.hidden_size * np.dtype(args.dtype).itemsize
+    result["bytes_per_token"] = per_token
     progress("writes")
     store_s, raw_s, total = writes(work / "out", work)
     result.update(store_bytes_s=total / store_s, raw_bytes_s=total / raw_s, write_bytes=total)
@@ -261,6 +279,10 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         hf = r["transformers_tok_s"]
         print(f"{'transformers by hand':34}{hf:>10.0f}{hf / r['prefill_tok_s']:>8.2f}x")
         print(f"tpupod extract / transformers by hand: {r['extract_tok_s'] / hf:.2f}x")
+    d2h = r["d2h_bytes_s"] / r["bytes_per_token"]
+    print(f"{'device -> host copy bound':34}{d2h:>10.3g}{d2h / r['prefill_tok_s']:>8.2f}x")
+    disk = r["raw_bytes_s"] / r["bytes_per_token"]
+    print(f"{'ndarray.tofile bound':34}{disk:>10.3g}{disk / r['prefill_tok_s']:>8.2f}x")
     store, raw = r["store_bytes_s"], r["raw_bytes_s"]
     print(
         f"writes of {r['write_bytes'] / 1e6:.0f} MB: tpupod's store {store / 1e9:.2f} GB/s, "

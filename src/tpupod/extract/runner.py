@@ -171,13 +171,19 @@ class Extractor:
         assert self.model.tokenizer is not None
         self.tokenizer = self.model.tokenizer
 
-    def tokens(self, sample: Sample) -> np.ndarray:
-        if sample.messages is not None:
-            text = self.tokenizer.apply_chat_template(list(sample.messages))
-        else:
-            text = sample.text or ""
-        ids = self.tokenizer.encode(text)[: self.options.max_length] or [self._filler()]
-        return np.asarray(ids, np.int32)
+    def tokens(self, samples: tuple[Sample, ...]) -> list[np.ndarray]:
+        """Each sample's token ids (chat template applied to messages), cut to --max-length;
+        encoded as one batch (the tokenizer's threads)."""
+        texts = [
+            self.tokenizer.apply_chat_template(list(s.messages))
+            if s.messages is not None
+            else s.text or ""
+            for s in samples
+        ]
+        return [
+            np.asarray(ids[: self.options.max_length] or [self._filler()], np.int32)
+            for ids in self.tokenizer.encode_batch(texts)
+        ]
 
     def _filler(self) -> int:
         return self.tokenizer.pad_id or 0
@@ -187,7 +193,7 @@ class Extractor:
     ) -> shards.ShardResult:
         """Compute one shard: fixed-size batches, shortest samples first. Batch k+1 is
         dispatched before batch k is copied out, so the device never waits on the host."""
-        toks = [self.tokens(s) for s in shard.samples]
+        toks = self.tokens(shard.samples)
         built = _Built(self.options.layers)
         pending: tuple[list[int], ForwardOutput] | None = None
         for batch in [*plan.batches([len(t) for t in toks], self.options.batch_size), None]:
