@@ -78,6 +78,7 @@ def test_submit_list_read_and_cancel(api: httpx.Client) -> None:
     job = api.get(f"/jobs/{job_id}").json()
     assert job["status"] == "pending" and job["metadata"]["challenge_number"] == 1
     assert [j["id"] for j in api.get("/jobs", params={"label": "team=a"}).json()] == [labelled]
+    assert api.get("/jobs", params={"label": "team"}).status_code == 422
     assert api.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelled"
     pending = api.get("/jobs", params={"status": "pending"}).json()
     assert [j["id"] for j in pending] == [labelled]

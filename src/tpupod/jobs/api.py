@@ -63,7 +63,10 @@ def create_app(store: Store, token: str) -> FastAPI:
         since: float | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        labels = dict(item.partition("=")[::2] for item in label or [])
+        pairs = [item.partition("=") for item in label or []]
+        if any(not sep or not name for name, sep, _ in pairs):
+            raise HTTPException(422, "label filters are NAME=VALUE")
+        labels = {name: value for name, _, value in pairs}
         found = store.find(statuses=status or [], labels=labels, since=since, limit=limit)
         return [job.to_dict() for job in found]
 

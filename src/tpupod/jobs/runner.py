@@ -24,6 +24,8 @@ from tpupod.jobs.wakeup import Wakeup
 
 DEFAULT_LEASE_S = 15.0
 FLUSH_S = 0.2
+HEARTBEAT_MAX_S = 1.0
+ENDINGS = {"cancel": "cancelled", "lost": "lease lost", "shutdown": "given back"}
 UNTIL_EMPTY_POLL_S = 0.2
 
 
@@ -68,6 +70,8 @@ class Runner:
     ) -> None:
         self.store, self.executor, self.pod = store, executor, pod
         self.lease_s = lease_s
+        # a heartbeat also brings a cancel back: often enough that a cancel is felt quickly
+        self.beat_s = min(lease_s / 3, HEARTBEAT_MAX_S)
         self.owner = owner or new_owner()
         self.say = on_event or (lambda text: None)
         self.shutdown = asyncio.Event()
@@ -142,7 +146,7 @@ class Runner:
             if self.shutdown.is_set():
                 attempt.stop_for("shutdown")
             await self._write_progress(attempt)
-            if time.monotonic() - beat_at > self.lease_s / 3:
+            if time.monotonic() - beat_at > self.beat_s:
                 await self._heartbeat(attempt)
                 beat_at = time.monotonic()
         outcome = running.result()
@@ -150,7 +154,8 @@ class Runner:
         await self._end(attempt, outcome)
         self.done += 1
         self.say(
-            f"job {job.id} attempt {claim.attempt}: {attempt.why or outcome.status.value} "
+            f"job {job.id} attempt {claim.attempt}: "
+            f"{ENDINGS.get(attempt.why or '', outcome.status.value)} "
             f"in {time.monotonic() - began:.2f}s"
         )
 
