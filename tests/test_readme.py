@@ -34,6 +34,7 @@ GCP = "Cloud TPUs: no gcloud needed"
 RUN = "Lockstep programs: `tpupod run`"
 JOBS = "Queued jobs: `tpupod jobs`"
 BENCH = "Checkpoint benchmarks: `tpupod bench checkpoint`"
+EXTRACT = "Activation extraction: `tpupod extract`"
 TOP = "tpupod"  # the block under the title
 
 NEEDS_CLOUD = "needs a TPU in Google Cloud, which cannot be reached from here"
@@ -228,7 +229,7 @@ def take_down(env: dict[str, str], *pods: str) -> None:
 
 
 def test_every_command_is_run_or_listed_with_a_reason() -> None:
-    known = {TOP, TOUR, SSH, GCP, RUN, BENCH, JOBS}
+    known = {TOP, TOUR, SSH, GCP, RUN, BENCH, JOBS, EXTRACT}
     found = blocks()
     assert set(found) <= known, f"README blocks this test does not run: {set(found) - known}"
     listed = {(heading, command.key) for heading, cmds in found.items() for command in cmds}
@@ -355,3 +356,16 @@ def test_make_demo(state_home: Path) -> None:
     (demo,) = run_block(TOP, Setting(REPO, env, timeout=300))
     if os.geteuid() == 0:
         assert "An SSH pod" in demo.stdout and "Skipping the SSH part" not in demo.stdout
+
+
+@pytest.mark.local
+def test_activation_extraction(state_home: Path, tmp_path: Path) -> None:
+    env = environment()
+    replace = {  # run in a scratch folder: the outputs stay out of the repository
+        "examples/arc_tasks.json": str(REPO / "examples" / "arc_tasks.json"),
+        "tests/fixtures/qwen2-tiny": str(REPO / "tests" / "fixtures" / "qwen2-tiny"),
+    }
+    try:
+        run_block(EXTRACT, Setting(tmp_path, env, replace))
+    finally:
+        take_down(env, "dev")
