@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -17,7 +19,7 @@ from tests.conftest import CliResult
 from tpupod.bench import baseline
 from tpupod.bench.config import load_config, parse_config
 from tpupod.bench.results import METRICS, Results
-from tpupod.errors import BenchConfigError
+from tpupod.errors import BenchConfigError, UsageError
 from tpupod.pod import Pod
 
 SMALL = {
@@ -156,6 +158,46 @@ def test_a_mesh_no_combination_fits_is_an_error(
     assert "skipped" in run.out
 
 
+@pytest.fixture
+def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local GCS emulator with bucket ``bkt``, which gcsfs (here and in the CLI) talks to."""
+    from gcp_storage_emulator.server import create_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="bkt")
+    server.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else ~60 s per call
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs("gs://bkt", skip_instance_cache=True)
+    yield fs
+    server.stop()
+
+
+def test_results_to_gs_and_latest_from_there(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path, gcs: Any
+) -> None:
+    pod = make_pod(workers=2, devices=2)
+    config = json.loads(json.dumps(SMALL))
+    config["num_repeats"] = 1
+    path = write_config(tmp_path, config)
+    args = ("bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", "gs://bkt/runs")
+    first = cli(*args, timeout=120)
+    assert first.code == 0, first.err
+    gcs.invalidate_cache()
+    (remote,) = gcs.glob("bkt/runs/small-sweep/*/results.json")
+    assert Results.model_validate_json(gcs.cat_file(remote)).workers == 2
+    assert gcs.cat_file(remote.replace("results.json", "PyTreeCheckpointBenchmark.png"))[:4] == (
+        b"\x89PNG"
+    )
+    again = cli(*args, "--baseline", "latest", "--threshold", "100", timeout=120)
+    assert again.code == 0, again.err
+    assert f"baseline: gs://{remote} (commit" in again.out
+
+
 # -- in process -----------------------------------------------------------------------
 
 
@@ -233,12 +275,13 @@ def test_restore_problems_names_what_differs() -> None:
 
 def test_latest_baseline_is_the_newest_earlier_run(tmp_path: Path) -> None:
     for launch in ("20261126-090000-aaaaaa", "20261126-100000-bbbbbb"):
-        folder = baseline.suite_dir(tmp_path, "My Suite!") / launch
+        folder = Path(baseline.suite_dir(str(tmp_path), "My Suite!")) / launch
         folder.mkdir(parents=True)
         (folder / baseline.RESULTS_FILE).write_text("{}")
-    assert baseline.latest(tmp_path, "My Suite!").parent.name == "20261126-100000-bbbbbb"
-    with pytest.raises(Exception, match="no earlier results of suite 'other'"):
-        baseline.latest(tmp_path, "other")
+    newest = tmp_path / "my-suite" / "20261126-100000-bbbbbb" / baseline.RESULTS_FILE
+    assert baseline.latest(str(tmp_path), "My Suite!") == str(newest)
+    with pytest.raises(UsageError, match="no earlier results of suite 'other'"):
+        baseline.latest(str(tmp_path), "other")
 
 
 def test_over_ssh_results_come_back_as_output(

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from pydantic import ValidationError
 
+from tpupod.bench import storage
 from tpupod.bench.results import METRICS, Results
 from tpupod.errors import UsageError
 
@@ -39,7 +39,7 @@ class Change:
 class Comparison:
     baseline_commit: str
     current_commit: str
-    baseline_path: Path
+    baseline_path: str
     changes: list[Change]
 
     @property
@@ -47,15 +47,15 @@ class Comparison:
         return [c for c in self.changes if c.regressed]
 
 
-def suite_dir(output: Path, suite_name: str) -> Path:
+def suite_dir(output: str, suite_name: str) -> str:
     """Where a suite's runs are kept: OUTPUT/<suite name as a file name>/<launch id>/."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", suite_name).strip("-").lower() or "suite"
-    return output / slug
+    return storage.join(output, slug)
 
 
-def latest(output: Path, suite_name: str) -> Path:
+def latest(output: str, suite_name: str) -> str:
     """The newest results file of the suite in ``output`` (launch ids sort by time)."""
-    runs = sorted(suite_dir(output, suite_name).glob(f"*/{RESULTS_FILE}"))
+    runs = sorted(storage.glob(suite_dir(output, suite_name), f"*/{RESULTS_FILE}"))
     if not runs:
         raise UsageError(
             f"--baseline latest: no earlier results of suite {suite_name!r} in {output}",
@@ -64,11 +64,12 @@ def latest(output: Path, suite_name: str) -> Path:
     return runs[-1]
 
 
-def load(path: Path) -> Results:
+def load(path: str) -> Results:
     try:
-        return Results.model_validate_json(path.read_text())
+        return Results.model_validate_json(storage.read_text(path))
     except OSError as exc:
-        raise UsageError(f"--baseline {path}: {exc.strerror}", hint="name a results.json") from exc
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise UsageError(f"--baseline {path}: {why}", hint="name a results.json") from exc
     except ValidationError as exc:
         raise UsageError(
             f"--baseline {path}: not a tpupod bench results file "
@@ -78,7 +79,7 @@ def load(path: Path) -> Results:
 
 
 def compare(
-    current: Results, baseline: Results, path: Path, threshold: float = DEFAULT_THRESHOLD
+    current: Results, baseline: Results, path: str, threshold: float = DEFAULT_THRESHOLD
 ) -> Comparison:
     before = {c.key(): c for c in baseline.combinations if c.repeats}
     changes = []

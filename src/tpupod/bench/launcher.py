@@ -4,7 +4,7 @@ The config is checked here, before anything starts. The plan goes to every
 worker in the environment, the workers run under ``tpupod run`` (preflight,
 rendezvous, supervision, per-worker logs), and worker 0's results come back
 as output lines. They are written to ``OUTPUT/<suite>/<launch id>/results.json``
-with one PNG per benchmark beside them.
+(a local folder or a ``gs://`` URL) with one PNG per benchmark beside them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpupod.bench import storage
 from tpupod.bench.baseline import RESULTS_FILE, suite_dir
 from tpupod.bench.config import BenchConfig
 from tpupod.bench.plots import write_plots
@@ -25,7 +26,6 @@ from tpupod.fanout import Interrupt, NoticeHandler
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
 from tpupod.pod import Pod, Worker
-from tpupod.state import write_atomic
 from tpupod.transport import OutputLine
 from tpupod.workerrun import LineHandler
 
@@ -33,23 +33,25 @@ WORKER_MODULE = "tpupod.bench.worker"
 # On hosts, checkpoints go here (relative to the home) unless --checkpoint-dir names a shared
 # folder: a multi-host Orbax checkpoint is one folder that every host writes its part of.
 HOST_CHECKPOINT_DIR = "tpupod-bench/checkpoints"
+LOCAL_OUTPUT = "bench-results"
 
 
 @dataclass(frozen=True)
 class BenchRun:
     run: RunResult
     results: Results | None
-    folder: Path | None  # where results.json and the plots are
-    plots: list[Path]
+    folder: str | None  # where results.json and the plots are (a folder or a gs:// URL)
+    plots: list[str]
 
 
-def checkpoint_dir(pod: Pod, output: Path, chosen: str | None) -> str:
+def checkpoint_dir(pod: Pod, output: str, chosen: str | None) -> str:
     """Where the workers write checkpoints (a launch id is added below it)."""
     if chosen:
         return chosen if pod.provider != "local" else str(Path(chosen).expanduser().resolve())
-    if pod.provider == "local":
-        return str((output / "checkpoints").resolve())
-    return HOST_CHECKPOINT_DIR
+    if pod.provider != "local":
+        return HOST_CHECKPOINT_DIR
+    # results may go to gs://; a local pod's checkpoints stay on this machine
+    return str(Path(LOCAL_OUTPUT if storage.is_remote(output) else output, "checkpoints").resolve())
 
 
 def commit() -> str:
@@ -74,7 +76,7 @@ async def run_bench(
     config: BenchConfig,
     source: str,
     *,
-    output: Path,
+    output: str,
     checkpoints: str,
     worker_python: str,
     workers: list[Worker] | None = None,
@@ -110,8 +112,8 @@ async def run_bench(
     results = collector.results()
     if results is None:
         return BenchRun(result, None, None, [])
-    folder = suite_dir(output, results.suite_name) / results.launch_id
-    write_atomic(folder / RESULTS_FILE, results.model_dump_json(indent=1) + "\n")
+    folder = storage.join(suite_dir(output, results.suite_name), results.launch_id)
+    storage.write_text(storage.join(folder, RESULTS_FILE), results.model_dump_json(indent=1) + "\n")
     return BenchRun(result, results, folder, write_plots(results, folder))
 
 

@@ -6,14 +6,16 @@ host's mean, so a slow host shows. matplotlib's Agg backend: no display needed.
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
 
+from tpupod.bench import storage
 from tpupod.bench.results import CombinationResult, Results
 
 OPS = (("save_gbps", "save"), ("restore_gbps", "restore"))
 
 
-def write_plots(results: Results, folder: Path) -> list[Path]:
+def write_plots(results: Results, folder: str) -> list[str]:
+    """Write the PNGs into ``folder`` (a local folder or a gs:// URL); their locations."""
     by_generator: dict[str, list[CombinationResult]] = {}
     for combo in results.combinations:
         if combo.repeats:
@@ -21,7 +23,7 @@ def write_plots(results: Results, folder: Path) -> list[Path]:
     return [_plot(name, combos, results, folder) for name, combos in by_generator.items()]
 
 
-def _plot(name: str, combos: list[CombinationResult], results: Results, folder: Path) -> Path:
+def _plot(name: str, combos: list[CombinationResult], results: Results, folder: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,10 +47,12 @@ def _plot(name: str, combos: list[CombinationResult], results: Results, folder: 
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = folder / f"{name}.png"
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return path
+    location = storage.join(folder, f"{name}.png")
+    storage.write(location, png.getvalue())
+    return location
 
 
 def _host_means(combo: CombinationResult, metric: str) -> list[float]:

@@ -12,7 +12,7 @@ from tpupod.cli import app, reporting_errors
 from tpupod.cli.exec import QuietOption, TimeoutOption
 from tpupod.cli.options import PodOption
 from tpupod.cli.running import Live, run_live
-from tpupod.errors import BenchError, UsageError
+from tpupod.errors import BenchError
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -50,14 +50,14 @@ def checkpoint(
     ],
     pod: PodOption = None,
     output: Annotated[
-        Path,
+        str,
         typer.Option(
             "--output",
             "-o",
-            metavar="DIR",
+            metavar="DIR|gs://...",
             help="Results go to DIR/<suite>/<launch id>/ (results.json and a PNG per benchmark).",
         ),
-    ] = Path("bench-results"),
+    ] = "bench-results",
     baseline: Annotated[
         str | None,
         typer.Option(
@@ -122,13 +122,12 @@ def checkpoint(
       tpupod bench checkpoint -c bench.yaml --ramfs-dir /dev/shm/ckpt
     """
     from tpupod.bench import baseline as baselines
+    from tpupod.bench import storage
     from tpupod.bench.config import load_config
     from tpupod.bench.launcher import checkpoint_dir as where
     from tpupod.bench.launcher import raise_for_failures, run_bench
     from tpupod.state import StateDir
 
-    if str(output).startswith("gs:/"):
-        raise UsageError("--output gs://... is not supported yet", hint="give a local folder")
     suite = load_config(config)  # every problem before anything starts
     earlier = _baseline_path(baseline, output, suite.suite_name)
     target = StateDir().resolve(pod)
@@ -161,7 +160,7 @@ def checkpoint(
             raise typer.Exit(code)
         raise BenchError("worker 0 sent no results", hint="see 'tpupod logs -w 0'")
     _print_results(done.results)
-    print(f"results: {done.folder}/{baselines.RESULTS_FILE}", file=sys.stderr)
+    print(f"results: {storage.join(done.folder or '', baselines.RESULTS_FILE)}", file=sys.stderr)
     for plot in done.plots:
         print(f"plot: {plot}", file=sys.stderr)
     raise_for_failures(done.results)
@@ -170,16 +169,15 @@ def checkpoint(
         _check_baseline(baselines.compare(done.results, before, earlier, threshold), threshold)
 
 
-def _baseline_path(baseline: str | None, output: Path, suite: str) -> Path | None:
+def _baseline_path(baseline: str | None, output: str, suite: str) -> str | None:
     from tpupod.bench import baseline as baselines
 
     if baseline is None:
         return None
     if baseline == "latest":
         return baselines.latest(output, suite)
-    path = Path(baseline)
-    baselines.load(path)  # a bad file is found before the run, not after
-    return path
+    baselines.load(baseline)  # a bad file is found before the run, not after
+    return baseline
 
 
 def _print_results(results: Results) -> None:
