@@ -248,6 +248,26 @@ def test_generate_writes_each_samples_greedy_completion(
     assert ds.tokens("chat").tolist() == meta["chat_ids"]
 
 
+def test_a_mesh_over_each_hosts_devices_matches_transformers(
+    tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    meta, arrays = _reference("qwen2")
+    data = tmp_path / "data.jsonl"
+    lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(meta["prompts"])]  # type: ignore[arg-type]
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    _ok(cli(*_args(data, out), "--mesh", "data=2,model=2", env=env, timeout=120))
+    ds = tpupod.extract.open(str(out))
+    for i in range(len(lines)):
+        for layer in ds.layers:
+            got = ds.activations(f"s{i}", layer)
+            np.testing.assert_allclose(got, arrays[f"hidden_f32_{i}"][layer], atol=F32_ATOL, rtol=0)
+    bad = cli(*_args(data, tmp_path / "bad"), "--mesh", "data=2,model=2")
+    assert bad.code == 1 and "a 2 x 2 mesh needs 4 devices; there are 1" in bad.err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_two_workers_equal_one_process_bit_for_bit(
     reference_run: tuple[Path, Path], make_pod: Callable[..., Pod], cli: Callable[..., CliResult],
     tmp_path: Path,
