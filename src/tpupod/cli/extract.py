@@ -81,8 +81,10 @@ def extract(
     or 'tpupod extract convert-arc SRC OUT.jsonl' (ARC tasks to JSONL prompts).
 
     With --pod, every worker runs its share (by a hash of each id) under
-    'tpupod run'; without it, this machine does all. A rerun resumes: it skips
-    every committed shard. Read the output with tpupod.extract.open(OUT).
+    'tpupod run'; without it, this machine does all. On hosts, workers run
+    'python3 -m tpupod extract' with the paths as given (use gs:// or paths the
+    hosts have). A rerun resumes: it skips every committed shard. Read the
+    output with tpupod.extract.open(OUT).
 
     Examples:
 
@@ -135,9 +137,9 @@ def _layers(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _worker_argv(options: ExtractOptions) -> list[str]:
+def _worker_argv(options: ExtractOptions, python: str) -> list[str]:
     """The same extraction, as each worker runs it."""
-    argv = [sys.executable, "-m", "tpupod", "extract"]
+    argv = [python, "-m", "tpupod", "extract"]
     argv += ["--model", options.model, "--data", options.data, "--out", options.out]
     argv += ["--layers", ",".join(map(str, options.layers))]
     argv += ["--batch-size", str(options.batch_size), "--max-length", str(options.max_length)]
@@ -162,9 +164,10 @@ def _on_pod(pod: str, options: ExtractOptions) -> int:
     prepare(options, say=lambda line: None)
     target = StateDir().resolve(pod)
     workers = target.select(None)
-    line = shlex.join(_worker_argv(options))
-    if not options.out.startswith(("/", "gs://")) and "://" not in options.out:
-        line = shlex.join(_worker_argv(_absolute(options)))
+    # a local pod's workers are this machine: this python, and paths from where we stand
+    local = target.provider == "local"
+    python = sys.executable if local else "python3"
+    line = shlex.join(_worker_argv(_absolute(options) if local else options, python))
     result = run_live(
         workers,
         False,
