@@ -218,6 +218,20 @@ def test_seed_003_documents_are_accepted_as_they_are() -> None:
     assert request.timeout == 300 and request.metadata == {"challenge_number": 42}
 
 
+def test_the_local_executor_keeps_long_and_unterminated_lines(store: Store) -> None:
+    import asyncio
+
+    from tpupod.jobs.execute import Hooks, LocalExecutor
+
+    job_id = store.submit(command_job("head -c 200000 /dev/zero | tr '\\0' x; echo; printf end"))
+    lines: list[str] = []
+    started: list[bool] = []
+    hooks = Hooks(on_line=lambda w, t: lines.append(t), on_started=lambda: started.append(True))
+    outcome = asyncio.run(LocalExecutor().execute(store.get(job_id), 1, hooks, asyncio.Event()))
+    assert outcome.status is JobStatus.COMPLETED and started == [True]
+    assert "".join(lines[:-1]) == "x" * 200000 and lines[-1] == "end"
+
+
 # -- runners as processes -------------------------------------------------------------
 
 

@@ -23,7 +23,8 @@ from tpupod.errors import TpupodError
 from tpupod.jobs.code import MARK, RESULT, STARTED
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.results import Outcome as WorkerOutcome
-from tpupod.transport.base import command_script
+from tpupod.transport.base import Stream, command_script
+from tpupod.transport.lines import read_lines
 
 if TYPE_CHECKING:
     from tpupod.fanout import Interrupt
@@ -131,10 +132,10 @@ class LocalExecutor:
         return Outcome(JobStatus.FAILED, error=f"{_describe(code)}: {marks.last}")
 
     async def _pump(self, proc: asyncio.subprocess.Process, marks: _Marks) -> None:
+        """The transports' line reader: any line length, a partial last line, a closed pipe."""
         assert proc.stdout is not None
-        async for raw in proc.stdout:
-            text = raw.decode(errors="replace").rstrip("\n")
-            marks.line(0, text)
+        async for line in read_lines([(Stream.STDOUT, proc.stdout)]):
+            marks.line(0, line.text)
 
     async def _kill(self, proc: asyncio.subprocess.Process) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -149,7 +149,7 @@ class Runner:
             if time.monotonic() - beat_at > self.beat_s:
                 await self._heartbeat(attempt)
                 beat_at = time.monotonic()
-        outcome = running.result()
+        outcome = _outcome_of(running)
         await self._write_progress(attempt)
         await self._end(attempt, outcome)
         self.done += 1
@@ -213,3 +213,12 @@ class Runner:
             claims.finish(
                 self.store, claim, outcome.status, result=outcome.result, error=outcome.error
             )
+
+
+def _outcome_of(running: asyncio.Task[Outcome]) -> Outcome:
+    """The attempt's outcome; a bug in running it fails the attempt with its cause, instead
+    of ending the runner with the job still leased (it would wait out its lease)."""
+    try:
+        return running.result()
+    except Exception as exc:  # recorded on the job, not hidden
+        return Outcome(JobStatus.FAILED, error=f"runner error: {type(exc).__name__}: {exc}")
