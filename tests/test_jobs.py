@@ -484,7 +484,7 @@ def test_an_idle_runner_wakes_for_a_new_job_at_once(store: Store, db_url: str) -
     """PostgreSQL: NOTIFY wakes it (its own wait is lease/3 = 5 s); SQLite: it polls."""
     proc = runner(db_url, "--local", "--lease", "15")
     try:
-        time.sleep(1.5)  # started, found nothing, now waiting
+        time.sleep(1.0)  # started, found nothing, now waiting
         submitted = time.monotonic()
         job = store.submit(command_job("true"))
         _wait_for(lambda: store.get(job).status is not JobStatus.PENDING, timeout=10)
