@@ -6,6 +6,7 @@ import importlib.util
 import json
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -158,6 +159,48 @@ def test_a_mesh_no_combination_fits_is_an_error(
     assert "skipped" in run.out
 
 
+SAVE_ONE = """
+import sys, jax, numpy as np, orbax.checkpoint as ocp
+tree = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32), "b": np.ones(8, np.float32)}
+ocp.PyTreeCheckpointer().save(sys.argv[1], jax.tree.map(jax.numpy.asarray, tree))
+"""
+
+
+def test_an_existing_checkpoint_with_orbax_sharding_config(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    # Orbax's format for a real model's checkpoint: its path, and a JSON of each array's
+    # shape, dtype, mesh and spec (so it can be loaded on any number of hosts).
+    saved = tmp_path / "ckpt"
+    subprocess.run([sys.executable, "-c", SAVE_ONE, str(saved)], check=True, capture_output=True)
+    mesh = {"shape": [2, 2], "axes": ["data", "model"]}
+    shardings = {
+        "w": {
+            "shape": [64, 32],
+            "dtype": "float32",
+            "sharding": {"mesh": mesh, "spec": ["data", "model"]},
+        },
+        "b": {"shape": [8], "dtype": "float32", "sharding": {"mesh": mesh, "spec": [None]}},
+    }
+    (tmp_path / "shardings.json").write_text(json.dumps(shardings))
+    config = json.loads(json.dumps(SMALL))
+    config["num_repeats"] = 1
+    config["checkpoint_config"] = {
+        "path": str(saved),
+        "sharding_config_path": str(tmp_path / "shardings.json"),
+    }
+    pod = make_pod(workers=2, devices=2)
+    path = write_config(tmp_path, config)
+    run = cli(
+        "bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", str(tmp_path / "out")
+    )
+    assert run.code == 0, run.err
+    _, results = results_of(tmp_path / "out")
+    assert [c.status.value for c in results.combinations] == ["ok", "ok"]
+    assert all(s.nbytes == 64 * 32 * 4 + 8 * 4 for c in results.combinations for s in c.samples)
+    assert results.problems() == []
+
+
 @pytest.fixture
 def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A local GCS emulator with bucket ``bkt``, which gcsfs (here and in the CLI) talks to."""
@@ -213,6 +256,16 @@ def test_every_problem_is_reported_at_once() -> None:
     assert message.startswith("bench.yaml: 4 problems\n")
     for key in ("surprise: unknown key", "num_repeats: 0", "ici_parallelism.modle", "w.dtype"):
         assert key in message
+
+
+def test_a_checkpoint_is_a_spec_or_a_path() -> None:
+    config = json.loads(json.dumps(SMALL))
+    config["checkpoint_config"]["path"] = "gs://bucket/ckpt"
+    with pytest.raises(BenchConfigError, match=r"checkpoint_config: a spec of arrays to generate"):
+        parse_config(config, "bench.yaml")
+    config["checkpoint_config"] = {"spec": {"step": "int"}, "sharding_config_path": "s.json"}
+    with pytest.raises(BenchConfigError, match=r"sharding_config_path: only with a path"):
+        parse_config(config, "bench.yaml")
 
 
 def orbax_config() -> Path:

@@ -33,7 +33,13 @@ TOP_KEYS = (
     "baseline_path",  # Orbax's own baseline keys: read, ignored (--baseline does this)
     "baseline_capture_path",
 )
-CHECKPOINT_KEYS = ("spec", "random_seed")
+CHECKPOINT_KEYS = (
+    "spec",
+    "random_seed",
+    "path",
+    "sharding_config_path",
+    "load_with_colocated_python",
+)
 MESH_KEYS = (
     "mesh_axes",
     "ici_parallelism",
@@ -179,12 +185,20 @@ def _checkpoints(
         problems.append("checkpoint_config: missing; a spec of named arrays to save and restore")
     checkpoints = []
     for where, checkpoint in found:
-        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("spec"), dict):
-            problems.append(f"{where}.spec: a mapping of names to arrays, please")
+        if not isinstance(checkpoint, dict) or ("spec" in checkpoint) == ("path" in checkpoint):
+            problems.append(f"{where}: a spec of arrays to generate, or the path of a checkpoint")
             continue
         problems += _unknown(checkpoint, CHECKPOINT_KEYS, f"{where}.")
-        for name, array in checkpoint["spec"].items():
-            problems += _array_problems(f"{where}.spec.{name}", array, meshes)
+        if "path" in checkpoint:  # Orbax loads it, sharded as sharding_config_path says
+            if not isinstance(checkpoint["path"], str):
+                problems.append(f"{where}.path: the checkpoint's folder (or gs:// URL)")
+        elif not isinstance(checkpoint["spec"], dict):
+            problems.append(f"{where}.spec: a mapping of names to arrays, please")
+        else:
+            for name, array in checkpoint["spec"].items():
+                problems += _array_problems(f"{where}.spec.{name}", array, meshes)
+        if "sharding_config_path" in checkpoint and "path" not in checkpoint:
+            problems.append(f"{where}.sharding_config_path: only with a path")
         checkpoints.append(checkpoint)
     return checkpoints
 

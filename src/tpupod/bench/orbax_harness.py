@@ -105,10 +105,15 @@ def make_mesh(mesh: dict[str, Any]) -> Any:
 
 
 def make_pytree(checkpoint: dict[str, Any], mesh: Any) -> Any:
-    """The pytree a ``checkpoint_config.spec`` describes (seeded: the same on every host)."""
+    """A ``checkpoint_config``'s pytree, as Orbax's harness makes it: generated from its
+    ``spec`` (seeded: the same on every host) on the mesh, or loaded from its ``path``
+    (sharded as its ``sharding_config_path`` says, else over every device)."""
     configs = _module(f"{HARNESS}.core.configs")
     generation = _module(f"{HARNESS}.core.checkpoint_generation")
-    return generation.generate_checkpoint(configs.CheckpointConfig(**checkpoint), mesh=mesh)
+    config = configs.CheckpointConfig(**checkpoint)
+    if config.path is not None:
+        return generation.load_checkpoint(config)
+    return generation.generate_checkpoint(config, mesh=mesh)
 
 
 @dataclasses.dataclass
