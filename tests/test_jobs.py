@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from tests.conftest import CliResult, require, tpupod_argv
+from tests.test_jobs_api import serving
 from tpupod.errors import LeaseLost
 from tpupod.jobs import claims
 from tpupod.jobs.models import Claim, JobRequest, JobStatus
@@ -507,16 +508,21 @@ def test_postgres_restarted_under_load_loses_nothing_and_runs_nothing_twice(
     ran = tmp_path / "ran"
     ids = [store.submit(command_job(f"echo $TPUPOD_JOB_ID >> {ran}")) for _ in range(100)]
     runners = [runner(url, "--local", "--until-empty", "--lease", "20") for _ in range(2)]
-    _wait_for(lambda: ran.exists() and len(ran.read_text().split()) > 20, timeout=30)
-    server.restart()
-    errs = []
-    for proc in runners:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        errs.append(err)
+    with serving(Store.open(url)) as api:
+        assert api.get("/jobs", params={"limit": 1}).status_code == 200
+        _wait_for(lambda: ran.exists() and len(ran.read_text().split()) > 20, timeout=30)
+        server.restart()
+        late = api.post("/jobs", json={"command": f"echo $TPUPOD_JOB_ID >> {ran}"})
+        assert late.status_code == 201, late.text  # the API's pool reconnected
+        ids.append(late.json()["id"])
+        errs = []
+        for proc in runners:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            errs.append(err)
     assert "job store postgresql://" in "".join(errs)  # the restart was felt, and survived
     assert sorted(int(x) for x in ran.read_text().split()) == ids
-    assert store.counts() == {JobStatus.COMPLETED: 100}
+    assert store.counts() == {JobStatus.COMPLETED: 101}
     store.close()
 
 

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -31,8 +32,9 @@ def store(tmp_path: Path) -> Iterator[Store]:
     opened.close()
 
 
-@pytest.fixture
-def api(store: Store) -> Iterator[httpx.Client]:
+@contextmanager
+def serving(store: Store) -> Iterator[httpx.Client]:
+    """The API on a free loopback port (uvicorn in a thread), and a client with the token."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -47,10 +49,18 @@ def api(store: Store) -> Iterator[httpx.Client]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def api(store: Store) -> Iterator[httpx.Client]:
+    with serving(store) as client:
         yield client
-    server.should_exit = True
-    thread.join(10)
 
 
 def test_no_token_or_a_wrong_one_gets_401(api: httpx.Client) -> None:
