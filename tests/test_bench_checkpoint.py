@@ -268,6 +268,13 @@ def test_a_checkpoint_is_a_spec_or_a_path() -> None:
         parse_config(config, "bench.yaml")
 
 
+def test_options_orbax_finds_invalid_everywhere_are_refused() -> None:
+    config = json.loads(json.dumps(SMALL))
+    config["benchmarks"][0]["options"]["use_colocated_python"] = True  # Pathways only
+    with pytest.raises(BenchConfigError, match=r"options: Orbax's is_valid\(\) rejects every"):
+        parse_config(config, "bench.yaml")
+
+
 def orbax_config() -> Path:
     """The config Orbax ships for its own harness."""
     spec = importlib.util.find_spec("orbax.checkpoint._src.testing.benchmarks")

@@ -254,7 +254,10 @@ def _divides(
     return problems
 
 
-def _benchmarks(items: object, problems: list[str]) -> list[tuple[str, dict[str, Any]]]:
+Sweep = tuple[str, dict[str, Any], list[dict[str, Any]]]  # generator, options, their points
+
+
+def _benchmarks(items: object, problems: list[str]) -> list[Sweep]:
     if not isinstance(items, list) or not items:
         problems.append("benchmarks: missing or empty; a list of {generator, options}")
         return []
@@ -278,18 +281,29 @@ def _benchmarks(items: object, problems: list[str]) -> list[tuple[str, dict[str,
         fields = orbax_harness.option_defaults(path)
         bad = _unknown(options, tuple(fields), f"{where}.options.")
         problems += [p.replace("unknown key", "unknown option") for p in bad]
-        if not bad:
-            found.append((path, options))
+        if bad:
+            continue
+        try:
+            points = orbax_harness.sweep(path, options)
+        except (TypeError, ValueError, AssertionError) as exc:
+            problems.append(f"{where}.options: Orbax refuses them: {exc}")
+            continue
+        if not points:
+            problems.append(
+                f"{where}.options: Orbax's is_valid() rejects every combination here "
+                "(use_colocated_python needs Pathways; a separate replica folder needs "
+                "use_replica_parallel and use_ocdbt)"
+            )
+            continue
+        found.append((path, options, points))
     return found
 
 
-def _combinations(
-    benchmarks: list[tuple[str, dict[str, Any]]], meshes: int, checkpoints: int
-) -> list[Combination]:
+def _combinations(benchmarks: list[Sweep], meshes: int, checkpoints: int) -> list[Combination]:
     combos: list[Combination] = []
-    for path, options in benchmarks:
+    for path, options, points in benchmarks:
         swept = [k for k, v in options.items() if isinstance(v, list) and len(v) > 1]
-        for point in orbax_harness.sweep(path, options):
+        for point in points:
             for mesh in range(meshes) if meshes else [None]:
                 for checkpoint in range(checkpoints):
                     combos.append(

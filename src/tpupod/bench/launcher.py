@@ -119,7 +119,7 @@ async def run_bench(
 
 def raise_for_failures(results: Results) -> None:
     """Restored arrays that differ, or a run where no combination could run at all."""
-    if all(c.status == Status.SKIPPED for c in results.combinations):
+    if results.combinations and all(c.status == Status.SKIPPED for c in results.combinations):
         first = results.combinations[0]
         raise BenchError(
             f"no combination ran: every mesh was skipped ({first.reason})",
