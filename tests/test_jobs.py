@@ -526,6 +526,7 @@ def test_postgres_restarted_under_load_loses_nothing_and_runs_nothing_twice(
     store.close()
 
 
+@pytest.mark.ssh  # simulated hosts (root); the module's own mark says local
 def test_a_gang_job_on_an_ssh_pod_fails_naming_the_worker_and_leaves_nothing(
     make_ssh_pod: Callable[..., Pod],
     cli: Callable[..., CliResult],
