@@ -99,6 +99,11 @@ class _Runner:
             )
             return result
         for repeat in range(self.config.num_repeats):
+            elapsed = time.monotonic() - self.started
+            self._progress(
+                f"{combo.index + 1}/{len(self.config.combinations)} {combo.label} "
+                f"repeat {repeat + 1}/{self.config.num_repeats}: running | {elapsed:.1f}s elapsed"
+            )
             sample = self._sample(combo, mesh, repeat)
             result.samples.append(sample)
             self.done += 1
