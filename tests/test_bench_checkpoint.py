@@ -126,8 +126,14 @@ def test_sweep_runs_on_every_worker_and_flags_a_regression(
             lambda c: c["checkpoint_config"]["spec"]["w"].update(shape=[63, 32]),
             "checkpoint_config.spec.w.sharding[0]: data splits dimension 0 (63) into 2 parts",
         ),
+        (
+            lambda c: c["checkpoint_config"]["spec"].update(
+                {f"layer_{i:05d}": {"dtype": "float32", "shape": [8]} for i in range(4000)}
+            ),
+            "KiB as sent to the workers, more than the 96 KiB",
+        ),
     ],
-    ids=["unknown-generator", "unknown-option", "sharding-does-not-divide"],
+    ids=["unknown-generator", "unknown-option", "sharding-does-not-divide", "too-large"],
 )
 def test_bad_config_is_one_error_naming_the_key(
     cli: Callable[..., CliResult],
@@ -139,12 +145,14 @@ def test_bad_config_is_one_error_naming_the_key(
     pod = make_pod(workers=2)
     config = json.loads(json.dumps(SMALL))
     change(config)
-    run = cli("bench", "checkpoint", "--pod", pod.name, "-c", str(write_config(tmp_path, config)))
+    out = tmp_path / "out"
+    path = write_config(tmp_path, config)
+    run = cli("bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", str(out))
     assert run.code == 2
     lines = run.err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: ")
     assert named in lines[0]
-    assert "Traceback" not in run.err and not (tmp_path / "bench-results").exists()
+    assert "Traceback" not in run.err and not out.exists()  # nothing ran, nothing written
 
 
 def test_a_mesh_no_combination_fits_is_an_error(

@@ -21,7 +21,7 @@ from tpupod.bench.config import BenchConfig
 from tpupod.bench.plots import write_plots
 from tpupod.bench.results import Results, Status
 from tpupod.bench.wire import Collector, Plan
-from tpupod.errors import BenchError
+from tpupod.errors import BenchError, UsageError
 from tpupod.fanout import Interrupt, NoticeHandler
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
@@ -34,6 +34,7 @@ WORKER_MODULE = "tpupod.bench.worker"
 # folder: a multi-host Orbax checkpoint is one folder that every host writes its part of.
 HOST_CHECKPOINT_DIR = "tpupod-bench/checkpoints"
 LOCAL_OUTPUT = "bench-results"
+MAX_PLAN_BYTES = 96 * 1024
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,15 @@ async def run_bench(
         commit=commit(),
         pod=pod.name,
     )
+    text = plan.model_dump_json()
+    # One environment string, and over SSH the whole command script, may hold 128 KiB
+    # (MAX_ARG_STRLEN): leave room for the rest of the script.
+    if len(text) > MAX_PLAN_BYTES:
+        raise UsageError(
+            f"{source}: the config is {len(text) // 1024} KiB as sent to the workers, "
+            f"more than the {MAX_PLAN_BYTES // 1024} KiB a worker's environment takes",
+            hint="describe the arrays more compactly, or split the suite into several configs",
+        )
     collector = Collector()
 
     def take(worker: Worker, line: OutputLine) -> None:
@@ -103,7 +113,7 @@ async def run_bench(
         pod,
         f"{shlex.quote(worker_python)} -m {WORKER_MODULE}",
         workers=workers,
-        env={"TPUPOD_BENCH_PLAN": plan.model_dump_json()},
+        env={"TPUPOD_BENCH_PLAN": text},
         timeout=timeout,
         on_line=take,
         on_notice=on_notice,
