@@ -362,6 +362,11 @@ def test_submit_wait_and_logs_follow_with_a_runner_at_work(
         followed = cli("jobs", "logs", "-f", str(job), "--db", db)
         assert (followed.code, followed.out) == (0, "a\nb\n"), followed.err
         assert store.get(job).status is JobStatus.COMPLETED
+        failing = cli("jobs", "submit", "--db", db, "--", "bash", "-c", "echo oops; exit 3")
+        waited = cli("jobs", "wait", failing.out.strip(), "--db", db)
+        assert waited.code == 1
+        reason = f"error: job {failing.out.strip()} failed: exit 3: oops"
+        assert waited.err.splitlines()[0] == reason, waited.err
         store.close()
     finally:
         proc.terminate()
@@ -383,17 +388,6 @@ def test_bad_arguments_exit_2_without_a_traceback(
     assert result.code == 2, result.err
     assert message is None or result.err.startswith(message), result.err
     assert "Traceback" not in result.err
-
-
-def test_a_failed_job_fails_wait_with_its_reason(
-    cli: Callable[..., CliResult], tmp_path: Path
-) -> None:
-    db = f"sqlite:///{tmp_path / 'jobs.db'}"
-    job_id = cli("jobs", "submit", "--db", db, "--", "bash", "-c", "echo oops; exit 3").out.strip()
-    cli("jobs", "worker", "--db", db, "--local", "--until-empty", "-q")
-    waited = cli("jobs", "wait", job_id, "--db", db)
-    assert waited.code == 1
-    assert waited.err.splitlines()[0] == f"error: job {job_id} failed: exit 3: oops"
 
 
 # -- gang jobs on a local pod ---------------------------------------------------------
