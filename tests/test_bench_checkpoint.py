@@ -235,7 +235,9 @@ def test_results_to_gs_and_latest_from_there(
     config = json.loads(json.dumps(SMALL))
     config["num_repeats"] = 1
     path = write_config(tmp_path, config)
+    ckpt = str(tmp_path / "ckpt")  # checkpoints stay on this machine (else ./bench-results)
     args = ("bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", "gs://bkt/runs")
+    args = (*args, "--checkpoint-dir", ckpt)
     first = cli(*args, timeout=120)
     assert first.code == 0, first.err
     gcs.invalidate_cache()
