@@ -130,12 +130,12 @@ def check_layers(layers: tuple[int, ...], num_hidden_states: int) -> None:
 
 
 def open_output(where: str, config: shards.RunConfig) -> Store:
-    """The output store, with ``run.json`` written or checked; leftovers of a killed run removed."""
+    """The output store, with ``run.json`` written or checked."""
     store = open_store(where)
-    shards.check_run(store.read(shards.RUN_FILE), config, store.url)
-    if isinstance(store, LocalStore):
-        store.remove_staged()
-    store.write(shards.RUN_FILE, config.to_json())
+    existing = store.read(shards.RUN_FILE)
+    shards.check_run(existing, config, store.url)
+    if existing is None:
+        store.write(shards.RUN_FILE, config.to_json())
     return store
 
 
@@ -275,6 +275,9 @@ def extract_here(
     extractor = Extractor(prepared, options)
     store = open_output(options.out, prepared.config)
     left = todo(prepared, store, host, hosts)
+    if isinstance(store, LocalStore):
+        # a killed run's half-written files, of this host's shards only: others write theirs now
+        store.remove_staged([n for s in left for n in shards.files_of(s.index)])
     total = sum(len(s.samples) for s in left)
     progress = Progress(host, total, say if host == 0 else None)
     writer = Writer(store, progress.written)
@@ -346,6 +349,8 @@ def merge_manifests(options: ExtractOptions, prepared: Prepared) -> int:
             f"{len(missing)} shards are not in {store.url} (first: {missing[0]})",
             hint="every host must write to the same place (gs://...), or rerun to resume",
         )
+    if isinstance(store, LocalStore):  # every other writer is done: leftovers are a killed run's
+        store.remove_staged([shards.RUN_FILE, shards.MANIFEST_FILE])
     store.write(shards.MANIFEST_FILE, shards.merge(prepared.config, manifests))
     return len(prepared.samples)
 

@@ -74,10 +74,11 @@ class LocalStore:
     def local_path(self, name: str) -> Path | None:
         return self.folder / name
 
-    def remove_staged(self) -> None:
-        """Files a killed run was writing (hidden, never under a final name)."""
-        for p in self.folder.glob(".*.tpupod-*"):
-            p.unlink(missing_ok=True)
+    def remove_staged(self, names: list[str]) -> None:
+        """What a killed run was writing under ``names`` (hidden, never under a final name)."""
+        for name in names:
+            for p in self.folder.glob(f".{name}.tpupod-*"):
+                p.unlink(missing_ok=True)
 
 
 class FsspecStore:
