@@ -24,6 +24,7 @@ from tests.conftest import CliResult, pod_processes, tpupod_argv, wait_until_gon
 from tpupod.errors import DataError, ExtractError
 from tpupod.extract import arc, plan
 from tpupod.extract.data import Sample, read_samples
+from tpupod.extract.runner import ExtractOptions, prepare
 from tpupod.model import load_model
 from tpupod.pod import Pod
 
@@ -180,6 +181,32 @@ def test_arc_tasks_become_stable_prompts(tmp_path: Path, cli: Callable[..., CliR
     bad = cli("extract", "convert-arc", str(src), str(tmp_path / "x.jsonl"))
     assert bad.code == 2 and "not grids of digits" in bad.err
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_max_samples_keeps_the_first_lines_and_is_part_of_the_run(tmp_path: Path) -> None:
+    data = _write_data(tmp_path / "data.jsonl", extra=5)
+    options = ExtractOptions(
+        model=str(QWEN2), data=str(data), layers=(1,), out=str(tmp_path / "out"), max_samples=2
+    )
+    prepared = prepare(options, say=lambda line: None)
+    assert [s.id for s in prepared.samples] == ["s0", "s1"]
+    assert prepared.config.max_samples == 2
+    assert not (tmp_path / "out").exists()  # preparing writes nothing
+
+
+def test_another_runs_output_folder_is_refused(
+    reference_run: tuple[Path, Path], tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    data, single = reference_run
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_bytes((single / "run.json").read_bytes())
+    args = _args(data, out)
+    args[args.index("--layers") + 1 : args.index("--layers") + 4] = ["1"]
+    result = cli(*args)
+    assert result.code == 2, result.err
+    assert "holds another run's output: layers ([0, 1, 3] -> [1])" in result.err
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]
 
 
 # ---- plan ---------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def check_run(existing: bytes | None, config: RunConfig, where: str) -> None:
             f"{where}/{RUN_FILE} is not readable", hint="choose another --out"
         ) from exc
     if before != config:
-        old, new = dataclasses.asdict(before), dataclasses.asdict(config)
+        old, new = json.loads(before.to_json()), json.loads(config.to_json())  # lists, not tuples
         changed = ", ".join(f"{k} ({old[k]!r} -> {new[k]!r})" for k in old if old[k] != new[k])
         raise ExtractError(
             f"{where} holds another run's output: {changed}",
