@@ -370,7 +370,7 @@ def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     server.stop()
 
 
-def test_gs_input_and_output_through_a_gcs_emulator(
+def test_gs_input_and_output_through_a_gcs_emulator_killed_mid_upload(
     reference_run: tuple[Path, Path], gcs: Any, cli: Callable[..., CliResult]
 ) -> None:
     data, single = reference_run
@@ -378,6 +378,13 @@ def test_gs_input_and_output_through_a_gcs_emulator(
     args = _args(data, Path("unused"))
     args[args.index(str(data))] = "gs://bkt/in/data.jsonl.gz"
     args[args.index("unused")] = "gs://bkt/acts"
+
+    def uploaded() -> int:
+        names = gcs.ls("bkt/acts", detail=False, refresh=True) if gcs.exists("bkt/acts") else []
+        return sum(1 for n in names if n.endswith(".safetensors"))
+
+    proc = subprocess.Popen(tpupod_argv(*args), stdout=subprocess.DEVNULL)
+    _kill_when(proc, lambda: uploaded() >= 1)  # shards are on their way up
     _ok(cli(*args, timeout=120))
     gcs.invalidate_cache()
     remote = {n.rsplit("/", 1)[-1]: gcs.cat_file(n) for n in gcs.ls("bkt/acts", detail=False)}
@@ -408,4 +415,4 @@ def _kill_when(
         assert time.monotonic() < deadline
         time.sleep(0.001)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL, "the run ended before the kill point"
