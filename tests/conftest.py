@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -225,3 +226,25 @@ def tier_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(tier_of(item))
+
+
+@pytest.fixture
+def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local GCS emulator with bucket ``bkt``; gcsfs (here and in the CLI) talks to it."""
+    import socket
+
+    from gcp_storage_emulator.server import create_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="bkt")
+    server.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else ~60 s per call
+    import fsspec
+
+    fsspec.config.conf.pop("gcs", None)
+    fs, _ = fsspec.core.url_to_fs("gs://bkt", skip_instance_cache=True)
+    yield fs
+    server.stop()

@@ -5,11 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,25 +206,6 @@ def test_an_existing_checkpoint_with_orbax_sharding_config(
     assert [c.status.value for c in results.combinations] == ["ok", "ok"]
     assert all(s.nbytes == 64 * 32 * 4 + 8 * 4 for c in results.combinations for s in c.samples)
     assert results.problems() == []
-
-
-@pytest.fixture
-def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A local GCS emulator with bucket ``bkt``, which gcsfs (here and in the CLI) talks to."""
-    from gcp_storage_emulator.server import create_server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="bkt")
-    server.start()
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else ~60 s per call
-    import fsspec
-
-    fs, _ = fsspec.core.url_to_fs("gs://bkt", skip_instance_cache=True)
-    yield fs
-    server.stop()
 
 
 def test_results_to_gs_and_latest_from_there(

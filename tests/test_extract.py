@@ -8,10 +8,9 @@ import gzip
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -348,26 +347,6 @@ def test_kill_9_of_a_worker_and_of_the_launcher_then_resume_on_three_workers(
     assert not (out / "manifest.json").exists()
     _ok(cli(*_args(data, out), "--pod", three.name, timeout=120))
     assert _files(out) == _files(single)
-
-
-@pytest.fixture
-def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A local GCS emulator with bucket ``bkt``; gcsfs (here and in the CLI) talks to it."""
-    from gcp_storage_emulator.server import create_server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="bkt")
-    server.start()
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else ~60 s per call
-    import fsspec
-
-    fsspec.config.conf.pop("gcs", None)
-    fs, _ = fsspec.core.url_to_fs("gs://bkt", skip_instance_cache=True)
-    yield fs
-    server.stop()
 
 
 def test_gs_input_and_output_through_a_gcs_emulator_killed_mid_upload(
