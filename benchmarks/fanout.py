@@ -26,14 +26,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import SSH_OPTIONS, TPUPOD
+from common import SSH_OPTIONS, TPUPOD, sim_pod
 
 from tpupod.fanout import execute_async
 from tpupod.holder.client import stop_holder
-from tpupod.lifecycle import up
 from tpupod.providers import connect
 from tpupod.sim import SimPod
-from tpupod.spec import spec_from_mapping
 from tpupod.state import StateDir
 
 FABRIC = """
@@ -97,17 +95,7 @@ def measure_pod(sim: SimPod, runs: int, home: Path) -> dict[str, list[float]]:
     env = {**os.environ, "TPUPOD_HOME": str(home)}
     os.environ["TPUPOD_HOME"] = str(home)
     name = f"bench{len(sim.hosts)}"
-    spec = spec_from_mapping(
-        {
-            "name": name,
-            "provider": "ssh",
-            "user": "root",
-            "key": str(sim.key),
-            "hosts": [h.address for h in sim.hosts],
-        },
-        "bench",
-    )
-    pod = up(spec, StateDir()).pod
+    pod = sim_pod(sim, name)
     hosts = ",".join(h.address for h in sim.hosts)
     rows: dict[str, list[float]] = {}
 

@@ -24,12 +24,12 @@ import sys
 import tempfile
 import time
 
-from common import SSH_OPTIONS, TPUPOD
+from common import SSH_OPTIONS, TPUPOD, sim_pod
 
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
 from tpupod.lifecycle import up
 from tpupod.sim import SimPod
-from tpupod.spec import LocalPodSpec, spec_from_mapping
+from tpupod.spec import LocalPodSpec
 from tpupod.state import StateDir
 
 # The program: meet the others, start JAX, print one line (what "first line" times).
@@ -98,18 +98,7 @@ def by_hand_ssh(sim: SimPod, port: int) -> float:
 
 def measure_ssh_launch(hosts: int, runs: int) -> None:
     with SimPod(hosts) as sim:
-        spec = spec_from_mapping(
-            {
-                "name": "launchssh",
-                "provider": "ssh",
-                "user": "root",
-                "key": str(sim.key),
-                "hosts": [h.address for h in sim.hosts],
-                "env": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"},
-            },
-            "bench",
-        )
-        up(spec, StateDir())
+        sim_pod(sim, "launchssh", env={"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"})
         command = [TPUPOD, "run", "--pod", "launchssh", "--", sys.executable, "-c", PROGRAM]
         ours = [first_lines(command, hosts, dict(os.environ)) for _ in range(runs)]
         hand = [by_hand_ssh(sim, 8477 + i) for i in range(runs)]

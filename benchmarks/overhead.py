@@ -27,13 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+from common import sim_pod
+
 import tpupod.transport.ssh as ssh_transport
 from tpupod import fanout
-from tpupod.lifecycle import up
 from tpupod.pod import Pod
 from tpupod.providers import provider_for
 from tpupod.sim import SimPod
-from tpupod.spec import spec_from_mapping
 from tpupod.state import StateDir
 from tpupod.transport import base
 
@@ -95,14 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["TPUPOD_HOME"] = tempfile.mkdtemp(prefix="tpupod-bench-")
     with SimPod(args.hosts) as sim:
-        data = {
-            "name": "wrapper",
-            "provider": "ssh",
-            "hosts": [h.address for h in sim.hosts],
-            "user": "root",
-            "key": str(sim.key),
-        }
-        pod = up(spec_from_mapping(data, "bench"), StateDir()).pod
+        pod = sim_pod(sim, "overhead")
         samples = asyncio.run(measure(pod, args.runs, args.against))
     anchor = statistics.median(samples[ANCHOR])
     print(f"{args.hosts} hosts, warm Python API, medians of {args.runs} alternating runs\n")

@@ -28,14 +28,13 @@ import time
 from collections.abc import Awaitable
 from pathlib import Path
 
-from tpupod.lifecycle import up
+from common import sim_pod
+
 from tpupod.ops.transfer import get, put
 from tpupod.pod import Pod
 from tpupod.providers import connect
 from tpupod.results import FanoutResult
 from tpupod.sim import SimPod
-from tpupod.spec import spec_from_mapping
-from tpupod.state import StateDir
 from tpupod.transport import Connector
 
 
@@ -54,20 +53,6 @@ def make_small(root: Path, count: int) -> Path:
         sub.mkdir(parents=True, exist_ok=True)
         (sub / f"f{i}.txt").write_bytes(os.urandom(1024 + (i * 37) % 3072))
     return folder
-
-
-def ssh_pod(sim: SimPod, name: str) -> Pod:
-    spec = spec_from_mapping(
-        {
-            "name": name,
-            "provider": "ssh",
-            "user": "root",
-            "key": str(sim.key),
-            "hosts": [h.address for h in sim.hosts],
-        },
-        "bench",
-    )
-    return up(spec, StateDir()).pod
 
 
 async def once(step: Awaitable[FanoutResult]) -> float:
@@ -140,7 +125,7 @@ def main() -> None:
             SimPod(args.hosts, sshd_options={"SetEnv": "SHLVL=1 PATH=/var/empty"}) as no_tar,
             SimPod(args.hosts, sshd_options={"Subsystem": None}) as no_sftp,
         ):
-            pods = {"sftp": ssh_pod(no_tar, "sftp"), "tar": ssh_pod(no_sftp, "tar")}
+            pods = {"sftp": sim_pod(no_tar, "sftp"), "tar": sim_pod(no_sftp, "tar")}
             for workload, source in workloads.items():
                 rows = asyncio.run(measure(pods, source, root / "back", args.runs))
                 for direction, methods in rows.items():

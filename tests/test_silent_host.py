@@ -5,6 +5,7 @@ while the others' results print."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -59,46 +60,45 @@ def test_exec_names_a_silent_host_within_the_connect_timeout(
     assert result.seconds < 9  # connect timeout 5 s
 
 
-def test_a_timeout_is_honoured_when_a_host_goes_silent_mid_command(
-    make_ssh_pod: Callable[..., Pod], unplug: Callable[[int], None], state_home: Path
-) -> None:
-    pod = make_ssh_pod(2)
-    argv = ["exec", "--pod", pod.name, "--timeout", "4", "--grace", "1", "--", "echo up; sleep 60"]
+def exec_running(pod: Pod, *options: str) -> subprocess.Popen[str]:
+    """``tpupod exec`` of a long command, returned once every worker has started it."""
+    argv = ["exec", "--pod", pod.name, *options, "--", "echo up; sleep 60"]
     proc = subprocess.Popen(
         tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
+    assert all("up" in proc.stdout.readline() for _ in pod.workers)
+    return proc
+
+
+def silent_row(err: str) -> str:
+    return next(line for line in err.splitlines() if line.startswith(f"w{SILENT} "))
+
+
+def test_a_timeout_is_honoured_when_a_host_goes_silent_mid_command(
+    make_ssh_pod: Callable[..., Pod], unplug: Callable[[int], None], state_home: Path
+) -> None:
+    pod = make_ssh_pod(2)
     started = time.monotonic()
-    assert all("up" in proc.stdout.readline() for _ in range(2))
+    proc = exec_running(pod, "--timeout", "4", "--grace", "1")
     unplug(SILENT)
     _, err = proc.communicate(timeout=60)
     seconds = time.monotonic() - started
     assert seconds < 4 + 3, err  # the kill gets no answer: given up about a second later
     assert proc.returncode in (124, 255)
-    assert "unreachable" in next(line for line in err.splitlines() if line.startswith("w1"))
+    assert "unreachable" in silent_row(err)
 
 
 def test_keepalives_notice_a_silent_host_while_a_command_runs(
     make_ssh_pod: Callable[..., Pod], unplug: Callable[[int], None], state_home: Path
 ) -> None:
     pod = make_ssh_pod(2, keepalive_interval=1, keepalive_count=2)
-    argv = ["exec", "--pod", pod.name, "--", "echo up; sleep 60"]
-    proc = subprocess.Popen(
-        tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None
-    assert all("up" in proc.stdout.readline() for _ in range(2))
+    proc = exec_running(pod)
     unplug(SILENT)
-    started = time.monotonic()
-    # w0 goes on sleeping; w1 is given up by the keepalives: stop the rest with Ctrl-C later
-    deadline = started + 20
-    while time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-        if time.monotonic() - started > 6:
-            proc.send_signal(2)
+    time.sleep(6)  # keepalives drop w1's connection after about 2 s; w0 sleeps on
+    proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    w1 = next(line for line in err.splitlines() if line.startswith("w1"))
-    assert "unreachable" in w1 and "connection lost" in w1, err
+    assert "unreachable" in silent_row(err) and "connection lost" in silent_row(err), err
 
 
 def test_status_names_a_silent_host(
