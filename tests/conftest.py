@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def make_pod(state_home: Path) -> Iterator[Callable[..., Pod]]:
     yield make
     for pod in made:
         for proc in pod_processes(pod.name):
-            proc.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # it ended since it was listed
+                proc.kill()
 
 
 def pod_processes(pod_name: str) -> list[psutil.Process]:

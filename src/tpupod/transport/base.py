@@ -141,6 +141,13 @@ RERAISE = [
     "fi",
 ]
 GUARD_GRACE_S = 3.0
+# Does process group $1 have a live member? Zombies do not count: where PID 1 reaps no
+# orphans (containers, the simulated hosts) a dead member can stay a zombie for good.
+GROUP_ALIVE = (
+    "alive() { if command -v ps >/dev/null && command -v awk >/dev/null; then "
+    "ps -eo pgid=,stat= | awk -v g=\"$1\" '$1 == g && $2 !~ /^Z/ {f = 1} END {exit !f}'; "
+    'else kill -0 -- -"$1" 2>/dev/null; fi; }'
+)
 GUARD_POLL_S = 0.05
 
 
@@ -162,8 +169,8 @@ def command_script(command: str, *, guard: bool = False, grace: float = GUARD_GR
     if guard:
         polls = max(1, round(grace / GUARD_POLL_S))
         watch = (
-            "cat >/dev/null 2>&1; kill -TERM -- -$1 2>/dev/null; i=0; "
-            f"while [ $i -lt {polls} ] && kill -0 -- -$1 2>/dev/null; do sleep {GUARD_POLL_S:g}; "
+            f"{GROUP_ALIVE}; cat >/dev/null 2>&1; kill -TERM -- -$1 2>/dev/null; i=0; "
+            f"while [ $i -lt {polls} ] && alive $1; do sleep {GUARD_POLL_S:g}; "
             "i=$((i + 1)); done; kill -KILL -- -$1 2>/dev/null"
         )
         lines += [
