@@ -1,10 +1,14 @@
-"""Small pieces: worker selections, line splitting, exit statuses."""
+"""Small pieces: worker selections, line splitting, exit statuses, gloo's chatter."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from tpupod.errors import UsageError
+from tpupod.launch.run import Chatter
 from tpupod.selection import parse_worker_selection, select_ids
 from tpupod.transport import ExitStatus
 from tpupod.transport.lines import LineSplitter
@@ -72,3 +76,26 @@ def test_exit_status() -> None:
     assert ExitStatus(None, 15).describe() == "killed by SIGTERM"
     assert ExitStatus(None, 15).shell_code == 143
     assert ExitStatus(None, 99).describe() == "killed by signal 99"
+
+
+def _gloo_cases() -> list[tuple[list[str], list[str]]]:
+    """Lines gloo left in workers' logs in real runs: its message comes in pieces (text,
+    numbers, newline) that other output (another gloo thread, the program's print) lands
+    between."""
+    text = (Path(__file__).parent / "fixtures" / "gloo_chatter.txt").read_text()
+    cases = []
+    for block in text.split("===\n")[:-1]:
+        lines = [line for line in block.splitlines() if not line.startswith("#")]
+        arrow = lines.index("=>")
+        cases.append(
+            ([json.loads(x) for x in lines[:arrow]], [json.loads(x) for x in lines[arrow + 1 :]])
+        )
+    return cases
+
+
+@pytest.mark.parametrize(("lines", "shown"), _gloo_cases())
+def test_chatter_cuts_gloo_pieces_out_wherever_they_land(
+    lines: list[str], shown: list[str]
+) -> None:
+    chatter = Chatter()
+    assert [kept for line in lines if (kept := chatter(line)) is not None] == shown

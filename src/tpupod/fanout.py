@@ -315,7 +315,7 @@ async def execute_async(
     connector: Connector | None = None,
     guard: bool = False,
     supervision: Supervision | None = None,
-    chatter: Callable[[], Callable[[str], bool]] | None = None,
+    chatter: Callable[[], Callable[[str], str | None]] | None = None,
 ) -> FanoutResult:
     """Run ``command`` (a bash command line) on the selected workers of ``pod`` at once.
 
@@ -325,9 +325,10 @@ async def execute_async(
     Pass a ``connector`` (``tpupod.providers.connect(pod)``) to reuse
     connections across calls; it is then yours to close. ``guard`` kills the
     commands if this process dies while they run (see ``transport.base.command_script``).
-    ``chatter`` makes, for each worker, a test of its lines (it may keep state from one
-    line to the next): lines it calls chatter (a runtime's own noise) still reach
-    ``on_line`` but never the summary's last lines.
+    ``chatter`` makes, for each worker, a cleaner of its lines (it may keep state from one
+    line to the next) that takes a runtime's own noise out of a line, or returns None for
+    a line of nothing else: ``on_line`` still gets every line as it came, the summary's
+    last lines only what the cleaner kept.
     """
     provider = provider_for(pod.provider)
     selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)

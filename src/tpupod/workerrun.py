@@ -60,7 +60,8 @@ class WorkerRun:
         self.exit_status: ExitStatus | None = None
         self.reason: str | None = None  # ... and why
         self.gave_up = asyncio.Event()  # set when the worker stopped answering our stop
-        self.chatter: Callable[[str], bool] | None = None  # lines kept out of the tail
+        # Takes a runtime's chatter out of a line for the tail (None: nothing to keep).
+        self.chatter: Callable[[str], str | None] | None = None
         # Told the moment the command exits, before its last output is read (which can
         # take OUTPUT_LINGER_S): failures are ordered by when they happened.
         self.on_exit: Callable[[int, ExitStatus], None] | None = None
@@ -143,8 +144,9 @@ class WorkerRun:
     async def _pump(self, proc: RemoteProcess) -> None:
         async for line in proc.lines():
             self.lines += 1
-            if self.chatter is None or not self.chatter(line.text):
-                self.tail.append(line.text)
+            kept = line.text if self.chatter is None else self.chatter(line.text)
+            if kept is not None:
+                self.tail.append(kept)
             if self.on_line is not None:
                 self.on_line(self.worker, line)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -44,7 +45,6 @@ from tpupod.workerrun import LineHandler
 
 # What runtimes print for themselves at every start: kept in the per-worker logs, but off the
 # terminal (unless asked for) and out of the summary's last lines.
-GLOO = "[Gloo] Rank "
 
 RUNS_DIR = "runs"
 RUN_FILE = "run.json"
@@ -72,25 +72,44 @@ class RunResult:
 
 
 class Chatter:
-    """Tells one worker's chatter lines: gloo's "[Gloo] Rank N is connected to M peer ranks",
-    and the line a worker told to stop leaves (the summary already says why it stopped).
+    """Takes one worker's chatter out of its lines: gloo's "[Gloo] Rank N is connected to M
+    peer ranks. Expected number of connected peer ranks is : M", and the line a worker told
+    to stop leaves (the summary already says why it stopped).
 
-    gloo prints them from several threads at once, so two can interleave into one line
-    and leave the end of one ("3") alone on the next: that line is chatter too.
+    gloo writes that message in pieces (text, numbers, the newline), from several threads,
+    to the stdout the program prints to, so other output lands between any two pieces:
+    "[Gloo] Rank [Gloo] Rank 0 is connected ...", "[Gloo] Rank worker 1 of 2: ..." then
+    "1 is connected ...", "... is : 1[Gloo] Rank 1 is ... : 1" then an empty line, or a
+    count left alone on the next line. So each text piece is cut out wherever it lands;
+    what is left is shown, unless it is only the numbers of cut-up messages; and while
+    messages have begun that have not ended, a line of nothing but digits is their end.
+    Called with a line, returns what to show of it, or None.
     """
 
-    def __init__(self) -> None:
-        self.interleaved = False
+    PIECES = re.compile(
+        r"\[Gloo\] Rank \d*|\d* is connected to \d*| peer ranks\. "
+        r"|Expected number of connected peer ranks is : \d*"
+    )
+    BEGUN = "[Gloo] Rank "
+    OWN = ("[Gloo] Rank ", " peer ranks. ", "connected peer ranks is : ")  # gloo's alone
 
-    def __call__(self, text: str) -> bool:
+    def __init__(self) -> None:
+        self.owed = 0  # newlines still to come from messages that began on an earlier line
+
+    def __call__(self, text: str) -> str | None:
         if text.startswith(LEAVING):
-            return True
-        if text.startswith(GLOO):
-            self.interleaved = text.count(GLOO) > 1
-            return True
-        leftover = self.interleaved and text.strip().isdigit()
-        self.interleaved = False
-        return leftover
+            return None
+        if not any(piece in text for piece in self.OWN):
+            if self.owed and (not text.strip() or text.strip().isdigit()):
+                self.owed -= 1
+                return None
+            return text
+        rest = self.PIECES.sub("", text)
+        chatter_only = not rest.strip() or rest.replace(" ", "").isdigit()
+        # Each message begun here, and the program's own text, brings a newline; the line
+        # ended on one of them.
+        self.owed = max(0, self.owed + text.count(self.BEGUN) + (not chatter_only) - 1)
+        return None if chatter_only else rest
 
 
 def new_launch_id() -> str:
@@ -443,8 +462,11 @@ class _RunLog:
             file = self.files[worker.id]
             file.write(line.text + "\n")
             file.flush()
-            if on_line is not None and (show_chatter or not hide[worker.id](line.text)):
-                on_line(worker, line)
+            if on_line is None:
+                return
+            shown = line.text if show_chatter else hide[worker.id](line.text)
+            if shown is not None:
+                on_line(worker, line if shown == line.text else OutputLine(line.stream, shown))
 
         return handle
 
