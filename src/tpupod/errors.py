@@ -26,6 +26,7 @@ translated into these at the seam where they arise, chained with ``from``.
     │   ├── JobStoreError        exit 1   the database cannot be opened or reached
     │   ├── JobNotFound          exit 1   no job by that id
     │   └── LeaseLost            exit 1   a runner's write was fenced off (a newer attempt owns it)
+    ├── ServeError               exit 1   the serving fleet: an agent, server or router failed
     └── FanoutFailed             exit N   a fan-out where some worker did not succeed
 """
 
@@ -169,6 +170,10 @@ class JobNotFound(JobError):
 
 class LeaseLost(JobError):
     """A runner's write was fenced off: its lease on that attempt expired or was taken over."""
+
+
+class ServeError(TpupodError):
+    """The serving fleet: an agent or server did not start, or the router cannot be reached."""
 
 
 class FanoutFailed(TpupodError):
