@@ -12,6 +12,9 @@ set -euo pipefail
 
 packages=(make procps psmisc git iproute2 util-linux openssh-server openssh-client)
 packages+=(postgresql) # tests/test_jobs.py starts its own PostgreSQL cluster on loopback
+# tests/test_image.py: podman with runc (its containers.conf picks runc), catatonit for --init,
+# and a busybox-static rootfs imported as the base image (no image registry is reachable)
+packages+=(podman runc catatonit busybox-static)
 python=${PYTHON:-python3}
 if ! command -v "$python" >/dev/null 2>&1; then
   packages+=(python3 python3-venv)
