@@ -107,5 +107,6 @@ def main() -> None:
     from tpupod.cli import ops as _ops  # noqa: F401
     from tpupod.cli import pods as _pods  # noqa: F401
     from tpupod.cli import run as _run  # noqa: F401
+    from tpupod.cli import serve as _serve  # noqa: F401
 
     app(prog_name="tpupod")
