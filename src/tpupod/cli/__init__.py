@@ -103,6 +103,7 @@ def main() -> None:
     from tpupod.cli import bench as _bench  # noqa: F401
     from tpupod.cli import exec as _exec  # noqa: F401  (registers its commands)
     from tpupod.cli import extract as _extract  # noqa: F401
+    from tpupod.cli import image as _image  # noqa: F401
     from tpupod.cli import jobs as _jobs  # noqa: F401
     from tpupod.cli import ops as _ops  # noqa: F401
     from tpupod.cli import pods as _pods  # noqa: F401

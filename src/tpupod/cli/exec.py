@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tpupod.cli import command
+from tpupod.cli.image import (
+    EngineOption,
+    ImageOption,
+    MountOption,
+    PrivilegedOption,
+    container_from_options,
+)
 from tpupod.cli.options import EnvOption, PodOption
 from tpupod.cli.running import Live, run_live
 from tpupod.execargs import ExecArgs, finish, plan_exec, run_held
 from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 
 if TYPE_CHECKING:
+    from tpupod.image.containerize import Container
     from tpupod.pod import Pod, Worker
 
 WorkerOption = Annotated[
@@ -62,6 +70,10 @@ def exec_command(
     grace: GraceOption = DEFAULT_GRACE_S,
     quiet: QuietOption = False,
     env: EnvOption = None,
+    image: ImageOption = None,
+    mount: MountOption = None,
+    engine: EngineOption = None,
+    privileged: PrivilegedOption = False,
 ) -> None:
     """Run a command on every worker at once and summarize how each one ended.
 
@@ -77,8 +89,41 @@ def exec_command(
       tpupod exec -w 0,2-3 -- 'echo $TPUPOD_WORKER_ID of $TPUPOD_NUM_WORKERS'
 
       tpupod exec --on-fail kill --timeout 600 -- python train.py --steps 100
+
+      tpupod exec --image app:1 -- python -c 'import jax; print(jax.devices())'
     """
-    run_exec(ExecArgs(command, pod, worker, on_fail, timeout, grace, quiet, list(env or [])))
+    args = ExecArgs(command, pod, worker, on_fail, timeout, grace, quiet, list(env or []))
+    if image is None:
+        container_from_options(image, mount, engine, privileged, [])  # refuses stray options
+        run_exec(args)
+    else:
+        run_exec_in_containers(args, image, mount, engine, privileged)
+
+
+def run_exec_in_containers(
+    args: ExecArgs, image: str, mounts: list[str] | None, engine: str | None, privileged: bool
+) -> None:
+    """``exec --image``: the command in a container on every worker (never through the holder)."""
+    from tpupod.state import StateDir
+
+    state = StateDir()
+    plan = plan_exec(args, state)
+    target = state.load(plan.name)
+    names = [*plan.env, *target.spec.env]
+    container = container_from_options(image, mounts, engine, privileged, names)
+    assert container is not None
+    result = run_with_signals(
+        target,
+        plan.line,
+        [target.workers[i] for i in plan.ids],
+        on_fail=args.on_fail,
+        timeout=args.timeout,
+        grace=args.grace,
+        quiet=args.quiet,
+        env=plan.env,
+        container=container,
+    )
+    raise typer.Exit(finish(result, plan))
 
 
 def run_exec(args: ExecArgs) -> None:
@@ -114,24 +159,40 @@ def run_with_signals(
     grace: float,
     quiet: bool,
     env: dict[str, str],
+    container: Container | None = None,
 ) -> FanoutResult:
     """Run a fan-out with its output printed; SIGINT/SIGTERM stop every worker cleanly."""
 
     from tpupod.fanout import execute_async
 
     def body(live: Live) -> Awaitable[FanoutResult]:
-        return execute_async(
-            pod,
-            command,
-            workers=workers,
-            on_fail=on_fail,
-            timeout=timeout,
-            grace=grace,
-            env=env,
-            on_line=live.on_line,
-            on_notice=live.on_notice,
-            interrupt=live.interrupt,
-            guard=True,  # killed outright, this process takes its commands with it
-        )
+        options: dict[str, Any] = {
+            "workers": workers,
+            "on_fail": on_fail,
+            "timeout": timeout,
+            "grace": grace,
+            "env": env,
+            "on_line": live.on_line,
+            "on_notice": live.on_notice,
+            "interrupt": live.interrupt,
+        }
+        if container is not None:
+            return _in_containers(pod, command, container, options)
+        # guard: killed outright, this process takes its commands with it
+        return execute_async(pod, command, guard=True, **options)
 
     return run_live(workers, quiet, body)
+
+
+async def _in_containers(
+    pod: Pod, command: str, container: Container, options: dict[str, Any]
+) -> FanoutResult:
+    from tpupod.image.containerize import execute_in_containers
+    from tpupod.providers import provider_for
+    from tpupod.state import StateDir
+
+    connector = provider_for(pod.provider).connect(pod, StateDir())
+    try:
+        return await execute_in_containers(pod, command, container, connector=connector, **options)
+    finally:
+        await connector.close()

@@ -11,6 +11,13 @@ import typer
 from tpupod.choices import RendezvousOn
 from tpupod.cli import command
 from tpupod.cli.exec import GraceOption, QuietOption, TimeoutOption, WorkerOption
+from tpupod.cli.image import (
+    EngineOption,
+    ImageOption,
+    MountOption,
+    PrivilegedOption,
+    container_from_options,
+)
 from tpupod.cli.options import EnvOption, PodOption
 from tpupod.cli.running import Live, run_live
 from tpupod.envargs import parse_env
@@ -79,6 +86,10 @@ def run(
             show_default=False,
         ),
     ] = None,
+    image: ImageOption = None,
+    mount: MountOption = None,
+    engine: EngineOption = None,
+    privileged: PrivilegedOption = False,
 ) -> None:
     """Run a program on every worker in lockstep: preflight, rendezvous, supervision, logs.
 
@@ -94,6 +105,8 @@ def run(
       tpupod run --sync ~/code -- python train.py   # this repository's HEAD, on every worker
 
       tpupod run --timeout 3600 -e XLA_FLAGS=--xla_dump_to=/tmp/x -- python bench.py
+
+      tpupod run --image app:1 --mount /data:/data:ro -- python train.py   # in containers
     """
     from tpupod.launch.run import run as launch_run
     from tpupod.state import StateDir
@@ -102,6 +115,8 @@ def run(
     workers = target.select(worker)
     line = join_command(command_args)
     run_env = parse_env(env)  # every option is checked before any work
+    names = [*run_env, *target.spec.env]
+    container = container_from_options(image, mount, engine, privileged, names)
 
     def body(live: Live) -> Awaitable[RunResult]:
         return launch_run(
@@ -120,6 +135,7 @@ def run(
             on_line=live.on_line,
             on_notice=live.on_notice,
             interrupt=live.interrupt,
+            container=container,
         )
 
     result = run_live(workers, quiet, body)

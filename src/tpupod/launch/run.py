@@ -20,7 +20,7 @@ import shlex
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -28,6 +28,7 @@ from typing import IO, Any, Protocol
 from tpupod import settings
 from tpupod.errors import PreflightError, TpupodError
 from tpupod.fanout import Interrupt, NoticeHandler, Supervision, execute_async
+from tpupod.image.containerize import Container, check_workers, remove_containers, wrap
 from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
@@ -135,8 +136,13 @@ async def run(
     on_notice: NoticeHandler | None = None,
     interrupt: Interrupt | None = None,
     state: StateDir | None = None,
+    container: Container | None = None,
 ) -> RunResult:
-    """Launch ``command`` on every selected worker in lockstep and supervise it to the end."""
+    """Launch ``command`` on every selected worker in lockstep and supervise it to the end.
+
+    With ``container``, it runs in that image on every worker (``image/containerize.py``):
+    the image is checked the same everywhere first, and no container outlives the run.
+    """
     state = state or StateDir()
     selected = list(workers) if workers is not None else list(pod.workers)
     notice = on_notice or (lambda text: None)
@@ -144,6 +150,9 @@ async def run(
     try:
         port = coordinator_port or _coordinator_port(pod)
         await _preflight(pod, connector, selected, port)
+        if container is not None:
+            await check_workers(pod, connector, selected, container)
+        workdir = ""
         if sync_dir is not None:
             commit = await _sync(
                 pod,
@@ -154,12 +163,13 @@ async def run(
                 notice=notice,
             )
             env = {**(env or {}), "TPUPOD_CODE_COMMIT": commit}
-            command = f"cd {shell_path(sync_dir)} && {command}"
+            workdir = shell_path(sync_dir)
         elif pod.provider == "local":
             # Local workers share this machine's files: start where the launcher stands, so
             # `tpupod run -- python examples/x.py` means what it says.
-            command = f"cd {shlex.quote(os.getcwd())} && {command}"
+            workdir = shlex.quote(os.getcwd())
         launch_id = new_launch_id()
+        command = _in_workdir(command, workdir, container, launch_id)
         token = secrets.token_hex(16)
         # Workers report their own failures to the rendezvous before JAX's shutdown can hold
         # them; the fan-out counts them at once and has the rendezvous stop the others.
@@ -187,6 +197,7 @@ async def run(
         # A run's identity is the selected workers, renumbered 0..N-1 in order.
         sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
         notice(f"launch {launch_id}: {len(selected)} workers, logs in {launch.run_dir}")
+        run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
         with _RunLog(launch, command, selected) as log:
             try:
                 result = await execute_async(
@@ -199,17 +210,30 @@ async def run(
                     on_line=log.tee(on_line, show_chatter=show_chatter),
                     on_notice=on_notice,
                     interrupt=interrupt,
-                    connector=_Renumbered(connector, selected) if sub_pod is not pod else connector,
+                    connector=run_connector,
                     guard=True,  # a supervised program never outlives its launcher
                     supervision=supervision,
                     chatter=Chatter,
                 )
             finally:
                 await server.close()
+                if container is not None:
+                    await remove_containers(
+                        sub_pod, run_connector, sub_pod.workers, container.engine, launch_id
+                    )
             log.finish(result)
         return RunResult(launch, result)
     finally:
         await connector.close()
+
+
+def _in_workdir(command: str, workdir: str, container: Container | None, launch_id: str) -> str:
+    """The command started in ``workdir`` (a shell word, or ""), in the container if any
+    (the directory mounted there too, as it is where the program expects its files)."""
+    if container is None:
+        return f"cd {workdir} && {command}" if workdir else command
+    wrapped = wrap(command, replace(container, workdir_mounted=bool(workdir)), launch_id)
+    return f"cd {workdir} && {{\n{wrapped}\n}}" if workdir else wrapped
 
 
 def _on_worker0(pod: Pod, where: str) -> bool:

@@ -1,0 +1,236 @@
+"""A worker's command in a container: the ``ENGINE run`` line, the checks before, the cleanup after.
+
+Every worker runs ``ENGINE run --rm --init --name tpupod-<launch>-w<N> --network=host
+-e ... -v ... [--privileged | --device /dev/accel* /dev/vfio/*] IMAGE sh -c CMD``.
+The variables that make a tpupod worker (identity, rendezvous, coordinator: every
+``TPUPOD_*``, ``TPU_*``, ``JAX_*``, ``XLA_*``, ``MEGASCALE_*``, ``LIBTPU_*``) and the ones
+named by ``--env`` or the pod spec are passed through by name, so ``tpupod.init_jax()``
+works inside as outside.
+
+The engine's client is in the command's process group, so a stop's TERM reaches it and
+it passes the signal on to the container (catatonit or tini as PID 1 passes it to the
+program); but the container itself is the engine's (conmon, containerd), not ours: a
+KILL of the client leaves it running. So each worker also starts a reaper in a session
+of its own that removes the container once the command's shell is gone, however it
+ended (a stop, the orphan guard, a lost connection), and the launcher removes every
+container of the launch itself before it returns.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from tpupod.errors import PreflightError, UsageError
+from tpupod.fanout import execute_async
+from tpupod.image.engine import NO_ENGINE, NO_ENGINE_RC, SETUP_HINT, force_remove, pick_engine
+from tpupod.pod import Pod, Worker
+from tpupod.results import FanoutResult
+from tpupod.transport import Connector
+
+PASSED_PREFIXES = ("TPUPOD_", "TPU_", "JAX_", "XLA_", "MEGASCALE_", "LIBTPU_")
+ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio/*")
+CHECK_TIMEOUT_S = 30.0
+CLEANUP_TIMEOUT_S = 30.0
+IMAGE_LINE = "tpupod-image:"
+# How often a worker's reaper looks whether the command's shell is gone.
+REAPER_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str  # on the worker; a leading ~/ is the worker's home
+    target: str
+    mode: str = ""  # "", "ro" or "rw"
+
+    @classmethod
+    def parse(cls, text: str) -> Mount:
+        """``SRC:DST`` or ``SRC:DST:ro`` (as ``docker run -v``)."""
+        parts = text.split(":")
+        mode = parts.pop() if len(parts) == 3 and parts[2] in ("ro", "rw") else ""
+        if len(parts) != 2 or not all(parts) or not parts[1].startswith("/"):
+            raise UsageError(
+                f"--mount {text!r}",
+                hint="SRC:DST or SRC:DST:ro, DST an absolute path in the container",
+            )
+        return cls(parts[0], parts[1], mode)
+
+    def volume(self) -> str:
+        """The ``-v`` value as a bash word (the source's ~/ expanded on the worker)."""
+        target = f":{self.target}" + (f":{self.mode}" if self.mode else "")
+        if self.source.startswith("~/"):
+            return '"$HOME"/' + shlex.quote(self.source[2:] + target)
+        return shlex.quote(self.source + target)
+
+
+@dataclass(frozen=True)
+class Container:
+    """How a command runs in a container on every worker."""
+
+    image: str
+    engine: str | None = None  # docker, podman, or None: docker where present
+    mounts: tuple[Mount, ...] = ()
+    env_names: tuple[str, ...] = ()  # passed through by name (their values are the worker's)
+    privileged: bool = False
+    workdir_mounted: bool = False  # mount the command's directory and start there
+    extra: tuple[str, ...] = field(default=())  # more `ENGINE run` options, as given
+
+
+def new_launch_id() -> str:
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+def container_name(launch_id: str) -> str:
+    """The bash word naming this worker's container of a launch."""
+    return f'"tpupod-{launch_id}-w${{TPUPOD_WORKER_ID:-0}}"'
+
+
+def wrap(command: str, container: Container, launch_id: str) -> str:
+    """The bash that runs ``command`` (a shell line) in ``container`` on a worker."""
+    name = container_name(launch_id)
+    passed = "|".join(f"{prefix}*" for prefix in PASSED_PREFIXES)
+    options = [
+        "--rm",
+        "--init",
+        "--name",
+        name,
+        "--network=host",
+        *(f"-e {shlex.quote(env)}" for env in container.env_names),
+        *(f"-v {mount.volume()}" for mount in container.mounts),
+        *(['-v "$PWD:$PWD"', '-w "$PWD"'] if container.workdir_mounted else []),
+        *(["--privileged"] if container.privileged else []),
+        *(shlex.quote(option) for option in container.extra),
+    ]
+    reaper = (
+        f'while kill -0 "$1" 2>/dev/null; do sleep {REAPER_POLL_S:g}; done; '
+        f"tpupod_engine=$3; {force_remove(chr(34) + '$2' + chr(34))}"
+    )
+    lines = [
+        pick_engine(container.engine),
+        "tpupod_args=()",
+        "for tpupod_v in $(compgen -e); do",
+        f'  case $tpupod_v in {passed}) tpupod_args+=(-e "$tpupod_v");; esac',
+        "done",
+    ]
+    if not container.privileged:
+        lines += [
+            f"for tpupod_d in {' '.join(ACCELERATOR_DEVICES)}; do",
+            '  if [ -e "$tpupod_d" ]; then tpupod_args+=(--device "$tpupod_d"); fi',
+            "done",
+        ]
+    lines += [
+        f'setsid bash -c {shlex.quote(reaper)} tpupod-reaper $$ {name} "$tpupod_engine" '
+        "</dev/null >/dev/null 2>&1 &",
+        "disown $!",
+        f'$tpupod_engine run {" ".join(options)} "${{tpupod_args[@]}}" '
+        f"{shlex.quote(container.image)} /bin/sh -c {shlex.quote(command)}",
+    ]
+    return "\n".join(lines)
+
+
+def check_script(container: Container) -> str:
+    """Print the image's id on the worker, or exit: 127 without an engine, 3 without the image."""
+    image = shlex.quote(container.image)
+    return "\n".join(
+        [
+            pick_engine(container.engine),
+            f"tpupod_id=$($tpupod_engine image inspect --format '{{{{.Id}}}}' {image} 2>/dev/null)"
+            f' || {{ echo "{IMAGE_LINE} missing"; exit 3; }}',
+            f'echo "{IMAGE_LINE} ${{tpupod_id#sha256:}} ${{tpupod_engine##* }}"',
+        ]
+    )
+
+
+async def check_workers(
+    pod: Pod, connector: Connector, workers: Sequence[Worker], container: Container
+) -> str:
+    """Every worker has an engine and the same image; its id, or a PreflightError."""
+    result = await execute_async(
+        pod,
+        check_script(container),
+        workers=workers,
+        connector=connector,
+        timeout=CHECK_TIMEOUT_S,
+        guard=True,
+    )
+    ids: dict[int, str] = {}
+    for r in result.workers:
+        if r.status is not None and r.status.code == NO_ENGINE_RC and _says(r.tail, NO_ENGINE):
+            raise PreflightError(
+                f"no container engine on {r.worker.label} ({r.worker.hostname})",
+                hint=SETUP_HINT,
+            )
+        line = next((t for t in reversed(r.tail) if t.startswith(IMAGE_LINE)), "")
+        words = line.split()
+        if not r.ok or len(words) < 2 or words[1] == "missing":
+            missing = [w.worker.label for w in result.workers if not w.ok]
+            why = r.outcome_text() if words[1:2] != ["missing"] else "missing"
+            raise PreflightError(
+                f"image {container.image} is not on {', '.join(missing)} ({why})",
+                hint=f"'tpupod image build -t {container.image} ...' builds it on every worker",
+            )
+        ids[r.worker.id] = words[1]
+    if len(set(ids.values())) > 1:
+        differing = ", ".join(f"w{w}: {i[:12]}" for w, i in sorted(ids.items()))
+        raise PreflightError(
+            f"image {container.image} differs between workers ({differing})",
+            hint=f"'tpupod image build -t {container.image} ...' gives every worker the same",
+        )
+    return next(iter(ids.values()), "")
+
+
+def cleanup_script(engine: str | None, launch_id: str) -> str:
+    """Remove this worker's container of the launch, if it is still there."""
+    name = container_name(launch_id)
+    return "\n".join([pick_engine(engine), f"tpupod_name={name}", force_remove('"$tpupod_name"')])
+
+
+async def remove_containers(
+    pod: Pod,
+    connector: Connector,
+    workers: Sequence[Worker],
+    engine: str | None,
+    launch_id: str,
+) -> FanoutResult:
+    """Remove what is left of the launch's containers on every worker (stop, then kill)."""
+    return await execute_async(
+        pod,
+        cleanup_script(engine, launch_id),
+        workers=workers,
+        connector=connector,
+        timeout=CLEANUP_TIMEOUT_S,
+    )
+
+
+def _says(tail: Sequence[str], text: str) -> bool:
+    return any(text in line for line in tail)
+
+
+async def execute_in_containers(
+    pod: Pod,
+    command: str,
+    container: Container,
+    *,
+    workers: Sequence[Worker],
+    connector: Connector,
+    **fanout: Any,
+) -> FanoutResult:
+    """``exec --image``: check the image, run ``command`` in a container on every worker
+    (``fanout`` is execute_async's options), then remove whatever is left of them."""
+    await check_workers(pod, connector, workers, container)
+    launch_id = new_launch_id()
+    try:
+        return await execute_async(
+            pod,
+            wrap(command, container, launch_id),
+            workers=workers,
+            connector=connector,
+            guard=True,
+            **fanout,
+        )
+    finally:
+        await remove_containers(pod, connector, workers, container.engine, launch_id)

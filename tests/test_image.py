@@ -1,0 +1,247 @@
+"""Containers on every worker, with real podman: ``run --image``, ``exec --image``, cleanup.
+
+Podman needs runc and a containers.conf with ulimits that fit this machine; no image
+registry is reachable, so the base image is a busybox-static rootfs (``podman import``).
+Programs that need Python mount the host's /usr and the venv's interpreter read-only; the
+run's directory (this repository, with its .venv) is mounted by ``run`` itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult, require, tpupod_argv
+from tpupod.errors import UsageError
+from tpupod.image.containerize import Container, Mount, wrap
+from tpupod.pod import Pod
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path("/var/tmp/tpupod-test-podman")
+CONTAINERS_CONF = """\
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+
+[engine]
+runtime = "runc"
+"""
+BUSYBOX = Path("/bin/busybox")
+APPLETS = ("sh", "echo", "cat", "sleep", "true", "false", "env", "ls", "kill", "trap")
+# The venv's python is a symlink to an interpreter outside the repository (pyenv's, or
+# /usr/bin/python3.x): the container needs that interpreter's folder and the host's /usr.
+PYTHON_HOME = Path(os.path.realpath(REPO / ".venv/bin/python")).parent.parent
+PYTHON_MOUNTS = ["--mount", "/usr:/usr:ro"]
+if not str(PYTHON_HOME).startswith("/usr/"):
+    PYTHON_MOUNTS += ["--mount", f"{PYTHON_HOME}:{PYTHON_HOME}:ro"]
+
+
+def storage_conf(root: Path) -> str:
+    return f'[storage]\ndriver = "overlay"\ngraphroot = "{root}/graph"\nrunroot = "{root}/run"\n'
+
+
+def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["podman", *args], capture_output=True, text=True, check=check)
+
+
+def import_base_image(tag: str, work: Path) -> None:
+    """A busybox-static rootfs whose /lib and /lib64 lead into /usr (mounted from the host)."""
+    root = work / "rootfs"
+    (root / "bin").mkdir(parents=True)
+    for folder in ("tmp", "etc", "usr"):
+        (root / folder).mkdir()
+    shutil.copy2(BUSYBOX, root / "bin/busybox")
+    for applet in APPLETS:
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "lib").symlink_to("usr/lib")
+    (root / "lib64").symlink_to("usr/lib64")
+    archive = work / "rootfs.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(root, arcname=".")
+    podman("import", "-q", str(archive), tag)
+
+
+@pytest.fixture(scope="session")
+def podman_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Podman configured for this machine (in a storage of the tests' own), and the tag of a
+    busybox base image, cached between runs under a name keyed by what went into it."""
+    require(shutil.which("podman") is not None, "podman is not installed (Debian's podman)")
+    require(BUSYBOX.exists(), "busybox is not installed (Debian's busybox-static)")
+    require(os.geteuid() == 0, "the container tests run podman as root")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    conf, storage = CACHE / "containers.conf", CACHE / "storage.conf"
+    conf.write_text(CONTAINERS_CONF)
+    storage.write_text(storage_conf(CACHE / "storage"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CONTAINERS_CONF", str(conf))
+        patch.setenv("CONTAINERS_STORAGE_CONF", str(storage))
+        key = hashlib.sha256(BUSYBOX.read_bytes() + repr(APPLETS).encode()).hexdigest()[:12]
+        tag = f"tpupod-test-base:{key}"
+        if podman("image", "exists", tag, check=False).returncode != 0:
+            import_base_image(tag, tmp_path_factory.mktemp("base"))
+        yield tag
+
+
+def containers() -> list[str]:
+    """Names of every tpupod container in the tests' storage, running or not."""
+    out = podman("ps", "-a", "--filter", "name=^tpupod-", "--format", "{{.Names}}").stdout
+    return out.split()
+
+
+def wait_no_containers(timeout: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := containers()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+# -- unit: the command line -----------------------------------------------------------------
+
+
+def test_a_mount_is_src_dst_and_an_optional_mode() -> None:
+    assert Mount.parse("/data:/data:ro") == Mount("/data", "/data", "ro")
+    assert Mount.parse("~/my data:/x").volume() == "\"$HOME\"/'my data:/x'"
+    for bad in ("/data", "/a:b", ":/b", "/a:/b:rx:y"):
+        with pytest.raises(UsageError):
+            Mount.parse(bad)
+
+
+def test_the_wrapped_command_names_the_container_and_passes_identity() -> None:
+    container = Container("app:1", engine="podman", env_names=("FOO",), mounts=(Mount("/d", "/d"),))
+    script = wrap("python train.py 'a b'", container, "L1")
+    assert '--name "tpupod-L1-w${TPUPOD_WORKER_ID:-0}"' in script
+    assert "--network=host" in script and "--rm" in script and "-e FOO" in script
+    assert "TPUPOD_*|TPU_*|JAX_*" in script and "/dev/accel* /dev/vfio/*" in script
+    assert "app:1 /bin/sh -c 'python train.py '\"'\"'a b'\"'\"''" in script
+    assert "--privileged" not in script
+    assert "--privileged" in wrap("x", Container("app:1", privileged=True), "L1")
+
+
+# -- local pods: run and exec in containers -------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_exec_in_a_container_on_every_worker(
+    podman_env: str, make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(2)
+    (tmp_path / "data.txt").write_text("shared data\n")
+    result = cli(
+        "exec", "--pod", pod.name, "--image", podman_env, "--mount", f"{tmp_path}:/data:ro",
+        "-e", "GREETING=hello", "--",
+        'echo "$GREETING from $TPUPOD_WORKER_ID of $TPUPOD_NUM_WORKERS"; cat /data/data.txt; '
+        "cat /proc/1/cmdline | tr '\\0' ' '",
+    )  # fmt: skip
+    assert result.code == 0, result.err
+    for i in range(2):
+        assert f"[w{i}] hello from {i} of 2" in result.out
+        assert f"[w{i}] shared data" in result.out
+    assert result.out.count("/run/podman-init -- /bin/sh") == 2  # --init: passes signals on
+    assert containers() == []
+
+
+@pytest.mark.timeout(90)
+def test_run_image_lockstep_jax_across_two_workers(
+    podman_env: str, make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(2, devices=2)
+    result = cli(
+        "run", "--pod", pod.name, "--image", podman_env, *PYTHON_MOUNTS, "--",
+        ".venv/bin/python", "examples/lockstep_sum.py",
+        timeout=80,
+    )  # fmt: skip
+    assert result.code == 0, result.err[-3000:]
+    for i in range(2):
+        assert (
+            f"[w{i}] worker {i} of 2: 4 devices in the mesh, cross-host sum 10 (expected 10)"
+            in (result.out)
+        )
+    assert containers() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_container_stops_the_others_and_none_is_left(
+    podman_env: str,
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    leftovers: Callable[[Pod], list[str]],
+) -> None:
+    pod = make_pod(3)
+    program = (
+        'if [ "$TPUPOD_WORKER_ID" = 1 ]; then sleep 1; echo failing; exit 3; fi; '
+        'trap "" TERM; echo waiting; sleep 60'  # deaf to TERM, as JAX is: KILL after the grace
+    )
+    result = cli("run", "--pod", pod.name, "--grace", "1", "--image", podman_env, "--", program)
+    assert result.code == 3, result.err
+    assert "first failure: w1" in result.err
+    assert result.err.count("stopped after w1 failed") == 2
+    assert result.seconds < 15
+    assert containers() == []
+    assert leftovers(pod) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["ctrl-c", "timeout", "launcher killed"])
+def test_an_interrupted_run_leaves_no_container(
+    podman_env: str, make_pod: Callable[..., Pod], state_home: Path, how: str
+) -> None:
+    pod = make_pod(2)
+    argv = ["run", "--pod", pod.name, "--grace", "1", "--image", podman_env]
+    argv += ["--timeout", "2"] if how == "timeout" else []
+    launcher = subprocess.Popen(
+        tpupod_argv(*argv, "--", "echo started; sleep 60"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert launcher.stdout is not None
+    assert all("started" in launcher.stdout.readline() for _ in range(2))
+    assert len(containers()) == 2
+    if how != "timeout":
+        launcher.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
+    _, err = launcher.communicate(timeout=30)
+    expected = {"ctrl-c": 130, "timeout": 124, "launcher killed": -signal.SIGKILL}[how]
+    assert launcher.returncode == expected, err
+    if how == "launcher killed":  # the orphan guard ends the clients, the reapers the rest
+        assert wait_no_containers() == []
+    else:
+        assert containers() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_image_or_engine_is_an_error_with_a_hint(
+    podman_env: str, make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(2)
+    missing = cli("run", "--pod", pod.name, "--image", "nosuch:1", "--", "true")
+    assert missing.code != 0
+    assert "error: image nosuch:1 is not on w0, w1" in missing.err
+    assert "hint: 'tpupod image build" in missing.err
+    # A PATH with every program but the engines: the workers have no engine.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for folder in ("/usr/local/bin", "/usr/bin"):
+        for program in Path(folder).iterdir():
+            if program.name not in ("podman", "docker") and not (bare / program.name).exists():
+                (bare / program.name).symlink_to(program)
+    result = cli(
+        "exec", "--pod", pod.name, "--image", podman_env, "--", "true", env={"PATH": str(bare)}
+    )
+    assert result.code != 0
+    assert "error: no container engine on w0" in result.err
+    assert "hint: 'tpupod setup --docker' installs one on every worker" in result.err
+    assert "Traceback" not in result.err
+
+
+def test_container_options_need_an_image(cli: Callable[..., CliResult]) -> None:
+    result = cli("exec", "--mount", "/a:/b", "--", "true")
+    assert result.code == 2
+    assert "--mount, --engine and --privileged go with --image" in result.err
