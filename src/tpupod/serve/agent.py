@@ -1,0 +1,173 @@
+"""The worker agent (``tpupod agent``): runs a worker's model servers and keeps them running.
+
+FastAPI + uvicorn, one per worker, started detached by ``tpupod serve up``
+(see ``ctl.py``). Every endpoint but ``/health`` needs the bearer token from
+``agent.token`` in the state folder::
+
+    GET  /health          {"ok": true, "servers": N}
+    GET  /admin/status    every managed server: name, backend, ports, pid, state, restarts, ...
+    POST /admin/start     a ServerSpec (JSON); replaces a server of the same name
+    POST /admin/stop      {"name": NAME} or {} for all: TERM, then KILL
+    POST /admin/restart   {"name": NAME} or {} for all
+    GET  /admin/logs      ?name=NAME&lines=N: the last lines of a server's log
+
+SIGTERM stops every server, then the agent. The process groups of the
+servers are recorded in ``servers.json``, so ``serve down`` can still kill
+them when the agent itself was killed with -9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException
+from pydantic import BaseModel
+
+from tpupod.serve import ctl
+from tpupod.serve.backends import ServerSpec
+from tpupod.serve.supervisor import ManagedServer, tail
+from tpupod.state import write_atomic
+
+
+class NameRequest(BaseModel):
+    name: str | None = None
+
+
+class Agent:
+    """The servers of one worker, by name."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.servers: dict[str, ManagedServer] = {}
+        self.base_env = dict(os.environ)
+
+    def record_groups(self) -> None:
+        groups = [s.pid for s in self.servers.values() if s.pid is not None]
+        write_atomic(self.state / "servers.json", json.dumps({"groups": groups}) + "\n")
+
+    async def start(self, spec: ServerSpec) -> ManagedServer:
+        old = self.servers.pop(spec.name, None)
+        if old is not None:
+            await old.stop()
+        server = ManagedServer(spec, self.state / "logs", self.base_env, self.record_groups)
+        self.servers[spec.name] = server
+        server.start()
+        return server
+
+    def pick(self, name: str | None) -> list[ManagedServer]:
+        if name is None:
+            return list(self.servers.values())
+        if name not in self.servers:
+            raise HTTPException(404, f"no server named {name!r}")
+        return [self.servers[name]]
+
+    async def stop(self, name: str | None) -> list[str]:
+        chosen = self.pick(name)
+        await asyncio.gather(*(s.stop() for s in chosen))
+        for s in chosen:
+            self.servers.pop(s.spec.name, None)
+        self.record_groups()
+        return [s.spec.name for s in chosen]
+
+    async def restart(self, name: str | None) -> list[str]:
+        chosen = self.pick(name)
+        for s in chosen:
+            restarted = await self.start(s.spec)
+            restarted.restarts = s.restarts + 1
+        return [s.spec.name for s in chosen]
+
+
+def make_app(state: Path, token: str) -> FastAPI:
+    agent = Agent(state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await agent.stop(None)
+
+    app = FastAPI(title="tpupod agent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.agent = agent
+
+    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, "a bearer token is required", {"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(authorized)]
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "servers": len(agent.servers)}
+
+    @app.get("/admin/status", dependencies=auth)
+    async def status() -> dict[str, Any]:
+        return {"pid": os.getpid(), "servers": [s.status() for s in agent.servers.values()]}
+
+    @app.post("/admin/start", dependencies=auth)
+    async def start(spec: ServerSpec) -> dict[str, Any]:
+        server = await agent.start(spec)
+        return server.status()
+
+    @app.post("/admin/stop", dependencies=auth)
+    async def stop(request: NameRequest) -> dict[str, Any]:
+        return {"stopped": await agent.stop(request.name)}
+
+    @app.post("/admin/restart", dependencies=auth)
+    async def restart(request: NameRequest) -> dict[str, Any]:
+        return {"restarted": await agent.restart(request.name)}
+
+    @app.get("/admin/logs", dependencies=auth)
+    async def logs(name: str | None = None, lines: int = 100) -> dict[str, Any]:
+        return {s.spec.name: tail(s.log_path, lines) for s in agent.pick(name)}
+
+    return app
+
+
+def serve(state: Path, host: str, port: int) -> None:
+    """Listen on ``host:port`` (0: any free port), record it, serve until SIGTERM."""
+    import uvicorn
+
+    token = ctl.token(state, "agent")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    config = uvicorn.Config(make_app(state, token), log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+
+    async def run() -> None:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        # uvicorn has no "started" event to wait on
+        while not server.started and not serving.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if server.started:
+            ctl.write_info(state, "agent", host, sock.getsockname()[1])
+        await serving
+
+    try:
+        asyncio.run(run())
+    finally:
+        ctl.remove_info(state, "agent")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.agent")
+    parser.add_argument("--state-dir", default=ctl.STATE_DIR)
+    parser.add_argument("--host", default="127.0.0.1", help="the worker's internal address")
+    parser.add_argument("--port", type=int, default=9010, help="0: any free port")
+    args = parser.parse_args(argv)
+    serve(Path(args.state_dir).expanduser().absolute(), args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

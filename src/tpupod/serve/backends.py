@@ -1,0 +1,152 @@
+"""Launch templates: which command line serves a model on which ports and devices.
+
+A :class:`ServerSpec` is one process the agent runs and restarts. ``builtin``
+serves every port of a worker from one process (libtpu lets one process per
+host own the TPU, so the engines are threads of it, each on its own slice of
+the devices); ``sglang-jax``, ``vllm`` and ``command`` run one process per
+port. :func:`plan` turns ``serve up``'s options into the specs of one worker,
+:func:`render` a spec into its argv.
+"""
+
+from __future__ import annotations
+
+import enum
+import shlex
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tpupod.errors import UsageError
+
+
+class Backend(enum.StrEnum):
+    BUILTIN = "builtin"
+    SGLANG_JAX = "sglang-jax"
+    VLLM = "vllm"
+    COMMAND = "command"
+
+
+class ServerSpec(BaseModel):
+    """One server process: what it runs, where it listens, which devices it may use."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    backend: Backend
+    host: str
+    ports: tuple[int, ...]
+    model: str
+    device_ids: tuple[tuple[int, ...], ...] = Field(
+        default=(), description="per port, the worker's devices its engine uses"
+    )
+    dtype: str | None = None
+    served_model_name: str | None = None
+    python: str = "python3"
+    command: str | None = Field(default=None, description="the template of a command backend")
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    restart_backoff_s: float = Field(default=1.0, gt=0, description="first wait before a restart")
+
+
+def device_slices(devices: int, servers: int) -> tuple[tuple[int, ...], ...]:
+    """Split a worker's ``devices`` evenly among ``servers`` engines (one each when fewer)."""
+    if servers < 1:
+        raise UsageError("--servers-per-worker must be at least 1")
+    if devices >= servers:
+        if devices % servers:
+            raise UsageError(
+                f"{devices} devices per worker do not split evenly among {servers} servers",
+                hint="pick a --servers-per-worker that divides the worker's device count",
+            )
+        per = devices // servers
+        return tuple(tuple(range(k * per, (k + 1) * per)) for k in range(servers))
+    return tuple((k % max(devices, 1),) for k in range(servers))
+
+
+def plan(
+    backend: Backend,
+    *,
+    host: str,
+    ports: list[int],
+    model: str,
+    devices: int,
+    dtype: str | None = None,
+    served_model_name: str | None = None,
+    python: str = "python3",
+    command: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    restart_backoff_s: float = 1.0,
+) -> list[ServerSpec]:
+    """The server processes of one worker serving ``ports``."""
+    if backend is Backend.COMMAND and not command:
+        raise UsageError(
+            "the command backend needs --command",
+            hint="for example --command 'python -m my.server --host {host} --port {port}'",
+        )
+    slices = device_slices(devices, len(ports))
+    common = {
+        "backend": backend,
+        "host": host,
+        "model": model,
+        "dtype": dtype,
+        "served_model_name": served_model_name,
+        "python": python,
+        "command": command,
+        "extra_args": extra_args,
+        "restart_backoff_s": restart_backoff_s,
+    }
+    if backend is Backend.BUILTIN:
+        name = f"builtin-{ports[0]}"
+        return [ServerSpec(name=name, ports=tuple(ports), device_ids=slices, **common)]  # type: ignore[arg-type]
+    return [
+        ServerSpec(name=f"{backend.value}-{port}", ports=(port,), device_ids=(ids,), **common)  # type: ignore[arg-type]
+        for port, ids in zip(ports, slices, strict=True)
+    ]
+
+
+def render(spec: ServerSpec) -> list[str]:
+    """The argv of a server process."""
+    ids = ",".join(str(i) for group in spec.device_ids for i in group)
+    port = spec.ports[0]
+    name_args = ["--served-model-name", spec.served_model_name] if spec.served_model_name else []
+    if spec.backend is Backend.BUILTIN:
+        argv = [spec.python, "-m", "tpupod.serve.builtin", "--model", spec.model]
+        argv += ["--host", spec.host, "--ports", ",".join(str(p) for p in spec.ports)]
+        argv += ["--dtype", spec.dtype] if spec.dtype else []
+        return [*argv, *name_args, *spec.extra_args]
+    if spec.backend is Backend.SGLANG_JAX:
+        # seed 000's flags; --device-indexes pins the engine to its slice of the worker's chips
+        argv = [spec.python, "-m", "sgl_jax.launch_server", "--model-path", spec.model]
+        argv += ["--host", spec.host, "--port", str(port), "--device-indexes", ids]
+        argv += ["--tp-size", str(max(1, len(spec.device_ids[0]) if spec.device_ids else 1))]
+        argv += ["--dtype", spec.dtype] if spec.dtype else []
+        return [*argv, *name_args, *spec.extra_args]
+    if spec.backend is Backend.VLLM:
+        argv = ["vllm", "serve", spec.model, "--host", spec.host, "--port", str(port)]
+        argv += ["--tensor-parallel-size", str(len(spec.device_ids[0]) if spec.device_ids else 1)]
+        argv += ["--dtype", spec.dtype] if spec.dtype else []
+        return [*argv, *name_args, *spec.extra_args]
+    assert spec.command is not None
+    values = {
+        "host": spec.host,
+        "port": str(port),
+        "device_ids": ids,
+        "model": spec.model,
+        "python": spec.python,
+    }
+    try:
+        line = spec.command.format(**{k: shlex.quote(v) for k, v in values.items()})
+    except (KeyError, IndexError, ValueError) as exc:
+        raise UsageError(
+            f"the command template {spec.command!r} is not valid: {exc}",
+            hint="it may use {host} {port} {device_ids} {model} {python}; double other braces",
+        ) from exc
+    return ["/bin/bash", "-c", f"exec {line}" if "\n" not in line else line]
+
+
+def render_env(spec: ServerSpec) -> dict[str, str]:
+    """Variables a server process gets beyond the agent's: which devices it may use."""
+    ids = ",".join(str(i) for group in spec.device_ids for i in group)
+    env = {"TPUPOD_SERVE_PORTS": ",".join(str(p) for p in spec.ports), **spec.env}
+    if spec.backend is Backend.VLLM:
+        env["TPU_VISIBLE_CHIPS"] = ids
+    return env

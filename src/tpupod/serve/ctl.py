@@ -1,0 +1,244 @@
+"""``python -m tpupod.serve.ctl``: the worker side of ``tpupod serve``, run through the transport.
+
+The launcher never talks to an agent over the network: it runs this module on
+the worker (a local subprocess, or an SSH command), which reads the worker's
+state folder and answers with one JSON line. So the same code works where
+the launcher cannot reach the worker's internal address (a laptop driving a
+cloud pod), and tokens never leave the worker.
+
+Services (``agent``, ``router``) run detached: a new session (``setsid``),
+stdin from /dev/null, output to a log file, so they outlive the SSH session
+that started them (the transports' orphan guard is not used for them). Each
+records ``NAME.json`` (pid, host, port) once it listens, and reads its bearer
+token from ``NAME.token`` (mode 0600), both in the state folder::
+
+    .tpupod/serve/agent.json agent.token agent.log servers.json logs/NAME.log
+    .tpupod/serve/router.json router.token router.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tpupod import procfs
+from tpupod.state import write_atomic
+
+STATE_DIR = ".tpupod/serve"  # relative: each worker's home (SSH) or work folder (local)
+READY_TIMEOUT_S = 30.0
+STOP_GRACE_S = 8.0
+SERVICES = ("agent", "router")
+
+
+def alive(pid: int) -> bool:
+    st = procfs.stat(pid)
+    return st is not None and st.alive
+
+
+def read_info(state: Path, service: str) -> dict[str, Any] | None:
+    """The service's record, when it exists and its process is alive."""
+    try:
+        info: dict[str, Any] = json.loads((state / f"{service}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info.get("pid"), int) and alive(info["pid"]) else None
+
+
+def write_info(state: Path, service: str, host: str, port: int, **extra: object) -> None:
+    """Called by the service itself once it listens."""
+    record = {"pid": os.getpid(), "host": host, "port": port, "started": time.time(), **extra}
+    write_atomic(state / f"{service}.json", json.dumps(record) + "\n")
+
+
+def remove_info(state: Path, service: str) -> None:
+    path = state / f"{service}.json"
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+
+
+def token(state: Path, service: str, given: str | None = None) -> str:
+    """The service's token: ``given`` (written down), else the one on file, else a new one."""
+    path = state / f"{service}.token"
+    if given is None:
+        with contextlib.suppress(OSError):
+            existing = path.read_text().strip()
+            if existing:
+                return existing
+        given = secrets.token_urlsafe(24)
+    state.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(given + "\n")
+    return given
+
+
+def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[str, Any]:
+    """Start the service detached unless it runs; its record once it listens."""
+    running = read_info(state, service)
+    if running is not None:
+        return {**running, "started_now": False}
+    state.mkdir(parents=True, exist_ok=True)
+    with open(state / f"{service}.log", "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # setsid: no SIGHUP when the SSH session ends
+            close_fds=True,
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = read_info(state, service)
+        if info is not None and info["pid"] == proc.pid:
+            return {**info, "started_now": True}
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    lines = (state / f"{service}.log").read_text(errors="replace").splitlines()[-5:]
+    return {"error": f"the {service} did not start (exit {proc.poll()})", "log": lines}
+
+
+def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
+    """TERM the service, KILL it after ``grace`` s; then KILL any server group it left."""
+    info = read_info(state, service)
+    stopped = False
+    if info is not None:
+        pid = info["pid"]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stopped = True
+    left = _kill_recorded_groups(state) if service == "agent" else 0
+    with contextlib.suppress(OSError):
+        (state / f"{service}.json").unlink()
+    return {"stopped": stopped, "groups_killed": left}
+
+
+def _kill_recorded_groups(state: Path) -> int:
+    """Server groups an agent that died hard (kill -9) could not stop."""
+    try:
+        groups = json.loads((state / "servers.json").read_text()).get("groups", [])
+    except (OSError, ValueError):
+        return 0
+    killed = 0
+    for pgid in groups:
+        members = [p for p in procfs.pids() if (st := procfs.stat(p)) and st.pgrp == pgid]
+        if any(alive(p) for p in members):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+def call(state: Path, service: str, method: str, path: str, body: str | None) -> dict[str, Any]:
+    """One request to the local service with its token; its status and JSON answer."""
+    import httpx
+
+    info = read_info(state, service)
+    if info is None:
+        return {"error": f"no {service} runs here", "status": None}
+    host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
+    headers = {"Authorization": f"Bearer {token(state, service)}"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    try:
+        r = httpx.request(
+            method,
+            f"http://{host}:{info['port']}{path}",
+            headers=headers,
+            content=body,
+            timeout=30.0,
+        )
+    except httpx.HTTPError as exc:
+        return {"error": f"the {service} does not answer: {exc}", "status": None}
+    try:
+        answer: Any = r.json()
+    except ValueError:
+        answer = r.text
+    return {"status": r.status_code, "body": answer}
+
+
+def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:
+    """Print ``ready NAME PORTS`` as each server of the agent becomes ready; 0 when all are."""
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    while True:
+        answer = call(state, "agent", "GET", "/admin/status", None)
+        servers = answer.get("body", {}).get("servers", []) if answer.get("status") == 200 else []
+        for s in servers:
+            if s["state"] == "ready" and s["name"] not in seen:
+                seen.add(s["name"])
+                print(json.dumps({"event": "ready", **s}), flush=True)
+            elif s["state"] == "backoff" and s["name"] not in seen:
+                print(json.dumps({"event": "restarting", **s}), flush=True)
+        if answer.get("status") == 200 and len(seen) == len(servers):
+            return 0
+        if time.monotonic() > deadline:
+            pending = [s for s in servers if s["name"] not in seen]
+            print(json.dumps({"event": "timeout", "pending": pending}), flush=True)
+            return 1
+        time.sleep(poll)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.ctl")
+    parser.add_argument("--state-dir", default=STATE_DIR)
+    sub = parser.add_subparsers(dest="action", required=True)
+    e = sub.add_parser("ensure", help="start a service detached unless it runs")
+    e.add_argument("service", choices=SERVICES)
+    e.add_argument("--timeout", type=float, default=READY_TIMEOUT_S)
+    e.add_argument("--token-env", default=None, help="take the token from this variable")
+    e.add_argument("--replace", action="store_true", help="stop a running one first")
+    e.add_argument("argv", nargs=argparse.REMAINDER, help="-- the service's command line")
+    s = sub.add_parser("stop", help="stop a service (TERM, then KILL)")
+    s.add_argument("service", choices=SERVICES)
+    s.add_argument("--grace", type=float, default=STOP_GRACE_S)
+    c = sub.add_parser("call", help="one request to a local service")
+    c.add_argument("service", choices=SERVICES)
+    c.add_argument("method")
+    c.add_argument("path")
+    c.add_argument("--body", default=None)
+    w = sub.add_parser("wait-ready", help="report servers as they become ready")
+    w.add_argument("--timeout", type=float, default=600.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    state = Path(args.state_dir).expanduser().absolute()
+    if args.action == "ensure":
+        command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        token(state, args.service, os.environ.get(args.token_env) if args.token_env else None)
+        if args.replace:
+            stop(state, args.service, STOP_GRACE_S)
+        answer = ensure(state, args.service, command, args.timeout)
+    elif args.action == "stop":
+        answer = stop(state, args.service, args.grace)
+    elif args.action == "call":
+        answer = call(state, args.service, args.method, args.path, args.body)
+    else:
+        return wait_ready(state, args.timeout)
+    print(json.dumps(answer), flush=True)
+    return 1 if "error" in answer else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""``tpupod fanout``: one chat request to every backend of the fleet at once (seed 000's client).
+
+The backends come from the registry (the router's ``/backends``). Each gets
+the same prompt directly, not through the router, so every server is
+checked. One line per backend as it answers::
+
+    RESP backend=host:port status=200 ms=412 content=...
+
+then ``DONE backends=N ok=N wall_sec=...``. Any failure makes the exit non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Answer:
+    backend: str
+    status: int | None
+    ms: float
+    content: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    def line(self) -> str:
+        status = self.status if self.status is not None else "error"
+        content = json.dumps(self.content, ensure_ascii=False)
+        return f"RESP backend={self.backend} status={status} ms={self.ms:.0f} content={content}"
+
+
+async def registry_backends(url: str, token: str | None, timeout: float) -> tuple[str, list[str]]:
+    """The registry's model and healthy backends."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        r = await client.get(f"{url.rstrip('/')}/backends", headers=headers)
+        r.raise_for_status()
+        body = r.json()
+    return str(body.get("model", "")), [str(b) for b in body.get("backends", [])]
+
+
+async def ask(
+    client: httpx.AsyncClient, backend: str, model: str, prompt: str, max_tokens: int
+) -> Answer:
+    began = time.monotonic()
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+    }
+    try:
+        r = await client.post(f"http://{backend}/v1/chat/completions", json=body)
+    except httpx.HTTPError as exc:
+        text = f"{type(exc).__name__}: {exc}".strip()
+        return Answer(backend, None, (time.monotonic() - began) * 1000, text)
+    ms = (time.monotonic() - began) * 1000
+    try:
+        content = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+    except (ValueError, KeyError, IndexError, TypeError):
+        content = r.text
+    return Answer(backend, r.status_code, ms, str(content))
+
+
+async def fanout(
+    backends: list[str],
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int = 64,
+    timeout: float = 600.0,
+    concurrency: int | None = None,
+    on_answer: Callable[[Answer], None] = lambda a: None,
+) -> list[Answer]:
+    """Ask every backend at once (at most ``concurrency`` at a time); answers as they come."""
+    limit = asyncio.Semaphore(concurrency or max(1, len(backends)))
+    answers: list[Answer] = []
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as c:
+
+        async def one(backend: str) -> None:
+            async with limit:
+                answer = await ask(c, backend, model, prompt, max_tokens)
+            answers.append(answer)
+            on_answer(answer)
+
+        await asyncio.gather(*(one(b) for b in backends))
+    return answers

@@ -1,0 +1,382 @@
+"""``tpupod serve``: a fleet of model servers on a pod, one router in front.
+
+Everything reaches the workers through the pod's transports, by running
+``python -m tpupod.serve.ctl`` there (see ``ctl.py``): ensure an agent
+(detached), hand it the server specs, stream readiness, then ensure the
+router on worker 0, which can reach every worker's internal address. The
+launcher keeps the fleet's record (model, servers, router address and token)
+in ``pods/NAME/serve.json`` of the state folder, mode 0600.
+
+Where several workers share one address (a local pod: all are 127.0.0.1),
+each worker gets its own port range and its agent any free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from tpupod.errors import ServeError, WorkerError
+from tpupod.pod import Pod, Worker
+from tpupod.providers import provider_for
+from tpupod.serve.backends import Backend, plan
+from tpupod.state import StateDir, write_atomic
+from tpupod.transport import Connector
+
+RECORD_FILE = "serve.json"
+DEFAULT_AGENT_PORT = 9010
+DEFAULT_ROUTER_PORT = 9100
+Progress = Callable[[str], None]
+
+
+class ServerRecord(BaseModel):
+    worker: int
+    host: str
+    port: int
+    name: str
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class FleetRecord(BaseModel):
+    pod: str
+    model: str
+    backend: Backend
+    python: str
+    servers: list[ServerRecord]
+    router_host: str
+    router_port: int
+    token: str
+    started: float
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.router_host}:{self.router_port}/v1"
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    model: str
+    backend: Backend = Backend.BUILTIN
+    servers_per_worker: int = 1
+    base_port: int = 31000
+    dtype: str | None = None
+    served_model_name: str | None = None
+    command: str | None = None
+    extra_args: tuple[str, ...] = ()
+    startup_timeout: float = 600.0
+    python: str = "python3"
+    devices_per_worker: int | None = None
+    agent_port: int = DEFAULT_AGENT_PORT
+    router_port: int | None = None
+    policy: str = "least_outstanding"
+    health_interval: float = 2.0
+    restart_backoff: float = 1.0
+
+
+def record_path(state: StateDir, pod: str) -> Any:
+    return state.pod_dir(pod) / RECORD_FILE
+
+
+def load_record(state: StateDir, pod: str) -> FleetRecord:
+    path = record_path(state, pod)
+    try:
+        return FleetRecord.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise ServeError(
+            f"no fleet is serving on pod {pod!r}",
+            hint=f"start one: tpupod serve up --pod {pod} --model PATH",
+        ) from None
+    except ValueError as exc:
+        raise ServeError(f"the fleet record {path} is unreadable", hint="delete it") from exc
+
+
+def save_record(state: StateDir, record: FleetRecord) -> None:
+    path = record_path(state, record.pod)
+    write_atomic(path, record.model_dump_json(indent=2) + "\n")
+    os.chmod(path, 0o600)
+
+
+class Fleet:
+    """The fleet of one pod: remote ctl calls over the pod's transports."""
+
+    def __init__(self, pod: Pod, python: str, connector: Connector | None = None) -> None:
+        self.pod = pod
+        self.python = python
+        self.provider = provider_for(pod.provider)
+        self.state = StateDir()
+        self.connector = connector or self.provider.connect(pod, self.state)
+
+    async def close(self) -> None:
+        await self.connector.close()
+
+    def shared_addresses(self) -> bool:
+        return len({w.internal_address for w in self.pod.workers}) < len(self.pod.workers)
+
+    async def ctl(
+        self,
+        worker: Worker,
+        *args: str,
+        env: dict[str, str] | None = None,
+        on_line: Callable[[str], None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Run ``python -m tpupod.serve.ctl ARGS`` on the worker; its JSON lines."""
+        command = shlex.join([self.python, "-m", "tpupod.serve.ctl", *args])
+        full_env = {
+            **self.pod.identity_env(worker),
+            **self.provider.worker_env(self.pod, worker),
+            **(env or {}),
+        }
+        transport = self.connector.transport(worker)
+        proc = await transport.start(command, full_env, guard=False)
+        answers: list[dict[str, Any]] = []
+        other: list[str] = []
+        try:
+            async for line in proc.lines():
+                try:
+                    answer = json.loads(line.text)
+                except ValueError:
+                    other.append(line.text)
+                    continue
+                if isinstance(answer, dict):
+                    answers.append(answer)
+                    if on_line is not None:
+                        on_line(line.text)
+            status = await proc.wait()
+        finally:
+            proc.close()
+        if not answers:
+            last = other[-1] if other else status.describe()
+            raise ServeError(
+                f"{worker.label}: tpupod.serve.ctl gave no answer ({last})",
+                hint=f"is tpupod installed for {self.python} on the worker? "
+                "(--worker-python names another Python)",
+            )
+        return answers
+
+    async def call(
+        self, worker: Worker, service: str, method: str, path: str, body: Any = None
+    ) -> Any:
+        args = ["call", service, method, path]
+        if body is not None:
+            args += ["--body", json.dumps(body)]
+        answer = (await self.ctl(worker, *args))[-1]
+        if answer.get("status") != 200:
+            what = answer.get("error") or f"HTTP {answer.get('status')}: {answer.get('body')}"
+            raise ServeError(f"{worker.label}: the {service} refused {method} {path}: {what}")
+        return answer["body"]
+
+    # -- up ------------------------------------------------------------------------------
+    def ports(self, worker: Worker, options: UpOptions) -> list[int]:
+        n = options.servers_per_worker
+        offset = worker.id * n if self.shared_addresses() else 0
+        return [options.base_port + offset + k for k in range(n)]
+
+    def devices(self, options: UpOptions) -> int:
+        if options.devices_per_worker is not None:
+            return options.devices_per_worker
+        return int(getattr(self.pod.spec, "devices_per_worker", 0) or 4)
+
+    async def ensure_agent(self, worker: Worker, options: UpOptions) -> dict[str, Any]:
+        port = 0 if self.shared_addresses() else options.agent_port
+        answer = (
+            await self.ctl(
+                worker,
+                "ensure",
+                "agent",
+                "--",
+                self.python,
+                "-m",
+                "tpupod.serve.agent",
+                "--host",
+                worker.internal_address,
+                "--port",
+                str(port),
+            )
+        )[-1]
+        if "error" in answer:
+            log = "; ".join(answer.get("log", [])[-3:])
+            raise ServeError(f"{worker.label}: {answer['error']}: {log}")
+        return answer
+
+    async def start_servers(
+        self, worker: Worker, options: UpOptions, progress: Progress
+    ) -> list[ServerRecord]:
+        specs = plan(
+            options.backend,
+            host=worker.internal_address,
+            ports=self.ports(worker, options),
+            model=options.model,
+            devices=self.devices(options),
+            dtype=options.dtype,
+            served_model_name=options.served_model_name,
+            python=self.python,
+            command=options.command,
+            extra_args=options.extra_args,
+            restart_backoff_s=options.restart_backoff,
+        )
+        for spec in specs:
+            await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
+        return [
+            ServerRecord(worker=worker.id, host=worker.internal_address, port=p, name=s.name)
+            for s in specs
+            for p in s.ports
+        ]
+
+    async def wait_ready(self, worker: Worker, timeout: float, progress: Progress) -> None:
+        began = time.monotonic()
+
+        def seen(text: str) -> None:
+            event = json.loads(text)
+            ports = ",".join(str(p) for p in event.get("ports", []))
+            took = time.monotonic() - began
+            if event["event"] == "ready":
+                progress(f"{worker.label} :{ports} ready ({took:.1f}s)")
+            elif event["event"] == "restarting":
+                log = " | ".join(event.get("log", [])[-2:])
+                progress(f"{worker.label} :{ports} exited, restarting: {log}")
+
+        answers = await self.ctl(worker, "wait-ready", "--timeout", str(timeout), on_line=seen)
+        last = answers[-1]
+        if last.get("event") == "timeout":
+            pending = last.get("pending", [])
+            names = ", ".join(
+                f":{','.join(str(p) for p in s['ports'])} ({s['state']})" for s in pending
+            )
+            logs = " | ".join(line for s in pending[:1] for line in s.get("log", [])[-3:])
+            raise ServeError(
+                f"{worker.label}: not ready after {timeout:g}s: {names}",
+                hint=f"last log lines: {logs}" if logs else "see 'tpupod serve logs'",
+            )
+
+    async def ensure_router(
+        self, options: UpOptions, servers: list[ServerRecord], token: str
+    ) -> int:
+        head = self.pod.workers[0]
+        port = options.router_port
+        if port is None:
+            port = 0 if self.pod.provider == "local" else DEFAULT_ROUTER_PORT
+        argv = [self.python, "-m", "tpupod.serve.router", "--host", head.internal_address]
+        argv += ["--port", str(port), "--model", options.served_model_name or options.model]
+        argv += ["--backends", ",".join(s.address for s in servers), "--policy", options.policy]
+        argv += ["--health-interval", str(options.health_interval)]
+        args = ["ensure", "router", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN", "--", *argv]
+        answer = (await self.ctl(head, *args, env={"TPUPOD_SERVE_TOKEN": token}))[-1]
+        if "error" in answer:
+            raise ServeError(f"w0: {answer['error']}: {'; '.join(answer.get('log', []))}")
+        return int(answer["port"])
+
+    async def up(self, options: UpOptions, progress: Progress) -> FleetRecord:
+        workers = list(self.pod.workers)
+        agents = await _gather(self.ensure_agent(w, options) for w in workers)
+        for w, a in zip(workers, agents, strict=True):
+            state = "started" if a.get("started_now") else "running"
+            progress(f"{w.label} agent {state} (pid {a['pid']}, {a['host']}:{a['port']})")
+        per_worker = await _gather(self.start_servers(w, options, progress) for w in workers)
+        servers = [s for group in per_worker for s in group]
+        progress(
+            f"starting {len(servers)} servers ({options.backend.value}) on {len(workers)} workers"
+        )
+        await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
+        try:
+            token = load_record(self.state, self.pod.name).token
+        except ServeError:
+            token = secrets.token_urlsafe(24)
+        port = await self.ensure_router(options, servers, token)
+        record = FleetRecord(
+            pod=self.pod.name,
+            model=options.served_model_name or options.model,
+            backend=options.backend,
+            python=self.python,
+            servers=servers,
+            router_host=self.pod.workers[0].internal_address,
+            router_port=port,
+            token=token,
+            started=time.time(),
+        )
+        save_record(self.state, record)
+        progress(f"router on w0 at {record.base_url} over {len(servers)} servers")
+        return record
+
+    # -- status, restart, down -----------------------------------------------------------
+    async def agent_status(self, worker: Worker) -> dict[str, Any] | str:
+        try:
+            body: dict[str, Any] = await self.call(worker, "agent", "GET", "/admin/status")
+        except (ServeError, WorkerError) as exc:
+            return exc.message
+        return body
+
+    async def status(self) -> tuple[list[dict[str, Any] | str], dict[str, Any] | str]:
+        agents = await asyncio.gather(*(self.agent_status(w) for w in self.pod.workers))
+        try:
+            router = await self.call(self.pod.workers[0], "router", "GET", "/backends")
+        except (ServeError, WorkerError) as exc:
+            router = exc.message
+        return list(agents), router
+
+    async def restart(self, workers: list[Worker], name: str | None) -> list[str]:
+        done = await _gather(
+            self.call(w, "agent", "POST", "/admin/restart", {"name": name}) for w in workers
+        )
+        return [f"w{w.id}:{n}" for w, d in zip(workers, done, strict=True) for n in d["restarted"]]
+
+    async def down(self, progress: Progress) -> None:
+        async def stop_worker(w: Worker) -> None:
+            answer = (await self.ctl(w, "stop", "agent"))[-1]
+            what = "stopped" if answer.get("stopped") else "was not running"
+            progress(f"{w.label} agent {what}")
+
+        await _gather(stop_worker(w) for w in self.pod.workers)
+        answer = (await self.ctl(self.pod.workers[0], "stop", "router"))[-1]
+        progress(f"w0 router {'stopped' if answer.get('stopped') else 'was not running'}")
+        record_path(self.state, self.pod.name).unlink(missing_ok=True)
+
+
+async def _gather(awaitables: Any) -> list[Any]:
+    """Gather, and raise the first failure only after every worker has answered."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
+    return results
+
+
+def status_rows(
+    record: FleetRecord, agents: list[dict[str, Any] | str], router: dict[str, Any] | str
+) -> list[dict[str, Any]]:
+    """One row per server port: worker, port, backend, state, restarts, requests, tokens/s."""
+    health = router.get("health", {}) if isinstance(router, dict) else {}
+    rows = []
+    for s in record.servers:
+        agent = agents[s.worker] if s.worker < len(agents) else "no agent"
+        managed = None
+        if isinstance(agent, dict):
+            managed = next((m for m in agent["servers"] if s.port in m["ports"]), None)
+        seen = health.get(s.address, {})
+        state = managed["state"] if managed else (agent if isinstance(agent, str) else "gone")
+        if managed and seen.get("state") == "down":
+            state = f"{state}, router: down"
+        rows.append(
+            {
+                "worker": s.worker,
+                "address": s.address,
+                "backend": record.backend.value,
+                "state": state,
+                "pid": managed["pid"] if managed else None,
+                "restarts": managed["restarts"] if managed else None,
+                "requests": seen.get("requests"),
+                "tokens_per_s": seen.get("tokens_per_s"),
+            }
+        )
+    return rows

@@ -1,0 +1,187 @@
+"""The registry: which backends exist, which are healthy, and how busy each is.
+
+Health comes from two sides:
+
+* active checks: ``GET /health`` every ``interval`` s; ``fall`` failures in a
+  row mark a backend down, ``rise`` successes up again. A refused connection
+  (nothing listens: the process is gone) marks it down at once.
+* passive ejection: the router reports each request's end. A connect error or
+  a 5xx counts as a failure of the backend's circuit breaker; ``eject_after``
+  of them in a row open it for ``cooldown`` s (no traffic), after which one
+  request may try it (half-open). A 4xx is the client's fault and never counts.
+
+The answer of ``/backends`` keeps seed 000's shape
+(``{"ok": true, "model": M, "backends": ["host:port", ...]}``, the healthy
+ones) and adds each backend's health under ``"health"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+class Health(enum.StrEnum):
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass
+class Backend:
+    address: str  # host:port
+    health: Health = Health.UP
+    outstanding: int = 0
+    requests: int = 0
+    failures: int = 0
+    completion_tokens: int = 0
+    checks_failed: int = 0  # in a row
+    checks_ok: int = 0  # in a row
+    errors_in_row: int = 0  # passive: connect errors and 5xx in a row
+    open_until: float = 0.0  # circuit breaker open until this monotonic time
+    half_open_trial: bool = False
+    last_error: str | None = None
+    changed_at: float = field(default_factory=time.time)
+    token_window: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def tokens_per_s(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        self.token_window = [(t, n) for t, n in self.token_window if now - t < window]
+        return sum(n for _, n in self.token_window) / window
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    interval: float = 2.0
+    timeout: float = 1.0
+    fall: int = 2
+    rise: int = 2
+    eject_after: int = 3
+    cooldown: float = 5.0
+
+
+class Registry:
+    def __init__(self, addresses: list[str], model: str, policy: HealthPolicy) -> None:
+        self.backends = {a: Backend(a) for a in addresses}
+        self.model = model
+        self.policy = policy
+        self._task: asyncio.Task[None] | None = None
+
+    def available(self) -> list[Backend]:
+        """Backends a request may go to: up, with the circuit closed (or a half-open trial)."""
+        now = time.monotonic()
+        found = []
+        for b in self.backends.values():
+            if b.health is not Health.UP:
+                continue
+            if b.open_until > now:
+                continue
+            if b.open_until and b.half_open_trial:
+                continue  # one trial at a time while half-open
+            found.append(b)
+        return found
+
+    def begin(self, backend: Backend) -> None:
+        backend.outstanding += 1
+        backend.requests += 1
+        if backend.open_until:
+            backend.half_open_trial = True
+
+    def end(self, backend: Backend, ok: bool, error: str | None = None, tokens: int = 0) -> None:
+        """A request's end as the router saw it; ``ok`` False only for connect errors and 5xx."""
+        backend.outstanding -= 1
+        backend.half_open_trial = False
+        if tokens:
+            backend.completion_tokens += tokens
+            backend.token_window.append((time.monotonic(), tokens))
+        if ok:
+            backend.errors_in_row = 0
+            backend.open_until = 0.0
+            return
+        backend.failures += 1
+        backend.errors_in_row += 1
+        backend.last_error = error
+        if backend.errors_in_row >= self.policy.eject_after or backend.open_until:
+            backend.open_until = time.monotonic() + self.policy.cooldown
+
+    def refused(self, backend: Backend, error: str) -> None:
+        """Nothing listens there: the process is gone, so the backend is down until checks pass."""
+        self._set(backend, Health.DOWN, error)
+        backend.checks_ok = 0
+
+    def _set(self, backend: Backend, health: Health, error: str | None = None) -> None:
+        if backend.health is not health:
+            backend.health = health
+            backend.changed_at = time.time()
+        if error:
+            backend.last_error = error
+
+    async def check(self, session: aiohttp.ClientSession, backend: Backend) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.policy.timeout)
+        try:
+            async with session.get(f"{backend.url}/health", timeout=timeout) as r:
+                ok, error = r.status == 200, f"/health answered {r.status}"
+        except aiohttp.ClientConnectorError as exc:
+            self.refused(backend, f"cannot connect: {exc.os_error or exc}")
+            return
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            ok, error = False, f"/health failed: {type(exc).__name__} {exc}".strip()
+        if ok:
+            backend.checks_failed = 0
+            backend.checks_ok += 1
+            if backend.health is Health.DOWN and backend.checks_ok >= self.policy.rise:
+                backend.errors_in_row, backend.open_until = 0, 0.0
+                self._set(backend, Health.UP)
+                backend.last_error = None
+        else:
+            backend.checks_ok = 0
+            backend.checks_failed += 1
+            if backend.checks_failed >= self.policy.fall:
+                self._set(backend, Health.DOWN, error)
+
+    async def run_checks(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self.check(session, b) for b in self.backends.values()))
+            await asyncio.sleep(max(0.0, self.policy.interval - (time.monotonic() - started)))
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._task = asyncio.create_task(self.run_checks(session))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        healthy = [b.address for b in self.available()]
+        return {
+            "ok": bool(healthy),
+            "model": self.model,
+            "backends": healthy,
+            "health": {
+                b.address: {
+                    "state": b.health.value,
+                    "circuit": "open" if b.open_until > now else "closed",
+                    "outstanding": b.outstanding,
+                    "requests": b.requests,
+                    "failures": b.failures,
+                    "completion_tokens": b.completion_tokens,
+                    "tokens_per_s": round(b.tokens_per_s(), 1),
+                    "last_error": b.last_error,
+                    "since": b.changed_at,
+                }
+                for b in self.backends.values()
+            },
+        }

@@ -1,0 +1,171 @@
+"""One managed server process: started in its own process group, restarted with backoff.
+
+The agent holds one :class:`ManagedServer` per :class:`ServerSpec`. A server
+that exits while it should run is restarted after a wait that doubles from
+``restart_backoff_s`` up to :data:`MAX_BACKOFF_S` (reset once a run lasted
+:data:`STABLE_S`), and every restart is counted. Stopping sends TERM to the
+whole group, then KILL after a grace period (JAX ignores TERM). Output goes to
+a log file per server, whose last lines the agent reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from tpupod.serve.backends import ServerSpec, render, render_env
+
+MAX_BACKOFF_S = 30.0
+STABLE_S = 60.0
+READY_POLL_S = 0.2
+STOP_GRACE_S = 5.0
+
+
+class ServerState(enum.StrEnum):
+    STARTING = "starting"  # running, not yet answering /v1/models on every port
+    READY = "ready"
+    BACKOFF = "backoff"  # exited; waiting to be restarted
+    STOPPED = "stopped"
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    """The last ``lines`` lines of a text file (empty when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024 * max(1, lines // 100 + 1)))
+            data = f.read()
+    except OSError:
+        return []
+    return list(deque(data.decode(errors="replace").splitlines(), maxlen=lines))
+
+
+class ManagedServer:
+    def __init__(
+        self,
+        spec: ServerSpec,
+        log_dir: Path,
+        base_env: dict[str, str],
+        on_spawn: Callable[[], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.on_spawn = on_spawn or (lambda: None)
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.base_env = base_env
+        self.state = ServerState.STARTING
+        self.restarts = 0
+        self.pid: int | None = None
+        self.started_at: float | None = None
+        self.last_exit: int | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        backoff = self.spec.restart_backoff_s
+        while not self._stopping:
+            began = time.monotonic()
+            await self._spawn()
+            ready = asyncio.create_task(self._wait_ready())
+            assert self._proc is not None
+            code = await self._proc.wait()
+            ready.cancel()
+            self.last_exit = code
+            self.pid = None
+            if self._stopping:
+                break
+            self.state = ServerState.BACKOFF
+            if time.monotonic() - began > STABLE_S:
+                backoff = self.spec.restart_backoff_s
+            self._note(f"exited with {code}; restarting in {backoff:g}s")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            if not self._stopping:
+                self.restarts += 1
+        self.state = ServerState.STOPPED
+
+    async def _spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:  # noqa: ASYNC230 (a local file, opened once)
+            self._proc = await asyncio.create_subprocess_exec(
+                *render(self.spec),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**self.base_env, **render_env(self.spec)},
+                start_new_session=True,  # its own group: stop and restart take all its children
+            )
+        self.pid = self._proc.pid
+        self.started_at = time.time()
+        self.state = ServerState.STARTING
+        self.on_spawn()
+
+    async def _wait_ready(self) -> None:
+        """Mark the server ready once every one of its ports answers ``GET /v1/models``."""
+        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "") else self.spec.host
+        waiting = set(self.spec.ports)
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while waiting:
+                for port in sorted(waiting):
+                    with contextlib.suppress(httpx.HTTPError):
+                        r = await client.get(f"http://{host}:{port}/v1/models")
+                        if r.status_code == 200:
+                            waiting.discard(port)
+                if waiting:
+                    await asyncio.sleep(READY_POLL_S)
+        self.state = ServerState.READY
+
+    def _note(self, text: str) -> None:
+        with contextlib.suppress(OSError), open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(f"[tpupod agent] {text}\n")
+
+    async def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """TERM the server's group, KILL it after ``grace`` s; no restart follows."""
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            await stop_group(proc.pid, grace, proc)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.state = ServerState.STOPPED
+        self.pid = None
+
+    def status(self, log_lines: int = 3) -> dict[str, object]:
+        uptime = time.time() - self.started_at if self.started_at and self.pid else None
+        return {
+            "name": self.spec.name,
+            "backend": self.spec.backend.value,
+            "ports": list(self.spec.ports),
+            "pid": self.pid,
+            "state": self.state.value,
+            "restarts": self.restarts,
+            "uptime_s": round(uptime, 1) if uptime is not None else None,
+            "last_exit": self.last_exit,
+            "log": tail(self.log_path, log_lines),
+        }
+
+
+async def stop_group(pgid: int, grace: float, proc: asyncio.subprocess.Process | None) -> None:
+    """TERM the group, wait for its leader up to ``grace`` s, then KILL the group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    if proc is not None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), grace)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
