@@ -154,6 +154,30 @@ def finish(
             raise _lost(claim)
 
 
+def retry(store: Store, claim: Claim, reason: str) -> JobStatus:
+    """End an attempt that the infrastructure broke (a pod evicted or preempted): the job
+    runs again after the backoff, or fails with the reason once it had max_attempts."""
+    now = time.time()
+    common = {"lease_owner": None, "lease_expires_at": None}
+    with store.write() as conn:
+        if claim.attempt >= claim.job.max_attempts:
+            status = JobStatus.FAILED
+            failed = f"{reason}; gave up after {claim.job.max_attempts} attempts"
+            done = _fenced_update(
+                conn, claim, status=status.value, error=failed, completed_at=now, **common
+            )
+        else:
+            status = JobStatus.PENDING
+            again = now + backoff_s(claim.attempt)
+            done = _fenced_update(
+                conn, claim, status=status.value, error=reason, run_after=again, **common
+            )
+            store.notify(conn)
+        if not done:
+            raise _lost(claim)
+    return status
+
+
 def release(store: Store, claim: Claim, reason: str) -> None:
     """Give the job back at once (a runner told to stop while holding it)."""
     with store.write() as conn:

@@ -44,6 +44,9 @@ class Outcome:
     status: JobStatus
     result: str | None = None
     error: str | None = None
+    # the infrastructure ended it (a Kubernetes pod evicted or preempted), not the job itself:
+    # it runs again, until max_attempts
+    retry: bool = False
 
 
 @dataclass

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tpupod.errors import JobStoreError, LeaseLost
+from tpupod.errors import JobError, JobStoreError, LeaseLost
 from tpupod.jobs import claims
 from tpupod.jobs.execute import Executor, Hooks, Outcome
 from tpupod.jobs.models import Claim, JobStatus
@@ -120,7 +120,10 @@ class Runner:
         try:
             if reaped := await asyncio.to_thread(claims.reap, self.store):
                 self.say(f"requeued or failed {reaped} job(s) whose runner was lost")
-        except JobStoreError as exc:
+            tidy = getattr(self.executor, "tidy", None)  # what a lost runner left running
+            if tidy is not None:
+                await tidy(self.store)
+        except JobError as exc:  # the store or the cluster is away: the next round retries
             self.say(f"runner {self.owner}: {exc.message}")
 
     async def _anything_left(self) -> bool:
@@ -153,9 +156,10 @@ class Runner:
         await self._write_progress(attempt)
         await self._end(attempt, outcome)
         self.done += 1
+        ending = "retried" if outcome.retry else outcome.status.value
         self.say(
             f"job {job.id} attempt {claim.attempt}: "
-            f"{ENDINGS.get(attempt.why or '', outcome.status.value)} "
+            f"{ENDINGS.get(attempt.why or '', ending)} "
             f"in {time.monotonic() - began:.2f}s"
         )
 
@@ -209,6 +213,8 @@ class Runner:
             claims.release(self.store, claim, f"attempt {claim.attempt}: its runner stopped")
         elif attempt.why == "cancel":
             claims.finish(self.store, claim, JobStatus.CANCELLED, error="cancelled by request")
+        elif outcome.retry:
+            claims.retry(self.store, claim, outcome.error or "the attempt was lost")
         else:
             claims.finish(
                 self.store, claim, outcome.status, result=outcome.result, error=outcome.error

@@ -1,0 +1,280 @@
+"""What the Kubernetes runner sends: a JobSet that gang-runs one attempt of a job on a GKE
+TPU slice, and the checks a manifest must pass (``validate_jobset``).
+
+One JobSet per attempt, named ``tpupod-<job>-<attempt>`` and labelled with the job, the
+attempt and the store it came from, so a runner can tell a live attempt's JobSet from one a
+lost runner left behind. It holds one replicated Job of N pods (one per TPU VM of the
+slice) with completion mode Indexed: pod ``i`` is worker ``i``. Every pod asks for its
+VM's chips (``google.com/tpu``) and lands on the slice's node pool through GKE's
+``cloud.google.com/gke-tpu-accelerator`` and ``-topology`` node labels.
+
+kubernetes-validate has no JobSet schema (it is a CRD): the replicated Job templates are
+checked as ``batch/v1`` Jobs with ``--strict`` schemas; the JobSet's own fields are
+checked here against the ones this module writes (names, types, required parts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tpupod import accelerators
+from tpupod.errors import UsageError
+from tpupod.jobs.execute import job_command, job_env
+from tpupod.jobs.models import Job
+from tpupod.jobs.store import redact
+
+GROUP = "jobset.x-k8s.io"
+VERSION = "v1alpha2"
+PLURAL = "jobsets"
+API_VERSION = f"{GROUP}/{VERSION}"
+KUBERNETES_VERSION = "1.30.0"  # the schemas a manifest is validated against
+REPLICATED_JOB = "workers"
+CONTAINER = "job"
+COORDINATOR_PORT = 8476  # tpupod.init_jax's default
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+JOB_LABEL = "tpupod.dev/job-id"
+ATTEMPT_LABEL = "tpupod.dev/attempt"
+STORE_LABEL = "tpupod.dev/store"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+ACCELERATOR_SELECTOR = "cloud.google.com/gke-tpu-accelerator"
+TOPOLOGY_SELECTOR = "cloud.google.com/gke-tpu-topology"
+TPU_RESOURCE = "google.com/tpu"
+
+# GKE's node label value for each generation tpupod knows (v2 and v3 are not on GKE).
+GKE_ACCELERATORS = {
+    "v4": "tpu-v4-podslice",
+    "v5p": "tpu-v5p-slice",
+    "v5litepod": "tpu-v5-lite-podslice",
+    "v6e": "tpu-v6e-slice",
+}
+THREE_D = {"v4", "v5p"}  # these write 3-D topologies (2x2x1), the others 2-D (4x4)
+TOPOLOGY_RE = re.compile(r"^\d+(x\d+){1,2}$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class TpuSlice:
+    """A GKE TPU slice: what the node selectors name, and how many pods of how many chips."""
+
+    tpu_type: str  # tpupod's name, e.g. v5litepod-16
+    accelerator: str  # GKE's, e.g. tpu-v5-lite-podslice
+    topology: str  # e.g. 4x4
+    hosts: int
+    chips_per_host: int
+
+
+def tpu_slice(tpu_type: str, topology: str | None = None) -> TpuSlice:
+    """The slice for a TPU type (``v5litepod-16``), with GKE's topology for it unless given."""
+    found = accelerators.lookup(tpu_type)
+    accelerator = GKE_ACCELERATORS.get(found.generation)
+    if accelerator is None:
+        known = ", ".join(GKE_ACCELERATORS)
+        raise UsageError(f"GKE has no {found.generation} TPU node pools", hint=f"use {known}")
+    shape = topology or _default_topology(found.generation, found.chips)
+    if shape is None or not TOPOLOGY_RE.match(shape):
+        raise UsageError(
+            f"give the topology of {found.name} ({found.chips} chips)",
+            hint="--topology AxB (v5e, v6e) or AxBxC (v4, v5p), as the node pool has it",
+        )
+    dims = [int(d) for d in shape.split("x")]
+    if math.prod(dims) != found.chips or (len(dims) == 3) != (found.generation in THREE_D):
+        raise UsageError(
+            f"topology {shape} does not fit {found.name} ({found.chips} chips)",
+            hint="a product of the dimensions equal to the chips; 3-D for v4 and v5p",
+        )
+    return TpuSlice(found.name, accelerator, shape, found.workers, found.chips_per_worker)
+
+
+def _default_topology(generation: str, chips: int) -> str | None:
+    """GKE's topology for ``chips`` (powers of two: the shapes Google's tables list)."""
+    if chips & (chips - 1):
+        return None
+    bits = chips.bit_length() - 1
+    if generation in THREE_D:  # 4 -> 2x2x1, 8 -> 2x2x2, 16 -> 2x2x4, 32 -> 2x4x4 ...
+        dims = [1, 1, 1]
+        for i in range(bits):  # 2x2x1, 2x2x2, then the last dimension first: 2x2x4, 2x4x4
+            dims[i if i < 3 else 2 - (i - 3) % 3] *= 2
+        return "x".join(str(d) for d in dims)
+    side = 2 ** (bits // 2)
+    return f"{side}x{chips // side}"  # 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16
+
+
+def store_label(store_url: str) -> str:
+    """A short name for a job store, put on every object so runners of another store that
+    share the namespace never take this store's objects for orphans."""
+    return hashlib.sha256(redact(store_url).encode()).hexdigest()[:12]
+
+
+def jobset_name(job_id: int, attempt: int) -> str:
+    return f"tpupod-{job_id}-{attempt}"
+
+
+def worker_hostnames(name: str, hosts: int) -> list[str]:
+    """The pods' DNS names (JobSet's headless service: ``<jobset>-<rjob>-<job>-<index>``)."""
+    return [f"{name}-{REPLICATED_JOB}-0-{i}.{name}" for i in range(hosts)]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how the runner's JobSets run."""
+
+    slice: TpuSlice
+    image: str
+    namespace: str = "default"
+    store: str = ""  # store_label() of the runner's store
+    worker_python: str = "python3"
+    grace_s: int = 3  # terminationGracePeriodSeconds: TERM, then KILL (JAX ignores TERM)
+    service_account: str | None = None
+
+
+def render_jobset(job: Job, attempt: int, target: Target) -> dict[str, Any]:
+    """The JobSet for one attempt of ``job``."""
+    name = jobset_name(job.id, attempt)
+    hosts = target.slice.hosts
+    names = worker_hostnames(name, hosts)
+    labels = {
+        MANAGED_BY: "tpupod",
+        JOB_LABEL: str(job.id),
+        ATTEMPT_LABEL: str(attempt),
+        STORE_LABEL: target.store or "none",
+    }
+    env: list[dict[str, Any]] = [
+        {"name": k, "value": v} for k, v in sorted(job_env(job, attempt).items())
+    ]
+    env += [
+        {
+            "name": "TPUPOD_WORKER_ID",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}},
+        },
+        {"name": "TPUPOD_NUM_WORKERS", "value": str(hosts)},
+        {"name": "TPUPOD_WORKER_HOSTNAMES", "value": ",".join(names)},
+        {"name": "TPUPOD_COORDINATOR", "value": f"{names[0]}:{COORDINATOR_PORT}"},
+    ]
+    chips = str(target.slice.chips_per_host)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": target.grace_s,
+        "nodeSelector": {
+            ACCELERATOR_SELECTOR: target.slice.accelerator,
+            TOPOLOGY_SELECTOR: target.slice.topology,
+        },
+        "containers": [
+            {
+                "name": CONTAINER,
+                "image": target.image,
+                "command": ["/bin/bash", "-c", job_command(job, target.worker_python)],
+                "env": env,
+                "ports": [{"containerPort": COORDINATOR_PORT, "name": "coordinator"}],
+                "resources": {"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}},
+            }
+        ],
+    }
+    if target.service_account:
+        pod_spec["serviceAccountName"] = target.service_account
+    annotations = {}
+    if hosts > 1:  # one slice per JobSet: its pods may not spread over node pools
+        annotations["alpha.jobset.sigs.k8s.io/exclusive-topology"] = "cloud.google.com/gke-nodepool"
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "JobSet",
+        "metadata": {
+            "name": name,
+            "namespace": target.namespace,
+            "labels": labels,
+            "annotations": annotations,
+        },
+        "spec": {
+            "failurePolicy": {"maxRestarts": 0},  # retries are the job store's, per attempt
+            "network": {"enableDNSHostnames": True},
+            "replicatedJobs": [
+                {
+                    "name": REPLICATED_JOB,
+                    "replicas": 1,
+                    "template": {
+                        "metadata": {"labels": dict(labels)},
+                        "spec": {
+                            "parallelism": hosts,
+                            "completions": hosts,
+                            "completionMode": "Indexed",
+                            "backoffLimit": 0,
+                            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+                        },
+                    },
+                }
+            ],
+        },
+    }
+
+
+# The JobSet fields (spec and replicated job) that jobset.x-k8s.io/v1alpha2 defines.
+JOBSET_SPEC_FIELDS = {
+    "replicatedJobs",
+    "network",
+    "successPolicy",
+    "failurePolicy",
+    "startupPolicy",
+    "suspend",
+    "coordinator",
+    "managedBy",
+    "ttlSecondsAfterFinished",
+}
+REPLICATED_JOB_FIELDS = {"name", "replicas", "template", "dependsOn"}
+
+
+def validate_jobset(body: Any, kubernetes_version: str = KUBERNETES_VERSION) -> list[str]:
+    """What is wrong with a JobSet manifest (empty: nothing found), each problem naming its
+    field. Job templates: kubernetes-validate's strict ``batch/v1`` schema; the rest: the
+    JobSet fields by hand (there is no schema to check them against offline)."""
+    import kubernetes_validate
+
+    if not isinstance(body, dict):
+        return ["the body is not a JSON object"]
+    problems = []
+    if body.get("apiVersion") != API_VERSION or body.get("kind") != "JobSet":
+        problems.append(f"apiVersion/kind: want {API_VERSION} JobSet")
+    meta = body.get("metadata") or {}
+    name = meta.get("name") if isinstance(meta, dict) else None
+    if not isinstance(name, str) or not DNS_LABEL.match(name) or len(name) > 63:
+        problems.append(f"metadata.name: {name!r} is not a DNS label")
+    spec = body.get("spec")
+    if not isinstance(spec, dict):
+        return [*problems, "spec: missing"]
+    problems += [f"spec.{k}: unknown field" for k in sorted(set(spec) - JOBSET_SPEC_FIELDS)]
+    rjobs = spec.get("replicatedJobs")
+    if not isinstance(rjobs, list) or not rjobs:
+        return [*problems, "spec.replicatedJobs: a non-empty list is required"]
+    for i, rjob in enumerate(rjobs):
+        where = f"spec.replicatedJobs[{i}]"
+        if not isinstance(rjob, dict):
+            problems.append(f"{where}: not an object")
+            continue
+        problems += [
+            f"{where}.{k}: unknown field" for k in sorted(set(rjob) - REPLICATED_JOB_FIELDS)
+        ]
+        if not isinstance(rjob.get("name"), str) or not DNS_LABEL.match(rjob["name"]):
+            problems.append(f"{where}.name: {rjob.get('name')!r} is not a DNS label")
+        replicas = rjob.get("replicas", 1)
+        if not isinstance(replicas, int) or replicas < 1:
+            problems.append(f"{where}.replicas: {replicas!r} is not a positive integer")
+        template = rjob.get("template")
+        if not isinstance(template, dict):
+            problems.append(f"{where}.template: missing")
+            continue
+        as_job = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {**(template.get("metadata") or {}), "name": f"{name}-{rjob.get('name')}"},
+            "spec": template.get("spec"),
+        }
+        try:
+            kubernetes_validate.validate(as_job, kubernetes_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            problems.append(f"{where}.template.{path}: {exc.message}")
+    return problems
