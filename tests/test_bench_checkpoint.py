@@ -87,7 +87,8 @@ def test_sweep_runs_on_every_worker_and_flags_a_regression(
             s.save_total_s >= s.save_blocking_s > 0 and s.restore_s > 0 for s in combo.samples
         )
         assert all(s.nbytes == 64 * 32 * 4 + 16 * 2 for s in combo.samples)
-        assert set(combo.hosts) == set(METRICS) == set(combo.repeats)
+        assert set(METRICS) <= set(combo.hosts) == set(combo.repeats)
+        assert {"op:save", "op:restore"} <= set(combo.hosts)  # what Orbax timed, too
         assert combo.hosts["save_total_s"].max >= combo.hosts["save_total_s"].min
     assert (path.parent / "PyTreeCheckpointBenchmark.png").read_bytes()[:4] == b"\x89PNG"
     assert "use_zarr3=True" in run.out and "restore GB/s" in run.out

@@ -1,6 +1,8 @@
 """Compare a run with an earlier one (a results file, or the latest of the same suite).
 
-Combinations match by generator, options, mesh and checkpoint. A metric
+Combinations match by generator, options, mesh and checkpoint. The metrics
+compared are save and restore times and GB/s, or, for a generator that does not
+save and restore the tree, the seconds of every operation Orbax timed. A metric
 regresses when the pod's mean over repeats is worse than the baseline's by
 more than the threshold (slower for times, fewer GB/s for throughput). Memory
 growth is reported but never flagged: RSS deltas of a few MB are noise.
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from tpupod.bench import storage
-from tpupod.bench.results import METRICS, Results
+from tpupod.bench.results import OP, Results, larger_is_better
 from tpupod.errors import UsageError
 
 RESULTS_FILE = "results.json"
@@ -87,8 +89,12 @@ def compare(
         old = before.get(combo.key())
         if old is None or not combo.repeats:
             continue
-        for metric in COMPARED:
+        shared = [m for m in combo.repeats if m in old.repeats]
+        # save and restore where the generator has them, else every operation Orbax timed
+        metrics = [m for m in COMPARED if m in shared] or [m for m in shared if m.startswith(OP)]
+        for metric in metrics:
             was, now = old.repeats[metric].mean, combo.repeats[metric].mean
-            worse = now < was * (1 - threshold) if METRICS[metric] else now > was * (1 + threshold)
+            better = larger_is_better(metric)
+            worse = now < was * (1 - threshold) if better else now > was * (1 + threshold)
             changes.append(Change(combo.label, metric, was, now, worse))
     return Comparison(baseline.commit, current.commit, path, changes)

@@ -63,11 +63,13 @@ class Combination:
     checkpoint: int  # index into BenchConfig.checkpoints
     meshes: int = 1  # how many meshes the config has (the label names one only among several)
     checkpoints: int = 1
+    # swept values that are mappings (Orbax's policy options) by their place in the list: #0
+    shown: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         name = self.generator.rpartition(".")[2]
-        parts = [f"{k}={v}" for k, v in self.swept.items()]
+        parts = [f"{k}={self.shown.get(k, v)}" for k, v in self.swept.items()]
         if self.meshes > 1:
             parts.append(f"mesh={self.mesh}")
         if self.checkpoints > 1:
@@ -270,6 +272,10 @@ def _benchmarks(items: object, problems: list[str]) -> list[Sweep]:
         problems += _unknown(item, ("generator", "options"), f"{where}.")
         name = str(item.get("generator"))
         path = orbax_harness.resolve(name)
+        why = orbax_harness.refused(name)
+        if why is not None:
+            problems.append(f"{where}.generator: {name!r} is not supported here: it {why}")
+            continue
         if path is None:
             allowed = ", ".join(orbax_harness.generator_names())
             problems.append(f"{where}.generator: {name!r} is not supported; allowed: {allowed}")
@@ -285,7 +291,7 @@ def _benchmarks(items: object, problems: list[str]) -> list[Sweep]:
             continue
         try:
             points = orbax_harness.sweep(path, options)
-        except (TypeError, ValueError, AssertionError) as exc:
+        except (TypeError, ValueError, KeyError, AssertionError) as exc:
             problems.append(f"{where}.options: Orbax refuses them: {exc}")
             continue
         if not points:
@@ -303,7 +309,16 @@ def _combinations(benchmarks: list[Sweep], meshes: int, checkpoints: int) -> lis
     combos: list[Combination] = []
     for path, options, points in benchmarks:
         swept = [k for k, v in options.items() if isinstance(v, list) and len(v) > 1]
+        places: dict[str, list[Any]] = {k: [] for k in swept}
         for point in points:
+            for k in swept:
+                if point[k] not in places[k]:
+                    places[k].append(point[k])
+            shown = {
+                k: f"#{places[k].index(point[k])}"
+                for k in swept
+                if isinstance(point[k], dict | list)
+            }
             for mesh in range(meshes) if meshes else [None]:
                 for checkpoint in range(checkpoints):
                     combos.append(
@@ -316,6 +331,7 @@ def _combinations(benchmarks: list[Sweep], meshes: int, checkpoints: int) -> lis
                             checkpoint=checkpoint,
                             meshes=meshes,
                             checkpoints=checkpoints,
+                            shown=shown,
                         )
                     )
     return combos

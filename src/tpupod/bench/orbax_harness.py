@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import sys
 import types
 from pathlib import Path
@@ -30,10 +31,60 @@ from tpupod.errors import UsageError
 
 HARNESS = "orbax.checkpoint._src.testing.benchmarks"
 PYTREE = f"{HARNESS}.pytree_checkpoint_benchmark.PyTreeCheckpointBenchmark"
-# Short names besides the class paths Orbax's own configs use.
-ALIASES = {"pytree": PYTREE, "PyTreeCheckpointBenchmark": PYTREE}
-# Generators whose test_fn saves then restores one pytree (what tpupod measures and checks).
-SUPPORTED = (PYTREE,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """Which of a generator's timed operations (Orbax's names, as regexes) are its saves,
+    the waits that complete them, and its restores: tpupod's save/restore times and GB/s."""
+
+    save: str = ""
+    wait: str = ""
+    restore: str = ""
+
+
+# Generators that run on CPU hosts without Pathways or TPU slices, and what their ops mean.
+GENERATORS = {
+    PYTREE: Ops("save", "wait_until_finished", "restore"),
+    f"{HARNESS}.checkpoint_manager_benchmark.CheckpointManagerBenchmark": Ops(
+        r"save_\d+", r"wait_until_finished_\d+", r"restore_\d+"
+    ),
+    # each save_<step> there waits for its save to finish
+    f"{HARNESS}.checkpoint_manager_perf_benchmark.CheckpointManagerPerfBenchmark": Ops(
+        r"save_\d+", "", "restore"
+    ),
+    f"{HARNESS}.deleter_benchmark.DeleterBenchmark": Ops(
+        r"save_\d+", r"wait_until_finished_\d+", ""
+    ),
+    f"{HARNESS}.array_handler_benchmark.ArrayHandlerBenchmark": Ops(
+        "serialize", "merge_ocdbt", "deserialize"
+    ),
+    f"{HARNESS}.v1.benchmark.Benchmark": Ops("save", "", "load"),  # save waits for the result
+    f"{HARNESS}.v1_checkpointer_cancel_benchmark.V1CheckpointerCancelBenchmark": Ops(),
+    f"{HARNESS}.checkpoint_policy_benchmark.CheckpointPolicyBenchmark": Ops(),
+}
+_SLICES = "needs several TPU slices (devices with a slice_index) and replica broadcasts"
+# Generators the wheel ships that tpupod refuses, and why (checked on CPU hosts, 0.12.8).
+REFUSED = {
+    "v0_checkpointer_cancel_benchmark.V0CheckpointerCancelBenchmark": "asserts that its cancel "
+    "lands before the save ends, which a save to a local disk wins: it fails there",
+    "single_replica_benchmark.SingleReplicaBenchmark": _SLICES,
+    "emergency_checkpoint_manager_benchmark.EmergencyCheckpointManagerBenchmark": _SLICES,
+    "p2p_checkpoint_manager_benchmark.P2pCheckpointManagerBenchmark": _SLICES,
+    "multislice_broadcast_benchmark.MultisliceBroadcastBenchmark": _SLICES,
+    "v1.replica_parallel_multislice_benchmark.ReplicaParallelMultislice": _SLICES,
+    "v1.restore_and_broadcast_benchmark.RestoreAndBroadcastBenchmark": _SLICES,
+    "multihost_dispatchers_benchmark.MultihostDispatchersBenchmark": "needs a Pathways "
+    "(colocated Python) dispatcher, which plain JAX processes do not have",
+    "v1.snapshotter_benchmark.SnapshotterBenchmark": "needs pathwaysutils (Pathways)",
+    "v1.resharding_benchmark.ReshardingBenchmark": "restores a reference checkpoint named in "
+    "its options instead of a generated or loaded pytree",
+    "pytorch_checkpoint_benchmark.PyTorchCheckpointBenchmark": "measures torch.distributed "
+    "checkpoints, not JAX ones; tpupod installs no torch",
+}
+# Short names besides the class paths Orbax's own configs use: the class name, and "pytree".
+ALIASES = {"pytree": PYTREE} | {p.rpartition(".")[2]: p for p in GENERATORS}
+SUPPORTED = tuple(GENERATORS)
 TESTED_ORBAX = "0.12.8"
 
 # Orbax's metric keys ("operation::tag") for what tpupod reports.
@@ -72,6 +123,14 @@ def resolve(generator: str) -> str | None:
     return path if path in SUPPORTED else None
 
 
+def refused(generator: str) -> str | None:
+    """Why tpupod does not run this generator of Orbax's (its class path or name), else None."""
+    for name, why in REFUSED.items():
+        if generator in (name, name.rpartition(".")[2], f"{HARNESS}.{name}"):
+            return why
+    return None
+
+
 def generator_names() -> list[str]:
     """What a config may name as a generator."""
     return [*ALIASES, *SUPPORTED]
@@ -93,7 +152,8 @@ def sweep(path: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     cls = _generator_class(path)
     configs = _module(f"{HARNESS}.core.configs")
     generator = cls(
-        checkpoint_configs=[configs.CheckpointConfig()], options=cls.options_class(**options)
+        checkpoint_configs=[configs.CheckpointConfig()],
+        options=cls.options_class.from_dict(options),
     )
     return [dataclasses.asdict(o) for o in generator._get_options_product()]
 
@@ -118,14 +178,37 @@ def make_pytree(checkpoint: dict[str, Any], mesh: Any) -> Any:
 
 @dataclasses.dataclass
 class Measured:
-    """One save and restore by the generator's own ``test_fn``."""
+    """One run of a generator's own ``test_fn``."""
 
     metrics: dict[str, float]  # "save::0_basics/time_s" -> value, as Orbax names them
-    restored: Any
+    restored: Any  # the restored tree (PyTreeCheckpointBenchmark only; Orbax checks the others)
+    failed: str = ""  # the assertion of Orbax's own correctness check that failed
+
+    @property
+    def ops(self) -> dict[str, float]:
+        """Every timed operation, in seconds: {"save": 0.1, "restore": 0.2, ...}."""
+        tail = f"::{TIME}"
+        return {k[: -len(tail)]: v for k, v in self.metrics.items() if k.endswith(tail)}
+
+    def rss_mb(self, pattern: str) -> float:
+        """Host RSS growth over the operations matching ``pattern``."""
+        tail = f"::{RSS}"
+        return sum(
+            v
+            for k, v in self.metrics.items()
+            if k.endswith(tail) and re.fullmatch(pattern, k[: -len(tail)])
+        )
 
 
-def save_and_restore(path: str, options: dict[str, Any], pytree: Any, directory: Path) -> Measured:
-    """The generator's ``test_fn`` once on ``pytree`` (which it deletes); the restored tree kept."""
+def measure(
+    path: str, options: dict[str, Any], pytree: Any, directory: Path, *, mesh: Any, repeat: int
+) -> Measured:
+    """The generator's ``test_fn`` once on ``pytree`` (which it may delete).
+
+    PyTreeCheckpointBenchmark's restored tree is kept for the caller to check.
+    The other generators check what they restored themselves (Orbax's
+    ``assert_pytree_equal``); a failed check comes back in ``failed``.
+    """
     cls = _generator_class(path)
     core = _module(f"{HARNESS}.core.core")
     configs = _module(f"{HARNESS}.core.configs")
@@ -144,12 +227,31 @@ def save_and_restore(path: str, options: dict[str, Any], pytree: Any, directory:
             self.restored = tree
             return None
 
-    opts = cls.options_class(**options)
-    generator = Keeping(checkpoint_configs=[configs.CheckpointConfig()], options=opts)
-    context = core.TestContext(pytree=pytree, path=epath.Path(directory), options=opts)
-    result = generator.test_fn(context)
+    opts = _point(cls, options)
+    kind = Keeping if path == PYTREE else cls
+    generator = kind(checkpoint_configs=[configs.CheckpointConfig()], options=opts)
+    context = core.TestContext(
+        pytree=pytree, path=epath.Path(directory), options=opts, mesh=mesh, repeat_index=repeat
+    )
+    try:
+        result = generator.test_fn(context)
+    except AssertionError as exc:
+        why = str(exc).splitlines()[0] if str(exc) else "an assertion without a message"
+        return Measured(metrics={}, restored=None, failed=f"Orbax's check failed: {why}")
     metrics = {k: float(v) for k, (v, _unit) in result.metrics.results.items() if _number(v)}
-    return Measured(metrics=metrics, restored=generator.restored)
+    restored = generator.restored if isinstance(generator, Keeping) else None
+    return Measured(metrics=metrics, restored=restored)
+
+
+def _point(cls: Any, point: dict[str, Any]) -> Any:
+    """One point of a sweep (as ``sweep`` gave it) as the generator's options object, built
+    as Orbax builds it: ``from_dict`` (nested options, such as policies, become objects), then
+    its product, which a sweep of one value each makes one point."""
+    configs = _module(f"{HARNESS}.core.configs")
+    wrapped = cls.options_class.from_dict({k: [v] for k, v in point.items()})
+    generator = cls(checkpoint_configs=[configs.CheckpointConfig()], options=wrapped)
+    (opts,) = generator._get_options_product()
+    return opts
 
 
 def _number(value: object) -> bool:

@@ -1,14 +1,18 @@
 """What a checkpoint benchmark measured: per-host samples, and their aggregates.
 
-A sample is one host's save and restore in one repeat of one combination.
-Across hosts (each host's mean over repeats): max, min, mean, p50, p99. Across
-repeats (the pod's value in each: the slowest host's time, the bytes over that
-time): mean and std. One ``Results`` is one run, written as one JSON file.
+A sample is one host's run of a generator in one repeat of one combination:
+tpupod's save and restore figures where the generator saves and restores, and
+every operation Orbax timed (``op:NAME``, step numbers folded into ``#`` and
+summed, so twenty ``save_<step>`` are one ``op:save_#``). Across hosts (each
+host's mean over repeats): max, min, mean, p50, p99. Across repeats (the
+pod's value in each: the slowest host's time, the bytes over that time):
+mean and std. One ``Results`` is one run, written as one JSON file.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from enum import StrEnum
 from typing import Any
@@ -27,6 +31,17 @@ METRICS = {
     "rss_restore_mb": False,
 }
 TIMES = {"save_gbps": "save_total_s", "restore_gbps": "restore_s"}
+COUNTS = {"save_gbps": "saves", "restore_gbps": "restores"}
+OP = "op:"  # an operation Orbax timed, in seconds (smaller is better)
+
+
+def op_metric(name: str) -> str:
+    """The metric an Orbax operation counts toward: step numbers folded (save_12 -> save_#)."""
+    return OP + re.sub(r"\d+", "#", name)
+
+
+def larger_is_better(metric: str) -> bool:
+    return METRICS.get(metric, False)
 
 
 class Sample(BaseModel):
@@ -35,18 +50,33 @@ class Sample(BaseModel):
     worker: int
     hostname: str
     repeat: int
-    save_blocking_s: float  # until save() returned (async: the rest goes on in the background)
-    save_total_s: float  # until the checkpoint was complete on disk
-    restore_s: float
-    rss_save_mb: float  # host RSS growth over the save
-    rss_restore_mb: float
+    # None where the generator does not save (or restore) the tree, such as a cancel benchmark
+    save_blocking_s: float | None  # until save() returned (async: the rest goes on in the bg)
+    save_total_s: float | None  # until the checkpoint was complete on disk
+    restore_s: float | None
+    rss_save_mb: float | None  # host RSS growth over the save
+    rss_restore_mb: float | None
     nbytes: int  # the checkpoint's arrays, all hosts together
+    saves: int = 1  # how many saves the times cover (a CheckpointManager saves every step)
+    restores: int = 1
+    ops: dict[str, float] = Field(default_factory=dict)  # every op Orbax timed, its names, s
     problems: list[str] = Field(default_factory=list)  # restored != saved, one line per leaf
 
-    def value(self, metric: str) -> float:
+    def value(self, metric: str) -> float | None:
+        if metric.startswith(OP):
+            found = [v for k, v in self.ops.items() if op_metric(k) == metric]
+            return sum(found) if found else None
         if metric in TIMES:
-            return _gbps(self.nbytes, float(getattr(self, TIMES[metric])))
-        return float(getattr(self, metric))
+            seconds = getattr(self, TIMES[metric])
+            count = getattr(self, COUNTS[metric])
+            return None if seconds is None else _gbps(self.nbytes * count, seconds)
+        found = getattr(self, metric)
+        return None if found is None else float(found)
+
+    def metrics(self) -> list[str]:
+        """The metrics this sample has a value of."""
+        ops = sorted({op_metric(k) for k in self.ops})
+        return [m for m in [*METRICS, *ops] if self.value(m) is not None]
 
 
 class HostStats(BaseModel):
@@ -97,8 +127,11 @@ class CombinationResult(BaseModel):
     def aggregate(self) -> None:
         if not self.samples:
             return
-        self.hosts = {m: _host_stats(self.samples, m) for m in METRICS}
-        self.repeats = {m: _repeat_stats(self.samples, m) for m in METRICS}
+        metrics = [
+            m for m in self.samples[0].metrics() if all(m in s.metrics() for s in self.samples)
+        ]
+        self.hosts = {m: _host_stats(self.samples, m) for m in metrics}
+        self.repeats = {m: _repeat_stats(self.samples, m) for m in metrics}
 
 
 class Results(BaseModel):
@@ -140,7 +173,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _host_stats(samples: list[Sample], metric: str) -> HostStats:
     per_host: dict[int, list[float]] = {}
     for s in samples:
-        per_host.setdefault(s.worker, []).append(s.value(metric))
+        per_host.setdefault(s.worker, []).append(_value(s, metric))
     means = [statistics.fmean(v) for v in per_host.values()]
     return HostStats(
         max=max(means),
@@ -154,8 +187,16 @@ def _host_stats(samples: list[Sample], metric: str) -> HostStats:
 def pod_value(samples: list[Sample], metric: str) -> float:
     """One repeat's value for the pod: the slowest host's time (and the bytes over it)."""
     if metric in TIMES:
-        return _gbps(samples[0].nbytes, max(float(getattr(s, TIMES[metric])) for s in samples))
-    return max(s.value(metric) for s in samples)
+        first = samples[0]
+        nbytes = first.nbytes * getattr(first, COUNTS[metric])
+        return _gbps(nbytes, max(float(getattr(s, TIMES[metric])) for s in samples))
+    return max(_value(s, metric) for s in samples)
+
+
+def _value(sample: Sample, metric: str) -> float:
+    found = sample.value(metric)
+    assert found is not None, f"{metric} of a sample that lacks it"
+    return found
 
 
 def _repeat_stats(samples: list[Sample], metric: str) -> RepeatStats:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import re
 import shutil
 import socket
 import sys
@@ -128,29 +129,26 @@ class _Runner:
         pytree = jax.block_until_ready(orbax_harness.make_pytree(spec, mesh))  # type: ignore[no-untyped-call]
         nbytes = sum(x.nbytes for x in jax.tree.leaves(pytree) if isinstance(x, jax.Array))
         rendezvous(f"bench:c{combo.index}:r{repeat}")  # every host starts together
-        measured = orbax_harness.save_and_restore(combo.generator, combo.options, pytree, directory)
+        measured = orbax_harness.measure(
+            combo.generator, combo.options, pytree, directory, mesh=mesh, repeat=repeat
+        )
         # Once every host has restored, the checkpoint goes: a sweep of large pytrees would
         # otherwise keep one on disk per combination and repeat.
         rendezvous(f"bench:c{combo.index}:r{repeat}:restored")
         if self.identity.id == 0:
             shutil.rmtree(directory, ignore_errors=True)
-        problems = restore_problems(orbax_harness.make_pytree(spec, mesh), measured.restored)
-        jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, measured.restored)
-        m = measured.metrics
-        blocking = m[f"save::{orbax_harness.TIME}"]
-        waited = m.get(f"wait_until_finished::{orbax_harness.TIME}", 0.0)
-        return Sample(
+        problems = [measured.failed] if measured.failed else []
+        if measured.restored is not None:
+            problems = restore_problems(orbax_harness.make_pytree(spec, mesh), measured.restored)
+        for tree in (pytree, measured.restored):  # a generator may have deleted either already
+            jax.tree.map(_delete, tree)
+        return _sample_of(
+            measured,
+            orbax_harness.GENERATORS[combo.generator],
+            problems,
+            nbytes,
             worker=self.identity.id,
-            hostname=socket.gethostname(),
             repeat=repeat,
-            save_blocking_s=blocking,
-            save_total_s=blocking + waited,
-            restore_s=m[f"restore::{orbax_harness.TIME}"],
-            rss_save_mb=m[f"save::{orbax_harness.RSS}"]
-            + m.get(f"wait_until_finished::{orbax_harness.RSS}", 0.0),
-            rss_restore_mb=m[f"restore::{orbax_harness.RSS}"],
-            nbytes=nbytes,
-            problems=problems,
         )
 
     def _report(self, combo: Combination, sample: Sample) -> None:
@@ -159,7 +157,7 @@ class _Runner:
         self._progress(
             f"{combo.index + 1}/{len(self.config.combinations)} {combo.label} "
             f"repeat {sample.repeat + 1}/{self.config.num_repeats}: "
-            f"save {sample.save_total_s:.3f}s restore {sample.restore_s:.3f}s"
+            f"{_figures(sample)}"
             f"{'' if not sample.problems else ' RESTORED VALUES DIFFER'} | "
             f"{elapsed:.1f}s elapsed, ~{left:.1f}s left"
         )
@@ -167,6 +165,61 @@ class _Runner:
     def _progress(self, text: str) -> None:
         if self.identity.id == 0:
             print(f"bench {text}", flush=True)
+
+
+def _figures(sample: Sample) -> str:
+    """A sample in a few words: save and restore seconds, else Orbax's slowest operations."""
+    shown = [(n, getattr(sample, f"{n}_s")) for n in ("save_total", "restore")]
+    parts = [f"{n.split('_')[0]} {v:.3f}s" for n, v in shown if v is not None]
+    if not parts:
+        slowest = sorted(sample.ops.items(), key=lambda kv: -kv[1])[:3]
+        parts = [f"{n} {v:.3f}s" for n, v in slowest]
+    return " ".join(parts) or "nothing timed"
+
+
+def _delete(leaf: Any) -> None:
+    import jax
+
+    if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+        leaf.delete()
+
+
+def _sample_of(
+    measured: orbax_harness.Measured,
+    ops: orbax_harness.Ops,
+    problems: list[str],
+    nbytes: int,
+    *,
+    worker: int,
+    repeat: int,
+) -> Sample:
+    """tpupod's figures from the operations Orbax timed: saves (and the waits that complete
+    them) and restores, as the generator's entry in ``orbax_harness.GENERATORS`` names them."""
+    found = measured.ops
+
+    def total(pattern: str) -> tuple[float | None, int]:
+        times = [v for k, v in found.items() if pattern and re.fullmatch(pattern, k)]
+        return (sum(times) if times else None), len(times)
+
+    blocking, saves = total(ops.save)
+    waited, _ = total(ops.wait)
+    restore, restores = total(ops.restore)
+    saving = f"{ops.save}|{ops.wait}" if ops.wait else ops.save
+    return Sample(
+        worker=worker,
+        hostname=socket.gethostname(),
+        repeat=repeat,
+        save_blocking_s=blocking,
+        save_total_s=None if blocking is None else blocking + (waited or 0.0),
+        restore_s=restore,
+        rss_save_mb=None if blocking is None else measured.rss_mb(saving),
+        rss_restore_mb=None if restore is None else measured.rss_mb(ops.restore),
+        nbytes=nbytes,
+        saves=max(saves, 1),
+        restores=max(restores, 1),
+        ops=found,
+        problems=problems,
+    )
 
 
 def _mesh_or_why(mesh: dict[str, Any]) -> Any:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from tpupod.bench.baseline import Comparison
     from tpupod.bench.launcher import BenchRun
-    from tpupod.bench.results import Results
+    from tpupod.bench.results import CombinationResult, RepeatStats, Results
 
 TIMED = ("save_blocking_s", "save_total_s", "restore_s")
 
@@ -201,17 +201,33 @@ def _print_results(results: Results) -> None:
         r, h = c.repeats, c.hosts
         table.add_row(
             c.label,
-            *(
-                f"{r[m].mean:.3f}±{r[m].std:.3f}"
-                for m in ("save_blocking_s", "save_total_s", "restore_s")
+            *(_cell(r, m, "{:.3f}±{:.3f}") for m in TIMED),
+            *(_cell(r, m, "{:.3g}") for m in ("save_gbps", "restore_gbps")),
+            f"{h['save_total_s'].max:.3f}" if "save_total_s" in h else "",
+            "/".join(
+                f"{h[m].max:.0f}" if m in h else "-" for m in ("rss_save_mb", "rss_restore_mb")
             ),
-            *(f"{r[m].mean:.3g}" for m in ("save_gbps", "restore_gbps")),
-            f"{h['save_total_s'].max:.3f}",
-            f"{h['rss_save_mb'].max:.0f}/{h['rss_restore_mb'].max:.0f}",
-            c.status.value,
+            c.status.value if "save_total_s" in r or "restore_s" in r else _ops(c),
         )
     # a terminal wraps to its width; piped output keeps each row on one line
     Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def _cell(repeats: dict[str, RepeatStats], metric: str, form: str) -> str:
+    if metric not in repeats:
+        return ""
+    return form.format(repeats[metric].mean, repeats[metric].std)
+
+
+def _ops(combo: CombinationResult) -> str:
+    """A generator that neither saves nor restores the tree: its slowest operations."""
+    from tpupod.bench.results import OP
+
+    ops = sorted(
+        ((m, s.mean) for m, s in combo.repeats.items() if m.startswith(OP)), key=lambda x: -x[1]
+    )
+    timed = ", ".join(f"{m[len(OP) :]} {v:.3f}s" for m, v in ops[:3])
+    return f"{combo.status.value}: {timed}"
 
 
 def _check_baseline(comparison: Comparison, threshold: float) -> None:
