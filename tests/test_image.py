@@ -245,3 +245,61 @@ def test_container_options_need_an_image(cli: Callable[..., CliResult]) -> None:
     result = cli("exec", "--mount", "/a:/b", "--", "true")
     assert result.code == 2
     assert "--mount, --engine and --privileged go with --image" in result.err
+
+
+# -- image build, distribution and ls -------------------------------------------------------
+
+
+def busybox_context(folder: Path, dockerfile: str) -> Path:
+    """A build context whose Dockerfile starts FROM scratch with a busybox rootfs: it builds
+    in any storage, no base image needed (a simulated host's storage starts empty)."""
+    root = folder / "rootfs"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, root / "bin/busybox")
+    for applet in APPLETS:
+        (root / "bin" / applet).symlink_to("busybox")
+    (folder / "Dockerfile").write_text("FROM scratch\nCOPY rootfs/ /\n" + dockerfile)
+    return folder
+
+
+@pytest.mark.timeout(60)
+def test_build_once_on_a_local_pod_and_list_it(
+    podman_env: str, make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(3)
+    tag = f"tpupod-test-app:{pod.name}"
+    context = busybox_context(tmp_path, 'RUN echo "built at $(date +%s%N)" > /built\n')
+    try:
+        result = cli("image", "build", "--pod", pod.name, "-t", tag, str(context), timeout=50)
+        assert result.code == 0, result.err
+        assert "tpupod: w0 (vm): building" in result.err
+        rows = result.out.splitlines()
+        assert rows[0].startswith(f"{tag}: ") and rows[0].endswith("on 3 workers")
+        assert "built in" in rows[1] and "shares w0's storage" in rows[2]  # one storage here
+        image_id = rows[0].split()[1]
+        listed = cli("image", "ls", "--pod", pod.name)
+        assert listed.code == 0, listed.err
+        assert listed.out.splitlines()[0].split() == ["TAG", "IMAGE", "ID", "ON", "MISSING", "ON"]
+        assert [tag, image_id, "w0-2", "-"] in [line.split() for line in listed.out.splitlines()]
+        ran = cli("exec", "--pod", pod.name, "--image", tag, "--", "cat /built")
+        assert ran.code == 0 and ran.out.count("built at") == 3, ran.err
+    finally:
+        podman("rmi", "-f", tag, check=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_dockerfile_names_the_worker_and_the_step(
+    podman_env: str, make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(2)
+    context = busybox_context(tmp_path, "RUN echo fine\nRUN echo about to fail; exit 7\n")
+    result = cli("image", "build", "--pod", pod.name, "-t", "tpupod-test-bad:1", str(context))
+    assert result.code == 1
+    assert "error: build of tpupod-test-bad:1 failed on w0 (vm) at step 4/4 (RUN echo about" in (
+        result.err
+    )
+    assert "exit status 7" in result.err
+    assert "hint: fix the Dockerfile" in result.err
+    assert "Traceback" not in result.err
+    missing = cli("image", "build", "--pod", pod.name, "-t", "x:1", str(tmp_path / "nothing"))
+    assert missing.code == 2 and "is not a folder" in missing.err

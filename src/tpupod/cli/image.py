@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from tpupod.cli import app
+from tpupod.cli import app, reporting_errors
+from tpupod.cli.options import PodOption
 
 if TYPE_CHECKING:
     from tpupod.image.containerize import Container
@@ -85,3 +87,89 @@ def container_from_options(
         env_names=tuple(env_names),
         privileged=privileged,
     )
+
+
+@image_app.command("build")
+@reporting_errors
+def build(
+    context: Annotated[
+        Path, typer.Argument(metavar="CONTEXT", help="The build context (a folder).")
+    ],
+    tag: Annotated[str, typer.Option("--tag", "-t", metavar="TAG", help="The image's tag.")],
+    pod: PodOption = None,
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file",
+            "-f",
+            metavar="DOCKERFILE",
+            help="Default: CONTEXT/Dockerfile.",
+            show_default=False,
+        ),
+    ] = None,
+    on_each: Annotated[
+        bool,
+        typer.Option(
+            "--on-each",
+            help="Build on every worker in parallel instead of once (then save, send, load).",
+        ),
+    ] = False,
+    engine: EngineOption = None,
+) -> None:
+    """Build an image and put it on every worker; its id is checked the same everywhere.
+
+    By default the image is built once, on worker 0, saved, and sent over the
+    pod's connections to be loaded on every other worker (once per engine
+    storage: workers that share one load it once).
+
+    Examples:
+
+      tpupod image build -t app:1 .
+
+      tpupod image build -t app:1 -f docker/Dockerfile --on-each .
+    """
+    from tpupod.image.build import BuildRequest, run_build
+    from tpupod.image.engine import check_engine
+    from tpupod.report import format_duration, notice
+    from tpupod.state import StateDir
+
+    target = StateDir().resolve(pod)
+    request = BuildRequest(tag, context, file, check_engine(engine), on_each)
+    rows = run_build(target, request, notice)
+    print(f"{tag}: {rows[0].image_id[:12]} on {len(rows)} workers")
+    for row in rows:
+        how = f"{row.how} in {format_duration(row.seconds)}" if row.seconds else row.how
+        print(f"  {row.worker.label:<4} {row.worker.hostname:<16} {how}")
+
+
+@image_app.command("ls")
+@reporting_errors
+def ls(pod: PodOption = None, engine: EngineOption = None) -> None:
+    """List the images on every worker: each tag, its id, the workers that have it.
+
+    A tag at different ids on different workers shows as several rows.
+
+    Example:
+
+      tpupod image ls
+    """
+    import asyncio
+
+    from tpupod.image.engine import check_engine
+    from tpupod.image.listing import list_images, table
+    from tpupod.providers import provider_for
+    from tpupod.state import StateDir
+
+    state = StateDir()
+    target = state.resolve(pod)
+    chosen = check_engine(engine)
+
+    async def go() -> str:
+        connector = provider_for(target.provider).connect(target, state)
+        try:
+            rows = await list_images(target, connector, target.workers, chosen)
+        finally:
+            await connector.close()
+        return table(rows, target.workers)
+
+    print(asyncio.run(go()))

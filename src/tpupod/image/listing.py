@@ -1,0 +1,96 @@
+"""``tpupod image ls``: which workers have which tags, and whether the copies agree."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tpupod.errors import TpupodError
+from tpupod.fanout import execute_async
+from tpupod.image.engine import NO_ENGINE, SETUP_HINT, pick_engine
+from tpupod.pod import Pod, Worker
+from tpupod.transport import Connector, OutputLine
+
+LIST_TIMEOUT_S = 60.0
+LINE = "tpupod-images:"
+
+
+@dataclass(frozen=True)
+class ImageRow:
+    """One tag at one image id, and the workers that have it so."""
+
+    tag: str
+    image_id: str
+    workers: tuple[int, ...]
+
+
+def list_script(engine: str | None) -> str:
+    return "\n".join(
+        [
+            pick_engine(engine),
+            "$tpupod_engine images --format '{{.Repository}}:{{.Tag}} {{.ID}}' "
+            f"| sed 's/^/{LINE} /'",
+        ]
+    )
+
+
+async def list_images(
+    pod: Pod, connector: Connector, workers: Sequence[Worker], engine: str | None
+) -> list[ImageRow]:
+    """Every tag on the workers, one row per (tag, id); a tag with two ids has two rows."""
+    seen: dict[tuple[str, str], list[int]] = {}
+
+    def on_line(worker: Worker, line: OutputLine) -> None:
+        words = line.text.split()
+        if len(words) == 3 and words[0] == LINE and not words[1].startswith("<none>"):
+            tag = words[1].removeprefix("localhost/")
+            seen.setdefault((tag, words[2].removeprefix("sha256:")[:12]), []).append(worker.id)
+
+    result = await execute_async(
+        pod,
+        list_script(engine),
+        workers=workers,
+        connector=connector,
+        timeout=LIST_TIMEOUT_S,
+        on_line=on_line,
+    )
+    for r in result.workers:
+        if not r.ok:
+            no_engine = any(NO_ENGINE in line for line in r.tail)
+            raise TpupodError(
+                f"cannot list images on {r.worker.label} ({r.worker.hostname}): "
+                f"{'no container engine' if no_engine else r.error or r.last_line}",
+                hint=SETUP_HINT if no_engine else "'tpupod status' checks every worker",
+            )
+    return [ImageRow(tag, iid, tuple(sorted(ws))) for (tag, iid), ws in sorted(seen.items())]
+
+
+def table(rows: Sequence[ImageRow], workers: Sequence[Worker]) -> str:
+    """TAG, IMAGE ID, ON (the workers that have it), MISSING ON."""
+    every = [w.id for w in workers]
+    header = ("TAG", "IMAGE ID", "ON", "MISSING ON")
+    lines = [
+        (
+            r.tag,
+            r.image_id,
+            _workers(r.workers),
+            _workers(tuple(w for w in every if w not in r.workers)) or "-",
+        )
+        for r in rows
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *lines, strict=True)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *lines]
+    )
+
+
+def _workers(ids: tuple[int, ...]) -> str:
+    """``w0-3,w5``: runs of consecutive workers as ranges."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"w{r[0]}" if len(r) == 1 else f"w{r[0]}-{r[-1]}" for r in runs)
