@@ -93,6 +93,11 @@ def test_sweep_runs_on_every_worker_and_flags_a_regression(
     assert (path.parent / "PyTreeCheckpointBenchmark.png").read_bytes()[:4] == b"\x89PNG"
     assert "use_zarr3=True" in run.out and "restore GB/s" in run.out
     assert "bench 2/2 PyTreeCheckpointBenchmark use_zarr3=False repeat 2/2" in run.out
+    # not a terminal: each worker's progress as plain lines, its count of runs and its ETA
+    for worker in ("w0", "w1"):
+        assert f"[{worker}] progress: 0/4 runs, ETA ? | 1/2 PyTreeCheckpointBenchmark" in run.out
+        assert f"[{worker}] progress: 4/4 runs, " in run.out and "ETA 0s" in run.out
+    assert "tpupod-progress" not in run.out  # the markers themselves are not shown
 
     # The latest run of the suite, doctored ten times faster: every time regresses.
     doctored = json.loads(path.read_text())

@@ -32,6 +32,7 @@ from tpupod.errors import BenchError
 from tpupod.launch.client import client, rendezvous
 from tpupod.launch.identity import WorkerIdentity
 from tpupod.launch.jaxinit import init_jax
+from tpupod.podprogress import marker
 
 
 def main() -> int:
@@ -98,6 +99,7 @@ class _Runner:
             self._progress(
                 f"{combo.index + 1}/{len(self.config.combinations)} {combo.label}: skipped, {why}"
             )
+            self._mark(f"{combo.label}: skipped")
             return result
         for repeat in range(self.config.num_repeats):
             elapsed = time.monotonic() - self.started
@@ -105,10 +107,15 @@ class _Runner:
                 f"{combo.index + 1}/{len(self.config.combinations)} {combo.label} "
                 f"repeat {repeat + 1}/{self.config.num_repeats}: running | {elapsed:.1f}s elapsed"
             )
+            self._mark(
+                f"{combo.index + 1}/{len(self.config.combinations)} {combo.label} "
+                f"repeat {repeat + 1}/{self.config.num_repeats}"
+            )
             sample = self._sample(combo, mesh, repeat)
             result.samples.append(sample)
             self.done += 1
             self._report(combo, sample)
+        self._mark(f"{combo.label}: done")
         return result
 
     def _mesh(self, index: int | None) -> tuple[Any, str]:
@@ -161,6 +168,10 @@ class _Runner:
             f"{'' if not sample.problems else ' RESTORED VALUES DIFFER'} | "
             f"{elapsed:.1f}s elapsed, ~{left:.1f}s left"
         )
+
+    def _mark(self, doing: str) -> None:
+        """Every worker's count, for the launcher's live view (per host done, ETA)."""
+        print(marker(self.done, self.total, "runs", doing), flush=True)
 
     def _progress(self, text: str) -> None:
         if self.identity.id == 0:

@@ -15,7 +15,6 @@ from tpupod.cli.running import Live, run_live
 from tpupod.errors import BenchError
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
 
     from tpupod.bench.baseline import Comparison
     from tpupod.bench.launcher import BenchRun
@@ -136,19 +135,29 @@ def checkpoint(
     python = worker_python or (sys.executable if local else "python3")
     checkpoints = ramfs_dir or where(target, output, checkpoint_dir)
 
-    def body(live: Live) -> Awaitable[BenchRun]:
-        return run_bench(
-            target,
-            suite,
-            str(config),
-            output=output,
-            checkpoints=checkpoints,
-            worker_python=python,
-            timeout=timeout,
-            on_line=live.on_line,
-            on_notice=live.on_notice,
-            interrupt=live.interrupt,
+    async def body(live: Live) -> BenchRun:
+        from tpupod.podprogress import PodProgress
+
+        view = PodProgress(
+            f"bench {suite.suite_name}",
+            workers,
+            live.on_line,
+            tty=False if quiet else None,
+            hide=lambda text: text.startswith("bench ") and ": running |" in text,
         )
+        with view:
+            return await run_bench(
+                target,
+                suite,
+                str(config),
+                output=output,
+                checkpoints=checkpoints,
+                worker_python=python,
+                timeout=timeout,
+                on_line=view,
+                on_notice=live.on_notice,
+                interrupt=live.interrupt,
+            )
 
     done = run_live(workers, quiet, body)
     if done.results is None:
