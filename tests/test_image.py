@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, require, tpupod_argv
+from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
 from tpupod.errors import UsageError
 from tpupod.image.containerize import Container, Mount, wrap
 from tpupod.pod import Pod
+from tpupod.sim import SimPod
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path("/var/tmp/tpupod-test-podman")
@@ -46,6 +47,21 @@ if not str(PYTHON_HOME).startswith("/usr/"):
 
 def storage_conf(root: Path) -> str:
     return f'[storage]\ndriver = "overlay"\ngraphroot = "{root}/graph"\nrunroot = "{root}/run"\n'
+
+
+def cgroup_mounts() -> str:
+    """Shell that mounts this machine's cgroup hierarchies where they are missing."""
+    mounts = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split(" - ")
+        fstype, _, options = fields[1].split(" ", 2)
+        if fstype in ("cgroup", "cgroup2"):
+            point = fields[0].split()[4]
+            flag = options.split()[-1] if fstype == "cgroup" else ""
+            opts = f"-o {flag} " if flag else ""
+            mounts.append(f"mkdir -p {point} && mount -t {fstype} {opts}{fstype} {point}")
+    top = "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && " if len(mounts) > 1 else ""
+    return f"grep -q ' - cgroup' /proc/self/mountinfo || {{ {top}{' && '.join(mounts)}; }}"
 
 
 def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -303,3 +319,65 @@ def test_a_bad_dockerfile_names_the_worker_and_the_step(
     assert "Traceback" not in result.err
     missing = cli("image", "build", "--pod", pod.name, "-t", "x:1", str(tmp_path / "nothing"))
     assert missing.code == 2 and "is not a folder" in missing.err
+
+
+@pytest.fixture
+def ssh_pod_with_own_storages(
+    podman_env: str, make_ssh_pod: Callable[..., Pod], sim: SimPod
+) -> Iterator[Pod]:
+    """An SSH pod whose hosts each have an engine storage of their own, as real hosts do.
+
+    The simulated hosts share this machine's files, but each has its own home (an
+    overlay): the same ~/.tpupod-test-storage.conf names a different folder on each.
+    They also get this machine's cgroup mounts, which a real host has and runc needs
+    (``ip netns exec`` mounts a fresh /sys without them).
+    """
+    for host in sim.hosts:
+        root = CACHE / f"sim-{host.hostname}"
+        conf = f"cat > ~/.tpupod-test-storage.conf <<'EOF'\n{storage_conf(root)}EOF\n"
+        setup = f"{cgroup_mounts()}\n{conf}"
+        done = sim.run_on(host.index, setup)
+        assert done.returncode == 0, done.stderr
+    env = {
+        "CONTAINERS_CONF": os.environ["CONTAINERS_CONF"],
+        "CONTAINERS_STORAGE_CONF": "/root/.tpupod-test-storage.conf",
+    }
+    yield make_ssh_pod(4, env=env)
+
+
+@pytest.mark.timeout(120)
+def test_build_once_and_load_on_every_host_of_an_ssh_pod(
+    ssh_pod_with_own_storages: Pod, cli: Callable[..., CliResult], sim: SimPod, tmp_path: Path
+) -> None:
+    pod = ssh_pod_with_own_storages
+    tag = f"tpupod-test-ssh:{pod.name}"
+    context = busybox_context(tmp_path, 'RUN echo "built at $(date +%s%N)" > /built\n')
+    try:
+        result = cli("image", "build", "--pod", pod.name, "-t", tag, str(context), timeout=100)
+        assert result.code == 0, result.err
+        for i in range(1, 4):
+            assert f"tpupod: w{i} (host-{i}): sending" in result.err
+            assert f"tpupod: w{i}: loaded in" in result.err
+        assert result.out.count("loaded in") == 3
+        image_id = result.out.split()[1]
+        for host in sim.hosts:  # in each host's own storage, at the same id
+            own = sim.run_on(
+                host.index,
+                "CONTAINERS_STORAGE_CONF=~/.tpupod-test-storage.conf "
+                f"podman image inspect --format '{{{{.Id}}}}' {tag}",
+            )
+            assert own.stdout.startswith(image_id), own.stderr
+        listed = cli("image", "ls", "--pod", pod.name)
+        assert [tag, image_id, "w0-3", "-"] in [line.split() for line in listed.out.splitlines()]
+        ran = cli("exec", "--pod", pod.name, "--image", tag, "--", "cat /built; hostname")
+        assert ran.code == 0, ran.err
+        built = {line.split(" ", 1)[1] for line in ran.out.splitlines() if "built at" in line}
+        assert len(built) == 1 and ran.out.count("built at") == 4  # one build, on every host
+        assert all(f"[w{i}] host-{i}" in ran.out for i in range(4))
+        assert sim_leftovers(sim) == []
+    finally:
+        for host in sim.hosts:
+            sim.run_on(
+                host.index,
+                f"CONTAINERS_STORAGE_CONF=~/.tpupod-test-storage.conf podman rmi -f {tag}",
+            )
