@@ -20,6 +20,9 @@ from tpupod.execargs import join_command
 from tpupod.report import notice
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tpupod.jobs.execute import Executor
     from tpupod.jobs.models import Job, JobRequest
     from tpupod.jobs.runner import Runner
     from tpupod.jobs.store import Store
@@ -290,25 +293,104 @@ def worker(
         str, typer.Option("--worker-python", help="Python on the workers (code jobs).")
     ] = "python3",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No line per job.")] = False,
+    k8s: Annotated[
+        bool,
+        typer.Option(
+            "--k8s",
+            help="Run each job as a JobSet on a GKE TPU slice (--tpu, --image); "
+            "--pod then only names the jobs it takes.",
+        ),
+    ] = False,
+    tpu: Annotated[
+        str | None,
+        typer.Option("--tpu", metavar="TYPE", help="--k8s: the slice, e.g. v5litepod-16."),
+    ] = None,
+    topology: Annotated[
+        str | None,
+        typer.Option("--topology", help="--k8s: the node pool's, if not GKE's usual one."),
+    ] = None,
+    image: Annotated[
+        str | None, typer.Option("--image", help="--k8s: the container image (with tpupod).")
+    ] = None,
+    namespace: Annotated[str, typer.Option("--namespace", help="--k8s: where.")] = "default",
+    kubeconfig: Annotated[
+        str | None, typer.Option("--kubeconfig", help="--k8s: default $KUBECONFIG, ~/.kube.")
+    ] = None,
+    context: Annotated[str | None, typer.Option("--context", help="--k8s: kube context.")] = None,
+    service_account: Annotated[
+        str | None, typer.Option("--service-account", help="--k8s: the pods' account.")
+    ] = None,
 ) -> None:
-    """Run jobs: on every worker of a pod (gang-run through 'tpupod run'), or here (--local)."""
-    from tpupod.jobs.execute import Executor, LocalExecutor, PodExecutor
+    """Run jobs: on every worker of a pod (gang-run through 'tpupod run'), here (--local),
+    or as JobSets on a GKE TPU slice (--k8s)."""
+    from tpupod.jobs.execute import LocalExecutor, PodExecutor
     from tpupod.jobs.runner import Runner
     from tpupod.state import StateDir
 
     executor: Executor
     target = None
+    store = _store(db)
+    if local and k8s:
+        raise UsageError("--local and --k8s", hint="a runner runs jobs in one place")
     if local:
         executor = LocalExecutor()
+    elif k8s:
+        target = pod
+        executor = _k8s_executor(
+            store,
+            tpu=tpu,
+            topology=topology,
+            image=image,
+            namespace=namespace,
+            kubeconfig=kubeconfig,
+            context=context,
+            service_account=service_account,
+            worker_python=worker_python,
+            on_event=None if quiet else notice,
+        )
     else:
         found = StateDir().resolve(pod)
         target = found.name
         python = sys.executable if found.provider == "local" else worker_python
         executor = PodExecutor(found, worker_python=python)
-    runner = Runner(
-        _store(db), executor, pod=target, lease_s=lease, on_event=None if quiet else notice
-    )
+    runner = Runner(store, executor, pod=target, lease_s=lease, on_event=None if quiet else notice)
     asyncio.run(_serve(runner, until_empty, max_jobs))
+
+
+def _k8s_executor(
+    store: Store,
+    *,
+    tpu: str | None,
+    topology: str | None,
+    image: str | None,
+    namespace: str,
+    kubeconfig: str | None,
+    context: str | None,
+    service_account: str | None,
+    worker_python: str,
+    on_event: Callable[[str], None] | None,
+) -> Executor:
+    from tpupod.jobs.k8s import KubernetesExecutor, connect
+    from tpupod.jobs.k8s_manifest import Target, store_label, tpu_slice
+
+    if tpu is None or image is None:
+        raise UsageError(
+            "--k8s needs --tpu and --image",
+            hint="e.g. --k8s --tpu v5litepod-16 --image us-docker.pkg.dev/P/R/worker:1",
+        )
+    found = tpu_slice(tpu, topology)
+    target = Target(
+        found,
+        image=image,
+        namespace=namespace,
+        store=store_label(store.url),
+        worker_python=worker_python,
+        service_account=service_account,
+    )
+    cluster = connect(
+        kubeconfig=kubeconfig, context=context, namespace=namespace, pool=found.hosts + 8
+    )
+    return KubernetesExecutor(cluster, target, on_event=on_event)
 
 
 async def _serve(runner: Runner, until_empty: bool, max_jobs: int | None) -> None:
