@@ -381,3 +381,44 @@ def test_build_once_and_load_on_every_host_of_an_ssh_pod(
                 host.index,
                 f"CONTAINERS_STORAGE_CONF=~/.tpupod-test-storage.conf podman rmi -f {tag}",
             )
+
+
+# -- setup --docker -------------------------------------------------------------------------
+
+STUBS = {
+    # apt-get install puts a docker client and daemon in place (as the package would)
+    "apt-get": 'echo "apt-get $*" >> "$STUB_LOG"\n'
+    'if [ "$*" != "${*%docker.io}" ]; then for p in docker dockerd; do\n'
+    '  cp "$STUB_BIN/docker.later" "$STUB_BIN/$p"; done; fi',
+    "systemctl": 'echo "systemctl $*" >> "$STUB_LOG"',
+    "service": 'echo "service $*" >> "$STUB_LOG"',
+    "docker.later": 'echo "docker $*" >> "$STUB_LOG"\n'
+    'case "$*" in *ServerVersion*) echo "docker 26.1 ready";; esac',
+}
+
+
+@pytest.mark.timeout(60)
+def test_setup_docker_installs_starts_and_is_idempotent(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """apt cannot install a daemon in this test machine: apt-get, systemctl, service and the
+    docker it installs are stand-ins that record their calls, in front of the real PATH."""
+    pod = make_pod(2)
+    stubs, log = tmp_path / "bin", tmp_path / "calls.log"
+    stubs.mkdir()
+    for name, body in STUBS.items():
+        (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    path = os.pathsep.join([str(stubs), *os.environ["PATH"].split(os.pathsep)])
+    path = os.pathsep.join(p for p in path.split(os.pathsep) if p != "/usr/local/bin")
+    env = {"PATH": path, "STUB_LOG": str(log), "STUB_BIN": str(stubs)}
+    first = cli("setup", "--pod", pod.name, "--worker", "0", "--docker", env=env)
+    assert first.code == 0, first.err
+    assert "[w0] installing docker.io" in first.out and "[w0] docker 26.1 ready" in first.out
+    calls = log.read_text().splitlines()
+    assert "apt-get install -y -q docker.io" in calls
+    assert any(c in calls for c in ("systemctl enable --now docker", "service docker start"))
+    again = cli("setup", "--pod", pod.name, "--worker", "0", "--docker", env=env)
+    assert again.code == 0 and "already set up with this script" in again.out
+    neither = cli("setup", "--pod", pod.name)
+    assert neither.code == 2 and "one of --script FILE and --docker" in neither.err

@@ -174,13 +174,20 @@ def sync(
 @command("setup")
 def setup(
     script: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--script", "-s", help="Bootstrap script to run on every worker.", show_default=False
         ),
-    ],
+    ] = None,
     pod: PodOption = None,
     worker: WorkerOption = None,
+    docker: Annotated[
+        bool,
+        typer.Option(
+            "--docker",
+            help="Install and start Docker on every worker (tpupod's own script; no re-login).",
+        ),
+    ] = False,
     force: Annotated[
         bool, typer.Option("--force", help="Run even if this script already ran.")
     ] = False,
@@ -212,9 +219,23 @@ def setup(
       tpupod setup --script setup_tpu.sh
 
       tpupod setup --script setup_tpu.sh --force --lock-wait 600
+
+      tpupod setup --docker        # a container engine for 'run --image'
     """
+    from tpupod.errors import UsageError
     from tpupod.ops import setup as setup_ops
     from tpupod.state import StateDir
+
+    if (script is None) == (not docker):
+        raise UsageError(
+            "setup needs one of --script FILE and --docker",
+            hint="tpupod setup --script setup_tpu.sh, or tpupod setup --docker",
+        )
+    if docker:
+        from tpupod.image.setup_docker import script_file
+
+        script = script_file()
+    assert script is not None
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
