@@ -271,7 +271,7 @@ class Fleet:
         argv += ["--port", str(port), "--model", options.served_model_name or options.model]
         argv += ["--backends", ",".join(s.address for s in servers), "--policy", options.policy]
         argv += ["--health-interval", str(options.health_interval)]
-        args = ["ensure", "router", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN", "--", *argv]
+        args = ["ensure", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN", "router", "--", *argv]
         answer = (await self.ctl(head, *args, env={"TPUPOD_SERVE_TOKEN": token}))[-1]
         if "error" in answer:
             raise ServeError(f"w0: {answer['error']}: {'; '.join(answer.get('log', []))}")

@@ -1,0 +1,418 @@
+"""The serving fleet: agents, servers, registry, router and fanout, with real processes.
+
+The servers are ``tests/serve_stub.py`` run by the ``command`` backend (real
+processes: kill -9, restarts and streams are real); the client is the real
+``openai`` package. One fleet (a local pod of 2 workers x 2 servers) is
+shared by the local tests of this module; the SSH test makes its own on
+simulated hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.conftest import pod_processes, sim_leftovers, tpupod_argv
+from tpupod.serve.backends import Backend, ServerSpec, device_slices, plan, render
+from tpupod.serve.router import check_body
+
+STUB = Path(__file__).parent / "serve_stub.py"
+STUB_COMMAND = f"{{python}} {STUB} --host {{host}} --port {{port}} --tokens 400 --token-delay 0.01"
+HEALTH_INTERVAL = 0.5
+
+
+def run_cli(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TPUPOD_HOME": str(home)}
+    return subprocess.run(
+        tpupod_argv(*args), capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def free_base_port() -> int:
+    """A base port whose next few ports are free (tests run beside other tests)."""
+    import random
+    import socket
+
+    for _ in range(50):
+        base = random.randrange(32000, 60000, 10)
+        try:
+            for port in range(base, base + 8):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
+# -- unit: launch templates and request checks ------------------------------------------
+
+
+def test_launch_templates_render_the_seeds_command_lines() -> None:
+    common: dict[str, Any] = {"host": "10.0.0.2", "model": "/m", "devices": 4, "python": "py"}
+    (builtin,) = plan(Backend.BUILTIN, ports=[31000, 31001], dtype="bfloat16", **common)
+    assert render(builtin) == [
+        "py", "-m", "tpupod.serve.builtin", "--model", "/m", "--host", "10.0.0.2",
+        "--ports", "31000,31001", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    assert builtin.device_ids == ((0, 1), (2, 3))
+    sgl = plan(
+        Backend.SGLANG_JAX, ports=[31000, 31001], extra_args=("--context-length", "4096"), **common
+    )
+    assert render(sgl[1]) == [
+        "py", "-m", "sgl_jax.launch_server", "--model-path", "/m", "--host", "10.0.0.2",
+        "--port", "31001", "--device-indexes", "2,3", "--tp-size", "2", "--context-length", "4096",
+    ]  # fmt: skip
+    (vllm,) = plan(Backend.VLLM, ports=[8000], **common)
+    assert render(vllm)[:6] == ["vllm", "serve", "/m", "--host", "10.0.0.2", "--port"]
+    (cmd,) = plan(
+        Backend.COMMAND, ports=[7], command="run {model} --port {port} {device_ids}", **common
+    )
+    assert render(cmd) == ["/bin/bash", "-c", "exec run /m --port 7 0,1,2,3"]
+
+
+def test_command_templates_quote_values_and_reject_unknown_fields() -> None:
+    spec = ServerSpec(
+        name="x", backend=Backend.COMMAND, host="h", ports=(1,), model="a b; rm -rf /",
+        command="serve {model}",
+    )  # fmt: skip
+    assert render(spec)[2] == "exec serve 'a b; rm -rf /'"
+    from tpupod.errors import UsageError
+
+    with pytest.raises(UsageError, match="not valid"):
+        render(spec.model_copy(update={"command": "serve {nope}"}))
+    with pytest.raises(UsageError, match="split evenly"):
+        device_slices(4, 3)
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "problem"),
+    [
+        (b"{", True, "not valid JSON"),
+        (b"[1]", True, "JSON object"),
+        (b'{"messages": []}', True, "non-empty list"),
+        (b'{"messages": ["hi"]}', True, "'role'"),
+        (b'{"prompt": 3}', False, "'prompt'"),
+        (b'{"prompt": "x", "max_tokens": -1}', False, "'max_tokens'"),
+        (b'{"prompt": "x", "stream": "yes"}', False, "'stream'"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', True, None),
+    ],
+)
+def test_malformed_bodies_are_named(body: bytes, chat: bool, problem: str | None) -> None:
+    found = check_body(body, chat)
+    assert (found is None) if problem is None else (found is not None and problem in found)
+
+
+# -- a shared local fleet -----------------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    home: Path
+    pod: str
+    base_url: str
+    token: str
+    router: str
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    home = tmp_path_factory.mktemp("serve") / "state"
+    pod = f"sv{os.getpid()}"
+    assert run_cli(home, "up", "--name", pod, "--local", "2").returncode == 0
+    try:
+        up = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", "stub-model", "--backend", "command",
+            "--command", STUB_COMMAND, "--servers-per-worker", "2",
+            "--base-port", str(free_base_port()), "--health-interval", str(HEALTH_INTERVAL),
+            "--restart-backoff", "0.2", "--startup-timeout", "60",
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr
+        assert up.stderr.count(" ready (") == 4
+        exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
+        values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+        base_url, token = values["OPENAI_BASE_URL"], values["OPENAI_API_KEY"]
+        yield Fleet(home, pod, base_url, token, base_url.removesuffix("/v1"))
+    finally:
+        run_cli(home, "serve", "down", "--pod", pod)
+        run_cli(home, "down", "--pod", pod)
+        for proc in pod_processes(pod):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+def backends(fleet: Fleet) -> dict[str, Any]:
+    auth = {"Authorization": f"Bearer {fleet.token}"}
+    answer: dict[str, Any] = httpx.get(f"{fleet.router}/backends", headers=auth).json()
+    return answer
+
+
+@pytest.mark.local
+def test_the_openai_client_talks_to_the_router(fleet: Fleet) -> None:
+    client = openai.OpenAI(base_url=fleet.base_url, api_key=fleet.token, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["stub-model"]
+    seen = set()
+    for _ in range(8):
+        answer = client.chat.completions.create(
+            model="stub-model", messages=[{"role": "user", "content": "你是谁"}], max_tokens=3
+        )
+        text = answer.choices[0].message.content or ""
+        assert text.endswith(" t1 t2") and answer.usage is not None
+        seen.add(text.split()[0])
+    assert len(seen) == 4  # least outstanding with rotation spreads requests over every server
+    stream = client.chat.completions.create(
+        model="stub-model", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+    )
+    pieces = [c.choices[0].delta.content for c in stream]
+    assert "".join(p or "" for p in pieces).endswith(" t1 t2 t3 t4") and len(pieces) == 5
+    completion = client.completions.create(model="stub-model", prompt="x", max_tokens=2)
+    assert completion.choices[0].text.endswith(" t1")
+
+
+@pytest.mark.local
+def test_requests_without_the_token_get_401(fleet: Fleet) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{fleet.base_url}/chat/completions", json={}, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{fleet.router}/metrics").status_code == 401
+    assert httpx.get(f"{fleet.router}/health").json()["ok"] is True
+    bad = openai.OpenAI(base_url=fleet.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+@pytest.mark.local
+def test_malformed_requests_get_openai_shaped_400s_and_mark_no_backend(fleet: Fleet) -> None:
+    before = {a: h["failures"] for a, h in backends(fleet)["health"].items()}
+    auth = {"Authorization": f"Bearer {fleet.token}", "Content-Type": "application/json"}
+    for body in (
+        b"{not json",
+        b'"text"',
+        b'{"messages": []}',
+        b'{"messages": [{"role": 1}], "n": 0}',
+    ):
+        r = httpx.post(f"{fleet.base_url}/chat/completions", content=body, headers=auth)
+        assert r.status_code == 400, body
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"]
+    client = openai.OpenAI(base_url=fleet.base_url, api_key=fleet.token, max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="stub-model", messages=[])
+    after = backends(fleet)
+    assert len(after["backends"]) == 4
+    assert {a: h["failures"] for a, h in after["health"].items()} == before
+    metrics = httpx.get(f"{fleet.router}/metrics", headers=auth).text
+    assert "tpupod_router_requests_total" in metrics
+
+
+@pytest.mark.local
+def test_fanout_prints_a_line_per_backend(fleet: Fleet) -> None:
+    result = run_cli(
+        fleet.home, "fanout", "--pod", fleet.pod, "--prompt", "你是谁", "--max-tokens", "4"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    resp = sorted(line for line in lines if line.startswith("RESP "))
+    assert len(resp) == 4 and all(" status=200 ms=" in line for line in resp)
+    assert all('content="stub' in line for line in resp)
+    assert lines[-1].startswith("DONE backends=4 ok=4 wall_sec=")
+
+
+@pytest.mark.local
+def test_fanout_exits_non_zero_when_a_backend_fails(fleet: Fleet) -> None:
+    listed = [*backends(fleet)["backends"][:1], "127.0.0.1:9"]  # port 9: nothing listens
+
+    class Registry(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"ok": True, "model": "m", "backends": listed}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Registry)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = run_cli(
+            fleet.home, "fanout", "--registry-url", url, "--prompt", "hi", "--timeout", "5"
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 1
+    assert "RESP backend=127.0.0.1:9 status=error" in result.stdout
+    assert result.stdout.splitlines()[-1].startswith("DONE backends=2 ok=1 ")
+
+
+async def watch(
+    http: httpx.AsyncClient, fleet: Fleet, address: str, killed: float
+) -> tuple[float | None, float | None]:
+    """Seconds after the kill until the registry marked ``address`` down, and until it was back."""
+    down_after = None
+    while time.monotonic() - killed < 20:
+        health = (await http.get(f"{fleet.router}/backends")).json()
+        if down_after is None and health["health"][address]["state"] == "down":
+            down_after = time.monotonic() - killed
+        if down_after is not None and address in health["backends"]:
+            return down_after, time.monotonic() - killed
+        await asyncio.sleep(0.05)
+    return down_after, None
+
+
+def stub_pid(port: int) -> int:
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if str(STUB) in cmdline and str(port) in cmdline:
+            return int(proc.pid)
+    raise AssertionError(f"no stub on port {port}")
+
+
+@pytest.mark.local
+@pytest.mark.timeout(60)
+def test_kill_minus_nine_of_a_backend_under_load(fleet: Fleet) -> None:
+    """No non-streaming request fails; the stream on it ends with an error; it comes back."""
+    auth = {"Authorization": f"Bearer {fleet.token}"}
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def scenario() -> dict[str, Any]:
+        stop = asyncio.Event()
+        failures: list[str] = []
+        done = [0]
+
+        async def load(http: httpx.AsyncClient) -> None:
+            while not stop.is_set():
+                try:
+                    r = await http.post(f"{fleet.base_url}/chat/completions", json=body)
+                    if r.status_code != 200:
+                        failures.append(f"{r.status_code} {r.text}")
+                except httpx.HTTPError as exc:
+                    failures.append(repr(exc))
+                done[0] += 1
+
+        client = openai.AsyncOpenAI(base_url=fleet.base_url, api_key=fleet.token, max_retries=0)
+        async with httpx.AsyncClient(headers=auth, timeout=10) as http:
+            loads = [asyncio.create_task(load(http)) for _ in range(4)]
+            await asyncio.sleep(0.3)
+            stream = await client.chat.completions.create(
+                model="stub-model", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=400, stream=True,
+            )  # fmt: skip
+            first = await anext(aiter(stream))
+            port = int((first.choices[0].delta.content or "").removeprefix("stub"))
+            address = f"127.0.0.1:{port}"
+            os.kill(stub_pid(port), 9)
+            killed = time.monotonic()
+
+            async def drain() -> None:
+                async for _ in stream:
+                    pass
+
+            with pytest.raises(openai.APIError):
+                await asyncio.wait_for(drain(), 5)
+            stream_ended = time.monotonic() - killed
+            down_after, back_after = await watch(http, fleet, address, killed)
+            await asyncio.sleep(0.5)  # some load on the one that came back
+            stop.set()
+            await asyncio.gather(*loads)
+        return {
+            "failures": failures, "requests": done[0], "port": port, "stream_ended": stream_ended,
+            "down_after": down_after, "back_after": back_after,
+        }  # fmt: skip
+
+    result = asyncio.run(scenario())
+    assert result["failures"] == []
+    assert result["requests"] > 20
+    assert result["stream_ended"] < 2
+    assert result["down_after"] is not None and result["down_after"] < 2 * HEALTH_INTERVAL
+    assert result["back_after"] is not None
+    status = run_cli(fleet.home, "serve", "status", "--pod", fleet.pod)
+    assert status.returncode == 0, status.stderr
+    row = next(line.split() for line in status.stdout.splitlines() if f":{result['port']} " in line)
+    assert row[3] == "ready" and row[5] == "1", status.stdout  # one restart, counted
+    assert "(4/4 backends healthy)" in status.stdout
+
+
+@pytest.mark.local
+def test_logs_and_restart_reach_the_servers(fleet: Fleet) -> None:
+    first = backends(fleet)["backends"][0]
+    port = int(first.split(":")[1])
+    before = stub_pid(port)
+    result = run_cli(fleet.home, "serve", "restart", "--pod", fleet.pod, "--port", str(port))
+    assert result.returncode == 0, result.stderr
+    assert stub_pid(port) != before
+    logs = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod)
+    assert logs.returncode == 0, logs.stderr
+
+
+@pytest.mark.local
+def test_serve_down_leaves_nothing_running(tmp_path: Path) -> None:
+    home = tmp_path / "state"
+    pod = f"sd{os.getpid()}"
+    assert run_cli(home, "up", "--name", pod, "--local", "2").returncode == 0
+    try:
+        up = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+            "--command", STUB_COMMAND, "--base-port", str(free_base_port()),
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr
+        assert len(pod_processes(pod)) >= 5  # 2 agents, 2 servers, the router
+        down = run_cli(home, "serve", "down", "--pod", pod)
+        assert down.returncode == 0, down.stderr
+        deadline = time.monotonic() + 3
+        while pod_processes(pod) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.cmdline() for p in pod_processes(pod)] == []
+        gone = run_cli(home, "serve", "status", "--pod", pod)
+        assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
+    finally:
+        run_cli(home, "down", "--pod", pod)
+
+
+# -- an SSH pod of simulated hosts ----------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_the_agent_outlives_the_ssh_session_that_started_it(
+    make_ssh_pod: Any, state_home: Path, sim: Any
+) -> None:
+    pod = make_ssh_pod(workers=2)
+    python = sys.executable
+    up = run_cli(
+        state_home, "serve", "up", "--pod", pod.name, "--model", "m", "--backend", "command",
+        "--command", STUB_COMMAND, "--servers-per-worker", "2", "--worker-python", python,
+        "--health-interval", "0.5",
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    # serve up has ended: its SSH sessions are closed; the agents and servers live on
+    for host in sim.hosts[:2]:
+        running = " ".join(args for _, args in sim.processes(host.index))
+        assert "tpupod.serve.agent" in running and "serve_stub.py" in running
+    fanout = run_cli(state_home, "fanout", "--pod", pod.name, "--prompt", "你是谁")
+    assert fanout.returncode == 0, fanout.stdout + fanout.stderr
+    assert fanout.stdout.count(" status=200 ") == 4
+    assert any(f"{sim.hosts[1].address}:31001" in line for line in fanout.stdout.splitlines())
+    down = run_cli(state_home, "serve", "down", "--pod", pod.name)
+    assert down.returncode == 0, down.stderr
+    assert sim_leftovers(sim) == []
