@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -304,6 +305,11 @@ def test_two_workers_equal_one_process_bit_for_bit(
     result = _ok(cli(*_args(data, out), "--pod", pod.name, timeout=120))
     assert "[w0] w1 " in result.out  # the per-host table lists both hosts
     assert _files(out) == _files(single)
+    # not a terminal: each host's progress as plain lines, its share of samples to the end
+    shares = [re.findall(rf"\[w{w}\] progress: (\d+)/(\d+) samples", result.out) for w in (0, 1)]
+    assert all(share[0][0] == "0" and share[-1][0] == share[-1][1] for share in shares)
+    assert sum(int(share[-1][1]) for share in shares) == 64
+    assert "tpupod-progress" not in result.out
 
 
 def test_resume_after_kill_9_at_several_points_is_identical(

@@ -155,9 +155,11 @@ def _worker_argv(options: ExtractOptions, python: str) -> list[str]:
 
 def _on_pod(pod: str, options: ExtractOptions) -> int:
     """Check the input here first (one clear error, nothing started), then launch everywhere."""
-    from tpupod.cli.running import run_live
+    from tpupod.cli.running import Live, run_live
     from tpupod.extract.runner import prepare
+    from tpupod.launch.run import RunResult
     from tpupod.launch.run import run as launch_run
+    from tpupod.podprogress import PodProgress
     from tpupod.report import print_summary
     from tpupod.state import StateDir
 
@@ -168,18 +170,19 @@ def _on_pod(pod: str, options: ExtractOptions) -> int:
     local = target.provider == "local"
     python = sys.executable if local else "python3"
     line = shlex.join(_worker_argv(_absolute(options) if local else options, python))
-    result = run_live(
-        workers,
-        False,
-        lambda live: launch_run(
-            target,
-            line,
-            workers=workers,
-            on_line=live.on_line,
-            on_notice=live.on_notice,
-            interrupt=live.interrupt,
-        ),
-    )
+
+    async def body(live: Live) -> RunResult:
+        with PodProgress("extract", workers, live.on_line, hide=_said_progress) as view:
+            return await launch_run(
+                target,
+                line,
+                workers=workers,
+                on_line=view,
+                on_notice=live.on_notice,
+                interrupt=live.interrupt,
+            )
+
+    result = run_live(workers, False, body)
     print_summary(result.fanout, sys.stderr, title=f"extract {result.launch.launch_id}")
     return result.fanout.exit_code()
 
@@ -195,10 +198,39 @@ def _absolute(options: ExtractOptions) -> ExtractOptions:
     )
 
 
+def _said_progress(text: str) -> bool:
+    """Worker 0's own progress line, which a terminal's live view shows better."""
+    return "writes pending, ETA" in text
+
+
 def _here(options: ExtractOptions) -> None:
+    """All of it in this process: as a worker of 'tpupod run' (progress markers go to the
+    launcher), or alone (a live view on a terminal; worker 0's plain lines otherwise)."""
+    import os
+
     from tpupod.extract.runner import run_worker
 
-    run_worker(options, _say)
+    if "TPUPOD_WORKER_ID" in os.environ or not sys.stdout.isatty():
+        run_worker(options, _say, mark=_say if "TPUPOD_WORKER_ID" in os.environ else None)
+        return
+    from tpupod.podprogress import PodProgress
+    from tpupod.transport import OutputLine, Stream
+
+    here = _Here()
+    with PodProgress("extract", [here], None, hide=_said_progress) as view:
+
+        def say(text: str) -> None:
+            view(here, OutputLine(Stream.STDOUT, text))
+
+        run_worker(options, say, mark=say)
+
+
+class _Here:
+    """This machine as the one host of the live view."""
+
+    id = 0
+    hostname = "localhost"
+    label = "w0"
 
 
 def _say(line: str) -> None:

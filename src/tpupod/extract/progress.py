@@ -1,8 +1,10 @@
-"""Progress of one host's extraction: counters, and a line every few seconds on worker 0.
+"""Progress of one host's extraction: counters, and a line every few seconds.
 
-Workers run under ``tpupod run``, whose terminal shows each worker's lines
-prefixed, so progress is a plain line (samples/s, tokens/s, bytes written,
-writes pending, ETA) rather than a redrawn bar.
+Worker 0 says a plain line (samples/s, tokens/s, bytes written, writes
+pending, ETA), which a log keeps. Every host also prints a progress marker
+(``tpupod.podprogress``) as often and when it ends: the launcher turns those
+into a live table of every host on its terminal (samples done, samples/s, ETA),
+or into plain per-host lines when its output is no terminal.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+
+from tpupod.podprogress import marker
 
 EVERY_S = 2.0
 
@@ -24,10 +28,17 @@ class HostStats:
 
 
 class Progress:
-    def __init__(self, host: int, total: int, say: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        host: int,
+        total: int,
+        say: Callable[[str], None] | None,
+        mark: Callable[[str], None] | None = None,
+    ) -> None:
         self.host = host
         self.total = total
         self.say = say
+        self.mark = mark
         self.samples = 0
         self.tokens = 0
         self.bytes = 0
@@ -35,6 +46,8 @@ class Progress:
         self.pending: Callable[[], int] = lambda: 0
         self.start = time.monotonic()
         self._last = self.start
+        self._marked = self.start
+        self._marker(self.start)
 
     def step(self, samples: int, tokens: int) -> None:
         self.samples += samples
@@ -43,6 +56,19 @@ class Progress:
         if self.say is not None and now - self._last >= EVERY_S:
             self._last = now
             self.say(self.line(now))
+        if now - self._marked >= EVERY_S:
+            self._marker(now)
+
+    def _marker(self, now: float) -> None:
+        if self.mark is None:
+            return
+        self._marked = now
+        elapsed = max(now - self.start, 1e-9)
+        doing = (
+            f"{self.tokens / elapsed:.0f} tokens/s, {self.bytes / 1e6:.1f} MB written, "
+            f"{self.pending()} writes pending"
+        )
+        self.mark(marker(self.samples, self.total, "samples", doing))
 
     def written(self, n: int) -> None:  # called from the writer's thread
         self.bytes += n
@@ -61,6 +87,7 @@ class Progress:
         )
 
     def finish(self) -> HostStats:
+        self._marker(time.monotonic())
         return HostStats(
             self.host, self.samples, self.tokens, self.bytes, time.monotonic() - self.start
         )

@@ -267,6 +267,8 @@ def extract_here(
     host: int = 0,
     hosts: int = 1,
     agree: Callable[[shards.RunConfig], None] = lambda config: None,
+    *,
+    mark: Say | None = None,
 ) -> tuple[Prepared, HostStats]:
     """This host's whole part: prepare, compute its shards, write them. ``agree`` is
     called with the run's config before any compute (workers check they all have it)."""
@@ -279,7 +281,7 @@ def extract_here(
         # a killed run's half-written files, of this host's shards only: others write theirs now
         store.remove_staged([n for s in left for n in shards.files_of(s.index)])
     total = sum(len(s.samples) for s in left)
-    progress = Progress(host, total, say if host == 0 else None)
+    progress = Progress(host, total, say if host == 0 else None, mark)
     writer = Writer(store, progress.written)
     progress.pending = lambda: writer.pending
     for shard in left:
@@ -292,9 +294,10 @@ def extract_here(
     return prepared, progress.finish()
 
 
-def run_worker(options: ExtractOptions, say: Say) -> None:
+def run_worker(options: ExtractOptions, say: Say, mark: Say | None = None) -> None:
     """This process's part: all of it alone, or its share as a worker of ``tpupod run``
-    (``init_jax``, every worker checked to have the same run, stats gathered at the end)."""
+    (``init_jax``, every worker checked to have the same run, stats gathered at the end).
+    ``mark`` takes this host's progress markers (for a launcher's live view)."""
     from tpupod.launch.identity import worker
 
     identity = worker()
@@ -303,7 +306,7 @@ def run_worker(options: ExtractOptions, say: Say) -> None:
 
         init_jax()  # a TPU slice's runtime starts on every host together
     prepared, stats = extract_here(
-        options, say, identity.id, identity.count, _agree(identity.count)
+        options, say, identity.id, identity.count, _agree(identity.count), mark=mark
     )
     rows = [dataclasses.asdict(stats)]
     if identity.count > 1:
