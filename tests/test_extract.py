@@ -8,8 +8,11 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -310,6 +313,27 @@ def test_two_workers_equal_one_process_bit_for_bit(
     assert all(share[0][0] == "0" and share[-1][0] == share[-1][1] for share in shares)
     assert sum(int(share[-1][1]) for share in shares) == 64
     assert "tpupod-progress" not in result.out
+
+
+def test_an_ssh_pod_equals_one_process_bit_for_bit(
+    reference_run: tuple[Path, Path], make_ssh_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+) -> None:  # fmt: skip
+    # Simulated hosts keep /tmp and their home to themselves and share /var/tmp: the data and
+    # the output folder every host writes its shards to are there (as on a shared disk).
+    data, single = reference_run
+    shared = Path(tempfile.mkdtemp(prefix="tpupod-extract-", dir="/var/tmp"))
+    try:
+        shutil.copy(data, shared / "data.jsonl")
+        pod = make_ssh_pod(2)
+        args = (*_args(shared / "data.jsonl", shared / "out"), "--pod", pod.name)
+        result = _ok(cli(*args, "--worker-python", sys.executable, timeout=180))
+        assert _files(shared / "out") == _files(single)
+        assert "[w0] w1 " in result.out  # both hosts' rows in the summary
+        for worker in ("w0", "w1"):
+            assert f"[{worker}] progress: 0/" in result.out
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_resume_after_kill_9_at_several_points_is_identical(

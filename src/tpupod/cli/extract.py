@@ -76,6 +76,15 @@ def extract(
     ] = 256,
     strict: Annotated[bool, typer.Option("--strict", help="A malformed line is fatal.")] = False,
     pod: PodOption = None,
+    worker_python: Annotated[
+        str | None,
+        typer.Option(
+            "--worker-python",
+            help="With --pod: the python with tpupod on the workers (default: this one on a "
+            "local pod, python3 on hosts).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Save chosen layers' activations of every sample, resumably, in safetensors shards;
     or 'tpupod extract convert-arc SRC OUT.jsonl' (ARC tasks to JSONL prompts).
@@ -124,7 +133,7 @@ def extract(
         strict=strict,
     )
     if pod is not None:
-        raise typer.Exit(_on_pod(pod, options))
+        raise typer.Exit(_on_pod(pod, options, worker_python))
     _here(options)
 
 
@@ -153,7 +162,7 @@ def _worker_argv(options: ExtractOptions, python: str) -> list[str]:
     return argv
 
 
-def _on_pod(pod: str, options: ExtractOptions) -> int:
+def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int:
     """Check the input here first (one clear error, nothing started), then launch everywhere."""
     from tpupod.cli.running import Live, run_live
     from tpupod.extract.runner import prepare
@@ -168,7 +177,7 @@ def _on_pod(pod: str, options: ExtractOptions) -> int:
     workers = target.select(None)
     # a local pod's workers are this machine: this python, and paths from where we stand
     local = target.provider == "local"
-    python = sys.executable if local else "python3"
+    python = worker_python or (sys.executable if local else "python3")
     line = shlex.join(_worker_argv(_absolute(options) if local else options, python))
 
     async def body(live: Live) -> RunResult:
