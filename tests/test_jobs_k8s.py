@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,7 +79,7 @@ def _job(**changes: Any) -> Job:
 def test_jobset_gang_runs_one_pod_per_tpu_vm_of_the_slice() -> None:
     target = Target(tpu_slice("v5litepod-16"), image="img:1", namespace=NAMESPACE, store="s1")
     body = render_jobset(_job(code="result = 1", command=None), 2, target)
-    assert body["metadata"]["name"] == "tpupod-7-2"
+    assert body["metadata"]["name"] == "tpupod-s1-7-2"
     labels = body["metadata"]["labels"]
     assert labels["tpupod.dev/job-id"] == "7" and labels["tpupod.dev/attempt"] == "2"
     (rjob,) = body["spec"]["replicatedJobs"]
@@ -218,19 +219,23 @@ async def _with_runner(runner: Runner, scenario: Callable[[], Awaitable[None]]) 
         await asyncio.wait_for(serving, 20)
 
 
-def _pods(cluster: Cluster, job_id: int, attempt: int) -> list[dict[str, Any]]:
-    return cluster.pods(f"jobset.sigs.k8s.io/jobset-name={jobset_name(job_id, attempt)}")
+def _name(store: Store, job_id: int, attempt: int) -> str:
+    return jobset_name(job_id, attempt, store_label(store.url))
+
+
+def _pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+    return cluster.pods(f"jobset.sigs.k8s.io/jobset-name={name}")
 
 
 def _is(store: Store, job_id: int, *statuses: JobStatus) -> Callable[[], bool]:
     return lambda: store.get(job_id).status in statuses
 
 
-def _gone(standin: StandIn, cluster: Cluster, job_id: int, attempt: int) -> None:
+def _gone(standin: StandIn, cluster: Cluster, name: str) -> None:
     """The attempt's JobSet, pods and processes are all gone."""
-    assert cluster.get(jobset_name(job_id, attempt)) is None
-    assert _pods(cluster, job_id, attempt) == []
-    assert not [p for p in standin.live() if p.startswith(f"{jobset_name(job_id, attempt)}-")]
+    assert cluster.get(name) is None
+    assert _pods(cluster, name) == []
+    assert not [p for p in standin.live() if p.startswith(f"{name}-")]
 
 
 @pytest.mark.local
@@ -270,8 +275,8 @@ def test_a_job_runs_on_every_pod_and_its_logs_and_result_come_back(
     async def scenario() -> None:
         await _until(_is(store, job_id, JobStatus.RUNNING, *_ENDED))
         seen["status"] = store.get(job_id).status  # every pod printed its start marker
-        seen["jobset"] = cluster.get(jobset_name(job_id, 1))
-        seen["pods"] = _pods(cluster, job_id, 1)
+        seen["jobset"] = cluster.get(_name(store, job_id, 1))
+        seen["pods"] = _pods(cluster, _name(store, job_id, 1))
         await _until(_is(store, job_id, *_ENDED))
 
     asyncio.run(_with_runner(_runner(store, standin, "v5litepod-16", events), scenario))
@@ -290,7 +295,7 @@ def test_a_job_runs_on_every_pod_and_its_logs_and_result_come_back(
         assert (w, f"INFO done {w}") in lines
     assert [line.seq for line in store.logs(job_id)] == list(range(1, 9))
     assert _accepted(standin) == accepted + 1
-    _gone(standin, cluster, job_id, 1)  # deleted when the attempt ended
+    _gone(standin, cluster, _name(store, job_id, 1))  # deleted when the attempt ended
 
 
 _ENDED = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
@@ -320,10 +325,10 @@ def test_a_failed_pod_fails_the_attempt_naming_its_worker(standin: StandIn, stor
     assert job.status is JobStatus.FAILED, events
     assert job.attempt == 1  # the program failed: no retry
     assert job.error is not None
-    assert job.error.startswith(f"w1 ({jobset_name(job_id, 1)}-workers-0-1-")
+    assert job.error.startswith(f"w1 ({_name(store, job_id, 1)}-workers-0-1-")
     assert job.error.endswith("exit 3: boom on 1")
     assert time.monotonic() - began < 20  # w0's sleep 60 was killed
-    _gone(standin, cluster, job_id, 1)
+    _gone(standin, cluster, _name(store, job_id, 1))
 
 
 @pytest.mark.local
@@ -342,7 +347,9 @@ def test_an_evicted_pod_retries_the_attempt_until_max_attempts(
     async def evict_when_running(job_id: int) -> None:
         await _until(_is(store, job_id, JobStatus.RUNNING))
         attempt = store.get(job_id).attempt
-        (pod, *_) = sorted(p["metadata"]["name"] for p in _pods(cluster, job_id, attempt))
+        (pod, *_) = sorted(
+            p["metadata"]["name"] for p in _pods(cluster, _name(store, job_id, attempt))
+        )
         await asyncio.to_thread(standin.evict, pod)
 
     async def scenario() -> None:
@@ -366,7 +373,7 @@ def test_an_evicted_pod_retries_the_attempt_until_max_attempts(
     assert job.error is not None and "Evicted" in job.error
     assert job.error.endswith("gave up after 1 attempts")
     for job_id, attempt in ((again, 1), (again, 2), (once, 1)):
-        _gone(standin, cluster, job_id, attempt)
+        _gone(standin, cluster, _name(store, job_id, attempt))
 
 
 @pytest.mark.local
@@ -393,7 +400,7 @@ def test_cancel_and_timeout_delete_the_jobset_and_end_every_pod(
     job = store.get(cancelled)
     assert job.status is JobStatus.CANCELLED and job.error == "cancelled by request"
     for job_id in (timed, cancelled):
-        _gone(standin, cluster, job_id, 1)
+        _gone(standin, cluster, _name(store, job_id, 1))
     assert standin.live() == {}
 
 
@@ -421,14 +428,16 @@ def test_a_killed_runners_jobset_is_deleted_and_the_job_runs_again(
             time.sleep(0.05)
         held = store.get(job_id)
         orphans = {
-            n: pid for n, pid in standin.live().items() if n.startswith(f"tpupod-{job_id}-1-")
+            n: pid
+            for n, pid in standin.live().items()
+            if n.startswith(_name(store, job_id, 1) + "-")
         }
         assert len(orphans) == 2
         runner.send_signal(signal.SIGKILL)
     finally:
         runner.kill()
         runner.communicate(timeout=10)
-    assert cluster.get(jobset_name(job_id, 1)) is not None  # left behind, pods running
+    assert cluster.get(_name(store, job_id, 1)) is not None  # left behind, pods running
     late = Claim(job=held, attempt=1, owner=held.lease_owner or "", next_seq=100)
     events: list[str] = []
 
@@ -438,9 +447,9 @@ def test_a_killed_runners_jobset_is_deleted_and_the_job_runs_again(
     asyncio.run(_with_runner(_runner(store, standin, "v4-16", events), scenario))
     job = store.get(job_id)
     assert job.status is JobStatus.COMPLETED and job.attempt == 2, (job.error, events)
-    assert any(f"deleted JobSet {jobset_name(job_id, 1)}" in e for e in events)
-    _gone(standin, cluster, job_id, 1)
-    _gone(standin, cluster, job_id, 2)
+    assert any(f"deleted JobSet {_name(store, job_id, 1)}" in e for e in events)
+    _gone(standin, cluster, _name(store, job_id, 1))
+    _gone(standin, cluster, _name(store, job_id, 2))
     assert not [pid for pid in orphans.values() if _alive(pid)]
     with pytest.raises(LeaseLost):  # the dead runner's late writes change nothing
         claims.append_logs(store, late, 100, [(0, "late line")])
@@ -465,3 +474,27 @@ def test_the_cli_refuses_a_slice_gke_does_not_have(cli: Callable[..., CliResult]
     assert "Traceback" not in done.err
     done = cli("jobs", "worker", "--k8s", "--tpu", "v4-8")
     assert "error: --k8s needs --tpu and --image" in done.err
+
+
+@pytest.mark.local
+@pytest.mark.timeout(30)
+def test_an_api_server_that_does_not_answer_retries_the_attempt(
+    store: Store, tmp_path: Path
+) -> None:
+    from tpupod.jobs.k8s_standin import kubeconfig_text
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(kubeconfig_text(f"http://127.0.0.1:{port}", TOKEN, NAMESPACE))
+    target = Target(tpu_slice("v4-8"), image="img", namespace=NAMESPACE)
+    cluster = connect(kubeconfig=str(kubeconfig), context=None, namespace=NAMESPACE)
+    events: list[str] = []
+    runner = Runner(store, KubernetesExecutor(cluster, target), lease_s=3.0, on_event=events.append)
+    job_id = store.submit(JobRequest(command="echo hi", max_attempts=2))
+    asyncio.run(runner.serve(max_jobs=2))
+    job = store.get(job_id)
+    assert job.status is JobStatus.FAILED and job.attempt == 2, events
+    assert job.error is not None and "not created" in job.error
+    assert job.error.endswith("gave up after 2 attempts")

@@ -63,6 +63,7 @@ LOG_RECONNECT_S = 0.5
 LOG_SLACK_S = 10  # a reconnect asks for this much more than it lost (clock skew)
 GONE_WAIT_S = 15.0  # beyond the pods' grace period, for them to go after a delete
 DRAIN_S = 5.0  # for a finished pod's log to arrive in full
+NO_PODS_S = 60.0  # then say once that the JobSet has made no pods
 REQUEST_TIMEOUT = (10.0, 60.0)  # connect, read (a quiet log stream reconnects after this)
 
 # A pod the cluster took away, not one whose program failed: the attempt is retried.
@@ -75,6 +76,19 @@ STUCK = {
     "CreateContainerConfigError",
     "CreateContainerError",
 }
+
+
+class KubernetesError(JobError):
+    """An API call that failed; ``status`` is the HTTP status (None: no answer at all)."""
+
+    def __init__(self, message: str, *, hint: str, status: int | None) -> None:
+        super().__init__(message, hint=hint)
+        self.status = status
+
+    @property
+    def refused(self) -> bool:
+        """The API server answered no (4xx): asking again will not help."""
+        return self.status is not None and 400 <= self.status < 500
 
 
 class Cluster:
@@ -171,13 +185,16 @@ def _translated(what: str) -> Any:
     try:
         yield
     except ApiException as exc:
-        raise JobError(
+        raise KubernetesError(
             f"Kubernetes: {what}: {exc.status} {_reason(exc)}",
             hint="check the runner's kubeconfig, namespace and permissions",
+            status=exc.status,
         ) from exc
     except urllib3.exceptions.HTTPError as exc:
-        raise JobError(
-            f"Kubernetes: {what}: {exc}", hint="is the cluster's API server reachable from here?"
+        raise KubernetesError(
+            f"Kubernetes: {what}: {exc}",
+            hint="is the cluster's API server reachable from here?",
+            status=None,
         ) from exc
 
 
@@ -316,8 +333,9 @@ class KubernetesExecutor:
         name = body["metadata"]["name"]
         try:
             await asyncio.to_thread(self.cluster.create, body)
-        except JobError as exc:
-            return Outcome(JobStatus.FAILED, error=f"JobSet {name} not created: {exc.message}")
+        except KubernetesError as exc:  # refused: failed; the API server away: run it again
+            error = f"JobSet {name} not created: {exc.message}"
+            return Outcome(JobStatus.FAILED, error=error, retry=not exc.refused)
         followers: dict[str, _LogFollower] = {}
         try:
             return await _Attempt(
@@ -394,6 +412,8 @@ class _Attempt:
         self.lines: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.started_at: float | None = None
+        self.created_at = time.monotonic()
+        self.hinted = False
 
     def _push(self, worker: int, text: str) -> None:  # from the follower threads
         self.loop.call_soon_threadsafe(self.lines.put_nowait, (worker, text))
@@ -444,6 +464,12 @@ class _Attempt:
                 follower.start()
             if phase in ("Succeeded", "Failed") and name in self.followers:
                 self.followers[name].finished.set()
+        if not by_worker and not self.hinted and time.monotonic() - self.created_at > NO_PODS_S:
+            self.hinted = True  # JobSet's controller makes the pods: is it installed?
+            self.executor.say(
+                f"JobSet {self.name}: no pods after {NO_PODS_S:g} s "
+                "(is the JobSet controller installed in the cluster?)"
+            )
         failed = sorted(w for w, p in by_worker.items() if _phase(p) == "Failed")
         if failed:
             worker = failed[0]

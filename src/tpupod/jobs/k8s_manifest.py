@@ -1,7 +1,7 @@
 """What the Kubernetes runner sends: a JobSet that gang-runs one attempt of a job on a GKE
 TPU slice, and the checks a manifest must pass (``validate_jobset``).
 
-One JobSet per attempt, named ``tpupod-<job>-<attempt>`` and labelled with the job, the
+One JobSet per attempt, named ``tpupod-<store>-<job>-<attempt>`` and labelled with the job, the
 attempt and the store it came from, so a runner can tell a live attempt's JobSet from one a
 lost runner left behind. It holds one replicated Job of N pods (one per TPU VM of the
 slice) with completion mode Indexed: pod ``i`` is worker ``i``. Every pod asks for its
@@ -111,8 +111,9 @@ def store_label(store_url: str) -> str:
     return hashlib.sha256(redact(store_url).encode()).hexdigest()[:12]
 
 
-def jobset_name(job_id: int, attempt: int) -> str:
-    return f"tpupod-{job_id}-{attempt}"
+def jobset_name(job_id: int, attempt: int, store: str = "") -> str:
+    """``tpupod-<store>-<job>-<attempt>``: stores sharing a namespace never collide."""
+    return "-".join(["tpupod", *([store] if store else []), str(job_id), str(attempt)])
 
 
 def worker_hostnames(name: str, hosts: int) -> list[str]:
@@ -135,7 +136,7 @@ class Target:
 
 def render_jobset(job: Job, attempt: int, target: Target) -> dict[str, Any]:
     """The JobSet for one attempt of ``job``."""
-    name = jobset_name(job.id, attempt)
+    name = jobset_name(job.id, attempt, target.store)
     hosts = target.slice.hosts
     names = worker_hostnames(name, hosts)
     labels = {
