@@ -1,0 +1,193 @@
+"""Slot-based decoding for continuous batching (the ``builtin`` server's engine).
+
+A fixed number of KV-cache slots ``[S, K, L, H]`` per layer (S slots of L
+positions) lives on the device for the life of an engine. Two jitted programs
+work on it, both pure functions of ``(graphdef, state, caches, ...)`` with the
+caches donated so XLA updates them in place:
+
+- ``prefill``: the newcomers' prompts packed one after another into one row
+  of T tokens (T a length bucket), attention kept within each prompt; every
+  token's key and value land in its prompt's slot at its own position, and
+  each prompt's first new token is chosen from the logits at its last token.
+  Padding tokens name slot ``S`` (out of range) and the scatter drops them.
+  One program per length bucket serves any mix of newcomers.
+- ``decode``: one token for every slot at once. Each row writes its key and
+  value at its own position (a scatter; ``compute.generate``'s rows share one
+  index because they are left-padded together, these do not) and attends to
+  the keys before it. Rows of idle slots compute and are ignored.
+
+Both return logits; ``choose`` (compiled once, for P = S rows) turns them
+into tokens, so the sampling code is not compiled again into every program.
+
+A row's positions are 0..n-1 for its n prompt tokens, as ``compute.generate``
+gives them after its left padding, so a greedy answer equals ``generate``'s.
+
+Sampling is per row: a temperature, a top-p and a seed each; a row's token k
+is drawn with ``fold_in(key(seed), k)``, what ``compute.generate`` draws for a
+batch of one, so a row's sample does not depend on its neighbours. When every
+row is greedy the sort that top-p needs is skipped (``lax.cond``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tpupod.model.modeling import (
+    Attention,
+    KVCache,
+    Qwen,
+    _attend_block,
+    _rotate,
+    run_layers,
+)
+
+Array = jax.Array
+
+
+@jax.jit
+def choose(
+    logits: Array,  # [B, V]
+    steps: Array,  # [B] int32: which token of its answer each row is choosing
+    temperature: Array,  # [B] float32, 0 = greedy
+    top_p: Array,  # [B] float32 in (0, 1]
+    seeds: Array,  # [B] uint32
+) -> Array:
+    """The next token of each row under its own sampling parameters."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample() -> Array:
+        scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # keep the smallest set of most likely tokens whose probability reaches top_p
+        before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.where(before < top_p[:, None], ordered, jnp.inf)
+        threshold = jnp.min(kept, axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
+
+        def draw(seed: Array, step: Array, row: Array) -> Array:
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            return jax.random.categorical(key, row[None])[0]
+
+        drawn = jax.vmap(draw)(seeds, steps, scaled).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
+
+
+def empty_caches(
+    model: Qwen, slots: int, length: int, sharding: jax.sharding.Sharding | None = None
+) -> list[KVCache]:
+    """Zeroed caches [S, K, L, H] per layer (on ``sharding`` when given)."""
+    cfg = model.config
+    shape = (slots, cfg.num_kv_heads, length, cfg.head_dim)
+
+    def zeros() -> Array:
+        if sharding is None:
+            return jnp.zeros(shape, model.dtype)
+        return jax.jit(lambda: jnp.zeros(shape, model.dtype), out_shardings=sharding)()
+
+    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
+def prefill(  # noqa: PLR0917 (jit takes the arrays positionally)
+    graphdef: nnx.GraphDef[Qwen],
+    state: Any,
+    caches: list[KVCache],  # each [S, K, L, H]
+    input_ids: Array,  # [T]: the newcomers' prompts one after another, then padding
+    token_slots: Array,  # [T] the slot of each token's prompt; S (out of range) for padding
+    positions: Array,  # [T] each token's position in its own prompt
+    last: Array,  # [P] where each newcomer's last token is (0 for padding rows)
+) -> tuple[list[KVCache], Array]:
+    """Fill the newcomers' slots; return the caches and the logits [P, V] of each
+    newcomer's last token (``choose`` picks its first token from them).
+
+    The prompts are packed into one row: a token attends only to the tokens of
+    its own prompt before it, and its key and value land in its prompt's slot at
+    its own position. One program per packed length serves any mix of prompts.
+    """
+    model = nnx.merge(graphdef, state)
+    t = input_ids.shape[0]
+    same = token_slots[:, None] == token_slots[None, :]
+    mask = (jnp.tril(jnp.ones((t, t), bool)) & same)[None]  # [1, T, T]
+    hidden = run_layers(model, input_ids[None], positions[None], mask)
+    ends = hidden.last[0, last][None]  # [1, P, D]
+    filled = []
+    for (cache_k, cache_v), (k, v) in zip(caches, hidden.caches, strict=True):
+        # k, v: [1, K, T, H] -> [T, K, H], one row per token
+        k_rows = jnp.transpose(k[0], (1, 0, 2)).astype(cache_k.dtype)
+        v_rows = jnp.transpose(v[0], (1, 0, 2)).astype(cache_v.dtype)
+        filled.append(
+            (
+                cache_k.at[token_slots, :, positions].set(k_rows, mode="drop"),
+                cache_v.at[token_slots, :, positions].set(v_rows, mode="drop"),
+            )
+        )
+    return filled, model.logits(ends)[0]
+
+
+def _attention_step(
+    attn: Attention,
+    x: Array,  # [B, 1, D]
+    *,
+    rope: tuple[Array, Array],
+    cache: KVCache,  # each [B, K, L, H]
+    positions: Array,  # [B]
+    mask: Array,  # [B, 1, L]
+) -> tuple[Array, KVCache]:
+    """``modeling.Attention`` for one new token per row, each written at its own position."""
+    q = jnp.einsum("btd,dnh->btnh", x, attn.q_kernel[...])
+    k = jnp.einsum("btd,dkh->btkh", x, attn.k_kernel[...])
+    v = jnp.einsum("btd,dkh->btkh", x, attn.v_kernel[...])
+    if attn.q_bias is not None and attn.k_bias is not None and attn.v_bias is not None:
+        q, k, v = q + attn.q_bias[...], k + attn.k_bias[...], v + attn.v_bias[...]
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = _rotate(q, rope), _rotate(k, rope)
+    rows = jnp.arange(x.shape[0])
+    cache_k = cache[0].at[rows, :, positions].set(k[:, 0].astype(cache[0].dtype))
+    cache_v = cache[1].at[rows, :, positions].set(v[:, 0].astype(cache[1].dtype))
+    grouped = _attend_block(q, cache_k, cache_v, mask, attn.groups)  # [B, K, G, 1, H]
+    out = jnp.transpose(grouped, (0, 3, 1, 2, 4))
+    b, t, n, h = q.shape
+    o_kernel = attn.o_kernel[...]
+    y = out.reshape(b, t, n * h) @ o_kernel.reshape(n * h, o_kernel.shape[-1])
+    if attn.o_bias is not None:
+        y = y + attn.o_bias[...]
+    return y, (cache_k, cache_v)
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
+def decode(
+    graphdef: nnx.GraphDef[Qwen],
+    state: Any,
+    caches: list[KVCache],  # each [S, K, L, H]
+    tokens: Array,  # [S] each slot's latest token
+    positions: Array,  # [S] where that token goes (its row's length so far)
+) -> tuple[list[KVCache], Array]:
+    """One decode step over every slot: the caches and each slot's next logits [S, V]."""
+    model = nnx.merge(graphdef, state)
+    length = caches[0][0].shape[2]
+    mask = (jnp.arange(length)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, L]
+    x = jnp.take(model.embedding[...], tokens[:, None], axis=0)  # [S, 1, D]
+    rope = model.rope(positions[:, None])
+    new_caches: list[KVCache] = []
+    for layer, cache in zip(model.layers, caches, strict=True):
+        attn_out, kv = _attention_step(
+            layer.attn,
+            layer.input_norm(x),
+            rope=rope,
+            cache=cache,
+            positions=positions,
+            mask=mask,
+        )
+        x = x + attn_out
+        x = x + layer.mlp(layer.post_attn_norm(x))
+        new_caches.append(kv)
+    return new_caches, model.logits(model.final_norm(x))[:, 0]

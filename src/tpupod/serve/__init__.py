@@ -1,0 +1,1 @@
+"""Serving: OpenAI-compatible servers, their agent, registry and router."""

@@ -1,0 +1,243 @@
+"""The ``builtin`` backend: tpupod's own OpenAI-compatible server, one process per worker.
+
+    python -m tpupod.serve.builtin --model PATH --host HOST --ports 31000,31001 \\
+        [--dtype bfloat16|float32] [--served-model-name NAME] [--max-batch 16] [--max-length 1024]
+
+One engine per port, each on its own slice of ``jax.local_devices()`` (libtpu
+lets one process own a host's TPU, so the engines share a process, as seed
+000's ``run_multi_openai_servers`` does with threads): N ports split the
+devices into N equal slices, a slice of several devices runs its model
+tensor-parallel. Every engine compiles its programs before its port opens;
+the port is bound first (a port in use fails before the model loads) and
+listens only once warm. ``ready port=P`` is printed per engine once it
+answers ``/health``.
+
+SIGTERM (or SIGINT): every request in flight or waiting gets an error at once
+(a stream ends with an ``error`` event), the ports close, the engines' threads
+end, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpupod.errors import TpupodError, UsageError
+
+if TYPE_CHECKING:
+    from tpupod.serve.engine import Engine
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tpupod.serve.builtin",
+        description="tpupod's OpenAI-compatible server: one engine per port, one process.",
+    )
+    parser.add_argument("--model", required=True, help="checkpoint folder (local or gs://)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--ports", required=True, help="comma-separated, one engine per port")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="weights and compute (default: float32 on a CPU, else bfloat16)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients ask for (default: the model folder's name)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="KV-cache slots per engine: requests decoded together",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=1024,
+        help="positions per slot: prompt and answer of one request",
+    )
+    return parser.parse_args(argv)  # fmt: skip
+
+
+def parse_ports(text: str) -> list[int]:
+    try:
+        ports = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--ports {text!r} is not a list of port numbers", hint="e.g. --ports 31000,31001"
+        ) from None
+    if not ports or any(not 0 < p < 65536 for p in ports) or len(set(ports)) != len(ports):
+        raise UsageError(
+            f"--ports {text!r}: give distinct ports in 1..65535", hint="e.g. --ports 31000,31001"
+        )
+    return ports
+
+
+def model_name(path: str) -> str:
+    return Path(path.rstrip("/")).name or path
+
+
+def device_slices(devices: Sequence[object], engines: int) -> list[list[object]]:
+    """The devices of each engine: equal, contiguous slices."""
+    if len(devices) < engines:
+        raise UsageError(
+            f"{engines} ports need at least {engines} devices; this host has {len(devices)}",
+            hint="give fewer ports (one engine per port, each on its own devices)",
+        )
+    if len(devices) % engines:
+        raise UsageError(
+            f"{engines} ports do not divide this host's {len(devices)} devices",
+            hint=f"give a number of ports that divides {len(devices)}",
+        )
+    per = len(devices) // engines
+    return [list(devices[i * per : (i + 1) * per]) for i in range(engines)]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) socket: clients are refused until the engine is warm."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(
+            f"cannot bind {host}:{port}: {exc.strerror}",
+            hint="is another server on that port? choose other --ports",
+        ) from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    ports = parse_ports(args.ports)
+    if args.max_batch < 1 or args.max_length < 2:
+        raise UsageError("--max-batch must be >= 1 and --max-length >= 2")
+    sockets = [bind(args.host, p) for p in ports]
+
+    import jax
+
+    from tpupod.model import load_model, make_mesh
+    from tpupod.serve.engine import Engine
+
+    slices = device_slices(jax.local_devices(), len(ports))
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    name = args.served_model_name or model_name(args.model)
+    engines = []
+    for devices in slices:
+        model = load_model(args.model, dtype=dtype, mesh=make_mesh(1, len(devices), devices))
+        engines.append(Engine(model, max_batch=args.max_batch, max_length=args.max_length))
+    _warm(engines)
+    return asyncio.run(_serve(engines, sockets, ports, args.host, name))
+
+
+def _warm(engines: list[Engine]) -> None:
+    """Compile every engine's programs, the engines side by side."""
+    errors: list[BaseException] = []
+
+    def warm(engine: Engine) -> None:
+        try:
+            engine.warmup()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=warm, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+async def _serve(
+    engines: list[Engine], sockets: list[socket.socket], ports: list[int], host: str, name: str
+) -> int:
+    import uvicorn
+
+    from tpupod.serve.openai_api import create_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # one handler for all, below
+            yield
+
+    servers = []
+    for engine, port in zip(engines, ports, strict=True):
+        engine.start(f"engine-{port}")
+        config = uvicorn.Config(
+            create_app(engine, name),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=3,
+            timeout_keep_alive=30,
+        )
+        servers.append(Server(config))
+
+    def stop() -> None:
+        for engine in engines:
+            engine.shutdown(SHUTDOWN_MESSAGE, timeout=0)
+        for server in servers:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    pairs = zip(servers, sockets, strict=True)
+    tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, sock in pairs]
+    probe = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    await asyncio.gather(*(_announce(t, probe, p) for t, p in zip(tasks, ports, strict=True)))
+    await asyncio.gather(*tasks)
+    for engine in engines:
+        engine.shutdown(SHUTDOWN_MESSAGE, timeout=10)
+    return 0
+
+
+async def _announce(task: asyncio.Task[Any], host: str, port: int) -> None:
+    """Print ``ready port=P`` once the engine's server answers /health."""
+    import httpx
+
+    url = f"http://{host}:{port}/health" if ":" not in host else f"http://[{host}]:{port}/health"
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+        while not task.done():
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url)).status_code == 200:
+                    print(f"ready port={port}", flush=True)
+                    return
+            await asyncio.sleep(0.05)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except TpupodError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The engines' threads have ended; skip the interpreter's teardown, where
+    # XLA's CPU client takes seconds to let go of its devices.
+    os._exit(code)

@@ -1,0 +1,456 @@
+"""Continuous batching: one model, a fixed set of KV-cache slots, one thread.
+
+Requests join and leave the running batch at step boundaries. Each turn of
+the loop (the engine's own thread):
+
+1. takes in what arrived (``submit``) and forgets what was cancelled;
+2. admits waiting requests into free slots: their prompts are packed into
+   one prefill (``slots.prefill``, one compiled program per length bucket)
+   that writes their keys and values and picks their first tokens;
+3. runs one decode step over every slot (``slots.decode``, compiled once;
+   idle slots compute and are ignored) and hands each running request its
+   next token.
+
+A request that stops (a stop token, a stop string, ``max_tokens``) frees its
+slot at once; the next newcomer reuses it. Results go out through each
+request's ``sink`` as ``Delta`` / ``Finished`` / ``Failed`` events, called
+from the engine's thread (the HTTP side hops them onto its event loop).
+
+Text is decoded incrementally (the whole answer re-decoded each token, a
+trailing partial UTF-8 character held back), stop strings are cut from it,
+and a tail that could still grow into a stop string is held back until it
+cannot.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tpupod.errors import ModelError
+from tpupod.model import QwenModel, sharding, slots
+from tpupod.model.qwen import MIN_LENGTH_BUCKET
+from tpupod.model.tokenizer import Tokenizer
+
+FinishReason = Literal["stop", "length"]
+
+
+def length_buckets(max_length: int) -> list[int]:
+    """The packed prefill lengths: powers of two from 16 below ``max_length``, then it."""
+    buckets = []
+    size = MIN_LENGTH_BUCKET
+    while size < max_length:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, max_length]
+
+
+class RequestRejected(ModelError):
+    """A request the engine cannot take: too long a prompt, too many tokens asked."""
+
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class EngineStopped(ModelError):
+    """The engine is shutting down (or has) and takes no more requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """New text of the answer (may be empty when a token added no whole character)."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Delta | Finished | Failed
+Sink = Callable[[Event], None]
+
+
+class TextStream:
+    """The answer's text as tokens arrive: incremental decoding and stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.tokens: list[int] = []
+        self.sent = 0  # characters of the text already handed out
+        self.text = ""
+
+    def _decode(self) -> str:
+        if self.tokenizer is None:
+            return "".join(f"<{t}>" for t in self.tokens)
+        return self.tokenizer.decode(self.tokens)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Add a token: the text that may go out now, and whether a stop string ended it."""
+        self.tokens.append(token)
+        text = self._decode()
+        if self.stop:
+            start = max(self.sent - max(map(len, self.stop)) + 1, 0)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = text[: min(hits)]
+                return self._take(len(self.text)), True
+        self.text = text
+        safe = len(text) - (1 if text.endswith("\ufffd") else 0)  # a partial character
+        hold = 0
+        for s in self.stop:  # a tail that may still grow into a stop string waits
+            for n in range(min(len(s) - 1, safe), 0, -1):
+                if text[:safe].endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return self._take(max(safe - hold, self.sent)), False
+
+    def flush(self) -> str:
+        """Everything not yet handed out (the answer ended)."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        out = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+
+class Request:
+    """One request inside the engine."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, sink: Sink, text: TextStream):
+        self.prompt = prompt
+        self.params = params
+        self.sink = sink
+        self.text = text
+        self.seed = params.seed if params.seed is not None else secrets.randbits(32)
+        self.generated = 0
+        self.slot: int | None = None
+        self.closed = False
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Stop generating for this request (its client went away); no more events."""
+        self.cancelled = True
+
+
+class Engine:
+    """Continuous batching over ``max_batch`` slots of ``max_length`` positions."""
+
+    def __init__(
+        self,
+        model: QwenModel,
+        *,
+        max_batch: int = 16,
+        max_length: int = 1024,
+        stop_tokens: Sequence[int] | None = None,
+    ) -> None:
+        if max_batch < 1 or max_length < 2:
+            raise ModelError("max_batch must be >= 1 and max_length >= 2")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.max_batch = max_batch
+        self.max_length = min(max_length, model.config.max_position_embeddings)
+        self.stop_tokens = frozenset(model.stop_tokens if stop_tokens is None else stop_tokens)
+        self.buckets = length_buckets(self.max_length)
+        mesh = model.mesh
+        self._inputs = (
+            None if mesh is None else NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
+        )
+        self._cache_sharding = (
+            None if mesh is None else sharding.cache_sharding(mesh, model.config.num_kv_heads)
+        )
+        self._caches = self._fresh_caches()
+        s = max_batch
+        self._tokens = np.zeros(s, np.int32)
+        self._positions = np.zeros(s, np.int32)
+        self._steps = np.zeros(s, np.int32)
+        self._temperature = np.zeros(s, np.float32)
+        self._top_p = np.ones(s, np.float32)
+        self._seeds = np.zeros(s, np.uint32)
+        self._running: dict[int, Request] = {}
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decode steps run
+        self.prefills = 0  # prefill programs run
+        self.slot_history: list[tuple[int, int]] = []  # (slot, id of the request) per admission
+
+    # ---- state seen from outside -------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- the device programs -----------------------------------------------
+
+    def _fresh_caches(self) -> list[Any]:
+        return slots.empty_caches(
+            self.model.module, self.max_batch, self.max_length, self._cache_sharding
+        )
+
+    def _put(self, *arrays: np.ndarray) -> Any:
+        if self._inputs is None:
+            return tuple(jnp.asarray(a) for a in arrays)
+        return jax.device_put(arrays, self._inputs)
+
+    def _precision(self) -> contextlib.AbstractContextManager[Any]:
+        return self.model._precision()
+
+    def _prefill(self, batch: list[Request]) -> np.ndarray:
+        total = sum(len(r.prompt) for r in batch)
+        t = next(b for b in self.buckets if b >= total)
+        ids = np.zeros(t, np.int32)
+        token_slots = np.full(t, self.max_batch, np.int32)
+        positions = np.zeros(t, np.int32)
+        p = self.max_batch
+        last = np.zeros(p, np.int32)
+        temperature = np.zeros(p, np.float32)
+        top_p = np.ones(p, np.float32)
+        seeds = np.zeros(p, np.uint32)
+        at = 0
+        for i, r in enumerate(batch):
+            n = len(r.prompt)
+            assert r.slot is not None
+            ids[at : at + n] = r.prompt
+            token_slots[at : at + n] = r.slot
+            positions[at : at + n] = np.arange(n)
+            at += n
+            last[i] = at - 1
+            temperature[i] = r.params.temperature
+            top_p[i] = r.params.top_p
+            seeds[i] = r.seed
+        ids_, slots_, positions_, last_, *sampling = self._put(
+            ids, token_slots, positions, last, np.zeros(p, np.int32), temperature, top_p, seeds
+        )
+        self._caches, logits = slots.prefill(
+            self.model._graphdef, self.model._state, self._caches, ids_, slots_, positions_, last_
+        )
+        self.prefills += 1
+        return np.asarray(slots.choose(logits, *sampling))[: len(batch)]
+
+    def _decode(self) -> np.ndarray:
+        tokens, positions, *sampling = self._put(
+            self._tokens, self._positions, self._steps, self._temperature, self._top_p, self._seeds
+        )
+        self._caches, logits = slots.decode(
+            self.model._graphdef, self.model._state, self._caches, tokens, positions
+        )
+        self.steps += 1
+        return np.asarray(slots.choose(logits, *sampling))
+
+    def warmup(self) -> None:
+        """Compile the prefill for every length bucket and the decode step."""
+        with self._precision():
+            for t in self.buckets:
+                args = self._put(
+                    np.zeros(t, np.int32),
+                    np.full(t, self.max_batch, np.int32),  # every token dropped
+                    np.zeros(t, np.int32),
+                    np.zeros(self.max_batch, np.int32),
+                )
+                self._caches, logits = slots.prefill(
+                    self.model._graphdef, self.model._state, self._caches, *args
+                )
+                logits.block_until_ready()
+            self._temperature[0] = 1.0  # both branches of choose run once
+            self._decode()
+            self._temperature[0] = 0.0
+
+    # ---- requests ----------------------------------------------------------
+
+    def check(self, prompt: Sequence[int], max_tokens: int | None) -> int:
+        """The ``max_tokens`` this prompt gets (the room left when not given), or a refusal."""
+        n = len(prompt)
+        if n == 0:
+            raise RequestRejected("the prompt is empty", "prompt")
+        room = self.max_length - n
+        if room < 1:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; this server holds at most "
+                f"{self.max_length} per request (prompt and answer), so it takes prompts "
+                f"of up to {self.max_length - 1} tokens",
+                "messages",
+                "context_length_exceeded",
+            )
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise RequestRejected(
+                f"max_tokens is {max_tokens}, but the prompt has {n} tokens and this server "
+                f"holds at most {self.max_length} per request: ask for at most {room}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return max_tokens
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink) -> Request:
+        """Queue a request; its events go to ``sink`` (from the engine's thread)."""
+        self.check(prompt, params.max_tokens)
+        request = Request(
+            list(map(int, prompt)), params, sink, TextStream(self.tokenizer, params.stop)
+        )
+        with self._wake:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            self._waiting.append(request)
+            self._wake.notify()
+        return request
+
+    def start(self, name: str = "engine") -> None:
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def shutdown(self, message: str = "the server is shutting down", timeout: float = 10) -> None:
+        """Fail every request in flight or waiting (at once, from this thread), then stop."""
+        with self._wake:
+            self._stopping = True
+            pending = [*self._running.values(), *self._waiting]
+            self._waiting.clear()
+            self._wake.notify()
+        for request in pending:
+            self._emit(request, Failed(message), close=True)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ---- the loop ----------------------------------------------------------
+
+    def _emit(self, request: Request, event: Event, close: bool = False) -> None:
+        if request.closed:
+            return
+        if close:
+            request.closed = True
+        with contextlib.suppress(Exception):  # a sink must not take the engine down
+            request.sink(event)
+
+    def _loop(self) -> None:
+        with self._precision():
+            while self._turn():
+                pass
+
+    def _turn(self) -> bool:
+        """One turn: admit newcomers, run one decode step. False once stopping."""
+        with self._wake:
+            while not self._stopping and not self._running and not self._waiting:
+                self._wake.wait()
+            if self._stopping:
+                return False
+            for slot, request in list(self._running.items()):
+                if request.cancelled or request.closed:
+                    self._free(slot)
+            while self._waiting and (self._waiting[0].cancelled or self._waiting[0].closed):
+                self._waiting.popleft()
+            batch = self._take_newcomers()
+        try:
+            if batch:
+                first = self._prefill(batch)
+                for request, token in zip(batch, first.tolist(), strict=True):
+                    self._accept(request, token)
+            if self._running:
+                nxt = self._decode().tolist()
+                for slot, request in list(self._running.items()):
+                    self._accept(request, nxt[slot])
+        except Exception as exc:  # a device failure: fail what runs, start clean
+            with self._wake:
+                failed = list(self._running.values())
+                for slot in list(self._running):
+                    self._free(slot)
+            for request in failed:
+                self._emit(request, Failed(f"generation failed: {exc}"), close=True)
+            self._caches = self._fresh_caches()
+        return True
+
+    def _take_newcomers(self) -> list[Request]:
+        """Waiting requests for the free slots, as many as one packed prefill holds."""
+        free = [s for s in range(self.max_batch) if s not in self._running]
+        batch: list[Request] = []
+        total = 0
+        while self._waiting and len(batch) < len(free):
+            n = len(self._waiting[0].prompt)
+            if batch and total + n > self.buckets[-1]:
+                break
+            request = self._waiting.popleft()
+            if request.cancelled or request.closed:
+                continue
+            request.slot = free[len(batch)]
+            self._running[request.slot] = request
+            self.slot_history.append((request.slot, id(request)))
+            batch.append(request)
+            total += n
+        return batch
+
+    def _accept(self, request: Request, token: int) -> None:
+        """A request's next token: text out, and either finish or feed it back."""
+        slot = request.slot
+        assert slot is not None
+        request.generated += 1
+        delta, stopped = request.text.push(token)
+        reason: FinishReason | None = None
+        if stopped or token in self.stop_tokens:
+            reason = "stop"
+        elif request.generated >= request.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            delta += request.text.flush() if not stopped else ""
+            if delta:
+                self._emit(request, Delta(delta))
+            with self._wake:
+                self._free(slot)
+            self._emit(
+                request, Finished(reason, len(request.prompt), request.generated), close=True
+            )
+            return
+        if delta:
+            self._emit(request, Delta(delta))
+        self._tokens[slot] = token
+        self._positions[slot] = len(request.prompt) + request.generated - 1
+        self._steps[slot] = request.generated
+        self._temperature[slot] = request.params.temperature
+        self._top_p[slot] = request.params.top_p
+        self._seeds[slot] = request.seed
+
+    def _free(self, slot: int) -> None:
+        """Give a slot back (the lock held): its row computes idle until reused."""
+        self._running.pop(slot, None)
+        self._tokens[slot] = 0
+        self._positions[slot] = 0
+        self._steps[slot] = 0
+        self._temperature[slot] = 0
+        self._top_p[slot] = 1
+        self._seeds[slot] = 0

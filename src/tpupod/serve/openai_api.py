@@ -1,0 +1,477 @@
+"""The OpenAI-compatible HTTP face of one engine (FastAPI).
+
+``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``,
+``POST /v1/completions`` (both with SSE streaming) and ``GET /metrics``
+(Prometheus text). Bodies are validated here, strictly (``"10"`` is not a
+number of tokens); every refusal has OpenAI's error shape::
+
+    {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
+
+400 for a malformed body or a prompt that does not fit, 404 for a model this
+server does not serve, 503 once the server is shutting down. A stream that
+cannot finish (the server stops under it) ends with an ``error`` event and no
+``[DONE]``, which the ``openai`` client raises as an ``APIError``.
+
+The engine runs in its own thread; its events hop onto the event loop
+(``call_soon_threadsafe``) into one queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tpupod.errors import ModelError
+from tpupod.serve.engine import (
+    Delta,
+    Engine,
+    EngineStopped,
+    Event,
+    Failed,
+    Finished,
+    RequestRejected,
+    SamplingParams,
+)
+from tpupod.serve.engine import (
+    Request as EngineRequest,
+)
+
+# ---- request bodies ----------------------------------------------------------
+
+
+class _Body(BaseModel):
+    # strict: a string is not a number; unknown fields (user, logit_bias...) are ignored
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(stop),
+        )
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    # vLLM's extension: e.g. {"enable_thinking": false} for Qwen3's template
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
+    # OpenAI's default for the legacy endpoint
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+
+
+# ---- errors --------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first["loc"] if not isinstance(p, int)]
+    # a union's alternatives name their type in loc ("str", "list[int]"); keep field names
+    fields = [p for p in loc if p.isidentifier()]
+    param = ".".join(fields) or None
+    where = f"{param}: " if param else ""
+    return APIError(400, f"{where}{first['msg']}", param, "invalid_value")
+
+
+def _stopping() -> APIError:
+    return APIError(503, "the server is shutting down", None, "service_unavailable", "server_error")
+
+
+# ---- metrics -------------------------------------------------------------------
+
+
+class Metrics:
+    """One engine's Prometheus metrics, in its own registry (one per port)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tpupod_serve_requests",
+            "Requests answered, by endpoint and outcome (stop, length, error, rejected)",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tpupod_serve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generated_tokens = Counter(
+            "tpupod_serve_generated_tokens", "Tokens generated", registry=r
+        )
+        running = Gauge(
+            "tpupod_serve_running_requests", "Requests holding a KV-cache slot", registry=r
+        )
+        running.set_function(lambda: engine.running)
+        waiting = Gauge(
+            "tpupod_serve_waiting_requests", "Requests waiting for a free slot", registry=r
+        )
+        waiting.set_function(lambda: engine.waiting)
+        slots = Gauge("tpupod_serve_slots", "KV-cache slots (the largest batch)", registry=r)
+        slots.set(engine.max_batch)
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram(
+            "tpupod_serve_time_to_first_token_seconds",
+            "From a request's arrival to its first token",
+            buckets=buckets,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "tpupod_serve_request_latency_seconds",
+            "From a request's arrival to its last token",
+            buckets=buckets,
+            registry=r,
+        )
+
+
+# ---- the app ---------------------------------------------------------------------
+
+
+class _Call:
+    """One request's events, carried from the engine's thread onto the event loop."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, endpoint: str) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.started = time.perf_counter()
+        self.first: float | None = None
+        self.request: EngineRequest | None = None
+        self.ended = False
+
+    def abandon(self) -> None:
+        """The client went away before the end: free the request's slot."""
+        if self.request is not None and not self.ended:
+            self.request.cancel()
+
+    def sink(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self.queue.get()
+            now = time.perf_counter()
+            if self.first is None and not isinstance(event, Failed):
+                self.first = now
+                self.metrics.ttft.observe(now - self.started)
+            if isinstance(event, Finished):
+                self.metrics.latency.observe(now - self.started)
+                self.metrics.generated_tokens.inc(event.completion_tokens)
+                self.metrics.requests.labels(self.endpoint, event.reason).inc()
+            elif isinstance(event, Failed):
+                self.metrics.requests.labels(self.endpoint, "error").inc()
+            if not isinstance(event, Delta):
+                self.ended = True
+            yield event
+            if self.ended:
+                return
+
+
+def create_app(  # noqa: PLR0915 (the routes are closures over one engine)
+    engine: Engine, model_name: str, metrics: Metrics | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the name ``model_name``."""
+    app = FastAPI(title="tpupod builtin server", docs_url=None, redoc_url=None)
+    metrics = metrics or Metrics(engine)
+    created = int(time.time())
+    tokenizer = engine.tokenizer
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "model": model_name, "running": engine.running}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "tpupod",
+                    "max_model_len": engine.max_length,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def parse(request: Request, kind: type[_Sampling], endpoint: str) -> Any:
+        try:
+            raw = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            metrics.requests.labels(endpoint, "rejected").inc()
+            raise APIError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from exc
+        try:
+            if not isinstance(raw, dict):
+                raise APIError(400, "the body must be a JSON object", None, "invalid_value")
+            body = kind.model_validate(raw)
+            if body.model != model_name:
+                raise APIError(
+                    404,
+                    f"The model `{body.model}` does not exist; this server serves `{model_name}`",
+                    "model",
+                    "model_not_found",
+                )
+        except ValidationError as exc:
+            metrics.requests.labels(endpoint, "rejected").inc()
+            raise _validation_error(exc) from exc
+        except APIError:
+            metrics.requests.labels(endpoint, "rejected").inc()
+            raise
+        return body
+
+    def submit(call: _Call, prompt: list[int], body: _Sampling, prompt_param: str) -> None:
+        try:
+            max_tokens = engine.check(prompt, body.wanted_tokens())
+            call.request = engine.submit(prompt, body.params(max_tokens), call.sink)
+        except RequestRejected as exc:
+            call.metrics.requests.labels(call.endpoint, "rejected").inc()
+            param = prompt_param if exc.param in ("messages", "prompt") else exc.param
+            raise APIError(400, exc.message, param, exc.code) from exc
+        except EngineStopped as exc:
+            raise _stopping() from exc
+        metrics.prompt_tokens.inc(len(prompt))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body: ChatRequest = await parse(request, ChatRequest, "chat")
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, **(body.chat_template_kwargs or {}))
+        except ModelError as exc:
+            metrics.requests.labels("chat", "rejected").inc()
+            raise APIError(400, exc.message, "messages", "invalid_value") from exc
+        call = _Call(engine, metrics, "chat")
+        submit(call, tokenizer.encode(text), body, "messages")
+        return await respond(call, body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = await parse(request, CompletionRequest, "completions")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
+            ids = tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = engine.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
+        call = _Call(engine, metrics, "completions")
+        submit(call, ids, body, "prompt")
+        return await respond(call, body, chat=False)
+
+    async def respond(call: _Call, body: _Sampling, *, chat: bool) -> Response:
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        shape = _Shape(ident, model_name, chat)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _stream(call, shape, usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        text: list[str] = []
+        try:
+            async for event in call.events():
+                if isinstance(event, Delta):
+                    text.append(event.text)
+                elif isinstance(event, Failed):
+                    raise APIError(503, event.message, None, "service_unavailable", "server_error")
+                else:
+                    return JSONResponse(shape.whole("".join(text), event))
+        finally:
+            call.abandon()
+        raise _stopping()  # not reached: events end with Finished or Failed
+
+    return app
+
+
+class _Shape:
+    """OpenAI's response and chunk objects for one request."""
+
+    def __init__(self, ident: str, model: str, chat: bool) -> None:
+        self.ident, self.model, self.chat = ident, model, chat
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.ident,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
+
+    @staticmethod
+    def usage(end: Finished) -> dict[str, int]:
+        return {
+            "prompt_tokens": end.prompt_tokens,
+            "completion_tokens": end.completion_tokens,
+            "total_tokens": end.prompt_tokens + end.completion_tokens,
+        }
+
+    def whole(self, text: str, end: Finished) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": end.reason, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        kind = "chat.completion" if self.chat else "text_completion"
+        return self._object(kind, [choice], usage=self.usage(end))
+
+    def chunk(
+        self, text: str | None, reason: str | None, usage: bool, role: bool = False
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        extra = {"usage": None} if usage else {}
+        return self._object(kind, [choice], **extra)
+
+    def usage_chunk(self, end: Finished) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._object(kind, [], usage=self.usage(end))
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+async def _stream(call: _Call, shape: _Shape, usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body: a role chunk (chat), text chunks, the finish chunk, usage, [DONE]."""
+    try:
+        async for chunk in _chunks(call, shape, usage):
+            yield chunk
+    finally:
+        call.abandon()
+
+
+async def _chunks(call: _Call, shape: _Shape, usage: bool) -> AsyncIterator[bytes]:
+    if shape.chat:
+        yield _sse(shape.chunk("", None, usage, role=True))
+    async for event in call.events():
+        if isinstance(event, Delta):
+            if event.text:
+                yield _sse(shape.chunk(event.text, None, usage))
+        elif isinstance(event, Failed):
+            error = APIError(503, event.message, None, "service_unavailable", "server_error")
+            yield _sse(error.body())
+            return
+        else:
+            yield _sse(shape.chunk(None if shape.chat else "", event.reason, usage))
+            if usage:
+                yield _sse(shape.usage_chunk(event))
+            yield _sse("[DONE]")

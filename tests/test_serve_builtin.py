@@ -1,0 +1,503 @@
+"""The builtin server: the real process on loopback ports, the real ``openai`` client.
+
+One server process (qwen2-tiny, two ports, one engine per port on two CPU
+devices) serves most tests; the SIGTERM test starts its own (qwen3-tiny).
+Answers are compared with ``QwenModel.generate`` run here on the same
+checkpoint (float32, greedy). The scheduler is also driven in-process:
+slots reused, requests joining a running batch, per-row sampling.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import IN_CI
+
+if importlib.util.find_spec("flax") is None or importlib.util.find_spec("openai") is None:
+    if IN_CI:
+        raise RuntimeError("prerequisite missing in CI: flax, openai (pip install -e '.[test]')")
+    pytest.skip("needs the model and serve extras and openai", allow_module_level=True)
+
+import httpx
+import openai
+
+from tpupod.model import QwenModel, load_model
+from tpupod.serve.engine import (
+    Delta,
+    Engine,
+    Event,
+    Failed,
+    Finished,
+    SamplingParams,
+    TextStream,
+)
+
+pytestmark = pytest.mark.local
+
+FIXTURES = Path(__file__).parent / "fixtures"
+NAME = "qwen2-tiny"
+MAX_BATCH, MAX_LENGTH = 8, 128
+NEW = 24  # tokens per answer where answers are compared
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Server:
+    """``python -m tpupod.serve.builtin`` as the agent starts it."""
+
+    def __init__(self, model: Path, ports: list[int], *extra: str, devices: int = 1) -> None:
+        self.ports = ports
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "tpupod.serve.builtin",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--ports",
+            ",".join(map(str, ports)),
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: list[str] = []
+        self.clients: list[openai.OpenAI] = []
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        want = {f"ready port={p}" for p in self.ports}
+        while want - set(self.lines):
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"server exited: {self.proc.wait()} {self.stderr()}")
+            self.lines.append(line.strip())
+            assert time.monotonic() < deadline, "server not ready in time"
+
+    def stderr(self) -> str:
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read() if self.proc.poll() is not None else ""
+
+    def client(self, port: int | None = None) -> openai.OpenAI:
+        port = port or self.ports[0]
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30
+        )
+        self.clients.append(client)
+        return client
+
+    def url(self, path: str, port: int | None = None) -> str:
+        return f"http://127.0.0.1:{port or self.ports[0]}{path}"
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = Server(
+        FIXTURES / NAME,
+        free_ports(2),
+        "--max-batch",
+        str(MAX_BATCH),
+        "--max-length",
+        str(MAX_LENGTH),
+        devices=2,
+    )
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def model() -> QwenModel:
+    return load_model(FIXTURES / NAME)
+
+
+def reference(model: QwenModel, prompts: list[list[int]], new: int = NEW) -> list[str]:
+    """Greedy answers of QwenModel.generate, all prompts as one batch (one compile)."""
+    out = model.generate(prompts, max_new_tokens=new)
+    assert out.texts is not None
+    return out.texts
+
+
+def chat_ids(model: QwenModel, content: str) -> list[int]:
+    assert model.tokenizer is not None
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+    return model.tokenizer.encode(text)
+
+
+QUESTIONS = [
+    "Who are you?",
+    "def add(a, b):",
+    "Tell me a story",
+    "1 2 3 4",
+    "hello world",
+    "The quick brown fox",
+    "What is a TPU pod?",
+    "abc",
+]
+
+
+def ask(client: openai.OpenAI, content: str, **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": content}],
+        **{"max_tokens": NEW, "temperature": 0, **kwargs},
+    )
+
+
+# ---- through the real server ---------------------------------------------------------
+
+
+def test_greedy_chat_equals_generate_on_both_ports_streamed_or_not(
+    server: Server, model: QwenModel
+) -> None:
+    expected = reference(model, [chat_ids(model, q) for q in QUESTIONS[:2]])
+    assert [m.id for m in server.client().models.list().data] == [NAME]
+    assert httpx.get(server.url("/health")).status_code == 200
+    for port in server.ports:
+        client = server.client(port)
+        for question, want in zip(QUESTIONS[:2], expected, strict=True):
+            whole = ask(client, question)
+            assert whole.choices[0].message.content == want
+            assert whole.choices[0].finish_reason in ("stop", "length")
+            assert whole.usage.prompt_tokens == len(chat_ids(model, question))
+            assert whole.usage.total_tokens == whole.usage.prompt_tokens + (
+                whole.usage.completion_tokens
+            )
+            chunks = list(
+                ask(client, question, stream=True, stream_options={"include_usage": True})
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == want
+            assert chunks[0].choices[0].delta.role == "assistant"
+            finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+            assert finishes[-1] == whole.choices[0].finish_reason
+            assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_completions_streamed_or_not_equal_generate(server: Server, model: QwenModel) -> None:
+    assert model.tokenizer is not None
+    prompt = "The quick brown fox"
+    (want,) = reference(model, [model.tokenizer.encode(prompt)])
+    client = server.client(server.ports[1])
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0)
+    assert out.choices[0].text == want
+    assert out.usage is not None and out.usage.prompt_tokens == len(model.tokenizer.encode(prompt))
+    stream = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=NEW, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == want
+
+
+def test_eight_concurrent_requests_batch_and_each_equals_it_alone(server: Server) -> None:
+    client = server.client()
+    new = 64  # long answers: the decode steps dominate the time
+    alone: dict[str, str] = {}
+    times = []
+    for question in QUESTIONS:
+        started = time.perf_counter()
+        alone[question] = ask(client, question, max_tokens=new).choices[0].message.content
+        times.append(time.perf_counter() - started)
+    one = sorted(times)[len(times) // 2]
+
+    with ThreadPoolExecutor(8) as pool:
+        started = time.perf_counter()
+        answers = list(pool.map(lambda q: ask(client, q, max_tokens=new), QUESTIONS))
+        together = time.perf_counter() - started
+    for question, answer in zip(QUESTIONS, answers, strict=True):
+        assert answer.choices[0].message.content == alone[question], question
+    assert together < 4 * one, f"8 at once took {together:.3f}s, one alone {one:.3f}s"
+
+
+def test_stop_strings_are_cut_streamed_or_not(server: Server) -> None:
+    client = server.client()
+    full = ask(client, QUESTIONS[0]).choices[0].message.content
+    stop = full[5:8]
+    cut = full[: full.index(stop)]
+    out = ask(client, QUESTIONS[0], stop=[stop, "never-appears"])
+    assert out.choices[0].message.content == cut
+    assert out.choices[0].finish_reason == "stop"
+    chunks = list(ask(client, QUESTIONS[0], stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_kept_inside_a_shared_batch(server: Server) -> None:
+    client = server.client()
+    sampled = {"temperature": 1.5, "top_p": 0.9, "max_tokens": 32}
+    alone = ask(client, QUESTIONS[2], seed=7, **sampled).choices[0].message.content
+    other_seed = ask(client, QUESTIONS[2], seed=8, **sampled).choices[0].message.content
+    assert alone != other_seed
+    calls = [
+        lambda: ask(client, QUESTIONS[2], seed=7, **sampled),
+        lambda: ask(client, QUESTIONS[2], seed=8, **sampled),
+        lambda: ask(client, QUESTIONS[3], max_tokens=64),
+        lambda: ask(client, QUESTIONS[4], seed=1, temperature=1.0, max_tokens=64),
+    ]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        answers = list(pool.map(lambda call: call(), calls))
+    assert answers[0].choices[0].message.content == alone
+    assert answers[1].choices[0].message.content == other_seed
+
+
+def post(server: Server, path: str, body: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url(path), content=content, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": NAME}, "messages"),
+        ({"model": NAME, "messages": []}, "messages"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}, "max_tokens"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+        ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "messages.role"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, "max_tokens"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
+        (b"{not json", None),
+        ([1, 2], None),
+    ],
+)  # fmt: skip
+def test_malformed_bodies_get_openai_shaped_400s(server: Server, body: Any, param: str) -> None:
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"]
+
+
+def test_the_openai_client_sees_400_and_404(server: Server) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        ask(client, "x", temperature=-0.5)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert caught.value.code == "model_not_found"
+    response = post(server, "/v1/completions", {"model": NAME, "prompt": [1] * 200})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def scrape(server: Server, port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url("/metrics", port)).text
+    return {
+        sample.name + json.dumps(sample.labels, sort_keys=True): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_requests_tokens_and_latency(server: Server) -> None:
+    port = server.ports[1]
+    before = scrape(server, port)
+    client = server.client(port)
+    answers = [ask(client, q, max_tokens=10) for q in QUESTIONS[:3]]
+    with pytest.raises(openai.BadRequestError):
+        ask(client, "x", max_tokens=0)
+    after = scrape(server, port)
+
+    def grew(name: str, **labels: str) -> float:
+        key = name + json.dumps(labels, sort_keys=True)
+        return after.get(key, 0) - before.get(key, 0)
+
+    finished = sum(grew("tpupod_serve_requests_total", endpoint="chat", outcome=o) for o in ("stop", "length"))
+    assert finished == 3
+    assert grew("tpupod_serve_requests_total", endpoint="chat", outcome="rejected") == 1
+    generated = sum(a.usage.completion_tokens for a in answers)
+    assert grew("tpupod_serve_generated_tokens_total") == generated
+    assert grew("tpupod_serve_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert grew("tpupod_serve_time_to_first_token_seconds_count") == 3
+    assert grew("tpupod_serve_request_latency_seconds_count") == 3
+    assert after["tpupod_serve_running_requests{}"] == 0
+    assert after["tpupod_serve_waiting_requests{}"] == 0
+    assert after["tpupod_serve_slots{}"] == MAX_BATCH
+
+
+def test_sigterm_ends_in_flight_streams_with_an_error_and_exits(tmp_path: Path) -> None:
+    port = free_ports(1)[0]
+    srv = Server(FIXTURES / "qwen3-tiny", [port], "--max-batch", "4", "--max-length", "256")
+    try:
+        srv.wait_ready()
+        client = srv.client()
+        outcomes: list[str] = []
+        first = threading.Barrier(5)
+
+        def stream() -> None:
+            chunks = client.completions.create(
+                model="qwen3-tiny", prompt=[5, 6, 7], max_tokens=250, temperature=0, stream=True
+            )
+            try:
+                for i, _ in enumerate(chunks):
+                    if i == 0:
+                        first.wait(timeout=20)
+                outcomes.append("finished")
+            except openai.APIError as exc:
+                outcomes.append(f"error: {exc.message}")
+
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for t in threads:
+            t.start()
+        first.wait(timeout=20)  # every stream has its first chunk
+        srv.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert srv.proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 5
+        for t in threads:
+            t.join(timeout=10)
+            assert not t.is_alive()
+        assert outcomes == ["error: the server is shutting down"] * 4
+    finally:
+        srv.stop()
+
+
+def test_bad_command_lines_say_what_is_wrong() -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    base = [sys.executable, "-m", "tpupod.serve.builtin", "--model", str(FIXTURES / NAME)]
+    ports = ",".join(map(str, free_ports(2)))
+    run = subprocess.run([*base, "--ports", ports], env=env, capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "2 ports need at least 2 devices; this host has 1" in run.stderr
+    run = subprocess.run([*base, "--ports", "x"], env=env, capture_output=True, text=True)
+    assert run.returncode == 2 and "hint:" in run.stderr
+
+
+# ---- the scheduler in-process ----------------------------------------------------------
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.text = ""
+        self.end: Event | None = None
+        self.done = threading.Event()
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, Delta):
+            self.text += event.text
+        else:
+            self.end = event
+            self.done.set()
+
+
+@pytest.fixture(scope="module")
+def engine(model: QwenModel) -> Iterator[Engine]:
+    eng = Engine(model, max_batch=2, max_length=64)
+    eng.warmup()
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 38)), [40, 41, 42], [50, 51, 52, 53]]
+
+
+def test_slots_are_reused_and_answers_equal_generate(engine: Engine, model: QwenModel) -> None:
+    want = model.generate(PROMPTS, max_new_tokens=20).texts
+    sinks = [Collect() for _ in PROMPTS]
+    admitted = len(engine.slot_history)
+    for prompt, sink in zip(PROMPTS, sinks, strict=True):
+        engine.submit(prompt, SamplingParams(max_tokens=20), sink)
+    for sink in sinks:
+        assert sink.done.wait(20)
+    assert [s.text for s in sinks] == want
+    assert all(isinstance(s.end, Finished) and s.end.completion_tokens <= 20 for s in sinks)
+    used = [slot for slot, _ in engine.slot_history[admitted:]]
+    assert len(used) == 4 and set(used) == {0, 1}  # four requests through two slots
+    assert engine.running == 0 and engine.waiting == 0
+
+
+def test_a_newcomer_joins_a_running_batch(engine: Engine, model: QwenModel) -> None:
+    want = model.generate(PROMPTS[:2], max_new_tokens=40).texts
+    first, second = Collect(), Collect()
+    steps = engine.steps
+    engine.submit(PROMPTS[0], SamplingParams(max_tokens=40), first)
+    while engine.steps < steps + 5:  # the first is decoding alone
+        time.sleep(0.001)
+    engine.submit(PROMPTS[1], SamplingParams(max_tokens=40), second)
+    assert first.done.wait(20) and second.done.wait(20)
+    assert [first.text, second.text] == want
+    # they overlapped: together they took fewer steps than one after the other
+    assert engine.steps - steps < 2 * 40
+
+
+def test_a_cancelled_request_frees_its_slot(engine: Engine) -> None:
+    sink = Collect()
+    request = engine.submit(PROMPTS[2], SamplingParams(max_tokens=60), sink)
+    request.cancel()
+    deadline = time.monotonic() + 10
+    while engine.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.running == 0 and not sink.done.is_set()
+    after = Collect()
+    engine.submit(PROMPTS[3], SamplingParams(max_tokens=3), after)
+    assert after.done.wait(10) and isinstance(after.end, Finished)
+
+
+def test_shutdown_fails_what_is_in_flight(model: QwenModel) -> None:
+    eng = Engine(model, max_batch=1, max_length=64)
+    sinks = [Collect() for _ in range(3)]
+    for sink in sinks:  # not started: all three wait
+        eng.submit(PROMPTS[0], SamplingParams(max_tokens=10), sink)
+    eng.shutdown("going away")
+    assert all(isinstance(s.end, Failed) and s.end.message == "going away" for s in sinks)
+
+
+def test_text_stream_holds_back_what_may_become_a_stop_string(model: QwenModel) -> None:
+    assert model.tokenizer is not None
+    ids = model.tokenizer.encode("hello world, hello moon")
+    stream = TextStream(model.tokenizer, ["lo m"])
+    out = ""
+    stopped = False
+    for token in ids:
+        delta, stopped = stream.push(token)
+        out += delta
+        assert not out.endswith("lo ")  # "lo " may grow into the stop string
+        if stopped:
+            break
+    assert stopped and out == "hello world, hel"
