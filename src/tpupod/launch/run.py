@@ -19,7 +19,7 @@ import secrets
 import shlex
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -149,9 +149,12 @@ async def run(
     connector = provider_for(pod.provider).connect(pod, state)
     try:
         port = coordinator_port or _coordinator_port(pod)
-        await _preflight(pod, connector, selected, port)
-        if container is not None:
-            await check_workers(pod, connector, selected, container)
+        checks: list[Awaitable[object]] = [_preflight(pod, connector, selected, port)]
+        if container is not None:  # at the same time: its fan-out costs no launch time then
+            checks.append(check_workers(pod, connector, selected, container))
+        for outcome in await asyncio.gather(*checks, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
         workdir = ""
         if sync_dir is not None:
             commit = await _sync(
