@@ -3,7 +3,8 @@
 For the tests, and for a dry run of a Kubernetes runner without a cluster::
 
     python -m tpupod.jobs.k8s_standin --port 8100 --kubeconfig /tmp/standin.kubeconfig
-    tpupod jobs worker --k8s --kubeconfig /tmp/standin.kubeconfig --tpu v5litepod-16 --image IMG
+    tpupod jobs worker --k8s --kubeconfig /tmp/standin.kubeconfig --tpu v5litepod-16 \
+        --image IMG --worker-python "$(which python)"   # a Python that has tpupod
 
 It serves create/get/list/delete of ``jobset.x-k8s.io/v1alpha2`` JobSets, the pod list and
 pod logs (followed, with timestamps, ``sinceSeconds``), nothing else. Every JobSet it is
