@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -242,3 +243,18 @@ def test_a_missing_program_reads_plainly(
         "[w0] no-such-program: command not found",
         "[w1] no-such-program: command not found",
     ]
+
+
+def test_a_failed_worker_s_hint_reaches_the_summary(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(2)
+    workdir = pod.workers[1].workdir
+    assert workdir is not None
+    shutil.rmtree(workdir)
+    result = cli("exec", "--pod", pod.name, "--", "true")
+    assert result.code == 255
+    assert "w1 (vm) unreachable: cannot start the command" in result.err
+    assert result.err.rstrip().endswith(
+        "hint: the pod's working directory may be gone; 'tpupod down' then 'tpupod up' recreates it"
+    )

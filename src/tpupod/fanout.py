@@ -374,7 +374,9 @@ async def for_each(
             summary = await action(worker, pod_connector.transport(worker))
         except WorkerError as exc:
             outcome = Outcome.UNREACHABLE if exc.unreachable else Outcome.FAILED
-            return WorkerResult(worker, outcome, time.monotonic() - began, error=exc.reason)
+            return WorkerResult(
+                worker, outcome, time.monotonic() - began, error=exc.reason, hint=exc.hint
+            )
         tail = (summary,) if summary else ()
         return WorkerResult(worker, Outcome.OK, time.monotonic() - began, tail=tail)
 

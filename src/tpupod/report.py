@@ -114,6 +114,8 @@ def print_summary(
                 ),
             )
         )
+        if first.hint:
+            lines.append(f"hint: {first.hint}")
     file.write("\n".join(lines) + "\n")
     file.flush()
 

@@ -53,6 +53,7 @@ class WorkerResult:
     tail: tuple[str, ...] = ()
     lines: int = 0
     error: str | None = None
+    hint: str | None = None  # what the user can do about ``error``
     stopped_by: int | None = None
     killed_after_term: bool = False  # TERM was ignored, KILL after the grace ended it
 

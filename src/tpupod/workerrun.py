@@ -78,7 +78,7 @@ class WorkerRun:
         try:
             self.proc = starting.result()
         except WorkerError as exc:
-            return self._result(Outcome.UNREACHABLE, None, error=exc.reason)
+            return self._result(Outcome.UNREACHABLE, None, error=exc.reason, hint=exc.hint)
         if self.stop_outcome is not None:  # stopped while it was starting
             await self.proc.kill(self.grace)
         pump = asyncio.create_task(self._pump(self.proc))
@@ -94,7 +94,7 @@ class WorkerRun:
         except TimeoutError:
             pass  # wait_for cancelled the pump: a background child holds the output open
         except WorkerError as exc:  # the connection went away mid-command
-            return self._result(Outcome.UNREACHABLE, None, error=exc.reason)
+            return self._result(Outcome.UNREACHABLE, None, error=exc.reason, hint=exc.hint)
         finally:
             pump.cancel()
             self.proc.close()
@@ -151,7 +151,11 @@ class WorkerRun:
                 self.on_line(self.worker, line)
 
     def _result(
-        self, outcome: Outcome, status: ExitStatus | None, error: str | None = None
+        self,
+        outcome: Outcome,
+        status: ExitStatus | None,
+        error: str | None = None,
+        hint: str | None = None,
     ) -> WorkerResult:
         stopped = outcome in (Outcome.STOPPED, Outcome.TIMED_OUT, Outcome.INTERRUPTED)
         return WorkerResult(
@@ -162,6 +166,7 @@ class WorkerRun:
             tail=tuple(self.tail),
             lines=self.lines,
             error=error or self.reason,
+            hint=hint,
             stopped_by=self.stopped_by if outcome is Outcome.STOPPED else None,
             # Only our escalation sends KILL to a group that was sent TERM first.
             killed_after_term=stopped
