@@ -422,3 +422,27 @@ def test_setup_docker_installs_starts_and_is_idempotent(
     assert again.code == 0 and "already set up with this script" in again.out
     neither = cli("setup", "--pod", pod.name)
     assert neither.code == 2 and "one of --script FILE and --docker" in neither.err
+
+
+@pytest.mark.timeout(120)
+def test_build_on_each_host_gives_one_id_or_names_the_difference(
+    ssh_pod_with_own_storages: Pod, cli: Callable[..., CliResult], sim: SimPod, tmp_path: Path
+) -> None:
+    pod = ssh_pod_with_own_storages
+    tag = f"tpupod-test-each:{pod.name}"
+    same = busybox_context(tmp_path / "same", "RUN echo same > /same\n")
+    try:
+        result = cli("image", "build", "--on-each", "-p", pod.name, "-t", tag, str(same))
+        assert result.code == 0, result.err
+        assert result.out.count("built in") == 4 and "MB" not in result.err  # no image sent
+        differs = busybox_context(tmp_path / "differs", "RUN od -An -N8 -tx8 /dev/urandom > /r\n")
+        odd = cli("image", "build", "--on-each", "-p", pod.name, "-t", tag, str(differs))
+        assert odd.code == 1
+        assert f"error: {tag} is not the same image on every worker (w0: " in odd.err
+        assert "build once (without --on-each)" in odd.err
+    finally:
+        for host in sim.hosts:
+            sim.run_on(
+                host.index,
+                f"CONTAINERS_STORAGE_CONF=~/.tpupod-test-storage.conf podman rmi -f {tag}",
+            )

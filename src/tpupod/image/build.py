@@ -89,11 +89,21 @@ async def build_image(
     say = progress or (lambda text: None)
     job = _Job(pod, connector, request, f"/tmp/tpupod-image-{secrets.token_hex(4)}", say)
     try:
-        builders = selected if request.on_each else selected[:1]
+        # One worker per engine storage builds (--on-each) or loads: the others share it.
+        where = await storages(pod, connector, selected, request.engine)
+        firsts: dict[str, Worker] = {}
+        for worker in selected:
+            firsts.setdefault(where[worker.id], worker)
+        rows = {
+            w.id: (f"shares {firsts[where[w.id]].label}'s storage", 0.0)
+            for w in selected
+            if firsts[where[w.id]] is not w
+        }
+        builders = list(firsts.values()) if request.on_each else selected[:1]
         await _upload_context(job, builders)
-        rows = await _build(job, builders)
+        rows.update(await _build(job, builders))
         if not request.on_each:
-            rows.update(await _distribute(job, selected))
+            rows.update(await _distribute(job, builders[0], list(firsts.values())[1:]))
         ids = await image_ids(pod, connector, selected, request.tag, request.engine)
     finally:
         await execute_async(pod, f"rm -rf {job.stage}", workers=selected, connector=connector)
@@ -217,20 +227,12 @@ async def storages(
     return found
 
 
-async def _distribute(job: _Job, workers: Sequence[Worker]) -> dict[int, tuple[str, float]]:
-    """Save on the builder, fetch, then one upload and load per other storage."""
+async def _distribute(
+    job: _Job, builder: Worker, targets: Sequence[Worker]
+) -> dict[int, tuple[str, float]]:
+    """Save on the builder, fetch, then one upload and load per other storage (``targets``)."""
     pod, connector, request, stage, say = job.pod, job.connector, job.request, job.stage, job.say
-    builder = workers[0]
-    where = await storages(pod, connector, workers, request.engine)
-    first_of: dict[str, Worker] = {}
-    for worker in workers:
-        first_of.setdefault(where[worker.id], worker)
-    rows = {
-        w.id: (f"shares {first_of[where[w.id]].label}'s storage", 0.0)
-        for w in workers
-        if first_of[where[w.id]] is not w
-    }
-    targets = [w for w in first_of.values() if w is not builder]
+    rows: dict[int, tuple[str, float]] = {}
     if not targets:
         return rows
     tar = f"{stage}/image.tar"
