@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tpupod demo (make demo): a local pod of 2 workers with 2 devices each,
 # the worker list, a command on every worker, a failure and its summary, a
-# lockstep JAX program across the workers, teardown; then, as root, an SSH pod
+# lockstep JAX program across the workers, a serving fleet (fanout, a streamed
+# chat with the openai client), teardown; then, as root, an SSH pod
 # of simulated hosts.
 # It uses its own state directory, so it never touches your pods.
 set -euo pipefail
@@ -48,6 +49,40 @@ echo "(exit code $rc: worker 1's)"
 say "A lockstep JAX program: every worker calls tpupod.init_jax(), then a cross-host sum"
 run tpupod run --pod "$POD" -- python "$PWD/examples/lockstep_sum.py"
 run tpupod logs --pod "$POD" --worker 1
+
+say "Serve a model: 2 servers per worker, an agent on each worker, one router in front"
+tiny="$(cd "$(dirname "$0")/.." && pwd)/tests/fixtures/qwen2-tiny"
+if python -c 'import tpupod.serve.builtin' 2>/dev/null; then
+  run tpupod serve up --pod "$POD" --model "$tiny" --servers-per-worker 2 --dtype float32 \
+    --startup-timeout 300
+else  # the builtin server is not in this tree yet: a stub OpenAI server stands in
+  stub="$(cd "$(dirname "$0")/.." && pwd)/tests/serve_stub.py"
+  run tpupod serve up --pod "$POD" --model qwen2-tiny --servers-per-worker 2 --backend command \
+    --command "{python} $stub --host {host} --port {port} --model {model}"
+fi
+run tpupod serve status --pod "$POD"
+
+say "Fan one prompt out to every server at once (seed 000's check: a status=200 line each)"
+run tpupod fanout --pod "$POD" --prompt '你是谁' --max-tokens 8
+
+say "Point the OpenAI client at the fleet and stream one chat through the router"
+show 'eval "$(tpupod serve endpoint)"'
+eval "$(tpupod serve endpoint --pod "$POD")"
+show "python -c 'openai.OpenAI().chat.completions.create(..., stream=True)'"
+python - <<'PY'
+import openai
+
+client = openai.OpenAI()
+model = client.models.list().data[0].id
+stream = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "你是谁"}], max_tokens=16, stream=True
+)
+for chunk in stream:
+    if chunk.choices:
+        print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+PY
+run tpupod serve down --pod "$POD"
 
 say "Tear the pod down"
 run tpupod down --pod "$POD"

@@ -28,7 +28,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import pod_processes, sim_leftovers, tpupod_argv
+from tests.conftest import pod_processes, require, sim_leftovers, tpupod_argv, wait_until_gone
 from tpupod.serve.backends import Backend, ServerSpec, device_slices, plan, render
 from tpupod.serve.router import check_body
 
@@ -416,3 +416,57 @@ def test_the_agent_outlives_the_ssh_session_that_started_it(
     down = run_cli(state_home, "serve", "down", "--pod", pod.name)
     assert down.returncode == 0, down.stderr
     assert sim_leftovers(sim) == []
+
+
+# -- the builtin server, on the tiny checkpoint ---------------------------------------------
+
+
+@pytest.mark.local
+@pytest.mark.timeout(240)
+def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
+    """One worker, two engines in one process (two ports); the openai client and fanout."""
+    import importlib.util
+
+    require(
+        importlib.util.find_spec("tpupod.serve.builtin") is not None,
+        "tpupod.serve.builtin (the builtin server) is not in this tree",
+    )
+    home = tmp_path / "state"
+    pod = f"sb{os.getpid()}"
+    tiny = Path(__file__).parent / "fixtures" / "qwen2-tiny"
+    assert (
+        run_cli(home, "up", "--name", pod, "--local", "1", "--devices-per-worker", "2").returncode
+        == 0
+    )
+    try:
+        up = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", str(tiny), "--servers-per-worker", "2",
+            "--dtype", "float32", "--base-port", str(free_base_port()), "--startup-timeout", "200",
+            "--", "--max-batch", "4", "--max-length", "128",
+            timeout=230,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr
+        exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
+        values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+        client = openai.OpenAI(
+            base_url=values["OPENAI_BASE_URL"], api_key=values["OPENAI_API_KEY"], max_retries=0
+        )
+        model = client.models.list().data[0].id
+        assert model == "qwen2-tiny"
+        messages: Any = [{"role": "user", "content": "你是谁"}]
+        whole = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, temperature=0
+        )
+        assert whole.usage is not None and whole.usage.completion_tokens == 6
+        stream = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, temperature=0, stream=True
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == whole.choices[0].message.content  # greedy: the same answer
+        fanout = run_cli(home, "fanout", "--pod", pod, "--prompt", "你是谁", "--max-tokens", "4")
+        assert fanout.returncode == 0, fanout.stdout + fanout.stderr
+        assert fanout.stdout.count(" status=200 ") == 2
+        assert run_cli(home, "serve", "down", "--pod", pod).returncode == 0
+        assert wait_until_gone(pod) == []
+    finally:
+        run_cli(home, "down", "--pod", pod)

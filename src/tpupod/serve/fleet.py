@@ -268,7 +268,9 @@ class Fleet:
         if port is None:
             port = 0 if self.pod.provider == "local" else DEFAULT_ROUTER_PORT
         argv = [self.python, "-m", "tpupod.serve.router", "--host", head.internal_address]
-        argv += ["--port", str(port), "--model", options.served_model_name or options.model]
+        argv += ["--port", str(port)]
+        # without --served-model-name, the router asks the servers what they call the model
+        argv += ["--model", options.served_model_name] if options.served_model_name else []
         argv += ["--backends", ",".join(s.address for s in servers), "--policy", options.policy]
         argv += ["--health-interval", str(options.health_interval)]
         args = ["ensure", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN", "router", "--", *argv]

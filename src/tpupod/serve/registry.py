@@ -135,6 +135,8 @@ class Registry:
             return
         except (aiohttp.ClientError, TimeoutError) as exc:
             ok, error = False, f"/health failed: {type(exc).__name__} {exc}".strip()
+        if ok and not self.model:
+            await self.discover_model(session, backend)
         if ok:
             backend.checks_failed = 0
             backend.checks_ok += 1
@@ -147,6 +149,14 @@ class Registry:
             backend.checks_failed += 1
             if backend.checks_failed >= self.policy.fall:
                 self._set(backend, Health.DOWN, error)
+
+    async def discover_model(self, session: aiohttp.ClientSession, backend: Backend) -> None:
+        """The served model's name, as the first backend that answers ``/v1/models`` says."""
+        timeout = aiohttp.ClientTimeout(total=self.policy.timeout)
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+            async with session.get(f"{backend.url}/v1/models", timeout=timeout) as r:
+                if r.status == 200:
+                    self.model = str((await r.json())["data"][0]["id"])
 
     async def run_checks(self, session: aiohttp.ClientSession) -> None:
         while True:
