@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -235,6 +236,46 @@ def test_results_to_gs_and_latest_from_there(
     again = cli(*args, "--baseline", "latest", "--threshold", "100", timeout=120)
     assert again.code == 0, again.err
     assert f"baseline: gs://{remote} (commit" in again.out
+
+
+def test_checkpoints_on_gs_through_a_gcs_emulator(
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    tmp_path: Path,
+    gcs: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Orbax writes arrays through tensorstore (its GCS driver, pointed at the emulator, with a
+    # test token) and its metadata through etils.epath (gcsfs): what a real bucket gets.
+    emulator = os.environ["STORAGE_EMULATOR_HOST"]
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", emulator)
+    monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "anon")
+    pod = make_pod(workers=2, devices=2)
+    config = json.loads(json.dumps(SMALL))
+    config["num_repeats"] = 1
+    path = write_config(tmp_path, config)
+    out = tmp_path / "out"
+    run = cli(
+        "bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", str(out),
+        "--checkpoint-dir", "gs://bkt/ckpts", timeout=180,
+    )  # fmt: skip
+    assert run.code == 0, run.err
+    assert "Using GOOGLE_AUTH_TOKEN_FOR_TESTING" in run.out + run.err  # tensorstore's GCS driver
+    _, results = results_of(out)
+    assert [c.status.value for c in results.combinations] == ["ok", "ok"]
+    assert results.problems() == []  # restored from the bucket, equal to what was saved
+    assert all(len(c.samples) == 2 for c in results.combinations)
+    gcs.invalidate_cache()
+    assert gcs.find("bkt/ckpts") == []  # worker 0 removed the launch's checkpoints
+
+    # a bucket that is not there: one line before any worker starts
+    run = cli(
+        "bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", str(out),
+        "--checkpoint-dir", "gs://nosuch/ckpts",
+    )  # fmt: skip
+    assert run.code == 2, run.err
+    assert run.err.startswith("error: --checkpoint-dir gs://nosuch/ckpts: cannot write there")
+    assert len(run.err.strip().splitlines()) == 2 and "Traceback" not in run.err
 
 
 # -- in process -----------------------------------------------------------------------

@@ -48,7 +48,9 @@ class BenchRun:
 def checkpoint_dir(pod: Pod, output: str, chosen: str | None) -> str:
     """Where the workers write checkpoints (a launch id is added below it)."""
     if chosen:
-        return chosen if pod.provider != "local" else str(Path(chosen).expanduser().resolve())
+        if storage.is_remote(chosen) or pod.provider != "local":
+            return chosen  # a gs:// URL every worker writes its part to, or a host's folder
+        return str(Path(chosen).expanduser().resolve())
     if pod.provider != "local":
         return HOST_CHECKPOINT_DIR
     # results may go to gs://; a local pod's checkpoints stay on this machine

@@ -24,7 +24,6 @@ import importlib
 import re
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 from tpupod.errors import UsageError
@@ -201,9 +200,10 @@ class Measured:
 
 
 def measure(
-    path: str, options: dict[str, Any], pytree: Any, directory: Path, *, mesh: Any, repeat: int
+    path: str, options: dict[str, Any], pytree: Any, directory: Any, *, mesh: Any, repeat: int
 ) -> Measured:
-    """The generator's ``test_fn`` once on ``pytree`` (which it may delete).
+    """The generator's ``test_fn`` once on ``pytree`` (which it may delete), checkpointing
+    into ``directory`` (a local folder or a ``gs://`` URL, as a path or an ``epath.Path``).
 
     PyTreeCheckpointBenchmark's restored tree is kept for the caller to check.
     The other generators check what they restored themselves (Orbax's

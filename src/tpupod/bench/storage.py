@@ -73,3 +73,19 @@ def glob(location: str, pattern: str) -> list[str]:
     fs, path = _fs(location)
     protocol = location.split("://", 1)[0]
     return [f"{protocol}://{p}" for p in fs.glob(posixpath.join(path, pattern))]
+
+
+def check_writable(location: str, what: str) -> None:
+    """Write and remove a probe object under a remote ``location``: a missing bucket or
+    missing rights is one line here, before any worker starts (not a worker's traceback)."""
+    fs, path = _fs(location)
+    probe = posixpath.join(path, ".tpupod-probe")
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except (OSError, ValueError) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(
+            f"{what} {location}: cannot write there ({why})",
+            hint="name a bucket that exists and that these credentials can write",
+        ) from exc

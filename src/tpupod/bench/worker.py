@@ -47,13 +47,13 @@ def main() -> int:
         raise BenchError("no launch id", hint="start it with 'tpupod bench checkpoint'")
     _quiet_absl()
     config = parse_config(plan.config, plan.source)
-    root = Path(plan.checkpoint_dir).expanduser() / identity.launch_id
+    root = _folder(plan.checkpoint_dir) / identity.launch_id
     started, started_at = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     runner = _Runner(identity, config, root)
     done = runner.run_all()
     gathered = client().exchange("bench:samples", [c.model_dump(mode="json") for c in done])
     if identity.id == 0:
-        shutil.rmtree(root, ignore_errors=True)
+        _remove(root)
         results = _results(plan, identity, config, gathered, started_at)
         results.seconds = time.monotonic() - started
         for line in encode(results):
@@ -69,7 +69,7 @@ def _quiet_absl() -> None:
 
 
 class _Runner:
-    def __init__(self, identity: WorkerIdentity, config: BenchConfig, root: Path) -> None:
+    def __init__(self, identity: WorkerIdentity, config: BenchConfig, root: Any) -> None:
         self.identity = identity
         self.config = config
         self.root = root
@@ -143,7 +143,7 @@ class _Runner:
         # otherwise keep one on disk per combination and repeat.
         rendezvous(f"bench:c{combo.index}:r{repeat}:restored")
         if self.identity.id == 0:
-            shutil.rmtree(directory, ignore_errors=True)
+            _remove(directory)
         problems = [measured.failed] if measured.failed else []
         if measured.restored is not None:
             problems = restore_problems(orbax_harness.make_pytree(spec, mesh), measured.restored)
@@ -176,6 +176,25 @@ class _Runner:
     def _progress(self, text: str) -> None:
         if self.identity.id == 0:
             print(f"bench {text}", flush=True)
+
+
+def _folder(location: str) -> Any:
+    """The checkpoint folder as Orbax takes it (an ``etils.epath.Path``): a local folder, or a
+    ``gs://`` URL (Orbax writes arrays there through tensorstore, metadata through epath)."""
+    import importlib
+
+    epath = importlib.import_module("etils.epath")  # untyped
+    if "://" in location:
+        return epath.Path(location)
+    return epath.Path(Path(location).expanduser())
+
+
+def _remove(folder: Any) -> None:
+    if "://" in str(folder):
+        if folder.exists():
+            folder.rmtree()
+    else:
+        shutil.rmtree(str(folder), ignore_errors=True)
 
 
 def _figures(sample: Sample) -> str:

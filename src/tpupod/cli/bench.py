@@ -15,7 +15,6 @@ from tpupod.cli.running import Live, run_live
 from tpupod.errors import BenchError
 
 if TYPE_CHECKING:
-
     from tpupod.bench.baseline import Comparison
     from tpupod.bench.launcher import BenchRun
     from tpupod.bench.results import CombinationResult, RepeatStats, Results
@@ -86,8 +85,8 @@ def checkpoint(
         typer.Option(
             "--checkpoint-dir",
             metavar="DIR",
-            help="Where workers write checkpoints: a folder every worker shares (default: "
-            "under --output on a local pod, ~/tpupod-bench/checkpoints on hosts).",
+            help="Where workers write checkpoints: a folder every worker shares, or a gs:// "
+            "URL (default: under --output on a local pod, ~/tpupod-bench/checkpoints on hosts).",
             show_default=False,
         ),
     ] = None,
@@ -119,6 +118,8 @@ def checkpoint(
       tpupod bench checkpoint -c bench.yaml --baseline latest --threshold 0.2
 
       tpupod bench checkpoint -c bench.yaml --ramfs-dir /dev/shm/ckpt
+
+      tpupod bench checkpoint -c bench.yaml --checkpoint-dir gs://bucket/ckpt -o gs://bucket/runs
     """
     from tpupod.bench import baseline as baselines
     from tpupod.bench import storage
@@ -134,6 +135,8 @@ def checkpoint(
     local = target.provider == "local"
     python = worker_python or (sys.executable if local else "python3")
     checkpoints = ramfs_dir or where(target, output, checkpoint_dir)
+    if storage.is_remote(checkpoints):
+        storage.check_writable(checkpoints, "--checkpoint-dir")
 
     async def body(live: Live) -> BenchRun:
         from tpupod.podprogress import PodProgress
