@@ -446,3 +446,32 @@ def test_build_on_each_host_gives_one_id_or_names_the_difference(
                 host.index,
                 f"CONTAINERS_STORAGE_CONF=~/.tpupod-test-storage.conf podman rmi -f {tag}",
             )
+
+
+@pytest.mark.timeout(90)
+def test_a_failing_container_on_an_ssh_pod_stops_the_others_and_none_is_left(
+    ssh_pod_with_own_storages: Pod, cli: Callable[..., CliResult], sim: SimPod, tmp_path: Path
+) -> None:
+    pod = ssh_pod_with_own_storages
+    tag = f"tpupod-test-fail:{pod.name}"
+    context = busybox_context(tmp_path, "")
+    program = (
+        'if [ "$TPUPOD_WORKER_ID" = 2 ]; then sleep 1; echo failing; exit 5; fi; '
+        'trap "" TERM; echo "waiting on $TPUPOD_WORKER_ID of $TPUPOD_NUM_WORKERS"; sleep 60'
+    )
+    own = "CONTAINERS_STORAGE_CONF=~/.tpupod-test-storage.conf podman"
+    try:
+        built = cli("image", "build", "-p", pod.name, "-t", tag, str(context), timeout=80)
+        assert built.code == 0, built.err
+        result = cli("run", "-p", pod.name, "--grace", "1", "--image", tag, "--", program)
+        assert result.code == 5, result.err
+        assert "first failure: w2" in result.err
+        assert result.err.count("stopped after w2 failed") == 3
+        assert all(f"waiting on {i} of 4" in result.out for i in (0, 1, 3))
+        for host in sim.hosts:
+            names = sim.run_on(host.index, f"{own} ps -a --format '{{{{.Names}}}}'").stdout
+            assert names.split() == [], host.hostname
+        assert sim_leftovers(sim) == []
+    finally:
+        for host in sim.hosts:
+            sim.run_on(host.index, f"{own} rmi -f {tag}")

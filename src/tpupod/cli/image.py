@@ -48,7 +48,7 @@ EngineOption = Annotated[
     typer.Option(
         "--engine",
         metavar="docker|podman",
-        help="The container engine (default: docker where present, else podman).",
+        help="The container engine (default: docker where its daemon runs, else podman).",
         show_default=False,
     ),
 ]
@@ -111,7 +111,8 @@ def build(
         bool,
         typer.Option(
             "--on-each",
-            help="Build on every worker in parallel instead of once (then save, send, load).",
+            help="Build on every worker (one per engine storage) in parallel, "
+            "instead of building on worker 0 and sending the image.",
         ),
     ] = False,
     engine: EngineOption = None,
