@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from tests.conftest import CliResult, tpupod_argv
+from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
 from tpupod.errors import JobError, LeaseLost, UsageError
 from tpupod.jobs import claims
 from tpupod.jobs.k8s import Cluster, KubernetesExecutor, connect
@@ -498,3 +499,32 @@ def test_an_api_server_that_does_not_answer_retries_the_attempt(
     assert job.status is JobStatus.FAILED and job.attempt == 2, events
     assert job.error is not None and "not created" in job.error
     assert job.error.endswith("gave up after 2 attempts")
+
+
+@pytest.mark.local  # on PostgreSQL too: the runner's retry is one fenced update
+def test_a_retried_attempt_waits_its_backoff_then_fails_at_max_attempts(
+    db_url: str,  # noqa: F811  (the fixture imported above)
+) -> None:
+    store = Store.open(db_url)
+    try:
+        job_id = store.submit(JobRequest(command="true", max_attempts=2))
+        first = claims.claim(store, "k8s-a", pod=None, lease_s=30)
+        assert first is not None
+        assert claims.retry(store, first, "w0 (p) Evicted: gone") is JobStatus.PENDING
+        job = store.get(job_id)
+        assert job.status is JobStatus.PENDING and job.error == "w0 (p) Evicted: gone"
+        assert job.lease_owner is None
+        assert claims.claim(store, "k8s-b", pod=None, lease_s=30) is None  # backoff: 1 s
+        with pytest.raises(LeaseLost):  # the first attempt's runner can no longer end it
+            claims.finish(store, first, JobStatus.COMPLETED)
+        time.sleep(claims.backoff_s(1) + 0.05)
+        second = claims.claim(store, "k8s-b", pod=None, lease_s=30)
+        assert second is not None and second.attempt == 2
+        with pytest.raises(LeaseLost):
+            claims.retry(store, first, "late")
+        assert claims.retry(store, second, "w1 (q) Preempted: gone") is JobStatus.FAILED
+        job = store.get(job_id)
+        assert job.status is JobStatus.FAILED and job.completed_at is not None
+        assert job.error == "w1 (q) Preempted: gone; gave up after 2 attempts"
+    finally:
+        store.close()
