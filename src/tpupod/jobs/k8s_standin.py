@@ -567,13 +567,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tpupod.jobs.k8s_standin", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="it runs the commands it is sent: loopback, or --token"
+    )
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
     parser.add_argument("--pending", type=float, default=0.5, help="seconds a pod is Pending")
     parser.add_argument("--token", default=None, help="require this bearer token")
     parser.add_argument("--kubeconfig", type=Path, help="write a kubeconfig for it here")
     parser.add_argument("--kubernetes-version", default=KUBERNETES_VERSION)
     args = parser.parse_args(argv)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
+        parser.error(f"--host {args.host} without --token would run anyone's commands")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
