@@ -54,7 +54,7 @@ say "Serve a model: 2 servers per worker, an agent on each worker, one router in
 tiny="$(cd "$(dirname "$0")/.." && pwd)/tests/fixtures/qwen2-tiny"
 if python -c 'import tpupod.serve.builtin' 2>/dev/null; then
   run tpupod serve up --pod "$POD" --model "$tiny" --servers-per-worker 2 --dtype float32 \
-    --startup-timeout 300
+    --startup-timeout 300 -- --max-batch 4 --max-length 128
 else  # the builtin server is not in this tree yet: a stub OpenAI server stands in
   stub="$(cd "$(dirname "$0")/.." && pwd)/tests/serve_stub.py"
   run tpupod serve up --pod "$POD" --model qwen2-tiny --servers-per-worker 2 --backend command \

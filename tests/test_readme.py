@@ -35,6 +35,7 @@ RUN = "Lockstep programs: `tpupod run`"
 JOBS = "Queued jobs: `tpupod jobs`"
 BENCH = "Checkpoint benchmarks: `tpupod bench checkpoint`"
 EXTRACT = "Activation extraction: `tpupod extract`"
+SERVE = "Serving a model: `tpupod serve`, `tpupod fanout`"
 TOP = "tpupod"  # the block under the title
 
 NEEDS_CLOUD = "needs a TPU in Google Cloud, which cannot be reached from here"
@@ -229,7 +230,7 @@ def take_down(env: dict[str, str], *pods: str) -> None:
 
 
 def test_every_command_is_run_or_listed_with_a_reason() -> None:
-    known = {TOP, TOUR, SSH, GCP, RUN, BENCH, JOBS, EXTRACT}
+    known = {TOP, TOUR, SSH, GCP, RUN, BENCH, JOBS, EXTRACT, SERVE}
     found = blocks()
     assert set(found) <= known, f"README blocks this test does not run: {set(found) - known}"
     listed = {(heading, command.key) for heading, cmds in found.items() for command in cmds}
@@ -273,6 +274,16 @@ def test_lockstep_run_and_logs(state_home: Path) -> None:
     finally:
         take_down(env, "dev")
     assert "[w1]" in logs.stdout and "[w0]" not in logs.stdout
+
+
+@pytest.mark.local
+@pytest.mark.timeout(400)
+def test_serving(state_home: Path) -> None:
+    env = environment()
+    try:
+        run_block(SERVE, Setting(REPO, env, timeout=300))
+    finally:
+        take_down(env, "dev")
 
 
 @pytest.mark.local
