@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -77,7 +77,6 @@ class Container:
     env_names: tuple[str, ...] = ()  # passed through by name (their values are the worker's)
     privileged: bool = False
     workdir_mounted: bool = False  # mount the command's directory and start there
-    extra: tuple[str, ...] = field(default=())  # more `ENGINE run` options, as given
 
 
 def new_launch_id() -> str:
@@ -103,7 +102,6 @@ def wrap(command: str, container: Container, launch_id: str) -> str:
         *(f"-v {mount.volume()}" for mount in container.mounts),
         *(['-v "$PWD:$PWD"', '-w "$PWD"'] if container.workdir_mounted else []),
         *(["--privileged"] if container.privileged else []),
-        *(shlex.quote(option) for option in container.extra),
     ]
     reaper = (
         f'while kill -0 "$1" 2>/dev/null; do sleep {REAPER_POLL_S:g}; done; '

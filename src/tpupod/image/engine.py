@@ -9,8 +9,6 @@ session predates it) runs Docker through ``sudo -n -E``, so no re-login is neede
 
 from __future__ import annotations
 
-import shlex
-
 from tpupod.errors import UsageError
 
 ENGINES = ("docker", "podman")
@@ -69,7 +67,3 @@ def force_remove(name_expr: str) -> str:
         f"$tpupod_engine rm -f -t 0 --ignore {name_expr} >/dev/null 2>&1; "
         f"else $tpupod_engine rm -f {name_expr} >/dev/null 2>&1; fi; true"
     )
-
-
-def quote_all(words: list[str]) -> str:
-    return " ".join(shlex.quote(word) for word in words)
