@@ -336,6 +336,40 @@ def test_an_ssh_pod_equals_one_process_bit_for_bit(
         shutil.rmtree(shared, ignore_errors=True)
 
 
+@pytest.mark.timeout(180)
+def test_a_global_mesh_over_two_processes_matches_one_process(
+    reference_run: tuple[Path, Path], make_pod: Callable[..., Pod], cli: Callable[..., CliResult],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    # A 2 x 2 mesh over 2 processes of 2 devices: every process runs every step, one program
+    # across both (heads and MLP split over "model", the batch over "data").
+    data, single = reference_run
+    pod = make_pod(workers=2, devices=2)
+    out = tmp_path / "out"
+    args = (*_args(data, out), "--pod", pod.name, "--global-mesh", "--mesh", "data=2,model=2")
+    result = _ok(cli(*args, timeout=150))
+    for worker in ("w0", "w1"):  # each host ran every sample's steps
+        assert f"[{worker}] progress: 64/64 samples" in result.out
+    want, got = tpupod.extract.open(str(single)), tpupod.extract.open(str(out))
+    assert got.ids == want.ids and got.layers == want.layers
+    for sample in want.ids:
+        np.testing.assert_array_equal(got.tokens(sample), want.tokens(sample))
+        for layer in want.layers:
+            np.testing.assert_allclose(
+                got.activations(sample, layer), want.activations(sample, layer), atol=F32_ATOL,
+                rtol=0,
+            )  # fmt: skip
+    assert {n for n in _files(out) if n.startswith("shard")} == {
+        n for n in _files(single) if n.startswith("shard")
+    }
+    # a mesh that is not the pod's 4 devices: one error, from every host
+    bad = cli(*_args(data, tmp_path / "bad"), "--pod", pod.name, "--global-mesh", timeout=120)
+    assert bad.code == 2
+    why = "error: --global-mesh: a 1 x 1 mesh is 1 devices, the pod has 4 (2 processes)"
+    assert f"[w0] {why}" in bad.err and f"[w1] {why}" in bad.err
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").glob("shard*"))
+
+
 def test_resume_after_kill_9_at_several_points_is_identical(
     reference_run: tuple[Path, Path], tmp_path: Path, state_home: Path
 ) -> None:

@@ -60,6 +60,14 @@ def extract(
     mesh: Annotated[
         str, typer.Option("--mesh", help="Each host's devices as data=D,model=M.")
     ] = "data=1,model=1",
+    global_mesh: Annotated[
+        bool,
+        typer.Option(
+            "--global-mesh",
+            help="With --pod: --mesh spans every host's devices (D x M = the pod's), every host "
+            "runs every step in lockstep; for a model one host cannot hold.",
+        ),
+    ] = False,
     max_samples: Annotated[
         int | None,
         typer.Option("--max-samples", help="Only the first N samples.", show_default=False),
@@ -101,6 +109,8 @@ def extract(
 
       tpupod extract --pod dev --model gs://b/qwen --data gs://b/arc.jsonl --layers 12 --out gs://b/acts
 
+      tpupod extract --pod dev --global-mesh --mesh data=4,model=8 --model gs://b/big ...
+
       tpupod extract convert-arc arc_format_train.json arc.jsonl
     """
     if args and args[0] == "convert-arc":
@@ -131,6 +141,7 @@ def extract(
         seed=seed,
         shard_samples=shard_samples,
         strict=strict,
+        global_mesh=global_mesh,
     )
     if pod is not None:
         raise typer.Exit(_on_pod(pod, options, worker_python))
@@ -159,6 +170,8 @@ def _worker_argv(options: ExtractOptions, python: str) -> list[str]:
         argv += ["--max-samples", str(options.max_samples)]
     if options.strict:
         argv.append("--strict")
+    if options.global_mesh:
+        argv.append("--global-mesh")
     return argv
 
 

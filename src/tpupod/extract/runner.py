@@ -7,6 +7,13 @@ hosts, so no host can hang another by compiling a different program, and a
 shard's bytes do not depend on how many hosts run. Hosts meet only through
 the rendezvous of ``tpupod run``: at the start, and at the end, where
 worker 0 merges the manifests and prints a per-host table.
+
+With ``--global-mesh`` the mesh spans every process's devices instead (a model
+too large for one host): every process runs every shard's batches, the same
+steps in the same order (the same shards left, checked on every host first),
+passing the same batch as JAX's multi-process arrays need, and writes the
+shards whose index is its own. The shard plan and files are the same as in the
+default mode, so either mode resumes the other's output.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class ExtractOptions:
     seed: int = 0
     shard_samples: int = 256
     strict: bool = False
+    # --mesh spans every process's devices; every process runs every step (lockstep)
+    global_mesh: bool = False
 
 
 @dataclasses.dataclass
@@ -163,7 +172,16 @@ class Extractor:
 
         data, model_axis = options.mesh
         mesh = None
-        if data * model_axis > 1:
+        if options.global_mesh and jax.process_count() > 1:
+            if data * model_axis != jax.device_count():
+                raise ExtractError(
+                    f"--global-mesh: a {data} x {model_axis} mesh is {data * model_axis} "
+                    f"devices, the pod has {jax.device_count()} "
+                    f"({jax.process_count()} processes)",
+                    hint=f"give --mesh data=D,model=M with D x M = {jax.device_count()}",
+                )
+            mesh = make_mesh(data, model_axis, devices=jax.devices())
+        elif data * model_axis > 1:
             mesh = make_mesh(data, model_axis, devices=jax.local_devices()[: data * model_axis])
         self.model = load_model(prepared.folder, dtype=options.dtype, mesh=mesh)
         self.options = options
@@ -269,6 +287,7 @@ def extract_here(
     agree: Callable[[shards.RunConfig], None] = lambda config: None,
     *,
     mark: Say | None = None,
+    agree_left: Callable[[list[int]], None] = lambda left: None,
 ) -> tuple[Prepared, HostStats]:
     """This host's whole part: prepare, compute its shards, write them. ``agree`` is
     called with the run's config before any compute (workers check they all have it)."""
@@ -276,16 +295,28 @@ def extract_here(
     agree(prepared.config)
     extractor = Extractor(prepared, options)
     store = open_output(options.out, prepared.config)
-    left = todo(prepared, store, host, hosts)
+    # Global mesh: every process computes every shard (the same steps, one program across
+    # the pod) and writes those whose index is its own (k % hosts), which every host must
+    # agree are left: a host whose --out differs would otherwise run other steps and hang.
+    lockstep = options.global_mesh and hosts > 1
+    left = todo(prepared, store, 0, 1) if lockstep else todo(prepared, store, host, hosts)
+    if lockstep:
+        agree_left([s.index for s in left])
+
+    def mine(shard: plan.ShardPlan) -> bool:
+        return not lockstep or shard.index % hosts == host
+
     if isinstance(store, LocalStore):
         # a killed run's half-written files, of this host's shards only: others write theirs now
-        store.remove_staged([n for s in left for n in shards.files_of(s.index)])
+        store.remove_staged([n for s in left if mine(s) for n in shards.files_of(s.index)])
     total = sum(len(s.samples) for s in left)
     progress = Progress(host, total, say if host == 0 else None, mark)
     writer = Writer(store, progress.written)
     progress.pending = lambda: writer.pending
     for shard in left:
         result = extractor.shard(shard, progress.step)
+        if not mine(shard):
+            continue
         tensors, manifest = shards.encode(result, prepared.config)
         safetensors_name, manifest_name = shards.files_of(shard.index)
         writer.put([(safetensors_name, tensors), (manifest_name, manifest)])  # manifest last
@@ -306,7 +337,13 @@ def run_worker(options: ExtractOptions, say: Say, mark: Say | None = None) -> No
 
         init_jax()  # a TPU slice's runtime starts on every host together
     prepared, stats = extract_here(
-        options, say, identity.id, identity.count, _agree(identity.count), mark=mark
+        options,
+        say,
+        identity.id,
+        identity.count,
+        _agree(identity.count),
+        mark=mark,
+        agree_left=_agree_left(identity.count),
     )
     rows = [dataclasses.asdict(stats)]
     if identity.count > 1:
@@ -320,6 +357,18 @@ def run_worker(options: ExtractOptions, say: Say, mark: Say | None = None) -> No
     for line in stats_table(rows):
         say(line)
     say(f"{samples} samples in {options.out} (tpupod.extract.open to read them)")
+
+
+def _agree_left(hosts: int) -> Callable[[list[int]], None]:
+    """With a global mesh, every host must run the same shards (the same steps)."""
+
+    def agree(left: list[int]) -> None:
+        if hosts > 1:
+            from tpupod.launch.client import assert_same
+
+            assert_same(left, "shards left to extract (--global-mesh: one --out for all)")
+
+    return agree
 
 
 def _agree(hosts: int) -> Callable[[shards.RunConfig], None]:
