@@ -136,3 +136,9 @@ def job_code() -> str | None:
     """``TPUPOD_JOB_CODE``: the Python source (base64) a code job's worker runs; set by the
     job runner for ``python -m tpupod.jobs.code``."""
     return os.environ.get("TPUPOD_JOB_CODE") or None
+
+
+def in_kubernetes_pod() -> bool:
+    """``KUBERNETES_SERVICE_HOST``: set in every pod; the Kubernetes job runner then uses the
+    pod's service account when given no kubeconfig."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))

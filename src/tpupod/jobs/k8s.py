@@ -36,6 +36,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from tpupod import settings
 from tpupod.errors import JobError, JobNotFound, UsageError
 from tpupod.jobs.code import MARK
 from tpupod.jobs.execute import Hooks, Outcome, _Marks
@@ -212,11 +213,10 @@ def connect(
 ) -> Cluster:
     """A ``Cluster`` from a kubeconfig (``--kubeconfig``, $KUBECONFIG, ~/.kube/config), or
     the pod's service account when the runner itself runs in the cluster."""
-    import os
 
     configuration = client.Configuration()
     try:
-        if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        if kubeconfig is None and context is None and settings.in_kubernetes_pod():
             config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         else:
             config.load_kube_config(  # type: ignore[no-untyped-call]
