@@ -62,7 +62,7 @@ else  # the builtin server is not in this tree yet: a stub OpenAI server stands 
 fi
 run tpupod serve status --pod "$POD"
 
-say "Fan one prompt out to every server at once (seed 000's check: a status=200 line each)"
+say "Fan one prompt out to every server at once (seed 000's check: a status=200 line each; the tiny checkpoint's weights are random, so its words are noise)"
 run tpupod fanout --pod "$POD" --prompt '你是谁' --max-tokens 8
 
 say "Point the OpenAI client at the fleet and stream one chat through the router"

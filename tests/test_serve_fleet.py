@@ -413,6 +413,11 @@ def test_the_agent_outlives_the_ssh_session_that_started_it(
     assert fanout.returncode == 0, fanout.stdout + fanout.stderr
     assert fanout.stdout.count(" status=200 ") == 4
     assert any(f"{sim.hosts[1].address}:31001" in line for line in fanout.stdout.splitlines())
+    endpoint = run_cli(state_home, "serve", "endpoint", "--pod", pod.name)
+    assert endpoint.stdout.startswith(
+        f"export OPENAI_BASE_URL=http://{sim.hosts[0].address}:9100/v1"
+    )
+    assert f"ssh -N -L 9100:{sim.hosts[0].address}:9100 root@" in endpoint.stderr
     down = run_cli(state_home, "serve", "down", "--pod", pod.name)
     assert down.returncode == 0, down.stderr
     assert sim_leftovers(sim) == []

@@ -293,9 +293,20 @@ def down(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> Non
 @reporting_errors
 def endpoint(pod: PodOption = None) -> None:
     """Print export lines for OpenAI clients: eval "$(tpupod serve endpoint)"."""
-    record = _record(_pod(pod))
+    found = _pod(pod)
+    record = _record(found)
     print(f"export OPENAI_BASE_URL={shlex.quote(record.base_url)}")
     print(f"export OPENAI_API_KEY={shlex.quote(record.token)}")
+    head = found.workers[0]
+    if found.provider != "local" and head.ssh is not None:
+        # Not built yet: a forward over the pod's own SSH connection. Say how to make one.
+        port = record.router_port
+        login = head.ssh.model_copy(update={"host": head.external_address or head.ssh.host})
+        notice(
+            f"the router listens on worker 0's internal address; from outside the pod's "
+            f"network: ssh -N -L {port}:{record.router_host}:{port} {login} and use "
+            f"http://127.0.0.1:{port}/v1"
+        )
 
 
 @command("agent")

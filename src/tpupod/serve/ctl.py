@@ -88,6 +88,8 @@ def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[s
     if running is not None:
         return {**running, "started_now": False}
     state.mkdir(parents=True, exist_ok=True)
+    if service == "agent":  # servers of an agent that was killed hard would hold their ports
+        _kill_recorded_groups(state)
     with open(state / f"{service}.log", "ab") as log:
         proc = subprocess.Popen(
             argv,
