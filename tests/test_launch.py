@@ -493,3 +493,42 @@ def test_gloo_chatter_stays_in_the_logs(
     assert "[Gloo] Rank" in logs.out
     verbose = cli("run", "--pod", pod.name, "--verbose", "--", PYTHON, str(PROGRAM), timeout=120)
     assert "[Gloo] Rank" in verbose.out + verbose.err
+
+
+@pytest.mark.local
+@pytest.mark.timeout(90)
+def test_init_jax_without_tpupod_run_meets_at_the_coordinator(tmp_path: Path) -> None:
+    """Started by a scheduler (a Kubernetes JobSet: the identity in the environment, no
+    rendezvous service), init_jax still joins every process into one JAX runtime."""
+    needs_jax()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    program = (
+        "import tpupod\nme = tpupod.init_jax()\nimport jax, jax.numpy as jnp\n"
+        "from jax.experimental import multihost_utils\n"
+        "ids = multihost_utils.process_allgather(jnp.array([jax.process_index()]))\n"
+        "print(me.id, jax.process_count(), ids.ravel().tolist())\n"
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TPUPOD_")}
+    env = {
+        **base,
+        "JAX_PLATFORMS": "cpu",
+        "TPUPOD_NUM_WORKERS": "2",
+        "TPUPOD_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1",
+        "TPUPOD_COORDINATOR": f"127.0.0.1:{port}",
+    }
+    procs = [
+        subprocess.Popen(
+            [PYTHON, "-c", program],
+            env={**env, "TPUPOD_WORKER_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [proc.communicate(timeout=80) for proc in procs]
+    for proc, (_, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, err[-2000:]
+    assert [out.strip().splitlines()[-1] for out, _ in outs] == ["0 2 [0, 1]", "1 2 [0, 1]"]

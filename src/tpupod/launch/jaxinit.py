@@ -18,6 +18,9 @@ DEFAULT_TIMEOUT_S = 300.0
 def init_jax(timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:
     """Rendezvous at ``pre_jax_init``, then ``jax.distributed.initialize`` from the identity.
 
+    Without a rendezvous service (the identity set by a scheduler, not ``tpupod run``) it
+    goes straight to JAX's initialize at the identity's coordinator.
+
     On CPU pods, cross-process collectives use gloo. A single-host machine
     (worker 0 of 1) skips both and just returns its identity, so the same
     program runs on a laptop, a local pod, an SSH pod and a TPU pod.
@@ -27,7 +30,10 @@ def init_jax(timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:
         return identity
     import jax  # importing starts no backend; every worker does it at once, before the barrier
 
-    rendezvous("pre_jax_init", timeout)
+    if settings.rendezvous()[0]:  # started by tpupod run: meet (and be supervised) first
+        rendezvous("pre_jax_init", timeout)
+    # else started by a scheduler (a Kubernetes JobSet) with the identity alone: JAX's own
+    # initialize, at the coordinator, is the barrier.
     if settings.jax_on_cpu():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
     coordinator = identity.coordinator or f"{identity.hostnames[0]}:{DEFAULT_COORDINATOR_PORT}"
