@@ -205,13 +205,13 @@ def test_a_failing_container_stops_the_others_and_none_is_left(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["ctrl-c", "timeout", "launcher killed"])
+@pytest.mark.parametrize("how", ["ctrl-c", "timeout", "launcher killed", "exec timeout"])
 def test_an_interrupted_run_leaves_no_container(
     podman_env: str, make_pod: Callable[..., Pod], state_home: Path, how: str
 ) -> None:
     pod = make_pod(2)
-    argv = ["run", "--pod", pod.name, "--grace", "1", "--image", podman_env]
-    argv += ["--timeout", "2"] if how == "timeout" else []
+    argv = ["exec" if how == "exec timeout" else "run", "--pod", pod.name, "--grace", "1"]
+    argv += ["--image", podman_env, *(["--timeout", "2"] if "timeout" in how else [])]
     launcher = subprocess.Popen(
         tpupod_argv(*argv, "--", "echo started; sleep 60"),
         stdout=subprocess.PIPE,
@@ -221,10 +221,10 @@ def test_an_interrupted_run_leaves_no_container(
     assert launcher.stdout is not None
     assert all("started" in launcher.stdout.readline() for _ in range(2))
     assert len(containers()) == 2
-    if how != "timeout":
+    if "timeout" not in how:
         launcher.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
     _, err = launcher.communicate(timeout=30)
-    expected = {"ctrl-c": 130, "timeout": 124, "launcher killed": -signal.SIGKILL}[how]
+    expected = {"ctrl-c": 130, "launcher killed": -signal.SIGKILL}.get(how, 124)
     assert launcher.returncode == expected, err
     if how == "launcher killed":  # the orphan guard ends the clients, the reapers the rest
         assert wait_no_containers() == []
