@@ -126,7 +126,7 @@ class TextStream:
                 self.text = text[: min(hits)]
                 return self._take(len(self.text)), True
         self.text = text
-        safe = len(text) - (1 if text.endswith("\ufffd") else 0)  # a partial character
+        safe = len(text.rstrip("\ufffd"))  # a character whose bytes have not all arrived
         hold = 0
         for s in self.stop:  # a tail that may still grow into a stop string waits
             for n in range(min(len(s) - 1, safe), 0, -1):
