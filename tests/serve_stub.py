@@ -3,9 +3,11 @@
 ``python tests/serve_stub.py --host H --port P [--token-delay S] [--tokens N]``
 answers ``/health``, ``/v1/models``, ``/v1/chat/completions`` and
 ``/v1/completions``, streamed (SSE) or not, with ``N`` tokens, waiting ``S``
-seconds before each (0: at once). A real process (aiohttp), so kill -9,
-restarts and streaming are real. A body that is not a JSON object, or lacks
-``messages`` / ``prompt``, gets an OpenAI-shaped 400.
+seconds before each (0: at once); ``--fail 500`` answers every completion
+with that status, and a model other than ``--model`` gets a 404. A real
+process (aiohttp), so kill -9, restarts and streaming are real. A body that
+is not a JSON object, or lacks ``messages`` / ``prompt``, gets an
+OpenAI-shaped 400.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def error(status: int, message: str) -> web.Response:
 
 
 class Stub:
-    def __init__(self, port: int, model: str, tokens: int, delay: float) -> None:
+    def __init__(self, port: int, model: str, tokens: int, delay: float, fail: int = 0) -> None:
         self.port, self.model, self.tokens, self.delay = port, model, tokens, delay
+        self.fail = fail
 
     def words(self, n: int) -> list[str]:
         return [f"stub{self.port}" if i == 0 else f" t{i}" for i in range(n)]
@@ -47,6 +50,10 @@ class Stub:
             return error(400, "the body is not valid JSON")
         if not isinstance(body, dict) or ("messages" if chat else "prompt") not in body:
             return error(400, "missing " + ("messages" if chat else "prompt"))
+        if body.get("model") not in (None, "", self.model):
+            return error(404, f"the model {body['model']!r} does not exist")
+        if self.fail:
+            return error(self.fail, "this stub was told to fail")
         n = min(int(body.get("max_tokens") or self.tokens), self.tokens)
         words = self.words(n)
         if body.get("stream"):
@@ -103,8 +110,9 @@ def main() -> None:
     parser.add_argument("--model", default="stub-model")
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--fail", type=int, default=0, help="answer completions with this status")
     args = parser.parse_args()
-    stub = Stub(args.port, args.model, args.tokens, args.token_delay)
+    stub = Stub(args.port, args.model, args.tokens, args.token_delay, args.fail)
     app = web.Application()
     app.router.add_get("/health", stub.health)
     app.router.add_get("/v1/models", stub.models)

@@ -119,6 +119,92 @@ def test_malformed_bodies_are_named(body: bytes, chat: bool, problem: str | None
     assert (found is None) if problem is None else (found is not None and problem in found)
 
 
+def test_policies_choose_among_available_backends() -> None:
+    from tpupod.serve.registry import HealthPolicy, Registry
+    from tpupod.serve.router import Policy, Router
+
+    registry = Registry(["a:1", "b:1", "c:1"], "m", HealthPolicy())
+    rr = Router(registry, None, Policy.ROUND_ROBIN)
+    assert [rr.choose(set()).address for _ in range(4)] == ["a:1", "b:1", "c:1", "a:1"]  # type: ignore[union-attr]
+    least = Router(registry, None, Policy.LEAST_OUTSTANDING)
+    registry.backends["a:1"].outstanding = 2
+    registry.backends["c:1"].outstanding = 1
+    assert {least.choose(set()).address for _ in range(6)} == {"b:1"}  # type: ignore[union-attr]
+    assert least.choose({"b:1"}).address == "c:1"  # type: ignore[union-attr]
+    two = Router(registry, None, Policy.POWER_OF_TWO)
+    assert all(two.choose(set()).address != "a:1" for _ in range(20))  # type: ignore[union-attr]
+    assert least.choose({"a:1", "b:1", "c:1"}) is None
+
+
+def test_the_circuit_opens_after_errors_in_a_row_and_half_opens_after_the_cooldown() -> None:
+    from tpupod.serve.registry import Health, HealthPolicy, Registry
+
+    registry = Registry(["a:1", "b:1"], "m", HealthPolicy(eject_after=3, cooldown=0.2))
+    a = registry.backends["a:1"]
+    for _ in range(2):
+        registry.begin(a)
+        registry.end(a, ok=False, error="HTTP 500")
+    assert a in registry.available()  # two errors: still in
+    registry.begin(a)
+    registry.end(a, ok=False, error="HTTP 500")
+    assert [b.address for b in registry.available()] == ["b:1"]  # three: ejected
+    time.sleep(0.25)
+    assert a in registry.available()  # half-open: one trial
+    registry.begin(a)
+    assert a not in registry.available()  # while the trial runs, no other request
+    registry.end(a, ok=True)
+    assert a in registry.available() and a.open_until == 0.0  # it worked: closed again
+    registry.refused(a, "connection refused")
+    assert a.health is Health.DOWN and a not in registry.available()
+
+
+@pytest.mark.local
+@pytest.mark.timeout(60)
+def test_the_router_retries_5xx_elsewhere_and_passes_4xx_through(tmp_path: Path) -> None:
+    ports = [free_base_port(), free_base_port()]
+    procs = [
+        subprocess.Popen([sys.executable, str(STUB), "--port", str(ports[0]), "--fail", "500"]),
+        subprocess.Popen([sys.executable, str(STUB), "--port", str(ports[1])]),
+    ]
+    router = free_base_port()
+    addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(tmp_path),
+             "--port", str(router), "--backends", addresses, "--policy", "round_robin",
+             "--health-interval", "0.2"],
+            stdout=subprocess.DEVNULL,
+        )
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{router}"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.1)
+        token = (tmp_path / "router.token").read_text().strip()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0)
+        messages: Any = [{"role": "user", "content": "hi"}]
+        for _ in range(6):  # round robin sends some to the failing one: retried on the other
+            answer = client.chat.completions.create(model="stub-model", messages=messages)
+            assert (answer.choices[0].message.content or "").startswith(f"stub{ports[1]}")
+        health = httpx.get(f"{url}/backends", headers={"Authorization": f"Bearer {token}"}).json()
+        failing = health["health"][f"127.0.0.1:{ports[0]}"]
+        assert failing["circuit"] == "open" and failing["last_error"] == "HTTP 500"
+        assert health["backends"] == [f"127.0.0.1:{ports[1]}"]
+        with pytest.raises(openai.NotFoundError):  # a 4xx is the client's: passed through as is
+            client.chat.completions.create(model="no-such-model", messages=messages)
+        healthy = httpx.get(f"{url}/backends", headers={"Authorization": f"Bearer {token}"})
+        assert healthy.json()["health"][f"127.0.0.1:{ports[1]}"]["failures"] == 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
 # -- a shared local fleet -----------------------------------------------------------------
 
 
