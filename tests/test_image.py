@@ -274,6 +274,8 @@ def busybox_context(folder: Path, dockerfile: str) -> Path:
     shutil.copy2(BUSYBOX, root / "bin/busybox")
     for applet in APPLETS:
         (root / "bin" / applet).symlink_to("busybox")
+    (root / "lib").symlink_to("usr/lib")  # into the host's /usr, where a test mounts it
+    (root / "lib64").symlink_to("usr/lib64")
     (folder / "Dockerfile").write_text("FROM scratch\nCOPY rootfs/ /\n" + dockerfile)
     return folder
 
@@ -448,12 +450,12 @@ def test_build_on_each_host_gives_one_id_or_names_the_difference(
             )
 
 
-@pytest.mark.timeout(90)
-def test_a_failing_container_on_an_ssh_pod_stops_the_others_and_none_is_left(
+@pytest.mark.timeout(120)
+def test_run_image_on_an_ssh_pod_lockstep_jax_then_a_failure_that_leaves_nothing(
     ssh_pod_with_own_storages: Pod, cli: Callable[..., CliResult], sim: SimPod, tmp_path: Path
 ) -> None:
     pod = ssh_pod_with_own_storages
-    tag = f"tpupod-test-fail:{pod.name}"
+    tag = f"tpupod-test-run:{pod.name}"
     context = busybox_context(tmp_path, "")
     program = (
         'if [ "$TPUPOD_WORKER_ID" = 2 ]; then sleep 1; echo failing; exit 5; fi; '
@@ -463,6 +465,17 @@ def test_a_failing_container_on_an_ssh_pod_stops_the_others_and_none_is_left(
     try:
         built = cli("image", "build", "-p", pod.name, "-t", tag, str(context), timeout=80)
         assert built.code == 0, built.err
+        # JAX across two hosts (own addresses, gloo), each in a container; the repository
+        # (this project and its venv) is mounted where it is on the host.
+        jax = cli(
+            "run", "-p", pod.name, "-w", "0,1", "--image", tag, *PYTHON_MOUNTS,
+            "--mount", f"{REPO}:{REPO}:ro", "-e", "JAX_PLATFORMS=cpu", "--",
+            f"cd {REPO} && .venv/bin/python examples/lockstep_sum.py",
+            timeout=80,
+        )  # fmt: skip
+        assert jax.code == 0, jax.err[-3000:]
+        for i in range(2):
+            assert f"[w{i}] worker {i} of 2: 2 devices in the mesh, cross-host sum 3" in jax.out
         result = cli("run", "-p", pod.name, "--grace", "1", "--image", tag, "--", program)
         assert result.code == 5, result.err
         assert "first failure: w2" in result.err
