@@ -327,7 +327,7 @@ def test_fanout_exits_non_zero_when_a_backend_fails(fleet: Fleet) -> None:
 
     class Registry(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = json.dumps({"ok": True, "model": "m", "backends": listed}).encode()
+            body = json.dumps({"ok": True, "model": "stub-model", "backends": listed}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
