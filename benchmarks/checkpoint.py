@@ -17,6 +17,13 @@ device. Each contender runs in a fresh process, one after the other, in every ru
 Orbax options for both: OCDBT on, compression off (random floats do not
 compress; zstd would measure the CPU), async save. Restores read what was just
 written (the page cache), as Orbax's harness does: it restores right after it saves.
+
+    .venv/bin/python benchmarks/checkpoint.py --generators --mb 64 --repeats 3
+
+times every Orbax generator tpupod runs, on a 2-worker local pod of 2 devices each
+(one array of ``--mb`` MiB sharded data x model), beside PyTreeCheckpointBenchmark on
+the same tree in the same run (the anchor): the slowest host's test_fn seconds, median
+over repeats, and the ratio to the anchor.
 """
 
 from __future__ import annotations
@@ -134,12 +141,95 @@ def run_tpupod(work: Path, n: int, env: dict[str, str]) -> dict[str, float]:
     }
 
 
+GENERATOR_STEPS = 3  # saves of the manager, perf, deleter and policy generators
+
+
+def generators_config(mb: int, repeats: int) -> dict[str, object]:
+    """Every generator tpupod runs, on one array of ``mb`` MiB; PyTree first (the anchor)."""
+    rows = mb * 1024 * 1024 // 4 // 4096
+    policy = {
+        "preservation_policies": [{"policy_type": "LatestN", "n": 2}],
+        "save_decision_policies": [{"policy_type": "FixedIntervalPolicy", "interval_steps": 1}],
+    }
+    steps = GENERATOR_STEPS
+    return {
+        "suite_name": "every generator",
+        "num_repeats": repeats,
+        "mesh_config": {"mesh_axes": ["data", "model"], "ici_parallelism": {"data": 2, "model": 2}},
+        "checkpoint_config": {
+            "spec": {
+                "array": {"dtype": "float32", "shape": [rows, 4096], "sharding": ["data", "model"]}
+            }
+        },
+        "benchmarks": [
+            {"generator": "pytree", "options": {"use_ocdbt": True, "async_enabled": True}},
+            {"generator": "CheckpointManagerBenchmark", "options": {"train_steps": steps}},
+            {"generator": "CheckpointManagerPerfBenchmark", "options": {"train_steps": steps}},
+            {"generator": "DeleterBenchmark", "options": {"train_steps": steps}},
+            {"generator": "ArrayHandlerBenchmark", "options": {"use_ocdbt": True}},
+            {"generator": "orbax.checkpoint._src.testing.benchmarks.v1.benchmark.Benchmark"},
+            {"generator": "V1CheckpointerCancelBenchmark", "options": {"cancel_delay_secs": 0.0}},
+            {
+                "generator": "CheckpointPolicyBenchmark",
+                "options": {"num_checkpoints": steps, "checkpoint_policies_options": [policy]},
+            },
+        ],
+    }
+
+
+def run_generators(args: argparse.Namespace) -> None:
+    base = Path(tempfile.mkdtemp(prefix="tpupod-ckpt-gens-", dir=args.dir))
+    env = {**os.environ, "TPUPOD_HOME": str(base / "state")}
+    up = [TPUPOD, "up", "--name", "gens", "--local", "2", "--devices-per-worker", "2"]
+    subprocess.run(up, check=True, env=env, capture_output=True)
+    cfg = base / "gens.yaml"
+    cfg.write_text(yaml.safe_dump(generators_config(args.mb, args.repeats)))
+    try:
+        subprocess.run(
+            [TPUPOD, "bench", "checkpoint", "--pod", "gens", "-c", str(cfg), "-o",
+             str(base / "out"), "-q", "--checkpoint-dir", str(base / "ckpt")],
+            check=True, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        (path,) = (base / "out").glob("*/*/results.json")
+        results = json.loads(path.read_text())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}")
+    print(
+        f"one float32 array of {args.mb} MiB, data=2 x model=2 over 2 workers x 2 devices, "
+        f"{args.repeats} repeats; {GENERATOR_STEPS} steps where a generator saves per step"
+    )
+    print("| generator | test_fn s (slowest host, median) | vs PyTree | slowest ops (mean s) |")
+    print("| --- | ---: | ---: | --- |")
+    anchor = None
+    for combo in results["combinations"]:
+        per_repeat: dict[int, float] = {}
+        for sample in combo["samples"]:
+            per_repeat[sample["repeat"]] = max(
+                per_repeat.get(sample["repeat"], 0.0), sample["seconds"]
+            )
+        seconds = statistics.median(per_repeat.values())
+        anchor = anchor or seconds
+        ops = sorted(
+            ((k[3:], v["mean"]) for k, v in combo["repeats"].items() if k.startswith("op:")),
+            key=lambda kv: -kv[1],
+        )[:3]
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in ops)
+        print(f"| {combo['label']} | {seconds:.3f} | {seconds / anchor:.2f}x | {shown} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="pytree size, GB (256 MiB arrays)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", default="/var/tmp", help="where the files go (a real disk)")
+    parser.add_argument("--generators", action="store_true", help="time every generator")
+    parser.add_argument("--mb", type=int, default=64, help="--generators: the array, MiB")
+    parser.add_argument("--repeats", type=int, default=3, help="--generators: repeats")
     args = parser.parse_args()
+    if args.generators:
+        run_generators(args)
+        return
     n = max(1, round(args.gb * 1e9 / ARRAY_BYTES))
     nbytes = n * ARRAY_BYTES
     base = Path(tempfile.mkdtemp(prefix="tpupod-ckpt-bench-", dir=args.dir))

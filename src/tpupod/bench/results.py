@@ -60,6 +60,7 @@ class Sample(BaseModel):
     saves: int = 1  # how many saves the times cover (a CheckpointManager saves every step)
     restores: int = 1
     ops: dict[str, float] = Field(default_factory=dict)  # every op Orbax timed, its names, s
+    seconds: float = 0.0  # the generator's whole test_fn, wall time (timed ops and the rest)
     problems: list[str] = Field(default_factory=list)  # restored != saved, one line per leaf
 
     def value(self, metric: str) -> float | None:

@@ -136,9 +136,11 @@ class _Runner:
         pytree = jax.block_until_ready(orbax_harness.make_pytree(spec, mesh))  # type: ignore[no-untyped-call]
         nbytes = sum(x.nbytes for x in jax.tree.leaves(pytree) if isinstance(x, jax.Array))
         rendezvous(f"bench:c{combo.index}:r{repeat}")  # every host starts together
+        started = time.perf_counter()
         measured = orbax_harness.measure(
             combo.generator, combo.options, pytree, directory, mesh=mesh, repeat=repeat
         )
+        seconds = time.perf_counter() - started
         # Once every host has restored, the checkpoint goes: a sweep of large pytrees would
         # otherwise keep one on disk per combination and repeat.
         rendezvous(f"bench:c{combo.index}:r{repeat}:restored")
@@ -149,7 +151,7 @@ class _Runner:
             problems = restore_problems(orbax_harness.make_pytree(spec, mesh), measured.restored)
         for tree in (pytree, measured.restored):  # a generator may have deleted either already
             jax.tree.map(_delete, tree)
-        return _sample_of(
+        sample = _sample_of(
             measured,
             orbax_harness.GENERATORS[combo.generator],
             problems,
@@ -157,6 +159,8 @@ class _Runner:
             worker=self.identity.id,
             repeat=repeat,
         )
+        sample.seconds = seconds
+        return sample
 
     def _report(self, combo: Combination, sample: Sample) -> None:
         elapsed = time.monotonic() - self.started
