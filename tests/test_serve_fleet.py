@@ -476,6 +476,27 @@ def test_serve_down_leaves_nothing_running(tmp_path: Path) -> None:
         run_cli(home, "down", "--pod", pod)
 
 
+@pytest.mark.local
+def test_a_server_that_keeps_exiting_fails_serve_up_with_its_last_lines(tmp_path: Path) -> None:
+    home = tmp_path / "state"
+    pod = f"sf{os.getpid()}"
+    assert run_cli(home, "up", "--name", pod, "--local", "1").returncode == 0
+    try:
+        up = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+            "--command", "{python} -c 'import sys; sys.exit(\"cannot load {model}\")'",
+            "--restart-backoff", "0.05", "--base-port", str(free_base_port()),
+        )  # fmt: skip
+        assert up.returncode == 1
+        assert "error: w0: the server on :" in up.stderr
+        assert "exited 3 times without answering (last exit 1)" in up.stderr
+        assert "hint: its last lines: cannot load m" in up.stderr
+    finally:
+        run_cli(home, "serve", "down", "--pod", pod)
+        run_cli(home, "down", "--pod", pod)
+        assert wait_until_gone(pod) == []
+
+
 # -- an SSH pod of simulated hosts ----------------------------------------------------------
 
 

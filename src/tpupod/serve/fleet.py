@@ -243,12 +243,21 @@ class Fleet:
             took = time.monotonic() - began
             if event["event"] == "ready":
                 progress(f"{worker.label} :{ports} ready ({took:.1f}s)")
-            elif event["event"] == "restarting":
-                log = " | ".join(event.get("log", [])[-2:])
-                progress(f"{worker.label} :{ports} exited, restarting: {log}")
+            elif event["event"] in ("restarting", "failing"):
+                log = " | ".join(own_lines(event.get("log", []))[-2:])
+                progress(f"{worker.label} :{ports} exited ({event['restarts']} restarts): {log}")
 
         answers = await self.ctl(worker, "wait-ready", "--timeout", str(timeout), on_line=seen)
         last = answers[-1]
+        if last.get("event") == "failing":
+            ports = ",".join(str(p) for p in last.get("ports", []))
+            logs = " | ".join(own_lines(last.get("log", []))[-3:])
+            raise ServeError(
+                f"{worker.label}: the server on :{ports} exited {last['restarts']} times "
+                f"without answering (last exit {last.get('last_exit')})",
+                hint=(f"its last lines: {logs}; " if logs else "")
+                + "'tpupod serve down' stops what was started",
+            )
         if last.get("event") == "timeout":
             pending = last.get("pending", [])
             names = ", ".join(
@@ -343,6 +352,11 @@ class Fleet:
         answer = (await self.ctl(self.pod.workers[0], "stop", "router"))[-1]
         progress(f"w0 router {'stopped' if answer.get('stopped') else 'was not running'}")
         record_path(self.state, self.pod.name).unlink(missing_ok=True)
+
+
+def own_lines(log: list[str]) -> list[str]:
+    """A server's log lines without the agent's notes about it."""
+    return [line for line in log if not line.startswith("[tpupod agent]")]
 
 
 async def _gather(awaitables: Any) -> list[Any]:

@@ -145,7 +145,7 @@ class ManagedServer:
         self.state = ServerState.STOPPED
         self.pid = None
 
-    def status(self, log_lines: int = 3) -> dict[str, object]:
+    def status(self, log_lines: int = 6) -> dict[str, object]:
         uptime = time.time() - self.started_at if self.started_at and self.pid else None
         return {
             "name": self.spec.name,
