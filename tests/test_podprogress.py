@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
+import pytest
 from rich.console import Console
 
 from tpupod.podprogress import PodProgress, marker, parse
@@ -74,3 +75,19 @@ def test_parse_takes_only_whole_markers() -> None:
     assert parse(marker(1, 2, "runs")) == {"done": 1, "total": 2, "unit": "runs", "doing": ""}
     assert parse('tpupod-progress {"done": "x", "total": 2}') is None
     assert parse("progress 1/2") is None
+
+
+def test_rate_and_eta_on_the_launchers_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("tpupod.podprogress.time.monotonic", lambda: clock[0])
+    view = PodProgress("x", [W(0)], None, tty=False)
+    view(W(0), out(marker(0, 10, "samples")))
+    clock[0] = 102.0
+    view(W(0), out(marker(4, 10, "samples")))
+    host = view.hosts[0]
+    assert host.rate(102.0) == 2.0 and host.eta(102.0) == 3.0
+    assert host.eta(103.0) == 2.0  # no marker since: the time passed counts
+    clock[0] = 105.0
+    view(W(0), out(marker(10, 10, "samples")))
+    assert host.rate(500.0) == 2.0 and host.eta(500.0) == 0.0  # done: its rate stays
+    assert view.summary(105.0) == "x: 10/10 samples, 5s elapsed, ETA 0s"

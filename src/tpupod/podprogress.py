@@ -12,8 +12,9 @@ output and shows them:
 - otherwise (a pipe, a log, a test), one plain line per marker, prefixed with
   its worker as any output line, so a reader of the log sees the same counts.
 
-Rate and ETA are measured on the launcher's clock from each host's first
-marker, so a worker need not keep time for it.
+Rate and ETA are measured on the launcher's clock, from each host's first
+marker to its latest, so a worker need not keep time for it, and a finished
+host's rate stays what it was.
 """
 
 from __future__ import annotations
@@ -79,17 +80,20 @@ class HostProgress:
         self.updated = now
 
     def rate(self, now: float) -> float | None:
-        """Units per second since this host's first marker (None before there is one)."""
-        elapsed = now - self.first_at
+        """Units per second from this host's first marker to its latest (None before two)."""
+        elapsed = self.updated - self.first_at
         if not self.seen or elapsed <= 0 or self.done <= self.first_done:
             return None
         return (self.done - self.first_done) / elapsed
 
     def eta(self, now: float) -> float | None:
+        """What is left at that rate, less the time since the latest marker."""
         if self.seen and self.done >= self.total:
             return 0.0
         rate = self.rate(now)
-        return None if rate is None else (self.total - self.done) / rate
+        if rate is None:
+            return None
+        return max(0.0, (self.total - self.done) / rate - (now - self.updated))
 
 
 def _seconds(value: float | None) -> str:
