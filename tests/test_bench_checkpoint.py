@@ -253,6 +253,9 @@ def test_checkpoints_on_gs_through_a_gcs_emulator(
     pod = make_pod(workers=2, devices=2)
     config = json.loads(json.dumps(SMALL))
     config["num_repeats"] = 1
+    # The emulator answers tensorstore's conditional writes of OCDBT manifests wrongly now and
+    # then ("Malformed StorageGeneration", 2 runs in 12); plain zarr chunks it serves right.
+    config["benchmarks"][0]["options"]["use_ocdbt"] = False
     path = write_config(tmp_path, config)
     out = tmp_path / "out"
     run = cli(
