@@ -228,12 +228,12 @@ def _said_progress(text: str) -> bool:
 def _here(options: ExtractOptions) -> None:
     """All of it in this process: as a worker of 'tpupod run' (progress markers go to the
     launcher), or alone (a live view on a terminal; worker 0's plain lines otherwise)."""
-    import os
-
+    from tpupod import settings
     from tpupod.extract.runner import run_worker
 
-    if "TPUPOD_WORKER_ID" in os.environ or not sys.stdout.isatty():
-        run_worker(options, _say, mark=_say if "TPUPOD_WORKER_ID" in os.environ else None)
+    on_a_pod = "TPUPOD_WORKER_ID" in settings.environment()  # a worker of 'tpupod run'
+    if on_a_pod or not sys.stdout.isatty():
+        run_worker(options, _say, mark=_say if on_a_pod else None)
         return
     from tpupod.podprogress import PodProgress
     from tpupod.transport import OutputLine, Stream
