@@ -163,16 +163,10 @@ def _attention_step(
     return y, (cache_k, cache_v)
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
-def decode(
-    graphdef: nnx.GraphDef[Qwen],
-    state: Any,
-    caches: list[KVCache],  # each [S, K, L, H]
-    tokens: Array,  # [S] each slot's latest token
-    positions: Array,  # [S] where that token goes (its row's length so far)
+def _step(
+    model: Qwen, caches: list[KVCache], tokens: Array, positions: Array
 ) -> tuple[list[KVCache], Array]:
-    """One decode step over every slot: the caches and each slot's next logits [S, V]."""
-    model = nnx.merge(graphdef, state)
+    """One token for every slot: the new caches and the logits [S, V]."""
     length = caches[0][0].shape[2]
     mask = (jnp.arange(length)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, L]
     x = jnp.take(model.embedding[...], tokens[:, None], axis=0)  # [S, 1, D]
@@ -191,3 +185,47 @@ def decode(
         x = x + layer.mlp(layer.post_attn_norm(x))
         new_caches.append(kv)
     return new_caches, model.logits(model.final_norm(x))[:, 0]
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
+def decode(
+    graphdef: nnx.GraphDef[Qwen],
+    state: Any,
+    caches: list[KVCache],  # each [S, K, L, H]
+    tokens: Array,  # [S] each slot's latest token
+    positions: Array,  # [S] where that token goes (its row's length so far)
+) -> tuple[list[KVCache], Array]:
+    """One decode step over every slot: the caches and each slot's next logits [S, V]."""
+    return _step(nnx.merge(graphdef, state), caches, tokens, positions)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "count"), donate_argnames=("caches",))
+def decode_many(  # noqa: PLR0917 (jit takes the arrays positionally)
+    graphdef: nnx.GraphDef[Qwen],
+    state: Any,
+    caches: list[KVCache],
+    tokens: Array,  # [S]
+    positions: Array,  # [S]
+    steps: Array,  # [S]
+    temperature: Array,  # [S]
+    top_p: Array,  # [S]
+    seeds: Array,  # [S]
+    *,
+    count: int,
+) -> tuple[list[KVCache], Array]:
+    """``count`` decode steps in one program, each token fed back on the device: the
+    caches and the tokens [count, S]. The host looks at the tokens once per call, so
+    a row that stops early computes on (in its own slot) until the call ends; a
+    position past the cache's end is dropped by the scatter."""
+    model = nnx.merge(graphdef, state)
+
+    def body(carry: Any, _: Any) -> tuple[Any, Array]:
+        caches, tokens, positions, steps = carry
+        caches, logits = _step(model, caches, tokens, positions)
+        nxt = choose(logits, steps, temperature, top_p, seeds)
+        return (caches, nxt, positions + 1, steps + 1), nxt
+
+    (caches, _, _, _), out = jax.lax.scan(
+        body, (caches, tokens, positions, steps), None, length=count
+    )
+    return caches, out

@@ -2,6 +2,7 @@
 
     python -m tpupod.serve.builtin --model PATH --host HOST --ports 31000,31001 \\
         [--dtype bfloat16|float32] [--served-model-name NAME] [--max-batch 16] [--max-length 1024]
+        [--decode-steps N]
 
 One engine per port, each on its own slice of ``jax.local_devices()`` (libtpu
 lets one process own a host's TPU, so the engines share a process, as seed
@@ -11,6 +12,12 @@ tensor-parallel. Every engine compiles its programs before its port opens;
 the port is bound first (a port in use fails before the model loads) and
 listens only once warm. ``ready port=P`` is printed per engine once it
 answers ``/health``.
+
+``--decode-steps N`` runs N decode steps per device call, the tokens fed back
+on the device: on an accelerator a step takes about a millisecond, less than
+the host's work a step (dispatch, reading tokens back, text), so the host
+looks once per N steps; a stopped request then computes on, in its own slot,
+to the end of the call, and a newcomer waits for it.
 
 SIGTERM (or SIGINT): every request in flight or waiting gets an error at once
 (a stream ends with an ``error`` event), the ports close, the engines' threads
@@ -70,7 +77,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="positions per slot: prompt and answer of one request",
     )
-    return parser.parse_args(argv)  # fmt: skip
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="decode steps per device call (default: 1 on a CPU, else 8)",
+    )
+    return parser.parse_args(argv)
 
 
 def parse_ports(text: str) -> list[int]:
@@ -126,8 +139,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> int:
     ports = parse_ports(args.ports)
-    if args.max_batch < 1 or args.max_length < 2:
-        raise UsageError("--max-batch must be >= 1 and --max-length >= 2")
+    if args.max_batch < 1 or args.max_length < 2 or (args.decode_steps or 1) < 1:
+        raise UsageError("--max-batch and --decode-steps must be >= 1, --max-length >= 2")
     sockets = [bind(args.host, p) for p in ports]
 
     import jax
@@ -136,12 +149,22 @@ def run(args: argparse.Namespace) -> int:
     from tpupod.serve.engine import Engine
 
     slices = device_slices(jax.local_devices(), len(ports))
-    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    cpu = jax.default_backend() == "cpu"
+    dtype = args.dtype or ("float32" if cpu else "bfloat16")
+    # a step on a CPU takes long enough that a host round trip a step costs little
+    decode_steps = args.decode_steps or (1 if cpu else 8)
     name = args.served_model_name or model_name(args.model)
     engines = []
     for devices in slices:
         model = load_model(args.model, dtype=dtype, mesh=make_mesh(1, len(devices), devices))
-        engines.append(Engine(model, max_batch=args.max_batch, max_length=args.max_length))
+        engines.append(
+            Engine(
+                model,
+                max_batch=args.max_batch,
+                max_length=args.max_length,
+                decode_steps=decode_steps,
+            )
+        )
     _warm(engines)
     return asyncio.run(_serve(engines, sockets, ports, args.host, name))
 
@@ -170,7 +193,7 @@ async def _serve(
 ) -> int:
     import uvicorn
 
-    from tpupod.serve.openai_api import create_app
+    from tpupod.serve.openai_api import create_app, loop_dispatch
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -178,7 +201,9 @@ async def _serve(
             yield
 
     servers = []
+    loop = asyncio.get_running_loop()
     for engine, port in zip(engines, ports, strict=True):
+        engine.dispatch = loop_dispatch(loop)
         engine.start(f"engine-{port}")
         config = uvicorn.Config(
             create_app(engine, name),
@@ -196,7 +221,6 @@ async def _serve(
         for server in servers:
             server.should_exit = True
 
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     pairs = zip(servers, sockets, strict=True)

@@ -100,43 +100,64 @@ Event = Delta | Finished | Failed
 Sink = Callable[[Event], None]
 
 
+def deliver(events: list[tuple[Sink, Event]]) -> None:
+    """Call each sink with its event; a sink's failure must not take the engine down."""
+    for sink, event in events:
+        with contextlib.suppress(Exception):
+            sink(event)
+
+
 class TextStream:
-    """The answer's text as tokens arrive: incremental decoding and stop strings."""
+    """The answer's text as tokens arrive: incremental decoding and stop strings.
+
+    Each token decodes only a short window (the tokens since the last whole
+    character, as vLLM and TGI do), so a long answer costs no more per token
+    than a short one; at the end the whole answer is decoded once.
+    """
 
     def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.longest_stop = max(map(len, self.stop), default=0)
         self.tokens: list[int] = []
+        self.prefix = 0  # the window: tokens[prefix:read] are decoded already ...
+        self.read = 0  # ... and tokens[read:] are new
         self.sent = 0  # characters of the text already handed out
-        self.text = ""
+        self.text = ""  # the text of the tokens up to the last whole character
 
-    def _decode(self) -> str:
+    def _decode(self, tokens: list[int]) -> str:
         if self.tokenizer is None:
-            return "".join(f"<{t}>" for t in self.tokens)
-        return self.tokenizer.decode(self.tokens)
+            return "".join(f"<{t}>" for t in tokens)
+        return self.tokenizer.decode(tokens)
 
     def push(self, token: int) -> tuple[str, bool]:
         """Add a token: the text that may go out now, and whether a stop string ended it."""
         self.tokens.append(token)
-        text = self._decode()
+        before = self._decode(self.tokens[self.prefix : self.read])
+        after = self._decode(self.tokens[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return "", False  # no new whole character yet
+        grown = len(self.text)
+        self.text += after[len(before) :]
+        self.prefix, self.read = self.read, len(self.tokens)
         if self.stop:
-            start = max(self.sent - max(map(len, self.stop)) + 1, 0)
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            start = max(grown - self.longest_stop + 1, 0)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
-                self.text = text[: min(hits)]
+                self.text = self.text[: min(hits)]
                 return self._take(len(self.text)), True
-        self.text = text
-        safe = len(text.rstrip("\ufffd"))  # a character whose bytes have not all arrived
+        safe = len(self.text)
         hold = 0
         for s in self.stop:  # a tail that may still grow into a stop string waits
             for n in range(min(len(s) - 1, safe), 0, -1):
-                if text[:safe].endswith(s[:n]):
+                if self.text.endswith(s[:n]):
                     hold = max(hold, n)
                     break
         return self._take(max(safe - hold, self.sent)), False
 
     def flush(self) -> str:
-        """Everything not yet handed out (the answer ended)."""
+        """Everything not yet handed out (the answer ended without a stop string)."""
+        self.text = self._decode(self.tokens)
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
@@ -174,9 +195,11 @@ class Engine:
         max_batch: int = 16,
         max_length: int = 1024,
         stop_tokens: Sequence[int] | None = None,
+        decode_steps: int = 1,
     ) -> None:
-        if max_batch < 1 or max_length < 2:
-            raise ModelError("max_batch must be >= 1 and max_length >= 2")
+        if max_batch < 1 or max_length < 2 or decode_steps < 1:
+            raise ModelError("max_batch and decode_steps must be >= 1 and max_length >= 2")
+        self.decode_steps = decode_steps
         self.model = model
         self.tokenizer = model.tokenizer
         self.max_batch = max_batch
@@ -204,6 +227,9 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._outbox: list[tuple[Sink, Event]] = []
+        # how a turn's events reach their sinks; by default each sink is called here
+        self.dispatch: Callable[[list[tuple[Sink, Event]]], None] = deliver
         self.steps = 0  # decode steps run
         self.prefills = 0  # prefill programs run
         self.slot_history: list[tuple[int, int]] = []  # (slot, id of the request) per admission
@@ -266,14 +292,21 @@ class Engine:
         return np.asarray(slots.choose(logits, *sampling))[: len(batch)]
 
     def _decode(self) -> np.ndarray:
+        """The next ``decode_steps`` tokens of every slot: [decode_steps, S]."""
         tokens, positions, *sampling = self._put(
             self._tokens, self._positions, self._steps, self._temperature, self._top_p, self._seeds
         )
-        self._caches, logits = slots.decode(
-            self.model._graphdef, self.model._state, self._caches, tokens, positions
-        )
-        self.steps += 1
-        return np.asarray(slots.choose(logits, *sampling))
+        graphdef, state = self.model._graphdef, self.model._state
+        if self.decode_steps == 1:
+            self._caches, logits = slots.decode(graphdef, state, self._caches, tokens, positions)
+            out = slots.choose(logits, *sampling)[None]
+        else:
+            self._caches, out = slots.decode_many(
+                graphdef, state, self._caches, tokens, positions, *sampling,
+                count=self.decode_steps,
+            )  # fmt: skip
+        self.steps += self.decode_steps
+        return np.asarray(out)
 
     def warmup(self) -> None:
         """Compile the prefill for every length bucket and the decode step."""
@@ -289,9 +322,11 @@ class Engine:
                     self.model._graphdef, self.model._state, self._caches, *args
                 )
                 logits.block_until_ready()
-            self._temperature[0] = 1.0  # both branches of choose run once
+            p = self.max_batch
+            zeros = np.zeros(p, np.int32)
+            sampling = self._put(zeros, np.ones(p, np.float32), np.ones(p, np.float32), zeros)
+            slots.choose(logits, *sampling).block_until_ready()
             self._decode()
-            self._temperature[0] = 0.0
 
     # ---- requests ----------------------------------------------------------
 
@@ -352,30 +387,35 @@ class Engine:
     # ---- the loop ----------------------------------------------------------
 
     def _emit(self, request: Request, event: Event, close: bool = False) -> None:
+        """Send an event: gathered for the end of the turn on the engine's thread,
+        at once from any other (``shutdown``)."""
         if request.closed:
             return
         if close:
             request.closed = True
-        with contextlib.suppress(Exception):  # a sink must not take the engine down
-            request.sink(event)
+        if threading.current_thread() is self._thread:
+            self._outbox.append((request.sink, event))
+        else:
+            self.dispatch([(request.sink, event)])
+
+    def _flush(self) -> None:
+        if self._outbox:
+            events, self._outbox = self._outbox, []
+            self.dispatch(events)
 
     def _loop(self) -> None:
         with self._precision():
             while self._turn():
-                pass
+                self._flush()
 
     def _turn(self) -> bool:
-        """One turn: admit newcomers, run one decode step. False once stopping."""
+        """One turn: admit newcomers, run one decode call. False once stopping."""
         with self._wake:
             while not self._stopping and not self._running and not self._waiting:
                 self._wake.wait()
             if self._stopping:
                 return False
-            for slot, request in list(self._running.items()):
-                if request.cancelled or request.closed:
-                    self._free(slot)
-            while self._waiting and (self._waiting[0].cancelled or self._waiting[0].closed):
-                self._waiting.popleft()
+            self._sweep()
             batch = self._take_newcomers()
         try:
             if batch:
@@ -383,9 +423,11 @@ class Engine:
                 for request, token in zip(batch, first.tolist(), strict=True):
                     self._accept(request, token)
             if self._running:
-                nxt = self._decode().tolist()
-                for slot, request in list(self._running.items()):
-                    self._accept(request, nxt[slot])
+                running = list(self._running.items())
+                for row in self._decode().tolist():
+                    for slot, request in running:
+                        if self._running.get(slot) is request:  # not finished meanwhile
+                            self._accept(request, row[slot])
         except Exception as exc:  # a device failure: fail what runs, start clean
             with self._wake:
                 failed = list(self._running.values())
@@ -395,6 +437,14 @@ class Engine:
                 self._emit(request, Failed(f"generation failed: {exc}"), close=True)
             self._caches = self._fresh_caches()
         return True
+
+    def _sweep(self) -> None:
+        """Forget cancelled requests (the lock held): their slots are free again."""
+        for slot, request in list(self._running.items()):
+            if request.cancelled or request.closed:
+                self._free(slot)
+        while self._waiting and (self._waiting[0].cancelled or self._waiting[0].closed):
+            self._waiting.popleft()
 
     def _take_newcomers(self) -> list[Request]:
         """Waiting requests for the free slots, as many as one packed prefill holds."""

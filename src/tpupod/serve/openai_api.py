@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -47,6 +48,8 @@ from tpupod.serve.engine import (
     Finished,
     RequestRejected,
     SamplingParams,
+    Sink,
+    deliver,
 )
 from tpupod.serve.engine import (
     Request as EngineRequest,
@@ -223,6 +226,7 @@ class _Call:
         self.metrics = metrics
         self.endpoint = endpoint
         self.loop = asyncio.get_running_loop()
+        self.thread = threading.get_ident()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.started = time.perf_counter()
         self.first: float | None = None
@@ -235,7 +239,10 @@ class _Call:
             self.request.cancel()
 
     def sink(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        if threading.get_ident() == self.thread:  # delivered on the loop (loop_dispatch)
+            self.queue.put_nowait(event)
+        else:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def events(self) -> AsyncIterator[Event]:
         while True:
@@ -255,6 +262,16 @@ class _Call:
             yield event
             if self.ended:
                 return
+
+
+def loop_dispatch(loop: asyncio.AbstractEventLoop) -> Callable[[list[tuple[Sink, Event]]], None]:
+    """An engine's ``dispatch`` that hands a turn's events to ``loop`` in one hop
+    (one ``call_soon_threadsafe`` per turn, not one per token of every request)."""
+
+    def dispatch(events: list[tuple[Sink, Event]]) -> None:
+        loop.call_soon_threadsafe(deliver, events)
+
+    return dispatch
 
 
 def create_app(  # noqa: PLR0915 (the routes are closures over one engine)
