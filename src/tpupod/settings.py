@@ -142,3 +142,19 @@ def in_kubernetes_pod() -> bool:
     """``KUBERNETES_SERVICE_HOST``: set in every pod; the Kubernetes job runner then uses the
     pod's service account when given no kubeconfig."""
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+def openai_api_key() -> str | None:
+    """``OPENAI_API_KEY``: the bearer token OpenAI clients send (``tpupod serve endpoint``
+    prints it for the fleet's router; ``tpupod fanout`` uses it when given no token)."""
+    return os.environ.get("OPENAI_API_KEY") or None
+
+
+def named(variable: str) -> str | None:
+    """The variable a command was told to read by name (``serve ctl --token-env NAME``)."""
+    return os.environ.get(variable) or None
+
+
+def use_uvloop() -> bool:
+    """``TPUPOD_NO_UVLOOP`` unset: the serving router runs on uvloop where it is installed."""
+    return not os.environ.get("TPUPOD_NO_UVLOOP")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shlex
 import sys
 import time
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
+from tpupod import settings
 from tpupod.cli import app, command, reporting_errors
 from tpupod.cli.options import PodOption
 from tpupod.errors import ServeError, UsageError
@@ -357,7 +357,7 @@ def fanout(
         record = _record(_pod(pod))
         registry_url = f"http://{record.router_host}:{record.router_port}"
         token = token or record.token
-    token = token or os.environ.get("OPENAI_API_KEY")
+    token = token or settings.openai_api_key()
     began = time.monotonic()
     try:
         found_model, backends = asyncio.run(registry_backends(registry_url, token, 30.0))

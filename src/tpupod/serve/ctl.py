@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tpupod import procfs
+from tpupod import procfs, settings
 from tpupod.state import write_atomic
 
 STATE_DIR = ".tpupod/serve"  # relative: each worker's home (SSH) or work folder (local)
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     state = Path(args.state_dir).expanduser().absolute()
     if args.action == "ensure":
         command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-        token(state, args.service, os.environ.get(args.token_env) if args.token_env else None)
+        token(state, args.service, settings.named(args.token_env) if args.token_env else None)
         if args.replace:
             stop(state, args.service, STOP_GRACE_S)
         answer = ensure(state, args.service, command, args.timeout)
