@@ -342,14 +342,23 @@ def test_a_global_mesh_over_two_processes_matches_one_process(
     tmp_path: Path,
 ) -> None:  # fmt: skip
     # A 2 x 2 mesh over 2 processes of 2 devices: every process runs every step, one program
-    # across both (heads and MLP split over "model", the batch over "data").
+    # across both (heads and MLP split over "model", the batch over "data"). The launcher is
+    # killed with -9 once a shard is committed; the rerun resumes in lockstep.
     data, single = reference_run
     pod = make_pod(workers=2, devices=2)
     out = tmp_path / "out"
     args = (*_args(data, out), "--pod", pod.name, "--global-mesh", "--mesh", "data=2,model=2")
+    launcher = subprocess.Popen(
+        tpupod_argv(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    _kill_when(launcher, lambda: _committed(out) >= 1)
+    assert not wait_until_gone(pod.name, timeout=10), "workers outlived their launcher"
+    assert 1 <= _committed(out) < 8
     result = _ok(cli(*args, timeout=150))
-    for worker in ("w0", "w1"):  # each host ran every sample's steps
-        assert f"[{worker}] progress: 64/64 samples" in result.out
+    for worker in ("w0", "w1"):  # each host ran every step left: the same count on both
+        (share,) = set(re.findall(rf"\[{worker}\] progress: \d+/(\d+) samples", result.out))
+        assert 0 < int(share) < 64 and int(share) % 8 == 0
+    assert len(set(re.findall(r"progress: \d+/(\d+) samples", result.out))) == 1
     want, got = tpupod.extract.open(str(single)), tpupod.extract.open(str(out))
     assert got.ids == want.ids and got.layers == want.layers
     for sample in want.ids:
