@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -520,14 +522,33 @@ def test_the_agent_outlives_the_ssh_session_that_started_it(
     assert fanout.returncode == 0, fanout.stdout + fanout.stderr
     assert fanout.stdout.count(" status=200 ") == 4
     assert any(f"{sim.hosts[1].address}:31001" in line for line in fanout.stdout.splitlines())
+    # The router listens inside the pod's network; the endpoint is a local port forwarded to
+    # it over the pod's SSH connection, which the pod's connection holder keeps.
     endpoint = run_cli(state_home, "serve", "endpoint", "--pod", pod.name)
-    assert endpoint.stdout.startswith(
-        f"export OPENAI_BASE_URL=http://{sim.hosts[0].address}:9100/v1"
+    assert endpoint.returncode == 0, endpoint.stderr
+    exports = dict(
+        line.removeprefix("export ").split("=", 1) for line in endpoint.stdout.splitlines()
     )
-    assert f"ssh -N -L 9100:{sim.hosts[0].address}:9100 root@" in endpoint.stderr
+    url = exports["OPENAI_BASE_URL"]
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", url), url
+    assert f"to the router at {sim.hosts[0].address}:9100 over w0's SSH" in endpoint.stderr
+    client = openai.OpenAI(base_url=url, api_key=exports["OPENAI_API_KEY"], max_retries=0)
+    answer = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+    )
+    assert answer.choices[0].message.content
+    again = run_cli(state_home, "serve", "endpoint", "--pod", pod.name)
+    assert again.stdout == endpoint.stdout  # asked again: the same forward
+    direct = run_cli(state_home, "serve", "endpoint", "--pod", pod.name, "--direct")
+    assert f"OPENAI_BASE_URL=http://{sim.hosts[0].address}:9100/v1" in direct.stdout
     down = run_cli(state_home, "serve", "down", "--pod", pod.name)
     assert down.returncode == 0, down.stderr
     assert sim_leftovers(sim) == []
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass  # serve down closed the forward
 
 
 # -- the builtin server, on the tiny checkpoint ---------------------------------------------

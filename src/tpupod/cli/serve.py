@@ -283,30 +283,66 @@ def down(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> Non
 
     found = _pod(pod)
     try:
-        python = load_record(StateDir(), found.name).python
+        record = load_record(StateDir(), found.name)
     except ServeError:
-        python = _python(found, worker_python)
+        record = None
+    python = record.python if record is not None else _python(found, worker_python)
     _with_fleet(found, worker_python or python, lambda f: f.down(notice))
+    if record is not None and found.provider != "local":
+        from tpupod.holder.client import close_forward
+
+        close_forward(
+            StateDir(), found.name, worker=0, host=record.router_host, port=record.router_port
+        )
 
 
 @serve_app.command("endpoint")
 @reporting_errors
-def endpoint(pod: PodOption = None) -> None:
-    """Print export lines for OpenAI clients: eval "$(tpupod serve endpoint)"."""
+def endpoint(
+    pod: PodOption = None,
+    direct: Annotated[
+        bool,
+        typer.Option(
+            "--direct",
+            help="The router's own address on worker 0 (for clients inside the pod's "
+            "network), not a local port forwarded to it.",
+        ),
+    ] = False,
+) -> None:
+    """Print export lines for OpenAI clients: eval "$(tpupod serve endpoint)".
+
+    On an SSH or cloud pod the router listens on worker 0's internal address: this
+    forwards a local port to it over the pod's own SSH connection (held by the pod's
+    connection holder until 'tpupod serve down') and points the clients there.
+    """
     found = _pod(pod)
     record = _record(found)
-    print(f"export OPENAI_BASE_URL={shlex.quote(record.base_url)}")
+    url = record.base_url
+    if found.provider != "local" and not direct:
+        url = _forwarded(found, record)
+    print(f"export OPENAI_BASE_URL={shlex.quote(url)}")
     print(f"export OPENAI_API_KEY={shlex.quote(record.token)}")
-    head = found.workers[0]
-    if found.provider != "local" and head.ssh is not None:
-        # Not built yet: a forward over the pod's own SSH connection. Say how to make one.
-        port = record.router_port
+
+
+def _forwarded(pod: Pod, record: FleetRecord) -> str:
+    """A local URL forwarded to the router over worker 0's SSH connection."""
+    from tpupod.holder.client import forward_port
+    from tpupod.state import StateDir
+
+    host, port = record.router_host, record.router_port
+    if not settings.holder_enabled():  # the holder is what keeps a forward open
+        head = pod.workers[0]
+        assert head.ssh is not None
         login = head.ssh.model_copy(update={"host": head.external_address or head.ssh.host})
         notice(
-            f"the router listens on worker 0's internal address; from outside the pod's "
-            f"network: ssh -N -L {port}:{record.router_host}:{port} {login} and use "
-            f"http://127.0.0.1:{port}/v1"
+            "the router listens on worker 0's internal address and TPUPOD_HOLDER=0 keeps no "
+            f"forward open; from outside the pod's network: ssh -N -L {port}:{host}:{port} "
+            f"{login}, then use http://127.0.0.1:{port}/v1"
         )
+        return record.base_url
+    local = forward_port(StateDir(), pod.name, worker=0, host=host, port=port, local_port=port)
+    notice(f"127.0.0.1:{local} forwards to the router at {host}:{port} over w0's SSH connection")
+    return f"http://127.0.0.1:{local}/v1"
 
 
 @command("agent")

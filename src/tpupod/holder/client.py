@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from tpupod.errors import TpupodError
 from tpupod.holder import socket_path
@@ -71,6 +72,48 @@ def held_exec(
         printer=printer,
         notice=notice,
     )
+
+
+def forward_port(
+    state: StateDir, name: str, *, worker: int, host: str, port: int, local_port: int = 0
+) -> int:
+    """Have the pod's holder (started if needed) hold a local port open to ``host:port`` as
+    ``worker`` sees it, over its SSH connection; returns the local port. Asked again for the
+    same address, the holder answers with the port it already holds."""
+    request = {"op": "forward", "worker": worker, "host": host, "port": port}
+    for _ in range(3):
+        try:
+            with _connect_or_start(state, name) as sock:
+                answer = _ask(sock, {**request, "local_port": local_port})
+        except _Stale:
+            _wait_gone(socket_path(state.pod_dir(name)))
+            continue
+        if "error" in answer:
+            raise TpupodError(str(answer["error"]), hint=answer.get("hint"))
+        return int(answer["local_port"])
+    raise TpupodError(
+        f"the connection holder of pod {name!r} keeps restarting",
+        hint=f"see {state.pod_dir(name) / LOG_FILE}; TPUPOD_HOLDER=0 works without it",
+    )
+
+
+def close_forward(state: StateDir, name: str, *, worker: int, host: str, port: int) -> None:
+    """Close the holder's forward to ``host:port``, if a holder runs and holds one."""
+    request = {"op": "unforward", "worker": worker, "host": host, "port": port}
+    with (
+        contextlib.suppress(OSError, _Stale, ValueError),
+        _connect(socket_path(state.pod_dir(name))) as sock,
+    ):
+        _ask(sock, request)
+
+
+def _ask(sock: socket.socket, request: dict[str, object]) -> dict[str, Any]:
+    """One request, one answer."""
+    sock.sendall(json.dumps(request).encode() + b"\n")
+    answer: dict[str, Any] = json.loads(sock.makefile("rb").readline() or b"{}")
+    if answer.get("error") == "stale":
+        raise _Stale
+    return answer
 
 
 def stop_holder(state: StateDir, name: str) -> None:

@@ -9,9 +9,11 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from tpupod.errors import WorkerError
 from tpupod.fanout import Interrupt, execute_async
 from tpupod.holder import socket_path
 from tpupod.pod import Pod, Worker
@@ -19,8 +21,25 @@ from tpupod.providers import connect
 from tpupod.results import result_to_json
 from tpupod.state import RECORD_FILE, StateDir
 from tpupod.transport import Connector, OutputLine, Stream
+from tpupod.transport.ssh import SshTransport
 
 CHECK_EVERY_S = 1.0
+
+
+@dataclass
+class Forward:
+    """A local port held open to an address as one worker sees it (``serve endpoint``)."""
+
+    worker: Worker
+    host: str
+    port: int
+    local_port: int
+    listener: Any = None  # asyncssh's SSHListener, None while its connection is down
+    connection: Any = None
+
+    @property
+    def alive(self) -> bool:
+        return self.listener is not None and not self.connection.is_closed()
 
 
 class Holder:
@@ -34,6 +53,7 @@ class Holder:
         self.active = 0
         self.last_used = time.monotonic()
         self.stopping = asyncio.Event()
+        self.forwards: dict[tuple[int, str, int], Forward] = {}
 
     async def serve(self, path: Path) -> None:
         path.unlink(missing_ok=True)
@@ -45,10 +65,14 @@ class Holder:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), CHECK_EVERY_S)
                 idle = self.active == 0 and time.monotonic() - self.last_used > self.idle_s
-                if idle or _version(self.record) != self.record_version:
+                if (idle and not self.forwards) or _version(self.record) != self.record_version:
                     self.stopping.set()
+                await self._revive()
         finally:
             server.close()
+            for forward in self.forwards.values():
+                if forward.listener is not None:
+                    forward.listener.close()
             path.unlink(missing_ok=True)
             warm.cancel()
             await self.connector.close()
@@ -72,6 +96,10 @@ class Holder:
                 self.stopping.set()
             elif op == "exec":
                 await self._exec(request, reader, writer)
+            elif op == "forward":
+                _send(writer, await self._forward(request))
+            elif op == "unforward":
+                _send(writer, self._unforward(request))
             else:
                 _send(writer, {"error": f"unknown request {op!r}"})
             await writer.drain()
@@ -81,6 +109,56 @@ class Holder:
             self.active -= 1
             self.last_used = time.monotonic()
             writer.close()
+
+    async def _forward(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Hold a local port open to ``host:port`` as worker ``worker`` sees it; asked again,
+        answer with the same port. It lasts as long as this holder, which stays for it."""
+        worker = self.pod.workers[int(request["worker"])]
+        key = (worker.id, str(request["host"]), int(request["port"]))
+        forward = self.forwards.get(key) or Forward(worker, key[1], key[2], 0)
+        if not forward.alive:
+            try:
+                await self._listen(forward, int(request.get("local_port") or 0))
+            except WorkerError as exc:
+                return {"error": exc.message, "hint": exc.hint}
+        self.forwards[key] = forward
+        return {"ok": True, "local_port": forward.local_port}
+
+    def _unforward(self, request: dict[str, Any]) -> dict[str, Any]:
+        key = (int(request["worker"]), str(request["host"]), int(request["port"]))
+        forward = self.forwards.pop(key, None)
+        if forward is not None and forward.listener is not None:
+            forward.listener.close()
+        return {"ok": True, "closed": forward is not None}
+
+    async def _listen(self, forward: Forward, wanted: int) -> None:
+        transport = self.connector.transport(forward.worker)
+        if not isinstance(transport, SshTransport):
+            raise WorkerError(f"pod {self.pod.name!r} has no SSH connection to forward over")
+        # Once a port was given out, keep it: clients were told that URL.
+        port = forward.local_port or wanted
+        try:
+            forward.listener, forward.connection = await transport.forward(
+                port, forward.host, forward.port
+            )
+        except WorkerError:
+            if port == 0 or forward.local_port:
+                raise
+            forward.listener, forward.connection = await transport.forward(
+                0, forward.host, forward.port
+            )  # the port asked for is taken here: any other
+        forward.local_port = forward.listener.get_port()
+
+    async def _revive(self) -> None:
+        """A forward whose SSH connection dropped comes back on the same port once the host
+        answers again."""
+        for forward in self.forwards.values():
+            if forward.listener is not None and not forward.alive:
+                forward.listener.close()
+                forward.listener = None
+            if forward.listener is None:
+                with contextlib.suppress(WorkerError):
+                    await self._listen(forward, forward.local_port)
 
     async def _exec(
         self, request: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -265,6 +265,28 @@ class SshTransport:
             ) from exc
         return SshProcess(self, cast(_CommandSession, session), conn, pgid)
 
+    async def forward(
+        self, local_port: int, remote_host: str, remote_port: int
+    ) -> tuple[asyncssh.SSHListener, asyncssh.SSHClientConnection]:
+        """Listen on 127.0.0.1:``local_port`` (0: any) here; each connection to it goes over
+        this worker's SSH connection to ``remote_host:remote_port`` as seen from the worker.
+        Returns the listener and the connection it lives on (it ends with that connection)."""
+        conn = await self.pool.connection(self.target, self.worker.id)
+        try:
+            listener = await conn.forward_local_port(
+                "127.0.0.1", local_port, remote_host, remote_port
+            )
+        except (asyncssh.Error, OSError) as exc:
+            raise _failure(
+                self.target,
+                self.worker.id,
+                f"cannot forward 127.0.0.1:{local_port} to {remote_host}:{remote_port}: "
+                f"{_reason(exc)}",
+                hint="another program may hold that local port",
+                unreachable=False,
+            ) from exc
+        return listener, conn
+
     async def put(self, local: Path, remote: str) -> None:
         target = _sftp_path(put_target(local, remote))
         staged = staging_name(target)
