@@ -1,0 +1,252 @@
+"""One member of a multi-host replica: ``python -m tpupod.serve.replica``.
+
+    python -m tpupod.serve.replica --model PATH --host HOST --port P \\
+        --rank R --size K --leader HOST:SIDE_PORT --coordinator-port C --worker W \\
+        [--dtype D] [--mesh model=M] [--max-batch N] [--max-length L] [--decode-steps N]
+        [--served-model-name NAME] [--lockstep-timeout S] [--rendezvous-timeout S]
+
+K processes, one per worker of a group, serve one model sharded over all the
+group's devices. The agent of each worker runs its member; the members meet as
+``tpupod run``'s workers do, before JAX starts:
+
+1. the leader (rank 0) binds its HTTP port (not yet listening) and the side
+   channel (``lockstep.py``); every follower connects to it and says who it is
+   and the digests of its code and config;
+2. the leader compares them with its own and either refuses the group (naming
+   the odd worker; every member exits 2, nothing is compiled) or hands out a
+   new launch id and JAX's coordinator address (the leader's host,
+   ``--coordinator-port``);
+3. every member starts JAX's distributed runtime (gloo on a CPU), loads the
+   model on the ``(data, model)`` mesh over all the group's devices, and
+   compiles the engine's programs (each the same programs in the same order);
+4. the leader serves the OpenAI endpoint and runs the continuous-batching
+   engine; before every device call it broadcasts the call's inputs, and the
+   followers (no endpoint, no decisions) run the same jitted program on them.
+
+A member that dies or stops takes the replica down: the others see it within
+``--lockstep-timeout`` s (at once for a death), the leader fails every request
+in flight or waiting (a stream ends with an ``error`` event) and every member
+exits 3; each worker's agent restarts its member, and the group forms again
+under a new launch id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import secrets
+import socket
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import tpupod
+from tpupod import settings
+from tpupod.errors import TpupodError, UsageError
+from tpupod.serve.lockstep import DEFAULT_TIMEOUT_S, Follower, Hello, Leader, exit_soon
+
+LOST_EXIT = 3  # a member of the replica went away
+REFUSED_EXIT = 2
+DOWN_MESSAGE = "the replica lost a member ({reason}); it is restarting"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tpupod.serve.replica",
+        description="one member of a replica served by several hosts in lockstep",
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="this worker's address")
+    parser.add_argument("--port", type=int, required=True, help="the leader's HTTP port")
+    parser.add_argument("--rank", type=int, required=True, help="0: the leader")
+    parser.add_argument("--size", type=int, required=True, help="processes in the replica")
+    parser.add_argument("--leader", required=True, help="HOST:PORT of the leader's side channel")
+    parser.add_argument("--coordinator-port", type=int, required=True)
+    parser.add_argument("--worker", type=int, default=0, help="this worker's id (for messages)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    parser.add_argument("--mesh", default=None, help="model=M (default: every device)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--decode-steps", type=int, default=None)
+    parser.add_argument("--lockstep-timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--rendezvous-timeout", type=float, default=120.0)
+    return parser.parse_args(argv)
+
+
+def split_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--leader {text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def code_digest() -> str:
+    """tpupod's own source files, JAX's version, and ``tpupod run``'s commit and config."""
+    import jax
+
+    digest = hashlib.sha256(jax.__version__.encode())
+    root = Path(tpupod.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    for part in settings.program_identity():
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def config_digest(args: argparse.Namespace) -> str:
+    """What every member must agree on: the checkpoint's config and the serving options."""
+    from tpupod.model import loading
+
+    folder = loading.localize(args.model)
+    chosen = {
+        "config": json.loads((folder / "config.json").read_text()),
+        "options": [args.size, args.dtype, args.mesh, args.max_batch, args.max_length],
+        "decode_steps": args.decode_steps,
+    }
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_axis(mesh: str | None, devices: int) -> int:
+    if mesh is None:
+        return devices
+    key, _, value = mesh.partition("=")
+    if key.strip() != "model" or not value.strip().isdigit():
+        raise UsageError(f"--mesh {mesh!r}: give model=M", hint="e.g. --mesh model=4")
+    width = int(value)
+    if width < 1 or devices % width:
+        raise UsageError(f"--mesh model={width} does not divide the replica's {devices} devices")
+    return width
+
+
+def new_launch_id() -> str:
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+def start_jax(coordinator: str, size: int, rank: int, timeout: float) -> None:
+    import jax
+
+    if settings.jax_on_cpu():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=size,
+        process_id=rank,
+        initialization_timeout=int(timeout),
+    )
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The model on the mesh over every process's devices, and its engine, compiled."""
+    import jax
+
+    from tpupod.model import load_model, make_mesh
+    from tpupod.serve.stepped import LockstepEngine
+
+    devices = jax.devices()
+    width = model_axis(args.mesh, len(devices))
+    cpu = jax.default_backend() == "cpu"
+    dtype = args.dtype or ("float32" if cpu else "bfloat16")
+    mesh = make_mesh(len(devices) // width, width, devices)
+    model = load_model(args.model, dtype=dtype, mesh=mesh)
+    engine = LockstepEngine(
+        model,
+        max_batch=args.max_batch,
+        max_length=args.max_length,
+        decode_steps=args.decode_steps or (1 if cpu else 8),
+    )
+    engine.warmup()
+    return engine
+
+
+def lead(args: argparse.Namespace, own: Hello) -> int:
+    from tpupod.serve import builtin
+
+    http = builtin.bind(args.host, args.port)
+    side_host, side_port = split_address(args.leader)
+    listener = socket.socket(socket.AF_INET6 if ":" in side_host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((side_host, side_port))
+    except OSError as exc:
+        raise UsageError(f"cannot bind the side channel {args.leader}: {exc.strerror}") from exc
+    listener.listen(64)
+    leader = Leader(listener, args.size - 1, args.lockstep_timeout)
+    members = leader.gather(own, args.rendezvous_timeout)
+    launch_id = new_launch_id()
+    coordinator = f"{side_host}:{args.coordinator_port}"
+    leader.welcome(launch_id, coordinator)
+    names = ", ".join(h.label for h in members)
+    print(f"replica launch {launch_id}: leader w{args.worker}, followers {names}", flush=True)
+
+    def lost_early(reason: str) -> None:
+        print(f"error: {DOWN_MESSAGE.format(reason=reason)}", file=sys.stderr, flush=True)
+        exit_soon(LOST_EXIT, 0)
+
+    leader.watch(lost_early)
+    start_jax(coordinator, args.size, 0, args.rendezvous_timeout)
+    engine = build_engine(args)
+
+    def lost(reason: str) -> None:
+        message = DOWN_MESSAGE.format(reason=reason)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        engine.shutdown(message, timeout=0)  # every request in flight or waiting fails now
+        exit_soon(LOST_EXIT, 0.5)  # time for the errors to go out
+
+    leader.set_failure_handler(lost)
+    engine.channel = leader
+    name = args.served_model_name or builtin.model_name(args.model)
+    code = asyncio.run(builtin._serve([engine], [http], [args.port], args.host, name))
+    leader.close()
+    return code
+
+
+def follow(args: argparse.Namespace, own: Hello) -> int:
+    from tpupod.serve.stepped import follow_steps
+
+    follower = Follower(args.lockstep_timeout)
+    welcome = follower.join(split_address(args.leader), own, args.rendezvous_timeout)
+    print(f"replica launch {welcome['launch_id']}: follower w{args.worker}", flush=True)
+
+    def lost(reason: str) -> None:
+        print(f"error: {DOWN_MESSAGE.format(reason=reason)}", file=sys.stderr, flush=True)
+        exit_soon(LOST_EXIT, 0)
+
+    follower.watch(lost)
+    start_jax(welcome["coordinator"], args.size, args.rank, args.rendezvous_timeout)
+    engine = build_engine(args)
+    print(f"follower w{args.worker} ready", flush=True)
+    follow_steps(engine, follower)
+    return LOST_EXIT
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.size < 2 or not 0 <= args.rank < args.size:
+        raise UsageError("--size must be >= 2 and --rank in 0..size-1")
+    own = Hello(args.rank, args.worker, code_digest(), config_digest(args))
+    return lead(args, own) if args.rank == 0 else follow(args, own)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except TpupodError as exc:
+        print(f"error: {exc.message}", file=sys.stderr, flush=True)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr, flush=True)
+        return REFUSED_EXIT if exc.exit_code == 0 else exc.exit_code
+
+
+if __name__ == "__main__":
+    import os
+
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # JAX's distributed shutdown would wait on the other members
