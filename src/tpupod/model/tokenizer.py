@@ -9,6 +9,7 @@ same ids as ``apply_chat_template``.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,18 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
 
 def render_chat(template: str, messages: list[Message], **context: Any) -> str:
     from jinja2 import TemplateError
+
+    try:
+        return _compiled(template).render(messages=messages, **context)
+    except TemplateError as exc:
+        raise ModelError(f"the chat template refused these messages: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> Any:
+    """The template compiled once (compiling takes milliseconds; a server renders it
+    for every request)."""
+    from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -119,6 +132,6 @@ def render_chat(template: str, messages: list[Message], **context: Any) -> str:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     try:
-        return env.from_string(template).render(messages=messages, **context)
+        return env.from_string(template)
     except TemplateError as exc:
-        raise ModelError(f"the chat template refused these messages: {exc}") from exc
+        raise ModelError(f"the chat template does not compile: {exc}") from exc

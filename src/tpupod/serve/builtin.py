@@ -2,7 +2,7 @@
 
     python -m tpupod.serve.builtin --model PATH --host HOST --ports 31000,31001 \\
         [--dtype bfloat16|float32] [--served-model-name NAME] [--max-batch 16] [--max-length 1024]
-        [--decode-steps N]
+        [--decode-steps N] [--prefill-tokens N]
 
 One engine per port, each on its own slice of ``jax.local_devices()`` (libtpu
 lets one process own a host's TPU, so the engines share a process, as seed
@@ -76,6 +76,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1024,
         help="positions per slot: prompt and answer of one request",
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=None,
+        help="tokens of newcomers' prompts prefilled together (default and least: --max-length)",
     )
     parser.add_argument(
         "--decode-steps",
@@ -163,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 max_batch=args.max_batch,
                 max_length=args.max_length,
                 decode_steps=decode_steps,
+                prefill_tokens=args.prefill_tokens,
             )
         )
     _warm(engines)

@@ -3,13 +3,15 @@
 Requests join and leave the running batch at step boundaries. Each turn of
 the loop (the engine's own thread):
 
-1. takes in what arrived (``submit``) and forgets what was cancelled;
-2. admits waiting requests into free slots: their prompts are packed into
-   one prefill (``slots.prefill``, one compiled program per length bucket)
-   that writes their keys and values and picks their first tokens;
-3. runs one decode step over every slot (``slots.decode``, compiled once;
-   idle slots compute and are ignored) and hands each running request its
-   next token.
+1. forgets what was cancelled;
+2. admits waiting requests into free slots, as many as there are free slots:
+   their prompts are packed into prefills of up to ``prefill_tokens``
+   tokens (``slots.prefill``, one compiled program per length bucket) that
+   write their keys and values and pick their first tokens (newcomers go
+   first: a burst of arrivals joins at once rather than a few per step);
+3. runs one decode call over every slot (``slots.decode``, or
+   ``decode_many`` for several steps a call; compiled once; idle slots
+   compute and are ignored) and hands each running request its next tokens.
 
 A request that stops (a stop token, a stop string, ``max_tokens``) frees its
 slot at once; the next newcomer reuses it. Results go out through each
@@ -45,14 +47,14 @@ from tpupod.model.tokenizer import Tokenizer
 FinishReason = Literal["stop", "length"]
 
 
-def length_buckets(max_length: int) -> list[int]:
-    """The packed prefill lengths: powers of two from 16 below ``max_length``, then it."""
+def length_buckets(largest: int) -> list[int]:
+    """The packed prefill lengths: powers of two from 16 below ``largest``, then it."""
     buckets = []
     size = MIN_LENGTH_BUCKET
-    while size < max_length:
+    while size < largest:
         buckets.append(size)
         size *= 2
-    return [*buckets, max_length]
+    return [*buckets, largest]
 
 
 class RequestRejected(ModelError):
@@ -196,6 +198,7 @@ class Engine:
         max_length: int = 1024,
         stop_tokens: Sequence[int] | None = None,
         decode_steps: int = 1,
+        prefill_tokens: int | None = None,
     ) -> None:
         if max_batch < 1 or max_length < 2 or decode_steps < 1:
             raise ModelError("max_batch and decode_steps must be >= 1 and max_length >= 2")
@@ -205,7 +208,9 @@ class Engine:
         self.max_batch = max_batch
         self.max_length = min(max_length, model.config.max_position_embeddings)
         self.stop_tokens = frozenset(model.stop_tokens if stop_tokens is None else stop_tokens)
-        self.buckets = length_buckets(self.max_length)
+        # one packed prefill holds up to this many tokens (at least one whole prompt)
+        self.prefill_tokens = max(prefill_tokens or 0, self.max_length)
+        self.buckets = length_buckets(self.prefill_tokens)
         mesh = model.mesh
         self._inputs = (
             None if mesh is None else NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
@@ -399,9 +404,18 @@ class Engine:
             self.dispatch([(request.sink, event)])
 
     def _flush(self) -> None:
-        if self._outbox:
-            events, self._outbox = self._outbox, []
-            self.dispatch(events)
+        """Send the turn's events, each request's text of the turn as one ``Delta``."""
+        if not self._outbox:
+            return
+        merged: dict[int, tuple[Sink, list[Event]]] = {}
+        for sink, event in self._outbox:
+            _, events = merged.setdefault(id(sink), (sink, []))
+            if isinstance(event, Delta) and events and isinstance(events[-1], Delta):
+                events[-1] = Delta(events[-1].text + event.text)
+            else:
+                events.append(event)
+        self._outbox = []
+        self.dispatch([(sink, event) for sink, events in merged.values() for event in events])
 
     def _loop(self) -> None:
         with self._precision():
@@ -409,16 +423,16 @@ class Engine:
                 self._flush()
 
     def _turn(self) -> bool:
-        """One turn: admit newcomers, run one decode call. False once stopping."""
+        """One turn: admit every newcomer a slot is free for (packed prefills), then
+        run one decode call over all slots. False once stopping."""
         with self._wake:
             while not self._stopping and not self._running and not self._waiting:
                 self._wake.wait()
             if self._stopping:
                 return False
             self._sweep()
-            batch = self._take_newcomers()
         try:
-            if batch:
+            while batch := self._admit():
                 first = self._prefill(batch)
                 for request, token in zip(batch, first.tolist(), strict=True):
                     self._accept(request, token)
@@ -437,6 +451,10 @@ class Engine:
                 self._emit(request, Failed(f"generation failed: {exc}"), close=True)
             self._caches = self._fresh_caches()
         return True
+
+    def _admit(self) -> list[Request]:
+        with self._wake:
+            return [] if self._stopping else self._take_newcomers()
 
     def _sweep(self) -> None:
         """Forget cancelled requests (the lock held): their slots are free again."""

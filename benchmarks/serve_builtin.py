@@ -1,0 +1,265 @@
+"""The builtin server under 32 concurrent chat clients beside ``QwenModel.generate``.
+
+The same random-weight checkpoint (a public shape, cut to ``--layers`` decoder
+layers so it runs on a CPU; the vocabulary and widths are the real ones, the
+tokenizer and chat template are the tiny fixture's) serves both sides:
+
+- *generate (anchor)*: ``QwenModel.generate`` on all ``--clients`` chat
+  prompts as one batch, greedy, ``--new-tokens`` each: one jitted program,
+  the whole decode loop on the device. The best a server can hope for.
+- *builtin server*: ``python -m tpupod.serve.builtin`` (one engine) and
+  ``--clients`` concurrent ``/v1/chat/completions`` requests (httpx, async)
+  for the same prompts, greedy, ``max_tokens`` = ``--new-tokens``: HTTP,
+  chat template, tokenizing, continuous batching, a host round trip a step.
+
+Tokens/s is answer tokens over wall time; the rounds are interleaved so both
+see the same machine, and medians are reported with their ratio.
+
+    python benchmarks/serve_builtin.py                     # this CPU, 4 of 24 layers
+    python benchmarks/serve_builtin.py --layers 24 --clients 64 --dtype bfloat16  # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tpupod.model import PRESETS, QwenConfig, load_model
+
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "qwen2-tiny"
+QUESTIONS = [
+    "Who are you?",
+    "Write a haiku about TPUs.",
+    "What is continuous batching?",
+    "Explain KV caches in one line.",
+    "def fib(n):",
+    "Translate 'good morning' to French.",
+    "List three prime numbers.",
+    "Why is the sky blue?",
+]
+
+
+def progress(message: str) -> None:
+    print(f"  .. {message}", file=sys.stderr, flush=True)
+
+
+def checkpoint(cfg: QwenConfig, folder: Path, seed: int = 0) -> None:
+    """A Hugging Face folder of random float32 weights (tied embeddings) of ``cfg``'s shape."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    n, k = cfg.num_heads * h, cfg.num_kv_heads * h
+
+    def normal(*shape: int) -> np.ndarray:
+        return (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, d)}
+    tensors["model.norm.weight"] = np.ones(d, np.float32)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = np.ones(d, np.float32)
+        tensors[p + "post_attention_layernorm.weight"] = np.ones(d, np.float32)
+        for name, width in (("q", n), ("k", k), ("v", k)):
+            tensors[p + f"self_attn.{name}_proj.weight"] = normal(width, d)
+            tensors[p + f"self_attn.{name}_proj.bias"] = np.zeros(width, np.float32)
+        tensors[p + "self_attn.o_proj.weight"] = normal(d, n)
+        tensors[p + "mlp.gate_proj.weight"] = normal(f, d)
+        tensors[p + "mlp.up_proj.weight"] = normal(f, d)
+        tensors[p + "mlp.down_proj.weight"] = normal(d, f)
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": d,
+        "intermediate_size": f,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_id": list(cfg.eos_token_ids),
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(FIXTURE / name, folder / name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(folder: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[str]:
+    argv = [
+        sys.executable, "-m", "tpupod.serve.builtin", "--model", str(folder),
+        "--host", "127.0.0.1", "--ports", str(port), "--dtype", args.dtype,
+        "--max-batch", str(args.clients), "--max-length", str(args.max_length),
+        "--served-model-name", "bench",
+        *(["--decode-steps", str(args.decode_steps)] if args.decode_steps else []),
+        *(["--prefill-tokens", str(args.prefill_tokens)] if args.prefill_tokens else []),
+    ]  # fmt: skip
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+
+
+def wait_ready(proc: subprocess.Popen[str], port: int) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != f"ready port={port}":
+        proc.kill()
+        raise SystemExit(f"the server did not start: {line!r} (exit {proc.wait()})")
+
+
+async def clients_round(port: int, conversations: list[str], new: int) -> tuple[float, int]:
+    """All requests at once; wall seconds and answer tokens."""
+    import httpx
+
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=len(conversations) * 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
+
+        async def one(question: str) -> int:
+            body = {
+                "model": "bench",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": new,
+                "temperature": 0,
+            }
+            response = await client.post(url, json=body)
+            response.raise_for_status()
+            return int(response.json()["usage"]["completion_tokens"])
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(q) for q in conversations))
+        return time.perf_counter() - started, sum(counts)
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import jax
+
+    cfg = PRESETS[args.shape]()
+    cfg = type(cfg)(**{**cfg.__dict__, "num_layers": args.layers})
+    progress(f"{args.shape} cut to {args.layers} layers: writing a random checkpoint")
+    folder = work / "checkpoint"
+    checkpoint(cfg, folder)
+    model = load_model(folder, dtype=args.dtype)
+    assert model.tokenizer is not None
+    questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(args.clients)]
+    prompts = [
+        model.tokenizer.encode(
+            model.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        )
+        for q in questions
+    ]
+
+    def generate() -> tuple[float, int]:
+        started = time.perf_counter()
+        out = model.generate(prompts, max_new_tokens=args.new_tokens)
+        return time.perf_counter() - started, sum(len(t) for t in out.tokens)
+
+    port = free_port()
+    progress("server: starting (loads and compiles); generate: compiling")
+    started = time.perf_counter()
+    server = start_server(folder, port, args)  # the two compile side by side
+    try:
+        generate()
+        wait_ready(server, port)
+        startup = time.perf_counter() - started
+        gen: list[tuple[float, int]] = []
+        srv: list[tuple[float, int]] = []
+        for r in range(args.rounds):
+            progress(f"round {r + 1}: generate")
+            gen.append(generate())
+            progress(f"round {r + 1}: server")
+            srv.append(asyncio.run(clients_round(port, questions, args.new_tokens)))
+    finally:
+        server.terminate()
+        server.wait(30)
+    gen_rate = statistics.median(n / s for s, n in gen)
+    srv_rate = statistics.median(n / s for s, n in srv)
+    return {
+        "shape": args.shape,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "clients": args.clients,
+        "new_tokens": args.new_tokens,
+        "max_length": args.max_length,
+        "decode_steps": args.decode_steps,
+        "prefill_tokens": args.prefill_tokens,
+        "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+        "device": str(jax.devices()[0].device_kind),
+        "server_startup_s": startup,
+        "generate": gen,
+        "server": srv,
+        "generate_tok_s": gen_rate,
+        "server_tok_s": srv_rate,
+        "ratio": srv_rate / gen_rate,
+    }
+
+
+def report(r: dict[str, Any]) -> None:
+    print(
+        f"{r['shape']} cut to {r['layers']} layers, {r['dtype']}, random weights, on "
+        f"{r['device']}: {r['clients']} chat prompts of {r['prompt_tokens'][0]}-"
+        f"{r['prompt_tokens'][1]} tokens, {r['new_tokens']} new tokens each (greedy), "
+        f"{len(r['server'])} rounds"
+    )
+    print(f"{'':36}{'wall s (median)':>16}{'tok/s':>10}{'ratio':>9}")
+    gen_s = statistics.median(s for s, _ in r["generate"])
+    srv_s = statistics.median(s for s, _ in r["server"])
+    print(
+        f"{'QwenModel.generate, one batch':36}{gen_s:>16.2f}{r['generate_tok_s']:>10.0f}{1:>8.2f}x"
+    )
+    label = f"builtin server, {r['clients']} clients"
+    print(f"{label:36}{srv_s:>16.2f}{r['server_tok_s']:>10.0f}{r['ratio']:>8.2f}x")
+    print(f"server start to ready (beside generate's compile): {r['server_startup_s']:.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b"])
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers kept")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=256, help="the server's slot length")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--decode-steps", type=int, default=None, help="the server's (default: its own)"
+    )
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=None, help="the server's (default: its own)"
+    )
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tpupod-bench-serve-", dir=args.workdir))
+    try:
+        result = measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
