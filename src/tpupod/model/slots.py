@@ -16,8 +16,10 @@ caches donated so XLA updates them in place:
   index because they are left-padded together, these do not) and attends to
   the keys before it. Rows of idle slots compute and are ignored.
 
-Both return logits; ``choose`` (compiled once, for P = S rows) turns them
-into tokens, so the sampling code is not compiled again into every program.
+``decode`` returns logits, and ``prefill`` its newcomers' last hidden states,
+which ``head`` turns into logits for only as many rows as there are newcomers
+(a power of two); ``choose`` (compiled once, for P = S rows) turns logits into
+tokens, so the sampling code is not compiled again into every program.
 
 A row's positions are 0..n-1 for its n prompt tokens, as ``compute.generate``
 gives them after its left padding, so a greedy answer equals ``generate``'s.
@@ -105,8 +107,8 @@ def prefill(  # noqa: PLR0917 (jit takes the arrays positionally)
     positions: Array,  # [T] each token's position in its own prompt
     last: Array,  # [P] where each newcomer's last token is (0 for padding rows)
 ) -> tuple[list[KVCache], Array]:
-    """Fill the newcomers' slots; return the caches and the logits [P, V] of each
-    newcomer's last token (``choose`` picks its first token from them).
+    """Fill the newcomers' slots; return the caches and the final hidden state [P, D]
+    of each newcomer's last token (``head`` turns the first rows into logits).
 
     The prompts are packed into one row: a token attends only to the tokens of
     its own prompt before it, and its key and value land in its prompt's slot at
@@ -117,7 +119,7 @@ def prefill(  # noqa: PLR0917 (jit takes the arrays positionally)
     same = token_slots[:, None] == token_slots[None, :]
     mask = (jnp.tril(jnp.ones((t, t), bool)) & same)[None]  # [1, T, T]
     hidden = run_layers(model, input_ids[None], positions[None], mask)
-    ends = hidden.last[0, last][None]  # [1, P, D]
+    ends = hidden.last[0, last]  # [P, D]
     filled = []
     for (cache_k, cache_v), (k, v) in zip(caches, hidden.caches, strict=True):
         # k, v: [1, K, T, H] -> [T, K, H], one row per token
@@ -129,7 +131,17 @@ def prefill(  # noqa: PLR0917 (jit takes the arrays positionally)
                 cache_v.at[token_slots, :, positions].set(v_rows, mode="drop"),
             )
         )
-    return filled, model.logits(ends)[0]
+    return filled, ends
+
+
+@partial(jax.jit, static_argnames=("graphdef", "count"))
+def head(graphdef: nnx.GraphDef[Qwen], state: Any, ends: Array, *, count: int) -> Array:
+    """Logits [P, V] of the first ``count`` rows of ``ends`` [P, D] (the rest zero): a
+    prefill of a few newcomers does not pay the LM head for every slot. Compiled
+    per ``count`` (powers of two)."""
+    model = nnx.merge(graphdef, state)
+    logits = model.logits(ends[None, :count])[0]
+    return jnp.zeros((ends.shape[0], logits.shape[-1]), logits.dtype).at[:count].set(logits)
 
 
 def _attention_step(

@@ -211,6 +211,11 @@ class Engine:
         # one packed prefill holds up to this many tokens (at least one whole prompt)
         self.prefill_tokens = max(prefill_tokens or 0, self.max_length)
         self.buckets = length_buckets(self.prefill_tokens)
+        # how many newcomers' logits a prefill computes: powers of two, then every slot
+        self.head_counts = [
+            c for c in (1 << i for i in range(max_batch.bit_length())) if c < max_batch
+        ]
+        self.head_counts.append(max_batch)
         mesh = model.mesh
         self._inputs = (
             None if mesh is None else NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
@@ -290,9 +295,12 @@ class Engine:
         ids_, slots_, positions_, last_, *sampling = self._put(
             ids, token_slots, positions, last, np.zeros(p, np.int32), temperature, top_p, seeds
         )
-        self._caches, logits = slots.prefill(
-            self.model._graphdef, self.model._state, self._caches, ids_, slots_, positions_, last_
+        graphdef, state = self.model._graphdef, self.model._state
+        self._caches, ends = slots.prefill(
+            graphdef, state, self._caches, ids_, slots_, positions_, last_
         )
+        count = next(c for c in self.head_counts if c >= len(batch))
+        logits = slots.head(graphdef, state, ends, count=count)
         self.prefills += 1
         return np.asarray(slots.choose(logits, *sampling))[: len(batch)]
 
@@ -314,7 +322,8 @@ class Engine:
         return np.asarray(out)
 
     def warmup(self) -> None:
-        """Compile the prefill for every length bucket and the decode step."""
+        """Compile everything a request may run: the prefill per length bucket, the LM
+        head per newcomer count, sampling, and the decode call."""
         with self._precision():
             for t in self.buckets:
                 args = self._put(
@@ -323,10 +332,11 @@ class Engine:
                     np.zeros(t, np.int32),
                     np.zeros(self.max_batch, np.int32),
                 )
-                self._caches, logits = slots.prefill(
+                self._caches, ends = slots.prefill(
                     self.model._graphdef, self.model._state, self._caches, *args
                 )
-                logits.block_until_ready()
+            for count in self.head_counts:
+                logits = slots.head(self.model._graphdef, self.model._state, ends, count=count)
             p = self.max_batch
             zeros = np.zeros(p, np.int32)
             sampling = self._put(zeros, np.ones(p, np.float32), np.ones(p, np.float32), zeros)
