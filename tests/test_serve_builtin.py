@@ -257,6 +257,8 @@ def test_stop_strings_are_cut_streamed_or_not(server: Server) -> None:
     stop = full[5:8]
     cut = full[: full.index(stop)]
     out = ask(client, QUESTIONS[0], stop=[stop, "never-appears"])
+    capped = ask(client, QUESTIONS[0], max_tokens=None, max_completion_tokens=3)
+    assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
     assert out.choices[0].message.content == cut
     assert out.choices[0].finish_reason == "stop"
     chunks = list(ask(client, QUESTIONS[0], stop=stop, stream=True))
@@ -511,3 +513,15 @@ def test_text_stream_holds_back_what_may_become_a_stop_string(model: QwenModel) 
         if stopped:
             break
     assert stopped and out == "hello world, hel"
+
+
+def test_text_stream_never_sends_half_a_character(model: QwenModel) -> None:
+    assert model.tokenizer is not None
+    text = "你是谁? héllo"  # seed 000's prompt: bytes the tiny tokenizer splits up
+    ids = model.tokenizer.encode(text)
+    assert len(ids) > len(text)  # some characters take several tokens
+    stream = TextStream(model.tokenizer, [])
+    deltas = [stream.push(token)[0] for token in ids]
+    deltas.append(stream.flush())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
