@@ -47,10 +47,17 @@ from typing import Any
 import tpupod
 from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
-from tpupod.serve.lockstep import DEFAULT_TIMEOUT_S, Follower, Hello, Leader, exit_soon
+from tpupod.serve.lockstep import (
+    DEFAULT_TIMEOUT_S,
+    Follower,
+    Hello,
+    Leader,
+    LockstepError,
+    exit_soon,
+)
 
 LOST_EXIT = 3  # a member of the replica went away
-REFUSED_EXIT = 2
+REFUSED_EXIT = 2  # the group did not form (a refusal, a member missing)
 DOWN_MESSAGE = "the replica lost a member ({reason}); it is restarting"
 
 
@@ -240,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.message}", file=sys.stderr, flush=True)
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr, flush=True)
-        return REFUSED_EXIT if exc.exit_code == 0 else exc.exit_code
+        return REFUSED_EXIT if isinstance(exc, LockstepError) else exc.exit_code
 
 
 if __name__ == "__main__":

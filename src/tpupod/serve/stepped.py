@@ -1,16 +1,19 @@
 """The engine of a multi-host replica: every device call mirrored on the followers.
 
-``LockstepEngine`` is the builtin server's :class:`Engine` with three hooks:
+``LockstepEngine`` is the builtin server's :class:`Engine` with a few hooks:
 
 - its inputs go onto the devices with ``sharding.place`` (each process fills
   its own shards: ``jax.device_put`` cannot reach other processes' devices);
 - on the leader, once a ``channel`` is attached (after warmup, which every
-  member runs alike), each device call's inputs are broadcast first, tagged
-  ``prefill``, ``decode`` or ``reset`` (fresh caches after a failed call);
-- :func:`follow_steps` is a follower's whole life: run the same jitted
-  program on each broadcast, in the same order as the leader.
+  member runs alike), each step's work is broadcast before it runs: a
+  ``prefill`` carries the newcomers' prompt tokens, slots and sampling
+  parameters, a ``decode`` the slots' tokens, positions and sampling state, a
+  ``reset`` asks for fresh caches (after a failed call);
+- :func:`follow_steps` is a follower's whole life: rebuild each step's work
+  and run the same ``Engine`` method on it, so the same jitted programs run in
+  the same order as on the leader, whatever those methods run inside.
 
-The scheduler, the text and the requests exist only on the leader.
+The scheduler, the text and the requests' sinks exist only on the leader.
 """
 
 from __future__ import annotations
@@ -19,29 +22,32 @@ from typing import Any
 
 import numpy as np
 
-from tpupod.model import sharding, slots
-from tpupod.serve.engine import Engine
+from tpupod.model import sharding
+from tpupod.serve.engine import Engine, Request, SamplingParams
 from tpupod.serve.lockstep import Follower, Leader
+
+
+def _nothing(event: object) -> None:
+    """A follower's requests have no client."""
 
 
 class LockstepEngine(Engine):
     channel: Leader | None = None  # set on the leader once warm
-    _phase: str | None = None
 
     def _put(self, *arrays: np.ndarray) -> Any:
-        phase, self._phase = self._phase, None
-        if self.channel is not None and phase is not None:
-            self.channel.broadcast(phase, arrays)
         if self._inputs is None:
             return super()._put(*arrays)
         return tuple(sharding.place(a, self._inputs) for a in arrays)
 
-    def _prefill(self, batch: list[Any]) -> np.ndarray:
-        self._phase = "prefill"
+    # -- the leader's side: broadcast, then run ------------------------------------------
+    def _prefill(self, batch: list[Request]) -> np.ndarray:
+        if self.channel is not None:
+            self.channel.broadcast("prefill", prefill_work(batch))
         return super()._prefill(batch)
 
     def _decode(self) -> np.ndarray:
-        self._phase = "decode"
+        if self.channel is not None:
+            self.channel.broadcast("decode", self._decode_state())
         return super()._decode()
 
     def _fresh_caches(self) -> list[Any]:
@@ -51,36 +57,60 @@ class LockstepEngine(Engine):
             self.channel.broadcast("reset", ())
         return super()._fresh_caches()
 
-    # -- a follower's side -----------------------------------------------------------
-    def run_prefill(self, arrays: list[np.ndarray]) -> None:
-        """What ``Engine._prefill`` runs on the devices, from its broadcast inputs."""
-        ids, slots_, positions, last, *sampling = self._put(*arrays)
-        self._caches, logits = slots.prefill(
-            self.model._graphdef, self.model._state, self._caches, ids, slots_, positions, last
-        )
-        np.asarray(slots.choose(logits, *sampling))
-
-    def run_decode(self, arrays: list[np.ndarray]) -> None:
-        """What ``Engine._decode`` runs, from its broadcast inputs."""
-        (
+    def _decode_state(self) -> list[np.ndarray]:
+        return [
             self._tokens,
             self._positions,
             self._steps,
             self._temperature,
             self._top_p,
             self._seeds,
-        ) = arrays
+        ]
+
+    # -- a follower's side: the same methods on the same work ----------------------------
+    def follow_prefill(self, work: list[np.ndarray]) -> None:
+        Engine._prefill(self, prefill_batch(work))
+
+    def follow_decode(self, work: list[np.ndarray]) -> None:
+        for mine, given in zip(self._decode_state(), work, strict=True):
+            mine[...] = given
         Engine._decode(self)
+
+
+def prefill_work(batch: list[Request]) -> list[np.ndarray]:
+    """A prefill's work as arrays: the prompts one after another, their lengths, slots,
+    temperatures, top-ps and seeds."""
+    return [
+        np.concatenate([np.asarray(r.prompt, np.int32) for r in batch]),
+        np.asarray([len(r.prompt) for r in batch], np.int32),
+        np.asarray([r.slot for r in batch], np.int32),
+        np.asarray([r.params.temperature for r in batch], np.float32),
+        np.asarray([r.params.top_p for r in batch], np.float32),
+        np.asarray([r.seed for r in batch], np.uint32),
+    ]
+
+
+def prefill_batch(work: list[np.ndarray]) -> list[Request]:
+    """The requests of a prefill's work, as the leader's engine saw them."""
+    tokens, lengths, slots, temperature, top_p, seeds = work
+    batch, at = [], 0
+    for n, slot, t, p, seed in zip(lengths, slots, temperature, top_p, seeds, strict=True):
+        params = SamplingParams(1, float(t), float(p), int(seed))
+        request = Request(tokens[at : at + n].tolist(), params, _nothing, None)  # type: ignore[arg-type]
+        request.slot = int(slot)
+        batch.append(request)
+        at += int(n)
+    return batch
 
 
 def follow_steps(engine: LockstepEngine, follower: Follower) -> None:
     """Run the leader's steps until it goes away (``next_step`` raises then)."""
     with engine.model._precision():
         while True:
-            kind, arrays = follower.next_step()
+            kind, work = follower.next_step()
             if kind == "prefill":
-                engine.run_prefill(arrays)
+                engine.follow_prefill(work)
             elif kind == "decode":
-                engine.run_decode(arrays)
+                engine.follow_decode(work)
             elif kind == "reset":
                 engine._caches = Engine._fresh_caches(engine)
