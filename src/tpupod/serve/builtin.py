@@ -263,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while loading or compiling (later, a clean stop)
+        return 130
 
 
 if __name__ == "__main__":
