@@ -371,12 +371,32 @@ def test_metrics_count_requests_tokens_and_latency(server: Server) -> None:
     assert after["tpupod_serve_slots{}"] == MAX_BATCH
 
 
-def test_sigterm_ends_in_flight_streams_with_an_error_and_exits(tmp_path: Path) -> None:
+def test_one_engine_on_two_devices_then_sigterm_ends_streams_with_an_error() -> None:
+    """Qwen3, one port on two devices (the model tensor-parallel over them): its greedy
+    chat (Qwen3's template without thinking) equals generate's; then SIGTERM while
+    four streams are in flight."""
     port = free_ports(1)[0]
-    srv = Server(FIXTURES / "qwen3-tiny", [port], "--max-batch", "4", "--max-length", "256")
+    srv = Server(
+        FIXTURES / "qwen3-tiny", [port], "--max-batch", "4", "--max-length", "256", devices=2
+    )
     try:
         srv.wait_ready()
         client = srv.client()
+        qwen3 = load_model(FIXTURES / "qwen3-tiny")
+        assert qwen3.tokenizer is not None
+        template = {"enable_thinking": False}
+        question = [{"role": "user", "content": "你是谁"}]
+        want = qwen3.chat(question, template_kwargs=template, max_new_tokens=NEW).texts
+        answer = client.chat.completions.create(
+            model="qwen3-tiny",
+            messages=question,  # type: ignore[arg-type]
+            max_tokens=NEW,
+            temperature=0,
+            extra_body={"chat_template_kwargs": template},
+        )
+        assert want is not None and want[0]  # 24 tokens of text, no early stop
+        assert answer.choices[0].message.content == want[0]
+
         outcomes: list[str] = []
         first = threading.Barrier(5)
 
