@@ -10,6 +10,7 @@ replicas behind the router.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,14 +18,18 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 
+from tests.conftest import pod_processes, tpupod_argv
 from tests.test_serve_builtin import chat_ids, free_ports, reference
+from tests.test_serve_fleet import free_base_port
 from tpupod.model import QwenModel, load_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -217,3 +222,164 @@ def test_a_code_or_config_mismatch_is_refused_naming_the_worker() -> None:
         assert not any("Gloo" in line for out in r.output for line in out)  # JAX never began
     finally:
         r.stop()
+
+
+# -- the fleet: tpupod serve up --hosts-per-replica 2 on a local pod of 4 workers -------------
+
+
+def run_cli(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "TPUPOD_HOME": str(home),
+        "XLA_FLAGS": "--xla_backend_optimization_level=0",
+    }
+    return subprocess.run(
+        tpupod_argv(*args), capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def member_pid(pod: str, worker: int) -> int | None:
+    """The pid of the replica member that the agent of ``worker`` runs (None: none now)."""
+    for proc in pod_processes(pod):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cmd = proc.cmdline()
+            if "tpupod.serve.replica" in cmd and cmd[cmd.index("--worker") + 1] == str(worker):
+                return int(proc.pid)
+    return None
+
+
+@dataclass
+class Fleet:
+    home: Path
+    pod: str
+    base_url: str
+    token: str
+
+    @property
+    def router(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def backends(self) -> list[str]:
+        auth = {"Authorization": f"Bearer {self.token}"}
+        listed: list[str] = httpx.get(f"{self.router}/backends", headers=auth).json()["backends"]
+        return listed
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=self.token, max_retries=0, timeout=60)
+
+    def status(self) -> list[str]:
+        status = run_cli(self.home, "serve", "status", "--pod", self.pod)
+        assert status.returncode == 0, status.stderr
+        return status.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A local pod of 4 workers x 1 device; --hosts-per-replica 2: two replicas."""
+    home = tmp_path_factory.mktemp("multihost") / "state"
+    pod = f"mh{os.getpid()}"
+    assert run_cli(home, "up", "--name", pod, "--local", "4").returncode == 0
+    try:
+        up = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", str(MODEL), "--hosts-per-replica", "2",
+            "--dtype", "float32", "--base-port", str(free_base_port()), "--startup-timeout", "150",
+            "--health-interval", "0.5", "--restart-backoff", "0.2",
+            "--", *OPTIONS, "--lockstep-timeout", "3",
+            timeout=200,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr
+        assert "2 replicas ready" in up.stderr
+        exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
+        values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+        yield Fleet(home, pod, values["OPENAI_BASE_URL"], values["OPENAI_API_KEY"])
+    finally:
+        run_cli(home, "serve", "down", "--pod", pod)
+        run_cli(home, "down", "--pod", pod)
+        for proc in pod_processes(pod):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+@pytest.mark.local
+@pytest.mark.timeout(240)
+def test_two_replicas_of_two_hosts_serve_behind_the_router(fleet: Fleet, model: QwenModel) -> None:
+    assert len(fleet.backends()) == 2  # one backend per replica: the leaders (w0 and w2)
+    lines = fleet.status()
+    assert lines[0].split()[:2] == ["LEADER", "FOLLOWERS"]
+    assert [line.split()[:2] for line in lines[1:3]] == [["w0", "w1"], ["w2", "w3"]]
+    assert all(" ready " in line for line in lines[1:3])
+    fanout = run_cli(fleet.home, "fanout", "--pod", fleet.pod, "--prompt", "你是谁")
+    assert fanout.returncode == 0, fanout.stderr
+    assert fanout.stdout.count("status=200") == 2  # one request per replica
+
+    client = fleet.client()
+    want = reference(model, [chat_ids(model, q) for q in QUESTIONS], NEW)
+    answers: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        answers[i] = ask(client, QUESTIONS[i]).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [answers.get(i) for i in range(len(QUESTIONS))] == want
+
+
+@pytest.mark.local
+@pytest.mark.timeout(180)
+def test_kill_9_of_a_follower_restarts_its_group_and_no_request_fails(
+    fleet: Fleet, model: QwenModel
+) -> None:
+    """Under steady load through the router: the other replica serves meanwhile (the
+    router retries what the dying one refuses), the whole group comes back."""
+    client = fleet.client()
+    failures: list[str] = []
+    done = 0
+    stop = threading.Event()
+
+    def load() -> None:
+        nonlocal done
+        while not stop.is_set():
+            try:
+                ask(client, "abc", max_tokens=8)
+                done += 1
+            except openai.APIError as exc:
+                failures.append(str(exc))
+
+    loaders = [threading.Thread(target=load) for _ in range(3)]
+    for t in loaders:
+        t.start()
+    try:
+        time.sleep(1)
+        leader_before, follower = member_pid(fleet.pod, 0), member_pid(fleet.pod, 1)
+        assert leader_before is not None and follower is not None
+        os.kill(follower, signal.SIGKILL)
+        killed = time.monotonic()
+        while psutil.pid_exists(leader_before) and time.monotonic() - killed < 10:
+            time.sleep(0.05)
+        assert time.monotonic() - killed < 5, "the leader outlived its follower"
+        before = done
+        time.sleep(2)
+        assert done > before  # served meanwhile by the other replica
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # the whole group comes back
+            back = len(fleet.backends()) == 2 and member_pid(fleet.pod, 0) not in (
+                None,
+                leader_before,
+            )
+            if back:
+                break
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(60)
+    assert failures == []
+    assert back, "replica 0 did not come back"
+    row = next(line for line in fleet.status() if line.startswith("w0"))
+    assert "(w1:1)" in row or "(w1:2)" in row, row  # the follower restarted, and ...
+    assert row.split()[6] != "0", row  # ... the leader too: the whole group
+    (want,) = reference(model, [chat_ids(model, QUESTIONS[0])], NEW)
+    assert ask(client, QUESTIONS[0]).choices[0].message.content == want

@@ -135,6 +135,23 @@ def up(
     restart_backoff: Annotated[
         float, typer.Option("--restart-backoff", help="First wait before a restart (doubles).")
     ] = 1.0,
+    hosts_per_replica: Annotated[
+        int,
+        typer.Option(
+            "--hosts-per-replica",
+            help="Workers per replica: each run of K workers serves one model sharded over "
+            "all their devices, in lockstep (builtin backend).",
+        ),
+    ] = 1,
+    mesh: Annotated[
+        str | None,
+        typer.Option(
+            "--mesh",
+            help="model=M: a multi-host replica's tensor-parallel width (default: all its "
+            "devices).",
+            show_default=False,
+        ),
+    ] = None,
     worker_python: WorkerPythonOption = None,
     backend_args: Annotated[
         list[str] | None,
@@ -170,10 +187,13 @@ def up(
         policy=policy,
         health_interval=health_interval,
         restart_backoff=restart_backoff,
+        hosts_per_replica=hosts_per_replica,
+        mesh=mesh,
     )
     began = time.monotonic()
     record = _with_fleet(found, options.python, lambda f: f.up(options, notice))
-    notice(f"{len(record.servers)} servers ready in {time.monotonic() - began:.1f}s")
+    what = "replicas" if hosts_per_replica > 1 else "servers"
+    notice(f"{len(record.servers)} {what} ready in {time.monotonic() - began:.1f}s")
     print(f"endpoint: {record.base_url}  ('eval \"$(tpupod serve endpoint)\"' to use it)")
 
 
@@ -201,6 +221,14 @@ def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> N
         ]
         for r in rows
     ]
+    if any(r["followers"] for r in rows):  # replicas across workers: one row per group
+        header[0] = "LEADER"
+        header.insert(1, "FOLLOWERS")
+        for row, r in zip(table, rows, strict=True):
+            pairs = zip(r["followers"], r["follower_restarts"], strict=True)
+            restarts = [f"w{f}:{_cell(n)}" for f, n in pairs]
+            row.insert(1, ",".join(f"w{f}" for f in r["followers"]) or "-")
+            row[6] = f"{row[6]} ({' '.join(restarts)})" if restarts else row[6]
     _print_table(header, table)
     if isinstance(router, str):
         print(f"router: {router}")
@@ -267,7 +295,11 @@ def restart(
     selected = found.select(workers)
     if names:
         selected = [
-            w for w in selected if any(s.worker == w.id and s.port == port for s in record.servers)
+            w
+            for w in selected
+            if any(
+                (s.worker == w.id or w.id in s.followers) and s.port == port for s in record.servers
+            )
         ]
     name = next(iter(names), None)
     done = _with_fleet(found, record.python, lambda f: f.restart(selected, name))

@@ -25,6 +25,20 @@ class Backend(enum.StrEnum):
     COMMAND = "command"
 
 
+class GroupSpec(BaseModel):
+    """This process's place in a replica served by several workers in lockstep."""
+
+    model_config = ConfigDict(frozen=True)
+
+    size: int = Field(ge=2, description="processes (workers) in the replica")
+    rank: int = Field(ge=0, description="0: the leader, which serves the endpoint")
+    worker: int
+    leader: str = Field(description="HOST:PORT of the leader's side channel")
+    http_port: int = Field(description="the leader's OpenAI port")
+    coordinator_port: int = Field(description="JAX's coordinator, on the leader's host")
+    mesh: str | None = Field(default=None, description="model=M; default: every device")
+
+
 class ServerSpec(BaseModel):
     """One server process: what it runs, where it listens, which devices it may use."""
 
@@ -45,6 +59,7 @@ class ServerSpec(BaseModel):
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     restart_backoff_s: float = Field(default=1.0, gt=0, description="first wait before a restart")
+    group: GroupSpec | None = Field(default=None, description="a member of a multi-host replica")
 
 
 def device_slices(devices: int, servers: int) -> tuple[tuple[int, ...], ...]:
@@ -105,6 +120,8 @@ def plan(
 
 def render(spec: ServerSpec) -> list[str]:
     """The argv of a server process."""
+    if spec.group is not None:
+        return render_member(spec, spec.group)
     ids = ",".join(str(i) for group in spec.device_ids for i in group)
     port = spec.ports[0]
     name_args = ["--served-model-name", spec.served_model_name] if spec.served_model_name else []
@@ -141,6 +158,79 @@ def render(spec: ServerSpec) -> list[str]:
             hint="it may use {host} {port} {device_ids} {model} {python}; double other braces",
         ) from exc
     return ["/bin/bash", "-c", f"exec {line}" if "\n" not in line else line]
+
+
+def plan_replicas(
+    workers: list[tuple[int, str]],
+    hosts_per_replica: int,
+    *,
+    model: str,
+    base_port: int,
+    shared_addresses: bool,
+    dtype: str | None = None,
+    served_model_name: str | None = None,
+    python: str = "python3",
+    mesh: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    restart_backoff_s: float = 1.0,
+) -> dict[int, list[ServerSpec]]:
+    """The member processes of replicas of ``hosts_per_replica`` workers each, by worker id.
+
+    ``workers`` are (id, internal address) in order; each run of K consecutive workers
+    is one replica. Its leader (the first) serves ``P`` (the base port, or base + 3g on
+    a pod whose workers share one address), its side channel listens on ``P+1`` and
+    JAX's coordinator on ``P+2``, both on the leader's address. Every member of a
+    replica has the same server name, ``replica-P``.
+    """
+    k = hosts_per_replica
+    if k < 2 or len(workers) % k:
+        raise UsageError(
+            f"--hosts-per-replica {k} does not divide the pod's {len(workers)} workers",
+            hint="give a K >= 2 that divides the worker count (1 serves each worker alone)",
+        )
+    specs: dict[int, list[ServerSpec]] = {}
+    for g in range(len(workers) // k):
+        members = workers[g * k : (g + 1) * k]
+        leader_host = members[0][1]
+        port = base_port + 3 * g if shared_addresses else base_port
+        for rank, (worker, host) in enumerate(members):
+            group = GroupSpec(
+                size=k,
+                rank=rank,
+                worker=worker,
+                leader=f"{leader_host}:{port + 1}",
+                http_port=port,
+                coordinator_port=port + 2,
+                mesh=mesh,
+            )
+            specs[worker] = [
+                ServerSpec(
+                    name=f"replica-{port}",
+                    backend=Backend.BUILTIN,
+                    host=host,
+                    ports=(port,) if rank == 0 else (),
+                    model=model,
+                    dtype=dtype,
+                    served_model_name=served_model_name,
+                    python=python,
+                    extra_args=extra_args,
+                    restart_backoff_s=restart_backoff_s,
+                    group=group,
+                )
+            ]
+    return specs
+
+
+def render_member(spec: ServerSpec, group: GroupSpec) -> list[str]:
+    """The argv of one member of a multi-host replica (``python -m tpupod.serve.replica``)."""
+    argv = [spec.python, "-m", "tpupod.serve.replica", "--model", spec.model]
+    argv += ["--host", spec.host, "--port", str(group.http_port)]
+    argv += ["--rank", str(group.rank), "--size", str(group.size), "--leader", group.leader]
+    argv += ["--coordinator-port", str(group.coordinator_port), "--worker", str(group.worker)]
+    argv += ["--mesh", group.mesh] if group.mesh else []
+    argv += ["--dtype", spec.dtype] if spec.dtype else []
+    name_args = ["--served-model-name", spec.served_model_name] if spec.served_model_name else []
+    return [*argv, *name_args, *spec.extra_args]
 
 
 def render_env(spec: ServerSpec) -> dict[str, str]:

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from tpupod.errors import ServeError, WorkerError
 from tpupod.pod import Pod, Worker
 from tpupod.providers import provider_for
-from tpupod.serve.backends import Backend, plan
+from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
 from tpupod.state import StateDir, write_atomic
 from tpupod.transport import Connector
 
@@ -43,6 +43,7 @@ class ServerRecord(BaseModel):
     host: str
     port: int
     name: str
+    followers: list[int] = []  # a replica across workers: the other members' worker ids
 
     @property
     def address(self) -> str:
@@ -83,6 +84,8 @@ class UpOptions:
     policy: str = "least_outstanding"
     health_interval: float = 2.0
     restart_backoff: float = 1.0
+    hosts_per_replica: int = 1  # >1: each run of K workers serves one replica in lockstep
+    mesh: str | None = None  # model=M across a replica's devices
 
 
 def record_path(state: StateDir, pod: str) -> Any:
@@ -210,9 +213,31 @@ class Fleet:
             raise ServeError(f"{worker.label}: {answer['error']}: {log}")
         return answer
 
+    def replica_specs(self, options: UpOptions) -> dict[int, list[ServerSpec]]:
+        if options.backend is not Backend.BUILTIN or options.servers_per_worker != 1:
+            raise ServeError(
+                "--hosts-per-replica serves one builtin replica per group of workers",
+                hint="use the builtin backend with --servers-per-worker 1",
+            )
+        return plan_replicas(
+            [(w.id, w.internal_address) for w in self.pod.workers],
+            options.hosts_per_replica,
+            model=options.model,
+            base_port=options.base_port,
+            shared_addresses=self.shared_addresses(),
+            dtype=options.dtype,
+            served_model_name=options.served_model_name,
+            python=self.python,
+            mesh=options.mesh,
+            extra_args=options.extra_args,
+            restart_backoff_s=options.restart_backoff,
+        )
+
     async def start_servers(
         self, worker: Worker, options: UpOptions, progress: Progress
     ) -> list[ServerRecord]:
+        if options.hosts_per_replica > 1:
+            return await self.start_members(worker, self.replica_specs(options))
         specs = plan(
             options.backend,
             host=worker.internal_address,
@@ -233,6 +258,34 @@ class Fleet:
             for s in specs
             for p in s.ports
         ]
+
+    async def start_members(
+        self, worker: Worker, every: dict[int, list[ServerSpec]]
+    ) -> list[ServerRecord]:
+        """Start this worker's members of multi-host replicas; a record per replica it leads."""
+        records = []
+        for spec in every[worker.id]:
+            await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
+            group = spec.group
+            if group is not None and group.rank == 0:
+                followers = [
+                    w
+                    for w, specs in every.items()
+                    for other in specs
+                    if other.group is not None
+                    and other.group.leader == group.leader
+                    and other.group.rank > 0
+                ]
+                records.append(
+                    ServerRecord(
+                        worker=worker.id,
+                        host=worker.internal_address,
+                        port=group.http_port,
+                        name=spec.name,
+                        followers=followers,
+                    )
+                )
+        return records
 
     async def wait_ready(self, worker: Worker, timeout: float, progress: Progress) -> None:
         began = time.monotonic()
@@ -290,15 +343,24 @@ class Fleet:
 
     async def up(self, options: UpOptions, progress: Progress) -> FleetRecord:
         workers = list(self.pod.workers)
+        if options.hosts_per_replica > 1:
+            self.replica_specs(options)  # refuse a K that does not fit before starting anything
         agents = await _gather(self.ensure_agent(w, options) for w in workers)
         for w, a in zip(workers, agents, strict=True):
             state = "started" if a.get("started_now") else "running"
             progress(f"{w.label} agent {state} (pid {a['pid']}, {a['host']}:{a['port']})")
         per_worker = await _gather(self.start_servers(w, options, progress) for w in workers)
         servers = [s for group in per_worker for s in group]
-        progress(
-            f"starting {len(servers)} servers ({options.backend.value}) on {len(workers)} workers"
-        )
+        if options.hosts_per_replica > 1:
+            progress(
+                f"starting {len(servers)} replicas of {options.hosts_per_replica} workers each "
+                "(lockstep)"
+            )
+        else:
+            progress(
+                f"starting {len(servers)} servers ({options.backend.value}) "
+                f"on {len(workers)} workers"
+            )
         await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
         try:
             token = load_record(self.state, self.pod.name).token
@@ -381,6 +443,9 @@ def status_rows(
             managed = next((m for m in agent["servers"] if s.port in m["ports"]), None)
         seen = health.get(s.address, {})
         state = managed["state"] if managed else (agent if isinstance(agent, str) else "gone")
+        members = [member_state(agents, f, s.name) for f in s.followers]
+        pairs = zip(s.followers, members, strict=True)
+        state = ", ".join([state, *(f"w{f}: {m}" for f, m in pairs if m != "ready")])
         if managed and seen.get("state") == "down":
             state = f"{state}, router: down"
         rows.append(
@@ -393,6 +458,27 @@ def status_rows(
                 "restarts": managed["restarts"] if managed else None,
                 "requests": seen.get("requests"),
                 "tokens_per_s": seen.get("tokens_per_s"),
+                "followers": s.followers,
+                "follower_restarts": [member_restarts(agents, f, s.name) for f in s.followers],
             }
         )
     return rows
+
+
+def _member(agents: list[dict[str, Any] | str], worker: int, name: str) -> dict[str, Any] | str:
+    agent = agents[worker] if worker < len(agents) else "no agent"
+    if isinstance(agent, str):
+        return agent
+    found = next((m for m in agent["servers"] if m["name"] == name), None)
+    return found if found is not None else "gone"
+
+
+def member_state(agents: list[dict[str, Any] | str], worker: int, name: str) -> str:
+    """The state of a replica's member on ``worker`` (as its agent reports it)."""
+    member = _member(agents, worker, name)
+    return member if isinstance(member, str) else str(member["state"])
+
+
+def member_restarts(agents: list[dict[str, Any] | str], worker: int, name: str) -> int | None:
+    member = _member(agents, worker, name)
+    return None if isinstance(member, str) else int(member["restarts"])
