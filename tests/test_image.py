@@ -9,6 +9,7 @@ run's directory (this repository, with its .venv) is mounted by ``run`` itself.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shutil
 import signal
@@ -22,9 +23,12 @@ import pytest
 
 from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
 from tpupod.errors import UsageError
-from tpupod.image.containerize import Container, Mount, wrap
-from tpupod.pod import Pod
+from tpupod.image.containerize import Container, Mount, explain, wrap
+from tpupod.pod import Pod, Worker
+from tpupod.report import print_summary
+from tpupod.results import FanoutResult, Outcome, WorkerResult
 from tpupod.sim import SimPod
+from tpupod.transport import ExitStatus
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path("/var/tmp/tpupod-test-podman")
@@ -139,6 +143,26 @@ def test_the_wrapped_command_names_the_container_and_passes_identity() -> None:
     assert "app:1 /bin/sh -c 'python train.py '\"'\"'a b'\"'\"''" in script
     assert "--privileged" not in script
     assert "--privileged" in wrap("x", Container("app:1", privileged=True), "L1")
+
+
+def test_an_engine_refusing_its_own_default_limits_gets_a_hint() -> None:
+    """What Debian's podman prints here without the containers.conf above: the summary's
+    first failure then says what to change."""
+    refused = (
+        "Error: runc: runc create failed: unable to start container process: error during "
+        "container init: error setting rlimits for ready process: error setting rlimit type 7:"
+        " operation not permitted: OCI permission denied"
+    )
+    worker = Worker(id=0, hostname="vm", internal_address="127.0.0.1")
+    failed = WorkerResult(worker, Outcome.FAILED, 0.2, ExitStatus(126), tail=(refused,))
+    second = Worker(id=1, hostname="vm", internal_address="127.0.0.1")
+    other = WorkerResult(second, Outcome.FAILED, 0.2, ExitStatus(1), tail=("boom",))
+    explained = explain(FanoutResult("x", [failed, other], 0.3, failure_order=[0]))
+    assert explained.workers[0].hint is not None and "default_ulimits" in explained.workers[0].hint
+    assert explained.workers[1].hint is None
+    out = io.StringIO()
+    print_summary(explained, out, "run", color=False)
+    assert out.getvalue().splitlines()[-1].startswith("hint: the engine's default limits")
 
 
 # -- local pods: run and exec in containers -------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -208,6 +208,31 @@ def _says(tail: Sequence[str], text: str) -> bool:
     return any(text in line for line in tail)
 
 
+# What the engine prints when it cannot start a container, and what to do about it.
+ENGINE_FAILURES = (
+    (
+        "error setting rlimit",
+        "the engine's default limits for containers exceed what this host lets a process "
+        "have: set default_ulimits in containers.conf (/etc/containers/containers.conf, or "
+        "the file $CONTAINERS_CONF names) to the host's own, e.g. "
+        'default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]',
+    ),
+)
+
+
+def explain(result: FanoutResult) -> FanoutResult:
+    """The result with a hint on each worker whose engine could not start its container
+    for a reason we know (the engine's message alone rarely says what to change)."""
+    workers = []
+    for worker in result.workers:
+        hint = next(
+            (hint for text, hint in ENGINE_FAILURES if not worker.ok and _says(worker.tail, text)),
+            None,
+        )
+        workers.append(replace(worker, hint=hint) if hint and not worker.hint else worker)
+    return replace(result, workers=workers)
+
+
 async def execute_in_containers(
     pod: Pod,
     command: str,
@@ -222,13 +247,15 @@ async def execute_in_containers(
     await check_workers(pod, connector, workers, container)
     launch_id = new_launch_id()
     try:
-        return await execute_async(
-            pod,
-            wrap(command, container, launch_id),
-            workers=workers,
-            connector=connector,
-            guard=True,
-            **fanout,
+        return explain(
+            await execute_async(
+                pod,
+                wrap(command, container, launch_id),
+                workers=workers,
+                connector=connector,
+                guard=True,
+                **fanout,
+            )
         )
     finally:
         await remove_containers(pod, connector, workers, container.engine, launch_id)

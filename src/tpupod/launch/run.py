@@ -28,7 +28,13 @@ from typing import IO, Any, Protocol
 from tpupod import settings
 from tpupod.errors import PreflightError, TpupodError
 from tpupod.fanout import Interrupt, NoticeHandler, Supervision, execute_async
-from tpupod.image.containerize import Container, check_workers, remove_containers, wrap
+from tpupod.image.containerize import (
+    Container,
+    check_workers,
+    explain,
+    remove_containers,
+    wrap,
+)
 from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
@@ -225,7 +231,7 @@ async def run(
                         sub_pod, run_connector, sub_pod.workers, container.engine, launch_id
                     )
             log.finish(result)
-        return RunResult(launch, result)
+        return RunResult(launch, explain(result) if container is not None else result)
     finally:
         await connector.close()
 
