@@ -1,0 +1,183 @@
+"""A replica served by 2 processes in lockstep beside the same model in 1 process.
+
+The cost of multi-host serving's step broadcast (and of collectives crossing a
+process boundary): the same random-weight checkpoint (a public shape cut to
+``--layers`` decoder layers, as ``benchmarks/serve_builtin.py`` writes it)
+served over the same 4 devices, tensor-parallel ``model=4``, two ways:
+
+- *one process (anchor)*: ``python -m tpupod.serve.builtin`` with 4 devices;
+- *2-process replica*: two ``python -m tpupod.serve.replica`` members with 2
+  devices each (JAX's distributed runtime, gloo collectives, the leader
+  broadcasting every step's work over the side channel).
+
+Both serve ``--clients`` concurrent greedy chat requests of ``--new-tokens``
+each; tokens/s is answer tokens over wall time. Rounds are interleaved (only
+one side works at a time), medians are reported with their ratio.
+
+    python benchmarks/serve_multihost.py            # this CPU: 2 of 24 layers, 16 clients
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_builtin import QUESTIONS, checkpoint, clients_round, free_port, progress
+
+from tpupod.model import PRESETS
+
+
+def env(devices: int) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
+
+
+def common(folder: Path, args: argparse.Namespace) -> list[str]:
+    return [
+        "--model", str(folder), "--host", "127.0.0.1", "--dtype", args.dtype,
+        "--max-batch", str(args.clients), "--max-length", str(args.max_length),
+        "--served-model-name", "bench",
+    ]  # fmt: skip
+
+
+def start_single(folder: Path, port: int, args: argparse.Namespace) -> list[subprocess.Popen[str]]:
+    argv = [sys.executable, "-m", "tpupod.serve.builtin", "--ports", str(port)]
+    return [subprocess.Popen([*argv, *common(folder, args)], stdout=subprocess.PIPE, text=True, env=env(4))]  # fmt: skip  # noqa: E501
+
+
+def start_replica(folder: Path, port: int, args: argparse.Namespace) -> list[subprocess.Popen[str]]:
+    side, coordinator = free_port(), free_port()
+    procs = []
+    for rank in range(2):
+        argv = [
+            sys.executable, "-m", "tpupod.serve.replica", "--port", str(port),
+            "--rank", str(rank), "--size", "2", "--leader", f"127.0.0.1:{side}",
+            "--coordinator-port", str(coordinator), "--worker", str(rank), "--mesh", "model=4",
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [*argv, *common(folder, args)], stdout=subprocess.PIPE, text=True, env=env(2)
+            )
+        )
+    return procs
+
+
+def wait_ready(proc: subprocess.Popen[str], port: int, timeout: float = 600) -> None:
+    assert proc.stdout is not None
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == f"ready port={port}":
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the server on :{port} did not start (exit {proc.poll()})")
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cfg = PRESETS[args.shape]()
+    cfg = type(cfg)(**{**cfg.__dict__, "num_layers": args.layers})
+    progress(f"{args.shape} cut to {args.layers} layers: writing a random checkpoint")
+    folder = work / "checkpoint"
+    checkpoint(cfg, folder)
+    questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(args.clients)]
+    single_port, replica_port = free_port(), free_port()
+    progress("starting both (each loads and compiles)")
+    began = time.perf_counter()
+    procs = start_single(folder, single_port, args)
+    replica = start_replica(folder, replica_port, args)
+    procs += replica
+    try:
+        wait_ready(procs[0], single_port)
+        wait_ready(replica[0], replica_port)
+        startup = time.perf_counter() - began
+        # one round each to warm the HTTP paths, not counted
+        asyncio.run(clients_round(single_port, questions[:2], 4))
+        asyncio.run(clients_round(replica_port, questions[:2], 4))
+        one: list[tuple[float, int]] = []
+        two: list[tuple[float, int]] = []
+        for r in range(args.rounds):
+            progress(f"round {r + 1}: one process")
+            one.append(asyncio.run(clients_round(single_port, questions, args.new_tokens)))
+            progress(f"round {r + 1}: 2-process replica")
+            two.append(asyncio.run(clients_round(replica_port, questions, args.new_tokens)))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+    one_rate = statistics.median(n / s for s, n in one)
+    two_rate = statistics.median(n / s for s, n in two)
+    return {
+        "shape": args.shape,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "clients": args.clients,
+        "new_tokens": args.new_tokens,
+        "max_length": args.max_length,
+        "cpus": os.cpu_count(),
+        "startup_s": startup,
+        "one_process": one,
+        "replica": two,
+        "one_process_tok_s": one_rate,
+        "replica_tok_s": two_rate,
+        "ratio": two_rate / one_rate,
+    }
+
+
+def report(r: dict[str, Any]) -> None:
+    print(
+        f"{r['shape']} cut to {r['layers']} layers, {r['dtype']}, random weights, 4 CPU "
+        f"devices (model=4) on {r['cpus']} cores: {r['clients']} concurrent chat requests, "
+        f"{r['new_tokens']} new tokens each (greedy), {len(r['replica'])} rounds"
+    )
+    print(f"{'':40}{'wall s (median)':>16}{'tok/s':>10}{'ratio':>9}")
+    one_s = statistics.median(s for s, _ in r["one_process"])
+    two_s = statistics.median(s for s, _ in r["replica"])
+    label = "one process, 4 devices (anchor)"
+    print(f"{label:40}{one_s:>16.2f}{r['one_process_tok_s']:>10.0f}{1:>8.2f}x")
+    label = "2-process replica, 2 devices each"
+    print(f"{label:40}{two_s:>16.2f}{r['replica_tok_s']:>10.0f}{r['ratio']:>8.2f}x")
+    print(f"both started and compiled in {r['startup_s']:.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b"])
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers kept")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=128, help="the servers' slot length")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tpupod-bench-multihost-", dir=args.workdir))
+    try:
+        result = measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
