@@ -54,17 +54,22 @@ def common(folder: Path, args: argparse.Namespace) -> list[str]:
 
 def start_single(folder: Path, port: int, args: argparse.Namespace) -> list[subprocess.Popen[str]]:
     argv = [sys.executable, "-m", "tpupod.serve.builtin", "--ports", str(port)]
-    return [subprocess.Popen([*argv, *common(folder, args)], stdout=subprocess.PIPE, text=True, env=env(4))]  # fmt: skip  # noqa: E501
+    proc = subprocess.Popen(
+        [*argv, *common(folder, args)], stdout=subprocess.PIPE, text=True, env=env(4)
+    )
+    return [proc]
 
 
-def start_replica(folder: Path, port: int, args: argparse.Namespace) -> list[subprocess.Popen[str]]:
+def start_replica(
+    folder: Path, port: int, args: argparse.Namespace, mesh: str
+) -> list[subprocess.Popen[str]]:
     side, coordinator = free_port(), free_port()
     procs = []
     for rank in range(2):
         argv = [
             sys.executable, "-m", "tpupod.serve.replica", "--port", str(port),
             "--rank", str(rank), "--size", "2", "--leader", f"127.0.0.1:{side}",
-            "--coordinator-port", str(coordinator), "--worker", str(rank), "--mesh", "model=4",
+            "--coordinator-port", str(coordinator), "--worker", str(rank), "--mesh", mesh,
         ]  # fmt: skip
         procs.append(
             subprocess.Popen(
@@ -91,6 +96,39 @@ def wait_ready(proc: subprocess.Popen[str], port: int, timeout: float = 600) -> 
             raise SystemExit(f"the server on :{port} did not start (exit {proc.poll()})")
 
 
+def broadcast_cost(slots: int, steps: int = 2000) -> float:
+    """Seconds per step broadcast alone: a leader and a follower over loopback in this
+    process, decode-shaped work (6 arrays of ``slots``), until the follower has all."""
+    import socket
+
+    import numpy as np
+
+    from tpupod.serve.lockstep import Follower, Hello, Leader
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    leader = Leader(listener, 1, timeout=30)
+    follower = Follower(timeout=30)
+    hello = Hello(1, 1, "code", "config")
+    joined = threading.Thread(
+        target=follower.join, args=(listener.getsockname(), hello, 10), daemon=True
+    )
+    joined.start()
+    leader.gather(Hello(0, 0, "code", "config"), 10)
+    leader.welcome("bench", "127.0.0.1:0")
+    joined.join()
+    leader.watch(lambda reason: None)
+    follower.watch(lambda reason: None)
+    work = [np.zeros(slots, np.int32) for _ in range(3)]
+    work += [np.zeros(slots, np.float32), np.ones(slots, np.float32), np.zeros(slots, np.uint32)]
+    started = time.perf_counter()
+    for _ in range(steps):
+        leader.broadcast("decode", work)
+        follower.next_step()
+    took = time.perf_counter() - started
+    leader.close()
+    return took / steps
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cfg = PRESETS[args.shape]()
     cfg = type(cfg)(**{**cfg.__dict__, "num_layers": args.layers})
@@ -98,30 +136,34 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     folder = work / "checkpoint"
     checkpoint(cfg, folder)
     questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(args.clients)]
-    single_port, replica_port = free_port(), free_port()
-    progress("starting both (each loads and compiles)")
+    meshes = args.meshes.split(",")
+    single_port, ports = free_port(), [free_port() for _ in meshes]
+    progress("starting all (each loads and compiles)")
     began = time.perf_counter()
     procs = start_single(folder, single_port, args)
-    replica = start_replica(folder, replica_port, args)
-    procs += replica
+    leaders = [procs[0]]
+    for port, mesh in zip(ports, meshes, strict=True):
+        members = start_replica(folder, port, args, mesh)
+        leaders.append(members[0])
+        procs += members
+    every = [single_port, *ports]
     try:
-        wait_ready(procs[0], single_port)
-        wait_ready(replica[0], replica_port)
+        for proc, port in zip(leaders, every, strict=True):
+            wait_ready(proc, port)
         startup = time.perf_counter() - began
-        # one round each to warm the HTTP paths, not counted
-        asyncio.run(clients_round(single_port, questions[:2], 4))
-        asyncio.run(clients_round(replica_port, questions[:2], 4))
-        one: list[tuple[float, int]] = []
-        two: list[tuple[float, int]] = []
+        for port in every:  # one small round each to warm the HTTP paths, not counted
+            asyncio.run(clients_round(port, questions[:2], 4))
+        rounds: list[list[tuple[float, int]]] = [[] for _ in every]
         for r in range(args.rounds):
-            progress(f"round {r + 1}: one process")
-            one.append(asyncio.run(clients_round(single_port, questions, args.new_tokens)))
-            progress(f"round {r + 1}: 2-process replica")
-            two.append(asyncio.run(clients_round(replica_port, questions, args.new_tokens)))
+            for i, port in enumerate(every):
+                progress(f"round {r + 1}: {'one process' if i == 0 else meshes[i - 1]}")
+                rounds[i].append(asyncio.run(clients_round(port, questions, args.new_tokens)))
     finally:
         for p in procs:
             p.kill()
             p.wait(30)
+    one, two = rounds[0], rounds[1]
+    per_step = broadcast_cost(args.clients)
     one_rate = statistics.median(n / s for s, n in one)
     two_rate = statistics.median(n / s for s, n in two)
     return {
@@ -138,6 +180,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "one_process_tok_s": one_rate,
         "replica_tok_s": two_rate,
         "ratio": two_rate / one_rate,
+        "meshes": meshes,
+        "replicas": {m: rounds[i + 1] for i, m in enumerate(meshes)},
+        "broadcast_s_per_step": per_step,
     }
 
 
@@ -149,11 +194,18 @@ def report(r: dict[str, Any]) -> None:
     )
     print(f"{'':40}{'wall s (median)':>16}{'tok/s':>10}{'ratio':>9}")
     one_s = statistics.median(s for s, _ in r["one_process"])
-    two_s = statistics.median(s for s, _ in r["replica"])
     label = "one process, 4 devices (anchor)"
     print(f"{label:40}{one_s:>16.2f}{r['one_process_tok_s']:>10.0f}{1:>8.2f}x")
-    label = "2-process replica, 2 devices each"
-    print(f"{label:40}{two_s:>16.2f}{r['replica_tok_s']:>10.0f}{r['ratio']:>8.2f}x")
+    one_rate = r["one_process_tok_s"]
+    for mesh, rounds in r["replicas"].items():
+        wall = statistics.median(s for s, _ in rounds)
+        rate = statistics.median(n / s for s, n in rounds)
+        label = f"2-process replica, {mesh}"
+        print(f"{label:40}{wall:>16.2f}{rate:>10.0f}{rate / one_rate:>8.2f}x")
+    print(
+        f"the step broadcast alone (leader to follower over loopback, decode-shaped work): "
+        f"{r['broadcast_s_per_step'] * 1e6:.0f} us a step"
+    )
     print(f"both started and compiled in {r['startup_s']:.1f} s")
 
 
@@ -166,6 +218,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128, help="the servers' slot length")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--meshes",
+        default="model=4",
+        help="the replicas' meshes, comma-separated",
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

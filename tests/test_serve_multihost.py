@@ -27,10 +27,13 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import pod_processes, tpupod_argv
+from tests.conftest import pod_processes, sim_leftovers, tpupod_argv
 from tests.test_serve_builtin import chat_ids, free_ports, reference
 from tests.test_serve_fleet import free_base_port
+from tpupod.errors import UsageError
 from tpupod.model import QwenModel, load_model
+from tpupod.serve.backends import plan_replicas, render
+from tpupod.serve.replica import model_axis
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAME = "qwen2-tiny"
@@ -47,6 +50,24 @@ def jax_env(devices: int) -> dict[str, str]:
         # the tiny checkpoint compiles 4x faster without LLVM optimisations
         "XLA_FLAGS": "--xla_backend_optimization_level=0",
     }
+
+
+def test_replicas_are_planned_as_groups_of_k_workers() -> None:
+    workers = [(i, "127.0.0.1") for i in range(4)]
+    specs = plan_replicas(
+        workers, 2, model="/m", base_port=31000, shared_addresses=True, python="py"
+    )
+    leaders = [s for w in (0, 2) for s in specs[w]]
+    assert [s.ports for s in leaders] == [(31000,), (31003,)]
+    assert [s.group.rank if s.group else None for w in range(4) for s in specs[w]] == [0, 1] * 2
+    assert specs[1][0].ports == ()  # a follower has no endpoint
+    assert render(specs[3][0])[:3] == ["py", "-m", "tpupod.serve.replica"]
+    assert "--leader" in render(specs[3][0]) and "127.0.0.1:31004" in render(specs[3][0])
+    with pytest.raises(UsageError, match="does not divide the pod's 4 workers"):
+        plan_replicas(workers, 3, model="/m", base_port=31000, shared_addresses=True)
+    with pytest.raises(UsageError, match="a data axis across its processes"):
+        model_axis("model=2", 4)
+    assert model_axis(None, 4) == model_axis("model=4", 4) == 4
 
 
 class Replica:
@@ -383,3 +404,42 @@ def test_kill_9_of_a_follower_restarts_its_group_and_no_request_fails(
     assert row.split()[6] != "0", row  # ... the leader too: the whole group
     (want,) = reference(model, [chat_ids(model, QUESTIONS[0])], NEW)
     assert ask(client, QUESTIONS[0]).choices[0].message.content == want
+
+
+# -- an SSH pod of simulated hosts: each member on its own host and address ----------------
+
+
+@pytest.mark.timeout(150)
+def test_a_replica_across_two_simulated_ssh_hosts(
+    make_ssh_pod: Any, state_home: Path, sim: Any
+) -> None:
+    """Two hosts (own network namespaces and addresses, real sshd): one replica, the
+    leader's side channel and JAX's coordinator on host 0's address; kill -9 of the
+    follower on host 1 and the group comes back; serve down leaves nothing."""
+    pod = make_ssh_pod(workers=2)
+    up = run_cli(
+        state_home, "serve", "up", "--pod", pod.name, "--model", str(MODEL),
+        "--hosts-per-replica", "2", "--worker-python", sys.executable, "--dtype", "float32",
+        "--health-interval", "0.5", "--restart-backoff", "0.2", "--startup-timeout", "100",
+        "--", *OPTIONS, "--lockstep-timeout", "3",
+        timeout=130,
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    leader, follower = sim.hosts[0], sim.hosts[1]
+    assert any("--rank 1" in args for _, args in sim.processes(follower.index))
+    fanout = run_cli(state_home, "fanout", "--pod", pod.name, "--prompt", "你是谁")
+    assert fanout.returncode == 0, fanout.stdout + fanout.stderr
+    assert fanout.stdout.count(" status=200 ") == 1
+    assert f"backend={leader.address}:31000 " in fanout.stdout
+    pid = next(p for p, args in sim.processes(follower.index) if "--rank 1" in args)
+    sim.run_on(follower.index, f"kill -9 {pid}")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        fanout = run_cli(state_home, "fanout", "--pod", pod.name, "--prompt", "abc")
+        if fanout.returncode == 0:
+            break
+        time.sleep(1)
+    assert fanout.returncode == 0, fanout.stdout + fanout.stderr
+    down = run_cli(state_home, "serve", "down", "--pod", pod.name)
+    assert down.returncode == 0, down.stderr
+    assert sim_leftovers(sim) == []

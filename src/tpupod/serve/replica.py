@@ -126,8 +126,14 @@ def model_axis(mesh: str | None, devices: int) -> int:
     if key.strip() != "model" or not value.strip().isdigit():
         raise UsageError(f"--mesh {mesh!r}: give model=M", hint="e.g. --mesh model=4")
     width = int(value)
-    if width < 1 or devices % width:
-        raise UsageError(f"--mesh model={width} does not divide the replica's {devices} devices")
+    if width != devices:
+        # The engine reads each step's tokens back on the leader: with a data axis the
+        # tokens of other processes' slots are not addressable there.
+        raise UsageError(
+            f"--mesh model={width}: a replica across hosts runs model={devices} (all its "
+            "devices); a data axis across its processes is not supported yet",
+            hint=f"--mesh model={devices}, or more replicas (fewer --hosts-per-replica)",
+        )
     return width
 
 
@@ -138,8 +144,9 @@ def new_launch_id() -> str:
 def start_jax(coordinator: str, size: int, rank: int, timeout: float) -> None:
     import jax
 
-    if settings.jax_on_cpu():
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
+    # Always: a worker of an SSH pod may run JAX on its CPU without JAX_PLATFORMS=cpu, and
+    # the setting touches only the CPU backend's collectives (none on a TPU or GPU).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=size,
