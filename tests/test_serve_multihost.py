@@ -426,13 +426,18 @@ def test_a_replica_across_two_simulated_ssh_hosts(
     )  # fmt: skip
     assert up.returncode == 0, up.stderr
     leader, follower = sim.hosts[0], sim.hosts[1]
-    assert any("--rank 1" in args for _, args in sim.processes(follower.index))
+    members = [p for p, args in sim.processes(follower.index) if "tpupod.serve.replica" in args]
+    assert len(members) == 1, sim.processes(follower.index)  # host 1 runs the follower
     fanout = run_cli(state_home, "fanout", "--pod", pod.name, "--prompt", "你是谁")
     assert fanout.returncode == 0, fanout.stdout + fanout.stderr
     assert fanout.stdout.count(" status=200 ") == 1
     assert f"backend={leader.address}:31000 " in fanout.stdout
-    pid = next(p for p, args in sim.processes(follower.index) if "--rank 1" in args)
-    sim.run_on(follower.index, f"kill -9 {pid}")
+
+    def leaders() -> list[int]:
+        return [p for p, args in sim.processes(leader.index) if "tpupod.serve.replica" in args]
+
+    before = leaders()
+    sim.run_on(follower.index, f"kill -9 {members[0]}")
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         fanout = run_cli(state_home, "fanout", "--pod", pod.name, "--prompt", "abc")
@@ -440,6 +445,7 @@ def test_a_replica_across_two_simulated_ssh_hosts(
             break
         time.sleep(1)
     assert fanout.returncode == 0, fanout.stdout + fanout.stderr
+    assert leaders() and leaders() != before  # the leader went down with it and came back
     down = run_cli(state_home, "serve", "down", "--pod", pod.name)
     assert down.returncode == 0, down.stderr
     assert sim_leftovers(sim) == []
