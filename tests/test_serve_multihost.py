@@ -218,6 +218,7 @@ def test_kill_9_of_the_follower_fails_in_flight_requests_and_ends_the_replica(
 
 @pytest.mark.timeout(60)
 def test_a_stopped_follower_is_detected_within_the_lockstep_timeout() -> None:
+    """The leader gives up on a silent follower; the follower, woken, on its gone leader."""
     r = Replica(2, 1)
     try:
         r.wait_ready()
@@ -227,6 +228,9 @@ def test_a_stopped_follower_is_detected_within_the_lockstep_timeout() -> None:
         assert r.procs[0].wait(15) == 3
         assert 2.5 < time.monotonic() - stopped < 8  # --lockstep-timeout 3
         assert any("w1 (rank 1) was silent" in line for line in r.output[0])
+        r.procs[1].send_signal(signal.SIGCONT)  # the follower finds its leader gone
+        assert r.procs[1].wait(10) == 3
+        assert any("lost a member (the leader" in line for line in r.output[1])
     finally:
         r.stop()
 
