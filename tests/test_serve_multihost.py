@@ -65,9 +65,10 @@ def test_replicas_are_planned_as_groups_of_k_workers() -> None:
     assert "--leader" in render(specs[3][0]) and "127.0.0.1:31004" in render(specs[3][0])
     with pytest.raises(UsageError, match="does not divide the pod's 4 workers"):
         plan_replicas(workers, 3, model="/m", base_port=31000, shared_addresses=True)
-    with pytest.raises(UsageError, match="a data axis across its processes"):
-        model_axis("model=2", 4)
+    with pytest.raises(UsageError, match="does not divide the replica's 4 devices"):
+        model_axis("model=3", 4)
     assert model_axis(None, 4) == model_axis("model=4", 4) == 4
+    assert model_axis("model=2", 4) == 2  # and a data axis of 2, across the processes
 
 
 class Replica:
@@ -300,14 +301,18 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """A local pod of 4 workers x 1 device; --hosts-per-replica 2: two replicas."""
+    """A local pod of 4 workers x 2 devices; --hosts-per-replica 2: two replicas, each on
+    a (data=2, model=2) mesh: the model axis within each process, the slots split across
+    the two (the fixture's replica above is model=4 across both)."""
     home = tmp_path_factory.mktemp("multihost") / "state"
     pod = f"mh{os.getpid()}"
-    assert run_cli(home, "up", "--name", pod, "--local", "4").returncode == 0
+    made = run_cli(home, "up", "--name", pod, "--local", "4", "--devices-per-worker", "2")
+    assert made.returncode == 0, made.stderr
     try:
         up = run_cli(
             home, "serve", "up", "--pod", pod, "--model", str(MODEL), "--hosts-per-replica", "2",
-            "--dtype", "float32", "--base-port", str(free_base_port()), "--startup-timeout", "150",
+            "--mesh", "model=2", "--dtype", "float32", "--base-port", str(free_base_port()),
+            "--startup-timeout", "150",
             "--health-interval", "0.5", "--restart-backoff", "0.2",
             "--", *OPTIONS, "--lockstep-timeout", "3",
             timeout=200,

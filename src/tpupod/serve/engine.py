@@ -266,6 +266,10 @@ class Engine:
             return tuple(jnp.asarray(a) for a in arrays)
         return jax.device_put(arrays, self._inputs)
 
+    def _fetch(self, array: Any) -> np.ndarray:
+        """A device result on the host (a hook: a replica across hosts gathers it first)."""
+        return np.asarray(array)
+
     def _precision(self) -> contextlib.AbstractContextManager[Any]:
         return self.model._precision()
 
@@ -302,7 +306,7 @@ class Engine:
         count = next(c for c in self.head_counts if c >= len(batch))
         logits = slots.head(graphdef, state, ends, count=count)
         self.prefills += 1
-        return np.asarray(slots.choose(logits, *sampling))[: len(batch)]
+        return self._fetch(slots.choose(logits, *sampling))[: len(batch)]
 
     def _decode(self) -> np.ndarray:
         """The next ``decode_steps`` tokens of every slot: [decode_steps, S]."""
@@ -319,7 +323,7 @@ class Engine:
                 count=self.decode_steps,
             )  # fmt: skip
         self.steps += self.decode_steps
-        return np.asarray(out)
+        return self._fetch(out)
 
     def warmup(self) -> None:
         """Compile everything a request may run: the prefill per length bucket, the LM

@@ -126,14 +126,8 @@ def model_axis(mesh: str | None, devices: int) -> int:
     if key.strip() != "model" or not value.strip().isdigit():
         raise UsageError(f"--mesh {mesh!r}: give model=M", hint="e.g. --mesh model=4")
     width = int(value)
-    if width != devices:
-        # The engine reads each step's tokens back on the leader: with a data axis the
-        # tokens of other processes' slots are not addressable there.
-        raise UsageError(
-            f"--mesh model={width}: a replica across hosts runs model={devices} (all its "
-            "devices); a data axis across its processes is not supported yet",
-            hint=f"--mesh model={devices}, or more replicas (fewer --hosts-per-replica)",
-        )
+    if width < 1 or devices % width:
+        raise UsageError(f"--mesh model={width} does not divide the replica's {devices} devices")
     return width
 
 
@@ -166,7 +160,13 @@ def build_engine(args: argparse.Namespace) -> Any:
     width = model_axis(args.mesh, len(devices))
     cpu = jax.default_backend() == "cpu"
     dtype = args.dtype or ("float32" if cpu else "bfloat16")
-    mesh = make_mesh(len(devices) // width, width, devices)
+    data = len(devices) // width
+    if args.max_batch % data:
+        raise UsageError(
+            f"--max-batch {args.max_batch}: the mesh's data axis of {data} splits the slots",
+            hint=f"give a --max-batch that {data} divides",
+        )
+    mesh = make_mesh(data, width, devices)
     model = load_model(args.model, dtype=dtype, mesh=mesh)
     engine = LockstepEngine(
         model,

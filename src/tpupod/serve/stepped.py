@@ -39,6 +39,15 @@ class LockstepEngine(Engine):
             return super()._put(*arrays)
         return tuple(sharding.place(a, self._inputs) for a in arrays)
 
+    def _fetch(self, array: Any) -> np.ndarray:
+        """With a data axis across processes a step's tokens are spread over them: every
+        member gathers them (a collective; the followers run the same methods)."""
+        if array.is_fully_addressable or array.is_fully_replicated:
+            return np.asarray(array)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
     # -- the leader's side: broadcast, then run ------------------------------------------
     def _prefill(self, batch: list[Request]) -> np.ndarray:
         if self.channel is not None:
