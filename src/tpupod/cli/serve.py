@@ -147,8 +147,8 @@ def up(
         str | None,
         typer.Option(
             "--mesh",
-            help="model=M: a multi-host replica's tensor-parallel width (all its devices; "
-            "a data axis across hosts is not supported yet).",
+            help="model=M: a multi-host replica's tensor-parallel width (default: all its "
+            "devices; the rest is a data axis).",
             show_default=False,
         ),
     ] = None,
