@@ -12,11 +12,17 @@ tokenizer and chat template are the tiny fixture's) serves both sides:
   for the same prompts, greedy, ``max_tokens`` = ``--new-tokens``: HTTP,
   chat template, tokenizing, continuous batching, a host round trip a step.
 
+- *transformers, one at a time* (``--transformers``; needs torch and
+  transformers, which ``make test`` does not install): ``generate`` of the same
+  checkpoint's ``AutoModelForCausalLM`` on each prompt in turn, greedy, the
+  same ``--new-tokens``, what a user serving by hand without batching gets.
+
 Tokens/s is answer tokens over wall time; the rounds are interleaved so both
 see the same machine, and medians are reported with their ratio.
 
     python benchmarks/serve_builtin.py                     # this CPU, 4 of 24 layers
     python benchmarks/serve_builtin.py --layers 24 --clients 64 --dtype bfloat16  # a GPU
+    pip install torch==2.13.0 transformers; python benchmarks/serve_builtin.py --transformers
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +177,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for q in questions
     ]
 
+    hand = by_hand(folder, prompts, args) if args.transformers else None
+
     def generate() -> tuple[float, int]:
         started = time.perf_counter()
         out = model.generate(prompts, max_new_tokens=args.new_tokens)
@@ -185,11 +194,15 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         startup = time.perf_counter() - started
         gen: list[tuple[float, int]] = []
         srv: list[tuple[float, int]] = []
+        tfs: list[tuple[float, int]] = []
         for r in range(args.rounds):
             progress(f"round {r + 1}: generate")
             gen.append(generate())
             progress(f"round {r + 1}: server")
             srv.append(asyncio.run(clients_round(port, questions, args.new_tokens)))
+            if hand is not None:
+                progress(f"round {r + 1}: transformers, one request at a time")
+                tfs.append(hand())
     finally:
         server.terminate()
         server.wait(30)
@@ -212,7 +225,38 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "generate_tok_s": gen_rate,
         "server_tok_s": srv_rate,
         "ratio": srv_rate / gen_rate,
+        "transformers": tfs,
+        "transformers_tok_s": statistics.median(n / s for s, n in tfs) if tfs else None,
     }
+
+
+def by_hand(
+    folder: Path, prompts: list[list[int]], args: argparse.Namespace
+) -> Callable[[], tuple[float, int]]:
+    """transformers' ``generate`` on each prompt in turn (greedy; stops at EOS as the
+    server does), on the same checkpoint, in this process's threads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+    def run() -> tuple[float, int]:
+        started, count = time.perf_counter(), 0
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=args.new_tokens,
+                    do_sample=False,
+                )
+                count += out.shape[1] - ids.shape[1]
+        return time.perf_counter() - started, count
+
+    run()  # warm up
+    return run
 
 
 def report(r: dict[str, Any]) -> None:
@@ -230,6 +274,13 @@ def report(r: dict[str, Any]) -> None:
     )
     label = f"builtin server, {r['clients']} clients"
     print(f"{label:36}{srv_s:>16.2f}{r['server_tok_s']:>10.0f}{r['ratio']:>8.2f}x")
+    if r["transformers_tok_s"]:
+        tf_s = statistics.median(s for s, _ in r["transformers"])
+        tf_ratio = r["transformers_tok_s"] / r["generate_tok_s"]
+        label = "transformers, one at a time"
+        print(f"{label:36}{tf_s:>16.2f}{r['transformers_tok_s']:>10.0f}{tf_ratio:>8.2f}x")
+        speedup = r["server_tok_s"] / r["transformers_tok_s"]
+        print(f"builtin server / transformers one at a time: {speedup:.1f}x")
     print(f"server start to ready (beside generate's compile): {r['server_startup_s']:.1f} s")
 
 
@@ -247,6 +298,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--prefill-tokens", type=int, default=None, help="the server's (default: its own)"
+    )
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also transformers' generate one request at a time (needs torch)",
     )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path)
