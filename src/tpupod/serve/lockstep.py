@@ -15,7 +15,9 @@ connection to its leader:
 - a process that dies (even ``kill -9``) has its connection closed by the
   kernel, so the other end sees EOF at once;
 - a process that stops (``SIGSTOP``, a hung host) stops acknowledging steps
-  and stops its heartbeats, so the other end gives up after ``timeout`` s;
+  and stops its heartbeats, so the other end gives up after ``timeout`` s
+  (``startup_timeout`` s until the first step: loading and compiling may
+  starve a heartbeat thread of the GIL for seconds on a busy host);
 - either way ``on_failure`` is called once (from the watching thread, while the
   engine's thread may be blocked inside a collective) and the caller takes the
   replica down.
@@ -55,6 +57,7 @@ FRAME = struct.Struct("!II")
 RECORD = struct.Struct("!q")
 HEARTBEAT = -1
 DEFAULT_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 120.0  # silence allowed before the first step (loading, compiling)
 
 FailureHandler = Callable[[str], None]
 
@@ -108,10 +111,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class Leader:
     """The leader's end: the rendezvous, then the step broadcast and the watch."""
 
-    def __init__(self, listener: socket.socket, followers: int, timeout: float) -> None:
+    def __init__(
+        self,
+        listener: socket.socket,
+        followers: int,
+        timeout: float,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+    ) -> None:
         self.listener = listener
         self.expected = followers
         self.timeout = timeout
+        self.startup_timeout = startup_timeout
         self.members: list[tuple[Hello, socket.socket]] = []
         self._send_lock = threading.Lock()
         self._seq = 0
@@ -230,8 +240,11 @@ class Leader:
                 self._heard[hello.rank] = time.monotonic()
             now = time.monotonic()
             for hello, _ in self.members:
-                if now - self._heard[hello.rank] > self.timeout:
-                    self._fail(f"{hello.label} was silent for {self.timeout:g}s")
+                # until a member has taken a step it may be loading and compiling, its
+                # heartbeat thread starved of the GIL: only EOF or the startup limit count
+                limit = self.timeout if self._acked[hello.rank] > 0 else self.startup_timeout
+                if now - self._heard[hello.rank] > limit:
+                    self._fail(f"{hello.label} was silent for {limit:g}s")
                     return
             with self._send_lock:
                 low = min(self._acked.values(), default=self._seq)
@@ -287,8 +300,10 @@ class Leader:
 class Follower:
     """A follower's end: join the leader, then receive its steps (and watch it)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
         self.timeout = timeout
+        self.startup_timeout = startup_timeout
+        self._stepped = False  # a step arrived: the leader is serving, the short limit holds
         self.sock: socket.socket | None = None
         self._steps: queue.Queue[tuple[str, list[np.ndarray]] | str] = queue.Queue()
         self._send_lock = threading.Lock()
@@ -347,6 +362,7 @@ class Follower:
                         arrays.append(np.frombuffer(body[at : at + n], dtype).reshape(shape))
                         at += n
                     self._record(header["seq"])
+                    self._stepped = True
                     self._steps.put((header["kind"], arrays))
             except (EOFError, OSError):
                 fail("the leader went away (its connection closed)")
@@ -354,8 +370,9 @@ class Follower:
         def beating() -> None:
             while not failed.is_set():
                 time.sleep(self.timeout / 5)
-                if time.monotonic() - self._heard > self.timeout:
-                    fail(f"the leader was silent for {self.timeout:g}s")
+                limit = self.timeout if self._stepped else self.startup_timeout
+                if time.monotonic() - self._heard > limit:
+                    fail(f"the leader was silent for {limit:g}s")
                     return
                 try:
                     self._record(HEARTBEAT)

@@ -190,7 +190,7 @@ def lead(args: argparse.Namespace, own: Hello) -> int:
     except OSError as exc:
         raise UsageError(f"cannot bind the side channel {args.leader}: {exc.strerror}") from exc
     listener.listen(64)
-    leader = Leader(listener, args.size - 1, args.lockstep_timeout)
+    leader = Leader(listener, args.size - 1, args.lockstep_timeout, args.rendezvous_timeout)
     members = leader.gather(own, args.rendezvous_timeout)
     launch_id = new_launch_id()
     coordinator = f"{side_host}:{args.coordinator_port}"
@@ -223,7 +223,7 @@ def lead(args: argparse.Namespace, own: Hello) -> int:
 def follow(args: argparse.Namespace, own: Hello) -> int:
     from tpupod.serve.stepped import follow_steps
 
-    follower = Follower(args.lockstep_timeout)
+    follower = Follower(args.lockstep_timeout, args.rendezvous_timeout)
     welcome = follower.join(split_address(args.leader), own, args.rendezvous_timeout)
     print(f"replica launch {welcome['launch_id']}: follower w{args.worker}", flush=True)
 
