@@ -28,8 +28,7 @@ import psutil
 import pytest
 
 from tests.conftest import pod_processes, sim_leftovers, tpupod_argv
-from tests.test_serve_builtin import chat_ids, free_ports, reference
-from tests.test_serve_fleet import free_base_port
+from tests.test_serve_builtin import chat_ids, reference
 from tpupod.errors import UsageError
 from tpupod.model import QwenModel, load_model
 from tpupod.serve.backends import plan_replicas, render
@@ -75,7 +74,8 @@ class Replica:
     """K ``tpupod.serve.replica`` members on this machine, as the agents start them."""
 
     def __init__(self, size: int = 2, devices: int = 2, *extra: str, env: Any = None) -> None:
-        self.port, side, coordinator = free_ports(3)
+        base = free_base_port()  # below the ephemeral range: no connection takes them
+        self.port, side, coordinator = base, base + 1, base + 2
         self.procs: list[subprocess.Popen[str]] = []
         for rank in range(size):
             argv = [
@@ -262,6 +262,25 @@ def run_cli(home: Path, *args: str, timeout: float = 60) -> subprocess.Completed
     return subprocess.run(
         tpupod_argv(*args), capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def free_base_port() -> int:
+    """A base port whose next 8 ports are free, below the kernel's ephemeral range (the
+    many connections of JAX, gloo and the clients take ports from that range at random)."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        base = random.randrange(20000, min(low, 32768) - 10, 10)
+        try:
+            for port in range(base, base + 8):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
 
 
 def member_pid(pod: str, worker: int) -> int | None:
