@@ -228,3 +228,21 @@ def test_the_environment_is_read_only_in_settings() -> None:
         for line in environment_reads(path)
     ]
     assert found == [], "environment read outside settings.py:\n" + "\n".join(found)
+
+
+def test_each_command_is_loaded_by_its_own_name() -> None:
+    """`tpupod NAME` imports only COMMAND_MODULES[NAME]: that module must register NAME."""
+    import sys as _sys
+
+    from tpupod.cli import COMMAND_MODULES, app, load_commands
+
+    load_commands(["--help"])  # every module
+    commands = {c.name: c.callback for c in app.registered_commands}
+    groups = {g.name: g.typer_instance for g in app.registered_groups}
+    assert set(commands) | set(groups) == set(COMMAND_MODULES)
+    for name, module in COMMAND_MODULES.items():
+        loaded = _sys.modules[f"tpupod.cli.{module}"]
+        if name in commands:
+            assert getattr(commands[name], "__module__", None) == loaded.__name__, name
+        else:
+            assert any(value is groups[name] for value in vars(loaded).values()), name
