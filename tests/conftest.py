@@ -95,6 +95,26 @@ class CliResult:
     seconds: float
 
 
+def free_base_port(count: int = 8) -> int:
+    """A base port whose next ``count`` ports are free, below the kernel's ephemeral range
+    (the many connections of JAX, gloo and HTTP clients beside it take ports from that
+    range at random, so a range inside it can be taken between this check and its use)."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        base = random.randrange(20000, min(low, 32768) - count, 10)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
 def tpupod_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "tpupod", *args]
 

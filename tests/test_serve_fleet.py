@@ -30,7 +30,14 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import pod_processes, require, sim_leftovers, tpupod_argv, wait_until_gone
+from tests.conftest import (
+    free_base_port,
+    pod_processes,
+    require,
+    sim_leftovers,
+    tpupod_argv,
+    wait_until_gone,
+)
 from tpupod.serve.backends import Backend, ServerSpec, device_slices, plan, render
 from tpupod.serve.router import check_body
 
@@ -44,23 +51,6 @@ def run_cli(home: Path, *args: str, timeout: float = 60) -> subprocess.Completed
     return subprocess.run(
         tpupod_argv(*args), capture_output=True, text=True, timeout=timeout, env=env
     )
-
-
-def free_base_port() -> int:
-    """A base port whose next few ports are free (tests run beside other tests)."""
-    import random
-    import socket
-
-    for _ in range(50):
-        base = random.randrange(32000, 60000, 10)
-        try:
-            for port in range(base, base + 8):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
 
 
 # -- unit: launch templates and request checks ------------------------------------------

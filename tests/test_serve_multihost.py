@@ -27,7 +27,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import pod_processes, sim_leftovers, tpupod_argv
+from tests.conftest import free_base_port, pod_processes, sim_leftovers, tpupod_argv
 from tests.test_serve_builtin import chat_ids, reference
 from tpupod.errors import UsageError
 from tpupod.model import QwenModel, load_model
@@ -262,25 +262,6 @@ def run_cli(home: Path, *args: str, timeout: float = 60) -> subprocess.Completed
     return subprocess.run(
         tpupod_argv(*args), capture_output=True, text=True, timeout=timeout, env=env
     )
-
-
-def free_base_port() -> int:
-    """A base port whose next 8 ports are free, below the kernel's ephemeral range (the
-    many connections of JAX, gloo and the clients take ports from that range at random)."""
-    import random
-    import socket
-
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(100):
-        base = random.randrange(20000, min(low, 32768) - 10, 10)
-        try:
-            for port in range(base, base + 8):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
 
 
 def member_pid(pod: str, worker: int) -> int | None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import secrets
@@ -235,7 +236,10 @@ def follow(args: argparse.Namespace, own: Hello) -> int:
     start_jax(welcome["coordinator"], args.size, args.rank, args.rendezvous_timeout)
     engine = build_engine(args)
     print(f"follower w{args.worker} ready", flush=True)
-    follow_steps(engine, follower)
+    # It ends when the leader is gone: ``lost`` has said so, and the exit is a lost member's
+    # (the watch thread's own exit races this one, with the same code).
+    with contextlib.suppress(LockstepError):
+        follow_steps(engine, follower)
     return LOST_EXIT
 
 
