@@ -115,6 +115,27 @@ def free_base_port(count: int = 8) -> int:
     raise RuntimeError("no free port range")
 
 
+_OPEN_CLIENTS: list[Any] = []
+
+
+def openai_client(base_url: str, api_key: str, **options: Any) -> Any:
+    """The real ``openai`` client (no retries), closed when the test ends: one left to the
+    garbage collector warns of its socket in whichever test runs then, and warnings are
+    errors here."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, **options)
+    _OPEN_CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_openai_clients() -> Iterator[None]:
+    yield
+    while _OPEN_CLIENTS:
+        _OPEN_CLIENTS.pop().close()
+
+
 def tpupod_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "tpupod", *args]
 

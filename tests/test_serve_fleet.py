@@ -32,6 +32,7 @@ import pytest
 
 from tests.conftest import (
     free_base_port,
+    openai_client,
     pod_processes,
     require,
     sim_leftovers,
@@ -177,18 +178,28 @@ def test_the_router_retries_5xx_elsewhere_and_passes_4xx_through(tmp_path: Path)
                     break
             time.sleep(0.1)
         token = (tmp_path / "router.token").read_text().strip()
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0)
+        # The router counts both stubs up before the first request, so the failing one's
+        # 500 has a live one to be retried on (a stub slower to start than the router's
+        # first health check is down until it has answered enough checks).
+        auth = {"Authorization": f"Bearer {token}"}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                listed = httpx.get(f"{url}/backends", headers=auth).json()["backends"]
+                if len(listed) == 2:
+                    break
+            time.sleep(0.05)
+        client = openai_client(f"{url}/v1", token)
         messages: Any = [{"role": "user", "content": "hi"}]
         for _ in range(6):  # round robin sends some to the failing one: retried on the other
             answer = client.chat.completions.create(model="stub-model", messages=messages)
             assert (answer.choices[0].message.content or "").startswith(f"stub{ports[1]}")
-        health = httpx.get(f"{url}/backends", headers={"Authorization": f"Bearer {token}"}).json()
+        health = httpx.get(f"{url}/backends", headers=auth).json()
         failing = health["health"][f"127.0.0.1:{ports[0]}"]
         assert failing["circuit"] == "open" and failing["last_error"] == "HTTP 500"
         assert health["backends"] == [f"127.0.0.1:{ports[1]}"]
         with pytest.raises(openai.NotFoundError):  # a 4xx is the client's: passed through as is
             client.chat.completions.create(model="no-such-model", messages=messages)
-        healthy = httpx.get(f"{url}/backends", headers={"Authorization": f"Bearer {token}"})
+        healthy = httpx.get(f"{url}/backends", headers=auth)
         assert healthy.json()["health"][f"127.0.0.1:{ports[1]}"]["failures"] == 0
     finally:
         for proc in procs:
@@ -243,7 +254,7 @@ def backends(fleet: Fleet) -> dict[str, Any]:
 
 @pytest.mark.local
 def test_the_openai_client_talks_to_the_router(fleet: Fleet) -> None:
-    client = openai.OpenAI(base_url=fleet.base_url, api_key=fleet.token, max_retries=0)
+    client = openai_client(fleet.base_url, fleet.token)
     assert [m.id for m in client.models.list()] == ["stub-model"]
     seen = set()
     for _ in range(8):
@@ -271,7 +282,7 @@ def test_requests_without_the_token_get_401(fleet: Fleet) -> None:
         assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{fleet.router}/metrics").status_code == 401
     assert httpx.get(f"{fleet.router}/health").json()["ok"] is True
-    bad = openai.OpenAI(base_url=fleet.base_url, api_key="wrong", max_retries=0)
+    bad = openai_client(fleet.base_url, "wrong")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
 
@@ -290,7 +301,7 @@ def test_malformed_requests_get_openai_shaped_400s_and_mark_no_backend(fleet: Fl
         assert r.status_code == 400, body
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"]
-    client = openai.OpenAI(base_url=fleet.base_url, api_key=fleet.token, max_retries=0)
+    client = openai_client(fleet.base_url, fleet.token)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="stub-model", messages=[])
     after = backends(fleet)
@@ -389,8 +400,12 @@ def test_kill_minus_nine_of_a_backend_under_load(fleet: Fleet) -> None:
                     failures.append(repr(exc))
                 done[0] += 1
 
-        client = openai.AsyncOpenAI(base_url=fleet.base_url, api_key=fleet.token, max_retries=0)
-        async with httpx.AsyncClient(headers=auth, timeout=10) as http:
+        async with (
+            openai.AsyncOpenAI(
+                base_url=fleet.base_url, api_key=fleet.token, max_retries=0
+            ) as client,
+            httpx.AsyncClient(headers=auth, timeout=10) as http,
+        ):
             loads = [asyncio.create_task(load(http)) for _ in range(4)]
             await asyncio.sleep(0.3)
             stream = await client.chat.completions.create(
@@ -522,7 +537,7 @@ def test_the_agent_outlives_the_ssh_session_that_started_it(
     url = exports["OPENAI_BASE_URL"]
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", url), url
     assert f"to the router at {sim.hosts[0].address}:9100 over w0's SSH" in endpoint.stderr
-    client = openai.OpenAI(base_url=url, api_key=exports["OPENAI_API_KEY"], max_retries=0)
+    client = openai_client(url, exports["OPENAI_API_KEY"])
     answer = client.chat.completions.create(
         model=client.models.list().data[0].id,
         messages=[{"role": "user", "content": "hi"}],
@@ -571,9 +586,7 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
         assert up.returncode == 0, up.stderr
         exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
         values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
-        client = openai.OpenAI(
-            base_url=values["OPENAI_BASE_URL"], api_key=values["OPENAI_API_KEY"], max_retries=0
-        )
+        client = openai_client(values["OPENAI_BASE_URL"], values["OPENAI_API_KEY"])
         model = client.models.list().data[0].id
         assert model == "qwen2-tiny"
         messages: Any = [{"role": "user", "content": "你是谁"}]

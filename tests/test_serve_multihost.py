@@ -27,7 +27,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import free_base_port, pod_processes, sim_leftovers, tpupod_argv
+from tests.conftest import free_base_port, openai_client, pod_processes, sim_leftovers, tpupod_argv
 from tests.test_serve_builtin import chat_ids, reference
 from tpupod.errors import UsageError
 from tpupod.model import QwenModel, load_model
@@ -117,9 +117,7 @@ class Replica:
             time.sleep(0.05)
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=30
-        )
+        return openai_client(f"http://127.0.0.1:{self.port}/v1", "x", timeout=30)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -291,7 +289,7 @@ class Fleet:
         return listed
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=self.token, max_retries=0, timeout=60)
+        return openai_client(self.base_url, self.token, timeout=60)
 
     def status(self) -> list[str]:
         status = run_cli(self.home, "serve", "status", "--pod", self.pod)
