@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -95,47 +96,35 @@ def exec_command(
     args = ExecArgs(command, pod, worker, on_fail, timeout, grace, quiet, list(env or []))
     if image is None:
         container_from_options(image, mount, engine, privileged, [])  # refuses stray options
-        run_exec(args)
-    else:
-        run_exec_in_containers(args, image, mount, engine, privileged)
+    run_exec(args, ContainerOptions(image, mount, engine, privileged) if image else None)
 
 
-def run_exec_in_containers(
-    args: ExecArgs, image: str, mounts: list[str] | None, engine: str | None, privileged: bool
-) -> None:
-    """``exec --image``: the command in a container on every worker (never through the holder)."""
+@dataclass(frozen=True)
+class ContainerOptions:
+    """``exec --image`` and its options, made a Container once the pod's env names are known."""
+
+    image: str
+    mounts: list[str] | None
+    engine: str | None
+    privileged: bool
+
+
+def run_exec(args: ExecArgs, in_image: ContainerOptions | None = None) -> None:
+    """The exec command proper: through the pod's connection holder for SSH pods, else here;
+    in a container on every worker with ``in_image`` (never through the holder)."""
     from tpupod.state import StateDir
 
     state = StateDir()
     plan = plan_exec(args, state)
-    target = state.load(plan.name)
-    names = [*plan.env, *target.spec.env]
-    container = container_from_options(image, mounts, engine, privileged, names)
-    assert container is not None
-    result = run_with_signals(
-        target,
-        plan.line,
-        [target.workers[i] for i in plan.ids],
-        on_fail=args.on_fail,
-        timeout=args.timeout,
-        grace=args.grace,
-        quiet=args.quiet,
-        env=plan.env,
-        container=container,
-    )
-    raise typer.Exit(finish(result, plan))
-
-
-def run_exec(args: ExecArgs) -> None:
-    """The exec command proper: through the pod's connection holder for SSH pods, else here."""
-    from tpupod.state import StateDir
-
-    state = StateDir()
-    plan = plan_exec(args, state)
-    if plan.held:
+    if plan.held and in_image is None:
         result = run_held(state, plan, args)
     else:
         target = state.load(plan.name)
+        container = None
+        if in_image is not None:
+            names = [*plan.env, *target.spec.env]
+            o = in_image
+            container = container_from_options(o.image, o.mounts, o.engine, o.privileged, names)
         result = run_with_signals(
             target,
             plan.line,
@@ -145,6 +134,7 @@ def run_exec(args: ExecArgs) -> None:
             grace=args.grace,
             quiet=args.quiet,
             env=plan.env,
+            container=container,
         )
     raise typer.Exit(finish(result, plan))
 
