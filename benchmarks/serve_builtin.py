@@ -284,15 +284,42 @@ def report(r: dict[str, Any]) -> None:
     print(f"server start to ready (beside generate's compile): {r['server_startup_s']:.1f} s")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(doc: str | None, layers: int, clients: int, max_length: int) -> Any:
+    """The options the serving benchmarks share (the model, its load, the output)."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b"])
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers kept")
+    parser.add_argument("--layers", type=int, default=layers, help="decoder layers kept")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=clients)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=256, help="the server's slot length")
+    parser.add_argument(
+        "--max-length", type=int, default=max_length, help="the servers' slot length"
+    )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--json", type=Path)
+    return parser
+
+
+def run_and_report(
+    args: argparse.Namespace,
+    prefix: str,
+    measure: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    report: Callable[[dict[str, Any]], None],
+) -> None:
+    """Measure in a scratch folder (removed after), print the report, save the JSON."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=args.workdir))
+    try:
+        result = measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    parser = model_arguments(__doc__, layers=4, clients=32, max_length=256)
     parser.add_argument(
         "--decode-steps", type=int, default=None, help="the server's (default: its own)"
     )
@@ -304,17 +331,7 @@ def main() -> None:
         action="store_true",
         help="also transformers' generate one request at a time (needs torch)",
     )
-    parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="tpupod-bench-serve-", dir=args.workdir))
-    try:
-        result = measure(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    report(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    run_and_report(parser.parse_args(), "tpupod-bench-serve-", measure, report)
 
 
 if __name__ == "__main__":

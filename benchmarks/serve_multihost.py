@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,7 +32,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_builtin import QUESTIONS, checkpoint, clients_round, free_port, progress
+from serve_builtin import (
+    QUESTIONS,
+    checkpoint,
+    clients_round,
+    free_port,
+    model_arguments,
+    progress,
+    run_and_report,
+)
 
 from tpupod.model import PRESETS
 
@@ -210,30 +215,13 @@ def report(r: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b"])
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers kept")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=128, help="the servers' slot length")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = model_arguments(__doc__, layers=2, clients=16, max_length=128)
     parser.add_argument(
         "--meshes",
         default="model=4",
         help="the replicas' meshes, comma-separated",
     )
-    parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="tpupod-bench-multihost-", dir=args.workdir))
-    try:
-        result = measure(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    report(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    run_and_report(parser.parse_args(), "tpupod-bench-multihost-", measure, report)
 
 
 if __name__ == "__main__":
