@@ -168,3 +168,16 @@ def test_a_refused_generator_by_its_short_name() -> None:
     config["benchmarks"] = [{"generator": "PyTorchCheckpointBenchmark"}]
     with pytest.raises(BenchConfigError, match=r"torch\.distributed checkpoints, not JAX"):
         parse_config(config)
+
+
+def test_the_tensorboard_stand_in_answers_probes_as_a_module_does() -> None:
+    """With torch installed, Orbax's harness imports torch.distributed, and torch's import
+    probes modules for dunder names: an ImportError there left torch half imported and
+    'tpupod bench checkpoint' failed with an internal error."""
+    from tpupod.bench.orbax_harness import _Unavailable
+
+    stand_in = _Unavailable("clu.metric_writers")
+    assert getattr(stand_in, "__file__", None) is None
+    assert not hasattr(stand_in, "__path__")
+    with pytest.raises(ImportError, match="TensorBoard output needs clu"):
+        stand_in.create_default_writer  # noqa: B018

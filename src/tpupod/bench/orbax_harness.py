@@ -95,6 +95,8 @@ class _Unavailable(types.ModuleType):
     """Stands in for ``clu.metric_writers`` (TensorBoard output, which needs TensorFlow)."""
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # what tools probe every module for (torch's import does)
+            raise AttributeError(name)
         raise ImportError(
             f"clu.metric_writers.{name}: Orbax's TensorBoard output needs clu and TensorFlow, "
             "which tpupod does not install"
