@@ -129,7 +129,8 @@ def test_the_fast_parser_agrees_with_the_cli(line: str) -> None:
 
     seen: dict[str, ExecArgs] = {}
 
-    def capture(parsed: ExecArgs) -> None:
+    def capture(parsed: ExecArgs, in_image: object = None) -> None:
+        assert in_image is None
         seen["args"] = parsed
 
     original = exec_module.run_exec
