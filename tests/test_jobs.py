@@ -277,7 +277,8 @@ def test_a_runner_killed_mid_job_loses_the_job_to_another_and_its_late_writes_ar
     ran = tmp_path / "ran"
     job = store.submit(command_job(f"echo begin; sleep 0.5; echo $TPUPOD_JOB_ATTEMPT >> {ran}"))
     first = runner(db_url, "--local", "--lease", "1")
-    _wait_for(lambda: store.get(job).status is JobStatus.RUNNING)
+    # a local claim marks the job running as it starts it: its first line says it is at work
+    _wait_for(lambda: store.get(job).status is JobStatus.RUNNING and bool(store.logs(job)))
     held = store.get(job)
     started = [p for p in psutil.Process(first.pid).children(recursive=True) if p.name() == "sleep"]
     first.kill()  # kill -9: no chance to give the job back or stop it

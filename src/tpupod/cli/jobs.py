@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from tpupod.jobs.execute import Executor
     from tpupod.jobs.models import Job, JobRequest
+    from tpupod.jobs.pool import Pool
     from tpupod.jobs.runner import Runner
     from tpupod.jobs.store import Store
 
@@ -293,6 +294,25 @@ def worker(
         str, typer.Option("--worker-python", help="Python on the workers (code jobs).")
     ] = "python3",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No line per job.")] = False,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            "--concurrency",
+            "-c",
+            min=1,
+            help="--local: jobs run at once (default: the CPU count). A pod runner runs one "
+            "gang job at a time.",
+            show_default=False,
+        ),
+    ] = None,
+    pool: Annotated[
+        bool,
+        typer.Option(
+            "--pool/--no-pool",
+            help="--local: run code jobs in warm Python processes (no fork and exec per "
+            "job); --no-pool: a fresh interpreter each.",
+        ),
+    ] = True,
     k8s: Annotated[
         bool,
         typer.Option(
@@ -329,11 +349,22 @@ def worker(
 
     executor: Executor
     target = None
-    store = _store(db)
     if local and k8s:
         raise UsageError("--local and --k8s", hint="a runner runs jobs in one place")
+    if not local and concurrency not in (None, 1):
+        raise UsageError(
+            "--concurrency is for --local runners",
+            hint="a pod runs one gang job at a time: start a runner per pod",
+        )
+    slots = concurrency or (os.cpu_count() or 1) if local else 1
+    job_pool = None
+    store = _store(db)
     if local:
-        executor = LocalExecutor()
+        if pool:
+            from tpupod.jobs.pool import Pool
+
+            job_pool = Pool(slots)
+        executor = LocalExecutor(pool=job_pool)
     elif k8s:
         target = pod
         executor = _k8s_executor(
@@ -353,8 +384,15 @@ def worker(
         target = found.name
         python = sys.executable if found.provider == "local" else worker_python
         executor = PodExecutor(found, worker_python=python)
-    runner = Runner(store, executor, pod=target, lease_s=lease, on_event=None if quiet else notice)
-    asyncio.run(_serve(runner, until_empty, max_jobs))
+    runner = Runner(
+        store,
+        executor,
+        pod=target,
+        lease_s=lease,
+        on_event=None if quiet else notice,
+        concurrency=slots,
+    )
+    asyncio.run(_serve(runner, until_empty, max_jobs, job_pool))
 
 
 def _k8s_executor(
@@ -393,11 +431,19 @@ def _k8s_executor(
     return KubernetesExecutor(cluster, target, on_event=on_event)
 
 
-async def _serve(runner: Runner, until_empty: bool, max_jobs: int | None) -> None:
+async def _serve(
+    runner: Runner, until_empty: bool, max_jobs: int | None, pool: Pool | None
+) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, runner.shutdown.set)
-    await runner.serve(until_empty=until_empty, max_jobs=max_jobs)
+    try:
+        if pool is not None:
+            await pool.start()  # warm before the first job
+        await runner.serve(until_empty=until_empty, max_jobs=max_jobs)
+    finally:
+        if pool is not None:
+            await pool.close()
 
 
 TOKEN_FILE = "jobs-token"

@@ -11,13 +11,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from sqlalchemy import ColumnElement, Connection, and_, func, insert, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    and_,
+    func,
+    insert,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 
 from tpupod.errors import LeaseLost
 from tpupod.jobs.models import LEASED, Claim, Job, JobStatus
 from tpupod.jobs.schema import jobs, log_lines
 from tpupod.jobs.store import Store
+
+Attempt = tuple[int, int]  # (job id, attempt): what every write is fenced by
 
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -52,38 +65,61 @@ def remaining(store: Store, pod: str | None) -> int:
 
 def claim(store: Store, owner: str, *, pod: str | None, lease_s: float) -> Claim | None:
     """Lease the most urgent pending job this runner may take, or None."""
+    taken = claim_many(store, owner, pod=pod, lease_s=lease_s, limit=1)
+    return taken[0] if taken else None
+
+
+def claim_many(
+    store: Store,
+    owner: str,
+    *,
+    pod: str | None,
+    lease_s: float,
+    limit: int,
+    running: bool = False,
+) -> list[Claim]:
+    """Lease up to ``limit`` pending jobs, most urgent first, in one statement and one commit.
+
+    ``running``: the runner starts them the moment it has them (a local runner), so the
+    claim marks them running too and no separate "running" commit follows; a pod runner
+    marks a job running only once every worker started (``started``)."""
     now = time.time()
-    mine = _mine(pod)
     pick = (
         select(jobs.c.id)
-        .where(jobs.c.status == JobStatus.PENDING.value, jobs.c.run_after <= now, mine)
+        .where(jobs.c.status == JobStatus.PENDING.value, jobs.c.run_after <= now, _mine(pod))
         .order_by(jobs.c.priority.desc(), jobs.c.id)
-        .limit(1)
+        .limit(limit)
     )
-    if store.postgres:
+    if store.postgres:  # other runners skip these rows instead of waiting for them
         pick = pick.with_for_update(skip_locked=True)
+    status = JobStatus.RUNNING if running else JobStatus.SCHEDULED
+    values: dict[str, object] = {
+        "status": status.value,
+        "attempt": jobs.c.attempt + 1,
+        "lease_owner": owner,
+        "lease_expires_at": now + lease_s,
+        "scheduled_at": now,
+        "updated_at": now,
+    }
+    if running:
+        values["started_at"] = now
+    take = update(jobs).where(jobs.c.id.in_(pick.scalar_subquery())).values(**values)
     with store.write() as conn:
-        job_id = conn.execute(pick).scalar()
-        if job_id is None:
-            return None
-        row = conn.execute(
-            update(jobs)
-            .where(jobs.c.id == job_id)
-            .values(
-                status=JobStatus.SCHEDULED.value,
-                attempt=jobs.c.attempt + 1,
-                lease_owner=owner,
-                lease_expires_at=now + lease_s,
-                scheduled_at=now,
-                updated_at=now,
+        rows = conn.execute(take.returning(*jobs.c)).all()
+        again = [row.id for row in rows if row.attempt > 1]  # a first attempt has no lines yet
+        last: dict[int, int] = {}
+        if again:
+            found = conn.execute(
+                select(log_lines.c.job_id, func.max(log_lines.c.seq))
+                .where(log_lines.c.job_id.in_(again))
+                .group_by(log_lines.c.job_id)
             )
-            .returning(*jobs.c)
-        ).one()
-        last = conn.execute(
-            select(func.coalesce(func.max(log_lines.c.seq), 0)).where(log_lines.c.job_id == job_id)
-        ).scalar_one()
-    job = Job.from_row(row)
-    return Claim(job=job, attempt=job.attempt, owner=owner, next_seq=int(last) + 1)
+            last = {int(job_id): int(seq) for job_id, seq in found}
+    taken = sorted((Job.from_row(row) for row in rows), key=lambda j: (-j.priority, j.id))
+    return [
+        Claim(job=job, attempt=job.attempt, owner=owner, next_seq=last.get(job.id, 0) + 1)
+        for job in taken
+    ]
 
 
 def _fenced_update(conn: Connection, claim: Claim, **values: object) -> bool:
@@ -101,11 +137,42 @@ def started(store: Store, claim: Claim) -> None:
 
 def heartbeat(store: Store, claim: Claim, lease_s: float) -> bool:
     """Renew the lease; returns whether a cancel was asked for. Raises ``LeaseLost``."""
+    cancel, lost = heartbeat_many(store, [claim], lease_s)
+    if lost:
+        raise _lost(claim)
+    return bool(cancel)
+
+
+def heartbeat_many(
+    store: Store, held: Sequence[Claim], lease_s: float
+) -> tuple[set[Attempt], set[Attempt]]:
+    """Renew every lease in ``held`` in one statement: the (job id, attempt) pairs asked to
+    cancel, and those this runner no longer holds.
+
+    On PostgreSQL the commit does not wait for its WAL flush (``synchronous_commit =
+    off``): a renewal lost in a server crash (at most ~0.6 s of commits) leaves the
+    previous expiry, at least ``lease_s`` minus one beat away, and the next beat renews
+    it again; were the lease to expire anyway, the reaper requeues the job and this
+    runner's next fenced write finds it lost: no attempt is ever recorded twice.
+    Claims and endings always wait for their flush."""
+    if not held:
+        return set(), set()
+    owner = held[0].owner
+    fence = and_(
+        tuple_(jobs.c.id, jobs.c.attempt).in_([(c.job.id, c.attempt) for c in held]),
+        jobs.c.lease_owner == owner,
+        jobs.c.status.in_([s.value for s in LEASED]),
+    )
+    now = time.time()
+    renew = update(jobs).where(fence).values(lease_expires_at=now + lease_s, updated_at=now)
     with store.write() as conn:
-        if not _fenced_update(conn, claim, lease_expires_at=time.time() + lease_s):
-            raise _lost(claim)
-        cancel = conn.execute(select(jobs.c.cancel_requested).where(jobs.c.id == claim.job.id))
-        return bool(cancel.scalar())
+        if store.postgres:
+            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+        returned = renew.returning(jobs.c.id, jobs.c.attempt, jobs.c.cancel_requested)
+        rows = conn.execute(returned).all()
+    renewed = {(int(row.id), int(row.attempt)) for row in rows}
+    cancel = {(int(row.id), int(row.attempt)) for row in rows if row.cancel_requested}
+    return cancel, {(c.job.id, c.attempt) for c in held} - renewed
 
 
 def append_logs(store: Store, claim: Claim, first: int, lines: Sequence[tuple[int, str]]) -> int:
@@ -138,20 +205,42 @@ def finish(
     error: str | None = None,
 ) -> None:
     """End the attempt (completed, failed or cancelled); fenced."""
+    if finish_many(store, [Ending(claim, status, result, error)]):
+        raise _lost(claim)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How one attempt ended, for ``finish_many``."""
+
+    claim: Claim
+    status: JobStatus
+    result: str | None = None
+    error: str | None = None
+
+
+def finish_many(store: Store, endings: Sequence[Ending]) -> set[Attempt]:
+    """End several attempts in one transaction, each row fenced by its own claim.
+
+    Returns the (job id, attempt) pairs this runner no longer held: those rows
+    are left as they are (a newer attempt owns them), the others are written."""
     now = time.time()
+    lost: set[Attempt] = set()
     with store.write() as conn:
-        ended = _fenced_update(
-            conn,
-            claim,
-            status=status.value,
-            result=result,
-            error=error,
-            completed_at=now,
-            lease_owner=None,
-            lease_expires_at=None,
-        )
-        if not ended:
-            raise _lost(claim)
+        for end in endings:
+            ended = _fenced_update(
+                conn,
+                end.claim,
+                status=end.status.value,
+                result=end.result,
+                error=end.error,
+                completed_at=now,
+                lease_owner=None,
+                lease_expires_at=None,
+            )
+            if not ended:
+                lost.add((end.claim.job.id, end.claim.attempt))
+    return lost
 
 
 def retry(store: Store, claim: Claim, reason: str) -> JobStatus:

@@ -13,13 +13,14 @@ import base64
 import json
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from tpupod import settings
 
 MARK = "::tpupod-job::"
 STARTED = f"{MARK} started"
 RESULT = f"{MARK} result "
+END = f"{MARK} end "  # a pool process finished a job: JSON {"error": ...}
 
 
 def render_result(value: Any) -> str | None:
@@ -31,21 +32,33 @@ def render_result(value: Any) -> str | None:
         return repr(value)
 
 
+def job_logger(stream: TextIO) -> logging.Logger:
+    """The ``logger`` a job's source sees: INFO and up, one line each, to ``stream``."""
+    logger = logging.getLogger("job")
+    if not logger.handlers:
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    return logger
+
+
+def run_source(source: str, logger: logging.Logger) -> str | None:
+    """Run a job's source with ``logger`` and ``result``; the final ``result``, rendered."""
+    scope: dict[str, Any] = {"__name__": "__job__", "logger": logger, "result": None}
+    exec(compile(source, "<job>", "exec"), scope)  # the job's own code: that is the point
+    return render_result(scope.get("result"))
+
+
 def main() -> int:
     encoded = settings.job_code()
     if encoded is None:
         print("error: TPUPOD_JOB_CODE is not set (the job runner sets it)", file=sys.stderr)
         return 2
     source = base64.b64decode(encoded).decode()
-    logger = logging.getLogger("job")
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    scope: dict[str, Any] = {"__name__": "__job__", "logger": logger, "result": None}
+    logger = job_logger(sys.stdout)
     print(STARTED, flush=True)
-    exec(compile(source, "<job>", "exec"), scope)  # the job's own code: that is the point
-    result = render_result(scope.get("result"))
+    result = run_source(source, logger)
     if result is not None:
         print(RESULT + json.dumps(result), flush=True)
     return 0

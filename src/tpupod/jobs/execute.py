@@ -28,6 +28,7 @@ from tpupod.transport.lines import read_lines
 
 if TYPE_CHECKING:
     from tpupod.fanout import Interrupt
+    from tpupod.jobs.pool import Pool
     from tpupod.pod import Pod
 
 GRACE_S = 3.0  # TERM, then KILL: JAX ignores TERM
@@ -94,12 +95,18 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """Runs the job on this machine, in a process group of its own."""
+    """Runs the job on this machine: a command line (or, without a pool, a code job) in a
+    process group of its own; a code job in a warm pool process when given a ``pool``."""
 
-    def __init__(self, grace_s: float = GRACE_S) -> None:
+    starts_at_once = True  # the claim marks its jobs running: there is nothing to wait for
+
+    def __init__(self, grace_s: float = GRACE_S, pool: Pool | None = None) -> None:
         self.grace_s = grace_s
+        self.pool = pool
 
     async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
+        if job.code is not None and self.pool is not None:
+            return await self.pool.execute(job, attempt, hooks, stop)
         marks = _Marks(1, hooks)
         # Guarded as `tpupod run` guards its workers: if this runner dies (even by kill -9),
         # the guard sees its stdin close and ends the job's whole process group.
@@ -132,7 +139,7 @@ class LocalExecutor:
         code = proc.returncode
         if code == 0:
             return Outcome(JobStatus.COMPLETED, result=marks.result)
-        return Outcome(JobStatus.FAILED, error=f"{_describe(code)}: {marks.last}")
+        return Outcome(JobStatus.FAILED, error=f"{describe_exit(code)}: {marks.last}")
 
     async def _pump(self, proc: asyncio.subprocess.Process, marks: _Marks) -> None:
         """The transports' line reader: any line length, a partial last line, a closed pipe."""
@@ -151,7 +158,7 @@ class LocalExecutor:
             await proc.wait()
 
 
-def _describe(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit {code}"

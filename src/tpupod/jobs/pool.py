@@ -1,0 +1,163 @@
+"""A local runner's warm pool of Python processes for code jobs (prefork, as celery's).
+
+Each process (``python -m tpupod.jobs.pool_worker``) runs one code job at a time, sent
+over its stdin; a job costs a JSON line and its output, not a fork and exec of bash and
+Python. A job that crashes its process (``os._exit``, a segfault) or outlives its
+timeout or a cancel has its process group stopped (TERM, then KILL after the grace);
+the process is then dropped and a fresh one takes its place, so the pool keeps serving.
+
+What a pool gives up (and ``--no-pool`` keeps): a fresh interpreter per job. Jobs in
+one process share its modules and globals, so a job that changes process-wide state
+(its working directory and its environment variables are put back; a monkeypatched
+module, a JAX backend, a thread it left running are not) affects the next ones there,
+and a child process a job left in the background lives until its pool process ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+from tpupod.jobs.code import END
+from tpupod.jobs.execute import GRACE_S, Hooks, Outcome, _Marks, describe_exit
+from tpupod.jobs.models import Job, JobStatus
+from tpupod.transport.lines import READ_CHUNK, LineSplitter
+
+
+class PoolProcess:
+    """One warm process and the job it is running (if any)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.marks: _Marks | None = None
+        self.ended: asyncio.Future[str | None] | None = None
+        self.alive = True
+        self.pump = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        """Lines to the running job's marks; the end marker or the process's death ends it."""
+        assert self.proc.stdout is not None
+        splitter = LineSplitter()
+        with contextlib.suppress(OSError):
+            while chunk := await self.proc.stdout.read(READ_CHUNK):
+                for text in splitter.feed(chunk):
+                    self._line(text)
+        for text in splitter.finish():
+            self._line(text)
+        code = await self.proc.wait()
+        self.alive = False
+        if self.ended is not None and not self.ended.done():
+            last = self.marks.last if self.marks is not None else "(no output)"
+            self.ended.set_result(f"{describe_exit(code)}: {last}")
+
+    def _line(self, text: str) -> None:
+        if text.startswith(END):
+            if self.ended is not None and not self.ended.done():
+                self.ended.set_result(json.loads(text[len(END) :])["error"])
+        elif self.marks is not None:
+            self.marks.line(0, text)
+
+    async def run(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> str | None:
+        """Send the job; returns None (completed), why it failed, or raises ``_Stopped``."""
+        assert self.proc.stdin is not None and job.code is not None
+        self.marks = _Marks(1, hooks)
+        self.ended = asyncio.get_running_loop().create_future()
+        env = {"TPUPOD_JOB_ID": str(job.id), "TPUPOD_JOB_ATTEMPT": str(attempt)}
+        self.proc.stdin.write(json.dumps({"code": job.code, "env": env}).encode() + b"\n")
+        await self.proc.stdin.drain()
+        stopped = asyncio.ensure_future(stop.wait())
+        waits: set[asyncio.Future[Any]] = {self.ended, stopped}
+        done, _ = await asyncio.wait(
+            waits, timeout=job.timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        stopped.cancel()
+        if self.ended not in done:
+            raise _Stopped(by_request=stop.is_set())
+        return self.ended.result()
+
+    async def kill(self, grace_s: float) -> None:
+        """TERM the process group, KILL it after ``grace_s``; the process is gone after."""
+        self.alive = False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            await self.proc.wait()
+        await self.pump
+
+
+class _Stopped(Exception):
+    def __init__(self, *, by_request: bool) -> None:
+        self.by_request = by_request
+
+
+class Pool:
+    """Up to ``size`` warm processes; ``execute`` is the executor's call for a code job."""
+
+    def __init__(self, size: int, *, python: str = sys.executable, grace_s: float = GRACE_S):
+        self.size, self.python, self.grace_s = size, python, grace_s
+        self.idle: list[PoolProcess] = []
+        self.busy: set[PoolProcess] = set()
+
+    async def start(self) -> None:
+        """Start every process now, so the first jobs find them warm."""
+        missing = self.size - len(self.idle) - len(self.busy)
+        self.idle += await asyncio.gather(*(self._spawn() for _ in range(missing)))
+
+    async def _spawn(self) -> PoolProcess:
+        proc = await asyncio.create_subprocess_exec(
+            self.python,
+            "-m",
+            "tpupod.jobs.pool_worker",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # its own group: a stop ends the job's children too
+        )
+        return PoolProcess(proc)
+
+    async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
+        while self.idle and not self.idle[-1].alive:
+            await self.idle.pop().pump
+        process = self.idle.pop() if self.idle else await self._spawn()
+        self.busy.add(process)
+        try:
+            error = await process.run(job, attempt, hooks, stop)
+        except _Stopped as stopped:
+            await process.kill(self.grace_s)
+            if stopped.by_request:
+                return Outcome(JobStatus.CANCELLED, error="stopped")
+            return Outcome(JobStatus.FAILED, error=f"timed out after {job.timeout:g} s")
+        except (OSError, ConnectionError):  # it died before it read the job
+            await process.kill(self.grace_s)
+            code = process.proc.returncode
+            return Outcome(JobStatus.FAILED, error=f"its pool process ended: {describe_exit(code)}")
+        finally:
+            self.busy.discard(process)
+            if process.alive:
+                self.idle.append(process)
+        if error is None:
+            assert process.marks is not None
+            return Outcome(JobStatus.COMPLETED, result=process.marks.result)
+        return Outcome(JobStatus.FAILED, error=error)
+
+    async def close(self) -> None:
+        """End every process: idle ones exit at EOF, busy ones kill their own group."""
+        every = [*self.idle, *self.busy]
+        self.idle, self.busy = [], set()
+        for process in every:
+            if process.proc.stdin is not None:
+                process.proc.stdin.close()
+        for process in every:
+            try:
+                await asyncio.wait_for(asyncio.shield(process.pump), self.grace_s)
+            except TimeoutError:
+                await process.kill(0)
