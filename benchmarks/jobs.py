@@ -6,17 +6,20 @@
 One PostgreSQL cluster of our own on loopback (fsync on, as a real one), the same
 machine, the same run:
 
-* drain: N no-op jobs queued, then one worker drains them.
+* drain: N no-op jobs queued, then one worker process drains them (its start counted).
   - procrastinate: an async no-op task, one worker process, concurrency 10.
-  - tpupod, queue only: one process claiming, marking running and finishing jobs
-    (every write fenced) with nothing run: the store's own cost per job.
-  - tpupod runner: ``tpupod jobs worker --local --until-empty``, each job ``true``
-    run as a guarded process group (what a job costs end to end); fewer jobs.
-* latency: an idle worker (LISTEN/NOTIFY for both), one job submitted at a time;
-  the time from submit to the job's start (procrastinate: the task's first line;
-  tpupod: the claim, and the job's process running).
+  - tpupod: ``tpupod jobs worker --local --concurrency 10 --until-empty``, N no-op code
+    jobs (``result = None``) in its warm pool, every write fenced.
+  - tpupod, queue only: one process claiming, marking running and finishing jobs one
+    at a time with nothing run (three commits a job).
+  - tpupod, a command job each: ``true`` run as a guarded process group; fewer jobs.
+* latency: an idle worker (LISTEN/NOTIFY for both), one job submitted at a time; the
+  time from submit to the job's code running: each job writes ``time.time()`` minus
+  its submit time to a file, as procrastinate's task does.
 
-SQLite is reported for tpupod too (its runners poll every 100 ms when idle).
+``--rounds R`` interleaves the drains (procrastinate, tpupod PostgreSQL, tpupod SQLite,
+each round) and reports the median round. SQLite is reported for tpupod too (its
+runners poll every 100 ms when idle).
 """
 
 from __future__ import annotations
@@ -89,10 +92,44 @@ def new_database(server: str, name: str) -> str:
     return f"{server}/{name}"
 
 
-def fill(store: Store, count: int) -> None:
-    request = JobRequest(command="true")
-    for _ in range(count):
-        store.submit(request)
+NOOP = "result = None"
+
+
+def fill(store: Store, count: int, request: JobRequest | None = None) -> None:
+    request = request or JobRequest(command="true")
+    for start in range(0, count, 1000):
+        store.submit_many([request] * min(1000, count - start))
+
+
+def tpupod_pool_drain(url: str, count: int, concurrency: int) -> float:
+    store = Store.open(url)
+    fill(store, count, JobRequest(code=NOOP))
+    started = time.perf_counter()
+    argv = [TPUPOD, "jobs", "worker", "--db", url, "--local", "--until-empty", "-q"]
+    subprocess.run([*argv, "--concurrency", str(concurrency)], check=True)
+    rate = count / (time.perf_counter() - started)
+    assert store.counts() == {JobStatus.COMPLETED: count}, store.counts()
+    store.close()
+    return rate
+
+
+def tpupod_start_latency(url: str, samples: int, marks: Path) -> list[float]:
+    """Submit to the job's code running (it writes the delay, as procrastinate's task)."""
+    store = Store.open(url)
+    argv = [TPUPOD, "jobs", "worker", "--db", url, "--local", "--concurrency", "10", "-q"]
+    worker = subprocess.Popen(argv)
+    time.sleep(3.0)  # started, pool warm, idle
+    for i in range(samples):
+        sent = time.time()
+        code = f"import time\nwith open({str(marks)!r}, 'a') as f:\n"
+        code += f"    f.write(f'{{time.time() - {sent!r}}}\\n')\n"
+        store.submit(JobRequest(code=code))
+        while _count(marks) <= i:
+            time.sleep(0.001)
+    worker.terminate()
+    worker.wait(30)
+    store.close()
+    return [float(x) for x in marks.read_text().split()]
 
 
 def tpupod_queue_only(url: str, count: int) -> float:
@@ -108,35 +145,16 @@ def tpupod_queue_only(url: str, count: int) -> float:
     return rate
 
 
-def tpupod_runner(url: str, count: int) -> float:
+def tpupod_runner(url: str, count: int, concurrency: int) -> float:
     store = Store.open(url)
     fill(store, count)
     started = time.perf_counter()
     argv = [TPUPOD, "jobs", "worker", "--db", url, "--local", "--until-empty", "-q"]
-    subprocess.run(argv, check=True)
+    subprocess.run([*argv, "--concurrency", str(concurrency)], check=True)
     rate = count / (time.perf_counter() - started)
     assert store.counts() == {JobStatus.COMPLETED: count}
     store.close()
     return rate
-
-
-def tpupod_latency(url: str, samples: int) -> tuple[list[float], list[float]]:
-    store = Store.open(url)
-    argv = [TPUPOD, "jobs", "worker", "--db", url, "--local", "-q"]
-    worker = subprocess.Popen(argv)
-    time.sleep(2.0)  # started and idle
-    claimed, running = [], []
-    for _ in range(samples):
-        job_id = store.submit(JobRequest(command="true"))
-        while not (job := store.get(job_id)).status.finished:
-            time.sleep(0.001)
-        assert job.scheduled_at is not None and job.started_at is not None
-        claimed.append(job.scheduled_at - job.created_at)
-        running.append(job.started_at - job.created_at)
-    worker.terminate()
-    worker.wait(30)
-    store.close()
-    return claimed, running
 
 
 def procrastinate_drain(url: str, count: int) -> float:
@@ -189,48 +207,68 @@ def ms(values: list[float]) -> str:
     return f"median {statistics.median(values) * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms"
 
 
+def load() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=10000, help="no-op jobs each drain")
     parser.add_argument(
-        "--jobs", type=int, default=10000, help="jobs to drain (queue only, procrastinate)"
-    )
-    parser.add_argument(
-        "--runner-jobs", type=int, default=2000, help="jobs the tpupod runner drains"
+        "--runner-jobs", type=int, default=500, help="jobs the runner drains as commands"
     )
     parser.add_argument("--samples", type=int, default=100, help="latency samples")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved drain rounds")
+    parser.add_argument("--concurrency", type=int, default=10, help="both workers'")
     args = parser.parse_args()
     print(f"machine: {platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(f"start: {load()}")
     rows: list[tuple[str, str, str]] = []
+    drains: dict[str, list[float]] = {"procrastinate": [], "PostgreSQL": [], "SQLite": []}
     with postgres() as server, tempfile.TemporaryDirectory() as tmp:
         sqlite = lambda name: f"sqlite:///{tmp}/{name}.db"  # noqa: E731
-        rows.append(
-            (
-                "procrastinate 3.10, concurrency 10",
-                "PostgreSQL",
-                f"{procrastinate_drain(new_database(server, 'p_drain'), args.jobs):.0f} jobs/s",
+        for r in range(args.rounds):
+            db = new_database(server, f"p_drain{r}")
+            drains["procrastinate"].append(procrastinate_drain(db, args.jobs))
+            db = new_database(server, f"t_drain{r}")
+            drains["PostgreSQL"].append(tpupod_pool_drain(db, args.jobs, args.concurrency))
+            drains["SQLite"].append(
+                tpupod_pool_drain(sqlite(f"drain{r}"), args.jobs, args.concurrency)
             )
-        )
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in drains.items()))
+        anchor = statistics.median(drains["procrastinate"])
+        each = f"{args.jobs:,} no-op jobs, concurrency {args.concurrency}"
+        rows.append((f"procrastinate 3.10, {each}", "PostgreSQL", f"{anchor:.0f} jobs/s"))
+        for db in ("PostgreSQL", "SQLite"):
+            rate = statistics.median(drains[db])
+            rows.append(
+                (
+                    f"tpupod jobs worker --local, {each} (code jobs, warm pool)",
+                    db,
+                    f"{rate:.0f} jobs/s ({rate / anchor:.2f}x)",
+                )
+            )
         for db, url in (
             ("PostgreSQL", new_database(server, "t_queue")),
             ("SQLite", sqlite("queue")),
         ):
-            rows.append(
-                ("tpupod, queue only", db, f"{tpupod_queue_only(url, args.jobs):.0f} jobs/s")
-            )
+            rate = tpupod_queue_only(url, args.jobs)
+            rows.append(("tpupod, queue only, one job at a time", db, f"{rate:.0f} jobs/s"))
         for db, url in (
             ("PostgreSQL", new_database(server, "t_runner")),
             ("SQLite", sqlite("runner")),
         ):
-            rate = tpupod_runner(url, args.runner_jobs)
-            rows.append(("tpupod jobs worker (a process per job)", db, f"{rate:.0f} jobs/s"))
+            rate = tpupod_runner(url, args.runner_jobs, args.concurrency)
+            what = f"tpupod jobs worker --local, {args.runner_jobs} command jobs (`true`)"
+            rows.append((what, db, f"{rate:.0f} jobs/s"))
         latency = procrastinate_latency(
             new_database(server, "p_lat"), args.samples, Path(tmp) / "marks"
         )
-        rows.append(("procrastinate: submit to start", "PostgreSQL", ms(latency)))
+        rows.append(("procrastinate: submit to the task running", "PostgreSQL", ms(latency)))
         for db, url in (("PostgreSQL", new_database(server, "t_lat")), ("SQLite", sqlite("lat"))):
-            claimed, running = tpupod_latency(url, args.samples)
-            rows.append(("tpupod: submit to claim", db, ms(claimed)))
-            rows.append(("tpupod: submit to running", db, ms(running)))
+            started = tpupod_start_latency(url, args.samples, Path(tmp) / f"marks-{db}")
+            rows.append(("tpupod: submit to the job's code running", db, ms(started)))
+    print(f"end: {load()}")
     print("| measured | database | result |\n| --- | --- | --- |")
     for row in rows:
         print(f"| {' | '.join(row)} |")

@@ -9,6 +9,7 @@ rows); SQLite's ``BEGIN IMMEDIATE`` serializes claims on the database lock inste
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,14 +17,21 @@ from dataclasses import dataclass
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Float,
+    Integer,
+    String,
+    Text,
     and_,
+    bindparam,
     func,
     insert,
+    literal_column,
     or_,
     select,
     tuple_,
     update,
 )
+from sqlalchemy.sql.dml import UpdateBase
 
 from tpupod.errors import LeaseLost
 from tpupod.jobs.models import LEASED, Claim, Job, JobStatus
@@ -50,6 +58,50 @@ def _fence(claim: Claim) -> ColumnElement[bool]:
     )
 
 
+def _status_is(*statuses: JobStatus) -> ColumnElement[bool]:
+    """``status = 'x'`` (or ``IN (...)``) with the values written in the SQL, as the partial
+    indexes' conditions are (same order): only then can SQLite (and PostgreSQL's generic
+    plans) use those indexes; with a parameter the claim scanned and sorted the table."""
+    values: list[ColumnElement[str]] = [literal_column(f"'{status.value}'") for status in statuses]
+    return jobs.c.status == values[0] if len(values) == 1 else jobs.c.status.in_(values)
+
+
+# ``_fence`` for several claims of one runner, built once: parameters ``held`` (the
+# (job id, attempt) pairs) and ``owner``
+_FENCE_MANY = and_(
+    tuple_(jobs.c.id, jobs.c.attempt).in_(bindparam("held", expanding=True)),
+    jobs.c.lease_owner == bindparam("owner", type_=String),
+    jobs.c.status.in_([s.value for s in LEASED]),
+)
+_FINISH = (
+    update(jobs)
+    .where(_FENCE_MANY)
+    .values(
+        status=bindparam("new_status", type_=String),
+        result=bindparam("new_result", type_=Text),
+        error=bindparam("new_error", type_=Text),
+        completed_at=bindparam("now", type_=Float),
+        updated_at=bindparam("now", type_=Float),
+        lease_owner=None,
+        lease_expires_at=None,
+    )
+    .returning(jobs.c.id, jobs.c.attempt)
+)
+_RENEW = (
+    update(jobs)
+    .where(_FENCE_MANY)
+    .values(
+        lease_expires_at=bindparam("expires", type_=Float),
+        updated_at=bindparam("now", type_=Float),
+    )
+    .returning(jobs.c.id, jobs.c.attempt, jobs.c.cancel_requested)
+)
+
+
+def _held(owner: str, held: Sequence[Claim]) -> dict[str, object]:
+    return {"owner": owner, "held": [(c.job.id, c.attempt) for c in held]}
+
+
 def _mine(pod: str | None) -> ColumnElement[bool]:
     """The jobs a runner for ``pod`` (None: a local runner) may take."""
     return jobs.c.pod.is_(None) if pod is None else or_(jobs.c.pod.is_(None), jobs.c.pod == pod)
@@ -69,6 +121,37 @@ def claim(store: Store, owner: str, *, pod: str | None, lease_s: float) -> Claim
     return taken[0] if taken else None
 
 
+@functools.cache
+def _claim_statement(postgres: bool, running: bool, for_pod: bool) -> UpdateBase:
+    """The claim, built once (building a statement cost more than running it): values
+    come as parameters ``now``, ``expires``, ``owner``, ``limit`` and ``for_pod``."""
+    now = bindparam("now", type_=Float)
+    mine: ColumnElement[bool] = jobs.c.pod.is_(None)
+    if for_pod:
+        mine = or_(mine, jobs.c.pod == bindparam("for_pod", type_=String))
+    pick = (
+        select(jobs.c.id)
+        .where(_status_is(JobStatus.PENDING), jobs.c.run_after <= now, mine)
+        .order_by(jobs.c.priority.desc(), jobs.c.id)
+        .limit(bindparam("limit", type_=Integer))
+    )
+    if postgres:  # other runners skip these rows instead of waiting for them
+        pick = pick.with_for_update(skip_locked=True)
+    status = JobStatus.RUNNING if running else JobStatus.SCHEDULED
+    values: dict[str, object] = {
+        "status": status.value,
+        "attempt": jobs.c.attempt + 1,
+        "lease_owner": bindparam("owner", type_=String),
+        "lease_expires_at": bindparam("expires", type_=Float),
+        "scheduled_at": now,
+        "updated_at": now,
+    }
+    if running:
+        values["started_at"] = now
+    take = update(jobs).where(jobs.c.id.in_(pick.scalar_subquery())).values(**values)
+    return take.returning(*jobs.c)
+
+
 def claim_many(
     store: Store,
     owner: str,
@@ -84,28 +167,10 @@ def claim_many(
     claim marks them running too and no separate "running" commit follows; a pod runner
     marks a job running only once every worker started (``started``)."""
     now = time.time()
-    pick = (
-        select(jobs.c.id)
-        .where(jobs.c.status == JobStatus.PENDING.value, jobs.c.run_after <= now, _mine(pod))
-        .order_by(jobs.c.priority.desc(), jobs.c.id)
-        .limit(limit)
-    )
-    if store.postgres:  # other runners skip these rows instead of waiting for them
-        pick = pick.with_for_update(skip_locked=True)
-    status = JobStatus.RUNNING if running else JobStatus.SCHEDULED
-    values: dict[str, object] = {
-        "status": status.value,
-        "attempt": jobs.c.attempt + 1,
-        "lease_owner": owner,
-        "lease_expires_at": now + lease_s,
-        "scheduled_at": now,
-        "updated_at": now,
-    }
-    if running:
-        values["started_at"] = now
-    take = update(jobs).where(jobs.c.id.in_(pick.scalar_subquery())).values(**values)
+    take = _claim_statement(store.postgres, running, pod is not None)
+    params = {"now": now, "expires": now + lease_s, "owner": owner, "limit": limit, "for_pod": pod}
     with store.write() as conn:
-        rows = conn.execute(take.returning(*jobs.c)).all()
+        rows = conn.execute(take, params).all()
         again = [row.id for row in rows if row.attempt > 1]  # a first attempt has no lines yet
         last: dict[int, int] = {}
         if again:
@@ -157,19 +222,12 @@ def heartbeat_many(
     Claims and endings always wait for their flush."""
     if not held:
         return set(), set()
-    owner = held[0].owner
-    fence = and_(
-        tuple_(jobs.c.id, jobs.c.attempt).in_([(c.job.id, c.attempt) for c in held]),
-        jobs.c.lease_owner == owner,
-        jobs.c.status.in_([s.value for s in LEASED]),
-    )
     now = time.time()
-    renew = update(jobs).where(fence).values(lease_expires_at=now + lease_s, updated_at=now)
+    params = {**_held(held[0].owner, held), "now": now, "expires": now + lease_s}
     with store.write() as conn:
         if store.postgres:
             conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-        returned = renew.returning(jobs.c.id, jobs.c.attempt, jobs.c.cancel_requested)
-        rows = conn.execute(returned).all()
+        rows = conn.execute(_RENEW, params).all()
     renewed = {(int(row.id), int(row.attempt)) for row in rows}
     cancel = {(int(row.id), int(row.attempt)) for row in rows if row.cancel_requested}
     return cancel, {(c.job.id, c.attempt) for c in held} - renewed
@@ -223,24 +281,20 @@ def finish_many(store: Store, endings: Sequence[Ending]) -> set[Attempt]:
     """End several attempts in one transaction, each row fenced by its own claim.
 
     Returns the (job id, attempt) pairs this runner no longer held: those rows
-    are left as they are (a newer attempt owns them), the others are written."""
+    are left as they are (a newer attempt owns them), the others are written. Endings
+    alike (the same status, result and error: no-op jobs) share one statement."""
     now = time.time()
-    lost: set[Attempt] = set()
+    alike: dict[tuple[str, JobStatus, str | None, str | None], list[Claim]] = {}
+    for end in endings:
+        alike.setdefault((end.claim.owner, end.status, end.result, end.error), []).append(end.claim)
+    written: set[Attempt] = set()
     with store.write() as conn:
-        for end in endings:
-            ended = _fenced_update(
-                conn,
-                end.claim,
-                status=end.status.value,
-                result=end.result,
-                error=end.error,
-                completed_at=now,
-                lease_owner=None,
-                lease_expires_at=None,
-            )
-            if not ended:
-                lost.add((end.claim.job.id, end.claim.attempt))
-    return lost
+        for (owner, status, result, error), held in alike.items():
+            values: dict[str, object] = {"new_status": status.value, "now": now}
+            values |= {"new_result": result, "new_error": error}
+            rows = conn.execute(_FINISH, {**_held(owner, held), **values})
+            written |= {(int(r.id), int(r.attempt)) for r in rows}
+    return {(e.claim.job.id, e.claim.attempt) for e in endings} - written
 
 
 def retry(store: Store, claim: Claim, reason: str) -> JobStatus:
@@ -289,7 +343,7 @@ def reap(store: Store) -> int:
     now = time.time()
     expired = (
         select(jobs.c.id, jobs.c.attempt, jobs.c.max_attempts, jobs.c.lease_owner)
-        .where(jobs.c.status.in_([s.value for s in LEASED]), jobs.c.lease_expires_at < now)
+        .where(_status_is(JobStatus.SCHEDULED, JobStatus.RUNNING), jobs.c.lease_expires_at < now)
         .limit(100)
     )
     if store.postgres:

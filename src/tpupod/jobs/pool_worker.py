@@ -4,7 +4,8 @@ It reads code jobs from its standard input, one JSON line each (``{"code", "env"
 and runs them one at a time with the contract of ``tpupod.jobs.code`` (``logger``,
 ``result``, the job's id and attempt in the environment). Everything the job prints,
 on stdout or stderr, goes to the one pipe the runner reads; after each job it writes
-an end marker (``END`` + ``{"error": null | "..."}``) on a line of its own.
+an end marker (``END`` + ``{"error": null | "..."}``) on a line of its own (no start
+marker: a local claim marks the job running as it hands it over).
 
 The runner keeps our standard input open while it lives. A thread reads it: at EOF
 (the runner is gone, even by ``kill -9``) an idle process exits, and a busy one kills
@@ -24,7 +25,7 @@ import threading
 import traceback
 from typing import Any
 
-from tpupod.jobs.code import END, RESULT, STARTED, job_logger, run_source
+from tpupod.jobs.code import END, RESULT, job_logger, run_source
 
 
 class _Tracked(io.TextIOWrapper):
@@ -68,7 +69,6 @@ def _run(job: dict[str, Any], out: _Tracked) -> str | None:
     os.environ.update(env)
     error = None
     try:
-        out.mark(STARTED)
         result = run_source(job["code"], job_logger(out))
         if result is not None:
             out.mark(RESULT + json.dumps(result))

@@ -141,30 +141,34 @@ class Store:
     # -- the queries people make --------------------------------------------------
 
     def submit(self, request: JobRequest) -> int:
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Sequence[JobRequest]) -> list[int]:
+        """Queue jobs in one transaction (one commit, one notice); their ids, in order."""
         now = time.time()
-        meta = {"submitted_by": f"{getpass.getuser()}@{socket.gethostname()}"}
-        meta.update(request.metadata)
-        values = {
-            "name": request.name,
-            "status": JobStatus.PENDING.value,
-            "code": request.code,
-            "command": request.command,
-            "labels": json.dumps(request.labels, sort_keys=True),
-            "priority": request.priority,
-            "timeout_s": request.timeout,
-            "pod": request.pod,
-            "max_attempts": request.max_attempts,
-            "created_at": now,
-            "updated_at": now,
-            "run_after": 0.0,
-            "metadata": json.dumps(meta, sort_keys=True, default=str),
-        }
+        who = {"submitted_by": f"{getpass.getuser()}@{socket.gethostname()}"}
+        ids = []
         with self.write() as conn:
-            job_id = int(
-                conn.execute(insert(jobs).values(values).returning(jobs.c.id)).scalar_one()
-            )
+            for request in requests:
+                values = {
+                    "name": request.name,
+                    "status": JobStatus.PENDING.value,
+                    "code": request.code,
+                    "command": request.command,
+                    "labels": json.dumps(request.labels, sort_keys=True),
+                    "priority": request.priority,
+                    "timeout_s": request.timeout,
+                    "pod": request.pod,
+                    "max_attempts": request.max_attempts,
+                    "created_at": now,
+                    "updated_at": now,
+                    "run_after": 0.0,
+                    "metadata": json.dumps(who | request.metadata, sort_keys=True, default=str),
+                }
+                added = conn.execute(insert(jobs).values(values).returning(jobs.c.id))
+                ids.append(int(added.scalar_one()))
             self.notify(conn)
-        return job_id
+        return ids
 
     def notify(self, conn: Connection) -> None:
         """Wake idle runners (PostgreSQL; sent when the transaction commits)."""
