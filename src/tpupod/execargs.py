@@ -18,26 +18,13 @@ from typing import TYPE_CHECKING
 from tpupod import settings
 from tpupod.envargs import parse_env
 from tpupod.errors import TpupodError, UsageError
+from tpupod.plainargs import OptionTable, scan
 from tpupod.results import DEFAULT_GRACE_S, OnFail
 from tpupod.selection import select_ids
 
 if TYPE_CHECKING:
     from tpupod.results import FanoutResult
     from tpupod.state import PodBrief, StateDir
-
-VALUED = {
-    "-p": "pod",
-    "--pod": "pod",
-    "-w": "worker",
-    "--worker": "worker",
-    "--on-fail": "on_fail",
-    "-t": "timeout",
-    "--timeout": "timeout",
-    "--grace": "grace",
-    "-e": "env",
-    "--env": "env",
-}
-FLAGS = {"-q": "quiet", "--quiet": "quiet"}
 
 
 @dataclass
@@ -114,18 +101,35 @@ def join_command(argv: list[str]) -> str:
     return argv[0] if len(argv) == 1 else shlex.join(argv)
 
 
+EXEC_OPTIONS = OptionTable(
+    valued={
+        "-p": "pod",
+        "--pod": "pod",
+        "-w": "worker",
+        "--worker": "worker",
+        "--on-fail": "on_fail",
+        "-t": "timeout",
+        "--timeout": "timeout",
+        "--grace": "grace",
+    },
+    repeated={"-e": "env", "--env": "env"},
+    flags={"-q": "quiet", "--quiet": "quiet"},
+)
+
+
 def parse_plain(argv: list[str]) -> ExecArgs | None:
     """``exec``'s arguments when they are plain; None sends them to the full CLI parser."""
-    scanned = _scan(argv)
+    scanned = scan(argv, EXEC_OPTIONS)
     if scanned is None:
         return None
-    values, env, quiet, command = scanned
+    values = scanned.values
+    env = scanned.lists.get("env", [])
     try:
         args = ExecArgs(
-            command=command,
+            command=scanned.rest,
             pod=values.get("pod"),
             worker=values.get("worker"),
-            quiet=quiet,
+            quiet="quiet" in scanned.flags,
             env=env,
         )
         args.on_fail = OnFail(values.get("on_fail", OnFail.WAIT))
@@ -134,43 +138,16 @@ def parse_plain(argv: list[str]) -> ExecArgs | None:
     except ValueError:
         return None
     plain = args.command and args.grace >= 0 and (args.timeout is None or args.timeout >= 0.001)
-    return args if plain and _env_ok(env) else None
+    return args if plain and env_ok(env) else None
 
 
-def _env_ok(items: list[str]) -> bool:
+def env_ok(items: list[str]) -> bool:
+    """Whether ``-e`` values parse (else the full CLI reports them)."""
     try:
         parse_env(items)
     except UsageError:
         return False
     return True
-
-
-def _scan(argv: list[str]) -> tuple[dict[str, str], list[str], bool, list[str]] | None:
-    """Options up to ``--`` or the first argument (as the CLI: no options after the command)."""
-    values: dict[str, str] = {}
-    env: list[str] = []
-    quiet = False
-    i = 0
-    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
-        name, eq, value = argv[i].partition("=") if argv[i].startswith("--") else (argv[i], "", "")
-        if name == "--" and not eq:
-            return values, env, quiet, argv[i + 1 :]
-        if name in FLAGS and not eq:
-            quiet = True
-        elif name in VALUED:
-            if not eq:
-                i += 1
-                if i == len(argv):
-                    return None
-                value = argv[i]
-            if VALUED[name] == "env":
-                env.append(value)
-            else:
-                values[VALUED[name]] = value
-        else:
-            return None  # --help, --debug, a typo: the full parser explains
-        i += 1
-    return values, env, quiet, argv[i:]
 
 
 def fast_exec(argv: list[str]) -> int | None:

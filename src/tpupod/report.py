@@ -5,10 +5,12 @@ from __future__ import annotations
 import shutil
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from tpupod import settings
+from tpupod.errors import TpupodError
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
@@ -144,6 +146,34 @@ def print_error(message: str, hint: str | None, file: TextIO) -> None:
     """How every command reports a TpupodError: an ``error:`` line and a ``hint:`` line."""
     file.write(f"{message}\n" + (f"hint: {hint}\n" if hint else ""))
     file.flush()
+
+
+def report_failure(exc: Exception) -> int:
+    """A command's exception the tpupod way, on stderr; its exit code.
+
+    A TpupodError is its ``error:`` and ``hint:`` lines; anything else is a bug: one
+    ``internal error:`` line. The traceback is shown only with ``--debug``.
+    """
+    if debug_requested():
+        traceback.print_exception(exc)
+    if isinstance(exc, BrokenPipeError):
+        return 141  # as a process killed by SIGPIPE
+    if isinstance(exc, TpupodError):
+        print_error(f"error: {exc.message}", exc.hint, sys.stderr)
+        return exc.exit_code
+    print_error(
+        f"internal error: {type(exc).__name__}: {exc}",
+        "rerun with --debug for the traceback, and please report it",
+        sys.stderr,
+    )
+    return 70
+
+
+def debug_requested() -> bool:
+    """``--debug`` among the options before ``--``, or ``TPUPOD_DEBUG=1``."""
+    argv = sys.argv[1:]
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return "--debug" in options or settings.debug()
 
 
 def notice(text: str) -> None:

@@ -10,15 +10,13 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Annotated, ParamSpec, TypeVar
 
 import typer
 
-from tpupod import __version__, settings
-from tpupod.errors import TpupodError
-from tpupod.report import print_error
+from tpupod import __version__
+from tpupod.report import report_failure
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,12 +51,6 @@ def _root(
     """
 
 
-def _debug_requested() -> bool:
-    argv = sys.argv[1:]
-    options = argv[: argv.index("--")] if "--" in argv else argv
-    return "--debug" in options or settings.debug()
-
-
 def reporting_errors(func: Callable[P, R]) -> Callable[P, R]:
     """Turn a command's TpupodError into 'error:' and 'hint:' lines and its exit code."""
 
@@ -68,25 +60,10 @@ def reporting_errors(func: Callable[P, R]) -> Callable[P, R]:
             return func(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
-        except TpupodError as exc:
-            _print_error(f"error: {exc.message}", exc.hint)
-            raise typer.Exit(exc.exit_code) from exc
-        except BrokenPipeError:
-            raise typer.Exit(141) from None
-        except Exception as exc:  # a bug: one line, the traceback only with --debug
-            _print_error(
-                f"internal error: {type(exc).__name__}: {exc}",
-                "rerun with --debug for the traceback, and please report it",
-            )
-            raise typer.Exit(70) from exc
+        except Exception as exc:  # a bug too: one line, the traceback only with --debug
+            raise typer.Exit(report_failure(exc)) from exc
 
     return wrapper
-
-
-def _print_error(message: str, hint: str | None) -> None:
-    if _debug_requested():
-        traceback.print_exc()
-    print_error(message, hint, sys.stderr)
 
 
 def command(name: str, **settings: object) -> Callable[[Callable[P, R]], Callable[P, R]]:

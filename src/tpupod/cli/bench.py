@@ -11,8 +11,8 @@ import typer
 from tpupod.cli import app, reporting_errors
 from tpupod.cli.exec import QuietOption, TimeoutOption
 from tpupod.cli.options import PodOption
-from tpupod.cli.running import Live, run_live
 from tpupod.errors import BenchError
+from tpupod.live import Live, run_live
 
 if TYPE_CHECKING:
     from tpupod.bench.baseline import Comparison

@@ -14,11 +14,11 @@ from tpupod.cli.image import (
     ImageOption,
     MountOption,
     PrivilegedOption,
-    container_from_options,
 )
 from tpupod.cli.options import EnvOption, PodOption
-from tpupod.cli.running import Live, run_live
 from tpupod.execargs import ExecArgs, finish, plan_exec, run_held
+from tpupod.image.options import container_from_options
+from tpupod.live import Live, run_live
 from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 
 if TYPE_CHECKING:

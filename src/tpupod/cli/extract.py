@@ -177,10 +177,10 @@ def _worker_argv(options: ExtractOptions, python: str) -> list[str]:
 
 def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int:
     """Check the input here first (one clear error, nothing started), then launch everywhere."""
-    from tpupod.cli.running import Live, run_live
     from tpupod.extract.runner import prepare
     from tpupod.launch.run import RunResult
     from tpupod.launch.run import run as launch_run
+    from tpupod.live import Live, run_live
     from tpupod.podprogress import PodProgress
     from tpupod.report import print_summary
     from tpupod.state import StateDir

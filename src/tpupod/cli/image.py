@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from tpupod.cli import app, reporting_errors
 from tpupod.cli.options import PodOption
-
-if TYPE_CHECKING:
-    from tpupod.image.containerize import Container
 
 image_app = typer.Typer(
     name="image",
@@ -59,34 +56,6 @@ PrivilegedOption = Annotated[
         help="With --image: a privileged container (else only /dev/accel* and /dev/vfio/*).",
     ),
 ]
-
-
-def container_from_options(
-    image: str | None,
-    mounts: list[str] | None,
-    engine: str | None,
-    privileged: bool,
-    env_names: list[str],
-) -> Container | None:
-    """The container ``--image`` and its options ask for (None without --image)."""
-    from tpupod.errors import UsageError
-    from tpupod.image.containerize import Container, Mount
-    from tpupod.image.engine import check_engine
-
-    if image is None:
-        if mounts or engine or privileged:
-            raise UsageError(
-                "--mount, --engine and --privileged go with --image",
-                hint="add --image TAG ('tpupod image ls' lists them)",
-            )
-        return None
-    return Container(
-        image=image,
-        engine=check_engine(engine),
-        mounts=tuple(Mount.parse(m) for m in mounts or []),
-        env_names=tuple(env_names),
-        privileged=privileged,
-    )
 
 
 @image_app.command("build")

@@ -13,8 +13,8 @@ from tpupod import settings
 from tpupod.cli import command
 from tpupod.cli.exec import QuietOption, TimeoutOption, WorkerOption
 from tpupod.cli.options import PodOption
-from tpupod.cli.running import Live, run_live
 from tpupod.errors import TpupodError, UsageError
+from tpupod.live import Live, run_live
 from tpupod.ops import defaults
 from tpupod.report import print_summary
 from tpupod.results import FanoutResult

@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from tpupod.choices import RendezvousOn
 from tpupod.cli import command
 from tpupod.cli.exec import GraceOption, QuietOption, TimeoutOption, WorkerOption
-from tpupod.cli.image import (
-    EngineOption,
-    ImageOption,
-    MountOption,
-    PrivilegedOption,
-    container_from_options,
-)
+from tpupod.cli.image import EngineOption, ImageOption, MountOption, PrivilegedOption
 from tpupod.cli.options import EnvOption, PodOption
-from tpupod.cli.running import Live, run_live
-from tpupod.envargs import parse_env
-from tpupod.execargs import join_command
-from tpupod.report import print_summary
 from tpupod.results import DEFAULT_GRACE_S, OnFail
-
-if TYPE_CHECKING:
-    from tpupod.launch.run import RunResult
+from tpupod.runargs import RunArgs, run_command
 
 
 @command("run", context_settings={"allow_interspersed_args": False})
@@ -108,39 +95,26 @@ def run(
 
       tpupod run --image app:1 --mount /data:/data:ro -- python train.py   # in containers
     """
-    from tpupod.launch.run import run as launch_run
-    from tpupod.state import StateDir
-
-    target = StateDir().resolve(pod)
-    workers = target.select(worker)
-    line = join_command(command_args)
-    run_env = parse_env(env)  # every option is checked before any work
-    names = [*run_env, *target.spec.env]
-    container = container_from_options(image, mount, engine, privileged, names)
-
-    def body(live: Live) -> Awaitable[RunResult]:
-        return launch_run(
-            target,
-            line,
-            workers=workers,
-            env=run_env,
-            timeout=timeout,
-            on_fail=on_fail,
-            grace=grace,
-            coordinator_port=coordinator_port,
-            sync_dir=sync,
-            rendezvous_on=rendezvous_on.value,
-            worker_python=worker_python,
-            show_chatter=verbose,
-            on_line=live.on_line,
-            on_notice=live.on_notice,
-            interrupt=live.interrupt,
-            container=container,
-        )
-
-    result = run_live(workers, quiet, body)
-    print_summary(result.fanout, sys.stderr, title=f"run {result.launch.launch_id}")
-    raise typer.Exit(result.fanout.exit_code())
+    args = RunArgs(
+        command=command_args,
+        pod=pod,
+        worker=worker,
+        on_fail=on_fail,
+        timeout=timeout,
+        grace=grace,
+        quiet=quiet,
+        verbose=verbose,
+        env=list(env or []),
+        sync=sync,
+        rendezvous_on=rendezvous_on,
+        worker_python=worker_python,
+        coordinator_port=coordinator_port,
+        image=image,
+        mounts=list(mount or []),
+        engine=engine,
+        privileged=privileged,
+    )
+    raise typer.Exit(run_command(args))
 
 
 @command("logs")
