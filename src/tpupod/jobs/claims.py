@@ -166,20 +166,35 @@ def claim_many(
     ``running``: the runner starts them the moment it has them (a local runner), so the
     claim marks them running too and no separate "running" commit follows; a pod runner
     marks a job running only once every worker started (``started``)."""
-    now = time.time()
-    take = _claim_statement(store.postgres, running, pod is not None)
-    params = {"now": now, "expires": now + lease_s, "owner": owner, "limit": limit, "for_pod": pod}
     with store.write() as conn:
-        rows = conn.execute(take, params).all()
-        again = [row.id for row in rows if row.attempt > 1]  # a first attempt has no lines yet
-        last: dict[int, int] = {}
-        if again:
-            found = conn.execute(
-                select(log_lines.c.job_id, func.max(log_lines.c.seq))
-                .where(log_lines.c.job_id.in_(again))
-                .group_by(log_lines.c.job_id)
-            )
-            last = {int(job_id): int(seq) for job_id, seq in found}
+        return _claim(
+            conn, store.postgres, owner, pod=pod, lease_s=lease_s, limit=limit, running=running
+        )
+
+
+def _claim(
+    conn: Connection,
+    postgres: bool,
+    owner: str,
+    *,
+    pod: str | None,
+    lease_s: float,
+    limit: int,
+    running: bool,
+) -> list[Claim]:
+    now = time.time()
+    take = _claim_statement(postgres, running, pod is not None)
+    params = {"now": now, "expires": now + lease_s, "owner": owner, "limit": limit, "for_pod": pod}
+    rows = conn.execute(take, params).all()
+    again = [row.id for row in rows if row.attempt > 1]  # a first attempt has no lines yet
+    last: dict[int, int] = {}
+    if again:
+        found = conn.execute(
+            select(log_lines.c.job_id, func.max(log_lines.c.seq))
+            .where(log_lines.c.job_id.in_(again))
+            .group_by(log_lines.c.job_id)
+        )
+        last = {int(job_id): int(seq) for job_id, seq in found}
     taken = sorted((Job.from_row(row) for row in rows), key=lambda j: (-j.priority, j.id))
     return [
         Claim(job=job, attempt=job.attempt, owner=owner, next_seq=last.get(job.id, 0) + 1)
@@ -283,17 +298,45 @@ def finish_many(store: Store, endings: Sequence[Ending]) -> set[Attempt]:
     Returns the (job id, attempt) pairs this runner no longer held: those rows
     are left as they are (a newer attempt owns them), the others are written. Endings
     alike (the same status, result and error: no-op jobs) share one statement."""
+    with store.write() as conn:
+        return _finish(conn, endings)
+
+
+def finish_and_claim(
+    store: Store,
+    endings: Sequence[Ending],
+    owner: str,
+    *,
+    pod: str | None,
+    lease_s: float,
+    limit: int,
+    running: bool = False,
+) -> tuple[set[Attempt], list[Claim]]:
+    """``finish_many`` and ``claim_many`` in one transaction: a busy runner ends the jobs it
+    ran and takes the next ones in one commit. Returns (lost attempts, new claims)."""
+    with store.write() as conn:
+        lost = _finish(conn, endings) if endings else set()
+        taken = (
+            _claim(
+                conn, store.postgres, owner, pod=pod, lease_s=lease_s, limit=limit, running=running
+            )
+            if limit
+            else []
+        )
+    return lost, taken
+
+
+def _finish(conn: Connection, endings: Sequence[Ending]) -> set[Attempt]:
     now = time.time()
     alike: dict[tuple[str, JobStatus, str | None, str | None], list[Claim]] = {}
     for end in endings:
         alike.setdefault((end.claim.owner, end.status, end.result, end.error), []).append(end.claim)
     written: set[Attempt] = set()
-    with store.write() as conn:
-        for (owner, status, result, error), held in alike.items():
-            values: dict[str, object] = {"new_status": status.value, "now": now}
-            values |= {"new_result": result, "new_error": error}
-            rows = conn.execute(_FINISH, {**_held(owner, held), **values})
-            written |= {(int(r.id), int(r.attempt)) for r in rows}
+    for (owner, status, result, error), held in alike.items():
+        values: dict[str, object] = {"new_status": status.value, "now": now}
+        values |= {"new_result": result, "new_error": error}
+        rows = conn.execute(_FINISH, {**_held(owner, held), **values})
+        written |= {(int(r.id), int(r.attempt)) for r in rows}
     return {(e.claim.job.id, e.claim.attempt) for e in endings} - written
 
 

@@ -50,6 +50,7 @@ class _Attempt:
     marked_started: bool = False
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     why: str | None = None  # "cancel", "lost", "shutdown"
+    freed: bool = False  # its runner slot is free again
 
     @property
     def key(self) -> claims.Attempt:
@@ -92,84 +93,108 @@ class Runner:
         self.done = 0
         self.held: dict[claims.Attempt, _Attempt] = {}
         self._endings: list[tuple[Ending, asyncio.Future[str]]] = []
-        self._flushing: asyncio.Task[None] | None = None
+        self._active = 0  # attempts claimed and not yet ended
+        self._changed = asyncio.Event()  # an attempt ended: a slot is free, an ending queued
+        self._failures = 0  # store errors in a row
 
     async def serve(self, *, until_empty: bool = False, max_jobs: int | None = None) -> int:
-        """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``)."""
+        """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``).
+
+        Each round is one transaction: the endings queued since the last round and a claim
+        for the free slots (``claims.finish_and_claim``); the busier the runner, the more
+        jobs each commit ends and takes."""
         wakeup = Wakeup(self.store)
         beating = asyncio.create_task(self._beat_forever())
-        running: set[asyncio.Task[None]] = set()
+        tasks: set[asyncio.Task[None]] = set()
         claimed = 0
         reaped_at = 0.0
         try:
             while not self.shutdown.is_set():
+                self._changed.clear()
                 if time.monotonic() - reaped_at > self.lease_s / 3:
                     await self._reap()
                     reaped_at = time.monotonic()
-                free = self.concurrency - len(running)
+                free = self.concurrency - self._active
                 if max_jobs is not None:
                     free = min(free, max_jobs - claimed)
-                got = await self._claim(free) if free > 0 else []
+                got = await self._round(free)
                 for claim in got:
                     task = asyncio.create_task(self.run_one(claim))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
                 claimed += len(got)
-                if got and len(got) == free and len(running) < self.concurrency:
-                    continue  # there may be more, and room for them
-                if not running:
+                self._active += len(got)
+                if not self._active and not self._endings and not got:
                     if max_jobs is not None and claimed >= max_jobs:
                         break
                     if until_empty and not await self._anything_left():
                         break
+                if self._endings or (got and len(got) == free):
+                    continue  # more to write, or there may be more jobs to take
                 # --until-empty: others' last jobs end without a notice, so look again soon
                 timeout = UNTIL_EMPTY_POLL_S if until_empty else self.lease_s / 3
-                full = len(running) >= self.concurrency or (
-                    max_jobs is not None and claimed >= max_jobs
-                )
-                await self._idle(wakeup, timeout, running, listen=not full)
+                await self._idle(wakeup, timeout, listen=free > len(got))
         finally:
+            self.shutdown.set()  # also when an error ends the loop
             for attempt in self.held.values():
                 attempt.stop_for("shutdown")
-            if running:
-                await asyncio.wait(running)
+            if tasks:  # they give their jobs back (or record how they ended)
+                await self._drain(tasks)
             beating.cancel()
             await wakeup.close()
         return self.done
 
-    async def _idle(
-        self,
-        wakeup: Wakeup,
-        timeout: float,
-        running: set[asyncio.Task[None]],
-        *,
-        listen: bool,
-    ) -> None:
-        """Until there may be work or a free slot (or ``timeout`` has passed), or shutdown."""
-        waits: set[asyncio.Future[object]] = {asyncio.ensure_future(self.shutdown.wait())}
-        if listen:
-            waits.add(asyncio.ensure_future(wakeup.wait(timeout)))
-        else:
-            waits.add(asyncio.ensure_future(asyncio.sleep(timeout)))
-        await asyncio.wait(waits | set(running), return_when=asyncio.FIRST_COMPLETED)
+    async def _drain(self, tasks: set[asyncio.Task[None]]) -> None:
+        """Write the endings of the attempts still running, until every one is told."""
+        while tasks:
+            await self._round(0)
+            waiting = asyncio.ensure_future(self._changed.wait())
+            await asyncio.wait({waiting, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            self._changed.clear()
+
+    async def _idle(self, wakeup: Wakeup, timeout: float, *, listen: bool) -> None:
+        """Until an attempt ends, there may be work (``listen``), ``timeout``, or shutdown."""
+        waits = {
+            asyncio.ensure_future(self.shutdown.wait()),
+            asyncio.ensure_future(self._changed.wait()),
+            asyncio.ensure_future(wakeup.wait(timeout) if listen else asyncio.sleep(timeout)),
+        }
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in waits:
             task.cancel()
 
-    async def _claim(self, limit: int) -> list[Claim]:
+    async def _round(self, free: int) -> list[Claim]:
+        """Write the queued endings and claim up to ``free`` jobs, in one transaction."""
+        endings, self._endings = self._endings, []
+        if not endings and free <= 0:
+            return []
         try:
-            return await asyncio.to_thread(
-                claims.claim_many,
+            lost, got = await asyncio.to_thread(
+                claims.finish_and_claim,
                 self.store,
+                [end for end, _ in endings],
                 self.owner,
                 pod=self.pod,
                 lease_s=self.lease_s,
-                limit=limit,
+                limit=max(0, free),
                 running=self.starts_at_once,
             )
         except JobStoreError as exc:
-            self.say(f"runner {self.owner}: {exc.message}; retrying")
-            await asyncio.sleep(1.0)
+            self._failures += 1
+            if endings and (self.shutdown.is_set() and self._failures >= END_TRIES):
+                for _, told in endings:  # the leases expire and the reaper requeues them
+                    told.set_result("not recorded: the job store stayed away")
+            else:
+                self._endings = endings + self._endings
+            self.say(f"runner {self.owner}: {exc.message}; retrying ({self._failures})")
+            await asyncio.sleep(0.5)
             return []
+        self._failures = 0
+        for end, told in endings:
+            lost_it = (end.claim.job.id, end.claim.attempt) in lost
+            told.set_result("lease lost, not recorded" if lost_it else "")
+        return got
 
     async def _reap(self) -> None:
         try:
@@ -232,6 +257,7 @@ class Runner:
             ended = await self._end(attempt, outcome)
         finally:
             del self.held[attempt.key]
+            self._free_slot(attempt)  # if it failed before its end
         self.done += 1
         ending = "retried" if outcome.retry else outcome.status.value
         self.say(
@@ -258,44 +284,31 @@ class Runner:
             self.say(f"job {attempt.claim.job.id}: {exc.message}")
 
     async def _end(self, attempt: _Attempt, outcome: Outcome) -> str | None:
-        """Record how the attempt ended; returns what to say instead of its status, if any."""
+        """Record how the attempt ended (its slot is free from now); returns what to say
+        instead of its status, if anything."""
         claim = attempt.claim
         if attempt.why == "lost":
+            self._free_slot(attempt)
             return "lease lost, not recorded"
         if attempt.why == "cancel":
             ending = Ending(claim, JobStatus.CANCELLED, error="cancelled by request")
         elif attempt.why != "shutdown" and not outcome.retry:
             ending = Ending(claim, outcome.status, result=outcome.result, error=outcome.error)
         else:
-            return await self._give_back(attempt, outcome)
+            try:
+                return await self._give_back(attempt, outcome)
+            finally:
+                self._free_slot(attempt)
         told: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._endings.append((ending, told))
-        if self._flushing is None:
-            self._flushing = asyncio.create_task(self._flush_endings())
+        self._free_slot(attempt)
         return await told or None
 
-    async def _flush_endings(self) -> None:
-        """Write every ending queued so far in one transaction; those that end meanwhile
-        wait for the next one (group commit: the busier the runner, the bigger the batch)."""
-        while self._endings:
-            batch, self._endings = self._endings, []
-            said = "not recorded: the job store stayed away"
-            for tries in range(END_TRIES):
-                try:
-                    lost = await asyncio.to_thread(
-                        claims.finish_many, self.store, [end for end, _ in batch]
-                    )
-                    said = ""
-                    break
-                except JobStoreError as exc:
-                    self.say(f"runner {self.owner}: {exc.message}; retrying ({tries + 1})")
-                    await asyncio.sleep(0.5)
-            for end, told in batch:
-                if not said and (end.claim.job.id, end.claim.attempt) in lost:
-                    told.set_result("lease lost, not recorded")
-                else:
-                    told.set_result(said)
-        self._flushing = None
+    def _free_slot(self, attempt: _Attempt) -> None:
+        if not attempt.freed:
+            attempt.freed = True
+            self._active -= 1
+            self._changed.set()
 
     async def _give_back(self, attempt: _Attempt, outcome: Outcome) -> str | None:
         """A runner stopping releases the job; a broken attempt is retried (one at a time:
