@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -148,3 +150,51 @@ def test_the_fast_parser_agrees_with_the_cli(line: str) -> None:
 )
 def test_unusual_arguments_go_to_the_full_cli(line: str) -> None:
     assert parse_plain(shlex.split(line)) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_comes_back_on_its_port_after_its_connection_drops(
+    make_ssh_pod: Callable[..., Pod], sim: SimPod, cli: Callable[..., CliResult]
+) -> None:
+    from tpupod.holder.client import close_forward, forward_port
+
+    pod = make_ssh_pod(workers=1)
+    assert cli("exec", "-q", "--pod", pod.name, "--", "true").code == 0  # starts the holder
+    port = 18765  # inside host 0's own network namespace: nothing else listens there
+    server = f"{sys.executable} -m http.server {port} --bind 127.0.0.1 --directory /"
+    sim.run_on(0, f"setsid {server} </dev/null >/dev/null 2>&1 &")
+    try:
+        assert _eventually(lambda: _answers(sim, port)), "the test's server did not start"
+        local = forward_port(StateDir(), pod.name, worker=0, host="127.0.0.1", port=port)
+        assert _fetch(local) == 200
+        # Every SSH session to the host ends at once (as when sshd restarts): the holder's
+        # connection, and the forward over it, are gone.
+        sim.run_on(0, "pkill -KILL -f '^sshd: '")
+        assert _eventually(lambda: _fetch(local) == 200), "the forward did not come back"
+        again = forward_port(StateDir(), pod.name, worker=0, host="127.0.0.1", port=port)
+        assert again == local  # the same port, as the exported endpoint promised
+        close_forward(StateDir(), pod.name, worker=0, host="127.0.0.1", port=port)
+    finally:
+        sim.run_on(0, f"pkill -f 'http.server {port}'")
+
+
+def _answers(sim: SimPod, port: int) -> bool:
+    probe = sim.run_on(0, f"bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port}'", timeout=5)
+    return probe.returncode == 0
+
+
+def _fetch(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=3) as answer:
+            return int(answer.status)
+    except OSError:
+        return 0
+
+
+def _eventually(check: Callable[[], bool], within_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return False
