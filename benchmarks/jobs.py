@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -126,6 +127,7 @@ def tpupod_start_latency(url: str, samples: int, marks: Path) -> list[float]:
         store.submit(JobRequest(code=code))
         while _count(marks) <= i:
             time.sleep(0.001)
+        idle_pause(i)
     worker.terminate()
     worker.wait(30)
     store.close()
@@ -193,9 +195,16 @@ def procrastinate_latency(url: str, samples: int, marks: Path) -> list[float]:
             noop.defer(sent=time.time())
             while _count(marks) <= i:
                 time.sleep(0.001)
+            idle_pause(i)
     worker.terminate()
     worker.wait(30)
     return [float(x) for x in marks.read_text().split()]
+
+
+def idle_pause(sample: int) -> None:
+    """20-120 ms between samples (the same for both): the worker is idle again, waiting,
+    when the next job comes, and a poller's phase is not locked to ours."""
+    time.sleep(0.02 + random.Random(sample).random() * 0.1)
 
 
 def _count(marks: Path) -> int:

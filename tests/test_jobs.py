@@ -207,6 +207,54 @@ def test_cancel_ends_a_pending_job_and_asks_a_leased_one_to_stop(store: Store) -
     assert claims.heartbeat(store, taken, 30) is True  # the runner learns it at its heartbeat
 
 
+def _take_over(store: Store, job_id: int) -> Claim:
+    """Another runner gets ``job_id`` (the most urgent pending one then): its lease expires,
+    the reaper requeues it, and "b" claims attempt 2 at once (no backoff)."""
+    from sqlalchemy import update
+
+    from tpupod.jobs.schema import jobs
+
+    with store.write() as conn:
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(lease_expires_at=0.0))
+    assert claims.reap(store) == 1
+    with store.write() as conn:
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(run_after=0.0))
+    taken = claims.claim_many(store, "b", pod=None, lease_s=30, limit=1)
+    assert [c.job.id for c in taken] == [job_id] and taken[0].attempt == 2
+    return taken[0]
+
+
+def test_a_batched_finish_writes_every_held_attempt_and_rejects_only_the_lost_one(
+    store: Store,
+) -> None:
+    ids = [store.submit(command_job("true", priority=p)) for p in (0, 2, 1, 0)]
+    held = claims.claim_many(store, "a", pod=None, lease_s=30, limit=3, running=True)
+    assert [c.job.id for c in held] == [ids[1], ids[2], ids[0]]  # most urgent first
+    assert {store.get(c.job.id).status for c in held} == {JobStatus.RUNNING}  # one commit
+    assert store.get(ids[1]).started_at is not None
+    newer = _take_over(store, ids[2])
+    cancel, lost = claims.heartbeat_many(store, held, 30)
+    assert (cancel, lost) == (set(), {(ids[2], 1)})
+    endings = [
+        claims.Ending(held[0], JobStatus.COMPLETED, result="42"),
+        claims.Ending(held[1], JobStatus.COMPLETED, result="stale"),
+        claims.Ending(held[2], JobStatus.FAILED, error="exit 1: no"),
+    ]
+    lost_now, more = claims.finish_and_claim(store, endings, "a", pod=None, lease_s=30, limit=5)
+    assert lost_now == {(ids[2], 1)}  # that job only
+    assert [c.job.id for c in more] == [ids[3]]  # and the next job, in the same commit
+    assert (store.get(ids[1]).status, store.get(ids[1]).result) == (JobStatus.COMPLETED, "42")
+    assert (store.get(ids[0]).status, store.get(ids[0]).error) == (JobStatus.FAILED, "exit 1: no")
+    taken_over = store.get(ids[2])  # the newer attempt is untouched
+    assert (taken_over.status, taken_over.attempt, taken_over.lease_owner) == (
+        JobStatus.SCHEDULED,
+        2,
+        "b",
+    )
+    claims.finish(store, newer, JobStatus.COMPLETED, result="fresh")
+    assert store.get(ids[2]).result == "fresh"
+
+
 def test_seed_003_documents_are_accepted_as_they_are() -> None:
     doc = {
         "challenge_number": 42,
@@ -262,6 +310,43 @@ def test_1000_jobs_through_3_runner_processes_each_run_exactly_once(
         owners = conn.execute(select(func.count(func.distinct(jobs.c.lease_owner)))).scalar()
         attempts = conn.execute(select(func.max(jobs.c.attempt))).scalar()
     assert owners == 0 and attempts == 1  # leases released, no retries
+
+
+@pytest.mark.timeout(120)
+def test_runners_with_concurrency_run_each_job_once_with_batched_claims(
+    store: Store, db_url: str, tmp_path: Path
+) -> None:
+    """3 runners of 4 slots each: code jobs in their pools, command jobs as processes."""
+    ran = tmp_path / "ran"
+    code = f"import os\nwith open({str(ran)!r}, 'a') as f:\n"
+    code += "    f.write(os.environ['TPUPOD_JOB_ID'] + '\\n')\n"
+    requests = [
+        JobRequest(code=code) if i % 5 else command_job(f"echo $TPUPOD_JOB_ID >> {ran}")
+        for i in range(300)
+    ]
+    ids = store.submit_many(requests)
+    runners = [runner(db_url, "--local", "--until-empty", "-q", "-c", "4") for _ in range(3)]
+    for proc in runners:
+        _, err = proc.communicate(timeout=100)
+        assert proc.returncode == 0, err
+    assert sorted(int(x) for x in ran.read_text().split()) == ids  # every job ran, none twice
+    assert store.counts() == {JobStatus.COMPLETED: 300}
+    with store.read() as conn:
+        from sqlalchemy import func, select
+
+        from tpupod.jobs.schema import jobs
+
+        attempts = conn.execute(select(func.max(jobs.c.attempt))).scalar()
+        claimed_together = conn.execute(
+            select(func.count()).select_from(
+                select(jobs.c.scheduled_at)
+                .group_by(jobs.c.scheduled_at)
+                .having(func.count() > 1)
+                .subquery()
+            )
+        ).scalar()
+    assert attempts == 1
+    assert claimed_together, "no claim took more than one job"
 
 
 def _wait_for(check: Callable[[], bool], timeout: float = 20.0) -> None:
