@@ -24,6 +24,19 @@ class OptionTable:
     repeated: dict[str, str] = field(default_factory=dict)
     flags: dict[str, str] = field(default_factory=dict)
 
+    def extended(
+        self,
+        valued: dict[str, str],
+        repeated: dict[str, str] | None = None,
+        flags: dict[str, str] | None = None,
+    ) -> OptionTable:
+        """This table and more options (``run`` takes ``exec``'s and its own)."""
+        return OptionTable(
+            {**self.valued, **valued},
+            {**self.repeated, **(repeated or {})},
+            {**self.flags, **(flags or {})},
+        )
+
 
 @dataclass
 class Scanned:

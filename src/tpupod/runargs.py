@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tpupod.choices import RendezvousOn
-from tpupod.execargs import env_ok
-from tpupod.plainargs import OptionTable, scan
+from tpupod.execargs import EXEC_OPTIONS, env_ok
+from tpupod.plainargs import scan
 from tpupod.results import DEFAULT_GRACE_S, OnFail
 
 if TYPE_CHECKING:
@@ -87,16 +87,9 @@ def run_command(args: RunArgs) -> int:
     return result.fanout.exit_code()
 
 
-RUN_OPTIONS = OptionTable(
+# exec's options (pod, workers, on-fail, timeout, grace, env, quiet) and run's own.
+RUN_OPTIONS = EXEC_OPTIONS.extended(
     valued={
-        "-p": "pod",
-        "--pod": "pod",
-        "-w": "worker",
-        "--worker": "worker",
-        "--on-fail": "on_fail",
-        "-t": "timeout",
-        "--timeout": "timeout",
-        "--grace": "grace",
         "--sync": "sync",
         "--rendezvous-on": "rendezvous_on",
         "--worker-python": "worker_python",
@@ -104,14 +97,8 @@ RUN_OPTIONS = OptionTable(
         "--image": "image",
         "--engine": "engine",
     },
-    repeated={"-e": "env", "--env": "env", "--mount": "mounts"},
-    flags={
-        "-q": "quiet",
-        "--quiet": "quiet",
-        "-v": "verbose",
-        "--verbose": "verbose",
-        "--privileged": "privileged",
-    },
+    repeated={"--mount": "mounts"},
+    flags={"-v": "verbose", "--verbose": "verbose", "--privileged": "privileged"},
 )
 
 
