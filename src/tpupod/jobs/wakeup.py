@@ -1,16 +1,21 @@
 """How an idle runner waits for work: PostgreSQL's LISTEN/NOTIFY (woken by a submit, a
-requeue or a released job, no busy polling), or a short sleep on SQLite (one machine,
-no server to tell us)."""
+requeue or a released job, no busy polling); on SQLite (one machine, no server to tell
+us) it watches the database's write-ahead log: any commit changes the file's size or
+time, which a ``stat`` every few milliseconds sees at almost no cost, and only then does
+the runner query. It claims at least every ``SQLITE_POLL_S`` anyway (a change the stat
+cannot see: the log rewritten in place after a checkpoint within one clock tick)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from typing import Any
 
 from tpupod.jobs.store import NOTIFY_CHANNEL, Store
 
 SQLITE_POLL_S = 0.1
+SQLITE_WATCH_S = 0.004
 
 
 class Wakeup:
@@ -21,13 +26,27 @@ class Wakeup:
     async def wait(self, timeout: float) -> None:
         """Return at the next notification, or after ``timeout`` seconds (cancellable)."""
         if not self.store.postgres:
-            await asyncio.sleep(min(timeout, SQLITE_POLL_S))
+            await self._watch(min(timeout, SQLITE_POLL_S))
             return
         try:
             await self._listen(timeout)
         except Exception:  # psycopg.Error: the server went away; the next claim says so
             await self.close()
             await asyncio.sleep(min(timeout, 0.5))
+
+    async def _watch(self, timeout: float) -> None:
+        database = self.store.engine.url.database
+        if not database or database == ":memory:":
+            await asyncio.sleep(timeout)
+            return
+        wal = f"{database}-wal"
+        seen = _state(wal)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            await asyncio.sleep(SQLITE_WATCH_S)
+            if _state(wal) != seen:
+                return
 
     async def _listen(self, timeout: float) -> None:
         import psycopg
@@ -46,3 +65,11 @@ class Wakeup:
             with contextlib.suppress(Exception):
                 await self.conn.close()
             self.conn = None
+
+
+def _state(path: str) -> tuple[int, int, int] | None:
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return (found.st_ino, found.st_size, found.st_mtime_ns)
