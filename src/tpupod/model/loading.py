@@ -64,7 +64,7 @@ _L = r"model\.layers\.(\d+)\."
 _WEIGHTS: list[tuple[str, str, Transform]] = [
     (r"model\.embed_tokens\.weight", "embedding", _same),
     (r"model\.norm\.weight", "final_norm.scale", _same),
-    (r"lm_head\.weight", "lm_head", _transpose),
+    (r"lm_head\.weight", "lm_head", _same),  # [V, D], as the embedding
     (_L + r"input_layernorm\.weight", r"layers.\1.input_norm.scale", _same),
     (_L + r"post_attention_layernorm\.weight", r"layers.\1.post_attn_norm.scale", _same),
     (_L + r"self_attn\.([qkv])_proj\.weight", r"layers.\1.attn.\2_kernel", _heads_in),

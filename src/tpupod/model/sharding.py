@@ -22,7 +22,7 @@ DATA, MODEL = "data", "model"
 # parameter path (dots) -> which dimension the model axis splits, or None
 _MODEL_DIM: list[tuple[str, int | None]] = [
     (r"embedding", 0),  # [V, D]: vocabulary
-    (r"lm_head", 1),  # [D, V]
+    (r"lm_head", 0),  # [V, D]
     (r"layers\.\d+\.attn\.[qkv]_kernel", 1),  # [D, N|K, H]: heads
     (r"layers\.\d+\.attn\.[qkv]_bias", 0),  # [N|K, H]
     (r"layers\.\d+\.attn\.o_kernel", 0),  # [N, H, D]
