@@ -40,7 +40,7 @@ from tests.conftest import (
     wait_until_gone,
 )
 from tpupod.serve.backends import Backend, ServerSpec, device_slices, plan, render
-from tpupod.serve.router import check_body
+from tpupod.serve.router import StreamTally, check_body
 
 STUB = Path(__file__).parent / "serve_stub.py"
 STUB_COMMAND = f"{{python}} {STUB} --host {{host}} --port {{port}} --tokens 400 --token-delay 0.01"
@@ -110,6 +110,23 @@ def test_command_templates_quote_values_and_reject_unknown_fields() -> None:
 def test_malformed_bodies_are_named(body: bytes, chat: bool, problem: str | None) -> None:
     found = check_body(body, chat)
     assert (found is None) if problem is None else (found is not None and problem in found)
+
+
+def test_a_stream_is_counted_by_its_events_or_its_usage() -> None:
+    events = [
+        b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n',
+        *(b'data: {"choices": [{"delta": {"content": "t%d"}}]}\n\n' % i for i in range(5)),
+        b'data: {"choices": [{"text": "x"}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    whole = b"".join(events)
+    tally = StreamTally()
+    for i in range(0, len(whole), 7):  # cut anywhere, as the network does
+        tally.feed(whole[i : i + 7])
+    assert tally.tokens == 6  # the empty first delta is no token
+    with_usage = StreamTally()
+    with_usage.feed(whole.replace(b"data: [DONE]", b'data: {"usage": {"completion_tokens": 9}}'))
+    assert with_usage.tokens == 9
 
 
 def test_policies_choose_among_available_backends() -> None:
@@ -265,11 +282,20 @@ def test_the_openai_client_talks_to_the_router(fleet: Fleet) -> None:
         assert text.endswith(" t1 t2") and answer.usage is not None
         seen.add(text.split()[0])
     assert len(seen) == 4  # least outstanding with rotation spreads requests over every server
+    before = sum(b["completion_tokens"] for b in backends(fleet)["health"].values())
     stream = client.chat.completions.create(
         model="stub-model", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
     )
     pieces = [c.choices[0].delta.content for c in stream]
     assert "".join(p or "" for p in pieces).endswith(" t1 t2 t3 t4") and len(pieces) == 5
+
+    def counted() -> int:  # the router ends its books on the stream just after [DONE]
+        return sum(b["completion_tokens"] for b in backends(fleet)["health"].values()) - before
+
+    deadline = time.monotonic() + 5
+    while counted() < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counted() == 5  # a streamed answer counts in serve status' tokens/s too
     completion = client.completions.create(model="stub-model", prompt="x", max_tokens=2)
     assert completion.choices[0].text.endswith(" t1")
 

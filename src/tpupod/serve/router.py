@@ -48,6 +48,8 @@ HOP_HEADERS = frozenset(
     ("host", "content-length", "transfer-encoding", "connection", "keep-alive", "authorization")
 )
 USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# A streamed chunk that carries generated text: chat's delta content or a completion's text.
+PIECE_RE = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
 
 
 class Policy(enum.StrEnum):
@@ -241,9 +243,11 @@ class Router:
         await out.prepare(request)
         done = False
         ok, error = True, None
+        tally = StreamTally()
         try:
             async for chunk in upstream.content.iter_any():
                 done = done or b"data: [DONE]" in chunk
+                tally.feed(chunk)
                 await out.write(chunk)
         except (aiohttp.ClientError, TimeoutError) as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
@@ -254,7 +258,7 @@ class Router:
             ok = False
             error = error or "the stream ended before [DONE]"
             await _write_quietly(out, sse_error(f"backend {backend.address} failed: {error}"))
-        self.registry.end(backend, ok=ok, error=error)
+        self.registry.end(backend, ok=ok, error=error, tokens=tally.tokens)
         self.metrics.requests.labels(backend.address, "200" if ok else "stream_error").inc()
         await out.write_eof()
         return out
@@ -310,6 +314,31 @@ def check_body(body: bytes, chat: bool) -> str | None:
     if "stream" in data and not isinstance(data["stream"], bool):
         return "'stream' must be true or false"
     return None
+
+
+class StreamTally:
+    """The tokens a streamed answer carried, for ``serve status``' tokens/s: the usage of
+    its last event when the server sends one (``stream_options.include_usage``), else one
+    per event with text (servers stream a token an event, or close to it)."""
+
+    def __init__(self) -> None:
+        self.pieces = 0
+        self.usage: int | None = None
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> None:
+        events = (self._partial + chunk).split(b"\n\n")
+        self._partial = events.pop()  # what follows the last blank line is not whole yet
+        for event in events:
+            match = USAGE_RE.search(event)
+            if match:
+                self.usage = int(match.group(1))
+            elif PIECE_RE.search(event):
+                self.pieces += 1
+
+    @property
+    def tokens(self) -> int:
+        return self.usage if self.usage is not None else self.pieces
 
 
 def _tokens(data: bytes) -> int:
