@@ -40,13 +40,9 @@ def _same(w: np.ndarray, cfg: QwenConfig) -> np.ndarray:
     return w
 
 
-def _transpose(w: np.ndarray, cfg: QwenConfig) -> np.ndarray:
-    return w.T
-
-
 def _heads_in(w: np.ndarray, cfg: QwenConfig) -> np.ndarray:
-    """[N*H, D] projection to [D, N, H]."""
-    return w.T.reshape(w.shape[1], -1, cfg.head_dim)
+    """[N*H, D] projection to [N, H, D] (a view: kernels keep the [out, in] layout)."""
+    return w.reshape(-1, cfg.head_dim, w.shape[1])
 
 
 def _heads_bias(w: np.ndarray, cfg: QwenConfig) -> np.ndarray:
@@ -55,8 +51,8 @@ def _heads_bias(w: np.ndarray, cfg: QwenConfig) -> np.ndarray:
 
 
 def _heads_out(w: np.ndarray, cfg: QwenConfig) -> np.ndarray:
-    """[D, N*H] output projection to [N, H, D]."""
-    return w.T.reshape(-1, cfg.head_dim, w.shape[0])
+    """[D, N*H] output projection to [D, N, H]."""
+    return w.reshape(w.shape[0], -1, cfg.head_dim)
 
 
 _L = r"model\.layers\.(\d+)\."
@@ -72,7 +68,7 @@ _WEIGHTS: list[tuple[str, str, Transform]] = [
     (_L + r"self_attn\.o_proj\.weight", r"layers.\1.attn.o_kernel", _heads_out),
     (_L + r"self_attn\.o_proj\.bias", r"layers.\1.attn.o_bias", _same),
     (_L + r"self_attn\.([qk])_norm\.weight", r"layers.\1.attn.\2_norm.scale", _same),
-    (_L + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_kernel", _transpose),
+    (_L + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_kernel", _same),
 ]
 
 
@@ -239,12 +235,10 @@ def read_weights(
 
 def _hf_shape(shape: tuple[int, ...], transform: Transform) -> tuple[int, ...]:
     """The shape a Hugging Face tensor has when ``transform`` makes ``shape`` of it."""
-    if transform is _transpose:
-        return shape[::-1]
-    if transform is _heads_in:  # [D, N, H] from [N*H, D]
-        return (shape[1] * shape[2], shape[0])
-    if transform is _heads_out:  # [N, H, D] from [D, N*H]
-        return (shape[2], shape[0] * shape[1])
+    if transform is _heads_in:  # [N, H, D] from [N*H, D]
+        return (shape[0] * shape[1], shape[2])
+    if transform is _heads_out:  # [D, N, H] from [D, N*H]
+        return (shape[0], shape[1] * shape[2])
     if transform is _heads_bias:  # [N, H] from [N*H]
         return (shape[0] * shape[1],)
     return shape

@@ -23,11 +23,11 @@ DATA, MODEL = "data", "model"
 _MODEL_DIM: list[tuple[str, int | None]] = [
     (r"embedding", 0),  # [V, D]: vocabulary
     (r"lm_head", 0),  # [V, D]
-    (r"layers\.\d+\.attn\.[qkv]_kernel", 1),  # [D, N|K, H]: heads
+    (r"layers\.\d+\.attn\.[qkv]_kernel", 0),  # [N|K, H, D]: heads
     (r"layers\.\d+\.attn\.[qkv]_bias", 0),  # [N|K, H]
-    (r"layers\.\d+\.attn\.o_kernel", 0),  # [N, H, D]
-    (r"layers\.\d+\.mlp\.(gate|up)_kernel", 1),  # [D, F]
-    (r"layers\.\d+\.mlp\.down_kernel", 0),  # [F, D]
+    (r"layers\.\d+\.attn\.o_kernel", 1),  # [D, N, H]
+    (r"layers\.\d+\.mlp\.(gate|up)_kernel", 0),  # [F, D]
+    (r"layers\.\d+\.mlp\.down_kernel", 1),  # [D, F]
 ]
 
 

@@ -45,6 +45,7 @@ from tpupod.model.modeling import (
     Qwen,
     _attend_block,
     _rotate,
+    dense,
     run_layers,
 )
 
@@ -154,9 +155,9 @@ def _attention_step(
     mask: Array,  # [B, 1, L]
 ) -> tuple[Array, KVCache]:
     """``modeling.Attention`` for one new token per row, each written at its own position."""
-    q = jnp.einsum("btd,dnh->btnh", x, attn.q_kernel[...])
-    k = jnp.einsum("btd,dkh->btkh", x, attn.k_kernel[...])
-    v = jnp.einsum("btd,dkh->btkh", x, attn.v_kernel[...])
+    q = dense(x, attn.q_kernel[...])  # [B, 1, N, H]
+    k = dense(x, attn.k_kernel[...])
+    v = dense(x, attn.v_kernel[...])
     if attn.q_bias is not None and attn.k_bias is not None and attn.v_bias is not None:
         q, k, v = q + attn.q_bias[...], k + attn.k_bias[...], v + attn.v_bias[...]
     if attn.q_norm is not None and attn.k_norm is not None:
@@ -169,7 +170,7 @@ def _attention_step(
     out = jnp.transpose(grouped, (0, 3, 1, 2, 4))
     b, t, n, h = q.shape
     o_kernel = attn.o_kernel[...]
-    y = out.reshape(b, t, n * h) @ o_kernel.reshape(n * h, o_kernel.shape[-1])
+    y = dense(out.reshape(b, t, n * h), o_kernel.reshape(o_kernel.shape[0], n * h))
     if attn.o_bias is not None:
         y = y + attn.o_bias[...]
     return y, (cache_k, cache_v)
