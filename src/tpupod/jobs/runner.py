@@ -30,7 +30,6 @@ from tpupod.jobs.wakeup import Wakeup
 DEFAULT_LEASE_S = 15.0
 FLUSH_S = 0.2
 HEARTBEAT_MAX_S = 1.0
-ENDINGS = {"cancel": "cancelled", "lost": "lease lost", "shutdown": "given back"}
 UNTIL_EMPTY_POLL_S = 0.2
 END_TRIES = 30  # the database may be restarting: the lease covers a while
 
@@ -249,7 +248,7 @@ class Runner:
         try:
             while not running.done():
                 await asyncio.wait({running}, timeout=FLUSH_S)
-                if self.shutdown.is_set():
+                if self.shutdown.is_set() and not running.done():
                     attempt.stop_for("shutdown")
                 await self._write_progress(attempt)
             outcome = _outcome_of(running)
@@ -259,11 +258,8 @@ class Runner:
             del self.held[attempt.key]
             self._free_slot(attempt)  # if it failed before its end
         self.done += 1
-        ending = "retried" if outcome.retry else outcome.status.value
         self.say(
-            f"job {job.id} attempt {claim.attempt}: "
-            f"{ENDINGS.get(attempt.why or '', ended or ending)} "
-            f"in {time.monotonic() - began:.2f}s"
+            f"job {job.id} attempt {claim.attempt}: {ended} in {time.monotonic() - began:.2f}s"
         )
 
     async def _write_progress(self, attempt: _Attempt) -> None:
@@ -283,26 +279,28 @@ class Runner:
         except JobStoreError as exc:  # the database is away: keep running, retry later
             self.say(f"job {attempt.claim.job.id}: {exc.message}")
 
-    async def _end(self, attempt: _Attempt, outcome: Outcome) -> str | None:
-        """Record how the attempt ended (its slot is free from now); returns what to say
-        instead of its status, if anything."""
+    async def _end(self, attempt: _Attempt, outcome: Outcome) -> str:
+        """Record how the attempt ended (its slot is free from now); returns what to say."""
         claim = attempt.claim
         if attempt.why == "lost":
             self._free_slot(attempt)
             return "lease lost, not recorded"
+        # a job that ran to its end as its runner was stopping is recorded, not run again
+        given_back = attempt.why == "shutdown" and outcome.status is JobStatus.CANCELLED
         if attempt.why == "cancel":
             ending = Ending(claim, JobStatus.CANCELLED, error="cancelled by request")
-        elif attempt.why != "shutdown" and not outcome.retry:
+        elif not given_back and not outcome.retry:
             ending = Ending(claim, outcome.status, result=outcome.result, error=outcome.error)
         else:
             try:
-                return await self._give_back(attempt, outcome)
+                said = await self._give_back(attempt, outcome)
             finally:
                 self._free_slot(attempt)
+            return said or ("given back" if given_back else "retried")
         told: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._endings.append((ending, told))
         self._free_slot(attempt)
-        return await told or None
+        return await told or ending.status.value
 
     def _free_slot(self, attempt: _Attempt) -> None:
         if not attempt.freed:
