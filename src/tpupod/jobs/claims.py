@@ -71,7 +71,7 @@ def _status_is(*statuses: JobStatus) -> ColumnElement[bool]:
 _FENCE_MANY = and_(
     tuple_(jobs.c.id, jobs.c.attempt).in_(bindparam("held", expanding=True)),
     jobs.c.lease_owner == bindparam("owner", type_=String),
-    jobs.c.status.in_([s.value for s in LEASED]),
+    _status_is(JobStatus.SCHEDULED, JobStatus.RUNNING),  # leased: the partial index's rows
 )
 _FINISH = (
     update(jobs)
