@@ -147,26 +147,28 @@ class Store:
         """Queue jobs in one transaction (one commit, one notice); their ids, in order."""
         now = time.time()
         who = {"submitted_by": f"{getpass.getuser()}@{socket.gethostname()}"}
-        ids = []
+        rows = [
+            {
+                "name": request.name,
+                "status": JobStatus.PENDING.value,
+                "code": request.code,
+                "command": request.command,
+                "labels": json.dumps(request.labels, sort_keys=True),
+                "priority": request.priority,
+                "timeout_s": request.timeout,
+                "pod": request.pod,
+                "max_attempts": request.max_attempts,
+                "created_at": now,
+                "updated_at": now,
+                "run_after": 0.0,
+                "metadata": json.dumps(who | request.metadata, sort_keys=True, default=str),
+            }
+            for request in requests
+        ]
+        # one statement for them all (SQLAlchemy's "insert many values"), ids in order
+        add = insert(jobs).returning(jobs.c.id, sort_by_parameter_order=True)
         with self.write() as conn:
-            for request in requests:
-                values = {
-                    "name": request.name,
-                    "status": JobStatus.PENDING.value,
-                    "code": request.code,
-                    "command": request.command,
-                    "labels": json.dumps(request.labels, sort_keys=True),
-                    "priority": request.priority,
-                    "timeout_s": request.timeout,
-                    "pod": request.pod,
-                    "max_attempts": request.max_attempts,
-                    "created_at": now,
-                    "updated_at": now,
-                    "run_after": 0.0,
-                    "metadata": json.dumps(who | request.metadata, sort_keys=True, default=str),
-                }
-                added = conn.execute(insert(jobs).values(values).returning(jobs.c.id))
-                ids.append(int(added.scalar_one()))
+            ids = [int(row.id) for row in conn.execute(add, rows)]
             self.notify(conn)
         return ids
 
