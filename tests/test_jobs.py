@@ -465,6 +465,8 @@ def test_submit_wait_and_logs_follow_with_a_runner_at_work(
         (["ls", "--db", "foo://x"], "error: cannot use the job store URL 'foo://x': "),
         (["ls", "--status", "nope"], "error: --status 'nope'"),
         (["show", "nope"], None),  # typer's own usage error: exit 2 too
+        (["worker", "--pod", "p", "-c", "2"], "error: --concurrency is for --local runners"),
+        (["worker", "--local", "-c", "0"], None),  # typer's range check
     ],
 )
 def test_bad_arguments_exit_2_without_a_traceback(

@@ -356,7 +356,7 @@ def worker(
             "--concurrency is for --local runners",
             hint="a pod runs one gang job at a time: start a runner per pod",
         )
-    slots = concurrency or (os.cpu_count() or 1) if local else 1
+    slots = (concurrency or os.cpu_count() or 1) if local else 1
     job_pool = None
     store = _store(db)
     if local:
