@@ -81,7 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--prefill-tokens",
         type=int,
         default=None,
-        help="tokens of newcomers' prompts prefilled together (default and least: --max-length)",
+        help="tokens of newcomers' prompts prefilled together (default: 512; least: --max-length)",
     )
     parser.add_argument(
         "--decode-steps",

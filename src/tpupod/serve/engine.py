@@ -45,6 +45,12 @@ from tpupod.model.qwen import MIN_LENGTH_BUCKET
 from tpupod.model.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length"]
+# The default packed prefill (or a slot's length, if longer). Fewer, larger
+# prefills read the weights and compute the newcomers' LM head fewer times: 32
+# chat prompts (1,794 tokens, the 0.5B shape cut to 4 layers, a CPU) took 2.6 s
+# of CPU time in packs of 512 tokens, 3.4 s in packs of 256, 2.9 s in packs of
+# 1,024 (a pack's causal attention grows with its square).
+PREFILL_TOKENS = 512
 
 
 def length_buckets(largest: int) -> list[int]:
@@ -209,7 +215,7 @@ class Engine:
         self.max_length = min(max_length, model.config.max_position_embeddings)
         self.stop_tokens = frozenset(model.stop_tokens if stop_tokens is None else stop_tokens)
         # one packed prefill holds up to this many tokens (at least one whole prompt)
-        self.prefill_tokens = max(prefill_tokens or 0, self.max_length)
+        self.prefill_tokens = max(prefill_tokens or PREFILL_TOKENS, self.max_length)
         self.buckets = length_buckets(self.prefill_tokens)
         # how many newcomers' logits a prefill computes: powers of two, then every slot
         self.head_counts = [
