@@ -15,6 +15,7 @@ command job does. The job itself reads /dev/null.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -66,7 +67,8 @@ def _run(job: dict[str, Any], out: _Tracked) -> str | None:
     """Run one job; None, or why it failed (as its last line would say)."""
     env: dict[str, str] = job.get("env", {})
     cwd = os.getcwd()
-    os.environ.update(env)
+    for name, value in env.items():  # written, never read (settings reads)
+        os.environ[name] = value
     error = None
     try:
         result = run_source(job["code"], job_logger(out))
@@ -88,7 +90,8 @@ def _run(job: dict[str, Any], out: _Tracked) -> str | None:
     finally:
         os.chdir(cwd)
         for name in env:
-            os.environ.pop(name, None)
+            with contextlib.suppress(KeyError):  # the job may have removed it
+                del os.environ[name]
     return error
 
 
