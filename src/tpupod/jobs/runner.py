@@ -48,6 +48,7 @@ class _Attempt:
     started: bool = False
     marked_started: bool = False
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    writing: asyncio.Lock = field(default_factory=asyncio.Lock)
     why: str | None = None  # "cancel", "lost", "shutdown"
     freed: bool = False  # its runner slot is free again
 
@@ -104,6 +105,7 @@ class Runner:
         jobs each commit ends and takes."""
         wakeup = Wakeup(self.store)
         beating = asyncio.create_task(self._beat_forever())
+        flushing = asyncio.create_task(self._flush_forever())
         tasks: set[asyncio.Task[None]] = set()
         claimed = 0
         reaped_at = 0.0
@@ -140,6 +142,7 @@ class Runner:
             if tasks:  # they give their jobs back (or record how they ended)
                 await self._drain(tasks)
             beating.cancel()
+            flushing.cancel()
             await wakeup.close()
         return self.done
 
@@ -242,16 +245,12 @@ class Runner:
         hooks = Hooks(on_line=attempt.line, on_started=attempt.mark_started)
         if self.shutdown.is_set():
             attempt.stop_for("shutdown")
-        running = asyncio.create_task(
-            self.executor.execute(job, claim.attempt, hooks, attempt.stop)
-        )
         try:
-            while not running.done():
-                await asyncio.wait({running}, timeout=FLUSH_S)
-                if self.shutdown.is_set() and not running.done():
-                    attempt.stop_for("shutdown")
-                await self._write_progress(attempt)
-            outcome = _outcome_of(running)
+            try:  # its lines and its start are written meanwhile by _flush_forever
+                outcome = await self.executor.execute(job, claim.attempt, hooks, attempt.stop)
+            except Exception as exc:  # a bug in running it: recorded on the job, not hidden
+                error = f"runner error: {type(exc).__name__}: {exc}"
+                outcome = Outcome(JobStatus.FAILED, error=error)
             await self._write_progress(attempt)
             ended = await self._end(attempt, outcome)
         finally:
@@ -262,8 +261,21 @@ class Runner:
             f"job {job.id} attempt {claim.attempt}: {ended} in {time.monotonic() - began:.2f}s"
         )
 
+    async def _flush_forever(self) -> None:
+        """Every ``FLUSH_S``, write what the running attempts printed (and a pod job's start)."""
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            for attempt in list(self.held.values()):
+                await self._write_progress(attempt)
+
     async def _write_progress(self, attempt: _Attempt) -> None:
         if attempt.why == "lost" or (attempt.marked_started and not attempt.pending):
+            return
+        async with attempt.writing:  # the flusher and the attempt's own last flush
+            await self._write_progress_now(attempt)
+
+    async def _write_progress_now(self, attempt: _Attempt) -> None:
+        if attempt.why == "lost":
             return
         try:
             if attempt.started and not attempt.marked_started:
@@ -327,12 +339,3 @@ class Runner:
                 self.say(f"job {claim.job.id}: {exc.message}; retrying ({tries + 1})")
                 await asyncio.sleep(0.5)
         return "not recorded: the job store stayed away"
-
-
-def _outcome_of(running: asyncio.Task[Outcome]) -> Outcome:
-    """The attempt's outcome; a bug in running it fails the attempt with its cause, instead
-    of ending the runner with the job still leased (it would wait out its lease)."""
-    try:
-        return running.result()
-    except Exception as exc:  # recorded on the job, not hidden
-        return Outcome(JobStatus.FAILED, error=f"runner error: {type(exc).__name__}: {exc}")
