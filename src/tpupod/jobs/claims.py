@@ -252,7 +252,9 @@ def append_logs(store: Store, claim: Claim, first: int, lines: Sequence[tuple[in
     """Add (worker, line) pairs at offsets ``first``, ``first + 1``...; returns the next.
 
     Fenced like every write: the lease is checked and the rows inserted in one transaction
-    (PostgreSQL locks the job row for share, so the reaper cannot slip in between)."""
+    (PostgreSQL locks the job row for share, so the reaper cannot slip in between). Unlike
+    a heartbeat, the commit waits for its flush: the lines are what a user reads, and
+    ``seq`` offsets handed out for lines a server crash then lost would leave holes."""
     if not lines:
         return first
     rows = [
