@@ -100,6 +100,22 @@ def test_the_pool_runs_code_jobs_as_before_and_survives_their_failures(store: St
 
 
 @pytest.mark.timeout(60)
+def test_a_job_sent_to_a_process_that_just_died_runs_in_a_fresh_one(store: Store) -> None:
+    pool = Pool(1, grace_s=1.0)
+    pool_loop.run_until_complete(pool.start())
+    try:
+        (dead,) = pool.idle
+        dead.proc.kill()  # dies idle; the pool learns it only when it reads the pipe's end
+        assert dead.alive
+        done = _run(pool, store, "import os\nprint('ran')\nresult = os.getpid()")
+        assert (done.status, _LINES) == (JobStatus.COMPLETED, ["ran"])  # once, not lost
+        assert done.result != str(dead.proc.pid) and not dead.alive
+        assert len(pool.idle) == 1 and not pool.busy
+    finally:
+        pool_loop.run_until_complete(pool.close())
+
+
+@pytest.mark.timeout(60)
 def test_a_cancelled_pool_job_stops_and_the_runner_goes_on(store: Store, tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     marker = tmp_path / "child.pid"

@@ -21,6 +21,7 @@ MARK = "::tpupod-job::"
 STARTED = f"{MARK} started"
 RESULT = f"{MARK} result "
 END = f"{MARK} end "  # a pool process finished a job: JSON {"error": ...}
+TAKEN = f"{MARK} taken"  # a pool process read a job and is about to run it
 
 
 def render_result(value: Any) -> str | None:

@@ -23,7 +23,7 @@ import signal
 import sys
 from typing import Any
 
-from tpupod.jobs.code import END
+from tpupod.jobs.code import END, TAKEN
 from tpupod.jobs.execute import GRACE_S, Hooks, Outcome, _Marks, describe_exit
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.transport.lines import READ_CHUNK, LineSplitter
@@ -36,6 +36,7 @@ class PoolProcess:
         self.proc = proc
         self.marks: _Marks | None = None
         self.ended: asyncio.Future[str | None] | None = None
+        self.taken = False  # the running job was read by the process (its TAKEN line)
         self.alive = True
         self.pump = asyncio.create_task(self._pump())
 
@@ -52,11 +53,16 @@ class PoolProcess:
         code = await self.proc.wait()
         self.alive = False
         if self.ended is not None and not self.ended.done():
+            if not self.taken:  # it died before it read the job: the job never ran
+                self.ended.set_exception(_NotTaken(describe_exit(code)))
+                return
             last = self.marks.last if self.marks is not None else "(no output)"
             self.ended.set_result(f"{describe_exit(code)}: {last}")
 
     def _line(self, text: str) -> None:
-        if text.startswith(END):
+        if text == TAKEN:
+            self.taken = True
+        elif text.startswith(END):
             if self.ended is not None and not self.ended.done():
                 self.ended.set_result(json.loads(text[len(END) :])["error"])
         elif self.marks is not None:
@@ -67,9 +73,14 @@ class PoolProcess:
         assert self.proc.stdin is not None and job.code is not None
         self.marks = _Marks(1, hooks)
         self.ended = asyncio.get_running_loop().create_future()
+        self.taken = False
         env = {"TPUPOD_JOB_ID": str(job.id), "TPUPOD_JOB_ATTEMPT": str(attempt)}
-        self.proc.stdin.write(json.dumps({"code": job.code, "env": env}).encode() + b"\n")
-        await self.proc.stdin.drain()
+        try:
+            self.proc.stdin.write(json.dumps({"code": job.code, "env": env}).encode() + b"\n")
+            await self.proc.stdin.drain()
+        except (OSError, ConnectionError) as exc:  # it is gone, and never read the job
+            self.ended.cancel()
+            raise _NotTaken(f"its stdin: {exc}") from exc
         stopped = asyncio.ensure_future(stop.wait())
         waits: set[asyncio.Future[Any]] = {self.ended, stopped}
         done, _ = await asyncio.wait(
@@ -99,6 +110,10 @@ class _Stopped(Exception):
         self.by_request = by_request
 
 
+class _NotTaken(Exception):
+    """The process ended before it read the job (it died idle, an instant before)."""
+
+
 class Pool:
     """Up to ``size`` warm processes; ``execute`` is the executor's call for a code job."""
 
@@ -125,29 +140,37 @@ class Pool:
         return PoolProcess(proc)
 
     async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
-        while self.idle and not self.idle[-1].alive:
-            await self.idle.pop().pump
-        process = self.idle.pop() if self.idle else await self._spawn()
-        self.busy.add(process)
-        try:
-            error = await process.run(job, attempt, hooks, stop)
-        except _Stopped as stopped:
-            await process.kill(self.grace_s)
-            if stopped.by_request:
-                return Outcome(JobStatus.CANCELLED, error="stopped")
-            return Outcome(JobStatus.FAILED, error=f"timed out after {job.timeout:g} s")
-        except (OSError, ConnectionError):  # it died before it read the job
-            await process.kill(self.grace_s)
-            code = process.proc.returncode
-            return Outcome(JobStatus.FAILED, error=f"its pool process ended: {describe_exit(code)}")
-        finally:
-            self.busy.discard(process)
-            if process.alive:
-                self.idle.append(process)
+        """Run the job in an idle process; one that turns out dead before it read the job
+        hands it to a fresh process (once: a pool that cannot start one fails the job)."""
+        for fresh in (False, True):
+            process = await self._take(fresh)
+            self.busy.add(process)
+            try:
+                error = await process.run(job, attempt, hooks, stop)
+                break
+            except _NotTaken as lost:
+                await process.kill(self.grace_s)
+                if fresh:
+                    return Outcome(JobStatus.FAILED, error=f"its pool process ended: {lost}")
+            except _Stopped as stopped:
+                await process.kill(self.grace_s)
+                if stopped.by_request:
+                    return Outcome(JobStatus.CANCELLED, error="stopped")
+                return Outcome(JobStatus.FAILED, error=f"timed out after {job.timeout:g} s")
+            finally:
+                self.busy.discard(process)
+                if process.alive:
+                    self.idle.append(process)
         if error is None:
             assert process.marks is not None
             return Outcome(JobStatus.COMPLETED, result=process.marks.result)
         return Outcome(JobStatus.FAILED, error=error)
+
+    async def _take(self, fresh: bool) -> PoolProcess:
+        """An idle process (dead ones dropped), or a new one."""
+        while self.idle and not self.idle[-1].alive:
+            await self.idle.pop().pump
+        return self.idle.pop() if self.idle and not fresh else await self._spawn()
 
     async def close(self) -> None:
         """End every process: idle ones exit at EOF, busy ones kill their own group."""

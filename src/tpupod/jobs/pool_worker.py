@@ -4,8 +4,9 @@ It reads code jobs from its standard input, one JSON line each (``{"code", "env"
 and runs them one at a time with the contract of ``tpupod.jobs.code`` (``logger``,
 ``result``, the job's id and attempt in the environment). Everything the job prints,
 on stdout or stderr, goes to the one pipe the runner reads; after each job it writes
-an end marker (``END`` + ``{"error": null | "..."}``) on a line of its own (no start
-marker: a local claim marks the job running as it hands it over).
+an end marker (``END`` + ``{"error": null | "..."}``) on a line of its own. Before a
+job it writes ``TAKEN``: a process that dies before that never ran the job, and the
+runner sends it to a fresh process instead of failing it.
 
 The runner keeps our standard input open while it lives. A thread reads it: at EOF
 (the runner is gone, even by ``kill -9``) an idle process exits, and a busy one kills
@@ -26,7 +27,7 @@ import threading
 import traceback
 from typing import Any
 
-from tpupod.jobs.code import END, RESULT, job_logger, run_source
+from tpupod.jobs.code import END, RESULT, TAKEN, job_logger, run_source
 
 
 class _Tracked(io.TextIOWrapper):
@@ -114,6 +115,7 @@ def main() -> int:
         _STATE.busy = True
         if _STATE.closed:
             return 0
+        out.mark(TAKEN)
         error = _run(job, out)
         _STATE.busy = False
         out.mark(END + json.dumps({"error": error}))
