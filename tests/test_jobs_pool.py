@@ -91,6 +91,11 @@ def test_the_pool_runs_code_jobs_as_before_and_survives_their_failures(store: St
         slow_pid = int(_LINES[0])
         assert str(slow_pid) != first and not psutil.pid_exists(slow_pid)  # replaced, killed
 
+        closing = _run(pool, store, "import os\nos.close(1)\nos.close(2)\nresult = 5")
+        assert (closing.status, closing.result) == (JobStatus.COMPLETED, "5")  # no hang
+        child = _run(pool, store, "import subprocess\nsubprocess.run(['echo', 'from a child'])")
+        assert child.status is JobStatus.COMPLETED and _LINES == ["from a child"]  # put back
+
         again = _run(pool, store, "import os\nresult = os.getpid()")
         assert again.status is JobStatus.COMPLETED
         assert again.result not in (first, str(slow_pid))  # a fresh process took their place

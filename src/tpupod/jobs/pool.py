@@ -8,7 +8,7 @@ the process is then dropped and a fresh one takes its place, so the pool keeps s
 
 What a pool gives up (and ``--no-pool`` keeps): a fresh interpreter per job. Jobs in
 one process share its modules and globals, so a job that changes process-wide state
-(its working directory and its environment variables are put back; a monkeypatched
+(its working directory, environment variables, stdout and stderr are put back; a monkeypatched
 module, a JAX backend, a thread it left running are not) affects the next ones there,
 and a child process a job left in the background lives until its pool process ends.
 """

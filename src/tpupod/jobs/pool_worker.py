@@ -102,8 +102,12 @@ def main() -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     sys.stdin = open(os.devnull)  # noqa: SIM115 (the job's stdin, for the process's life)
+    # Our own descriptor of the pipe: a job that closes 1 and 2 (or dup2's over them) takes
+    # its children's output away, never our end marker (the runner would wait for it); and
+    # they are put back after each job, as its working directory is.
+    pipe = os.dup(1)
     out = _Tracked(
-        open(1, "wb", closefd=False),  # noqa: SIM115
+        open(pipe, "wb", closefd=False),  # noqa: SIM115
         encoding="utf-8",
         errors="backslashreplace",
         line_buffering=True,
@@ -117,6 +121,8 @@ def main() -> int:
             return 0
         out.mark(TAKEN)
         error = _run(job, out)
+        for fd in (1, 2):
+            os.dup2(pipe, fd)
         _STATE.busy = False
         out.mark(END + json.dumps({"error": error}))
         out.flush()
