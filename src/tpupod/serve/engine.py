@@ -463,14 +463,19 @@ class Engine:
                         if self._running.get(slot) is request:  # not finished meanwhile
                             self._accept(request, row[slot])
         except Exception as exc:  # a device failure: fail what runs, start clean
+            reason = self._failure_reason(exc)
             with self._wake:
                 failed = list(self._running.values())
                 for slot in list(self._running):
                     self._free(slot)
             for request in failed:
-                self._emit(request, Failed(f"generation failed: {exc}"), close=True)
+                self._emit(request, Failed(reason), close=True)
             self._caches = self._fresh_caches()
         return True
+
+    def _failure_reason(self, exc: Exception) -> str:
+        """What the requests a failed step held are told."""
+        return f"generation failed: {exc}"
 
     def _admit(self) -> list[Request]:
         with self._wake:

@@ -206,6 +206,10 @@ class Leader:
     def failed(self) -> bool:
         return self._failed.is_set()
 
+    def wait_failed(self, timeout: float) -> bool:
+        """Whether the group fails (or has failed) within ``timeout`` seconds."""
+        return self._failed.wait(timeout)
+
     def _fail(self, reason: str) -> None:
         if self._failed.is_set():
             return

@@ -26,6 +26,9 @@ from tpupod.model import sharding
 from tpupod.serve.engine import Engine, Request, SamplingParams
 from tpupod.serve.lockstep import Follower, Leader
 
+# How long a failed step waits for the side channel to report a lost member.
+LOST_WAIT_S = 2.0
+
 
 def _nothing(event: object) -> None:
     """A follower's requests have no client."""
@@ -65,6 +68,15 @@ class LockstepEngine(Engine):
                 return list(self._caches)
             self.channel.broadcast("reset", ())
         return super()._fresh_caches()
+
+    def _failure_reason(self, exc: Exception) -> str:
+        """A collective fails at once when a member dies (gloo: "Connection closed by
+        peer"), often a moment before the side channel says who: wait for it, so the
+        requests hear that the replica lost a member (the failure handler tells them, with
+        the member's name), not gloo's words."""
+        if self.channel is not None and self.channel.wait_failed(LOST_WAIT_S):
+            return "the replica lost a member"
+        return super()._failure_reason(exc)
 
     def _decode_state(self) -> list[np.ndarray]:
         return [
