@@ -33,6 +33,7 @@ if importlib.util.find_spec("flax") is None:  # the model needs the tpupod[model
         raise RuntimeError("prerequisite missing in CI: flax (pip install -e '.[test]')")
     pytest.skip("flax is not installed (pip install -e '.[model]')", allow_module_level=True)
 
+from tests.checkpoints import CUT_AT, padding_checkpoint
 from tests.conftest import CliResult
 from tpupod.errors import CheckpointError, ModelError
 from tpupod.model import QwenModel, load_model
@@ -190,6 +191,30 @@ def test_chat_generates_text_from_messages() -> None:
     assert result.tokens[0] == expected.tokens[0]
     assert model.tokenizer is not None
     assert result.texts[0] == model.tokenizer.decode(result.tokens[0])
+
+
+def test_a_saved_tokenizer_that_pads_and_truncates_gives_each_text_its_own_ids(
+    tmp_path: Path,
+) -> None:
+    """tokenizer.json with padding and truncation on (as many saved tokenizers have it):
+    encode_batch padded every text to the longest and cut them all to 8 ids, so
+    ``generate`` on texts continued after pad ids and answered differently in a batch."""
+    ref = Reference("qwen2")
+    model = load_model(padding_checkpoint(tmp_path / "padded"), tokenizer=True)
+    tok = model.tokenizer
+    assert tok is not None
+    texts: list[str] = ref.meta["prompts"]
+    assert max(len(p) for p in ref.prompts) > CUT_AT  # the saved truncation would cut it
+    assert tok.encode_batch(["a", *texts]) == [[tok.encode("a")[0]], *ref.prompts]
+    assert [tok.encode(t) for t in texts] == ref.prompts  # one text alone is not cut either
+    chat = tok.apply_chat_template(ref.meta["chat_messages"], **ref.meta["chat_kwargs"])
+    assert tok.encode(chat) == ref.meta["chat_ids"]
+    n, new = ref.meta["greedy_prompts"], ref.meta["greedy_new_tokens"]
+    batched = model.generate(["a", *texts[:n]], max_new_tokens=new, stop_tokens=())
+    assert batched.tokens[1:] == ref.arrays["greedy"].tolist()  # transformers' answers
+    assert batched.prompt_lengths == [1, *(len(p) for p in ref.prompts[:n])]
+    alone = model.generate("a", max_new_tokens=new, stop_tokens=())
+    assert batched.tokens[0] == alone.tokens[0]
 
 
 def test_only_requested_layers_come_back_and_indices_are_checked() -> None:

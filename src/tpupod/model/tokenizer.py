@@ -32,6 +32,11 @@ class Tokenizer:
                 hint="copy the checkpoint's tokenizer files, or load with tokenizer=False",
             )
         self._tok = tokenizers.Tokenizer.from_file(str(path))
+        # A saved tokenizer may pad every text of a batch to the longest (or a fixed
+        # length) and cut long ones: ids would then carry pad tokens and lose real
+        # ones. Every caller wants each text's own ids; tpupod pads and cuts itself.
+        self._tok.no_padding()
+        self._tok.no_truncation()
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.eos_token = _token_text(config.get("eos_token"))
