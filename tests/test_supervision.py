@@ -145,6 +145,16 @@ def test_a_worker_that_ignores_term_is_reported_as_killed_after_term(
     assert all("timed out (killed by SIGKILL after TERM)" in row for row in rows), result.err
 
 
+def test_a_timed_out_run_says_it_timed_out_and_names_no_first_failure(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(3)
+    result = cli("run", "--pod", pod.name, "--timeout", "1", "--", "echo working; sleep 60")
+    assert result.code == 124
+    assert "first failure" not in result.err, result.err
+    assert "timed out: w0, w1, w2 did not finish in time" in result.err
+
+
 def test_a_timed_out_jax_run_ends_without_a_traceback(
     make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:

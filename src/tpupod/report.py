@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from tpupod import settings
 from tpupod.errors import TpupodError
+from tpupod.results import Outcome
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
@@ -105,6 +106,11 @@ def print_summary(
         lines.append(
             paint("1;31", f"stopped by {name}: {result.failed_count} workers did not finish")
         )
+    elif first is not None and result.timed_out and first.outcome is Outcome.TIMED_OUT:
+        # Every worker still running was stopped at once: none of them failed first.
+        late = [r.worker.label for r in result.workers if r.outcome is Outcome.TIMED_OUT]
+        names = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
+        lines.append(paint("1;31", f"timed out: {names} did not finish in time"))
     elif first is not None:
         why = f": {first.error}" if first.error else ""
         lines.append(
