@@ -495,6 +495,24 @@ def test_gloo_chatter_stays_in_the_logs(
     assert "[Gloo] Rank" in verbose.out + verbose.err
 
 
+def test_the_summary_never_shows_tpupods_own_marker_lines(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(2)
+    # What an extract or bench worker prints last: its final progress marker, its results.
+    program = (
+        "from tpupod.podprogress import marker; from tpupod.bench.wire import MARKER; "
+        "print('the real last line'); print(marker(8, 8, 'samples', 'done')); "
+        "print(MARKER + '1/1 eJyrVgoBAAD/AHs=')"
+    )
+    result = cli("run", "--pod", pod.name, "--", PYTHON, "-c", program)
+    assert result.code == 0, result.err
+    assert "tpupod-progress" in result.out  # the terminal (and a live view) still gets them
+    rows = [line for line in result.err.splitlines() if line.startswith(("w0 ", "w1 "))]
+    assert len(rows) == 2, result.err
+    assert all(row.endswith("the real last line") for row in rows), result.err
+
+
 @pytest.mark.local
 @pytest.mark.timeout(90)
 def test_init_jax_without_tpupod_run_meets_at_the_coordinator(tmp_path: Path) -> None:

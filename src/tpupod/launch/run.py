@@ -119,6 +119,19 @@ class Chatter:
         return None if chatter_only else rest
 
 
+class TailCleaner(Chatter):
+    """What a worker's summary row may show as its last line: not chatter, and not one of
+    tpupod's own marker lines (``tpupod-progress {...}`` from ``podprogress``,
+    ``tpupod-bench-results ...``), which the launcher's views read out of the output: every
+    such marker starts with ``tpupod-NAME ``. The terminal still gets markers (a live view
+    takes them out there)."""
+
+    OWN_MARKER = re.compile(r"\x1e?tpupod-[a-z]+(?:-[a-z]+)* ")
+
+    def __call__(self, text: str) -> str | None:
+        return None if self.OWN_MARKER.match(text) else super().__call__(text)
+
+
 def new_launch_id() -> str:
     return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
@@ -222,7 +235,7 @@ async def run(
                     connector=run_connector,
                     guard=True,  # a supervised program never outlives its launcher
                     supervision=supervision,
-                    chatter=Chatter,
+                    chatter=TailCleaner,
                 )
             finally:
                 await server.close()
