@@ -107,14 +107,7 @@ class Attention(nnx.Module):
         cache: KVCache | None,
         cache_index: Array | None,
     ) -> tuple[Array, KVCache]:
-        q = dense(x, self.q_kernel[...])  # [B, T, N, H]
-        k = dense(x, self.k_kernel[...])  # [B, T, K, H]
-        v = dense(x, self.v_kernel[...])
-        if self.q_bias is not None and self.k_bias is not None and self.v_bias is not None:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, rope), _rotate(k, rope)
+        q, k, v = self.project(x, rope)
         if isinstance(mask, CausalLengths):
             out = jax.nn.dot_product_attention(
                 q,
@@ -135,14 +128,31 @@ class Attention(nnx.Module):
         if not isinstance(mask, CausalLengths):
             grouped = _attend(q, k, v, mask, self.groups)  # [B, K, G, T, H]
             out = jnp.transpose(grouped, (0, 3, 1, 2, 4))  # [B, T, K, G, H] = [B, T, N, H]
+        return self.output(out), (k, v)
+
+    def project(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+        """Queries [B, T, N, H], keys and values [B, T, K, H] of ``x`` [B, T, D]: the
+        projections, their biases and norms, and the rotary embedding of q and k."""
+        q = dense(x, self.q_kernel[...])  # [B, T, N, H]
+        k = dense(x, self.k_kernel[...])  # [B, T, K, H]
+        v = dense(x, self.v_kernel[...])
+        if self.q_bias is not None and self.k_bias is not None and self.v_bias is not None:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return _rotate(q, rope), _rotate(k, rope), v
+
+    def output(self, out: Array) -> Array:
+        """The output projection of attention's result ``out`` [B, T, N, H] (or
+        [B, T, K, G, H], the same heads grouped) -> [B, T, D]."""
         # one merged (N*H) contracting dimension: with two, XLA may permute the output
         # kernel to suit the activation, a copy of the kernel at every decode step
-        b, t, n, h = q.shape
         o_kernel = self.o_kernel[...]
-        y = dense(out.reshape(b, t, n * h), o_kernel.reshape(o_kernel.shape[0], n * h))
+        d, n, h = o_kernel.shape
+        y = dense(out.reshape(*out.shape[:2], n * h), o_kernel.reshape(d, n * h))
         if self.o_bias is not None:
             y = y + self.o_bias[...]
-        return y, (k, v)
+        return y
 
 
 def _rotate(x: Array, rope: tuple[Array, Array]) -> Array:

@@ -44,8 +44,6 @@ from tpupod.model.modeling import (
     KVCache,
     Qwen,
     _attend_block,
-    _rotate,
-    dense,
     run_layers,
 )
 
@@ -155,25 +153,12 @@ def _attention_step(
     mask: Array,  # [B, 1, L]
 ) -> tuple[Array, KVCache]:
     """``modeling.Attention`` for one new token per row, each written at its own position."""
-    q = dense(x, attn.q_kernel[...])  # [B, 1, N, H]
-    k = dense(x, attn.k_kernel[...])
-    v = dense(x, attn.v_kernel[...])
-    if attn.q_bias is not None and attn.k_bias is not None and attn.v_bias is not None:
-        q, k, v = q + attn.q_bias[...], k + attn.k_bias[...], v + attn.v_bias[...]
-    if attn.q_norm is not None and attn.k_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rotate(q, rope), _rotate(k, rope)
+    q, k, v = attn.project(x, rope)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
     rows = jnp.arange(x.shape[0])
     cache_k = cache[0].at[rows, :, positions].set(k[:, 0].astype(cache[0].dtype))
     cache_v = cache[1].at[rows, :, positions].set(v[:, 0].astype(cache[1].dtype))
     grouped = _attend_block(q, cache_k, cache_v, mask, attn.groups)  # [B, K, G, 1, H]
-    out = jnp.transpose(grouped, (0, 3, 1, 2, 4))
-    b, t, n, h = q.shape
-    o_kernel = attn.o_kernel[...]
-    y = dense(out.reshape(b, t, n * h), o_kernel.reshape(o_kernel.shape[0], n * h))
-    if attn.o_bias is not None:
-        y = y + attn.o_bias[...]
-    return y, (cache_k, cache_v)
+    return attn.output(jnp.transpose(grouped, (0, 3, 1, 2, 4))), (cache_k, cache_v)
 
 
 def _step(
