@@ -495,6 +495,23 @@ def test_gloo_chatter_stays_in_the_logs(
     assert "[Gloo] Rank" in verbose.out + verbose.err
 
 
+def test_quiet_run_prints_only_the_programs_output_and_errors(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(2)
+    ok = cli("run", "-q", "--pod", pod.name, "--", "echo out; echo err >&2")
+    assert ok.code == 0, ok.err
+    assert sorted(ok.out.splitlines()) == ["[w0] out", "[w1] out"]
+    assert sorted(ok.err.splitlines()) == ["[w0] err", "[w1] err"]
+    program = 'if [ "$TPUPOD_WORKER_ID" = 1 ]; then sleep 0.5; echo bad >&2; exit 3; fi; echo fine'
+    failed = cli("run", "-q", "--pod", pod.name, "--", program)
+    assert failed.code == 3
+    assert failed.out.splitlines() == ["[w0] fine"]
+    lines = failed.err.splitlines()
+    assert len(lines) == 2 and lines[0] == "[w1] bad", failed.err
+    assert lines[1].startswith("first failure: w1 (") and ") exit 3" in lines[1], failed.err
+
+
 def test_the_summary_never_shows_tpupods_own_marker_lines(
     make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:

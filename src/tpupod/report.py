@@ -100,7 +100,25 @@ def print_summary(
         outcome = paint("32" if r.ok else "31", row[2].ljust(widths[2]))
         cells = "  ".join([label, row[1].ljust(widths[1]), outcome, row[3].ljust(widths[3])])
         lines.append(f"{cells}  {_clip(r.last_line, room)}".rstrip())
+    lines.extend(_verdict(result, paint))
+    file.write("\n".join(lines) + "\n")
+    file.flush()
+
+
+def print_verdict(result: FanoutResult, file: TextIO, color: bool | None = None) -> None:
+    """Only how a failed fan-out ended (``run -q``): its first failure, timeout or signal;
+    nothing when every worker succeeded."""
+    paint = _painter(settings.color_wanted(file.isatty()) if color is None else color)
+    lines = _verdict(result, paint)
+    if lines:
+        file.write("\n".join(lines) + "\n")
+        file.flush()
+
+
+def _verdict(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str]:
+    """The summary's closing lines: why the fan-out did not succeed (none when it did)."""
     first = result.first_failure
+    lines: list[str] = []
     if result.interrupt_signal is not None:
         name = signal.Signals(result.interrupt_signal).name
         lines.append(
@@ -124,8 +142,7 @@ def print_summary(
         )
         if first.hint:
             lines.append(f"hint: {first.hint}")
-    file.write("\n".join(lines) + "\n")
-    file.flush()
+    return lines
 
 
 def _painter(color: bool) -> Callable[[str, str], str]:

@@ -52,7 +52,7 @@ def run_command(args: RunArgs) -> int:
     from tpupod.image.options import container_from_options
     from tpupod.launch.run import run as launch_run
     from tpupod.live import run_live
-    from tpupod.report import print_summary
+    from tpupod.report import print_summary, print_verdict
     from tpupod.state import StateDir
 
     target = StateDir().resolve(args.pod)
@@ -77,14 +77,22 @@ def run_command(args: RunArgs) -> int:
             worker_python=args.worker_python,
             show_chatter=args.verbose,
             on_line=live.on_line,
-            on_notice=live.on_notice,
+            on_notice=_silent if args.quiet else live.on_notice,
             interrupt=live.interrupt,
             container=container,
         )
 
-    result = run_live(workers, args.quiet, body)
-    print_summary(result.fanout, sys.stderr, title=f"run {result.launch.launch_id}")
+    # -q: the program's output and errors, and of tpupod's only why the run failed.
+    result = run_live(workers, False, body)
+    if args.quiet:
+        print_verdict(result.fanout, sys.stderr)
+    else:
+        print_summary(result.fanout, sys.stderr, title=f"run {result.launch.launch_id}")
     return result.fanout.exit_code()
+
+
+def _silent(text: str) -> None:
+    """No notices (``run -q``)."""
 
 
 # exec's options (pod, workers, on-fail, timeout, grace, env, quiet) and run's own.

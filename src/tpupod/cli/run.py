@@ -9,7 +9,7 @@ import typer
 
 from tpupod.choices import RendezvousOn
 from tpupod.cli import command
-from tpupod.cli.exec import GraceOption, QuietOption, TimeoutOption, WorkerOption
+from tpupod.cli.exec import GraceOption, TimeoutOption, WorkerOption
 from tpupod.cli.image import EngineOption, ImageOption, MountOption, PrivilegedOption
 from tpupod.cli.options import EnvOption, PodOption
 from tpupod.results import DEFAULT_GRACE_S, OnFail
@@ -28,7 +28,15 @@ def run(
     ] = OnFail.KILL,
     timeout: TimeoutOption = None,
     grace: GraceOption = DEFAULT_GRACE_S,
-    quiet: QuietOption = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="Print only the program's output and errors: no notices, no summary "
+            "(a failure still gets its one line).",
+        ),
+    ] = False,
     verbose: Annotated[
         bool,
         typer.Option(
