@@ -4,6 +4,7 @@ job on a local pod."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -65,6 +66,13 @@ class Postgres:
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[Postgres]:
+    with postgres_cluster() as server:
+        yield server
+
+
+@contextlib.contextmanager
+def postgres_cluster() -> Iterator[Postgres]:
+    """Start a cluster of our own (initdb, pg_ctl start); stop and remove it afterwards."""
     bindir = _pg_bin()
     require(bindir is not None, "PostgreSQL is not installed (apt-get install postgresql)")
     assert bindir is not None

@@ -248,13 +248,24 @@ def heartbeat_many(
     return cancel, {(c.job.id, c.attempt) for c in held} - renewed
 
 
-def append_logs(store: Store, claim: Claim, first: int, lines: Sequence[tuple[int, str]]) -> int:
+def append_logs(
+    store: Store,
+    claim: Claim,
+    first: int,
+    lines: Sequence[tuple[int, str]],
+    *,
+    resume: bool = False,
+) -> int:
     """Add (worker, line) pairs at offsets ``first``, ``first + 1``...; returns the next.
 
     Fenced like every write: the lease is checked and the rows inserted in one transaction
     (PostgreSQL locks the job row for share, so the reaper cannot slip in between). Unlike
     a heartbeat, the commit waits for its flush: the lines are what a user reads, and
-    ``seq`` offsets handed out for lines a server crash then lost would leave holes."""
+    ``seq`` offsets handed out for lines a server crash then lost would leave holes.
+
+    ``resume``: the previous write of these lines failed, perhaps after its commit (the
+    connection broke before the answer came): the lines the store already has from
+    ``first`` on are skipped, so each line is written exactly once."""
     if not lines:
         return first
     rows = [
@@ -267,8 +278,13 @@ def append_logs(store: Store, claim: Claim, first: int, lines: Sequence[tuple[in
     with store.write() as conn:
         if conn.execute(check).first() is None:
             raise _lost(claim)
-        conn.execute(insert(log_lines), rows)
-    return first + len(rows)
+        if resume:
+            last = select(func.max(log_lines.c.seq)).where(log_lines.c.job_id == claim.job.id)
+            have = conn.execute(last).scalar() or 0
+            rows = rows[max(0, have - first + 1) :]
+        if rows:
+            conn.execute(insert(log_lines), rows)
+    return first + len(lines)
 
 
 def finish(
@@ -382,8 +398,9 @@ def release(store: Store, claim: Claim, reason: str) -> None:
             store.notify(conn)
 
 
-def reap(store: Store) -> int:
-    """Requeue attempts whose lease expired (with backoff), or fail them after max_attempts.
+def reap(store: Store, *, spare: str | None = None) -> int:
+    """Requeue attempts whose lease expired (with backoff), or fail them after max_attempts;
+    not those of the runner ``spare`` (the one reaping: it knows its own are alive).
     Returns how many jobs it changed."""
     now = time.time()
     expired = (
@@ -391,6 +408,8 @@ def reap(store: Store) -> int:
         .where(_status_is(JobStatus.SCHEDULED, JobStatus.RUNNING), jobs.c.lease_expires_at < now)
         .limit(100)
     )
+    if spare is not None:
+        expired = expired.where(jobs.c.lease_owner != spare)
     if store.postgres:
         expired = expired.with_for_update(skip_locked=True)
     with store.write() as conn:

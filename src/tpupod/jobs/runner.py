@@ -7,11 +7,17 @@ and attempts that end while another ending is being committed are written togeth
 one commit, each row still fenced by its own (job id, attempt). Every runner also reaps
 expired leases, so a runner killed with ``kill -9`` costs its jobs one lease period,
 never the jobs.
+
+While the store is away (a database restart, an outage) the runner keeps its jobs running
+and holds what they print (``LineBuffer``: memory, then its disk), retries quietly and says
+two lines: when the outage starts and when it ends, with its length. When the store is
+back, the held lines are written in order, exactly once, before each attempt's ending.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import secrets
 import socket
@@ -23,6 +29,7 @@ from tpupod.errors import JobError, JobStoreError, LeaseLost
 from tpupod.jobs import claims
 from tpupod.jobs.claims import Ending
 from tpupod.jobs.execute import Executor, Hooks, Outcome
+from tpupod.jobs.linebuffer import LineBuffer
 from tpupod.jobs.models import Claim, JobStatus
 from tpupod.jobs.store import Store
 from tpupod.jobs.wakeup import Wakeup
@@ -32,6 +39,8 @@ FLUSH_S = 0.2
 HEARTBEAT_MAX_S = 1.0
 UNTIL_EMPTY_POLL_S = 0.2
 END_TRIES = 30  # the database may be restarting: the lease covers a while
+RETRY_S = 0.5  # while the store is away
+WRITE_BATCH = 5000  # log lines per transaction
 
 
 def new_owner() -> str:
@@ -44,7 +53,8 @@ class _Attempt:
 
     claim: Claim
     next_seq: int
-    pending: list[tuple[int, str]] = field(default_factory=list)
+    lines: LineBuffer = field(default_factory=LineBuffer)  # printed, not yet in the store
+    unsure: bool = False  # a write of lines failed: it may have committed all the same
     started: bool = False
     marked_started: bool = False
     stop: asyncio.Event = field(default_factory=asyncio.Event)
@@ -57,7 +67,7 @@ class _Attempt:
         return (self.claim.job.id, self.claim.attempt)
 
     def line(self, worker: int, text: str) -> None:
-        self.pending.append((worker, text))
+        self.lines.add(worker, text)
 
     def mark_started(self) -> None:
         self.started = True
@@ -96,6 +106,7 @@ class Runner:
         self._active = 0  # attempts claimed and not yet ended
         self._changed = asyncio.Event()  # an attempt ended: a slot is free, an ending queued
         self._failures = 0  # store errors in a row
+        self._away_since: float | None = None  # the store has been away since (monotonic)
 
     async def serve(self, *, until_empty: bool = False, max_jobs: int | None = None) -> int:
         """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``).
@@ -189,10 +200,11 @@ class Runner:
                     told.set_result("not recorded: the job store stayed away")
             else:
                 self._endings = endings + self._endings
-            self.say(f"runner {self.owner}: {exc.message}; retrying ({self._failures})")
-            await asyncio.sleep(0.5)
+            self._store_away(exc)
+            await asyncio.sleep(RETRY_S)
             return []
         self._failures = 0
+        self._store_back()
         for end, told in endings:
             lost_it = (end.claim.job.id, end.claim.attempt) in lost
             told.set_result("lease lost, not recorded" if lost_it else "")
@@ -200,13 +212,30 @@ class Runner:
 
     async def _reap(self) -> None:
         try:
-            if reaped := await asyncio.to_thread(claims.reap, self.store):
+            # never its own: after an outage longer than a lease, this runner's jobs are
+            # still running here, and its next heartbeat renews them
+            if reaped := await asyncio.to_thread(claims.reap, self.store, spare=self.owner):
                 self.say(f"requeued or failed {reaped} job(s) whose runner was lost")
+            self._store_back()
             tidy = getattr(self.executor, "tidy", None)  # what a lost runner left running
             if tidy is not None:
                 await tidy(self.store)
-        except JobError as exc:  # the store or the cluster is away: the next round retries
+        except JobStoreError as exc:  # the next round retries
+            self._store_away(exc)
+        except JobError as exc:  # the cluster is away: the next round retries
             self.say(f"runner {self.owner}: {exc.message}")
+
+    def _store_away(self, exc: JobStoreError) -> None:
+        """Say that the store is away once, when the outage starts; retry quietly."""
+        if self._away_since is None:
+            self._away_since = time.monotonic()
+            self.say(f"runner {self.owner}: {exc.message}; retrying until it is back")
+
+    def _store_back(self) -> None:
+        if self._away_since is not None:
+            took = time.monotonic() - self._away_since
+            self._away_since = None
+            self.say(f"runner {self.owner}: the job store is back after {took:.1f} s")
 
     async def _anything_left(self) -> bool:
         try:
@@ -227,8 +256,9 @@ class Runner:
                     claims.heartbeat_many, self.store, [a.claim for a in held], self.lease_s
                 )
             except JobStoreError as exc:
-                self.say(f"runner {self.owner}: heartbeat failed: {exc.message}")
+                self._store_away(exc)
                 continue
+            self._store_back()
             for attempt in held:
                 if attempt.key in lost:
                     attempt.stop_for("lost")
@@ -251,10 +281,11 @@ class Runner:
             except Exception as exc:  # a bug in running it: recorded on the job, not hidden
                 error = f"runner error: {type(exc).__name__}: {exc}"
                 outcome = Outcome(JobStatus.FAILED, error=error)
-            await self._write_progress(attempt)
+            await self._write_rest(attempt)
             ended = await self._end(attempt, outcome)
         finally:
             del self.held[attempt.key]
+            attempt.lines.close()
             self._free_slot(attempt)  # if it failed before its end
         self.done += 1
         self.say(
@@ -262,34 +293,55 @@ class Runner:
         )
 
     async def _flush_forever(self) -> None:
-        """Every ``FLUSH_S``, write what the running attempts printed (and a pod job's start)."""
+        """Every ``FLUSH_S``, write what the running attempts printed (and a pod job's start);
+        while the store is away, try every ``RETRY_S``."""
         while True:
-            await asyncio.sleep(FLUSH_S)
+            await asyncio.sleep(FLUSH_S if self._away_since is None else RETRY_S)
             for attempt in list(self.held.values()):
-                await self._write_progress(attempt)
+                if not await self._write_progress(attempt):
+                    break  # the store is away: the others wait for the next try
 
-    async def _write_progress(self, attempt: _Attempt) -> None:
-        if attempt.why == "lost" or (attempt.marked_started and not attempt.pending):
-            return
+    async def _write_rest(self, attempt: _Attempt) -> None:
+        """Before its ending, everything the attempt printed: if the store is away, wait for
+        it, as the ending itself does (a runner stopping gives up after ``END_TRIES``)."""
+        tries = 0
+        while not await self._write_progress(attempt):
+            tries += 1
+            if self.shutdown.is_set() and tries >= END_TRIES:
+                return
+            await asyncio.sleep(RETRY_S)
+
+    async def _write_progress(self, attempt: _Attempt) -> bool:
+        """Write what the attempt printed so far; False when the store is away."""
+        if attempt.why == "lost" or (attempt.marked_started and not attempt.lines):
+            return True
         async with attempt.writing:  # the flusher and the attempt's own last flush
-            await self._write_progress_now(attempt)
+            return await self._write_progress_now(attempt)
 
-    async def _write_progress_now(self, attempt: _Attempt) -> None:
-        if attempt.why == "lost":
-            return
+    async def _write_progress_now(self, attempt: _Attempt) -> bool:
         try:
-            if attempt.started and not attempt.marked_started:
+            if attempt.why != "lost" and attempt.started and not attempt.marked_started:
                 await asyncio.to_thread(claims.started, self.store, attempt.claim)
                 attempt.marked_started = True
-            if attempt.pending:
-                lines, attempt.pending = attempt.pending, []
+            while attempt.why != "lost" and attempt.lines:
+                batch = attempt.lines.peek(WRITE_BATCH)
+                resume, attempt.unsure = attempt.unsure, True
                 attempt.next_seq = await asyncio.to_thread(
-                    claims.append_logs, self.store, attempt.claim, attempt.next_seq, lines
+                    functools.partial(claims.append_logs, resume=resume),
+                    self.store,
+                    attempt.claim,
+                    attempt.next_seq,
+                    batch,
                 )
+                attempt.unsure = False
+                attempt.lines.consume(len(batch))  # kept until the store had them
         except LeaseLost:
             attempt.stop_for("lost")
         except JobStoreError as exc:  # the database is away: keep running, retry later
-            self.say(f"job {attempt.claim.job.id}: {exc.message}")
+            self._store_away(exc)
+            return False
+        self._store_back()
+        return True
 
     async def _end(self, attempt: _Attempt, outcome: Outcome) -> str:
         """Record how the attempt ended (its slot is free from now); returns what to say."""
@@ -324,7 +376,7 @@ class Runner:
         """A runner stopping releases the job; a broken attempt is retried (one at a time:
         both are rare)."""
         claim = attempt.claim
-        for tries in range(END_TRIES):
+        for _ in range(END_TRIES):
             try:
                 if attempt.why == "shutdown":
                     reason = f"attempt {claim.attempt}: its runner stopped"
@@ -332,10 +384,11 @@ class Runner:
                 else:
                     reason = outcome.error or "the attempt was lost"
                     await asyncio.to_thread(claims.retry, self.store, claim, reason)
+                self._store_back()
                 return None
             except LeaseLost:
                 return "lease lost, not recorded"
             except JobStoreError as exc:
-                self.say(f"job {claim.job.id}: {exc.message}; retrying ({tries + 1})")
-                await asyncio.sleep(0.5)
+                self._store_away(exc)
+                await asyncio.sleep(RETRY_S)
         return "not recorded: the job store stayed away"

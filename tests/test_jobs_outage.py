@@ -1,0 +1,167 @@
+"""Runners through a real PostgreSQL outage (the server stopped mid-run, then started again):
+every line the jobs printed meanwhile reaches the store, in order, exactly once; the runner
+says when the outage started and when it ended, and nothing in between."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_jobs import Postgres, _wait_for, command_job, postgres_cluster, runner
+from tpupod.jobs import claims
+from tpupod.jobs.linebuffer import LineBuffer
+from tpupod.jobs.models import JobStatus
+from tpupod.jobs.store import Store
+from tpupod.pod import Pod
+
+pytestmark = pytest.mark.local  # a database server and runner processes
+
+OUTAGE_S = 5.0  # longer than the runners' lease (3 s): their jobs must survive it
+
+
+@pytest.fixture
+def pg() -> Iterator[Postgres]:
+    """A cluster of this test's own: stopping it disturbs no other test."""
+    with postgres_cluster() as server:
+        yield server
+
+
+def _database(server: Postgres) -> str:
+    import psycopg
+
+    name = f"t{os.getpid()}_{time.monotonic_ns()}"
+    with psycopg.connect(f"{server.url}/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"{server.url}/{name}"
+
+
+def _outage(server: Postgres, store: Store, ready: Callable[[], bool]) -> float:
+    """Once ``ready()``, stop the server for ``OUTAGE_S``; returns how long it was down."""
+    _wait_for(ready, timeout=30)
+    server.stop()
+    stopped = time.monotonic()
+    time.sleep(OUTAGE_S)
+    server.start()
+    return time.monotonic() - stopped
+
+
+def _said_once(err: str, down_for: float) -> None:
+    """One line when the outage started, one when it ended with its length; no retry lines."""
+    lines = err.splitlines()
+    away = [line for line in lines if "retrying until it is back" in line]
+    back = [m for line in lines if (m := re.search(r"job store is back after ([\d.]+) s", line))]
+    assert len(away) == 1 and "job store postgresql://" in away[0], err
+    assert len(back) == 1, err
+    assert OUTAGE_S - 1 <= float(back[0].group(1)) <= down_for + 10, err
+    assert not [line for line in lines if "retrying (" in line or "heartbeat failed" in line], err
+
+
+def test_lines_printed_while_postgres_is_down_reach_the_log_in_order_once_it_is_back(
+    pg: Postgres,
+) -> None:
+    """Two jobs print through a 5 s outage: one ends during it, one after it."""
+    url = _database(pg)
+    store = Store.open(url)
+    long = store.submit(command_job("for i in $(seq 1 100); do echo line $i; sleep 0.1; done"))
+    short = store.submit(command_job("for i in $(seq 1 30); do echo short $i; sleep 0.1; done"))
+    proc = runner(url, "--local", "-c", "2", "--lease", "3", "--until-empty")
+    down_for = _outage(pg, store, lambda: len(store.logs(long)) >= 5)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    for job, word, count in ((long, "line", 100), (short, "short", 30)):
+        done = store.get(job)
+        assert (done.status, done.attempt) == (JobStatus.COMPLETED, 1), done
+        logs = store.logs(job)
+        assert [line.line for line in logs] == [f"{word} {i}" for i in range(1, count + 1)]
+        assert [line.seq for line in logs] == list(range(1, count + 1))
+    _said_once(err, down_for)
+    store.close()
+
+
+def test_a_gang_job_printing_through_an_outage_keeps_every_workers_lines(
+    pg: Postgres, make_pod: Callable[..., Pod]
+) -> None:
+    """The issue's case: a 3-worker gang job across an outage kept 11 of its 75 lines."""
+    pod = make_pod(3)
+    url = _database(pg)
+    store = Store.open(url)
+    body = 'for i in $(seq 1 25); do echo "w$TPUPOD_WORKER_ID line $i"; sleep 0.3; done'
+    job = store.submit(command_job(body, pod=pod.name))
+    proc = runner(url, "--pod", pod.name, "--lease", "3", "--until-empty")
+    down_for = _outage(pg, store, lambda: len(store.logs(job)) >= 6)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    done = store.get(job)
+    assert (done.status, done.attempt) == (JobStatus.COMPLETED, 1), done
+    logs = store.logs(job)
+    assert [line.seq for line in logs] == list(range(1, 76))
+    for worker in range(3):
+        mine = [line.line for line in logs if line.worker == worker]
+        assert mine == [f"w{worker} line {i}" for i in range(1, 26)]
+    _said_once(err, down_for)
+    store.close()
+
+
+def test_a_write_retried_after_its_commit_adds_no_line_twice(tmp_path: Path) -> None:
+    """A write that failed after it committed (the answer was lost) is sent again with
+    ``resume``: the lines the store has are skipped, the rest added."""
+    store = Store.open(f"sqlite:///{tmp_path / 'jobs.db'}")
+    job = store.submit(command_job("true"))
+    claim = claims.claim(store, "r", pod=None, lease_s=30)
+    assert claim is not None
+    first = [(0, "a"), (0, "b")]
+    assert claims.append_logs(store, claim, 1, first) == 3  # committed; say the answer was lost
+    again = claims.append_logs(store, claim, 1, [*first, (0, "c")], resume=True)
+    assert again == 4
+    assert [(line.seq, line.line) for line in store.logs(job)] == [(1, "a"), (2, "b"), (3, "c")]
+    store.close()
+
+
+def _drain(buffer: LineBuffer, batch: int = 7) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    while buffer:
+        got = buffer.peek(batch)
+        out += got
+        buffer.consume(len(got))
+    return out
+
+
+def test_the_line_buffer_spills_to_disk_in_order_and_marks_what_it_dropped() -> None:
+    buffer = LineBuffer(memory_bytes=200, disk_bytes=400)
+    for i in range(80):  # 10 fit in memory, some more on disk, the rest are dropped
+        buffer.add(i % 2, f"l{i:03d}")
+    assert buffer.spilled_total > 0 and buffer.dropped_total > 0
+    kept = 80 - buffer.dropped_total
+    first = buffer.peek(3)
+    assert first == [(0, "l000"), (1, "l001"), (0, "l002")]
+    assert buffer.peek(3) == first  # nothing leaves before consume: a failed write loses nothing
+    buffer.add(0, "after")  # still full: dropped too
+    written = _drain(buffer)
+    assert [text for _, text in written[:kept]] == [f"l{i:03d}" for i in range(kept)]
+    marker = written[kept][1]
+    assert len(written) == kept + 1
+    assert marker.startswith(f"[tpupod] {buffer.dropped_total} lines dropped here (")
+    assert "200 bytes in memory, 400 bytes on disk" in marker
+    buffer.add(1, "later")  # room again: written after the marker
+    assert _drain(buffer) == [(1, "later")]
+    buffer.close()
+
+
+def test_a_drop_marker_comes_before_the_next_line_kept() -> None:
+    buffer = LineBuffer(memory_bytes=40, disk_bytes=30)
+    for text in ("a", "b", "c", "d", "e"):  # 17 bytes each: a, b in memory, c, d on disk
+        buffer.add(0, text)
+    assert buffer.dropped_total == 1  # e
+    assert buffer.peek(3) == [(0, "a"), (0, "b"), (0, "c")]
+    buffer.consume(3)  # written: room again
+    buffer.add(0, "f")
+    written = [text for _, text in _drain(buffer)]
+    assert written[0] == "d"
+    assert written[1].startswith("[tpupod] 1 lines dropped here")
+    assert written[2:] == ["f"]
+    buffer.close()
