@@ -63,6 +63,12 @@ class Postgres:
     def restart(self) -> None:
         subprocess.run([*self.pg_ctl, "-m", "fast", "restart"], check=True, capture_output=True)
 
+    def stop(self) -> None:
+        subprocess.run([*self.pg_ctl, "-m", "fast", "stop"], check=True, capture_output=True)
+
+    def start(self) -> None:
+        subprocess.run([*self.pg_ctl, "start"], check=True, capture_output=True)
+
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[Postgres]:
