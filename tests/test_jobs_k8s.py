@@ -1,6 +1,6 @@
 """The Kubernetes runner: its JobSets (validated with kubernetes-validate's strict schemas),
 and the whole path through the official ``kubernetes`` client against the stand-in API
-(``tpupod.jobs.k8s_standin``, a real HTTP server in its own process whose pods are real
+(``tests/fakes/k8s_standin.py``, a real HTTP server in its own process whose pods are real
 processes): a job claimed from the store becomes a JobSet, its pods' logs and result come
 back fenced, a failed pod fails the attempt naming its worker, an evicted one retries it
 until max_attempts, cancel and timeout delete the JobSet, and a runner killed with -9
@@ -23,8 +23,10 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+import yaml
 
 from tests.conftest import CliResult, tpupod_argv
+from tests.fakes.jobset_schema import validate_jobset
 from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
 from tpupod.errors import JobError, LeaseLost, UsageError
 from tpupod.jobs import claims
@@ -37,13 +39,13 @@ from tpupod.jobs.k8s_manifest import (
     render_jobset,
     store_label,
     tpu_slice,
-    validate_jobset,
 )
 from tpupod.jobs.models import Claim, Job, JobRequest, JobStatus
 from tpupod.jobs.runner import Runner
 from tpupod.jobs.store import Store
 
 TOKEN = "standin-token"
+REPO = Path(__file__).resolve().parents[1]  # where ``python -m tests.fakes...`` runs
 NAMESPACE = "tpu-jobs"
 
 
@@ -167,9 +169,9 @@ class StandIn:
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandIn]:
     kubeconfig = tmp_path_factory.mktemp("k8s") / "kubeconfig"
-    argv = [sys.executable, "-m", "tpupod.jobs.k8s_standin", "--kubeconfig", str(kubeconfig)]
+    argv = [sys.executable, "-m", "tests.fakes.k8s_standin", "--kubeconfig", str(kubeconfig)]
     argv += ["--token", TOKEN, "--pending", "0.3"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()  # bounded by the test's timeout
@@ -284,7 +286,7 @@ def test_a_job_runs_on_every_pod_and_its_logs_and_result_come_back(
     job = store.get(job_id)
     assert job.status is JobStatus.COMPLETED, (job.error, events)
     assert job.attempt == 1 and job.started_at is not None
-    assert job.result == '{"sum": 42, "worker": "0"}'  # worker 0's
+    assert job.result == {"sum": 42, "worker": "0"}  # worker 0's
     assert seen["status"] is JobStatus.RUNNING
     pod_spec = seen["jobset"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod_spec["nodeSelector"][TOPOLOGY_SELECTOR] == "4x4"
@@ -478,11 +480,39 @@ def test_the_cli_refuses_a_slice_gke_does_not_have(cli: Callable[..., CliResult]
 
 
 @pytest.mark.local
+def test_dry_run_prints_the_jobset_of_the_next_job_and_sends_nothing(
+    cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    argv = ("jobs", "worker", "--db", db, "--k8s", "--tpu", "v5litepod-16", "--image", "img:1")
+    # no cluster: a kubeconfig naming nothing would fail any call the runner made
+    env = {"KUBECONFIG": str(tmp_path / "absent")}
+    sample = cli(*argv, "--dry-run", env=env)
+    assert sample.code == 0, sample.err
+    assert sample.out.startswith("# the JobSet for a sample job (none is queued)")
+    assert validate_jobset(yaml.safe_load(sample.out)) == []
+    assert cli("jobs", "submit", "--db", db, "--", "echo", "low").code == 0
+    assert cli("jobs", "submit", "--db", db, "--priority", "5", "--", "echo", "high").code == 0
+    shown = cli(*argv, "--dry-run", env=env)
+    assert shown.code == 0, shown.err
+    body = yaml.safe_load(shown.out)
+    assert validate_jobset(body) == []
+    assert body["metadata"]["labels"]["tpupod.dev/job-id"] == "2"  # higher priority first
+    pods = body["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert pods["parallelism"] == 4  # v5litepod-16: four TPU VMs
+    assert "echo high" in pods["template"]["spec"]["containers"][0]["command"][-1]
+    jobs = cli("jobs", "ls", "--db", db)
+    assert jobs.code == 0 and jobs.out.count(" pending ") == 2, jobs.out  # nothing claimed
+    refused = cli("jobs", "worker", "--db", db, "--local", "--dry-run")
+    assert refused.code == 2 and "--dry-run is for --k8s runners" in refused.err
+
+
+@pytest.mark.local
 @pytest.mark.timeout(30)
 def test_an_api_server_that_does_not_answer_retries_the_attempt(
     store: Store, tmp_path: Path
 ) -> None:
-    from tpupod.jobs.k8s_standin import kubeconfig_text
+    from tests.fakes.k8s_standin import kubeconfig_text
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))

@@ -1,5 +1,5 @@
 """What the Kubernetes runner sends: a JobSet that gang-runs one attempt of a job on a GKE
-TPU slice, and the checks a manifest must pass (``validate_jobset``).
+TPU slice. (The tests check every manifest it renders: ``tests/fakes/jobset_schema.py``.)
 
 One JobSet per attempt, named ``tpupod-<store>-<job>-<attempt>`` and labelled with the job, the
 attempt and the store it came from, so a runner can tell a live attempt's JobSet from one a
@@ -7,10 +7,6 @@ lost runner left behind. It holds one replicated Job of N pods (one per TPU VM o
 slice) with completion mode Indexed: pod ``i`` is worker ``i``. Every pod asks for its
 VM's chips (``google.com/tpu``) and lands on the slice's node pool through GKE's
 ``cloud.google.com/gke-tpu-accelerator`` and ``-topology`` node labels.
-
-kubernetes-validate has no JobSet schema (it is a CRD): the replicated Job templates are
-checked as ``batch/v1`` Jobs with ``--strict`` schemas; the JobSet's own fields are
-checked here against the ones this module writes (names, types, required parts).
 """
 
 from __future__ import annotations
@@ -24,14 +20,13 @@ from typing import Any
 from tpupod import accelerators
 from tpupod.errors import UsageError
 from tpupod.jobs.execute import job_command, job_env
-from tpupod.jobs.models import Job
-from tpupod.jobs.store import redact
+from tpupod.jobs.models import Job, JobStatus
+from tpupod.jobs.store import Store, redact
 
 GROUP = "jobset.x-k8s.io"
 VERSION = "v1alpha2"
 PLURAL = "jobsets"
 API_VERSION = f"{GROUP}/{VERSION}"
-KUBERNETES_VERSION = "1.30.0"  # the schemas a manifest is validated against
 REPLICATED_JOB = "workers"
 CONTAINER = "job"
 COORDINATOR_PORT = 8476  # tpupod.init_jax's default
@@ -55,7 +50,6 @@ GKE_ACCELERATORS = {
 }
 THREE_D = {"v4", "v5p"}  # these write 3-D topologies (2x2x1), the others 2-D (4x4)
 TOPOLOGY_RE = re.compile(r"^\d+(x\d+){1,2}$")
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -213,69 +207,41 @@ def render_jobset(job: Job, attempt: int, target: Target) -> dict[str, Any]:
     }
 
 
-# The JobSet fields (spec and replicated job) that jobset.x-k8s.io/v1alpha2 defines.
-JOBSET_SPEC_FIELDS = {
-    "replicatedJobs",
-    "network",
-    "successPolicy",
-    "failurePolicy",
-    "startupPolicy",
-    "suspend",
-    "coordinator",
-    "managedBy",
-    "ttlSecondsAfterFinished",
-}
-REPLICATED_JOB_FIELDS = {"name", "replicas", "template", "dependsOn"}
+# What --dry-run renders when no job is queued: a gang job that shows the slice's devices.
+SAMPLE_COMMAND = "python3 -c 'import jax; print(jax.process_index(), jax.devices())'"
 
 
-def validate_jobset(body: Any, kubernetes_version: str = KUBERNETES_VERSION) -> list[str]:
-    """What is wrong with a JobSet manifest (empty: nothing found), each problem naming its
-    field. Job templates: kubernetes-validate's strict ``batch/v1`` schema; the rest: the
-    JobSet fields by hand (there is no schema to check them against offline)."""
-    import kubernetes_validate
+def preview(store: Store, target: Target, pod: str | None) -> tuple[Job, dict[str, Any]]:
+    """The JobSet a runner (for jobs of ``pod`` and of no pod) would create next: for the
+    queued job it would claim first (highest priority, then oldest), or for a sample job
+    when none is queued."""
+    queued = store.find(statuses=[JobStatus.PENDING], limit=10_000)
+    queued = [job for job in queued if job.pod in (None, pod)]
+    job = min(queued, key=lambda j: (-j.priority, j.id), default=None) or _sample_job()
+    return job, render_jobset(job, 1, target)
 
-    if not isinstance(body, dict):
-        return ["the body is not a JSON object"]
-    problems = []
-    if body.get("apiVersion") != API_VERSION or body.get("kind") != "JobSet":
-        problems.append(f"apiVersion/kind: want {API_VERSION} JobSet")
-    meta = body.get("metadata") or {}
-    name = meta.get("name") if isinstance(meta, dict) else None
-    if not isinstance(name, str) or not DNS_LABEL.match(name) or len(name) > 63:
-        problems.append(f"metadata.name: {name!r} is not a DNS label")
-    spec = body.get("spec")
-    if not isinstance(spec, dict):
-        return [*problems, "spec: missing"]
-    problems += [f"spec.{k}: unknown field" for k in sorted(set(spec) - JOBSET_SPEC_FIELDS)]
-    rjobs = spec.get("replicatedJobs")
-    if not isinstance(rjobs, list) or not rjobs:
-        return [*problems, "spec.replicatedJobs: a non-empty list is required"]
-    for i, rjob in enumerate(rjobs):
-        where = f"spec.replicatedJobs[{i}]"
-        if not isinstance(rjob, dict):
-            problems.append(f"{where}: not an object")
-            continue
-        problems += [
-            f"{where}.{k}: unknown field" for k in sorted(set(rjob) - REPLICATED_JOB_FIELDS)
-        ]
-        if not isinstance(rjob.get("name"), str) or not DNS_LABEL.match(rjob["name"]):
-            problems.append(f"{where}.name: {rjob.get('name')!r} is not a DNS label")
-        replicas = rjob.get("replicas", 1)
-        if not isinstance(replicas, int) or replicas < 1:
-            problems.append(f"{where}.replicas: {replicas!r} is not a positive integer")
-        template = rjob.get("template")
-        if not isinstance(template, dict):
-            problems.append(f"{where}.template: missing")
-            continue
-        as_job = {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {**(template.get("metadata") or {}), "name": f"{name}-{rjob.get('name')}"},
-            "spec": template.get("spec"),
-        }
-        try:
-            kubernetes_validate.validate(as_job, kubernetes_version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            path = ".".join(str(p) for p in exc.path)
-            problems.append(f"{where}.template.{path}: {exc.message}")
-    return problems
+
+def _sample_job() -> Job:
+    return Job(
+        id=0,
+        name="sample",
+        status=JobStatus.PENDING,
+        code=None,
+        command=SAMPLE_COMMAND,
+        labels={},
+        priority=0,
+        timeout=None,
+        pod=None,
+        attempt=0,
+        max_attempts=1,
+        lease_owner=None,
+        lease_expires_at=None,
+        cancel_requested=False,
+        created_at=0.0,
+        scheduled_at=None,
+        started_at=None,
+        completed_at=None,
+        updated_at=0.0,
+        result=None,
+        error=None,
+    )

@@ -1,14 +1,15 @@
 """A stand-in for the Kubernetes API paths the Kubernetes runner calls, on one machine.
 
-For the tests, and for a dry run of a Kubernetes runner without a cluster::
+For the tests (run from the repository's root; a user who wants to see what the runner
+sends has ``tpupod jobs worker --k8s ... --dry-run``)::
 
-    python -m tpupod.jobs.k8s_standin --port 8100 --kubeconfig /tmp/standin.kubeconfig
+    python -m tests.fakes.k8s_standin --port 8100 --kubeconfig /tmp/standin.kubeconfig
     tpupod jobs worker --k8s --kubeconfig /tmp/standin.kubeconfig --tpu v5litepod-16 \
         --image IMG --worker-python "$(which python)"   # a Python that has tpupod
 
 It serves create/get/list/delete of ``jobset.x-k8s.io/v1alpha2`` JobSets, the pod list and
 pod logs (followed, with timestamps, ``sinceSeconds``), nothing else. Every JobSet it is
-sent is checked with ``k8s_manifest.validate_jobset`` (kubernetes-validate's strict
+sent is checked with ``jobset_schema.validate_jobset`` (kubernetes-validate's strict
 ``batch/v1`` Job schema for each replicated Job; the JobSet's own fields by hand) and
 refused with Kubernetes' 422 ``Invalid`` Status if anything is wrong.
 
@@ -50,14 +51,13 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from tests.fakes.jobset_schema import KUBERNETES_VERSION, validate_jobset
 from tpupod.jobs.k8s_manifest import (
     COMPLETION_INDEX,
     GROUP,
     JOBSET_NAME_LABEL,
-    KUBERNETES_VERSION,
     PLURAL,
     VERSION,
-    validate_jobset,
     worker_hostnames,
 )
 from tpupod.transport.base import Stream
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     parser = argparse.ArgumentParser(
-        prog="python -m tpupod.jobs.k8s_standin", description=__doc__.split("\n\n")[0]
+        prog="python -m tests.fakes.k8s_standin", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--host", default="127.0.0.1", help="it runs the commands it is sent: loopback, or --token"
