@@ -386,17 +386,25 @@ def test_a_killed_launcher_leaves_nothing_running(
 ) -> None:
     make = request.getfixturevalue("make_pod" if kind == "local" else "make_ssh_pod")
     pod = make(2)
+    # no chance to stop anything: the orphan guard on each worker does it
+    kill_launcher_once_started(pod, "echo started; sleep 60 & sleep 60; wait")
+    assert leftovers(pod) == []
+
+
+def kill_launcher_once_started(pod: Pod, command: str) -> int:
+    """Start ``tpupod run -- command`` (which prints 'started' on every worker first), kill
+    its launcher with SIGKILL once every worker has started; the launcher's pid."""
     launcher = subprocess.Popen(
-        tpupod_argv("run", "--pod", pod.name, "--", "echo started; sleep 60 & sleep 60; wait"),
+        tpupod_argv("run", "--pod", pod.name, "--", command),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
     assert launcher.stdout is not None
-    assert all("started" in launcher.stdout.readline() for _ in range(2))
-    launcher.kill()  # no chance to stop anything: the orphan guard on each worker does it
+    assert all("started" in launcher.stdout.readline() for _ in pod.workers)
+    launcher.kill()
     launcher.communicate()
-    assert leftovers(pod) == []
+    return launcher.pid
 
 
 def test_exec_leaves_deliberate_background_processes_alone(

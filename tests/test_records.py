@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult
+from tests.test_launch import kill_launcher_once_started
 from tpupod.errors import PodNotFound, UsageError
 from tpupod.pod import Pod
 
@@ -134,3 +136,40 @@ def test_a_real_run_reads_back(make_pod: Callable[..., Pod], cli: Callable[..., 
     record = get_run(pod.name)
     assert record.done and record.exit_code == 0 and len(record.workers) == 2
     assert [r.outcome for r in record.results] == ["exit 0", "exit 0"]
+
+
+def test_following_a_run_whose_launcher_was_killed_ends_and_says_so(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(2)
+    pid = kill_launcher_once_started(pod, "echo started; sleep 60")  # "finished" stays null
+    follow = cli("logs", "--pod", pod.name, "--follow", timeout=30)  # waited forever before
+    assert follow.code == 0, follow.err
+    assert sorted(follow.out.splitlines()) == ["[w0] started", "[w1] started"]
+    assert f"its launcher (pid {pid}) is gone" in follow.err
+    listed = cli("logs", "--pod", pod.name, "--list")
+    assert listed.code == 0, listed.err
+    assert "launcher gone" in listed.out.splitlines()[1], listed.out
+
+
+def test_logs_list_shows_every_run_and_how_it_stands(
+    make_pod: Callable[..., Pod], state_home: Path, cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(2)
+    assert cli("logs", "--pod", pod.name, "--list").err == f"pod {pod.name!r} has no runs yet\n"
+    fake_run(state_home, pod.name, EARLIER, 1000.0, ["a"], **finished(3))
+    running = fake_run(state_home, pod.name, LATER, 1000.5, ["b"])
+    with (running / "launcher.lock").open("wb") as lock:  # as a live launcher holds it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        listed = cli("logs", "--pod", pod.name, "--list")
+    assert listed.code == 0, listed.err
+    header, first, second = listed.out.splitlines()
+    assert header.split() == ["run", "started", "workers", "state", "command"]
+    assert first.startswith(EARLIER) and "  exit 3  " in first and "python train.py" in first
+    assert second.startswith(LATER) and "  running  " in second
+    assert cli("logs", "--pod", pod.name, "--list").out.splitlines()[2].split()[4:6] == [
+        "launcher",
+        "gone",
+    ]
+    refused = cli("logs", "--pod", pod.name, "--list", "-f")
+    assert refused.code == 2 and refused.err.startswith("error: --list takes no RUN")

@@ -145,6 +145,14 @@ def _verdict(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str
     return lines
 
 
+def print_columns(rows: Sequence[Sequence[str]], file: TextIO) -> None:
+    """Rows of cells as plain aligned text (the first row is the header)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        file.write(_join(row, widths).rstrip() + "\n")
+    file.flush()
+
+
 def _painter(color: bool) -> Callable[[str, str], str]:
     if not color:
         return lambda code, text: text

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -14,6 +14,9 @@ from tpupod.cli.image import EngineOption, ImageOption, MountOption, PrivilegedO
 from tpupod.cli.options import EnvOption, PodOption
 from tpupod.results import DEFAULT_GRACE_S, OnFail
 from tpupod.runargs import RunArgs, run_command
+
+if TYPE_CHECKING:
+    from tpupod.state import StateDir
 
 
 @command("run", context_settings={"allow_interspersed_args": False})
@@ -141,6 +144,9 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")
     ] = False,
+    list_runs: Annotated[
+        bool, typer.Option("--list", "-l", help="List the pod's runs, oldest first.")
+    ] = False,
 ) -> None:
     """Show the output of a run, kept per worker ('tpupod run' writes it as the run goes).
 
@@ -149,6 +155,8 @@ def logs(
       tpupod logs                     # the latest run, every worker
 
       tpupod logs -w 3 -f             # follow worker 3 of the latest run
+
+      tpupod logs --list              # every run: when, how it ended, what ran
     """
     from tpupod.errors import UsageError
     from tpupod.launch.records import get_run, read_logs
@@ -157,6 +165,11 @@ def logs(
     from tpupod.transport import OutputLine, Stream
 
     state = StateDir()
+    if list_runs:
+        if run_id is not None or worker is not None or follow:
+            raise UsageError("--list takes no RUN, --worker or --follow", hint="tpupod logs --list")
+        _list_runs(state.resolve_name(pod), state)
+        return
     record = get_run(state.resolve_name(pod), run_id, state)
     ids = [w.id for w in record.workers if worker is None or w.id == worker]
     if not ids:
@@ -169,3 +182,29 @@ def logs(
     final = record.reread()
     if final.done:
         print(f"run {final.launch_id} ended with exit code {final.exit_code}", file=sys.stderr)
+    elif final.launcher_gone():
+        pid = f" (pid {final.launcher_pid})" if final.launcher_pid else ""
+        print(
+            f"run {final.launch_id} ended without a record of its end: its launcher{pid} is "
+            "gone (killed?), and its workers were stopped with it",
+            file=sys.stderr,
+        )
+
+
+def _list_runs(pod: str, state: StateDir) -> None:
+    """One line per run: its id, start, workers, how it stands, and what it ran."""
+    import time
+
+    from tpupod.launch.records import runs
+    from tpupod.report import print_columns
+
+    found = runs(pod, state)
+    if not found:
+        print(f"pod {pod!r} has no runs yet", file=sys.stderr)
+        return
+    rows = [["run", "started", "workers", "state", "command"]]
+    for record in found:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started))
+        command = record.command if len(record.command) <= 60 else record.command[:59] + "…"
+        rows.append([record.launch_id, started, str(len(record.workers)), record.state(), command])
+    print_columns(rows, sys.stdout)

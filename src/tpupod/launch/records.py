@@ -2,13 +2,18 @@
 
 ``tpupod run`` keeps each launch in ``pods/NAME/runs/LAUNCH_ID/``: ``run.json``
 (what ran, on which workers, when, how it ended) and one ``wN.log`` per worker,
-written as the run goes (see ``launch/run.py``). Launch ids start with the
+written as the run goes (see ``launch/run.py``). While it runs, the launcher
+holds a lock on ``launcher.lock``; a launcher killed with -9 never writes its
+run's end, but the kernel drops its lock, so a record still "running" whose lock
+is free belongs to a launcher that is gone (and its workers with it: nothing
+outlives its launcher). Launch ids start with the
 second the run started and end with random hex, so two launches in one second
 do not sort by name: runs are ordered by their ``started`` time.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -17,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod.errors import StateError, UsageError
-from tpupod.launch.run import RUN_FILE, RUNS_DIR
+from tpupod.launch.run import LAUNCHER_LOCK, RUN_FILE, RUNS_DIR
 from tpupod.state import StateDir, WorkerBrief
 
 FOLLOW_POLL_S = 0.2
@@ -45,10 +50,38 @@ class RunRecord:
     finished: float | None = None
     exit_code: int | None = None
     results: tuple[RunOutcome, ...] = ()
+    launcher_pid: int | None = None
 
     @property
     def done(self) -> bool:
         return self.finished is not None
+
+    def launcher_gone(self) -> bool:
+        """Not done, and its launcher no longer holds the run's lock: it died without writing
+        the end (kill -9, a crash). False while it runs, and for a record too old to say."""
+        if self.done:
+            return False
+        try:
+            lock = (self.folder / LAUNCHER_LOCK).open("rb")
+        except FileNotFoundError:
+            return False
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+    def ended(self) -> bool:
+        """Over: its end recorded, or its launcher gone (then the record, read again, may
+        have its end after all: the launcher wrote it just before letting go)."""
+        return self.launcher_gone() or self.reread().done
+
+    def state(self) -> str:
+        """How the run stands, in a word or three: running, exit N, launcher gone."""
+        if self.done:
+            return f"exit {self.exit_code}"
+        return "launcher gone" if self.launcher_gone() else "running"
 
     def log_file(self, worker: int) -> Path:
         return self.folder / f"w{worker}.log"
@@ -71,7 +104,7 @@ def run_record(folder: Path) -> RunRecord:
 
 
 def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
-    exit_code = data.get("exit_code")
+    exit_code, pid = data.get("exit_code"), data.get("launcher_pid")
     return RunRecord(
         folder=folder,
         launch_id=str(data["launch_id"]),
@@ -85,6 +118,7 @@ def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
             RunOutcome(int(r["worker"]), str(r["outcome"]), str(r["last_line"]))
             for r in data.get("results") or ()
         ),
+        launcher_pid=None if pid is None else int(pid),
     )
 
 
@@ -132,12 +166,13 @@ def read_logs(
     poll_s: float = FOLLOW_POLL_S,
 ) -> Iterator[tuple[WorkerBrief, str]]:
     """The selected workers' log lines, worker by worker as far as written; with ``follow``,
-    again every ``poll_s`` seconds until the run has ended and everything is read."""
+    again every ``poll_s`` seconds until the run has ended (or its launcher is gone) and
+    everything is read."""
     briefs = [w for w in record.workers if w.id in workers]
     offsets = dict.fromkeys(workers, 0)
     while True:
         # Ended before this pass: the pass reads all there is, and it is the last.
-        last = not follow or record.reread().done
+        last = not follow or record.ended()
         for brief in briefs:
             lines, offsets[brief.id] = _new_lines(
                 record.log_file(brief.id), offsets[brief.id], last

@@ -12,6 +12,7 @@ pod's state folder, with ``run.json`` describing the run.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import re
@@ -55,6 +56,9 @@ from tpupod.workerrun import LineHandler
 
 RUNS_DIR = "runs"
 RUN_FILE = "run.json"
+# Held (flock) by the launcher while it runs: the kernel lets go when it dies, even by kill -9,
+# so a reader can tell a running launch from one whose launcher is gone (``records.py``).
+LAUNCHER_LOCK = "launcher.lock"
 PREFLIGHT_TIMEOUT_S = 30.0
 RENDEZVOUS_START_S = 30.0
 
@@ -488,11 +492,15 @@ class _RunLog:
             "coordinator": launch.coordinator,
             "started": time.time(),
             "finished": None,
+            "launcher_pid": os.getpid(),
         }
         self.files: dict[int, IO[str]] = {}
+        self.lock: IO[bytes] | None = None
 
     def __enter__(self) -> _RunLog:
         self.launch.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = (self.launch.run_dir / LAUNCHER_LOCK).open("wb")  # not inherited (PEP 446)
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
         for worker in self.record["workers"]:
             path = self.launch.run_dir / f"w{worker['id']}.log"
             self.files[worker["id"]] = path.open("a", encoding="utf-8")
@@ -502,6 +510,8 @@ class _RunLog:
     def __exit__(self, *exc: object) -> None:
         for file in self.files.values():
             file.close()
+        if self.lock is not None:
+            self.lock.close()  # after finish() wrote the end: the lock's release says "ended"
 
     def tee(self, on_line: LineHandler | None, *, show_chatter: bool) -> LineHandler:
         """Every line to the worker's log; to ``on_line`` too, but chatter only if asked."""
