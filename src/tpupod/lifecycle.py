@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from tpupod import podusers
 from tpupod.errors import PodExists, StateError
 from tpupod.pod import Pod
+from tpupod.podusers import PodUser
 from tpupod.providers import provider_for
 from tpupod.spec import PodSpec
 from tpupod.state import StateDir
+
+STOP_S = 30.0  # a runner stops its job (TERM, then KILL after 3 s) and gives it back
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,32 @@ def up(spec: PodSpec, state: StateDir, *, recreate: bool = False) -> UpResult:
     return UpResult(pod, created=True)
 
 
-def down(pod: Pod, state: StateDir) -> None:
-    """Take the pod's workers down, then forget it."""
-    asyncio.run(provider_for(pod.provider).destroy(pod, state))
+def down(
+    pod: Pod, state: StateDir, *, force: bool = False, stop_s: float = STOP_S
+) -> tuple[list[PodUser], list[PodUser]]:
+    """Take the pod's workers down, then forget it; returns the users it asked to let go,
+    and those of them that had not within ``stop_s`` (they stop when they see it gone).
+
+    A pod that a job runner serves is refused: its running job would be killed and
+    recorded as failed. With ``force`` the runners are asked to let go first (they give
+    their jobs back to the queue and exit, up to ``stop_s``)."""
+    found = podusers.users(state, pod.name)
+    if found and not force:
+        first = found[0]
+        raise StateError(
+            f"pod {pod.name!r} is in use by {', '.join(user.describe() for user in found)}",
+            hint=f"stop it first (kill -TERM {first.pid}), or add --force: a job runner gives "
+            "its running job back to the queue and exits",
+        )
+    left = podusers.stop(state, pod.name, found, stop_s) if found else []
+    podusers.mark_going_down(state, pod.name)  # a user that did not let go stops now
+    try:
+        asyncio.run(provider_for(pod.provider).destroy(pod, state))
+    except BaseException:
+        podusers.unmark_going_down(state, pod.name)
+        raise
     state.remove(pod.name)
+    return found, left
 
 
 def _describe(spec: PodSpec) -> str:

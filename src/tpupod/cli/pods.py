@@ -275,9 +275,18 @@ def down(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print what would be deleted (for gcp: the request).")
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Also a pod a job runner is using: the runner gives its job back to the "
+            "queue and exits first.",
+        ),
+    ] = False,
 ) -> None:
     """Take a pod down and forget it (a local pod's leftover processes are killed;
-    a Cloud TPU is deleted unless it was adopted).
+    a Cloud TPU is deleted unless it was adopted). A pod that a job runner
+    ('tpupod jobs worker --pod P') is using is refused without --force.
 
     Examples:
 
@@ -298,7 +307,10 @@ def down(
 
             _print_request(delete_request(target.spec, _project(target.spec)))
         return
-    pod_down(target, state)
+    asked, left = pod_down(target, state, force=force)
+    for user in asked:
+        done = "did not stop in time (it stops when it sees the pod gone)" if user in left else ""
+        print(f"stopped {user.describe()}" if not done else f"{user.describe()} {done}")
     print(f"pod {target.name!r} is down")
 
 

@@ -15,7 +15,7 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from tpupod.fanout import Interrupt
     from tpupod.jobs.pool import Pool
     from tpupod.pod import Pod
+    from tpupod.podusers import Watch
+    from tpupod.state import StateDir
 
 GRACE_S = 3.0  # TERM, then KILL: JAX ignores TERM
 
@@ -169,8 +171,37 @@ class PodExecutor:
     supervision from outside JAX): any worker's failure ends the attempt and names it;
     a timeout or a stop ends every worker's process group (TERM, then KILL)."""
 
-    def __init__(self, pod: Pod, *, worker_python: str = "python3", grace_s: float = GRACE_S):
+    def __init__(
+        self,
+        pod: Pod,
+        *,
+        worker_python: str = "python3",
+        grace_s: float = GRACE_S,
+        state: StateDir | None = None,
+    ):
         self.pod, self.worker_python, self.grace_s = pod, worker_python, grace_s
+        self.state = state  # where the pod's record is (default: $TPUPOD_HOME)
+        self._watch: Watch | None = None
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """While a runner serves the pod: it is the pod's registered user (``tpupod down``
+        refuses, or with --force asks it to let go) and watches that the pod is there."""
+        from tpupod.podusers import Watch, using
+        from tpupod.state import StateDir
+
+        state = self.state or StateDir()
+        if not state.exists(self.pod.name):  # not a pod of this state directory
+            yield
+            return
+        self._watch = Watch(state, self.pod.name)
+        what = f"a job runner ('tpupod jobs worker --pod {self.pod.name}')"
+        with using(state, self.pod.name, what):
+            yield
+
+    def gone(self) -> str | None:
+        """Why the pod this runner serves is gone (taken down, made again), or None."""
+        return self._watch.gone() if self._watch is not None else None
 
     async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
         from tpupod.fanout import Interrupt

@@ -17,6 +17,7 @@ back, the held lines are written in order, exactly once, before each attempt's e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import secrets
@@ -40,6 +41,7 @@ HEARTBEAT_MAX_S = 1.0
 UNTIL_EMPTY_POLL_S = 0.2
 END_TRIES = 30  # the database may be restarting: the lease covers a while
 RETRY_S = 0.5  # while the store is away
+WATCH_S = 1.0  # a pod runner checks that its pod is there
 WRITE_BATCH = 5000  # log lines per transaction
 
 
@@ -107,9 +109,26 @@ class Runner:
         self._changed = asyncio.Event()  # an attempt ended: a slot is free, an ending queued
         self._failures = 0  # store errors in a row
         self._away_since: float | None = None  # the store has been away since (monotonic)
+        self.gone: str | None = None  # why the pod this runner serves is gone
 
     async def serve(self, *, until_empty: bool = False, max_jobs: int | None = None) -> int:
         """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``).
+
+        A pod runner is its pod's registered user while it serves (``tpupod down`` can
+        tell); if the pod goes, it gives its job back and stops (``JobError``)."""
+        serving = getattr(self.executor, "serving", None)
+        with serving() if serving is not None else contextlib.nullcontext():
+            done = await self._serve(until_empty=until_empty, max_jobs=max_jobs)
+        if self.gone is not None:
+            raise JobError(
+                f"{self.gone}: this runner stopped",
+                hint="its job went back to the queue; bring the pod up again and start a "
+                "runner for it",
+            )
+        return done
+
+    async def _serve(self, *, until_empty: bool, max_jobs: int | None) -> int:
+        """The loop.
 
         Each round is one transaction: the endings queued since the last round and a claim
         for the free slots (``claims.finish_and_claim``); the busier the runner, the more
@@ -117,6 +136,7 @@ class Runner:
         wakeup = Wakeup(self.store)
         beating = asyncio.create_task(self._beat_forever())
         flushing = asyncio.create_task(self._flush_forever())
+        watching = asyncio.create_task(self._watch_pod())
         tasks: set[asyncio.Task[None]] = set()
         claimed = 0
         reaped_at = 0.0
@@ -154,6 +174,7 @@ class Runner:
                 await self._drain(tasks)
             beating.cancel()
             flushing.cancel()
+            watching.cancel()
             await wakeup.close()
         return self.done
 
@@ -265,6 +286,25 @@ class Runner:
                 elif attempt.key in cancel:
                     attempt.stop_for("cancel")
 
+    async def _watch_pod(self) -> None:
+        """A pod runner whose pod is gone stops leasing and gives its job back."""
+        if getattr(self.executor, "gone", None) is None:
+            return
+        while True:
+            if self._pod_gone():
+                return
+            await asyncio.sleep(WATCH_S)
+
+    def _pod_gone(self) -> bool:
+        gone = getattr(self.executor, "gone", None)
+        if self.gone is None and gone is not None and (why := gone()) is not None:
+            self.gone = why
+            self.say(f"runner {self.owner}: {why}: giving its job back and stopping")
+            for attempt in self.held.values():
+                attempt.stop_for("shutdown")
+            self.shutdown.set()
+        return self.gone is not None
+
     async def run_one(self, claim: Claim) -> None:
         job = claim.job
         attempt = _Attempt(claim, claim.next_seq, marked_started=self.starts_at_once)
@@ -349,8 +389,14 @@ class Runner:
         if attempt.why == "lost":
             self._free_slot(attempt)
             return "lease lost, not recorded"
+        # a job that failed as its pod went away (its workers stopped) did not fail itself
+        if outcome.status is JobStatus.FAILED and self._pod_gone():
+            attempt.stop_for("shutdown")
         # a job that ran to its end as its runner was stopping is recorded, not run again
-        given_back = attempt.why == "shutdown" and outcome.status is JobStatus.CANCELLED
+        stopped = outcome.status is JobStatus.CANCELLED or (
+            self.gone is not None and outcome.status is JobStatus.FAILED
+        )
+        given_back = attempt.why == "shutdown" and stopped
         if attempt.why == "cancel":
             ending = Ending(claim, JobStatus.CANCELLED, error="cancelled by request")
         elif not given_back and not outcome.retry:

@@ -1,0 +1,137 @@
+"""Who is using a pod: a process that serves a pod for long (a job runner) says so in the
+pod's folder, so that ``tpupod down`` can refuse to pull the pod from under it, or (with
+``--force``) ask it to let go first.
+
+A user holds an exclusive ``flock`` on a file of its own, ``users/PID.json`` in the pod's
+folder (what it is, since when). The lock goes with the process, even on ``kill -9``: a
+file whose lock can be taken is a leftover, and whoever finds it removes it. While a pod
+goes down, ``going-down`` in its folder tells a user that missed the request that its
+pod is going (its job fails as the workers are stopped: that is the pod, not the job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpupod.state import RECORD_FILE, StateDir
+
+USERS_DIR = "users"
+GOING_DOWN = "going-down"
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class PodUser:
+    pid: int
+    what: str
+    since: float
+
+    def describe(self) -> str:
+        since = time.strftime("%H:%M:%S", time.localtime(self.since))
+        return f"{self.what} (pid {self.pid}, since {since})"
+
+
+@contextlib.contextmanager
+def using(state: StateDir, pod: str, what: str) -> Iterator[None]:
+    """Register this process as a user of ``pod`` for the block."""
+    folder = state.pod_dir(pod) / USERS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{os.getpid()}.json"
+    staged = folder / f".{os.getpid()}.tmp"
+    with open(staged, "w") as handle:
+        # locked and written before it has its name: no reader ever sees it unlocked
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.write(json.dumps({"pid": os.getpid(), "what": what, "since": time.time()}))
+        handle.flush()
+        staged.rename(path)
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # still locked: no reader takes it for a leftover
+
+
+def users(state: StateDir, pod: str) -> list[PodUser]:
+    """The live users of ``pod``; leftovers of dead ones are removed."""
+    found = []
+    folder = state.pod_dir(pod) / USERS_DIR
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        user = _live(path)
+        if user is not None:
+            found.append(user)
+    return found
+
+
+def _live(path: Path) -> PodUser | None:
+    try:
+        handle = open(path)  # noqa: SIM115 (closed below, whichever way)
+    except FileNotFoundError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: its process is alive
+            try:
+                data = json.loads(handle.read())
+                return PodUser(int(data["pid"]), str(data["what"]), float(data["since"]))
+            except (ValueError, KeyError, TypeError):  # not ours: someone wrote it by hand
+                return PodUser(int(path.stem), "a process", path.stat().st_mtime)
+        path.unlink(missing_ok=True)  # a leftover: its process died
+        return None
+
+
+def stop(state: StateDir, pod: str, found: list[PodUser], timeout: float) -> list[PodUser]:
+    """Ask each user to let go (SIGTERM: a job runner gives its job back and exits) and
+    wait up to ``timeout`` s; returns those still there."""
+    for user in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(user.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    left = users(state, pod)
+    while left and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        left = users(state, pod)
+    return left
+
+
+def mark_going_down(state: StateDir, pod: str) -> None:
+    (state.pod_dir(pod) / GOING_DOWN).touch()
+
+
+def unmark_going_down(state: StateDir, pod: str) -> None:
+    (state.pod_dir(pod) / GOING_DOWN).unlink(missing_ok=True)
+
+
+class Watch:
+    """Tells a user when its pod is gone: taken down (or going), or replaced by another of
+    the same name. A ``stat`` or two: cheap enough to ask every second."""
+
+    def __init__(self, state: StateDir, pod: str) -> None:
+        self.state, self.pod = state, pod
+        self.record = state.pod_dir(pod) / RECORD_FILE
+        self.version = _version(self.record)
+
+    def gone(self) -> str | None:
+        """Why the pod is gone, or None while it is there."""
+        if (self.state.pod_dir(self.pod) / GOING_DOWN).exists():
+            return f"pod {self.pod!r} is being taken down"
+        version = _version(self.record)
+        if version is None:
+            return f"pod {self.pod!r} was taken down"
+        if version != self.version:
+            return f"pod {self.pod!r} was made again (a new pod of that name)"
+        return None
+
+
+def _version(record: Path) -> int | None:
+    try:
+        return record.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
