@@ -177,6 +177,51 @@ def test_no_stopping_notice_when_every_worker_already_ended(
     assert "stopping" not in result.err
 
 
+# w1 fails as after init_jax (supervised: it tells the launcher before its process ends);
+# the others do what JAX workers in a collective do when a peer vanishes: a burst of gloo
+# "Connection closed" tracebacks, faster than any stop (they ignore TERM, as JAX does).
+COLLATERAL = """
+import os, pathlib, signal, sys, time
+me = int(os.environ["TPUPOD_WORKER_ID"])
+flag = pathlib.Path(sys.argv[1])
+if me == 1:
+    from tpupod.launch.client import client
+    client()
+    flag.write_text(str(os.getpid()))
+    raise ValueError("bad shard 7")
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("step 1", flush=True)
+def alive(pid):
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+while not flag.exists() or not flag.read_text() or alive(int(flag.read_text())):
+    time.sleep(0.001)
+for i in range(25):
+    print("jaxlib.xla_extension.XlaRuntimeError: Gloo error: Connection closed by peer",
+          file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def test_the_others_collateral_failures_stay_in_their_logs(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(3)
+    flag = str(tmp_path / "w1-pid")
+    result = cli("run", "--pod", pod.name, "--", PYTHON, "-c", COLLATERAL, flag)
+    assert result.code == 1, result.err
+    assert "[w1] ValueError: bad shard 7" in result.err
+    assert "first failure: w1 " in result.err and "ValueError: bad shard 7" in result.err
+    assert "Connection closed" not in result.out + result.err, result.err
+    assert "50 lines that w0, w2 printed after w1 failed are only in the logs" in result.err
+    rows = [line for line in result.err.splitlines() if line.startswith(("w0 ", "w2 "))]
+    assert len(rows) == 2 and all(row.endswith("step 1") for row in rows), result.err
+    logs = cli("logs", "--pod", pod.name, "-w", "0")
+    assert logs.out.count("Connection closed by peer") == 25
+
+
 # -- a killed launcher ----------------------------------------------------------------
 
 LAUNCHER_STAGES = {

@@ -107,10 +107,24 @@ class Supervision:
         # Failures in the order they were learned: reports, and exits as they happen.
         self.reports: asyncio.Queue[FailureReport] = asyncio.Queue()
         self.on_stopping = on_stopping or (lambda reason: None)
+        # The first worker that failed by itself, from the moment it is known (before the
+        # fan-out acts on it): what the others print after that is collateral.
+        self.first_failed: int | None = None
+        self.stop_begun = False  # from here on, failures are the stop's doing
 
     def report_failure(self, worker: int, reason: str | None) -> None:
         """``worker`` says it fails, and why; ``reason`` None: it vanished without a word."""
+        if reason is not None:
+            self.failed(worker)
         self.reports.put_nowait(FailureReport(worker, reason))
+
+    def failed(self, worker: int) -> None:
+        if self.first_failed is None and not self.stop_begun:
+            self.first_failed = worker
+
+    def stopping(self, reason: str) -> None:
+        self.stop_begun = True
+        self.on_stopping(reason)
 
 
 class _Fanout:
@@ -213,6 +227,8 @@ class _Fanout:
 
     def _exited(self, worker: int, status: ExitStatus) -> None:
         if not status.ok:
+            if self.by_id[worker].stop_outcome is None:
+                self.supervision.failed(worker)
             self.supervision.reports.put_nowait(FailureReport(worker, None, status))
 
     def _reported(self, report: FailureReport) -> None:
@@ -284,7 +300,7 @@ class _Fanout:
             f"{reason}: stopping {len(running)} worker{'s' if len(running) != 1 else ''} ({plan})"
         )
         self.on_notice(f"{note}; {extra}" if extra else note)
-        self.supervision.on_stopping(reason)
+        self.supervision.stopping(reason)
         self._spawn_stop(outcome, self.grace, by)
 
     def _spawn_stop(self, outcome: Outcome, grace: float, by: int | None = None) -> None:
@@ -315,7 +331,7 @@ async def execute_async(
     connector: Connector | None = None,
     guard: bool = False,
     supervision: Supervision | None = None,
-    chatter: Callable[[], Callable[[str], str | None]] | None = None,
+    chatter: Callable[[Worker], Callable[[str], str | None]] | None = None,
 ) -> FanoutResult:
     """Run ``command`` (a bash command line) on the selected workers of ``pod`` at once.
 
@@ -325,8 +341,8 @@ async def execute_async(
     Pass a ``connector`` (``tpupod.providers.connect(pod)``) to reuse
     connections across calls; it is then yours to close. ``guard`` kills the
     commands if this process dies while they run (see ``transport.base.command_script``).
-    ``chatter`` makes, for each worker, a cleaner of its lines (it may keep state from one
-    line to the next) that takes a runtime's own noise out of a line, or returns None for
+    ``chatter`` makes, for each worker (given it), a cleaner of its lines (it may keep state
+    from one line to the next) that takes a runtime's own noise out of a line, or returns None for
     a line of nothing else: ``on_line`` still gets every line as it came, the summary's
     last lines only what the cleaner kept.
     """
@@ -339,7 +355,7 @@ async def execute_async(
         worker_env = {**pod.identity_env(worker), **provider.worker_env(pod, worker), **(env or {})}
         transport = pod_connector.transport(worker)
         run = WorkerRun(worker, transport, command, worker_env, on_line, guard=guard)
-        run.chatter = chatter() if chatter is not None else None
+        run.chatter = chatter(worker) if chatter is not None else None
         runs.append(run)
     try:
         policy = Policy(OnFail(on_fail), timeout, grace)

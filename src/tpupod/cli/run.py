@@ -45,8 +45,8 @@ def run(
         typer.Option(
             "--verbose",
             "-v",
-            help="Also print the runtime's own chatter (gloo's connection lines); "
-            "it is always kept in 'tpupod logs'.",
+            help="Also print the runtime's own chatter (gloo's connection lines) and what "
+            "the others print after the first failure; both are always kept in 'tpupod logs'.",
         ),
     ] = False,
     env: EnvOption = None,

@@ -20,7 +20,7 @@ import secrets
 import shlex
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -124,16 +124,23 @@ class Chatter:
 
 
 class TailCleaner(Chatter):
-    """What a worker's summary row may show as its last line: not chatter, and not one of
-    tpupod's own marker lines (``tpupod-progress {...}`` from ``podprogress``,
+    """What a worker's summary row may show as its last line: not chatter, not what it
+    printed after another worker failed (``collateral``, see ``_RunLog.tee``), and not one
+    of tpupod's own marker lines (``tpupod-progress {...}`` from ``podprogress``,
     ``tpupod-bench-results ...``), which the launcher's views read out of the output: every
     such marker starts with ``tpupod-NAME ``. The terminal still gets markers (a live view
     takes them out there)."""
 
     OWN_MARKER = re.compile(r"\x1e?tpupod-[a-z]+(?:-[a-z]+)* ")
 
+    def __init__(self, collateral: Callable[[], bool] = lambda: False) -> None:
+        super().__init__()
+        self.collateral = collateral
+
     def __call__(self, text: str) -> str | None:
-        return None if self.OWN_MARKER.match(text) else super().__call__(text)
+        if self.collateral() or self.OWN_MARKER.match(text):
+            return None
+        return super().__call__(text)
 
 
 def new_launch_id() -> str:
@@ -224,7 +231,9 @@ async def run(
         sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
         notice(f"launch {launch_id}: {len(selected)} workers, logs in {launch.run_dir}")
         run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
-        with _RunLog(launch, command, selected) as log:
+        # Once one fails and the others are stopped, their fall stays in the logs (-v shows it).
+        collateral = OnFail(on_fail) is OnFail.KILL and not show_chatter
+        with _RunLog(launch, command, selected, supervision if collateral else None) as log:
             try:
                 result = await execute_async(
                     sub_pod,
@@ -239,7 +248,7 @@ async def run(
                     connector=run_connector,
                     guard=True,  # a supervised program never outlives its launcher
                     supervision=supervision,
-                    chatter=TailCleaner,
+                    chatter=lambda worker: TailCleaner(lambda: log.collateral(worker.id)),
                 )
             finally:
                 await server.close()
@@ -248,6 +257,8 @@ async def run(
                         sub_pod, run_connector, sub_pod.workers, container.engine, launch_id
                     )
             log.finish(result)
+            if log.held:
+                notice(log.held_note())
         return RunResult(launch, explain(result) if container is not None else result)
     finally:
         await connector.close()
@@ -483,8 +494,16 @@ class _Renumbered:
 class _RunLog:
     """Per-worker log files and the run's record (``run.json``), written as the run goes."""
 
-    def __init__(self, launch: Launch, command: str, workers: Sequence[Worker]) -> None:
+    def __init__(
+        self,
+        launch: Launch,
+        command: str,
+        workers: Sequence[Worker],
+        supervision: Supervision | None = None,
+    ) -> None:
         self.launch = launch
+        self.supervision = supervision  # to keep collateral output off the terminal
+        self.held: dict[int, int] = {}  # collateral lines kept off it, per worker
         self.record: dict[str, Any] = {
             "launch_id": launch.launch_id,
             "command": command,
@@ -513,8 +532,28 @@ class _RunLog:
         if self.lock is not None:
             self.lock.close()  # after finish() wrote the end: the lock's release says "ended"
 
+    def collateral(self, worker: int) -> bool:
+        """Whether ``worker``'s lines from now on are collateral: another worker failed by
+        itself (its own report, or its exit, learned before the others can see it gone), so
+        what this one prints now is the others' fall (gloo's "Connection closed" tracebacks
+        as their peer vanishes, their stop), which would bury the real error."""
+        first = self.supervision.first_failed if self.supervision is not None else None
+        return first is not None and first != worker
+
+    def held_note(self) -> str:
+        """What the terminal did not show, and where it is."""
+        assert self.supervision is not None
+        count = sum(self.held.values())
+        names = ", ".join(f"w{w}" for w in sorted(self.held))
+        return (
+            f"{count} line{'s' if count != 1 else ''} that {names} printed after "
+            f"w{self.supervision.first_failed} failed are only in the logs: "
+            f"'tpupod logs {self.launch.launch_id} -w {min(self.held)}'"
+        )
+
     def tee(self, on_line: LineHandler | None, *, show_chatter: bool) -> LineHandler:
-        """Every line to the worker's log; to ``on_line`` too, but chatter only if asked."""
+        """Every line to the worker's log; to ``on_line`` too, but chatter only if asked,
+        and collateral lines never (they are counted)."""
         hide = {worker: Chatter() for worker in self.files}
 
         def handle(worker: Worker, line: OutputLine) -> None:
@@ -522,6 +561,9 @@ class _RunLog:
             file.write(line.text + "\n")
             file.flush()
             if on_line is None:
+                return
+            if self.collateral(worker.id):
+                self.held[worker.id] = self.held.get(worker.id, 0) + 1
                 return
             shown = line.text if show_chatter else hide[worker.id](line.text)
             if shown is not None:
