@@ -1,7 +1,9 @@
 """Containers on every worker, with real podman: ``run --image``, ``exec --image``, cleanup.
 
-Podman needs runc and a containers.conf with ulimits that fit this machine; no image
-registry is reachable, so the base image is a busybox-static rootfs (``podman import``).
+Podman runs with its stock configuration (no containers.conf: this machine's hard limits,
+nofile 20,000, are below podman's defaults, and tpupod fits them); only the storage is the
+tests' own. No image registry is reachable, so the base image is a busybox-static rootfs
+(``podman import``).
 Programs that need Python mount the host's /usr and the venv's interpreter read-only; the
 run's directory (this repository, with its .venv) is mounted by ``run`` itself.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -23,7 +26,7 @@ import pytest
 
 from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
 from tpupod.errors import UsageError
-from tpupod.image.containerize import Container, Mount, explain, wrap
+from tpupod.image.containerize import PODMAN_DEFAULT_LIMIT, Container, Mount, explain, wrap
 from tpupod.pod import Pod, Worker
 from tpupod.report import print_summary
 from tpupod.results import FanoutResult, Outcome, WorkerResult
@@ -32,13 +35,6 @@ from tpupod.transport import ExitStatus
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path("/var/tmp/tpupod-test-podman")
-CONTAINERS_CONF = """\
-[containers]
-default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
-
-[engine]
-runtime = "runc"
-"""
 BUSYBOX = Path("/bin/busybox")
 APPLETS = ("sh", "echo", "cat", "sleep", "true", "false", "env", "ls", "kill", "trap")
 # The venv's python is a symlink to an interpreter outside the repository (pyenv's, or
@@ -91,17 +87,16 @@ def import_base_image(tag: str, work: Path) -> None:
 
 @pytest.fixture(scope="session")
 def podman_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Podman configured for this machine (in a storage of the tests' own), and the tag of a
-    busybox base image, cached between runs under a name keyed by what went into it."""
+    """Podman as installed (no containers.conf), in a storage of the tests' own, and the tag
+    of a busybox base image, cached between runs under a name keyed by what went into it."""
     require(shutil.which("podman") is not None, "podman is not installed (Debian's podman)")
     require(BUSYBOX.exists(), "busybox is not installed (Debian's busybox-static)")
     require(os.geteuid() == 0, "the container tests run podman as root")
     CACHE.mkdir(parents=True, exist_ok=True)
-    conf, storage = CACHE / "containers.conf", CACHE / "storage.conf"
-    conf.write_text(CONTAINERS_CONF)
+    storage = CACHE / "storage.conf"
     storage.write_text(storage_conf(CACHE / "storage"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CONTAINERS_CONF", str(conf))
+        patch.delenv("CONTAINERS_CONF", raising=False)
         patch.setenv("CONTAINERS_STORAGE_CONF", str(storage))
         key = hashlib.sha256(BUSYBOX.read_bytes() + repr(APPLETS).encode()).hexdigest()[:12]
         tag = f"tpupod-test-base:{key}"
@@ -145,24 +140,62 @@ def test_the_wrapped_command_names_the_container_and_passes_identity() -> None:
     assert "--privileged" in wrap("x", Container("app:1", privileged=True), "L1")
 
 
-def test_an_engine_refusing_its_own_default_limits_gets_a_hint() -> None:
-    """What Debian's podman prints here without the containers.conf above: the summary's
-    first failure then says what to change."""
-    refused = (
-        "Error: runc: runc create failed: unable to start container process: error during "
-        "container init: error setting rlimits for ready process: error setting rlimit type 7:"
-        " operation not permitted: OCI permission denied"
+def refused(kind: int, engine: str = "Error: runc: runc create failed") -> str:
+    """What Debian's podman (or Docker's daemon) prints when a container's limit is refused."""
+    return (
+        f"{engine}: unable to start container process: error during container init: error "
+        f"setting rlimits for ready process: error setting rlimit type {kind}: operation not "
+        "permitted: OCI permission denied"
     )
-    worker = Worker(id=0, hostname="vm", internal_address="127.0.0.1")
-    failed = WorkerResult(worker, Outcome.FAILED, 0.2, ExitStatus(126), tail=(refused,))
-    second = Worker(id=1, hostname="vm", internal_address="127.0.0.1")
-    other = WorkerResult(second, Outcome.FAILED, 0.2, ExitStatus(1), tail=("boom",))
-    explained = explain(FanoutResult("x", [failed, other], 0.3, failure_order=[0]))
-    assert explained.workers[0].hint is not None and "default_ulimits" in explained.workers[0].hint
-    assert explained.workers[1].hint is None
+
+
+def test_a_limit_the_engine_cannot_give_gets_a_hint_naming_it() -> None:
+    """The summary's first failure says which limit of default_ulimits to change and how
+    (each followed for real in the test below); Docker's daemon has no containers.conf."""
+    workers = [Worker(id=i, hostname="vm", internal_address="127.0.0.1") for i in range(4)]
+    results = [
+        WorkerResult(workers[0], Outcome.FAILED, 0.2, ExitStatus(126), tail=(refused(6),)),
+        WorkerResult(workers[1], Outcome.FAILED, 0.2, ExitStatus(126), tail=(refused(8),)),
+        WorkerResult(workers[2], Outcome.FAILED, 0.2, ExitStatus(1), tail=("boom",)),
+        WorkerResult(
+            workers[3],
+            Outcome.FAILED,
+            0.2,
+            ExitStatus(126),
+            tail=(refused(7, "docker: Error response from daemon: failed to create task"),),
+        ),
+    ]
+    explained = explain(FanoutResult("x", results, 0.3, failure_order=[0, 1, 2, 3]))
+    hints = [w.hint for w in explained.workers]
+    assert hints[0] is not None and "more nproc than this worker allows" in hints[0]
+    assert "the lower of the worker's 'ulimit -Hu' and /proc/sys/kernel/pid_max" in hints[0]
+    assert hints[1] is not None and "remove memlock (the container then gets" in hints[1]
+    assert hints[2] is None and hints[3] is None
     out = io.StringIO()
     print_summary(explained, out, "run", color=False)
-    assert out.getvalue().splitlines()[-1].startswith("hint: the engine's default limits")
+    assert out.getvalue().splitlines()[-1].startswith("hint: the engine asks for more nproc")
+
+
+def engine_limits() -> tuple[int, int]:
+    """The most nofile and nproc podman can give a container here: the hard limits, nproc
+    also within kernel.pid_max (podman lowers its own nproc to pid_max as it starts)."""
+    nofile, nproc = (
+        resource.getrlimit(r)[1] for r in (resource.RLIMIT_NOFILE, resource.RLIMIT_NPROC)
+    )
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    return nofile, pid_max if nproc == resource.RLIM_INFINITY else min(nproc, pid_max)
+
+
+def limited_cli(nofile: int, *args: str, timeout: float = 50) -> CliResult:
+    """``tpupod ARGS`` started from a shell whose hard nofile limit is ``nofile``."""
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "-c", f'ulimit -n {nofile} && exec "$@"', "bash", *tpupod_argv(*args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
 
 
 # -- local pods: run and exec in containers -------------------------------------------------
@@ -185,6 +218,77 @@ def test_exec_in_a_container_on_every_worker(
         assert f"[w{i}] hello from {i} of 2" in result.out
         assert f"[w{i}] shared data" in result.out
     assert result.out.count("/run/podman-init -- /bin/sh") == 2  # --init: passes signals on
+    assert containers() == []
+
+
+@pytest.mark.timeout(60)
+def test_exec_image_on_the_engines_stock_configuration_fits_the_workers_limits(
+    podman_env: str, make_pod: Callable[..., Pod], state_home: Path
+) -> None:
+    """No containers.conf (the fixture's podman is as installed). Where the host's hard
+    limits are below podman's defaults (here nofile 20,000), plain ``podman run`` is refused;
+    tpupod's container gets the limits of the shell that runs the engine on the worker
+    (on a local pod the launcher's, lowered here to tell them from the machine's)."""
+    system = Path("/etc/containers/containers.conf")
+    assert not system.exists() or "default_ulimits" not in system.read_text()
+    nofile, nproc = engine_limits()
+    if min(nofile, nproc) < PODMAN_DEFAULT_LIMIT:
+        plain = podman("run", "--rm", podman_env, "true", check=False)
+        assert plain.returncode == 126 and "error setting rlimit type" in plain.stderr
+    pod = make_pod(2)
+    lowered = nofile // 2
+    script = "ulimit -Hn; ulimit -Hu; ulimit -Sn"
+    result = limited_cli(lowered, "exec", "--pod", pod.name, "--image", podman_env, "--", script)
+    assert result.code == 0, result.err
+    lines = result.out.splitlines()
+    for i in range(2):
+        assert lines.count(f"[w{i}] {lowered}") == 2 and f"[w{i}] {nproc}" in lines
+    assert containers() == []
+
+
+@pytest.mark.timeout(90)
+def test_the_hint_for_a_limit_of_containers_conf_works_as_written(
+    podman_env: str, make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """A containers.conf that names default_ulimits governs (a --ulimit would make podman drop
+    them all, so tpupod passes none). A limit it sets above what the worker allows gets a
+    hint, and doing what the hint says starts the container: the host's own hard nproc (what
+    tpupod once advised) is refused here, the lower of it and pid_max is not; a memlock above
+    the host's is removed, and the container has the host's own."""
+    nofile, nproc = engine_limits()
+    hard_nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    pod = make_pod(1)
+    conf = tmp_path / "containers.conf"
+
+    def attempt(*ulimits: str) -> CliResult:
+        listed = ", ".join(f'"{u}"' for u in ulimits)
+        conf.write_text(f"[containers]\ndefault_ulimits = [{listed}]\n")
+        argv = ["exec", "--pod", pod.name, "--image", podman_env, "--", "ulimit -Hu; ulimit -Hl"]
+        return cli(*argv, env={"CONTAINERS_CONF": str(conf)})
+
+    fits = [f"nofile={nofile}:{nofile}", f"nproc={nproc}:{nproc}"]
+    wrongs = [f"nofile={nofile + 1}:{nofile + 1}"]
+    if hard_nproc != resource.RLIM_INFINITY and hard_nproc > nproc:  # here 96,365 > 32,768
+        wrongs += [f"nproc={hard_nproc}:{hard_nproc}"]
+    if memlock != resource.RLIM_INFINITY:
+        wrongs += [f"memlock={2 * memlock}:{2 * memlock}"]
+    expected = {
+        "nofile": "lower nofile to at most the worker's 'ulimit -Hn'",
+        "nproc": "lower nproc to at most the lower of the worker's 'ulimit -Hu' and",
+        "memlock": "remove memlock (the container then gets the worker's own)",
+    }
+    for wrong in wrongs:
+        name = wrong.split("=")[0]
+        result = attempt(*[u for u in fits if not u.startswith(f"{name}=")], wrong)
+        assert result.code == 126, result.err
+        assert f"hint: the engine asks for more {name} than this worker allows" in result.err
+        assert expected[name] in result.err
+    fitted = attempt(*fits)  # what the hints say: the lowered limits, no memlock
+    assert fitted.code == 0, fitted.err
+    assert f"[w0] {nproc}" in fitted.out
+    if memlock != resource.RLIM_INFINITY:
+        assert f"[w0] {memlock // 1024}" in fitted.out  # the host's own (ulimit -l is in KiB)
     assert containers() == []
 
 
@@ -281,6 +385,32 @@ def test_a_missing_image_or_engine_is_an_error_with_a_hint(
     assert "Traceback" not in result.err
 
 
+@pytest.mark.timeout(60)
+def test_docker_without_its_daemon_says_so(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """The real docker CLI, pointed at a socket nobody listens on (no daemon runs here): every
+    command that asks the engine says the daemon does not answer, in Docker's own words."""
+    require(shutil.which("docker") is not None, "the docker CLI is not installed")
+    pod = make_pod(2)
+    nowhere = f"unix://{tmp_path}/docker.sock"
+    context = busybox_context(tmp_path / "context", "")
+    for argv in (
+        ["image", "ls", "-p", pod.name, "--engine", "docker"],
+        ["exec", "-p", pod.name, "--engine", "docker", "--image", "app:1", "--", "true"],
+        ["run", "-p", pod.name, "--image", "app:1", "--", "true"],  # DOCKER_HOST picks docker
+        ["image", "build", "-p", pod.name, "--engine", "docker", "-t", "app:1", str(context)],
+    ):
+        result = cli(*argv, env={"DOCKER_HOST": nowhere})
+        assert result.code == 1, result.err
+        assert result.err.splitlines() == [
+            "error: cannot reach the docker daemon on w0 (vm): Cannot connect to the Docker "
+            f"daemon at {nowhere}. Is the docker daemon running?",
+            "hint: 'tpupod setup --docker --force' starts Docker on every worker (installs it "
+            "where missing), or use --engine podman",
+        ], argv
+
+
 def test_container_options_need_an_image(cli: Callable[..., CliResult]) -> None:
     result = cli("exec", "--mount", "/a:/b", "--", "true")
     assert result.code == 2
@@ -364,11 +494,7 @@ def ssh_pod_with_own_storages(
         setup = f"{cgroup_mounts()}\n{conf}"
         done = sim.run_on(host.index, setup)
         assert done.returncode == 0, done.stderr
-    env = {
-        "CONTAINERS_CONF": os.environ["CONTAINERS_CONF"],
-        "CONTAINERS_STORAGE_CONF": "/root/.tpupod-test-storage.conf",
-    }
-    yield make_ssh_pod(4, env=env)
+    yield make_ssh_pod(4, env={"CONTAINERS_STORAGE_CONF": "/root/.tpupod-test-storage.conf"})
 
 
 @pytest.mark.timeout(120)
@@ -395,11 +521,15 @@ def test_build_once_and_load_on_every_host_of_an_ssh_pod(
             assert own.stdout.startswith(image_id), own.stderr
         listed = cli("image", "ls", "--pod", pod.name)
         assert [tag, image_id, "w0-3", "-"] in [line.split() for line in listed.out.splitlines()]
-        ran = cli("exec", "--pod", pod.name, "--image", tag, "--", "cat /built; hostname")
+        # The limits are each host's own, read there: not the launcher's (lowered here).
+        nofile = engine_limits()[0]
+        script = "cat /built; hostname; echo nofile $(ulimit -Hn)"
+        ran = limited_cli(nofile // 2, "exec", "-p", pod.name, "--image", tag, "--", script)
         assert ran.code == 0, ran.err
         built = {line.split(" ", 1)[1] for line in ran.out.splitlines() if "built at" in line}
         assert len(built) == 1 and ran.out.count("built at") == 4  # one build, on every host
         assert all(f"[w{i}] host-{i}" in ran.out for i in range(4))
+        assert ran.out.count(f"] nofile {nofile}\n") == 4
         assert sim_leftovers(sim) == []
     finally:
         for host in sim.hosts:
@@ -446,6 +576,12 @@ def test_setup_docker_installs_starts_and_is_idempotent(
     assert any(c in calls for c in ("systemctl enable --now docker", "service docker start"))
     again = cli("setup", "--pod", pod.name, "--worker", "0", "--docker", env=env)
     assert again.code == 0 and "already set up with this script" in again.out
+    # What the hint for a daemon that does not answer says: --force starts it again.
+    starts = ("systemctl enable --now docker", "service docker start")
+    forced = cli("setup", "--pod", pod.name, "--worker", "0", "--docker", "--force", env=env)
+    assert forced.code == 0 and "[w0] docker 26.1 ready" in forced.out, forced.err
+    calls = log.read_text().splitlines()
+    assert sum(c in starts for c in calls) == 2 and calls.count("apt-get update -q") == 1
     neither = cli("setup", "--pod", pod.name)
     assert neither.code == 2 and "one of --script FILE and --docker" in neither.err
 

@@ -28,7 +28,7 @@ from tpupod.errors import TpupodError, UsageError
 from tpupod.fanout import execute_async, for_each
 from tpupod.image.containerize import IMAGE_LINE, check_script
 from tpupod.image.containerize import Container as _Container
-from tpupod.image.engine import NO_ENGINE, SETUP_HINT, pick_engine
+from tpupod.image.engine import pick_engine, raise_unusable
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult, WorkerResult
 from tpupod.transport import Connector, OutputLine, Transport
@@ -154,7 +154,7 @@ async def _build(job: _Job, workers: Sequence[Worker]) -> dict[int, tuple[str, f
         match = STEP.match(line.text)
         if match:
             number, text = next((g, t) for g, t in _pairs(match.groups()) if g)
-            steps[worker.id] = f"step {number} ({text.strip()})"
+            steps[worker.id] = f"at step {number} ({text.strip()})"
 
     for worker in workers:
         say(f"{worker.label} ({worker.hostname}): building {request.tag}")
@@ -169,12 +169,12 @@ async def _build(job: _Job, workers: Sequence[Worker]) -> dict[int, tuple[str, f
     )
     failed = [r for r in result.workers if not r.ok]
     if failed:
-        _no_engine(failed)
+        raise_unusable(failed)
         first = failed[0]
         where = steps.get(first.worker.id, "before its first step")
         raise BuildError(
             f"build of {request.tag} failed on {first.worker.label} ({first.worker.hostname}) "
-            f"at {where}: {_error_line(first)}",
+            f"{where}: {_error_line(first)}",
             hint="fix the Dockerfile or the context and build again",
         )
     for r in result.workers:
@@ -198,7 +198,8 @@ def storage_script(engine: str | None) -> str:
         [
             pick_engine(engine),
             'if [ "${tpupod_engine##* }" = docker ]; then',
-            f"  echo \"{STORAGE_LINE} docker-$($tpupod_engine info --format '{{{{.ID}}}}')\"",
+            "  tpupod_id=$($tpupod_engine info --format '{{.ID}}') || { tpupod_daemon; exit 1; }",
+            f'  echo "{STORAGE_LINE} docker-$tpupod_id"',
             "  exit",
             "fi",
             "tpupod_root=$($tpupod_engine info --format '{{.Store.GraphRoot}}') || exit 1",
@@ -218,7 +219,7 @@ async def storages(
     result = await execute_async(
         pod, storage_script(engine), workers=workers, connector=connector, timeout=STEP_TIMEOUT_S
     )
-    _no_engine([r for r in result.workers if not r.ok])
+    raise_unusable(result.workers)
     _raise_for(result, "find the engine's storage")
     found = {}
     for r in result.workers:
@@ -302,14 +303,6 @@ def _checked_rows(
         WorkerImage(w, rows.get(w.id, ("", 0.0))[0], ids[w.id] or "", rows.get(w.id, ("", 0.0))[1])
         for w in workers
     ]
-
-
-def _no_engine(failed: Sequence[WorkerResult]) -> None:
-    for r in failed:
-        if any(NO_ENGINE in line for line in r.tail):
-            raise BuildError(
-                f"no container engine on {r.worker.label} ({r.worker.hostname})", hint=SETUP_HINT
-            )
 
 
 def _raise_for(result: FanoutResult, what: str) -> None:

@@ -14,10 +14,23 @@ KILL of the client leaves it running. So each worker also starts a reaper in a s
 of its own that removes the container once the command's shell is gone, however it
 ended (a stop, the orphan guard, a lost connection), and the launcher removes every
 container of the launch itself before it returns.
+
+Podman asks for 1,048,576 open files and processes in every container unless
+containers.conf says otherwise, and a host whose hard limits are lower refuses
+("error setting rlimit type 7: operation not permitted") unless the engine may raise
+them (CAP_SYS_RESOURCE). So on podman the worker's shell, the one that runs the engine,
+reads its own hard limits and passes ``--ulimit nofile=N:N --ulimit nproc=P:P`` where
+they are below that default: nproc is also kept within ``kernel.pid_max``, because
+podman lowers its own nproc limit to pid_max as it starts (measured here: hard nproc
+96,365, pid_max 32,768, and ``--ulimit nproc=32769`` is refused). Docker's containers
+get the daemon's limits, not the client's, so nothing is passed there. Podman drops
+every ``default_ulimits`` of containers.conf for a container given any ``--ulimit``, so
+where a containers.conf names them, they govern and nothing is passed either.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import shlex
 from collections.abc import Sequence
@@ -27,7 +40,7 @@ from typing import Any
 
 from tpupod.errors import PreflightError, UsageError
 from tpupod.fanout import execute_async
-from tpupod.image.engine import NO_ENGINE, NO_ENGINE_RC, SETUP_HINT, force_remove, pick_engine
+from tpupod.image.engine import force_remove, pick_engine, raise_unusable
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult
 from tpupod.transport import Connector
@@ -39,6 +52,31 @@ CLEANUP_TIMEOUT_S = 30.0
 IMAGE_LINE = "tpupod-image:"
 # How often a worker's reaper looks whether the command's shell is gone.
 REAPER_POLL_S = 0.2
+# Podman's nofile and nproc for a container when containers.conf names none.
+PODMAN_DEFAULT_LIMIT = 1048576
+# On podman, unless a containers.conf names default_ulimits (podman drops them all for a
+# --ulimit): --ulimit NAME=L:L, L the lowest of the numbers given, where below the default.
+FIT_LIMITS = f"""\
+tpupod_fit() {{
+  local l={PODMAN_DEFAULT_LIMIT} x
+  for x in "${{@:2}}"; do
+    case $x in ''|*[!0-9]*) ;; *) if [ "$x" -lt "$l" ]; then l=$x; fi;; esac
+  done
+  if [ "$l" -lt {PODMAN_DEFAULT_LIMIT} ]; then tpupod_args+=(--ulimit "$1=$l:$l"); fi
+}}
+tpupod_conf=("$CONTAINERS_CONF")
+if [ -z "$CONTAINERS_CONF" ]; then
+  tpupod_conf=(/usr/share/containers/containers.conf /etc/containers/containers.conf
+    /etc/containers/containers.conf.d/*.conf)
+  if [ "$(id -u)" != 0 ]; then
+    tpupod_conf+=("${{XDG_CONFIG_HOME:-$HOME/.config}}/containers/containers.conf")
+  fi
+fi
+if [ "${{tpupod_engine##* }}" = podman ] &&
+  ! grep -Eqs '^[[:space:]]*default_ulimits *= *[[] *("|$)' "${{tpupod_conf[@]}}"; then
+  tpupod_fit nofile "$(ulimit -Hn)"
+  tpupod_fit nproc "$(ulimit -Hu)" "$(cat /proc/sys/kernel/pid_max 2>/dev/null)"
+fi"""
 
 
 @dataclass(frozen=True)
@@ -121,6 +159,7 @@ def wrap(command: str, container: Container, launch_id: str) -> str:
             "done",
         ]
     lines += [
+        FIT_LIMITS,
         f'setsid bash -c {shlex.quote(reaper)} tpupod-reaper $$ {name} "$tpupod_engine" '
         "</dev/null >/dev/null 2>&1 &",
         "disown $!",
@@ -131,13 +170,14 @@ def wrap(command: str, container: Container, launch_id: str) -> str:
 
 
 def check_script(container: Container) -> str:
-    """Print the image's id on the worker, or exit: 127 without an engine, 3 without the image."""
+    """Print the image's id on the worker, or exit: 127 without an engine (or Docker without
+    its daemon), 3 without the image."""
     image = shlex.quote(container.image)
     return "\n".join(
         [
             pick_engine(container.engine),
             f"tpupod_id=$($tpupod_engine image inspect --format '{{{{.Id}}}}' {image} 2>/dev/null)"
-            f' || {{ echo "{IMAGE_LINE} missing"; exit 3; }}',
+            f' || {{ tpupod_daemon; echo "{IMAGE_LINE} missing"; exit 3; }}',
             f'echo "{IMAGE_LINE} ${{tpupod_id#sha256:}} ${{tpupod_engine##* }}"',
         ]
     )
@@ -158,13 +198,9 @@ async def check_workers(
         timeout=CHECK_TIMEOUT_S,
         guard=True,
     )
+    raise_unusable(result.workers)
     ids: dict[int, str] = {}
     for r in result.workers:
-        if r.status is not None and r.status.code == NO_ENGINE_RC and _says(r.tail, NO_ENGINE):
-            raise PreflightError(
-                f"no container engine on {r.worker.label} ({r.worker.hostname})",
-                hint=SETUP_HINT,
-            )
         line = next((t for t in reversed(r.tail) if t.startswith(IMAGE_LINE)), "")
         words = line.split()
         if not r.ok or len(words) < 2 or words[1] == "missing":
@@ -211,20 +247,53 @@ async def remove_containers(
     )
 
 
-def _says(tail: Sequence[str], text: str) -> bool:
-    return any(text in line for line in tail)
-
-
-# What the engine prints when it cannot start a container, and what to do about it.
-ENGINE_FAILURES = (
-    (
-        "error setting rlimit",
-        "the engine's default limits for containers exceed what this host lets a process "
-        "have: set default_ulimits in containers.conf (/etc/containers/containers.conf, or "
-        "the file $CONTAINERS_CONF names) to the host's own, e.g. "
-        'default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]',
-    ),
+# runc's words when the engine asks for more than the host allows: "... error setting rlimit
+# type 8: operation not permitted" (Docker's come "from daemon": its config is elsewhere).
+RLIMIT_REFUSED = re.compile(r"error setting rlimit type (\d+)")
+# Linux's resource numbers, by podman's names for them.
+RLIMIT_NAMES = (
+    "cpu",
+    "fsize",
+    "data",
+    "stack",
+    "core",
+    "rss",
+    "nproc",
+    "nofile",
+    "memlock",
+    "as",
+    "locks",
+    "sigpending",
+    "msgqueue",
+    "nice",
+    "rtprio",
+    "rttime",
 )
+# What to change in default_ulimits, each checked here to start a container.
+RLIMIT_FIXES = {
+    "nofile": "lower nofile to at most the worker's 'ulimit -Hn'",
+    "nproc": "lower nproc to at most the lower of the worker's 'ulimit -Hu' and "
+    "/proc/sys/kernel/pid_max (podman keeps its own nproc within pid_max)",
+}
+
+
+def limit_hint(tail: Sequence[str]) -> str | None:
+    """What to change when podman could not give a container a limit of containers.conf's
+    default_ulimits (where a containers.conf names none, tpupod fits nofile and nproc itself)."""
+    for line in tail:
+        refused = RLIMIT_REFUSED.search(line)
+        if refused and "daemon" not in line and int(refused[1]) < len(RLIMIT_NAMES):
+            name = RLIMIT_NAMES[int(refused[1])]
+            fix = RLIMIT_FIXES.get(
+                name, f"remove {name} (the container then gets the worker's own)"
+            )
+            return (
+                f"the engine asks for more {name} than this worker allows: in default_ulimits "
+                "of containers.conf (/etc/containers/containers.conf, or the file "
+                f"$CONTAINERS_CONF names), {fix}; or delete default_ulimits, and tpupod fits "
+                "nofile and nproc to each worker itself"
+            )
+    return None
 
 
 def explain(result: FanoutResult) -> FanoutResult:
@@ -232,11 +301,8 @@ def explain(result: FanoutResult) -> FanoutResult:
     for a reason we know (the engine's message alone rarely says what to change)."""
     workers = []
     for worker in result.workers:
-        hint = next(
-            (hint for text, hint in ENGINE_FAILURES if not worker.ok and _says(worker.tail, text)),
-            None,
-        )
-        workers.append(replace(worker, hint=hint) if hint and not worker.hint else worker)
+        hint = None if worker.ok or worker.hint else limit_hint(worker.tail)
+        workers.append(replace(worker, hint=hint) if hint else worker)
     return replace(result, workers=workers)
 
 

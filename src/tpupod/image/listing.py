@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tpupod.errors import TpupodError
 from tpupod.fanout import execute_async
-from tpupod.image.engine import NO_ENGINE, SETUP_HINT, pick_engine
+from tpupod.image.engine import pick_engine, raise_unusable
 from tpupod.pod import Pod, Worker
 from tpupod.transport import Connector, OutputLine
 
@@ -28,8 +28,9 @@ def list_script(engine: str | None) -> str:
     return "\n".join(
         [
             pick_engine(engine),
-            "$tpupod_engine images --format '{{.Repository}}:{{.Tag}} {{.ID}}' "
-            f"| sed 's/^/{LINE} /'",
+            "tpupod_list=$($tpupod_engine images --format '{{.Repository}}:{{.Tag}} {{.ID}}')"
+            " || { tpupod_daemon; exit 1; }",
+            f"printf '%s\\n' \"$tpupod_list\" | sed '/^$/d; s/^/{LINE} /'",
         ]
     )
 
@@ -54,13 +55,13 @@ async def list_images(
         timeout=LIST_TIMEOUT_S,
         on_line=on_line,
     )
+    raise_unusable(result.workers)
     for r in result.workers:
         if not r.ok:
-            no_engine = any(NO_ENGINE in line for line in r.tail)
             raise TpupodError(
                 f"cannot list images on {r.worker.label} ({r.worker.hostname}): "
-                f"{'no container engine' if no_engine else r.error or r.last_line}",
-                hint=SETUP_HINT if no_engine else "'tpupod status' checks every worker",
+                f"{r.error or r.last_line}",
+                hint="'tpupod status' checks every worker",
             )
     return [ImageRow(tag, iid, tuple(sorted(ws))) for (tag, iid), ws in sorted(seen.items())]
 
