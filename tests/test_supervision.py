@@ -215,7 +215,7 @@ def test_the_others_collateral_failures_stay_in_their_logs(
     assert "[w1] ValueError: bad shard 7" in result.err
     assert "first failure: w1 " in result.err and "ValueError: bad shard 7" in result.err
     assert "Connection closed" not in result.out + result.err, result.err
-    assert "50 lines that w0, w2 printed after w1 failed are only in the logs" in result.err
+    assert "w0, w2 printed 50 more lines after w1 failed, kept in the logs" in result.err
     rows = [line for line in result.err.splitlines() if line.startswith(("w0 ", "w2 "))]
     assert len(rows) == 2 and all(row.endswith("step 1") for row in rows), result.err
     logs = cli("logs", "--pod", pod.name, "-w", "0")

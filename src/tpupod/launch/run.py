@@ -546,8 +546,8 @@ class _RunLog:
         count = sum(self.held.values())
         names = ", ".join(f"w{w}" for w in sorted(self.held))
         return (
-            f"{count} line{'s' if count != 1 else ''} that {names} printed after "
-            f"w{self.supervision.first_failed} failed are only in the logs: "
+            f"{names} printed {count} more line{'s' if count != 1 else ''} after "
+            f"w{self.supervision.first_failed} failed, kept in the logs: "
             f"'tpupod logs {self.launch.launch_id} -w {min(self.held)}'"
         )
 
@@ -562,12 +562,13 @@ class _RunLog:
             file.flush()
             if on_line is None:
                 return
-            if self.collateral(worker.id):
+            shown = line.text if show_chatter else hide[worker.id](line.text)
+            if shown is None:
+                return
+            if self.collateral(worker.id):  # counted only if it would have been shown
                 self.held[worker.id] = self.held.get(worker.id, 0) + 1
                 return
-            shown = line.text if show_chatter else hide[worker.id](line.text)
-            if shown is not None:
-                on_line(worker, line if shown == line.text else OutputLine(line.stream, shown))
+            on_line(worker, line if shown == line.text else OutputLine(line.stream, shown))
 
         return handle
 
