@@ -3,7 +3,9 @@ leaves nothing behind, and the summary says what really ended each process."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -220,6 +222,21 @@ def test_the_others_collateral_failures_stay_in_their_logs(
     assert len(rows) == 2 and all(row.endswith("step 1") for row in rows), result.err
     logs = cli("logs", "--pod", pod.name, "-w", "0")
     assert logs.out.count("Connection closed by peer") == 25
+
+
+def test_a_caller_that_keeps_every_line_gets_the_collateral_too(
+    make_pod: Callable[..., Pod], tmp_path: Path
+) -> None:
+    """A job's log (``jobs/execute.py``) is every line: only a terminal leaves them out."""
+    from tpupod.launch.run import run
+
+    pod = make_pod(3)
+    seen: list[tuple[int, str]] = []
+    command = shlex.join([PYTHON, "-c", COLLATERAL, str(tmp_path / "w1-pid")])
+    done = asyncio.run(run(pod, command, on_line=lambda w, line: seen.append((w.id, line.text))))
+    assert done.fanout.first_failure is not None and done.fanout.first_failure.worker.id == 1
+    closed = [worker for worker, text in seen if "Connection closed by peer" in text]
+    assert sorted(closed) == [0] * 25 + [2] * 25
 
 
 # -- a killed launcher ----------------------------------------------------------------

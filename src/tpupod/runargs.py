@@ -76,6 +76,7 @@ def run_command(args: RunArgs) -> int:
             rendezvous_on=args.rendezvous_on.value,
             worker_python=args.worker_python,
             show_chatter=args.verbose,
+            collateral_in_logs_only=not args.verbose,
             on_line=live.on_line,
             on_notice=_silent if args.quiet else live.on_notice,
             interrupt=live.interrupt,

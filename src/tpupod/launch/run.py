@@ -162,6 +162,7 @@ async def run(
     rendezvous_on: str = "auto",
     worker_python: str = "python3",
     show_chatter: bool = False,
+    collateral_in_logs_only: bool = False,
     on_line: LineHandler | None = None,
     on_notice: NoticeHandler | None = None,
     interrupt: Interrupt | None = None,
@@ -172,6 +173,8 @@ async def run(
 
     With ``container``, it runs in that image on every worker (``image/containerize.py``):
     the image is checked the same everywhere first, and no container outlives the run.
+    With ``collateral_in_logs_only`` (a terminal's view, not a job's log), what the others
+    print after the first failure reaches the logs only (``_RunLog.collateral``).
     """
     state = state or StateDir()
     selected = list(workers) if workers is not None else list(pod.workers)
@@ -231,8 +234,8 @@ async def run(
         sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
         notice(f"launch {launch_id}: {len(selected)} workers, logs in {launch.run_dir}")
         run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
-        # Once one fails and the others are stopped, their fall stays in the logs (-v shows it).
-        collateral = OnFail(on_fail) is OnFail.KILL and not show_chatter
+        # Once one fails and the others are stopped, their fall stays in the logs.
+        collateral = collateral_in_logs_only and OnFail(on_fail) is OnFail.KILL
         with _RunLog(launch, command, selected, supervision if collateral else None) as log:
             try:
                 result = await execute_async(
