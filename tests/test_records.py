@@ -162,6 +162,8 @@ def test_logs_list_shows_every_run_and_how_it_stands(
     with (running / "launcher.lock").open("wb") as lock:  # as a live launcher holds it
         fcntl.flock(lock, fcntl.LOCK_EX)
         listed = cli("logs", "--pod", pod.name, "--list")
+        shown = cli("logs", "--pod", pod.name)
+    assert shown.err == f"run {LATER} is still running ('-f' follows it)\n", shown.err
     assert listed.code == 0, listed.err
     header, first, second = listed.out.splitlines()
     assert header.split() == ["run", "started", "workers", "state", "command"]

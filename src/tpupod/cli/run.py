@@ -189,6 +189,8 @@ def logs(
             "gone (killed?), and its workers were stopped with it",
             file=sys.stderr,
         )
+    else:
+        print(f"run {final.launch_id} is still running ('-f' follows it)", file=sys.stderr)
 
 
 def _list_runs(pod: str, state: StateDir) -> None:

@@ -155,7 +155,10 @@ def get_run(
         if record.launch_id == launch_id:
             return record
     recent = ", ".join(r.launch_id for r in found[-5:])
-    raise UsageError(f"no run {launch_id!r} on pod {pod_name!r}", hint=f"recent runs: {recent}")
+    raise UsageError(
+        f"no run {launch_id!r} on pod {pod_name!r}",
+        hint=f"recent runs: {recent} ('tpupod logs --list' lists them all)",
+    )
 
 
 def read_logs(
