@@ -1,6 +1,10 @@
 """Compare a run with an earlier one (a results file, or the latest of the same suite).
 
-Combinations match by generator, options, mesh and checkpoint. The metrics
+Only like is compared with like: combinations match by generator, every option,
+the mesh (axes, ICI and DCN parallelism), the checkpoint (its spec or path) and
+the pod's worker count, so a run of another config under the same suite name
+is compared only where a combination is truly the same, and the rest is named
+with what differs. A comparison that compares nothing fails. The metrics
 compared are save and restore times and GB/s, or, for a generator that does not
 save and restore the tree, the seconds of every operation Orbax timed. A metric
 regresses when the pod's mean over repeats is worse than the baseline's by
@@ -10,13 +14,18 @@ growth is reported but never flagged: RSS deltas of a few MB are noise.
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from pydantic import ValidationError
+from pydantic_core import to_jsonable_python
 
 from tpupod.bench import storage
-from tpupod.bench.results import OP, Results, larger_is_better
+from tpupod.bench.config import BenchConfig, as_written
+from tpupod.bench.results import OP, Results, Status, larger_is_better
 from tpupod.errors import UsageError
 
 RESULTS_FILE = "results.json"
@@ -43,6 +52,7 @@ class Comparison:
     current_commit: str
     baseline_path: str
     changes: list[Change]
+    skipped: list[str] = field(default_factory=list)  # what was not compared, and why
 
     @property
     def regressions(self) -> list[Change]:
@@ -80,21 +90,124 @@ def load(path: str) -> Results:
         ) from exc
 
 
+class _Combo(Protocol):
+    """A combination, planned (``config.Combination``) or run (``results.CombinationResult``)."""
+
+    @property
+    def label(self) -> str: ...
+    @property
+    def generator(self) -> str: ...
+    @property
+    def options(self) -> dict[str, Any]: ...
+    @property
+    def mesh(self) -> int | None: ...
+    @property
+    def checkpoint(self) -> int: ...
+
+
+def setup(combo: _Combo, config: dict[str, Any], workers: int) -> dict[str, Any]:
+    """Everything that makes a combination the benchmark it is, as JSON values."""
+    meshes, checkpoints = as_written(config)
+    return to_jsonable_python(  # type: ignore[no-any-return]
+        {
+            "generator": combo.generator,
+            "options": combo.options,
+            "mesh": None if combo.mesh is None else _mesh(meshes[combo.mesh]),
+            "checkpoint": checkpoints[combo.checkpoint],
+            "workers": workers,
+        }
+    )
+
+
+def _mesh(mesh: dict[str, Any]) -> dict[str, Any]:
+    """A mesh with every axis's ICI and DCN size spelled out (an axis left out is 1)."""
+    axes = mesh["mesh_axes"]
+    sizes = {k: {a: (mesh.get(k) or {}).get(a, 1) for a in axes} for k in PARALLELISM}
+    return {**mesh, **sizes}
+
+
+PARALLELISM = ("ici_parallelism", "dcn_parallelism")
+
+
+def _key(parts: dict[str, Any]) -> str:
+    return json.dumps(parts, sort_keys=True)
+
+
+def differences(old: Any, new: Any, where: str = "") -> list[str]:
+    """What differs between two setups, key by key: ``mesh.dcn_parallelism.data 2 -> 4``."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [*new, *(k for k in old if k not in new)]
+        return [d for k in keys for d in differences(old.get(k), new.get(k), _at(where, k))]
+    return [] if old == new else [f"{where} {_short(old)} -> {_short(new)}"]
+
+
+def _at(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _unlike(
+    label: str, parts: dict[str, Any], baseline: Iterable[tuple[str, dict[str, Any]]]
+) -> str:
+    """Why a combination has no like in the baseline: how the nearest there differs (the one
+    of its label, else the one with the fewest differences)."""
+    found = list(baseline)
+    same = [p for lbl, p in found if lbl == label] or [p for _, p in found]
+    if not same:
+        return "the baseline has no combination"
+    shown = min((differences(p, parts) for p in same), key=len)
+    return "the baseline's differs: " + "; ".join(shown[:3]) + (" ..." if len(shown) > 3 else "")
+
+
+def _setups(results: Results) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.label, setup(c, results.config, results.workers)) for c in results.combinations]
+
+
+def check_like(config: BenchConfig, workers: int, baseline: Results, path: str) -> None:
+    """Before a run: refuse a baseline that has none of this config's combinations."""
+    before = _setups(baseline)
+    keys = {_key(p) for _, p in before}
+    planned = [(c.label, setup(c, config.raw, workers)) for c in config.combinations]
+    if any(_key(p) in keys for _, p in planned):
+        return
+    label, parts = planned[0]
+    raise UsageError(
+        f"--baseline {path}: no combination of this config ran there "
+        f"({label}: {_unlike(label, parts, before)})",
+        hint="compare with a run of the same config on as many workers, or run without --baseline",
+    )
+
+
 def compare(
     current: Results, baseline: Results, path: str, threshold: float = DEFAULT_THRESHOLD
 ) -> Comparison:
-    before = {c.key(): c for c in baseline.combinations if c.repeats}
-    changes = []
-    for combo in current.combinations:
-        old = before.get(combo.key())
-        if old is None or not combo.repeats:
+    before_setups = _setups(baseline)
+    before = {_key(p): c for (_, p), c in zip(before_setups, baseline.combinations, strict=True)}
+    changes: list[Change] = []
+    skipped: list[str] = []
+    for combo, (label, parts) in zip(current.combinations, _setups(current), strict=True):
+        old = before.get(_key(parts))
+        if old is None:
+            skipped.append(f"{label}: {_unlike(label, parts, before_setups)}")
+            continue
+        if combo.status != Status.OK or not combo.repeats:
+            skipped.append(f"{label}: {combo.status.value} now")
+            continue
+        if old.status != Status.OK or not old.repeats:
+            skipped.append(f"{label}: {old.status.value} in the baseline")
             continue
         shared = [m for m in combo.repeats if m in old.repeats]
         # save and restore where the generator has them, else every operation Orbax timed
         metrics = [m for m in COMPARED if m in shared] or [m for m in shared if m.startswith(OP)]
+        if not metrics:
+            skipped.append(f"{label}: no metric in common with the baseline")
         for metric in metrics:
             was, now = old.repeats[metric].mean, combo.repeats[metric].mean
             better = larger_is_better(metric)
             worse = now < was * (1 - threshold) if better else now > was * (1 + threshold)
-            changes.append(Change(combo.label, metric, was, now, worse))
-    return Comparison(baseline.commit, current.commit, path, changes)
+            changes.append(Change(label, metric, was, now, worse))
+    return Comparison(baseline.commit, current.commit, path, changes, skipped)

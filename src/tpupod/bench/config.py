@@ -172,6 +172,14 @@ def _meshes(raw: dict[str, Any], problems: list[str]) -> list[dict[str, Any]]:
     return meshes
 
 
+def as_written(raw: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """A config's meshes and checkpoints as written, unchecked (such as a results file's)."""
+    unused: list[str] = []
+    meshes = _listed(raw, "mesh_config", "mesh_configs", unused)
+    checkpoints = _listed(raw, "checkpoint_config", "checkpoint_configs", unused)
+    return [m for _, m in meshes], [c for _, c in checkpoints]
+
+
 def axis_sizes(mesh: dict[str, Any]) -> dict[str, int]:
     """Each axis's size in the global mesh: its ICI times its DCN parallelism."""
     ici = mesh.get("ici_parallelism") or {}
@@ -289,6 +297,10 @@ def _benchmarks(items: object, problems: list[str]) -> list[Sweep]:
         problems += [p.replace("unknown key", "unknown option") for p in bad]
         if bad:
             continue
+        wrong = _type_problems(f"{where}.options.", options, orbax_harness.option_types(path))
+        if wrong:
+            problems += wrong
+            continue
         try:
             points = orbax_harness.sweep(path, options)
         except (TypeError, ValueError, KeyError, AssertionError) as exc:
@@ -303,6 +315,74 @@ def _benchmarks(items: object, problems: list[str]) -> list[Sweep]:
             continue
         found.append((path, options, points))
     return found
+
+
+# An option's declared value types (its dataclass field's, a list of them sweeps) in words.
+KINDS = (
+    ({bool}, "true or false"),
+    ({int}, "a whole number"),
+    ({int, type(None)}, "a whole number or null"),
+    ({float}, "a number"),
+)
+
+
+def _type_problems(
+    where: str, options: dict[str, Any], declared: dict[str, set[type]]
+) -> list[str]:
+    """Values of another type than the option's: Orbax's dataclasses check none (a string
+    such as ``use_zarr3: maybe`` would run, as a true value wherever Orbax tests it)."""
+    problems = []
+    for name, value in options.items():
+        kinds = declared.get(name, {object})
+        allowed = next((words for types, words in KINDS if types == kinds), None)
+        bad = [v for v in (value if isinstance(value, list) else [value]) if not _is(v, kinds)]
+        if allowed is not None and bad:
+            problems.append(f"{where}{name}: {bad[0]!r}; allowed: {allowed}, or a list of them")
+    return problems
+
+
+def _is(value: object, kinds: set[type]) -> bool:
+    if isinstance(value, bool):
+        return bool in kinds
+    if value is None:
+        return type(None) in kinds
+    if isinstance(value, int):
+        return bool(kinds & {int, float})
+    return isinstance(value, float) and float in kinds
+
+
+def mesh_devices(mesh: dict[str, Any]) -> int:
+    """How many devices a mesh spans: the product of its axes' ICI x DCN sizes."""
+    return math.prod(axis_sizes(mesh).values())
+
+
+def fit_problems(config: BenchConfig, devices: int) -> list[str]:
+    """Why no mesh of the config fits a pod of ``devices`` devices (empty where one does).
+
+    A mesh that does not fit is skipped, as Orbax's harness skips it, so a config written
+    for several pod sizes (Orbax's own) runs on each; a config none of whose meshes fits
+    would run nothing at all, so it is refused before anything starts.
+    """
+    if not config.meshes or any(mesh_devices(m) == devices for m in config.meshes):
+        return []
+    many = "mesh_configs" in config.raw
+    return [
+        f"{f'mesh_configs[{i}]' if many else 'mesh_config'}: needs {mesh_devices(mesh)} devices "
+        f"({' x '.join(f'{a} {n}' for a, n in axis_sizes(mesh).items())}), the pod has {devices}"
+        for i, mesh in enumerate(config.meshes)
+    ]
+
+
+def check_fits(config: BenchConfig, devices: int, source: str) -> None:
+    """``fit_problems`` as one BenchConfigError."""
+    problems = fit_problems(config, devices)
+    if problems:
+        error = BenchConfigError.of(source, problems)
+        error.hint = (
+            f"give a mesh whose ICI x DCN parallelism multiplies to the pod's {devices} devices "
+            "(workers x devices per worker)"
+        )
+        raise error
 
 
 def _combinations(benchmarks: list[Sweep], meshes: int, checkpoints: int) -> list[Combination]:

@@ -19,7 +19,7 @@ from tpupod.bench import storage
 from tpupod.bench.baseline import RESULTS_FILE, suite_dir
 from tpupod.bench.config import BenchConfig
 from tpupod.bench.plots import write_plots
-from tpupod.bench.results import Results, Status
+from tpupod.bench.results import Results
 from tpupod.bench.wire import Collector, Plan
 from tpupod.errors import BenchError, UsageError
 from tpupod.fanout import Interrupt, NoticeHandler
@@ -122,8 +122,9 @@ async def run_bench(
         interrupt=interrupt,
     )
     results = collector.results()
-    if results is None:
-        return BenchRun(result, None, None, [])
+    if results is None or not any(c.samples for c in results.combinations):
+        # nothing measured is no result: a later --baseline latest must not compare with it
+        return BenchRun(result, results, None, [])
     folder = storage.join(suite_dir(output, results.suite_name), results.launch_id)
     storage.write_text(storage.join(folder, RESULTS_FILE), results.model_dump_json(indent=1) + "\n")
     return BenchRun(result, results, folder, write_plots(results, folder))
@@ -131,10 +132,10 @@ async def run_bench(
 
 def raise_for_failures(results: Results) -> None:
     """Restored arrays that differ, or a run where no combination could run at all."""
-    if results.combinations and all(c.status == Status.SKIPPED for c in results.combinations):
+    if not any(c.samples for c in results.combinations):
         first = results.combinations[0]
         raise BenchError(
-            f"no combination ran: every mesh was skipped ({first.reason})",
+            f"no combination ran, no results written: every mesh was skipped ({first.reason})",
             hint="give mesh_config parallelism whose product is the pod's device count",
         )
     problems = results.problems()

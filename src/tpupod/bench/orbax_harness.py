@@ -19,11 +19,13 @@ Two adjustments, both made here:
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import importlib
 import re
 import sys
 import types
+import typing
 from typing import Any
 
 from tpupod.errors import UsageError
@@ -146,6 +148,22 @@ def option_defaults(path: str) -> dict[str, Any]:
     """The generator's options dataclass fields and their defaults."""
     fields = dataclasses.fields(_generator_class(path).options_class)
     return {f.name: f.default for f in fields}
+
+
+def option_types(path: str) -> dict[str, set[type]]:
+    """Each option's value types, as its dataclass field declares them (``bool |
+    Sequence[bool]`` -> {bool}: a value or a list of values to sweep)."""
+    cls = _generator_class(path).options_class
+    return {name: _scalars(hint) for name, hint in typing.get_type_hints(cls).items()}
+
+
+def _scalars(hint: Any) -> set[type]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_scalars(a) for a in args))
+    if origin in (collections.abc.Sequence, list):
+        return _scalars(args[0]) if args else {object}
+    return {hint} if isinstance(hint, type) else {object}
 
 
 def sweep(path: str, options: dict[str, Any]) -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@ mean and std. One ``Results`` is one run, written as one JSON file.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from enum import StrEnum
@@ -112,12 +111,6 @@ class CombinationResult(BaseModel):
     samples: list[Sample] = Field(default_factory=list)
     hosts: dict[str, HostStats] = Field(default_factory=dict)
     repeats: dict[str, RepeatStats] = Field(default_factory=dict)
-
-    def key(self) -> str:
-        """What makes two runs' combinations the same benchmark."""
-        return json.dumps(
-            [self.generator, self.options, self.mesh, self.checkpoint], sort_keys=True
-        )
 
     def mismatch_check(self) -> None:
         """A combination where any host restored something else is a mismatch, not a result."""

@@ -6,12 +6,12 @@ run Orbax's own ``test_fn`` (save, wait, restore, measured by Orbax's metrics);
 each worker then checks what it restored against a fresh copy of what it saved.
 At the end every worker's samples go to worker 0 through the rendezvous, and
 worker 0 aggregates them and prints the results for the launcher (``wire``).
-Worker 0 also prints progress: which combination, which repeat, elapsed, left.
+Every worker prints a progress marker before each repeat (its runs done, what
+runs now); worker 0 also prints, once per repeat, what it measured.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import re
@@ -24,11 +24,11 @@ from typing import Any
 
 from tpupod import settings
 from tpupod.bench import orbax_harness
-from tpupod.bench.config import BenchConfig, Combination, axis_sizes, parse_config
+from tpupod.bench.config import BenchConfig, Combination, check_fits, mesh_devices, parse_config
 from tpupod.bench.results import CombinationResult, Results, Sample, Status
 from tpupod.bench.verify import restore_problems
 from tpupod.bench.wire import Plan, encode
-from tpupod.errors import BenchError
+from tpupod.errors import BenchError, TpupodError
 from tpupod.launch.client import client, rendezvous
 from tpupod.launch.identity import WorkerIdentity
 from tpupod.launch.jaxinit import init_jax
@@ -47,6 +47,8 @@ def main() -> int:
         raise BenchError("no launch id", hint="start it with 'tpupod bench checkpoint'")
     _quiet_absl()
     config = parse_config(plan.config, plan.source)
+    # The launcher checks this where it knows the pod's devices (a local pod); here, everywhere.
+    check_fits(config, _device_count(), plan.source)
     root = _folder(plan.checkpoint_dir) / identity.launch_id
     started, started_at = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     runner = _Runner(identity, config, root)
@@ -76,10 +78,11 @@ class _Runner:
         self.meshes: dict[int | None, Any] = {}
         self.total = len(config.combinations) * config.num_repeats
         self.done = 0
-        self.started = time.monotonic()
 
     def run_all(self) -> list[CombinationResult]:
-        return [self.run(combo) for combo in self.config.combinations]
+        done = [self.run(combo) for combo in self.config.combinations]
+        self._mark("done")
+        return done
 
     def run(self, combo: Combination) -> CombinationResult:
         result = CombinationResult(
@@ -93,29 +96,22 @@ class _Runner:
             status=Status.OK,
         )
         mesh, why = self._mesh(combo.mesh)
-        if why:
+        if why:  # said once, by worker 0; the next marker counts its runs as done
             result.status, result.reason = Status.SKIPPED, why
             self.done += self.config.num_repeats
-            self._progress(
-                f"{combo.index + 1}/{len(self.config.combinations)} {combo.label}: skipped, {why}"
-            )
-            self._mark(f"{combo.label}: skipped")
+            self._progress(combo, f": skipped, {why}")
             return result
         for repeat in range(self.config.num_repeats):
-            elapsed = time.monotonic() - self.started
-            self._progress(
-                f"{combo.index + 1}/{len(self.config.combinations)} {combo.label} "
-                f"repeat {repeat + 1}/{self.config.num_repeats}: running | {elapsed:.1f}s elapsed"
-            )
+            # What runs now, on every worker (worker 0's line names it and says how it went).
+            # No label here: the launcher's line of it has to fit 100 columns.
             self._mark(
-                f"{combo.index + 1}/{len(self.config.combinations)} {combo.label} "
+                f"combination {combo.index + 1}/{len(self.config.combinations)}, "
                 f"repeat {repeat + 1}/{self.config.num_repeats}"
             )
             sample = self._sample(combo, mesh, repeat)
             result.samples.append(sample)
             self.done += 1
             self._report(combo, sample)
-        self._mark(f"{combo.label}: done")
         return result
 
     def _mesh(self, index: int | None) -> tuple[Any, str]:
@@ -163,23 +159,29 @@ class _Runner:
         return sample
 
     def _report(self, combo: Combination, sample: Sample) -> None:
-        elapsed = time.monotonic() - self.started
-        left = elapsed / self.done * (self.total - self.done)
+        """Worker 0's line of what a repeat measured (the markers carry the rate and ETA)."""
         self._progress(
-            f"{combo.index + 1}/{len(self.config.combinations)} {combo.label} "
-            f"repeat {sample.repeat + 1}/{self.config.num_repeats}: "
-            f"{_figures(sample)}"
-            f"{'' if not sample.problems else ' RESTORED VALUES DIFFER'} | "
-            f"{elapsed:.1f}s elapsed, ~{left:.1f}s left"
+            combo,
+            f" repeat {sample.repeat + 1}/{self.config.num_repeats}: {_figures(sample)}"
+            f"{'' if not sample.problems else ' RESTORED VALUES DIFFER'}",
         )
 
     def _mark(self, doing: str) -> None:
         """Every worker's count, for the launcher's live view (per host done, ETA)."""
         print(marker(self.done, self.total, "runs", doing), flush=True)
 
-    def _progress(self, text: str) -> None:
-        if self.identity.id == 0:
-            print(f"bench {text}", flush=True)
+    def _progress(self, combo: Combination, tail: str) -> None:
+        """Worker 0's line about a combination, its label cut short where the line would not
+        fit 100 columns after the launcher's ``[w0] `` (the table and results have it whole)."""
+        if self.identity.id != 0:
+            return
+        head = f"bench {combo.index + 1}/{len(self.config.combinations)} "
+        room = max(WIDTH - len(head) - len(tail), 12)
+        label = combo.label if len(combo.label) <= room else combo.label[: room - 1] + "…"
+        print(f"{head}{label}{tail}", flush=True)
+
+
+WIDTH = 95  # worker 0's lines, so that "[w0] " and they fit 100 columns
 
 
 def _folder(location: str) -> Any:
@@ -260,7 +262,7 @@ def _mesh_or_why(mesh: dict[str, Any]) -> Any:
     """The mesh, or why this pod cannot have it (Orbax skips such meshes too)."""
     import jax
 
-    need = math.prod(axis_sizes(mesh).values())
+    need = mesh_devices(mesh)
     if need != jax.device_count():
         return f"the mesh has {need} devices, the pod {jax.device_count()}"
     try:
@@ -300,6 +302,12 @@ def _results(
     )
 
 
+def _device_count() -> int:
+    import jax
+
+    return int(jax.device_count())
+
+
 def _machine() -> dict[str, Any]:
     import jax
 
@@ -321,6 +329,11 @@ def run() -> int:
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
+    except TpupodError as exc:
+        print(f"error: {exc.message}", file=sys.stderr, flush=True)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr, flush=True)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -19,7 +19,15 @@ if TYPE_CHECKING:
     from tpupod.bench.launcher import BenchRun
     from tpupod.bench.results import CombinationResult, RepeatStats, Results
 
-TIMED = ("save_blocking_s", "save_total_s", "restore_s")
+PIPED_WIDTH = 100  # columns of the table where stdout is a pipe or a file
+COLUMNS = (
+    "save s\nblocking",
+    "save s\ntotal",
+    "restore\ns",
+    "save\nGB/s",
+    "restore\nGB/s",
+    "RSS MB\nsave/\nrestore",
+)
 
 bench_app = typer.Typer(
     name="bench",
@@ -109,7 +117,9 @@ def checkpoint(
     each worker checks that what it restored equals what it saved, sharding
     included. Worker 0 aggregates across hosts and repeats; the launcher
     writes results.json and plots, prints a table, and with --baseline flags
-    every metric worse by more than --threshold (exit 1).
+    every metric worse by more than --threshold (exit 1). Only like is
+    compared with like (generator, options, mesh, arrays, workers); what
+    differs is named, and a comparison of nothing fails.
 
     Examples:
 
@@ -123,15 +133,21 @@ def checkpoint(
     """
     from tpupod.bench import baseline as baselines
     from tpupod.bench import storage
-    from tpupod.bench.config import load_config
+    from tpupod.bench.config import check_fits, load_config
     from tpupod.bench.launcher import checkpoint_dir as where
     from tpupod.bench.launcher import raise_for_failures, run_bench
+    from tpupod.spec import LocalPodSpec
     from tpupod.state import StateDir
 
     suite = load_config(config)  # every problem before anything starts
     earlier = _baseline_path(baseline, output, suite.suite_name)
     target = StateDir().resolve(pod)
     workers = target.select(None)
+    if isinstance(target.spec, LocalPodSpec):  # elsewhere the workers check it, before any run
+        check_fits(suite, len(workers) * target.spec.devices_per_worker, str(config))
+    before = None if earlier is None else baselines.load(earlier)
+    if before is not None and earlier is not None:
+        baselines.check_like(suite, len(workers), before, earlier)
     local = target.provider == "local"
     python = worker_python or (sys.executable if local else "python3")
     checkpoints = ramfs_dir or where(target, output, checkpoint_dir)
@@ -146,7 +162,6 @@ def checkpoint(
             workers,
             live.on_line,
             tty=False if quiet else None,
-            hide=lambda text: text.startswith("bench ") and ": running |" in text,
         )
         with view:
             return await run_bench(
@@ -172,12 +187,12 @@ def checkpoint(
             raise typer.Exit(code)
         raise BenchError("worker 0 sent no results", hint="see 'tpupod logs -w 0'")
     _print_results(done.results)
-    print(f"results: {storage.join(done.folder or '', baselines.RESULTS_FILE)}", file=sys.stderr)
+    if done.folder is not None:
+        print(f"results: {storage.join(done.folder, baselines.RESULTS_FILE)}", file=sys.stderr)
     for plot in done.plots:
         print(f"plot: {plot}", file=sys.stderr)
     raise_for_failures(done.results)
-    if earlier is not None:
-        before = baselines.load(earlier)
+    if before is not None and earlier is not None:
         _check_baseline(baselines.compare(done.results, before, earlier, threshold), threshold)
 
 
@@ -188,41 +203,49 @@ def _baseline_path(baseline: str | None, output: str, suite: str) -> str | None:
         return None
     if baseline == "latest":
         return baselines.latest(output, suite)
-    baselines.load(baseline)  # a bad file is found before the run, not after
     return baseline
 
 
 def _print_results(results: Results) -> None:
+    """The results as a table that fits 100 columns where it is piped (a terminal: its width).
+
+    Where every combination runs one generator, the title names it and the rows name only
+    what they sweep; a wide cell wraps within its column.
+    """
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
+    generators = {c.generator.rpartition(".")[2] for c in results.combinations}
+    one = generators.pop() if len(generators) == 1 else None
     table = Table(
-        title=f"{results.suite_name}: {results.workers} workers, "
+        title=f"{results.suite_name}: {one + ', ' if one else ''}{results.workers} workers, "
         f"commit {results.commit[:12]}, {results.seconds:.1f}s",
         title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
     )
-    for column in ("combination", "save blocking s", "save total s", "restore s"):
-        table.add_column(column, justify="left" if column == "combination" else "right")
-    for column in ("save GB/s", "restore GB/s", "slowest host save s", "RSS +MB save/restore"):
-        table.add_column(column, justify="right")
-    table.add_column("status")
+    table.add_column("combination" if one is None else "options", min_width=16)
+    for column in COLUMNS:
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("status", min_width=8)
     for c in results.combinations:
+        label = c.label if one is None else c.label.partition(" ")[2] or "defaults"
         if not c.repeats:
-            table.add_row(c.label, *[""] * 7, f"{c.status.value}: {c.reason}")
+            table.add_row(label, *[""] * len(COLUMNS), f"{c.status.value}: {c.reason}")
             continue
         r, h = c.repeats, c.hosts
         table.add_row(
-            c.label,
-            *(_cell(r, m, "{:.3f}±{:.3f}") for m in TIMED),
+            label,
+            _cell(r, "save_blocking_s", "{:.3f}"),
+            *(_cell(r, m, "{:.3f}±{:.3f}") for m in ("save_total_s", "restore_s")),
             *(_cell(r, m, "{:.3g}") for m in ("save_gbps", "restore_gbps")),
-            f"{h['save_total_s'].max:.3f}" if "save_total_s" in h else "",
             "/".join(
                 f"{h[m].max:.0f}" if m in h else "-" for m in ("rss_save_mb", "rss_restore_mb")
             ),
             c.status.value if "save_total_s" in r or "restore_s" in r else _ops(c),
         )
-    # a terminal wraps to its width; piped output keeps each row on one line
-    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200).print(table)
+    Console(file=sys.stdout, width=None if sys.stdout.isatty() else PIPED_WIDTH).print(table)
 
 
 def _cell(repeats: dict[str, RepeatStats], metric: str, form: str) -> str:
@@ -252,6 +275,14 @@ def _check_baseline(comparison: Comparison, threshold: float) -> None:
         print(
             f"  {change.label} {change.metric}: {change.baseline:.4g} -> {change.current:.4g} "
             f"({change.ratio:.2f}x) {flag}"
+        )
+    for why in comparison.skipped:
+        print(f"  not compared: {why}")
+    if not comparison.changes:
+        raise BenchError(
+            "nothing compared with the baseline: "
+            + (comparison.skipped[0] if comparison.skipped else "no combination"),
+            hint="compare with a run of the same config on as many workers",
         )
     worse = comparison.regressions
     if worse:
