@@ -20,12 +20,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tokenizers
 from safetensors.numpy import load_file
 
 import tpupod.extract
+from tests.checkpoints import CUT_AT, padding_checkpoint
 from tests.conftest import CliResult, pod_processes, tpupod_argv, wait_until_gone
 from tpupod.errors import DataError, ExtractError
-from tpupod.extract import arc, plan
+from tpupod.extract import arc, plan, runner
 from tpupod.extract.data import Sample, read_samples
 from tpupod.extract.runner import ExtractOptions, prepare
 from tpupod.model import load_model
@@ -139,6 +141,22 @@ BAD_INPUT = {
         ["--model", str(FIXTURES)],
         "has no config.json",
     ),
+    # the fixture has 256 positions: a long sample failed mid-run, leaving a run.json
+    "--max-length beyond the model's positions": (
+        lambda d: d.write_text('{"id": "a", "text": "1"}\n'),
+        ["--max-length", "300"],
+        "--max-length 300 exceeds the model's 256 positions",
+    ),
+    "--max-length and --generate beyond the model's positions": (
+        lambda d: d.write_text('{"id": "a", "text": "1"}\n'),
+        ["--max-length", "250", "--generate", "10"],
+        "--max-length 250 + --generate 10 exceeds the model's 256 positions",
+    ),
+    "an empty text with --strict": (  # it was saved as one end-of-text token
+        lambda d: d.write_text('{"id": "a", "text": "1"}\n{"id": "b", "text": ""}\n'),
+        ["--strict"],
+        'data.jsonl:2: "text" is empty',
+    ),
 }
 
 
@@ -212,6 +230,115 @@ def test_another_runs_output_folder_is_refused(
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]
 
 
+def test_a_pod_run_into_another_runs_output_is_refused_before_any_worker_starts(
+    reference_run: tuple[Path, Path], make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult], tmp_path: Path,
+) -> None:  # fmt: skip
+    # every worker used to start, load the model and fail alike (gRPC shutdown noise from each)
+    data, single = reference_run
+    pod = make_pod(workers=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_bytes((single / "run.json").read_bytes())
+    args = _args(data, out)
+    args[args.index("--layers") + 1 : args.index("--layers") + 4] = ["1"]
+    result = cli(*args, "--pod", pod.name, timeout=60)
+    assert result.code == 2, result.err
+    assert result.err.splitlines() == [
+        f"error: {out} holds another run's output: layers ([0, 1, 3] -> [1])",
+        "hint: resume with the same options, or choose another --out",
+    ]
+    assert result.out == ""  # no worker's line: none started
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+
+
+def test_real_inputs_integer_ids_an_empty_text_a_long_one_and_batch_size_3(
+    tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    """Integer ids, an empty text (reported, not saved as one end-of-text token), a text
+    cut to --max-length (counted and reported), --batch-size 3 with the default
+    --shard-samples (256 is no multiple of 3), ids read back in the data's order."""
+    words = "run the same program on every host in lockstep and"
+    lines: list[dict[str, Any]] = [
+        {"id": "zeta", "text": "The quick brown fox"},
+        {"id": 5, "text": "def add(a, b):"},
+        {"id": "empty", "text": ""},
+        {"id": "long", "text": f"{words} " * 4},  # 88 tokens
+        {"id": 3, "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "alpha", "text": "a"},
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    args = ["extract", "--model", str(QWEN2), "--data", str(data), "--layers", "1", "3"]
+    result = _ok(cli(*args, "--out", str(out), "--batch-size", "3", "--max-length", "40"))
+    assert f'skipped {data}:3: "text" is empty' in result.out
+    assert "1 of 5 samples cut to --max-length 40 tokens (first: 'long'" in result.out
+    ds = tpupod.extract.open(str(out))
+    assert ds.ids == ["zeta", "5", "long", "3", "alpha"] and ds.cut == ["long"]
+    tok = load_model(QWEN2).tokenizer
+    assert tok is not None
+    assert ds.tokens(5).tolist() == tok.encode("def add(a, b):")
+    assert ds.activations(5, 1).shape == (len(tok.encode("def add(a, b):")), 64)
+    assert ds.tokens("long").tolist() == tok.encode(lines[3]["text"])[:40]
+    assert ds.activations("long", 3).shape == (40, 64)
+    run = json.loads((out / "run.json").read_text())
+    assert run["shard_samples"] == 258 and run["max_length"] == 40
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["shards"][0]["cut"] == ["long"]
+    # the default --max-length is what the model's 256 positions leave after --generate
+    options = ExtractOptions(str(QWEN2), str(data), (1,), str(tmp_path / "x"), generate=6)
+    assert prepare(options, say=lambda line: None).config.max_length == 250
+
+
+@pytest.mark.timeout(300)
+def test_a_tokenizer_that_pads_and_truncates_gives_each_sample_its_own_tokens(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint whose tokenizer.json turns padding (to the longest of a call) and
+    truncation on: every sample was stored at the shard's longest length (pad ids, as
+    many rows), generation continued after the pads, tokens/s counted padding."""
+    folder = padding_checkpoint(tmp_path / "padded")
+    meta, _ = _reference("qwen2")
+    words = "run the same program on every host in lockstep and"
+    texts = ["a", *meta["prompts"], f"{words} " * 6, "x y", f"{words} " * 2]  # type: ignore[list-item]
+    lines: list[dict[str, Any]] = [{"id": f"t{i}", "text": t} for i, t in enumerate(texts)]
+    lines.append({"id": "chat", "messages": meta["chat_messages"]})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plain = tokenizers.Tokenizer.from_file(str(QWEN2 / "tokenizer.json"))  # "padding": null
+    chat = load_model(QWEN2).tokenizer.apply_chat_template(meta["chat_messages"])  # type: ignore[union-attr]
+    want = {
+        line["id"]: plain.encode(text, add_special_tokens=False).ids
+        for line, text in zip(lines, [*texts, chat], strict=True)
+    }
+    assert {len(ids) for ids in want.values()} >= {1, 8, 19, 132} and max(
+        map(len, want.values())
+    ) > CUT_AT
+    runs = {}
+    for batch in (1, 4, 8):
+        options = ExtractOptions(
+            str(folder), str(data), (0, 3), str(tmp_path / f"b{batch}"), batch_size=batch,
+            generate=0 if batch == 4 else 5,  # each generate program compiles for seconds
+        )  # fmt: skip
+        _, stats = runner.extract_here(options, say=lambda line: None)
+        assert stats.tokens == sum(map(len, want.values()))  # tokens/s counts real tokens
+        runs[batch] = tpupod.extract.open(options.out)
+    model = load_model(folder)
+    for sample, ids in want.items():
+        alone = model.generate([ids], max_new_tokens=5).tokens[0]
+        for batch, ds in runs.items():
+            assert ds.tokens(sample).tolist() == ids, (batch, sample)
+            assert ds.activations(sample, 3).shape == (len(ids), 64)
+            if batch != 4:
+                assert ds.completion_tokens(sample) == alone, (batch, sample)
+            for layer in (0, 3):
+                np.testing.assert_allclose(
+                    ds.activations(sample, layer), runs[1].activations(sample, layer),
+                    atol=F32_ATOL, rtol=0,
+                )  # fmt: skip
+
+
 # ---- plan ---------------------------------------------------------------------------
 
 
@@ -234,7 +361,8 @@ def test_single_process_output_matches_transformers(reference_run: tuple[Path, P
     _, out = reference_run
     meta, arrays = _reference("qwen2")
     ds = tpupod.extract.open(str(out))
-    assert len(ds) == 64 and sorted(ds.ids) == sorted(ds.ids) and ds.layers == [0, 1, 3]
+    assert len(ds) == 64 and ds.layers == [0, 1, 3]
+    assert ds.ids == [f"s{i}" for i in range(3)] + [f"x{i}" for i in range(61)]  # data order
     for i, prompt in enumerate(meta["prompt_ids"]):  # type: ignore[arg-type]
         assert ds.tokens(f"s{i}").tolist() == prompt
         for layer in ds.layers:

@@ -55,7 +55,15 @@ def extract(
         str | None, typer.Option("--out", help="Output folder or gs://BUCKET/PREFIX.")
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Samples per step.")] = 8,
-    max_length: Annotated[int, typer.Option("--max-length", help="Tokens kept per sample.")] = 512,
+    max_length: Annotated[
+        int | None,
+        typer.Option(
+            "--max-length",
+            help="Tokens kept per sample (longer ones are cut, counted and listed) "
+            "[default: 512, or what the model's positions leave after --generate]",
+            show_default=False,
+        ),
+    ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
     mesh: Annotated[
         str, typer.Option("--mesh", help="Each host's devices as data=D,model=M.")
@@ -80,8 +88,14 @@ def extract(
     ] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="With --generate: the sampling seed.")] = 0,
     shard_samples: Annotated[
-        int, typer.Option("--shard-samples", help="Samples per output shard.")
-    ] = 256,
+        int | None,
+        typer.Option(
+            "--shard-samples",
+            help="Samples per output shard, a multiple of --batch-size "
+            "[default: 256, rounded up to one]",
+            show_default=False,
+        ),
+    ] = None,
     strict: Annotated[bool, typer.Option("--strict", help="A malformed line is fatal.")] = False,
     pod: PodOption = None,
     worker_python: Annotated[
@@ -162,12 +176,17 @@ def _worker_argv(options: ExtractOptions, python: str) -> list[str]:
     argv = [python, "-m", "tpupod", "extract"]
     argv += ["--model", options.model, "--data", options.data, "--out", options.out]
     argv += ["--layers", ",".join(map(str, options.layers))]
-    argv += ["--batch-size", str(options.batch_size), "--max-length", str(options.max_length)]
+    argv += ["--batch-size", str(options.batch_size)]
     argv += ["--dtype", options.dtype, "--mesh", f"data={options.mesh[0]},model={options.mesh[1]}"]
     argv += ["--generate", str(options.generate), "--temperature", str(options.temperature)]
-    argv += ["--seed", str(options.seed), "--shard-samples", str(options.shard_samples)]
-    if options.max_samples is not None:
-        argv += ["--max-samples", str(options.max_samples)]
+    argv += ["--seed", str(options.seed)]
+    for flag, value in (
+        ("--max-length", options.max_length),
+        ("--shard-samples", options.shard_samples),
+        ("--max-samples", options.max_samples),
+    ):
+        if value is not None:  # else each worker takes the same default
+            argv += [flag, str(value)]
     if options.strict:
         argv.append("--strict")
     if options.global_mesh:
@@ -177,7 +196,7 @@ def _worker_argv(options: ExtractOptions, python: str) -> list[str]:
 
 def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int:
     """Check the input here first (one clear error, nothing started), then launch everywhere."""
-    from tpupod.extract.runner import prepare
+    from tpupod.extract.runner import check_output, prepare
     from tpupod.launch.run import RunResult
     from tpupod.launch.run import run as launch_run
     from tpupod.live import Live, run_live
@@ -185,11 +204,13 @@ def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int
     from tpupod.report import print_summary
     from tpupod.state import StateDir
 
-    prepare(options, say=lambda line: None)
+    prepared = prepare(options, say=lambda line: None)
     target = StateDir().resolve(pod)
     workers = target.select(None)
     # a local pod's workers are this machine: this python, and paths from where we stand
     local = target.provider == "local"
+    if local or "://" in options.out:  # else --out is a path on the hosts, not here
+        check_output(_absolute(options).out, prepared.config)
     python = worker_python or (sys.executable if local else "python3")
     line = shlex.join(_worker_argv(_absolute(options) if local else options, python))
 

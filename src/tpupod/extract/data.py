@@ -1,8 +1,9 @@
 """Samples from JSONL: ``{"id", "text"}`` or ``{"id", "messages"}``, plain or gzip, local or remote.
 
 A folder means every ``*.jsonl`` and ``*.jsonl.gz`` in it, in name order. A
-malformed line is reported with its file and line number and skipped, or is
-fatal with ``strict``; duplicate ids are always fatal, before any compute.
+malformed line (an empty text too: it has no tokens) is reported with its
+file and line number and skipped, or is fatal with ``strict``; duplicate
+ids are always fatal, before any compute.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ def _sample(record: Any) -> Sample:
     if text is not None:
         if not isinstance(text, str):
             raise ValueError('"text" must be a string')
+        if not text:
+            raise ValueError('"text" is empty: it has no tokens to extract')
         return Sample(str(sample_id), text=text)
     return Sample(str(sample_id), messages=_messages(messages))
 

@@ -22,9 +22,10 @@ from tpupod.extract.tensorfile import TensorFile
 
 
 class Dataset:
-    """Activations by sample id: ``ids``, ``layers``, ``activations``, ``tokens``,
-    ``completion`` and ``completion_tokens`` (with ``--generate``), and
-    ``layer(shard, layer)`` for bulk reads."""
+    """Activations by sample id: ``ids`` (in the data's order), ``layers``,
+    ``activations``, ``tokens``, ``completion`` and ``completion_tokens`` (with
+    ``--generate``), ``cut`` (ids cut to --max-length), and ``layer(shard, layer)``
+    for bulk reads. An id given as an integer in the data is found by that integer."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
@@ -37,16 +38,23 @@ class Dataset:
         self.layers: list[int] = list(entries[0]["layers"])
         self.dtype: str = entries[0]["dtype"]
         self._where: dict[str, tuple[int, int]] = {}
+        place: dict[str, int] = {}
         for n, entry in enumerate(entries):
-            for i, sample_id in enumerate(entry["ids"]):
+            # format 1 had no positions: shard order then
+            positions = entry.get("positions") or range(len(place), len(place) + len(entry["ids"]))
+            for i, (sample_id, position) in enumerate(zip(entry["ids"], positions, strict=True)):
                 self._where[sample_id] = (n, i)
-        self.ids: list[str] = list(self._where)
+                place[sample_id] = position
+        self.ids: list[str] = sorted(place, key=place.__getitem__)
+        self.cut: list[str] = sorted(
+            (i for entry in entries for i in entry.get("cut", [])), key=place.__getitem__
+        )
         self._files: dict[int, TensorFile] = {}
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def activations(self, sample_id: str, layer: int) -> np.ndarray:
+    def activations(self, sample_id: str | int, layer: int) -> np.ndarray:
         """``[tokens, d_model]``: that sample's real tokens at hidden state ``layer``."""
         n, i = self._find(sample_id)
         if layer not in self.layers:
@@ -56,12 +64,12 @@ class Dataset:
             entry["offsets"][i] : entry["offsets"][i + 1]
         ]
 
-    def tokens(self, sample_id: str) -> np.ndarray:
+    def tokens(self, sample_id: str | int) -> np.ndarray:
         n, i = self._find(sample_id)
         entry = self.shards[n]
         return self._file(n).tensor("tokens")[entry["offsets"][i] : entry["offsets"][i + 1]]
 
-    def completion(self, sample_id: str) -> str:
+    def completion(self, sample_id: str | int) -> str:
         n, i = self._find(sample_id)
         completions = self.shards[n].get("completions")
         if completions is None:
@@ -70,7 +78,7 @@ class Dataset:
             )
         return str(completions[i])
 
-    def completion_tokens(self, sample_id: str) -> list[int]:
+    def completion_tokens(self, sample_id: str | int) -> list[int]:
         n, i = self._find(sample_id)
         self.completion(sample_id)  # says so when there are none
         return list(self.shards[n]["completion_tokens"][i])
@@ -80,9 +88,9 @@ class Dataset:
         are given by ``self.shards[shard]["offsets"]``."""
         return self._file(shard).tensor(f"hidden.{layer}")
 
-    def _find(self, sample_id: str) -> tuple[int, int]:
+    def _find(self, sample_id: str | int) -> tuple[int, int]:
         try:
-            return self._where[sample_id]
+            return self._where[str(sample_id)]  # ids are kept as text, as the data's ints too
         except KeyError:
             raise ExtractError(f"no sample {sample_id!r}", hint="see ds.ids") from None
 

@@ -19,6 +19,7 @@ default mode, so either mode resumes the other's output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -35,9 +36,12 @@ from tpupod.extract.store import LocalStore, Store, Writer, open_store
 
 if TYPE_CHECKING:
     from tpupod.model import ForwardOutput
+    from tpupod.model.config import QwenConfig
 
 Say = Callable[[str], None]
 FINAL_EXCHANGE_S = 7 * 24 * 3600.0  # hosts finish their shards at their own pace
+DEFAULT_MAX_LENGTH = 512  # or the model's positions, if fewer
+DEFAULT_SHARD_SAMPLES = 256  # rounded up to a multiple of --batch-size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +53,14 @@ class ExtractOptions:
     layers: tuple[int, ...]
     out: str
     batch_size: int = 8
-    max_length: int = 512
+    max_length: int | None = None  # DEFAULT_MAX_LENGTH, at most the model's positions
     dtype: str = "float32"
     mesh: tuple[int, int] = (1, 1)
     max_samples: int | None = None
     generate: int = 0
     temperature: float = 0.0
     seed: int = 0
-    shard_samples: int = 256
+    shard_samples: int | None = None  # DEFAULT_SHARD_SAMPLES, a multiple of batch_size
     strict: bool = False
     # --mesh spans every process's devices; every process runs every step (lockstep)
     global_mesh: bool = False
@@ -70,23 +74,28 @@ class Prepared:
     folder: Path
     config: shards.RunConfig
 
+    @functools.cached_property
+    def positions(self) -> dict[str, int]:
+        """Each sample's place in the data (the reader gives ids in this order)."""
+        return {s.id: i for i, s in enumerate(self.samples)}
+
 
 def prepare(options: ExtractOptions, say: Say) -> Prepared:
     """Every check that needs no compute, before anything is written."""
     _check_numbers(options)
     read = read_samples(options.data, options.strict, on_skip=say)
     samples = read.samples[: options.max_samples]
-    folder, config_hash, hidden_states = _checkpoint(options.model)
-    check_layers(options.layers, hidden_states)
+    folder, config_hash, model_config = _checkpoint(options.model)
+    check_layers(options.layers, model_config.num_hidden_states)
     config = shards.RunConfig(
         model=options.model.rstrip("/").rsplit("/", 1)[-1],
         config_hash=config_hash,
         data_hash=read.digest,
         layers=options.layers,
         dtype=options.dtype,
-        max_length=options.max_length,
+        max_length=_max_length(options, model_config.max_position_embeddings),
         batch_size=options.batch_size,
-        shard_samples=options.shard_samples,
+        shard_samples=_shard_samples(options),
         max_samples=options.max_samples,
         generate=options.generate,
         temperature=options.temperature,
@@ -101,9 +110,9 @@ def _check_numbers(options: ExtractOptions) -> None:
         ("--max-length", options.max_length),
         ("--shard-samples", options.shard_samples),
     ):
-        if value < 1:
+        if value is not None and value < 1:
             raise ExtractError(f"{name} must be at least 1", hint=f"give a positive {name}")
-    if options.shard_samples % options.batch_size:
+    if options.shard_samples is not None and options.shard_samples % options.batch_size:
         raise ExtractError(
             f"--shard-samples {options.shard_samples} is not a multiple of --batch-size "
             f"{options.batch_size}",
@@ -115,8 +124,36 @@ def _check_numbers(options: ExtractOptions) -> None:
         raise ExtractError(f"unsupported --dtype {options.dtype}", hint="float32 or bfloat16")
 
 
-def _checkpoint(model: str) -> tuple[Path, str, int]:
-    """The local checkpoint folder, the hash of its config, its number of hidden states."""
+def _max_length(options: ExtractOptions, positions: int) -> int:
+    """--max-length, checked against the model's positions (with --generate's tokens)
+    before anything is written; by default 512, or what the positions leave."""
+    room = positions - options.generate
+    if room < 1:
+        raise ExtractError(
+            f"--generate {options.generate} leaves no room: the model has {positions} positions",
+            hint=f"give --generate below {positions}",
+        )
+    if options.max_length is None:
+        return min(DEFAULT_MAX_LENGTH, room)
+    if options.max_length > room:
+        generated = f" + --generate {options.generate}" if options.generate else ""
+        raise ExtractError(
+            f"--max-length {options.max_length}{generated} exceeds the model's "
+            f"{positions} positions",
+            hint=f"give --max-length {room} or less",
+        )
+    return options.max_length
+
+
+def _shard_samples(options: ExtractOptions) -> int:
+    """--shard-samples, or the default rounded up to whole batches."""
+    if options.shard_samples is not None:
+        return options.shard_samples
+    return -(-DEFAULT_SHARD_SAMPLES // options.batch_size) * options.batch_size
+
+
+def _checkpoint(model: str) -> tuple[Path, str, QwenConfig]:
+    """The local checkpoint folder, the hash of its config, the config."""
     from tpupod.model import loading
 
     try:
@@ -125,7 +162,7 @@ def _checkpoint(model: str) -> tuple[Path, str, int]:
     except CheckpointError as exc:
         raise ExtractError(exc.message, exc.hint) from exc
     digest = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
-    return folder, digest, config.num_hidden_states
+    return folder, digest, config
 
 
 def check_layers(layers: tuple[int, ...], num_hidden_states: int) -> None:
@@ -146,6 +183,21 @@ def open_output(where: str, config: shards.RunConfig) -> Store:
     if existing is None:
         store.write(shards.RUN_FILE, config.to_json())
     return store
+
+
+def check_output(where: str, config: shards.RunConfig) -> None:
+    """What ``open_output`` would refuse, checked without writing anything (a launcher,
+    before any worker starts)."""
+    if "://" in where:
+        store = open_store(where)
+        shards.check_run(store.read(shards.RUN_FILE), config, store.url)
+        return
+    folder = Path(where)
+    if folder.exists() and not folder.is_dir():
+        raise ExtractError(f"--out {where} is a file", hint="give a folder for the output")
+    run_file = folder / shards.RUN_FILE
+    existing = run_file.read_bytes() if run_file.is_file() else None
+    shards.check_run(existing, config, str(folder))
 
 
 def todo(prepared: Prepared, store: Store, host: int, hosts: int) -> list[plan.ShardPlan]:
@@ -186,22 +238,26 @@ class Extractor:
         self.model = load_model(prepared.folder, dtype=options.dtype, mesh=mesh)
         self.options = options
         self.config = prepared.config
+        self.positions = prepared.positions
         assert self.model.tokenizer is not None
         self.tokenizer = self.model.tokenizer
 
     def tokens(self, samples: tuple[Sample, ...]) -> list[np.ndarray]:
-        """Each sample's token ids (chat template applied to messages), cut to --max-length;
-        encoded as one batch (the tokenizer's threads)."""
+        """Each sample's own token ids (chat template applied to messages), whole; encoded
+        as one batch (the tokenizer's threads; it pads and cuts nothing)."""
         texts = [
             self.tokenizer.apply_chat_template(list(s.messages))
             if s.messages is not None
             else s.text or ""
             for s in samples
         ]
-        return [
-            np.asarray(ids[: self.options.max_length] or [self._filler()], np.int32)
-            for ids in self.tokenizer.encode_batch(texts)
-        ]
+        encoded = self.tokenizer.encode_batch(texts)
+        for sample, ids in zip(samples, encoded, strict=True):
+            if not ids:
+                raise ExtractError(
+                    f"sample {sample.id!r} has no tokens", hint="drop it from the data"
+                )
+        return [np.asarray(ids, np.int32) for ids in encoded]
 
     def _filler(self) -> int:
         return self.tokenizer.pad_id or 0
@@ -211,8 +267,11 @@ class Extractor:
     ) -> shards.ShardResult:
         """Compute one shard: fixed-size batches, shortest samples first. Batch k+1 is
         dispatched before batch k is copied out, so the device never waits on the host."""
-        toks = self.tokens(shard.samples)
+        whole = self.tokens(shard.samples)
+        cut_at = self.config.max_length
+        toks = [t[:cut_at] for t in whole]
         built = _Built(self.options.layers)
+        built.cut = [s.id for s, t in zip(shard.samples, whole, strict=True) if len(t) > cut_at]
         pending: tuple[list[int], ForwardOutput] | None = None
         for batch in [*plan.batches([len(t) for t in toks], self.options.batch_size), None]:
             launched = None if batch is None else (batch, self._launch(toks, batch))
@@ -220,7 +279,7 @@ class Extractor:
                 self._collect(shard.index, toks, *pending, built)
                 on_batch(len(pending[0]), sum(len(toks[i]) for i in pending[0]))
             pending = launched
-        return built.result(shard, toks, self.options.generate > 0)
+        return built.result(shard, toks, self.positions, self.options.generate > 0)
 
     def _rows(self, toks: list[np.ndarray], batch: list[int]) -> list[list[int]]:
         rows = [toks[i].tolist() for i in batch]
@@ -265,17 +324,25 @@ class _Built:
         self.hidden: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
         self.completions: list[str] = []
         self.completion_tokens: list[list[int]] = []
+        self.cut: list[str] = []
 
     def result(
-        self, shard: plan.ShardPlan, toks: list[np.ndarray], generated: bool
+        self,
+        shard: plan.ShardPlan,
+        toks: list[np.ndarray],
+        positions: dict[str, int],
+        generated: bool,
     ) -> shards.ShardResult:
+        ids = [shard.samples[i].id for i in self.order]
         return shards.ShardResult(
             shard.index,
-            [shard.samples[i].id for i in self.order],
+            ids,
             [toks[i] for i in self.order],
             self.hidden,
             self.completions if generated else None,
             self.completion_tokens if generated else None,
+            positions=[positions[i] for i in ids],
+            cut=sorted(self.cut, key=positions.__getitem__),
         )
 
 
@@ -353,9 +420,14 @@ def run_worker(options: ExtractOptions, say: Say, mark: Say | None = None) -> No
         rows = [values[k] for k in sorted(values)]
     if identity.id != 0:
         return
-    samples = merge_manifests(options, prepared)
+    samples, cut = merge_manifests(options, prepared)
     for line in stats_table(rows):
         say(line)
+    if cut:
+        say(
+            f"{len(cut)} of {samples} samples cut to --max-length {prepared.config.max_length} "
+            f"tokens (first: {cut[0]!r}; all in manifest.json, ds.cut)"
+        )
     say(f"{samples} samples in {options.out} (tpupod.extract.open to read them)")
 
 
@@ -384,8 +456,9 @@ def _agree(hosts: int) -> Callable[[shards.RunConfig], None]:
     return agree
 
 
-def merge_manifests(options: ExtractOptions, prepared: Prepared) -> int:
-    """Write ``manifest.json`` from every shard's manifest; the number of samples in it."""
+def merge_manifests(options: ExtractOptions, prepared: Prepared) -> tuple[int, list[str]]:
+    """Write ``manifest.json`` from every shard's manifest; the number of samples in it
+    and the ids of those cut to --max-length (in the data's order)."""
     store = open_store(options.out)
     planned = plan.plan_shards(prepared.samples, prepared.config.shard_samples)
     manifests = []
@@ -404,7 +477,8 @@ def merge_manifests(options: ExtractOptions, prepared: Prepared) -> int:
     if isinstance(store, LocalStore):  # every other writer is done: leftovers are a killed run's
         store.remove_staged([shards.RUN_FILE, shards.MANIFEST_FILE])
     store.write(shards.MANIFEST_FILE, shards.merge(prepared.config, manifests))
-    return len(prepared.samples)
+    cut = [i for raw in manifests for i in json.loads(raw).get("cut", [])]
+    return len(prepared.samples), sorted(cut, key=prepared.positions.__getitem__)
 
 
 def stats_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -5,7 +5,9 @@ A shard ``shard-KKKKKK.safetensors`` holds ``hidden.L`` (``[tokens, d_model]``,
 the real tokens of every sample, concatenated) for each requested layer ``L``,
 ``tokens`` (int32) and ``offsets`` (int64, ``[samples + 1]``: sample ``i`` is
 rows ``offsets[i]:offsets[i+1]``). Its manifest ``shard-KKKKKK.json`` lists
-the samples' ids, lengths and offsets, the layers, the dtype, the run's
+the samples' ids, their places in the data (``positions``: the reader lists
+ids in the data's order), the ids cut to ``max_length`` (``cut``), lengths
+and offsets, the layers, the dtype, the run's
 config (model name and config hash, data hash, tpupod version) and, with
 ``--generate``, each completion. Nothing host- or time-dependent is in a
 shard, so a shard is the same bytes whoever computes it, whenever.
@@ -27,7 +29,7 @@ from tpupod.extract.tensorfile import Buffer
 
 RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: manifests hold positions and cut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,8 @@ class ShardResult:
     hidden: dict[int, list[np.ndarray]]  # layer -> per sample [length, d_model]
     completions: list[str] | None = None
     completion_tokens: list[list[int]] | None = None
+    positions: list[int] = dataclasses.field(default_factory=list)  # per sample, in the data
+    cut: list[str] = dataclasses.field(default_factory=list)  # ids cut to max_length
 
 
 def encode(shard: ShardResult, config: RunConfig) -> tuple[list[Buffer], bytes]:
@@ -84,6 +88,8 @@ def encode(shard: ShardResult, config: RunConfig) -> tuple[list[Buffer], bytes]:
         "shard": shard.index,
         "file": f"{_stem(shard.index)}.safetensors",
         "ids": shard.ids,
+        "positions": shard.positions,
+        "cut": shard.cut,
         "lengths": lengths,
         "offsets": offsets.tolist(),
         "layers": list(config.layers),
