@@ -68,7 +68,8 @@ def configs() -> Path:
 def run_suite(
     cli: Callable[..., CliResult], pod: Pod, config: Path, out: Path
 ) -> tuple[CliResult, Results]:
-    run = cli("bench", "checkpoint", "--pod", pod.name, "-c", str(config), "-o", str(out))
+    args = ("bench", "checkpoint", "--pod", pod.name, "-c", str(config), "-o", str(out))
+    run = cli(*args, timeout=110)  # eight generators on a loaded machine take more than 30 s
     assert run.code == 0, run.err
     (path,) = out.glob("*/*/results.json")
     return run, Results.model_validate_json(path.read_text())

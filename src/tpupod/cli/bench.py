@@ -210,7 +210,8 @@ def _print_results(results: Results) -> None:
     """The results as a table that fits 100 columns where it is piped (a terminal: its width).
 
     Where every combination runs one generator, the title names it and the rows name only
-    what they sweep; a wide cell wraps within its column.
+    what they sweep; a wide cell wraps within its column. A generator that neither saves
+    nor restores the tree (cancel, policy) gets a line below it: its slowest operations.
     """
     from rich import box
     from rich.console import Console
@@ -225,10 +226,11 @@ def _print_results(results: Results) -> None:
         box=box.SIMPLE_HEAD,
         show_edge=False,
     )
-    table.add_column("combination" if one is None else "options", min_width=16)
+    table.add_column("combination" if one is None else "options", min_width=16, overflow="fold")
     for column in COLUMNS:
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("status", min_width=8)
+    timed: list[str] = []  # what a generator that neither saves nor restores timed
     for c in results.combinations:
         label = c.label if one is None else c.label.partition(" ")[2] or "defaults"
         if not c.repeats:
@@ -243,9 +245,13 @@ def _print_results(results: Results) -> None:
             "/".join(
                 f"{h[m].max:.0f}" if m in h else "-" for m in ("rss_save_mb", "rss_restore_mb")
             ),
-            c.status.value if "save_total_s" in r or "restore_s" in r else _ops(c),
+            c.status.value,
         )
+        if "save_total_s" not in r and "restore_s" not in r:
+            timed.append(f"{c.label}: {_ops(c)}")
     Console(file=sys.stdout, width=None if sys.stdout.isatty() else PIPED_WIDTH).print(table)
+    for line in timed:  # below the table: a row has no room for them
+        print(line)
 
 
 def _cell(repeats: dict[str, RepeatStats], metric: str, form: str) -> str:
@@ -261,8 +267,7 @@ def _ops(combo: CombinationResult) -> str:
     ops = sorted(
         ((m, s.mean) for m, s in combo.repeats.items() if m.startswith(OP)), key=lambda x: -x[1]
     )
-    timed = ", ".join(f"{m[len(OP) :]} {v:.3f}s" for m, v in ops[:3])
-    return f"{combo.status.value}: {timed}"
+    return ", ".join(f"{m[len(OP) :]} {v:.3f}s" for m, v in ops[:3])
 
 
 def _check_baseline(comparison: Comparison, threshold: float) -> None:
