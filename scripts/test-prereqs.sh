@@ -15,6 +15,8 @@ packages+=(postgresql) # tests/test_jobs.py starts its own PostgreSQL cluster on
 # tests/test_image.py: podman with runc (its containers.conf picks runc), catatonit for --init,
 # and a busybox-static rootfs imported as the base image (no image registry is reachable)
 packages+=(podman runc catatonit busybox-static)
+# tests/test_image.py: the docker CLI against a socket nobody serves (no daemon is started)
+command -v docker >/dev/null 2>&1 || packages+=(docker.io)
 python=${PYTHON:-python3}
 if ! command -v "$python" >/dev/null 2>&1; then
   packages+=(python3 python3-venv)
