@@ -31,16 +31,15 @@ where a containers.conf names them, they govern and nothing is passed either.
 from __future__ import annotations
 
 import re
-import secrets
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from typing import Any
 
 from tpupod.errors import PreflightError, UsageError
 from tpupod.fanout import execute_async
 from tpupod.image.engine import force_remove, pick_engine, raise_unusable
+from tpupod.names import new_launch_id
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult
 from tpupod.transport import Connector
@@ -131,10 +130,6 @@ class Container:
     env_names: tuple[str, ...] = ()  # passed through by name (their values are the worker's)
     privileged: bool = False
     workdir_mounted: bool = False  # mount the command's directory and start there
-
-
-def new_launch_id() -> str:
-    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
 def container_name(launch_id: str) -> str:

@@ -22,7 +22,6 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -40,6 +39,7 @@ from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
 from tpupod.launch.serve import FAILED, READY
+from tpupod.names import new_launch_id
 from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
 from tpupod.ops.sync import shell_path, sync_local
@@ -141,10 +141,6 @@ class TailCleaner(Chatter):
         if self.collateral() or self.OWN_MARKER.match(text):
             return None
         return super().__call__(text)
-
-
-def new_launch_id() -> str:
-    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
 async def run(

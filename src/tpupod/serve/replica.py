@@ -37,17 +37,16 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import secrets
 import socket
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import tpupod
 from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
+from tpupod.names import new_launch_id
 from tpupod.serve.lockstep import (
     DEFAULT_TIMEOUT_S,
     Follower,
@@ -130,10 +129,6 @@ def model_axis(mesh: str | None, devices: int) -> int:
     if width < 1 or devices % width:
         raise UsageError(f"--mesh model={width} does not divide the replica's {devices} devices")
     return width
-
-
-def new_launch_id() -> str:
-    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
 def start_jax(coordinator: str, size: int, rank: int, timeout: float) -> None:
