@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--fail", type=int, default=0, help="answer completions with this status")
     args = parser.parse_args()
+    print(f"stub pid {os.getpid()} on port {args.port}", flush=True)
     stub = Stub(args.port, args.model, args.tokens, args.token_delay, args.fail)
     app = web.Application()
     app.router.add_get("/health", stub.health)

@@ -473,16 +473,42 @@ def test_kill_minus_nine_of_a_backend_under_load(fleet: Fleet) -> None:
     assert "(4/4 backends healthy)" in status.stdout
 
 
+STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ")
+
+
 @pytest.mark.local
 def test_logs_and_restart_reach_the_servers(fleet: Fleet) -> None:
-    first = backends(fleet)["backends"][0]
-    port = int(first.split(":")[1])
+    listed = sorted(backends(fleet)["backends"])
+    port = int(listed[0].split(":")[1])
+    others = {p: stub_pid(p) for p in (int(a.split(":")[1]) for a in listed[1:])}
     before = stub_pid(port)
     result = run_cli(fleet.home, "serve", "restart", "--pod", fleet.pod, "--port", str(port))
     assert result.returncode == 0, result.stderr
     assert stub_pid(port) != before
+    assert {p: stub_pid(p) for p in others} == others  # the other servers were not touched
     logs = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod)
     assert logs.returncode == 0, logs.stderr
+    lines = logs.stdout.splitlines()
+    assert len([line for line in lines if "stub pid" in line]) >= 4
+    assert all(STAMP.search(line) for line in lines), lines  # every line says when
+
+
+@pytest.mark.local
+def test_router_404_and_405_are_openai_errors_and_a_refused_token_is_named(fleet: Fleet) -> None:
+    auth = {"Authorization": f"Bearer {fleet.token}"}
+    for method, path, status in (
+        ("GET", "/v1/nothing", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("DELETE", "/v1/models", 405),
+    ):
+        r = httpx.request(method, f"{fleet.router}{path}", headers=auth)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and path in error["message"], error
+    wrong = run_cli(fleet.home, "fanout", "--pod", fleet.pod, "--prompt", "hi", "--token", "x")
+    assert wrong.returncode == 1
+    assert "refused the token" in wrong.stderr and "does not answer" not in wrong.stderr
+    assert "Traceback" not in wrong.stderr
 
 
 @pytest.mark.local
@@ -509,25 +535,146 @@ def test_serve_down_leaves_nothing_running(tmp_path: Path) -> None:
         run_cli(home, "down", "--pod", pod)
 
 
-@pytest.mark.local
-def test_a_server_that_keeps_exiting_fails_serve_up_with_its_last_lines(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def local_pod(tmp_path: Path, prefix: str, workers: int) -> Iterator[tuple[Path, str]]:
+    """A local pod of its own (state folder, name); at the end nothing of it may run."""
     home = tmp_path / "state"
-    pod = f"sf{os.getpid()}"
-    assert run_cli(home, "up", "--name", pod, "--local", "1").returncode == 0
+    pod = f"{prefix}{os.getpid()}"
+    assert run_cli(home, "up", "--name", pod, "--local", str(workers)).returncode == 0
     try:
-        up = run_cli(
-            home, "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
-            "--command", "{python} -c 'import sys; sys.exit(\"cannot load {model}\")'",
-            "--restart-backoff", "0.05", "--base-port", str(free_base_port()),
-        )  # fmt: skip
-        assert up.returncode == 1
-        assert "error: w0: the server on :" in up.stderr
-        assert "exited 3 times without answering (last exit 1)" in up.stderr
-        assert "hint: its last lines: cannot load m" in up.stderr
+        yield home, pod
     finally:
         run_cli(home, "serve", "down", "--pod", pod)
         run_cli(home, "down", "--pod", pod)
         assert wait_until_gone(pod) == []
+
+
+def stub_up(home: Path, pod: str, *extra: str, base: int | None = None) -> Any:
+    """serve up of stub servers (the command backend) on the pod."""
+    return run_cli(
+        home, "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+        "--command", STUB_COMMAND, "--base-port", str(base or free_base_port()),
+        "--health-interval", "0.5", *extra,
+    )  # fmt: skip
+
+
+@pytest.mark.local
+def test_a_server_that_exits_at_start_fails_serve_up_with_its_last_lines(tmp_path: Path) -> None:
+    with local_pod(tmp_path, "sf", 1) as (home, pod):
+        up = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+            "--command", "{python} -c 'import sys; sys.exit(\"cannot load {model}\")'",
+            "--base-port", str(free_base_port()),
+        )  # fmt: skip
+        assert up.returncode == 1
+        assert "error: w0: the server on :" in up.stderr
+        assert "exited before it answered (exit 1)" in up.stderr
+        assert "hint: its last lines: cannot load m" in up.stderr
+        assert "restart" not in up.stderr  # it failed at once: no restarts to wait out
+        assert wait_until_gone(pod) == []  # and left nothing, before any serve down
+
+
+TINY = Path(__file__).parent / "fixtures" / "qwen2-tiny"
+
+
+@pytest.mark.local
+@pytest.mark.timeout(150)
+def test_a_failed_serve_up_ends_at_once_and_leaves_nothing_running(tmp_path: Path) -> None:
+    """A wrong model path took 17-23 s (three restarts) and left the agent running; a port
+    in use got the hint 'choose other --ports', an option serve up does not have."""
+    base = free_base_port()
+    with local_pod(tmp_path, "sw", 1) as (home, pod):
+        missing = tmp_path / "no-such-model"
+        bad = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", str(missing), "--base-port", str(base),
+            timeout=120,
+        )  # fmt: skip
+        assert bad.returncode == 1, bad.stderr
+        assert "exited before it answered" in bad.stderr and str(missing) in bad.stderr
+        assert "restart" not in bad.stderr
+        assert wait_until_gone(pod) == []  # no agent, no server: serve up stopped them
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", base))
+            busy.listen()
+            taken = run_cli(
+                home, "serve", "up", "--pod", pod, "--model", str(TINY),
+                "--base-port", str(base), timeout=120,
+            )  # fmt: skip
+        assert taken.returncode == 1, taken.stderr
+        assert f"{base}" in taken.stderr and "in use" in taken.stderr
+        assert "--base-port" in taken.stderr and "--ports" not in taken.stderr
+        assert "Traceback" not in taken.stderr
+        assert wait_until_gone(pod) == []
+        gone = run_cli(home, "serve", "status", "--pod", pod)
+        assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
+
+
+def stub_pids(pod: str) -> set[int]:
+    return {p.pid for p in pod_processes(pod) if str(STUB) in p.cmdline()}
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_a_second_serve_up_changes_nothing_or_is_refused_and_replace_leaves_no_old_server(
+    tmp_path: Path,
+) -> None:
+    """A second identical serve up restarted the whole fleet and moved the router's port;
+    --replace with other --servers-per-worker left an old server running, unlisted."""
+    base = free_base_port()
+    with local_pod(tmp_path, "sr", 2) as (home, pod):
+        first = stub_up(home, pod, "--servers-per-worker", "2", base=base)
+        assert first.returncode == 0, first.stderr
+        endpoint = run_cli(home, "serve", "endpoint", "--pod", pod).stdout
+        pids = stub_pids(pod)
+        assert len(pids) == 4
+        again = stub_up(home, pod, "--servers-per-worker", "2", base=base)
+        assert again.returncode == 0, again.stderr
+        assert "already serving" in again.stderr
+        assert run_cli(home, "serve", "endpoint", "--pod", pod).stdout == endpoint
+        assert stub_pids(pod) == pids  # nothing restarted
+        other = stub_up(home, pod, "--servers-per-worker", "1", base=base)
+        assert other.returncode == 1
+        assert "already serving" in other.stderr and "--servers-per-worker" in other.stderr
+        assert "serve down" in other.stderr and "--replace" in other.stderr
+        assert stub_pids(pod) == pids
+        replaced = stub_up(home, pod, "--servers-per-worker", "1", "--replace", base=base)
+        assert replaced.returncode == 0, replaced.stderr
+        now = stub_pids(pod)
+        assert len(now) == 2 and not now & pids, (pids, now)  # every old server stopped
+        assert run_cli(home, "serve", "endpoint", "--pod", pod).stdout == endpoint
+        status = run_cli(home, "serve", "status", "--pod", pod)
+        rows = [line for line in status.stdout.splitlines() if line.startswith("w")]
+        assert len(rows) == 2 and all(" ready " in row for row in rows), status.stdout
+        logs = run_cli(home, "serve", "logs", "--pod", pod).stdout.splitlines()
+        logged = {int(m.group(1)) for line in logs if (m := re.search(r"stub pid (\d+)", line))}
+        assert logged == now  # the current fleet's lines only
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_fanout_reports_backends_that_are_down_and_exits_non_zero(tmp_path: Path) -> None:
+    """With 2 of 4 servers down, fanout said DONE backends=2 ok=2 and exited 0."""
+    with local_pod(tmp_path, "sx", 2) as (home, pod):
+        up = stub_up(home, pod, "--servers-per-worker", "2")
+        assert up.returncode == 0, up.stderr
+        exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
+        values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+        w1 = [p for p in pod_processes(pod) if p.environ().get("TPUPOD_WORKER_ID") == "1"]
+        assert len(w1) == 3  # its agent and its two servers: killed, nobody restarts them
+        for proc in w1:
+            proc.kill()
+        auth = {"Authorization": f"Bearer {values['OPENAI_API_KEY']}"}
+        registry = values["OPENAI_BASE_URL"].removesuffix("/v1") + "/backends"
+        deadline = time.monotonic() + 20
+        while len(httpx.get(registry, headers=auth).json()["backends"]) > 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        fanout = run_cli(home, "fanout", "--pod", pod, "--prompt", "hi", "--max-tokens", "2")
+        assert fanout.returncode == 1, fanout.stdout + fanout.stderr
+        lines = fanout.stdout.splitlines()
+        assert len([line for line in lines if " status=200 " in line]) == 2
+        assert len([line for line in lines if " status=down " in line]) == 2, lines
+        assert lines[-1].startswith("DONE backends=4 ok=2 ")
 
 
 # -- an SSH pod of simulated hosts ----------------------------------------------------------
@@ -628,6 +775,14 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
         fanout = run_cli(home, "fanout", "--pod", pod, "--prompt", "你是谁", "--max-tokens", "4")
         assert fanout.returncode == 0, fanout.stdout + fanout.stderr
         assert fanout.stdout.count(" status=200 ") == 2
+        # --port named one port and restarted the process of both, saying 'builtin-<other>'
+        second = max(int(a.rsplit(":", 1)[1]) for a in re.findall(r"backend=(\S+)", fanout.stdout))
+        pids = {p.pid for p in pod_processes(pod) if "tpupod.serve.builtin" in p.cmdline()}
+        one = run_cli(home, "serve", "restart", "--pod", pod, "--port", str(second))
+        assert one.returncode == 2, one.stderr
+        assert f"the server on :{second} runs in one process with :{second - 1}" in one.stderr
+        assert "hint: restart them together: tpupod serve restart -w 0" in one.stderr
+        assert {p.pid for p in pod_processes(pod) if "tpupod.serve.builtin" in p.cmdline()} == pids
         assert run_cli(home, "serve", "down", "--pod", pod).returncode == 0
         assert wait_until_gone(pod) == []
     finally:

@@ -153,6 +153,13 @@ def up(
         ),
     ] = None,
     worker_python: WorkerPythonOption = None,
+    replace: Annotated[
+        bool,
+        typer.Option(
+            "--replace",
+            help="Another fleet serves on the pod: stop every server of it, start this one.",
+        ),
+    ] = False,
     backend_args: Annotated[
         list[str] | None,
         typer.Argument(help="-- flags passed on to every server.", show_default=False),
@@ -191,9 +198,12 @@ def up(
         mesh=mesh,
     )
     began = time.monotonic()
-    record = _with_fleet(found, options.python, lambda f: f.up(options, notice))
-    what = "replicas" if hosts_per_replica > 1 else "servers"
-    notice(f"{len(record.servers)} {what} ready in {time.monotonic() - began:.1f}s")
+    record = _with_fleet(found, options.python, lambda f: f.up(options, notice, replace))
+    if record is None:  # the same fleet serves already: nothing was touched
+        record = _record(found)
+    else:
+        what = "replicas" if hosts_per_replica > 1 else "servers"
+        notice(f"{len(record.servers)} {what} ready in {time.monotonic() - began:.1f}s")
     print(f"endpoint: {record.base_url}  ('eval \"$(tpupod serve endpoint)\"' to use it)")
 
 
@@ -265,13 +275,22 @@ def logs(
 
     found = _pod(pod)
     record = _record(found)
-    chosen = {s.name for s in record.servers if port is None or s.port == port}
+    chosen = [s for s in record.servers if port is None or s.port == port]
     if not chosen:
         raise UsageError(
             f"no server listens on port {port}", hint="'tpupod serve status' lists them"
         )
-    files = " ".join(shlex.quote(f"{STATE_DIR}/logs/{name}.log") for name in sorted(chosen))
-    command_line = f"tail -q -n {lines} {'-F' if follow else ''} {files} 2>/dev/null; true"
+    # each worker its own servers' logs: a log of another fleet's server stays out
+    arms = []
+    for w in found.workers:
+        names = sorted({s.name for s in chosen if w.id in (s.worker, *s.followers)})
+        files = " ".join(shlex.quote(f"{STATE_DIR}/logs/{name}.log") for name in names)
+        if names:
+            arms.append(f"{w.id}) set -- {files};;")
+    command_line = (
+        f'case "$TPUPOD_WORKER_ID" in {" ".join(arms)} *) exit 0;; esac; '
+        f'tail -q -n {lines} {"-F" if follow else ""} "$@" 2>/dev/null; true'
+    )
     printer = LinePrinter(found.select(workers), sys.stdout, sys.stderr)
     asyncio.run(execute_async(found, command_line, workers=workers, on_line=printer))
 
@@ -291,6 +310,15 @@ def restart(
     if port is not None and not names:
         raise UsageError(
             f"no server listens on port {port}", hint="'tpupod serve status' lists them"
+        )
+    shared = sorted({s.port for s in record.servers if s.name in names and s.port != port})
+    if shared:  # a restart is of a process: it would take these ports down too
+        others = ", ".join(f":{p}" for p in shared)
+        worker = next(s.worker for s in record.servers if s.port == port)
+        raise UsageError(
+            f"the server on :{port} runs in one process with {others} (the builtin backend "
+            "serves a worker's ports from one process): restarting it restarts them all",
+            hint=f"restart them together: tpupod serve restart -w {worker}",
         )
     selected = found.select(workers)
     if names:
@@ -428,18 +456,31 @@ def fanout(
     token = token or settings.openai_api_key()
     began = time.monotonic()
     try:
-        found_model, backends = asyncio.run(registry_backends(registry_url, token, 30.0))
+        listed = asyncio.run(registry_backends(registry_url, token, 30.0))
+    except httpx.HTTPStatusError as exc:
+        refused = exc.response.status_code in (401, 403)
+        raise ServeError(
+            f"the registry at {registry_url} refused the token (HTTP {exc.response.status_code})"
+            if refused
+            else f"the registry at {registry_url} answered HTTP {exc.response.status_code}",
+            hint="leave --token out to use the fleet's ('tpupod serve endpoint' prints it)"
+            if refused
+            else "'tpupod serve status' shows the fleet",
+        ) from exc
     except httpx.HTTPError as exc:
         raise ServeError(
             f"the registry at {registry_url} does not answer: {exc}",
             hint="'tpupod serve status' shows the fleet",
         ) from exc
-    if not backends:
-        raise ServeError("the registry lists no healthy backend", hint="'tpupod serve status'")
+    if not listed.healthy and not listed.down:
+        raise ServeError("the registry lists no backend", hint="'tpupod serve status'")
+    down = listed.down_answers()
+    for answer in down:  # a server the registry marks down is reported, not asked
+        print(answer.line(), flush=True)
     answers = asyncio.run(
         ask_all(
-            backends,
-            model or found_model,
+            listed.healthy,
+            model or listed.model,
             prompt,
             max_tokens=max_tokens,
             timeout=timeout,
@@ -447,6 +488,7 @@ def fanout(
             on_answer=lambda a: print(a.line(), flush=True),
         )
     )
+    answers += down
     ok = sum(a.ok for a in answers)
     print(f"DONE backends={len(answers)} ok={ok} wall_sec={time.monotonic() - began:.2f}")
     if ok < len(answers):

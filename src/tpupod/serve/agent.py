@@ -6,9 +6,9 @@ FastAPI + uvicorn, one per worker, started detached by ``tpupod serve up``
 
     GET  /health          {"ok": true, "servers": N}
     GET  /admin/status    every managed server: name, backend, ports, pid, state, restarts, ...
-    POST /admin/start     a ServerSpec (JSON); replaces a server of the same name
+    POST /admin/start     a ServerSpec (JSON); replaces a server of the same name; a new log
     POST /admin/stop      {"name": NAME} or {} for all: TERM, then KILL
-    POST /admin/restart   {"name": NAME} or {} for all
+    POST /admin/restart   {"name": NAME} or {} for all; the log goes on
     GET  /admin/logs      ?name=NAME&lines=N: the last lines of a server's log
 
 SIGTERM stops every server, then the agent. The process groups of the
@@ -54,13 +54,14 @@ class Agent:
         groups = [s.pid for s in self.servers.values() if s.pid is not None]
         write_atomic(self.state / "servers.json", json.dumps({"groups": groups}) + "\n")
 
-    async def start(self, spec: ServerSpec) -> ManagedServer:
+    async def start(self, spec: ServerSpec, fresh: bool = True) -> ManagedServer:
+        """Start (or replace) a server; ``fresh``: a new log, as a new fleet's server has."""
         old = self.servers.pop(spec.name, None)
         if old is not None:
             await old.stop()
         server = ManagedServer(spec, self.state / "logs", self.base_env, self.record_groups)
         self.servers[spec.name] = server
-        server.start()
+        server.start(fresh)
         return server
 
     def pick(self, name: str | None) -> list[ManagedServer]:
@@ -81,7 +82,7 @@ class Agent:
     async def restart(self, name: str | None) -> list[str]:
         chosen = self.pick(name)
         for s in chosen:
-            restarted = await self.start(s.spec)
+            restarted = await self.start(s.spec, fresh=False)
             restarted.restarts = s.restarts + 1
         return [s.spec.name for s in chosen]
 

@@ -38,7 +38,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpupod.errors import TpupodError, UsageError
+from tpupod import settings
+from tpupod.errors import CheckpointError, TpupodError, UsageError
 
 if TYPE_CHECKING:
     from tpupod.serve.engine import Engine
@@ -135,9 +136,12 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
+        # run by an agent (it sets TPUPOD_SERVE_PORTS), the ports came from 'serve up'
+        by_agent = settings.named("TPUPOD_SERVE_PORTS") is not None
+        where = "--base-port of 'tpupod serve up'" if by_agent else "--ports"
         raise UsageError(
             f"cannot bind {host}:{port}: {exc.strerror}",
-            hint="is another server on that port? choose other --ports",
+            hint=f"another process holds the port: choose other ports ({where})",
         ) from exc
     sock.set_inheritable(True)
     return sock
@@ -148,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1 or args.max_length < 2 or (args.decode_steps or 1) < 1:
         raise UsageError("--max-batch and --decode-steps must be >= 1, --max-length >= 2")
     sockets = [bind(args.host, p) for p in ports]
+    if "://" not in args.model and not Path(args.model).expanduser().is_dir():
+        # before JAX loads (seconds on a busy host): a wrong path fails at once
+        raise CheckpointError(
+            f"--model {args.model}: no such folder",
+            hint="give a checkpoint folder (config.json, *.safetensors) or a gs:// URL",
+        )
 
     import jax
 

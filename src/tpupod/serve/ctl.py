@@ -178,16 +178,16 @@ def call(state: Path, service: str, method: str, path: str, body: str | None) ->
     return {"status": r.status_code, "body": answer}
 
 
-def wait_ready(state: Path, timeout: float, poll: float = 0.3, give_up: int = 3) -> int:
-    """Print a JSON event as each server of the agent becomes ready or restarts; 0 when all are.
+def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:
+    """Print a JSON event as each server of the agent becomes ready; 0 once all are.
 
-    A server that has restarted ``give_up`` times without ever answering is
-    failing (a bad command line, a model that does not load): 1 at once, with
-    its last log lines, rather than waiting out ``timeout``.
+    A server that exits before it ever answered is failing (a wrong model path, a
+    port in use, a bad command line): a restart would fail the same way, so this
+    says so at once (``failing``, with its last log lines and exit) and returns 1,
+    rather than waiting out restarts or ``timeout``.
     """
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
-    restarts: dict[str, int] = {}
     while True:
         answer = call(state, "agent", "GET", "/admin/status", None)
         servers = answer.get("body", {}).get("servers", []) if answer.get("status") == 200 else []
@@ -195,13 +195,9 @@ def wait_ready(state: Path, timeout: float, poll: float = 0.3, give_up: int = 3)
             if s["state"] == "ready" and s["name"] not in seen:
                 seen.add(s["name"])
                 print(json.dumps({"event": "ready", **s}), flush=True)
-            elif s["name"] not in seen and s["restarts"] > restarts.get(s["name"], 0):
-                restarts[s["name"]] = s["restarts"]
-                failing = s["restarts"] >= give_up
-                event = "failing" if failing else "restarting"
-                print(json.dumps({"event": event, **s}), flush=True)
-                if failing:
-                    return 1
+            elif s["name"] not in seen and (s["state"] == "backoff" or s["restarts"] > 0):
+                print(json.dumps({"event": "failing", **s}), flush=True)
+                return 1
         if answer.get("status") == 200 and len(seen) == len(servers):
             return 0
         if time.monotonic() > deadline:

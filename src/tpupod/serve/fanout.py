@@ -6,7 +6,10 @@ checked. One line per backend as it answers::
 
     RESP backend=host:port status=200 ms=412 content=...
 
-then ``DONE backends=N ok=N wall_sec=...``. Any failure makes the exit non-zero.
+A backend the registry marks down (or ejected) is not asked: its line says
+``status=down`` and why. Then ``DONE backends=N ok=N wall_sec=...``, N
+counting every backend the registry knows. Any failure makes the exit
+non-zero.
 """
 
 from __future__ import annotations
@@ -26,25 +29,46 @@ class Answer:
     status: int | None
     ms: float
     content: str
+    failure: str = "error"  # what the line says when there is no status: error or down
 
     @property
     def ok(self) -> bool:
         return self.status == 200
 
     def line(self) -> str:
-        status = self.status if self.status is not None else "error"
+        status = self.status if self.status is not None else self.failure
         content = json.dumps(self.content, ensure_ascii=False)
         return f"RESP backend={self.backend} status={status} ms={self.ms:.0f} content={content}"
 
 
-async def registry_backends(url: str, token: str | None, timeout: float) -> tuple[str, list[str]]:
-    """The registry's model and healthy backends."""
+@dataclass(frozen=True)
+class Listed:
+    """What the registry knows: its model, the backends it routes to, and those it does not."""
+
+    model: str
+    healthy: list[str]
+    down: dict[str, str]  # address: why (its state and last error)
+
+    def down_answers(self) -> list[Answer]:
+        return [Answer(b, None, 0.0, why, "down") for b, why in sorted(self.down.items())]
+
+
+async def registry_backends(url: str, token: str | None, timeout: float) -> Listed:
+    """The registry's model, its healthy backends and the others (down, ejected)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(timeout=timeout) as client:
         r = await client.get(f"{url.rstrip('/')}/backends", headers=headers)
         r.raise_for_status()
         body = r.json()
-    return str(body.get("model", "")), [str(b) for b in body.get("backends", [])]
+    healthy = [str(b) for b in body.get("backends", [])]
+    health = body.get("health", {})
+    down = {
+        str(address): f"the registry marks it {seen.get('state', 'down')}"
+        + (f": {seen['last_error']}" if seen.get("last_error") else "")
+        for address, seen in health.items()
+        if address not in healthy
+    }
+    return Listed(str(body.get("model", "")), healthy, down)
 
 
 async def ask(

@@ -14,6 +14,8 @@ each worker gets its own port range and its agent any free port.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -29,6 +31,7 @@ from tpupod.errors import ServeError, WorkerError
 from tpupod.pod import Pod, Worker
 from tpupod.providers import provider_for
 from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
+from tpupod.serve.supervisor import unstamped
 from tpupod.state import StateDir, write_atomic
 from tpupod.transport import Connector
 
@@ -60,6 +63,7 @@ class FleetRecord(BaseModel):
     router_port: int
     token: str
     started: float
+    settings: dict[str, Any] | None = None  # serve up's options: a second one compares them
 
     @property
     def base_url(self) -> str:
@@ -86,6 +90,34 @@ class UpOptions:
     restart_backoff: float = 1.0
     hosts_per_replica: int = 1  # >1: each run of K workers serves one replica in lockstep
     mesh: str | None = None  # model=M across a replica's devices
+
+
+FLAGS = {"python": "--worker-python", "extra_args": "the arguments after --"}
+
+
+def settings_of(options: UpOptions) -> dict[str, Any]:
+    """What makes two fleets the same: every option but how long serve up may wait."""
+    chosen = dataclasses.asdict(options)
+    del chosen["startup_timeout"]
+    parsed: dict[str, Any] = json.loads(json.dumps(chosen))  # as the record reads back
+    return parsed
+
+
+def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
+    """The options that differ, as serve up's flags: ``--servers-per-worker 2, now 1``."""
+    if old is None:
+        return "its settings were not recorded"
+    changed = [k for k in new if old.get(k) != new[k]]
+    return "; ".join(
+        f"{FLAGS.get(k, '--' + k.replace('_', '-'))} {_shown(old.get(k))}, now {_shown(new[k])}"
+        for k in changed
+    )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return shlex.join(str(v) for v in value) or "(none)"
+    return "(default)" if value is None else str(value)
 
 
 def record_path(state: StateDir, pod: str) -> Any:
@@ -233,12 +265,11 @@ class Fleet:
             restart_backoff_s=options.restart_backoff,
         )
 
-    async def start_servers(
-        self, worker: Worker, options: UpOptions, progress: Progress
-    ) -> list[ServerRecord]:
+    def plan_worker(self, worker: Worker, options: UpOptions) -> list[ServerSpec]:
+        """The server specs of one worker (raises on options that do not fit)."""
         if options.hosts_per_replica > 1:
-            return await self.start_members(worker, self.replica_specs(options))
-        specs = plan(
+            return self.replica_specs(options)[worker.id]
+        return plan(
             options.backend,
             host=worker.internal_address,
             ports=self.ports(worker, options),
@@ -251,6 +282,13 @@ class Fleet:
             extra_args=options.extra_args,
             restart_backoff_s=options.restart_backoff,
         )
+
+    async def start_servers(
+        self, worker: Worker, options: UpOptions, plans: dict[int, list[ServerSpec]]
+    ) -> list[ServerRecord]:
+        if options.hosts_per_replica > 1:
+            return await self.start_members(worker, plans)
+        specs = plans[worker.id]
         for spec in specs:
             await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
         return [
@@ -296,9 +334,6 @@ class Fleet:
             took = time.monotonic() - began
             if event["event"] == "ready":
                 progress(f"{worker.label} :{ports} ready ({took:.1f}s)")
-            elif event["event"] in ("restarting", "failing"):
-                log = " | ".join(own_lines(event.get("log", []))[-2:])
-                progress(f"{worker.label} :{ports} exited ({event['restarts']} restarts): {log}")
 
         answers = await self.ctl(worker, "wait-ready", "--timeout", str(timeout), on_line=seen)
         last = answers[-1]
@@ -306,20 +341,21 @@ class Fleet:
             ports = ",".join(str(p) for p in last.get("ports", []))
             logs = " | ".join(own_lines(last.get("log", []))[-3:])
             raise ServeError(
-                f"{worker.label}: the server on :{ports} exited {last['restarts']} times "
-                f"without answering (last exit {last.get('last_exit')})",
-                hint=(f"its last lines: {logs}; " if logs else "")
-                + "'tpupod serve down' stops what was started",
+                f"{worker.label}: the server {f'on :{ports}' if ports else last['name']} exited "
+                f"before it answered (exit {last.get('last_exit')})",
+                hint=(f"its last lines: {logs}" if logs else "see its log in the agent's folder")
+                + "; serve up stopped what it had started",
             )
         if last.get("event") == "timeout":
             pending = last.get("pending", [])
             names = ", ".join(
                 f":{','.join(str(p) for p in s['ports'])} ({s['state']})" for s in pending
             )
-            logs = " | ".join(line for s in pending[:1] for line in s.get("log", [])[-3:])
+            logs = " | ".join(own_lines(pending[0].get("log", []))[-3:]) if pending else ""
             raise ServeError(
                 f"{worker.label}: not ready after {timeout:g}s: {names}",
-                hint=f"last log lines: {logs}" if logs else "see 'tpupod serve logs'",
+                hint=(f"last log lines: {logs}" if logs else "see the agent's logs/ folder")
+                + "; serve up stopped what it had started",
             )
 
     async def ensure_router(
@@ -341,15 +377,73 @@ class Fleet:
             raise ServeError(f"w0: {answer['error']}: {'; '.join(answer.get('log', []))}")
         return int(answer["port"])
 
-    async def up(self, options: UpOptions, progress: Progress) -> FleetRecord:
+    async def up(
+        self, options: UpOptions, progress: Progress, replace: bool = False
+    ) -> FleetRecord | None:
+        """Start the fleet; None when the same one already serves (nothing is touched).
+
+        Another fleet on the pod is refused unless ``replace``; then every server of
+        every agent is stopped before the new ones start. When anything fails, every
+        agent, server and router is stopped: a failed ``serve up`` leaves nothing.
+        """
+        wanted = settings_of(options)
+        old = self.existing()
+        if old is not None and not replace:
+            if old.settings != wanted:
+                raise ServeError(
+                    f"already serving {old.model} on pod {self.pod.name!r} with other "
+                    f"settings ({differences(old.settings, wanted)})",
+                    hint="'tpupod serve down' first, or 'tpupod serve up --replace' to stop "
+                    "every server of it and start these",
+                )
+            lost = await self.missing(old)
+            if not lost:
+                progress(f"already serving {old.model} with these settings at {old.base_url}")
+                return None
+            progress(f"already serving with these settings, but not {lost}: starting it again")
+        plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}  # may refuse
+        try:
+            return await self.start(options, plans, old, progress)
+        except Exception:
+            with contextlib.suppress(Exception):
+                await self.down(lambda _: None)
+            raise
+
+    def existing(self) -> FleetRecord | None:
+        try:
+            return load_record(self.state, self.pod.name)
+        except ServeError:
+            return None
+
+    async def missing(self, record: FleetRecord) -> str:
+        """What of the recorded fleet does not run ('' when all of it does)."""
+        agents, router = await self.status()
+        lost = [
+            f"w{w}'s {s.name}"
+            for s in record.servers
+            for w in (s.worker, *s.followers)
+            if isinstance(m := _member(agents, w, s.name), str) or m["state"] == "stopped"
+        ]
+        return ", ".join(lost + (["the router"] if isinstance(router, str) else []))
+
+    async def start(
+        self,
+        options: UpOptions,
+        plans: dict[int, list[ServerSpec]],
+        old: FleetRecord | None,
+        progress: Progress,
+    ) -> FleetRecord:
         workers = list(self.pod.workers)
-        if options.hosts_per_replica > 1:
-            self.replica_specs(options)  # refuse a K that does not fit before starting anything
         agents = await _gather(self.ensure_agent(w, options) for w in workers)
         for w, a in zip(workers, agents, strict=True):
             state = "started" if a.get("started_now") else "running"
             progress(f"{w.label} agent {state} (pid {a['pid']}, {a['host']}:{a['port']})")
-        per_worker = await _gather(self.start_servers(w, options, progress) for w in workers)
+        # an agent that ran already may hold servers of a fleet before: none may stay
+        running = [w for w, a in zip(workers, agents, strict=True) if not a.get("started_now")]
+        stopped = await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
+        if count := sum(len(answer["stopped"]) for answer in stopped):
+            progress(f"stopped {count} servers of the fleet before")
+        per_worker = await _gather(self.start_servers(w, options, plans) for w in workers)
         servers = [s for group in per_worker for s in group]
         if options.hosts_per_replica > 1:
             progress(
@@ -362,10 +456,10 @@ class Fleet:
                 f"on {len(workers)} workers"
             )
         await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
-        try:
-            token = load_record(self.state, self.pod.name).token
-        except ServeError:
-            token = secrets.token_urlsafe(24)
+        wanted = settings_of(options)  # as given: a router port kept below is not a setting
+        token = old.token if old is not None else secrets.token_urlsafe(24)
+        if old is not None and options.router_port is None:  # the endpoint stays where it was
+            options = dataclasses.replace(options, router_port=old.router_port)
         port = await self.ensure_router(options, servers, token)
         record = FleetRecord(
             pod=self.pod.name,
@@ -377,6 +471,7 @@ class Fleet:
             router_port=port,
             token=token,
             started=time.time(),
+            settings=wanted,
         )
         save_record(self.state, record)
         progress(f"router on w0 at {record.base_url} over {len(servers)} servers")
@@ -417,8 +512,9 @@ class Fleet:
 
 
 def own_lines(log: list[str]) -> list[str]:
-    """A server's log lines without the agent's notes about it."""
-    return [line for line in log if not line.startswith("[tpupod agent]")]
+    """A server's log lines without their times and the agent's notes about it."""
+    lines = [unstamped(line) for line in log]
+    return [line for line in lines if not line.startswith("[tpupod agent]")]
 
 
 async def _gather(awaitables: Any) -> list[Any]:

@@ -7,8 +7,10 @@ number of tokens); every refusal has OpenAI's error shape::
 
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
 
-400 for a malformed body or a prompt that does not fit, 404 for a model this
-server does not serve, 503 once the server is shutting down. A stream that
+400 for a malformed body, a prompt that does not fit or a field it cannot
+honour (``logprobs``: refused, never ignored), 404 for a model this server
+does not serve or a path it does not have, 405 for a method a path does not
+take, 503 once the server is shutting down. A stream that
 cannot finish (the server stops under it) ends with an ``error`` event and no
 ``[DONE]``, which the ``openai`` client raises as an ``APIError``.
 
@@ -37,6 +39,7 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpupod.errors import ModelError
 from tpupod.serve.engine import (
@@ -54,6 +57,7 @@ from tpupod.serve.engine import (
 from tpupod.serve.engine import (
     Request as EngineRequest,
 )
+from tpupod.serve.openai_errors import error_body, path_error
 
 # ---- request bodies ----------------------------------------------------------
 
@@ -106,21 +110,34 @@ class _Sampling(_Body):
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
 
+    def unsupported(self) -> str | None:
+        """A field asked for that this server cannot give (refused, never ignored)."""
+        return None
+
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     # vLLM's extension: e.g. {"enable_thinking": false} for Qwen3's template
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def unsupported(self) -> str | None:
+        return "logprobs" if self.logprobs else "top_logprobs" if self.top_logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
     # OpenAI's default for the legacy endpoint
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    def unsupported(self) -> str | None:
+        return "logprobs" if self.logprobs is not None else None
 
 
 # ---- errors --------------------------------------------------------------------
@@ -145,14 +162,7 @@ class APIError(Exception):
         )
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.message, self.kind, self.param, self.code)
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -287,6 +297,12 @@ def create_app(  # noqa: PLR0915 (the routes are closures over one engine)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """A path or method this server does not have: OpenAI's shape, not ``{"detail"}``."""
+        body = path_error(exc.status_code, request.method, request.url.path, str(exc.detail))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"ok": True, "model": model_name, "running": engine.running}
@@ -326,6 +342,13 @@ def create_app(  # noqa: PLR0915 (the routes are closures over one engine)
                     f"The model `{body.model}` does not exist; this server serves `{model_name}`",
                     "model",
                     "model_not_found",
+                )
+            if (field := body.unsupported()) is not None:
+                raise APIError(
+                    400,
+                    f"{field}: this server does not compute log probabilities; leave {field} out",
+                    field,
+                    "unsupported_parameter",
                 )
         except ValidationError as exc:
             metrics.requests.labels(endpoint, "rejected").inc()

@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tpupod import settings
 from tpupod.serve import ctl
+from tpupod.serve.openai_errors import error_body, path_error
 from tpupod.serve.registry import Backend, HealthPolicy, Registry
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -59,13 +60,11 @@ class Policy(enum.StrEnum):
 
 
 def openai_error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return web.json_response(body, status=status)
+    return web.json_response(error_body(message, kind, None, code), status=status)
 
 
 def sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return f"data: {json.dumps(error_body(message, 'server_error'))}\n\n".encode()
 
 
 class Metrics:
@@ -119,6 +118,18 @@ class Router:
         return min(rotated, key=lambda b: b.outstanding)
 
     # -- middleware and small endpoints -------------------------------------------------
+    @web.middleware
+    async def errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """aiohttp's own 404 and 405 (plain text) in OpenAI's shape."""
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+            body = path_error(exc.status, request.method, request.path, exc.reason)
+            answer = web.json_response(body, status=exc.status)
+            if "Allow" in exc.headers:
+                answer.headers["Allow"] = exc.headers["Allow"]
+            return answer
+
     @web.middleware
     async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self.token is not None and request.path != "/health":
@@ -265,7 +276,7 @@ class Router:
 
     # -- app -----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.auth], client_max_size=64 * 1024**2)
+        app = web.Application(middlewares=[self.errors, self.auth], client_max_size=64 * 1024**2)
         app.router.add_get("/health", self.health)
         app.router.add_get("/backends", self.backends)
         app.router.add_get("/metrics", self.prometheus)

@@ -4,8 +4,11 @@ The agent holds one :class:`ManagedServer` per :class:`ServerSpec`. A server
 that exits while it should run is restarted after a wait that doubles from
 ``restart_backoff_s`` up to :data:`MAX_BACKOFF_S` (reset once a run lasted
 :data:`STABLE_S`), and every restart is counted. Stopping sends TERM to the
-whole group, then KILL after a grace period (JAX ignores TERM). Output goes to
-a log file per server, whose last lines the agent reports.
+whole group, then KILL after a grace period (JAX ignores TERM). Output goes,
+line by line through a pipe the agent reads, to a log file per server, each
+line after its UTC time (``2026-01-31T12:00:00.123Z ``), so ``serve logs``
+says when; the agent reports its last lines. A server started anew (not
+restarted) begins a new log: the one before is kept as ``NAME.log.1``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-
-import httpx
 
 from tpupod.serve.backends import ServerSpec, render, render_env
 
@@ -28,6 +30,8 @@ MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0
 READY_POLL_S = 0.2
 STOP_GRACE_S = 5.0
+DRAIN_S = 2.0  # after a server exits, how long its output may still come (a child holds it)
+LINE_LIMIT = 64 * 1024  # a longer "line" is cut into pieces of this size
 
 
 class ServerState(enum.StrEnum):
@@ -35,6 +39,17 @@ class ServerState(enum.StrEnum):
     READY = "ready"
     BACKOFF = "backoff"  # exited; waiting to be restarted
     STOPPED = "stopped"
+
+
+def stamp() -> bytes:
+    """The time a log line is written, as it starts the line: UTC, milliseconds."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3].encode() + b"Z "
+
+
+def unstamped(line: str) -> str:
+    """A log line without the time it starts with."""
+    head, sep, rest = line.partition("Z ")
+    return rest if sep and len(head) == 23 and head[10:11] == "T" else line
 
 
 def tail(path: Path, lines: int) -> list[str]:
@@ -71,18 +86,24 @@ class ManagedServer:
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    def start(self, fresh: bool = True) -> None:
+        """Supervise the server; ``fresh``: a new log (the old one kept as ``NAME.log.1``)."""
+        if fresh:
+            with contextlib.suppress(FileNotFoundError):
+                self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
         self._task = asyncio.create_task(self._supervise())
 
     async def _supervise(self) -> None:
         backoff = self.spec.restart_backoff_s
         while not self._stopping:
             began = time.monotonic()
-            await self._spawn()
+            copying = await self._spawn()
             ready = asyncio.create_task(self._wait_ready())
             assert self._proc is not None
             code = await self._proc.wait()
             ready.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(copying), DRAIN_S)
             self.last_exit = code
             self.pid = None
             if self._stopping:
@@ -97,24 +118,44 @@ class ManagedServer:
                 self.restarts += 1
         self.state = ServerState.STOPPED
 
-    async def _spawn(self) -> None:
+    async def _spawn(self) -> asyncio.Task[None]:
+        """Start the server; the task that copies its output to the log, stamped."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:  # noqa: ASYNC230 (a local file, opened once)
-            self._proc = await asyncio.create_subprocess_exec(
-                *render(self.spec),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                env={**self.base_env, **render_env(self.spec)},
-                start_new_session=True,  # its own group: stop and restart take all its children
-            )
+        self._proc = await asyncio.create_subprocess_exec(
+            *render(self.spec),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**self.base_env, **render_env(self.spec)},
+            start_new_session=True,  # its own group: stop and restart take all its children
+        )
         self.pid = self._proc.pid
         self.started_at = time.time()
         self.state = ServerState.STARTING
         self.on_spawn()
+        assert self._proc.stdout is not None
+        return asyncio.create_task(self._copy(self._proc.stdout))
+
+    async def _copy(self, output: asyncio.StreamReader) -> None:
+        """Each line the server writes, to its log after the time it came."""
+        partial = b""
+        with open(self.log_path, "ab") as log:  # noqa: ASYNC230 (a local file, opened once)
+            while chunk := await output.read(LINE_LIMIT):
+                lines = (partial + chunk).split(b"\n")
+                partial = lines.pop()
+                if len(partial) >= LINE_LIMIT:
+                    lines.append(partial)
+                    partial = b""
+                now = stamp()
+                log.write(b"".join(now + line + b"\n" for line in lines))
+                log.flush()
+            if partial:
+                log.write(stamp() + partial + b"\n")
 
     async def _wait_ready(self) -> None:
         """Mark the server ready once every one of its ports answers ``GET /v1/models``."""
+        import httpx  # the serve extra; ``unstamped`` above serves the launcher without it
+
         host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "") else self.spec.host
         waiting = set(self.spec.ports)
         async with httpx.AsyncClient(timeout=2.0) as client:
@@ -130,7 +171,7 @@ class ManagedServer:
 
     def _note(self, text: str) -> None:
         with contextlib.suppress(OSError), open(self.log_path, "a", encoding="utf-8") as log:
-            log.write(f"[tpupod agent] {text}\n")
+            log.write(f"{stamp().decode()}[tpupod agent] {text}\n")
 
     async def stop(self, grace: float = STOP_GRACE_S) -> None:
         """TERM the server's group, KILL it after ``grace`` s; no restart follows."""
