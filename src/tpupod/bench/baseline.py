@@ -52,7 +52,7 @@ class Comparison:
     current_commit: str
     baseline_path: str
     changes: list[Change]
-    skipped: list[str] = field(default_factory=list)  # what was not compared, and why
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (label, why not compared)
 
     @property
     def regressions(self) -> list[Change]:
@@ -188,23 +188,23 @@ def compare(
     before_setups = _setups(baseline)
     before = {_key(p): c for (_, p), c in zip(before_setups, baseline.combinations, strict=True)}
     changes: list[Change] = []
-    skipped: list[str] = []
+    skipped: list[tuple[str, str]] = []
     for combo, (label, parts) in zip(current.combinations, _setups(current), strict=True):
         old = before.get(_key(parts))
         if old is None:
-            skipped.append(f"{label}: {_unlike(label, parts, before_setups)}")
+            skipped.append((label, _unlike(label, parts, before_setups)))
             continue
         if combo.status != Status.OK or not combo.repeats:
-            skipped.append(f"{label}: {combo.status.value} now")
+            skipped.append((label, f"{combo.status.value} now"))
             continue
         if old.status != Status.OK or not old.repeats:
-            skipped.append(f"{label}: {old.status.value} in the baseline")
+            skipped.append((label, f"{old.status.value} in the baseline"))
             continue
         shared = [m for m in combo.repeats if m in old.repeats]
         # save and restore where the generator has them, else every operation Orbax timed
         metrics = [m for m in COMPARED if m in shared] or [m for m in shared if m.startswith(OP)]
         if not metrics:
-            skipped.append(f"{label}: no metric in common with the baseline")
+            skipped.append((label, "no metric in common with the baseline"))
         for metric in metrics:
             was, now = old.repeats[metric].mean, combo.repeats[metric].mean
             better = larger_is_better(metric)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -275,18 +276,21 @@ def _check_baseline(comparison: Comparison, threshold: float) -> None:
         f"baseline: {comparison.baseline_path} (commit {comparison.baseline_commit[:12]}) "
         f"-> now (commit {comparison.current_commit[:12]})"
     )
-    for change in comparison.changes:
-        flag = "REGRESSION" if change.regressed else "ok"
-        print(
-            f"  {change.label} {change.metric}: {change.baseline:.4g} -> {change.current:.4g} "
-            f"({change.ratio:.2f}x) {flag}"
-        )
-    for why in comparison.skipped:
-        print(f"  not compared: {why}")
+    # one combination's label, then a short line per metric: each fits 100 columns
+    for label, changes in itertools.groupby(comparison.changes, key=lambda c: c.label):
+        print(f"  {label}")
+        for change in changes:
+            flag = "REGRESSION" if change.regressed else "ok"
+            print(
+                f"    {change.metric}: {change.baseline:.4g} -> {change.current:.4g} "
+                f"({change.ratio:.2f}x) {flag}"
+            )
+    for label, why in comparison.skipped:
+        print(f"  not compared: {label}\n    {why}")
     if not comparison.changes:
+        label, why = comparison.skipped[0] if comparison.skipped else ("every one", "none ran")
         raise BenchError(
-            "nothing compared with the baseline: "
-            + (comparison.skipped[0] if comparison.skipped else "no combination"),
+            f"nothing compared with the baseline: {label}: {why}",
             hint="compare with a run of the same config on as many workers",
         )
     worse = comparison.regressions
