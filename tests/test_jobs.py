@@ -250,7 +250,7 @@ def test_a_batched_finish_writes_every_held_attempt_and_rejects_only_the_lost_on
     cancel, lost = claims.heartbeat_many(store, held, 30)
     assert (cancel, lost) == (set(), {(ids[2], 1)})
     endings = [
-        claims.Ending(held[0], JobStatus.COMPLETED, result="42"),
+        claims.Ending(held[0], JobStatus.COMPLETED, result='"42"'),  # JSON, as executors write
         claims.Ending(held[1], JobStatus.COMPLETED, result="stale"),
         claims.Ending(held[2], JobStatus.FAILED, error="exit 1: no"),
     ]
@@ -428,7 +428,7 @@ def test_submit_prints_the_id_alone_and_wait_prints_the_result(
     ("args", "message"),
     [
         (["--", "true", "--timeout", "x"], None),  # after --: part of the command, accepted
-        (["--timeout", "-1", "--", "true"], "timeout: Input should be greater than 0"),
+        (["--timeout", "-1", "--", "true"], "--timeout -1: must be more than 0 seconds"),
         (["--label", "novalue", "--", "true"], "--label 'novalue'"),
         (["missing.py"], "missing.py: no such file"),
     ],

@@ -1,5 +1,5 @@
-"""The ``tpupod`` console script: the fast paths for plain ``exec`` and ``run``, else the
-full CLI (see ``plainargs``)."""
+"""The ``tpupod`` console script: the fast paths for plain ``exec``, ``run`` and
+``jobs submit``, else the full CLI (see ``plainargs``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ def main() -> None:
         from tpupod.runargs import fast_run
 
         code = fast_run(argv)
+    elif argv[:2] == ["jobs", "submit"]:
+        from tpupod.jobs.quick import fast_submit
+
+        code = fast_submit(argv[2:])
     if code is not None:
         sys.exit(code)
     from tpupod.cli import main as cli_main

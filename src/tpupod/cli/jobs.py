@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -15,7 +17,7 @@ import typer
 
 from tpupod.cli import app, reporting_errors
 from tpupod.cli.options import PodOption
-from tpupod.errors import JobError, UsageError
+from tpupod.errors import JobError, PodNotFound, UsageError
 from tpupod.execargs import join_command
 from tpupod.report import notice
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from tpupod.jobs.pool import Pool
     from tpupod.jobs.runner import Runner
     from tpupod.jobs.store import Store
+    from tpupod.pod import Pod
+    from tpupod.state import StateDir
 
 jobs_app = typer.Typer(
     name="jobs",
@@ -49,20 +53,36 @@ DbOption = Annotated[
         show_default=False,
     ),
 ]
-JobId = Annotated[int, typer.Argument(metavar="ID", help="The job's id.", show_default=False)]
+# read as text and checked by ``_job_id``: click's message for a non-number is not plain
+JobId = Annotated[str, typer.Argument(metavar="ID", help="The job's id.", show_default=False)]
 POLL_S = 0.2
+LOG_PAGE = 5000
 
 
-def _store(db: str | None) -> Store:
+def _job_id(text: str) -> int:
+    if not text.isdigit():
+        raise UsageError(f"job id {text!r} is not a number", hint="'tpupod jobs ls' lists the ids")
+    return int(text)
+
+
+def _seconds(option: str, value: float | None) -> float | None:
+    if value is not None and not value > 0:
+        raise UsageError(f"{option} {value:g}: must be more than 0 seconds", hint=f"{option} 300")
+    return value
+
+
+def _store(db: str | None, *, create: bool = False) -> Store:
+    """The job store; only commands that add jobs or serve make one where none is."""
     from tpupod.jobs.store import Store
 
-    return Store.open(db)
+    return Store.open(db, create=create)
 
 
 def _request(args: list[str], dashed: bool) -> JobRequest:
     """``FILE.py`` (code), ``FILE.json`` (seed 003's job document) or ``-- CMD...``."""
     from pydantic import ValidationError
 
+    from tpupod.jobs.code import syntax_problem
     from tpupod.jobs.models import JobRequest
 
     if not args:
@@ -73,7 +93,10 @@ def _request(args: list[str], dashed: bool) -> JobRequest:
     if not path.is_file():
         raise UsageError(f"{path}: no such file", hint="give a .py or .json file, or -- CMD...")
     if path.suffix == ".py":
-        return JobRequest(code=path.read_text())
+        source = path.read_text()
+        if problem := syntax_problem(source, str(path)):
+            raise UsageError(problem, hint=f"fix the code: 'python -m py_compile {path}'")
+        return JobRequest(code=source)
     try:
         return JobRequest.model_validate(json.loads(path.read_text()))
     except (ValueError, ValidationError) as exc:
@@ -89,7 +112,9 @@ def _first_problem(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        return f"{where}: {err['msg']}" if where else str(err["msg"])
+        cause = err.get("ctx", {}).get("error")  # our own validator's words, unprefixed
+        said = str(cause) if isinstance(cause, ValueError) else str(err["msg"])
+        return f"{where}: {said}" if where else said
     return f"not JSON: {exc}"
 
 
@@ -125,22 +150,30 @@ def submit(
         int, typer.Option("--max-attempts", help="Attempts when its runner is lost.")
     ] = 3,
     wait: Annotated[bool, typer.Option("--wait", help="Wait, then print the result.")] = False,
+    remote_pod: Annotated[
+        bool,
+        typer.Option("--remote-pod", help="--pod names a pod whose runner is on another machine."),
+    ] = False,
 ) -> None:
     """Queue a job; print its id alone on stdout (id=$(tpupod jobs submit ...))."""
     from pydantic import ValidationError
+
+    from tpupod.jobs.quick import check_pod
 
     dashed = "--" in sys.argv
     try:
         request = _request(what, dashed)
         changes = {"name": name or request.name, "priority": priority or request.priority}
-        extra = {"timeout": timeout, "pod": pod, "labels": _labels(label) or None}
+        extra: dict[str, object] = {"timeout": _seconds("--timeout", timeout), "pod": pod}
+        extra["labels"] = _labels(label) or None
         changes.update({k: v for k, v in extra.items() if v is not None})
         if max_attempts != 3:
             changes["max_attempts"] = max_attempts
         request = type(request).model_validate({**request.model_dump(), **changes})
     except ValidationError as exc:
         raise UsageError(_first_problem(exc), hint=JSON_HINT) from exc
-    store = _store(db)
+    check_pod(request.pod, remote_pod)
+    store = _store(db, create=True)
     job_id = store.submit(request)
     print(job_id, flush=True)
     if wait:
@@ -171,7 +204,7 @@ def ls(
     print(f"{'ID':>6}  {'STATUS':<10} {'TRY':>3}  {'AGE':>7}  {'POD':<12} NAME")
     for job in found:
         age = _age(time.time() - job.created_at)
-        tries = f"{job.attempt}/{job.max_attempts}"
+        tries = f"{job.attempt}" if job.status.finished else f"{job.attempt}/{job.max_attempts}"
         where = job.pod or "-"
         print(f"{job.id:>6}  {job.status.value:<10} {tries:>3}  {age:>7}  {where:<12} {job.name}")
 
@@ -192,18 +225,33 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="The whole record as JSON.")] = False,
 ) -> None:
     """One job's record."""
-    job = _store(db).get(job_id)
+    ident = _job_id(job_id)  # a usage error before the store is opened
+    job = _store(db).get(ident)
     if as_json:
         print(json.dumps(job.to_dict(), indent=2))
         return
     print(f"job {job.id} {job.name}".rstrip())
-    print(f"  status    {job.status.value} (attempt {job.attempt} of {job.max_attempts})")
+    print(f"  status    {_status(job)}")
     print(f"  runs      {job.command if job.command is not None else 'Python code'}")
     print(f"  pod       {job.pod or 'any runner'}")
     if job.result is not None:
-        print(f"  result    {job.result}")
+        print(f"  result    {_plain(job.result)}")
     if job.error:
         print(f"  error     {job.error}")
+
+
+def _status(job: Job) -> str:
+    """The status, and the attempts only where another one can still happen."""
+    if job.status.finished:
+        return job.status.value + (f" after {job.attempt} attempts" if job.attempt > 1 else "")
+    if job.attempt and job.max_attempts > 1:
+        return f"{job.status.value} (attempt {job.attempt} of {job.max_attempts})"
+    return job.status.value
+
+
+def _plain(value: object) -> str:
+    """A result as a person (or ``$(...)``) reads it: a string as is, the rest as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 @jobs_app.command("logs")
@@ -215,14 +263,20 @@ def logs(
     offset: Annotated[int, typer.Option("--offset", help="Only lines after this offset.")] = 0,
 ) -> None:
     """A job's output lines ([wN] shows the worker on a pod)."""
+    ident = _job_id(job_id)
     store = _store(db)
-    pod = store.get(job_id).pod
+    pod = store.get(ident).pod
     while True:
-        finished = store.get(job_id).status.finished if follow else True
-        for line in store.logs(job_id, after=offset):
-            print(f"[w{line.worker}] {line.line}" if pod else line.line, flush=True)
-            offset = line.seq
-        if finished and not store.logs(job_id, after=offset, limit=1):
+        finished = store.get(ident).status.finished if follow else True
+        page = store.logs(ident, after=offset, limit=LOG_PAGE)
+        if page:
+            text = (f"[w{line.worker}] {line.line}" if pod else line.line for line in page)
+            sys.stdout.write("\n".join(text) + "\n")
+            sys.stdout.flush()
+            offset = page[-1].seq
+        if len(page) == LOG_PAGE:
+            continue  # more is written already: read on, no waiting
+        if finished:
             return
         time.sleep(POLL_S)
 
@@ -231,7 +285,8 @@ def logs(
 @reporting_errors
 def cancel(job_id: JobId, db: DbOption = None) -> None:
     """Cancel a job: a pending one at once, a running one on every worker."""
-    job = _store(db).cancel(job_id)
+    ident = _job_id(job_id)
+    job = _store(db).cancel(ident)
     state = job.status.value if job.status.finished else "cancel requested"
     print(f"job {job.id}: {state}")
 
@@ -246,7 +301,8 @@ def wait(
     ] = None,
 ) -> None:
     """Wait for a job to end; print its result (exit 1 when it did not complete)."""
-    _wait_and_print(_store(db), job_id, timeout)
+    ident, limit = _job_id(job_id), _seconds("--timeout", timeout)
+    _wait_and_print(_store(db), ident, limit)
 
 
 def _wait_and_print(store: Store, job_id: int, timeout: float | None) -> None:
@@ -265,7 +321,7 @@ def _wait_and_print(store: Store, job_id: int, timeout: float | None) -> None:
     if job.status is not JobStatus.COMPLETED:
         raise _job_failed(job)
     if job.result is not None:
-        print(job.result)
+        print(_plain(job.result))
 
 
 def _job_failed(job: Job) -> JobError:
@@ -358,7 +414,7 @@ def worker(
         )
     slots = (concurrency or os.cpu_count() or 1) if local else 1
     job_pool = None
-    store = _store(db)
+    store = _store(db, create=True)
     if local:
         if pool:
             from tpupod.jobs.pool import Pool
@@ -380,7 +436,7 @@ def worker(
             on_event=None if quiet else notice,
         )
     else:
-        found = StateDir().resolve(pod)
+        found = _runner_pod(StateDir(), pod)
         target = found.name
         python = sys.executable if found.provider == "local" else worker_python
         executor = PodExecutor(found, worker_python=python)
@@ -393,6 +449,17 @@ def worker(
         concurrency=slots,
     )
     asyncio.run(_serve(runner, until_empty, max_jobs, job_pool))
+
+
+def _runner_pod(state: StateDir, pod: str | None) -> Pod:
+    """The pod a runner serves; without --pod, a hint that also offers --local."""
+    try:
+        return state.resolve(pod)
+    except PodNotFound as exc:
+        if pod is not None:
+            raise
+        also = "or run jobs on this machine: 'tpupod jobs worker --local'"
+        raise PodNotFound(exc.message, hint=f"{exc.hint}; {also}") from exc
 
 
 def _k8s_executor(
@@ -487,6 +554,21 @@ def serve(
     from tpupod.jobs.api import create_app
 
     token, source = _token()
-    app = create_app(_store(db), token)
+    app = create_app(_store(db, create=True), token)
+    listening = _listen(host, port)  # ours, so a busy port is one error line
     notice(f"job API on http://{host}:{port} (bearer token: {source})")
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        busy = exc.errno == errno.EADDRINUSE
+        hint = f"something else listens there: pick another, --port {port + 1}"
+        raise UsageError(
+            f"cannot listen on {host}:{port}: {os.strerror(exc.errno) if exc.errno else exc}",
+            hint=hint if busy else "--host takes an address of this machine (127.0.0.1)",
+        ) from exc

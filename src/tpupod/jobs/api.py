@@ -3,6 +3,8 @@
 Every route needs ``Authorization: Bearer TOKEN``. A log follow is a stream of server-sent
 events whose ids are the lines' offsets, so a client that reconnects with
 ``Last-Event-ID`` (or ``?offset=``) gets every line once: none missed, none repeated.
+Without ``follow``, lines come in pages: a page with more after it says where the next
+starts (``X-Next-Offset`` and ``Link: <...>; rel="next"``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from tpupod.errors import JobNotFound, JobStoreError
-from tpupod.jobs.models import JobRequest, JobStatus
+from tpupod.jobs.models import JobRequest, JobStatus, LogLine
 from tpupod.jobs.store import Store
 
 FOLLOW_POLL_S = 0.2
-PAGE = 500
+PAGE = 500  # lines in a page of GET /jobs/ID/logs, unless ?limit= says (up to PAGE_MAX)
+PAGE_MAX = 10_000
 
 
 BEARER = HTTPBearer(auto_error=False)
@@ -82,16 +85,29 @@ def create_app(store: Store, token: str) -> FastAPI:
     def logs(
         job_id: int,
         offset: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=PAGE_MAX)] = PAGE,
         follow: bool = False,
         last_event_id: Annotated[int | None, Header()] = None,
-    ) -> StreamingResponse | list[dict[str, Any]]:
+    ) -> StreamingResponse | JSONResponse:
         store.get(job_id)  # 404 before a stream starts
         after = last_event_id if last_event_id is not None else offset
         if follow:
             return StreamingResponse(_follow(store, job_id, after), media_type="text/event-stream")
-        return [asdict(line) for line in store.logs(job_id, after=after, limit=PAGE)]
+        return _page(store.logs(job_id, after=after, limit=limit + 1), job_id, limit)
 
     return app
+
+
+def _page(lines: list[LogLine], job_id: int, limit: int) -> JSONResponse:
+    """Up to ``limit`` lines; when more are there already, the next page's offset in
+    ``X-Next-Offset`` and a ``Link: <...>; rel="next"`` to it (absent: that was all)."""
+    page = lines[:limit]
+    headers = {}
+    if len(lines) > limit:
+        after = page[-1].seq
+        headers["X-Next-Offset"] = str(after)
+        headers["Link"] = f'</jobs/{job_id}/logs?offset={after}&limit={limit}>; rel="next"'
+    return JSONResponse([asdict(line) for line in page], headers=headers)
 
 
 async def _follow(store: Store, job_id: int, after: int) -> AsyncIterator[str]:

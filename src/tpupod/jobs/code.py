@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
+import linecache
 import sys
-from typing import Any, TextIO
+import traceback
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tpupod import settings
+
+if TYPE_CHECKING:
+    import logging  # imported where a job runs: submit's fast path checks code with this
 
 MARK = "::tpupod-job::"
 STARTED = f"{MARK} started"
@@ -25,16 +29,19 @@ TAKEN = f"{MARK} taken"  # a pool process read a job and is about to run it
 
 
 def render_result(value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
+    """The job's ``result`` as JSON text (what is not JSON: its ``repr``, as a string)."""
+    if value is None:
+        return None
     try:
-        return json.dumps(value)
+        return json.dumps(value, allow_nan=False)  # NaN is not JSON: HTTP clients choke
     except (TypeError, ValueError):
-        return repr(value)
+        return json.dumps(repr(value))
 
 
 def job_logger(stream: TextIO) -> logging.Logger:
     """The ``logger`` a job's source sees: INFO and up, one line each, to ``stream``."""
+    import logging
+
     logger = logging.getLogger("job")
     if not logger.handlers:
         handler = logging.StreamHandler(stream)
@@ -44,11 +51,36 @@ def job_logger(stream: TextIO) -> logging.Logger:
     return logger
 
 
+SOURCE_NAME = "<job>"
+
+
+def syntax_problem(source: str, name: str = SOURCE_NAME) -> str | None:
+    """Why ``source`` does not compile, with the line (``name line N: why: text``); None
+    when it does. Checked at submit, so a typo is refused before it waits in the queue."""
+    try:
+        compile(source, name, "exec", dont_inherit=True)
+    except SyntaxError as exc:  # ValueError (a NUL byte) is not ours to explain: it runs
+        text = (exc.text or "").strip()
+        return f"{name} line {exc.lineno}: {exc.msg}" + (f": {text}" if text else "")
+    return None
+
+
 def run_source(source: str, logger: logging.Logger) -> str | None:
     """Run a job's source with ``logger`` and ``result``; the final ``result``, rendered."""
+    # its lines, for tracebacks (no mtime: linecache never drops them as stale)
+    linecache.cache[SOURCE_NAME] = (len(source), None, source.splitlines(True), SOURCE_NAME)
     scope: dict[str, Any] = {"__name__": "__job__", "logger": logger, "result": None}
-    exec(compile(source, "<job>", "exec"), scope)  # the job's own code: that is the point
+    exec(compile(source, SOURCE_NAME, "exec"), scope)  # the job's own code: that is the point
     return render_result(scope.get("result"))
+
+
+def print_job_error(exc: BaseException, file: TextIO) -> None:
+    """A job's exception from the job's own frames on, as ``python job.py`` prints it
+    (a syntax error has no frames of the job's: its message alone)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != SOURCE_NAME:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=file)
 
 
 def main() -> int:
@@ -59,7 +91,11 @@ def main() -> int:
     source = base64.b64decode(encoded).decode()
     logger = job_logger(sys.stdout)
     print(STARTED, flush=True)
-    result = run_source(source, logger)
+    try:
+        result = run_source(source, logger)
+    except Exception as exc:  # SystemExit and KeyboardInterrupt end it as they would
+        print_job_error(exc, sys.stderr)
+        return 1
     if result is not None:
         print(RESULT + json.dumps(result), flush=True)
     return 0

@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tpupod.jobs.code import syntax_problem
+
 
 class JobStatus(enum.StrEnum):
     """pending -> scheduled (leased by a runner) -> running (every worker started) -> an end."""
@@ -55,6 +57,8 @@ class JobRequest(BaseModel):
             raise ValueError("give exactly one of code and command")
         if not (self.code or self.command or "").strip():
             raise ValueError("code or command is empty")
+        if self.code is not None and (problem := syntax_problem(self.code)):
+            raise ValueError(problem)
         extra = dict(self.model_extra or {})
         for ignored in ("status", "created_at"):  # the seed's; the store owns these
             extra.pop(ignored, None)
@@ -88,7 +92,7 @@ class Job:
     started_at: float | None
     completed_at: float | None
     updated_at: float
-    result: str | None
+    result: Any  # the JSON value the job's ``result`` became (None: none)
     error: str | None
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -115,7 +119,7 @@ class Job:
             started_at=values["started_at"],
             completed_at=values["completed_at"],
             updated_at=values["updated_at"],
-            result=values["result"],
+            result=decode_result(values["result"]),
             error=values["error"],
             metadata=json.loads(values["metadata"]),
         )
@@ -124,6 +128,17 @@ class Job:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data["status"] = self.status.value
         return data
+
+
+def decode_result(stored: str | None) -> Any:
+    """A stored result (JSON text) as its value. Rows written before results were always
+    JSON hold a string as is: what is not JSON is that string."""
+    if stored is None:
+        return None
+    try:
+        return json.loads(stored)
+    except ValueError:
+        return stored
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,16 @@ from sqlalchemy import (
 )
 
 from tpupod.jobs.models import JobStatus
+from tpupod.jobs.quick import JOBS_TABLE, VERSION_TABLE
 
 metadata = MetaData()
 
 STATUSES = ", ".join(f"'{s.value}'" for s in JobStatus)
 
-version_table = Table("tpupod_jobs_schema", metadata, Column("version", Integer, nullable=False))
+version_table = Table(VERSION_TABLE, metadata, Column("version", Integer, nullable=False))
 
 jobs = Table(
-    "tpupod_jobs",
+    JOBS_TABLE,
     metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("name", String(200), nullable=False, default=""),
@@ -100,7 +101,7 @@ def _v1(conn: Connection) -> None:
 
 # version -> what brings the schema from version - 1 to it
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1}
-LATEST = max(MIGRATIONS)
+LATEST = max(MIGRATIONS)  # quick.SCHEMA_VERSION too (its fast submit checks it)
 
 
 def current_version(conn: Connection) -> int:

@@ -9,9 +9,6 @@ never wait for writers. Database errors are translated into ``JobStoreError`` he
 from __future__ import annotations
 
 import contextlib
-import getpass
-import json
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,19 +17,11 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event, func, insert, select, update
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
-from tpupod import settings
 from tpupod.errors import JobNotFound, JobStoreError, UsageError
 from tpupod.jobs import schema
 from tpupod.jobs.models import FINISHED, Job, JobRequest, JobStatus, LogLine
+from tpupod.jobs.quick import NOTIFY_CHANNEL, default_url, job_row
 from tpupod.jobs.schema import jobs, log_lines
-
-NOTIFY_CHANNEL = "tpupod_jobs"
-DB_FILE = "jobs.db"
-
-
-def default_url() -> str:
-    """``TPUPOD_JOBS_DB``, else ``jobs.db`` (SQLite) in the state directory."""
-    return settings.jobs_db() or f"sqlite:///{settings.state_home() / DB_FILE}"
 
 
 def _engine_url(url: str) -> str:
@@ -41,9 +30,14 @@ def _engine_url(url: str) -> str:
     return url
 
 
-def _sqlite_engine(url: str) -> Engine:
+def _sqlite_engine(url: str, *, create: bool) -> Engine:
     path = url.split("sqlite:///", 1)[-1]
     if path and path != ":memory:":
+        if not create and not Path(path).is_file():
+            raise JobStoreError(
+                f"no job store at {path} (no jobs were submitted to it)",
+                hint=f"check the path, or submit a job first; {URL_HINT}",
+            )
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, connect_args={"timeout": 60})
 
@@ -64,16 +58,28 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
-def open_engine(url: str) -> Engine:
-    """An engine for ``url``; an unusable URL is a ``JobStoreError`` with a hint."""
+URL_HINT = "sqlite:///PATH or postgresql://USER@HOST:PORT/DB (--db or TPUPOD_JOBS_DB)"
+SCHEMES = ("sqlite", "postgresql", "postgres", "postgresql+psycopg")
+
+
+def open_engine(url: str, *, create: bool = True) -> Engine:
+    """An engine for ``url``; an unusable URL is a ``UsageError`` with a hint. Without
+    ``create``, a SQLite file that is not there is an error (nothing is made for a read)."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme.lower() not in SCHEMES:
+        what = f"not {scheme}" if scheme else "give a URL"
+        raise UsageError(
+            f"cannot use the job store URL {redact(url)!r}: "
+            f"jobs are kept in SQLite or PostgreSQL ({what})",
+            hint=URL_HINT,
+        )
     try:
         if url.startswith("sqlite:"):
-            return _sqlite_engine(url)
+            return _sqlite_engine(url, create=create)
         return create_engine(_engine_url(url), pool_pre_ping=True, pool_size=2)
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
         raise UsageError(
-            f"cannot use the job store URL {redact(url)!r}: {exc}",
-            hint="sqlite:///PATH or postgresql://USER@HOST:PORT/DB (--db or TPUPOD_JOBS_DB)",
+            f"cannot use the job store URL {redact(url)!r}: {exc}", hint=URL_HINT
         ) from exc
 
 
@@ -95,9 +101,10 @@ class Store:
         self.postgres = engine.dialect.name == "postgresql"
 
     @classmethod
-    def open(cls, url: str | None = None) -> Store:
+    def open(cls, url: str | None = None, *, create: bool = True) -> Store:
+        """The store at ``url``; ``create=False`` (reads) makes no SQLite file or folder."""
         url = url or default_url()
-        store = cls(url, open_engine(url))
+        store = cls(url, open_engine(url, create=create))
         with store.write() as conn:
             found = schema.current_version(conn)
             if found > schema.LATEST:
@@ -146,25 +153,7 @@ class Store:
     def submit_many(self, requests: Sequence[JobRequest]) -> list[int]:
         """Queue jobs in one transaction (one commit, one notice); their ids, in order."""
         now = time.time()
-        who = {"submitted_by": f"{getpass.getuser()}@{socket.gethostname()}"}
-        rows = [
-            {
-                "name": request.name,
-                "status": JobStatus.PENDING.value,
-                "code": request.code,
-                "command": request.command,
-                "labels": json.dumps(request.labels, sort_keys=True),
-                "priority": request.priority,
-                "timeout_s": request.timeout,
-                "pod": request.pod,
-                "max_attempts": request.max_attempts,
-                "created_at": now,
-                "updated_at": now,
-                "run_after": 0.0,
-                "metadata": json.dumps(who | request.metadata, sort_keys=True, default=str),
-            }
-            for request in requests
-        ]
+        rows = [job_row(request.model_dump(), now) for request in requests]
         # one statement for them all (SQLAlchemy's "insert many values"), ids in order
         add = insert(jobs).returning(jobs.c.id, sort_by_parameter_order=True)
         with self.write() as conn:

@@ -12,7 +12,8 @@ import contextlib
 import os
 from typing import Any
 
-from tpupod.jobs.store import NOTIFY_CHANNEL, Store
+from tpupod.jobs.quick import NOTIFY_CHANNEL
+from tpupod.jobs.store import Store
 
 SQLITE_POLL_S = 0.1
 SQLITE_WATCH_S = 0.004

@@ -1,0 +1,311 @@
+"""``tpupod jobs`` as a user meets it: what it refuses and how it says so, what ``show``,
+``logs`` and the API print, and the fast path of ``submit`` (the same row as the typer
+command, on SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+import tpupod.cli.jobs
+from tests.conftest import CliResult
+from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
+from tests.test_jobs_api import serving
+from tpupod.cli import app
+from tpupod.jobs import claims, quick, schema
+from tpupod.jobs.models import JobStatus
+from tpupod.jobs.store import Store
+
+pytestmark = pytest.mark.local
+
+Cli = Callable[..., CliResult]
+
+
+def _one_error(result: CliResult, code: int, message: str) -> None:
+    """Exactly 'error: MESSAGE' and one hint line, exit ``code``, no traceback."""
+    assert result.code == code, result.err
+    lines = result.err.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("hint: "), result.err
+    assert lines[0] == f"error: {message}", result.err
+
+
+def _sqlite(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'jobs.db'}"
+
+
+# -- what show and ls say ----------------------------------------------------------------
+
+
+def test_a_failed_job_shows_no_attempts_that_will_not_happen(cli: Cli, tmp_path: Path) -> None:
+    db = _sqlite(tmp_path)
+    job_id = cli("jobs", "submit", "--db", db, "--", "bash", "-c", "exit 3").out.strip()
+    assert cli("jobs", "worker", "--db", db, "--local", "--until-empty", "-q").code == 0
+    shown = cli("jobs", "show", job_id, "--db", db).out.splitlines()
+    assert shown[1] == "  status    failed", shown  # was 'failed (attempt 1 of 3)'
+    row = cli("jobs", "ls", "--db", db).out.splitlines()[1].split()
+    assert row[1:3] == ["failed", "1"], row  # TRY was '1/3'
+
+
+def test_a_job_still_running_shows_its_attempt_of_how_many(tmp_path: Path) -> None:
+    store = Store.open(_sqlite(tmp_path))
+    job_id = store.submit(quick_request("sleep 1"))
+    assert claims.claim(store, "r", pod=None, lease_s=30) is not None
+    assert tpupod.cli.jobs._status(store.get(job_id)) == "scheduled (attempt 1 of 3)"
+    store.close()
+
+
+def quick_request(command: str) -> Any:
+    from tpupod.jobs.models import JobRequest
+
+    return JobRequest(command=command)
+
+
+# -- refusals and plain messages ------------------------------------------------------------
+
+
+def test_submit_refuses_a_pod_no_runner_would_serve(cli: Cli, tmp_path: Path) -> None:
+    db = _sqlite(tmp_path)
+    refused = cli("jobs", "submit", "--db", db, "--pod", "nosuch", "--", "true")
+    _one_error(refused, 1, "no pod named 'nosuch': no runner would take the job")
+    assert "--remote-pod" in refused.err and refused.out == ""
+    elsewhere = cli("jobs", "submit", "--db", db, "--pod", "nosuch", "--remote-pod", "--", "true")
+    assert elsewhere.code == 0, elsewhere.err
+    assert Store.open(db).get(int(elsewhere.out)).pod == "nosuch"
+
+
+def test_a_syntax_error_is_refused_at_submit_with_its_line(cli: Cli, tmp_path: Path) -> None:
+    db = _sqlite(tmp_path)
+    code = tmp_path / "typo.py"
+    code.write_text("import time\nx = (1,\nprint(x)\n")
+    refused = cli("jobs", "submit", "--db", db, str(code))
+    _one_error(refused, 2, f"{code} line 2: '(' was never closed: x = (1,")
+    document = tmp_path / "typo.json"
+    document.write_text(json.dumps({"code": "x = (1,\n"}))
+    _one_error(
+        cli("jobs", "submit", "--db", db, str(document)),
+        2,
+        f"{document}: <job> line 1: '(' was never closed: x = (1,",
+    )
+    assert not (tmp_path / "jobs.db").exists()  # nothing was queued
+
+
+def test_an_api_submit_of_code_that_does_not_compile_gets_422(tmp_path: Path) -> None:
+    store = Store.open(_sqlite(tmp_path))
+    with serving(store) as api:
+        refused = api.post("/jobs", json={"code": "def f(:\n    pass\n"})
+    assert refused.status_code == 422
+    assert "<job> line 1: invalid syntax" in refused.json()["detail"][0]["msg"]
+    store.close()
+
+
+@pytest.mark.parametrize("pool", ["--pool", "--no-pool"])
+def test_a_jobs_traceback_shows_the_jobs_frames_not_tpupods(
+    cli: Cli, tmp_path: Path, pool: str
+) -> None:
+    db = _sqlite(tmp_path)
+    code = tmp_path / "boom.py"
+    code.write_text("x = 1\ndef f():\n    raise ValueError('boom')\nf()\n")
+    job_id = cli("jobs", "submit", "--db", db, str(code)).out.strip()
+    assert cli("jobs", "worker", "--db", db, "--local", pool, "--until-empty", "-q").code == 0
+    logs = cli("jobs", "logs", job_id, "--db", db).out
+    assert logs.splitlines() == [
+        "Traceback (most recent call last):",
+        '  File "<job>", line 4, in <module>',
+        "    f()",
+        '  File "<job>", line 3, in f',
+        "    raise ValueError('boom')",
+        "ValueError: boom",
+    ], logs
+    error = cli("jobs", "show", job_id, "--db", db).out.splitlines()[-1]
+    assert error.startswith("  error") and error.endswith(" ValueError: boom"), error
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["show", "abc"], 2, "job id 'abc' is not a number"),
+        (["logs", "1x"], 2, "job id '1x' is not a number"),
+        (
+            ["submit", "--timeout", "-5", "--", "true"],
+            2,
+            "--timeout -5: must be more than 0 seconds",
+        ),
+        (["wait", "1", "--timeout", "-5"], 2, "--timeout -5: must be more than 0 seconds"),
+        (
+            ["ls", "--db", "mysql://me:secret@db/jobs"],
+            2,
+            "cannot use the job store URL 'mysql://me:***@db/jobs': "
+            "jobs are kept in SQLite or PostgreSQL (not mysql)",
+        ),
+    ],
+)
+def test_bad_input_gets_a_plain_message(cli: Cli, args: list[str], code: int, message: str) -> None:
+    _one_error(cli("jobs", *args), code, message)
+
+
+def test_a_read_of_a_store_that_is_not_there_makes_no_folders(cli: Cli, tmp_path: Path) -> None:
+    where = tmp_path / "typo" / "dir" / "x.db"
+    for args in (["ls"], ["show", "1"], ["logs", "1"], ["wait", "1"], ["cancel", "1"]):
+        read = cli("jobs", *args, "--db", f"sqlite:///{where}")
+        _one_error(read, 1, f"no job store at {where} (no jobs were submitted to it)")
+    assert not (tmp_path / "typo").exists()
+
+
+def test_serve_on_a_busy_port_is_one_error_line(cli: Cli, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        served = cli("jobs", "serve", "--db", _sqlite(tmp_path), "--port", str(port))
+    assert served.code == 2, served.err
+    errors = [line for line in served.err.splitlines() if not line.startswith("tpupod: ")]
+    assert errors == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use",
+        f"hint: something else listens there: pick another, --port {port + 1}",
+    ], served.err
+
+
+def test_a_runner_without_a_pod_is_offered_local(cli: Cli, tmp_path: Path) -> None:
+    started = cli("jobs", "worker", "--db", _sqlite(tmp_path))
+    assert started.code == 1 and started.err.startswith("error: no pods yet"), started.err
+    assert "'tpupod jobs worker --local'" in started.err.splitlines()[1]
+
+
+# -- results and logs ----------------------------------------------------------------------
+
+
+def test_result_is_a_json_value_in_show_json_and_over_http(cli: Cli, tmp_path: Path) -> None:
+    db = _sqlite(tmp_path)
+    results = {"result = {'answer': 42}\n": {"answer": 42}, "result = '42'\n": "42"}
+    ids: list[str] = []
+    for source in results:
+        code = tmp_path / f"job{len(ids)}.py"
+        code.write_text(source)
+        ids.append(cli("jobs", "submit", "--db", db, str(code)).out.strip())
+    assert cli("jobs", "worker", "--db", db, "--local", "--until-empty", "-q").code == 0
+    store = Store.open(db)
+    with serving(store) as api:
+        for job_id, value in zip(ids, results.values(), strict=True):
+            shown = json.loads(cli("jobs", "show", job_id, "--json", "--db", db).out)
+            assert shown["result"] == value  # was the string '{"answer": 42}'
+            assert api.get(f"/jobs/{job_id}").json()["result"] == value
+    assert cli("jobs", "wait", ids[0], "--db", db).out == '{"answer": 42}\n'
+    assert cli("jobs", "wait", ids[1], "--db", db).out == "42\n"  # a string prints as is
+    store.close()
+
+
+def _job_with_lines(store: Store, count: int) -> int:
+    job_id = store.submit(quick_request("true"))
+    claim = claims.claim(store, "r", pod=None, lease_s=60)
+    assert claim is not None
+    claims.append_logs(store, claim, claim.next_seq, [(0, f"line {i}") for i in range(count)])
+    claims.finish(store, claim, JobStatus.COMPLETED)
+    return job_id
+
+
+def test_a_logs_page_says_where_the_next_one_starts(tmp_path: Path) -> None:
+    store = Store.open(_sqlite(tmp_path))
+    job_id = _job_with_lines(store, 1234)
+    got: list[str] = []
+    pages = 0
+    with serving(store) as api:
+        url: str | None = f"/jobs/{job_id}/logs"
+        while url is not None:
+            page = api.get(url)
+            pages += 1
+            got += [line["line"] for line in page.json()]
+            nxt = page.links.get("next", {}).get("url")
+            assert (nxt is None) == ("x-next-offset" not in page.headers)
+            url = nxt
+        assert api.get(f"/jobs/{job_id}/logs", params={"limit": 1234}).headers.get("link") is None
+    assert got == [f"line {i}" for i in range(1234)] and pages == 3  # 500, 500, 234
+    store.close()
+
+
+def test_logs_without_follow_never_waits_between_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = _sqlite(tmp_path)
+    store = Store.open(db)
+    job_id = _job_with_lines(store, 12_000)
+    store.close()
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    printed = CliRunner().invoke(app, ["jobs", "logs", str(job_id), "--db", db])
+    assert printed.exit_code == 0, printed.output
+    assert printed.output.splitlines() == [f"line {i}" for i in range(12_000)]
+    assert slept == []  # it slept 0.2 s after each page of 1,000
+
+
+# -- the fast path of submit ----------------------------------------------------------------
+
+
+def test_the_fast_path_knows_the_latest_schema() -> None:
+    assert quick.SCHEMA_VERSION == schema.LATEST
+
+
+def _row(store: Store, job_id: int) -> dict[str, Any]:
+    with store.read() as conn:
+        row = conn.execute(select(schema.jobs).where(schema.jobs.c.id == job_id)).one()
+    values = dict(row._mapping)
+    for varying in ("id", "created_at", "updated_at"):
+        values.pop(varying)
+    return values
+
+
+TYPER_ONLY = "from tpupod.cli import main; main()"  # the console script without fast paths
+
+
+def test_the_fast_path_and_the_typer_command_store_the_same_row(
+    cli: Cli,
+    db_url: str,  # noqa: F811  (the fixture imported above)
+    tmp_path: Path,
+    make_pod: Callable[..., Any],
+) -> None:
+    pod = make_pod(workers=1)
+    code = tmp_path / "job.py"
+    code.write_text("result = 1\n")
+    store = Store.open(db_url)  # the fast path needs the store made
+    options = ["--db", db_url, "--pod", pod.name, "--name", "n", "-l", "a=b", "--label", "c=d"]
+    options += ["--priority", "5", "--timeout", "2.5", "--max-attempts", "4"]
+    for what in ([str(code)], ["--", "echo", "a b"]):
+        fast = cli("jobs", "submit", *options, *what)
+        assert fast.code == 0, fast.err
+        typer_made = subprocess.run(
+            [sys.executable, "-c", TYPER_ONLY, "jobs", "submit", *options, *what],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert typer_made.returncode == 0, typer_made.stderr
+        assert _row(store, int(fast.out)) == _row(store, int(typer_made.stdout))
+    assert store.get(int(fast.out)).command == "echo 'a b'"
+    store.close()
+
+
+def test_a_plain_submit_imports_no_framework_and_no_sqlalchemy(
+    cli: Cli, tmp_path: Path, state_home: Path
+) -> None:
+    db = _sqlite(tmp_path)
+    Store.open(db).close()
+    probe = (
+        "import sys\n"
+        "from tpupod.entry import main\n"
+        f"sys.argv = ['tpupod', 'jobs', 'submit', '--db', {db!r}, '--', 'true']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "heavy = {'sqlalchemy', 'typer', 'pydantic'} & set(sys.modules)\n"
+        "print('heavy', sorted(heavy), file=sys.stderr)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert ran.stdout.strip().isdigit(), ran.stderr
+    assert ran.stderr.strip() == "heavy []"
