@@ -332,6 +332,35 @@ def test_the_openai_client_sees_400_and_404(server: Server) -> None:
     assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_logprobs_are_refused_and_unknown_paths_get_openai_errors(server: Server) -> None:
+    """logprobs were accepted and ignored; 404 and 405 answered FastAPI's {"detail": ...}."""
+    for path, body, param in (
+        ("/v1/chat/completions", {"model": NAME, "messages": HI, "logprobs": True}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": NAME, "messages": HI, "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 0}, "logprobs"),
+    ):
+        response = post(server, path, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "logprobs" in error["message"], error
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        ask(server.client(), "x", max_tokens=1, logprobs=True)
+    assert ask(server.client(), "x", max_tokens=1, logprobs=False).choices[0].logprobs is None
+    for method, path, status in (
+        ("GET", "/v1/nothing", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("DELETE", "/v1/models", 405),
+    ):
+        response = httpx.request(method, server.url(path))
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and path in error["message"], error
+
+
 def scrape(server: Server, port: int) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
