@@ -341,6 +341,17 @@ def test_orbax_own_config_runs_unchanged(
         (1, "ok"),
     ]
     assert results.combinations[0].reason == "the mesh has 4 devices, the pod 16"
+    # skipped combinations are no runs: the count is the two that ran, each said once
+    for worker in ("w0", "w1"):
+        counts = re.findall(rf"^\[{worker}\] progress: (\d)/(\d) runs", run.out, re.MULTILINE)
+        assert counts == [("0", "2"), ("1", "2"), ("2", "2")], run.out
+    # worker 0's lines fit 100 columns: the generator's name gives way, what is swept stays
+    skipped = "use_zarr3=True mesh=0: skipped, the mesh has 4 devices, the pod 16"
+    assert f"[w0] bench 1/4 PyTreeCheckpointB… {skipped}\n" in run.out
+    assert re.search(
+        r"\[w0\] bench 4/4 PyTree\S*… use_zarr3=False mesh=1 repeat 1/1: save", run.out
+    )
+    assert max(len(line) for line in run.out.splitlines() if line.startswith("[w")) <= 100
     assert all(len(c.samples) == 2 for c in results.combinations if c.status == "ok")
     assert results.problems() == []
 

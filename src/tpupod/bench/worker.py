@@ -76,10 +76,13 @@ class _Runner:
         self.config = config
         self.root = root
         self.meshes: dict[int | None, Any] = {}
-        self.total = len(config.combinations) * config.num_repeats
+        self.total = 0  # the runs of combinations whose mesh this pod holds (run_all counts)
         self.done = 0
 
     def run_all(self) -> list[CombinationResult]:
+        # A skipped combination is no run: counted, it made a rate of thousands of runs/s.
+        runs = [c for c in self.config.combinations if not self._mesh(c.mesh)[1]]
+        self.total = len(runs) * self.config.num_repeats
         done = [self.run(combo) for combo in self.config.combinations]
         self._mark("done")
         return done
@@ -96,9 +99,8 @@ class _Runner:
             status=Status.OK,
         )
         mesh, why = self._mesh(combo.mesh)
-        if why:  # said once, by worker 0; the next marker counts its runs as done
+        if why:  # said once, by worker 0, and not counted as runs
             result.status, result.reason = Status.SKIPPED, why
-            self.done += self.config.num_repeats
             self._progress(combo, f": skipped, {why}")
             return result
         for repeat in range(self.config.num_repeats):
@@ -171,17 +173,27 @@ class _Runner:
         print(marker(self.done, self.total, "runs", doing), flush=True)
 
     def _progress(self, combo: Combination, tail: str) -> None:
-        """Worker 0's line about a combination, its label cut short where the line would not
-        fit 100 columns after the launcher's ``[w0] `` (the table and results have it whole)."""
+        """Worker 0's line about a combination (the launcher prefixes ``[w0] ``)."""
         if self.identity.id != 0:
             return
         head = f"bench {combo.index + 1}/{len(self.config.combinations)} "
-        room = max(WIDTH - len(head) - len(tail), 12)
-        label = combo.label if len(combo.label) <= room else combo.label[: room - 1] + "…"
-        print(f"{head}{label}{tail}", flush=True)
+        print(f"{head}{_fit(combo.label, WIDTH - len(head) - len(tail))}{tail}", flush=True)
 
 
 WIDTH = 95  # worker 0's lines, so that "[w0] " and they fit 100 columns
+
+
+def _fit(label: str, room: int) -> str:
+    """A label cut to ``room`` characters, so its line fits 100 columns: the generator's
+    name first (what the label sweeps tells combinations apart), then its end. The table
+    and the results file have it whole."""
+    if len(label) <= room:
+        return label
+    name, _, swept = label.partition(" ")
+    keep = len(name) - (len(label) - room) - 1
+    if swept and keep >= 6:
+        return f"{name[:keep]}… {swept}"
+    return label[: max(room, 12) - 1] + "…"
 
 
 def _folder(location: str) -> Any:
