@@ -255,3 +255,11 @@ def test_options_of_their_type_are_taken() -> None:
     assert len(parse_config(small(benchmarks__0__options=options)).combinations) == 4
     cancel = {"generator": "V1CheckpointerCancelBenchmark", "options": {"cancel_delay_secs": 1}}
     assert parse_config(small(benchmarks=[cancel])).combinations  # a whole number is a number
+
+
+def test_a_hand_edited_baseline_matches_nothing_rather_than_crashing() -> None:
+    before = measured(small())
+    before.config = {k: v for k, v in before.config.items() if k != "mesh_config"}
+    comparison = baseline.compare(measured(small()), before, "b.json")
+    assert comparison.changes == []
+    assert comparison.skipped[0][1].startswith("the baseline's differs: mesh.mesh_axes null -> [")

@@ -106,23 +106,29 @@ class _Combo(Protocol):
 
 
 def setup(combo: _Combo, config: dict[str, Any], workers: int) -> dict[str, Any]:
-    """Everything that makes a combination the benchmark it is, as JSON values."""
+    """Everything that makes a combination the benchmark it is, as JSON values (a hand-edited
+    results file whose config lacks the combination's mesh or checkpoint matches nothing)."""
     meshes, checkpoints = as_written(config)
+    mesh = combo.mesh
     return to_jsonable_python(  # type: ignore[no-any-return]
         {
             "generator": combo.generator,
             "options": combo.options,
-            "mesh": None if combo.mesh is None else _mesh(meshes[combo.mesh]),
-            "checkpoint": checkpoints[combo.checkpoint],
+            "mesh": None if mesh is None else _mesh(meshes[mesh] if mesh < len(meshes) else {}),
+            "checkpoint": checkpoints[combo.checkpoint]
+            if combo.checkpoint < len(checkpoints)
+            else {},
             "workers": workers,
         }
     )
 
 
-def _mesh(mesh: dict[str, Any]) -> dict[str, Any]:
+def _mesh(mesh: object) -> object:
     """A mesh with every axis's ICI and DCN size spelled out (an axis left out is 1)."""
+    if not isinstance(mesh, dict) or not isinstance(mesh.get("mesh_axes"), list):
+        return mesh
     axes = mesh["mesh_axes"]
-    sizes = {k: {a: (mesh.get(k) or {}).get(a, 1) for a in axes} for k in PARALLELISM}
+    sizes = {k: {a: dict(mesh.get(k) or {}).get(a, 1) for a in axes} for k in PARALLELISM}
     return {**mesh, **sizes}
 
 
