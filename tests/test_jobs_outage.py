@@ -21,7 +21,7 @@ from tpupod.pod import Pod
 
 pytestmark = pytest.mark.local  # a database server and runner processes
 
-OUTAGE_S = 5.0  # longer than the runners' lease (3 s): their jobs must survive it
+OUTAGE_S = 6.0  # longer than the runners' lease (4 s): their jobs must survive it
 
 
 @pytest.fixture
@@ -61,28 +61,38 @@ def _said_once(err: str, down_for: float) -> None:
     assert not [line for line in lines if "retrying (" in line or "heartbeat failed" in line], err
 
 
+@pytest.mark.timeout(150)  # a cluster of its own, runners, a 6 s outage
 def test_lines_printed_while_postgres_is_down_reach_the_log_in_order_once_it_is_back(
     pg: Postgres,
 ) -> None:
-    """Two jobs print through a 5 s outage: one ends during it, one after it."""
+    """Two runners, a job each, print through a 6 s outage: one job ends during it, one
+    after it. Neither runner takes the other's job for lost when the store is back (their
+    leases expired meanwhile: neither could renew)."""
     url = _database(pg)
     store = Store.open(url)
     long = store.submit(command_job("for i in $(seq 1 100); do echo line $i; sleep 0.1; done"))
     short = store.submit(command_job("for i in $(seq 1 30); do echo short $i; sleep 0.1; done"))
-    proc = runner(url, "--local", "-c", "2", "--lease", "3", "--until-empty")
+    procs = [runner(url, "--local", "-c", "1", "--lease", "4", "--until-empty") for _ in "ab"]
+
+    def both_running() -> bool:  # one runner each (-c 1)
+        return all(store.get(job).status is JobStatus.RUNNING for job in (long, short))
+
+    _wait_for(both_running, timeout=30)
     down_for = _outage(pg, store, lambda: len(store.logs(long)) >= 5)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    errs = [proc.communicate(timeout=60)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], errs
     for job, word, count in ((long, "line", 100), (short, "short", 30)):
         done = store.get(job)
         assert (done.status, done.attempt) == (JobStatus.COMPLETED, 1), done
         logs = store.logs(job)
         assert [line.line for line in logs] == [f"{word} {i}" for i in range(1, count + 1)]
         assert [line.seq for line in logs] == list(range(1, count + 1))
-    _said_once(err, down_for)
+    for err in errs:
+        _said_once(err, down_for)
     store.close()
 
 
+@pytest.mark.timeout(150)  # a cluster of its own, runners, a 6 s outage
 def test_a_gang_job_printing_through_an_outage_keeps_every_workers_lines(
     pg: Postgres, make_pod: Callable[..., Pod]
 ) -> None:
@@ -92,7 +102,7 @@ def test_a_gang_job_printing_through_an_outage_keeps_every_workers_lines(
     store = Store.open(url)
     body = 'for i in $(seq 1 25); do echo "w$TPUPOD_WORKER_ID line $i"; sleep 0.3; done'
     job = store.submit(command_job(body, pod=pod.name))
-    proc = runner(url, "--pod", pod.name, "--lease", "3", "--until-empty")
+    proc = runner(url, "--pod", pod.name, "--lease", "4", "--until-empty")
     down_for = _outage(pg, store, lambda: len(store.logs(job)) >= 6)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

@@ -110,6 +110,7 @@ class Runner:
         self._failures = 0  # store errors in a row
         self._away_since: float | None = None  # the store has been away since (monotonic)
         self.gone: str | None = None  # why the pod this runner serves is gone
+        self._back_at = float("-inf")  # when the store came back (monotonic)
 
     async def serve(self, *, until_empty: bool = False, max_jobs: int | None = None) -> int:
         """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``).
@@ -143,7 +144,7 @@ class Runner:
         try:
             while not self.shutdown.is_set():
                 self._changed.clear()
-                if time.monotonic() - reaped_at > self.lease_s / 3:
+                if time.monotonic() - reaped_at > self.lease_s / 3 and not self._just_back():
                     await self._reap()
                     reaped_at = time.monotonic()
                 free = self.concurrency - self._active
@@ -252,10 +253,18 @@ class Runner:
             self._away_since = time.monotonic()
             self.say(f"runner {self.owner}: {exc.message}; retrying until it is back")
 
+    def _just_back(self) -> bool:
+        """The store is away, or came back less than a lease ago: leases that expired
+        meanwhile are no sign of lost runners (none could renew), so reaping waits until
+        they had a lease's time to renew (a reap must not be the first write to succeed)."""
+        away = self._away_since is not None
+        return away or time.monotonic() - self._back_at < self.lease_s
+
     def _store_back(self) -> None:
         if self._away_since is not None:
             took = time.monotonic() - self._away_since
             self._away_since = None
+            self._back_at = time.monotonic()
             self.say(f"runner {self.owner}: the job store is back after {took:.1f} s")
 
     async def _anything_left(self) -> bool:
