@@ -7,14 +7,17 @@ import json
 import os
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import CliResult, tpupod_argv
+from tests.fakes.tpu_api import TpuApiStandIn
 from tpupod.sim import SimPod
-from tpupod.sim.tpu_api import TpuApiStandIn
 
 
 def dry_run_body(out: str) -> dict[str, object]:
@@ -186,7 +189,7 @@ def test_a_preempted_tpu_is_reported_plainly(
 ) -> None:
     tpu_api.steps = 50  # slow enough to preempt it while it is created
     proc = subprocess.Popen(
-        tpupod_argv(*UP, "--name", "pre", "--tpu-type", "v4-8"),
+        tpupod_argv(*UP, "--name", "pre", "--tpu-type", "v4-8", "--preemptible"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -201,22 +204,39 @@ def test_a_preempted_tpu_is_reported_plainly(
     assert "error: TPU 'pre' is PREEMPTED" in err and "--recreate" in err
 
 
+@pytest.mark.parametrize(
+    ("capacity", "preempted", "ready"),
+    [
+        (("--preemptible",), ("PREEMPTED",), "READY"),  # a TPU VM: its node is preempted
+        (("--spot", "--node-count", "2"), ("SUSPENDING", "SUSPENDED"), "ACTIVE"),  # suspended
+    ],
+)
 def test_status_shows_the_cloud_state_and_recreate_replaces_a_preempted_tpu(
-    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+    capacity: tuple[str, ...],
+    preempted: tuple[str, ...],
+    ready: str,
+    tpu_api: TpuApiStandIn,
+    cli: Callable[..., CliResult],
 ) -> None:
-    assert cli(*UP, "--name", "pt", "--tpu-type", "v4-8").code == 0
-    assert "cloud state READY" in cli("status", "--pod", "pt").out
+    pt = (*UP, "--name", "pt", "--tpu-type", "v4-8", *capacity)
+    assert cli(*pt).code == 0
+    assert f"cloud state {ready}" in cli("status", "--pod", "pt").out
     tpu_api.preempt("pt")
     status = cli("status", "--pod", "pt", "--format", "json")
-    assert json.loads(status.out)["cloud_state"] == "PREEMPTED"
-    again = cli(*UP, "--name", "pt", "--tpu-type", "v4-8")
+    assert json.loads(status.out)["cloud_state"] in preempted
+    assert not [key for key in tpu_api.resources if "/nodes/pt-" in key]  # a suspended one's went
+    again = cli(*pt)
     assert again.code == 0 and "was already up" in again.out  # the record is unchanged...
     refused = cli(*UP, "--name", "pt2", "--tpu-type", "v4-8")
     assert refused.code == 0  # another name is another TPU
-    recreated = cli(*UP, "--name", "pt", "--tpu-type", "v4-8", "--recreate")
+    with pytest.raises(ValueError, match="never preempts"):
+        tpu_api.preempt("pt2")  # an on-demand TPU is not preempted
+    recreated = cli(*pt, "--recreate")
     assert recreated.code == 0, recreated.err
-    assert "pt: PREEMPTED; deleting it to create it again" in recreated.err
-    assert "cloud state READY" in cli("status", "--pod", "pt").out
+    assert any(
+        f"pt: {state}; deleting it to create it again" in recreated.err for state in preempted
+    )
+    assert f"cloud state {ready}" in cli("status", "--pod", "pt").out
 
 
 def test_adopt_records_a_tpu_made_elsewhere_and_down_leaves_it(
@@ -394,3 +414,203 @@ def test_the_provider_holds_one_client(
     assert len(made) == 2  # one more provider, one more client
     down(pod, StateDir())
     assert not tpu_api.resources
+
+
+# -- every capacity x {TPU VM, queued resource, multislice}, as gcloud sends it --------------
+
+SHAPES = {
+    "tpu-vm": ("--api", "tpu-vm"),
+    "queued": ("--api", "queued-resource"),
+    "multislice": ("--node-count", "2"),
+}
+CAPACITIES = ("on-demand", "preemptible", "spot", "reserved", "best-effort")
+# What neither API makes: (capacity, shape) -> the error's words.
+REFUSED = {
+    ("best-effort", "tpu-vm"): "best-effort capacity exists only for queued resources",
+    ("preemptible", "queued"): "preemptible capacity exists only for TPU VMs",
+    ("preemptible", "multislice"): "preemptible capacity exists only for TPU VMs",
+}
+COMBINATIONS = [(c, s) for c in CAPACITIES for s in SHAPES if (c, s) not in REFUSED]
+# gcloud 578: `compute tpus tpu-vm create --spot` etc. set the node's schedulingConfig;
+# `compute tpus queued-resources create --spot` etc. set the queued resource's tier.
+NODE_SCHEDULING = {"preemptible": {"preemptible": True}, "spot": {"spot": True}}
+NODE_SCHEDULING["reserved"] = {"reserved": True}
+QUEUED_TIER = {
+    "on-demand": {},
+    "spot": {"spot": {}},
+    "reserved": {"reservationName": "projects/proj/locations/us-central2-b/reservations/-"},
+    "best-effort": {"bestEffort": {}},
+}
+
+
+def capacity_args(name: str, capacity: str, shape: str) -> tuple[str, ...]:
+    return ("--name", name, "--tpu-type", "v4-8", "--capacity", capacity, *SHAPES[shape])
+
+
+def check_body(capacity: str, shape: str, name: str, version: str, body: dict[str, Any]) -> None:
+    """The body gcloud sends for that capacity and shape."""
+    if shape == "tpu-vm":
+        assert version == "v2"
+        assert body.get("schedulingConfig") == NODE_SCHEDULING.get(capacity), body
+        return
+    assert version == ("v2alpha1" if capacity == "best-effort" else "v2")
+    assert {k: v for k, v in body.items() if k != "tpu"} == QUEUED_TIER[capacity]
+    [spec] = body["tpu"]["nodeSpec"]
+    assert "schedulingConfig" not in spec["node"]  # a queued resource's tier is its own
+    params = "multiNodeParams" if version == "v2alpha1" else "multisliceParams"
+    if shape == "multislice":
+        assert spec[params] == {"nodeCount": 2, "nodeIdPrefix": name} and "nodeId" not in spec
+    else:
+        assert spec["nodeId"] == name and params not in spec
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST a body as curl would: no client library in between."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture
+def bare_tpu_api() -> Iterator[tuple[TpuApiStandIn, str]]:
+    """The stand-in alone (addresses nobody answers on): for bodies, not for SSH."""
+    api = TpuApiStandIn([(f"10.9.0.{i}", f"34.9.0.{i}") for i in range(1, 9)])
+    yield api, api.start()
+    api.stop()
+
+
+@pytest.mark.parametrize(("capacity", "shape"), COMBINATIONS)
+def test_dry_run_bodies_are_what_gcloud_sends_and_the_api_takes(
+    capacity: str,
+    shape: str,
+    cli: Callable[..., CliResult],
+    bare_tpu_api: tuple[TpuApiStandIn, str],
+) -> None:
+    api, endpoint = bare_tpu_api
+    name = f"d-{capacity}-{shape}"
+    shown = cli(*UP, *capacity_args(name, capacity, shape), "--dry-run")
+    assert shown.code == 0, shown.err
+    lines = shown.out.splitlines()
+    version = lines[1].split()[3].rstrip(",")
+    method, url = lines[2].split()
+    queued = shape != "tpu-vm"
+    assert ("Queued Resources" in lines[1]) == queued and method == "POST"
+    body = dry_run_body(shown.out)
+    check_body(capacity, shape, name, version, body)
+    # The printed request, sent by hand, is one the API takes, and it reads the same capacity.
+    status, answer = post(url.replace("https://tpu.googleapis.com", endpoint), body)
+    assert status == 200, answer
+    assert api.tier(name) == capacity
+
+
+@pytest.mark.parametrize(("capacity", "shape"), COMBINATIONS)
+def test_create_each_capacity_and_shape(
+    capacity: str, shape: str, tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    name = f"c-{capacity}-{shape}"
+    made = cli(*UP, *capacity_args(name, capacity, shape))
+    assert made.code == 0, made.err
+    assert not tpu_api.invalid
+    assert tpu_api.tier(name) == capacity
+    kind = "nodes" if shape == "tpu-vm" else "queuedResources"
+    assert ("POST", f"{kind}/") in tpu_api.calls
+    if shape != "tpu-vm":  # the states of the tier: reserved capacity waits for nothing
+        states = ("ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE")
+        seen = [state for state in states if f"{name}: {state}" in made.err]
+        waits = [] if capacity == "reserved" else ["WAITING_FOR_RESOURCES"]
+        assert seen == ["ACCEPTED", *waits, "PROVISIONING", "ACTIVE"], made.err
+    hosts = json.loads(cli("hosts", "--pod", name, "--format", "json").out)
+    assert len(hosts) == (2 if shape == "multislice" else 1)
+    gone = cli("down", "--pod", name)
+    assert gone.code == 0, gone.err
+    assert not tpu_api.resources
+
+
+@pytest.mark.parametrize(("capacity", "shape"), sorted(REFUSED))
+def test_what_neither_api_makes_is_refused_before_any_call(
+    capacity: str,
+    shape: str,
+    cli: Callable[..., CliResult],
+    bare_tpu_api: tuple[TpuApiStandIn, str],
+) -> None:
+    api, endpoint = bare_tpu_api
+    for extra in (("--dry-run",), ()):
+        args = (*UP, *capacity_args("no", capacity, shape), *extra)
+        result = cli(*args, env={"TPUPOD_TPU_API_ENDPOINT": endpoint})
+        assert result.code == 2, result.err
+        lines = result.err.strip().splitlines()
+        assert lines[-2].startswith(f"error: {REFUSED[capacity, shape]}"), result.err
+        assert lines[-1].startswith("hint: ") and "Traceback" not in result.err
+        assert result.out == ""  # not even the dry run's first line
+    assert api.calls == []
+
+
+V4_8_NODE = {"acceleratorType": "v4-8", "runtimeVersion": "tpu-ubuntu2204-base"}
+QR_URL = "/{version}/projects/p/locations/us-central2-b/queuedResources?queuedResourceId=q"
+ANY_RESERVATION = "projects/p/locations/us-central2-b/reservations/-"
+
+
+def queued_body(
+    node: dict[str, Any] = V4_8_NODE, slices: dict[str, Any] | None = None, **top: object
+) -> dict[str, Any]:
+    """A queued resource in us-central2-b: one slice named q, or ``slices``' params."""
+    spec = {"parent": "projects/p/locations/us-central2-b", "node": node, **(slices or {})}
+    if not slices:
+        spec["nodeId"] = "q"
+    return {"tpu": {"nodeSpec": [spec]}, **top}
+
+
+@pytest.mark.parametrize(
+    ("version", "body", "words"),
+    [
+        # the bodies tpupod sent before: each is refused
+        (
+            "v2alpha1",
+            queued_body(slices={"multisliceParams": {"nodeCount": 2}}, bestEffort={}),
+            "multisliceParams",
+        ),
+        (
+            "v2",
+            queued_body({**V4_8_NODE, "schedulingConfig": {"spot": True}}, spot={}),
+            "one tier; got spot and node.schedulingConfig.spot",
+        ),
+        ("v2", queued_body(guaranteed={"reserved": True}), "reserved"),
+        # and what else the API refuses
+        ("v2", queued_body(bestEffort={}), "bestEffort"),
+        ("v2", queued_body(spot={}, reservationName=ANY_RESERVATION), "one tier"),
+        ("v2", queued_body(reservationName="my-reservation"), "is not projects/PROJECT"),
+        (
+            "v2",
+            queued_body(reservationName=ANY_RESERVATION.replace("us-central2-b", "us-east1-d")),
+            "is not projects/PROJECT",
+        ),
+        ("v2", {"tpu": {"nodeSpec": []}}, "tpu.nodeSpec is required"),
+        ("v2alpha1", queued_body(bestEffort={}, spot={}), "tier"),
+    ],
+)
+def test_the_stand_in_refuses_what_the_api_refuses(
+    version: str, body: dict[str, Any], words: str, bare_tpu_api: tuple[TpuApiStandIn, str]
+) -> None:
+    api, endpoint = bare_tpu_api
+    status, answer = post(endpoint + QR_URL.format(version=version), body)
+    assert status == 400, answer
+    assert answer["error"]["status"] == "INVALID_ARGUMENT" and words in answer["error"]["message"]
+    assert not api.resources
+
+
+def test_adopt_a_reserved_queued_resource_reads_it_as_one(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult], sim: SimPod, state_home: Path
+) -> None:
+    made = cli(*UP, "--name", "rq", "--tpu-type", "v4-8", "--reserved")
+    assert made.code == 0, made.err
+    (state_home / "pods" / "rq" / "pod.json").unlink()
+    adopt = ("up", "--adopt", "rq", "--zone", "us-central2-b", "--project", "proj")
+    adopted = cli(*adopt, "--user", "root", "--key", str(sim.key))
+    assert adopted.code == 0, adopted.err
+    assert "(reserved)" in adopted.out
+    assert "cloud state ACTIVE" in cli("status", "--pod", "rq").out  # the queued resource's

@@ -23,6 +23,13 @@ class Capacity(enum.StrEnum):
     BEST_EFFORT = "best-effort"
 
 
+class TpuApiKind(enum.StrEnum):
+    """Which Cloud TPU API makes a TPU (unset: chosen from capacity and slices)."""
+
+    TPU_VM = "tpu-vm"  # the nodes API: one slice
+    QUEUED_RESOURCE = "queued-resource"  # one slice or several, each capacity a tier
+
+
 class RendezvousOn(enum.StrEnum):
     """Where ``tpupod run``'s rendezvous service runs."""
 

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy
+from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
 from tpupod.envargs import parse_env
 from tpupod.errors import SpecError, TpupodError
 from tpupod.names import ENV_NAME_RE, POD_NAME_RE
@@ -175,6 +175,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
     runtime_version: str | None = None
     capacity: Capacity = Capacity.ON_DEMAND
     node_count: Int = Field(default=1, ge=1, le=64, description="slices (multislice when > 1)")
+    api: TpuApiKind | None = Field(default=None, description="unset: from capacity and slices")
     network: str | None = None
     subnetwork: str | None = None
     tags: list[str] = Field(default_factory=list)
@@ -208,7 +209,10 @@ class GcpPodSpec(_SpecBase, _SshOptions):
 
     @property
     def queued(self) -> bool:
-        """Multislice, spot, best-effort and reserved capacity go through Queued Resources."""
+        """Multislice, spot, best-effort and reserved capacity go through Queued Resources
+        (unless ``api`` says which)."""
+        if self.api is not None:
+            return self.api is TpuApiKind.QUEUED_RESOURCE
         return self.node_count > 1 or self.capacity in (
             Capacity.SPOT,
             Capacity.BEST_EFFORT,
@@ -253,6 +257,7 @@ FIELD_HINTS = {
     "zone": "a zone such as us-central2-b",
     "capacity": "one of on-demand (default), spot, preemptible, reserved, best-effort",
     "node_count": "the number of slices, 1 to 64",
+    "api": "tpu-vm or queued-resource",
     "key": "the path of a private key file, e.g. ~/.ssh/id_ed25519",
     "user": "a login user name, e.g. root",
     "labels": "a mapping of KEY: value",
@@ -396,6 +401,7 @@ class UpFlags:
     reserved: bool = False
     best_effort: bool = False
     node_count: int | None = None
+    api: TpuApiKind | None = None
     network: str | None = None
     subnetwork: str | None = None
     tags: tuple[str, ...] = ()
@@ -426,7 +432,7 @@ KIND_FLAGS = {
     "ssh": ("ssh", "port", *SSH_LOGIN_FLAGS),
     "gcp": (
         *("gcp", "tpu_type", "adopt", "zone", "project", "runtime_version", "capacity"),
-        *("spot", "preemptible", "reserved", "best_effort", "node_count", "network"),
+        *("spot", "preemptible", "reserved", "best_effort", "node_count", "api", "network"),
         *("subnetwork", "tags", "labels", "internal", *SSH_LOGIN_FLAGS),
     ),
 }
@@ -550,7 +556,7 @@ def _gcp_fields(flags: UpFlags) -> dict[str, Any]:
     return {
         "provider": "gcp",
         **{name: getattr(flags, name) for name in ("tpu_type", "zone", "project")},
-        **{name: getattr(flags, name) for name in ("runtime_version", "node_count")},
+        **{name: getattr(flags, name) for name in ("runtime_version", "node_count", "api")},
         **{name: getattr(flags, name) for name in ("network", "subnetwork")},
         "capacity": _capacity(flags),
         "tags": list(flags.tags) or None,

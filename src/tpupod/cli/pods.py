@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy
+from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption
 from tpupod.errors import SpecError
@@ -115,6 +115,15 @@ def up(
         int | None,
         typer.Option("--node-count", help="Slices (multislice when > 1).", show_default=False),
     ] = None,
+    api: Annotated[
+        TpuApiKind | None,
+        typer.Option(
+            "--api",
+            help="tpu-vm or queued-resource (default: a queued resource for multislice, "
+            "spot, reserved and best-effort, else a TPU VM).",
+            show_default=False,
+        ),
+    ] = None,
     network: Annotated[str | None, typer.Option("--network", show_default=False)] = None,
     subnetwork: Annotated[str | None, typer.Option("--subnetwork", show_default=False)] = None,
     tag: Annotated[
@@ -205,6 +214,7 @@ def up(
         reserved=reserved,
         best_effort=best_effort,
         node_count=node_count,
+        api=api,
         network=network,
         subnetwork=subnetwork,
         tags=tuple(tag or ()),
@@ -246,13 +256,15 @@ def _dry_run_up(spec: PodSpec) -> None:
     """What `up` would do, without doing it (and, for a TPU, without credentials)."""
     from tpupod.spec import GcpPodSpec
 
-    print(f"dry run: would create pod {spec.name!r}: {spec.summary()}")
+    request = None
     if isinstance(spec, GcpPodSpec):
         from tpupod.providers.gcp_api import create_request
 
-        request = create_request(
+        request = create_request(  # first: it refuses what neither API makes
             spec, _project(spec), f"{spec.user}:<the pod's public key> {spec.user}"
         )
+    print(f"dry run: would create pod {spec.name!r}: {spec.summary()}")
+    if request is not None:
         _print_request(request)
 
 

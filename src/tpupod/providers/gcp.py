@@ -26,7 +26,7 @@ from typing import Any
 from tpupod import settings
 from tpupod.errors import GcpError, UsageError
 from tpupod.pod import Pod, Worker
-from tpupod.providers.gcp_api import parent
+from tpupod.providers.gcp_api import API_ROOT, check_api_choice, create_request, parent
 from tpupod.providers.ssh import check_key_file, connect_options
 from tpupod.report import notice
 from tpupod.spec import GcpPodSpec, PodSpec, SshHost
@@ -36,7 +36,7 @@ from tpupod.transport.ssh import SshConnector, SshPool, generate_key, probe, pub
 KEY_FILE = "id_ed25519"
 WAIT_S = 3600.0
 READY = {"READY", "ACTIVE"}
-BROKEN = {"FAILED", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
+BROKEN = {"FAILED", "SUSPENDING", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
 
 
 class GcpProvider:
@@ -48,6 +48,7 @@ class GcpProvider:
 
     async def create(self, spec: PodSpec, state: StateDir, *, recreate: bool = False) -> Pod:
         assert isinstance(spec, GcpPodSpec)
+        check_api_choice(spec)
         if spec.key:
             await asyncio.to_thread(check_key_file, spec.key)
         spec = spec.model_copy(update={"project": self.session.project(spec.project)})
@@ -162,21 +163,22 @@ class TpuApi:
         self.parent = parent(self.session.project(spec.project), spec.zone)
 
     def create(self, ssh_keys: str) -> None:
-        from tpupod.providers.gcp_api import create_request
-
         request = create_request(self.spec, self.spec.project or "", ssh_keys)
         assert request.body is not None
         module = _module(request.version)
         with _api_errors(self.spec.name):
-            client = self.session.client(request.version)
+            client = self.session.client("v2")
             if request.api.startswith("TPU VM"):
                 node = module.Node.from_json(_json(request.body))
                 client.create_node(parent=self.parent, node_id=self.spec.name, node=node)
-            else:
-                queued = module.QueuedResource.from_json(_json(request.body))
+                return
+            queued = module.QueuedResource.from_json(_json(request.body))  # the client's check
+            if request.version == "v2":
                 client.create_queued_resource(
                     parent=self.parent, queued_resource_id=self.spec.name, queued_resource=queued
                 )
+            else:
+                _post(self.session, request.path, request.body)
 
     def state(self) -> str:
         with _api_errors(self.spec.name):
@@ -273,8 +275,13 @@ def describe_existing(
         return {"tpu_type": found.accelerator_type}
     spec = found.tpu.node_spec[0]
     count = spec.multislice_params.node_count or 1
-    capacity = "spot" if "spot" in found else "on-demand"
-    return {"tpu_type": spec.node.accelerator_type, "node_count": count, "capacity": capacity}
+    capacity = "spot" if "spot" in found else "reserved" if found.reservation_name else "on-demand"
+    return {
+        "tpu_type": spec.node.accelerator_type,
+        "node_count": count,
+        "capacity": capacity,
+        "api": "queued-resource",
+    }
 
 
 def list_tpus(
@@ -343,6 +350,7 @@ def _new_client(version: str, credentials: Any) -> Any:
     return module.TpuClient(credentials=credentials, transport="rest")
 
 
+SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 ROLE_HINT = "the account needs roles/tpu.admin on the project, and the TPU API enabled"
 QUOTA_HINT = "ask for TPU quota in this zone, try another zone, or use --capacity spot"
 EXISTS_HINT = "pick another --name, or 'tpupod up --adopt NAME' to record that TPU"
@@ -372,6 +380,24 @@ def _api_errors(name: str) -> Iterator[None]:
             f"Cloud TPU API ({name}): {reason}: {exc.message}",
             hint=API_HINTS.get(reason, "'tpupod status' shows the TPU's state"),
         ) from exc
+
+
+def _post(session: TpuSession, path: str, body: dict[str, Any]) -> None:
+    """POST a v2alpha1 body over REST by hand: the installed client speaks v2alpha1 only
+    over gRPC, and tpupod keeps one wire (REST) for both versions and the stand-in."""
+    requests = _library("requests")
+    auth = _library("google.auth.credentials")
+    credentials = auth.with_scopes_if_required(session.credentials()[0], [SCOPE])
+    http = _library("google.auth.transport.requests").AuthorizedSession(credentials)
+    url = f"{settings.tpu_api_endpoint() or API_ROOT}/v2alpha1/{path}"
+    try:
+        response = http.post(url, json=body, timeout=60)
+    except requests.RequestException as exc:
+        raise GcpError(
+            f"cannot reach the Cloud TPU API: {exc}", hint="check the network and try again"
+        ) from exc
+    if response.status_code >= 400:
+        raise _exceptions().from_http_response(response)
 
 
 def _json(body: dict[str, Any]) -> str:

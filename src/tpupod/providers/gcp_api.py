@@ -2,8 +2,13 @@
 
 One facade over two APIs: a plain single slice is a TPU VM (``nodes``);
 multislice (``node_count > 1``), spot, reserved and best-effort capacity go
-through Queued Resources. Bodies use the REST (JSON) field names of
-``tpu.googleapis.com`` v2 (best-effort exists only in v2alpha1).
+through Queued Resources (``api`` picks one on purpose). Bodies use the REST
+(JSON) field names of ``tpu.googleapis.com`` v2 and are what gcloud sends
+(``compute tpus tpu-vm create`` and ``compute tpus queued-resources create``):
+a TPU VM's capacity is its ``schedulingConfig``; a queued resource's is its
+tier at the top level (``spot: {}``, ``reservationName: .../reservations/-``,
+v2alpha1's ``bestEffort: {}``), never the node's ``schedulingConfig``.
+Best-effort exists only in v2alpha1, which names multislice ``multiNodeParams``.
 """
 
 from __future__ import annotations
@@ -12,9 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpupod.choices import Capacity
+from tpupod.errors import SpecError
 from tpupod.spec import GcpPodSpec
 
 API_ROOT = "https://tpu.googleapis.com"
+# A TPU VM's capacity, as its schedulingConfig (on-demand: none).
+NODE_SCHEDULING = {
+    Capacity.PREEMPTIBLE: {"preemptible": True},
+    Capacity.RESERVED: {"reserved": True},
+    Capacity.SPOT: {"spot": True},
+}
 
 
 @dataclass(frozen=True)
@@ -34,8 +46,28 @@ def parent(project: str, zone: str) -> str:
     return f"projects/{project}/locations/{zone}"
 
 
+def check_api_choice(spec: GcpPodSpec) -> None:
+    """Refuse what neither API makes: multislice or best-effort TPU VMs, preemptible
+    queued resources (the Queued Resources API has no preemptible tier)."""
+    if not spec.queued and spec.node_count > 1:
+        raise SpecError(
+            f"--node-count {spec.node_count} needs a queued resource, not a TPU VM",
+            hint="drop --api tpu-vm (multislice goes through queued resources)",
+        )
+    if not spec.queued and spec.capacity is Capacity.BEST_EFFORT:
+        raise SpecError(
+            "best-effort capacity exists only for queued resources",
+            hint="drop --api tpu-vm, or pick --capacity spot for a TPU VM",
+        )
+    if spec.queued and spec.capacity is Capacity.PREEMPTIBLE:
+        raise SpecError(
+            "preemptible capacity exists only for TPU VMs (one slice)",
+            hint="--capacity spot (preemptible's successor) works for queued resources",
+        )
+
+
 def node_body(spec: GcpPodSpec, ssh_keys: str | None) -> dict[str, Any]:
-    """A Node: type, runtime, network, scheduling, tags, labels and the pod's SSH key."""
+    """A Node: type, runtime, network, scheduling (TPU VMs only), tags, labels and SSH key."""
     body: dict[str, Any] = {
         "acceleratorType": spec.tpu_type,
         "runtimeVersion": spec.runtime_version or spec.accelerator.default_runtime,
@@ -45,12 +77,8 @@ def node_body(spec: GcpPodSpec, ssh_keys: str | None) -> dict[str, Any]:
         body["networkConfig"]["network"] = spec.network
     if spec.subnetwork:
         body["networkConfig"]["subnetwork"] = spec.subnetwork
-    scheduling = {
-        Capacity.PREEMPTIBLE: {"preemptible": True},
-        Capacity.RESERVED: {"reserved": True},
-        Capacity.SPOT: {"spot": True},
-    }.get(spec.capacity)
-    if scheduling:
+    scheduling = NODE_SCHEDULING.get(spec.capacity)
+    if scheduling and not spec.queued:
         body["schedulingConfig"] = scheduling
     if spec.tags:
         body["tags"] = list(spec.tags)
@@ -61,23 +89,31 @@ def node_body(spec: GcpPodSpec, ssh_keys: str | None) -> dict[str, Any]:
     return body
 
 
+def queued_tier(capacity: Capacity, where: str) -> dict[str, Any]:
+    """A queued resource's tier, as gcloud sends it (on-demand: none)."""
+    if capacity is Capacity.SPOT:
+        return {"spot": {}}
+    if capacity is Capacity.BEST_EFFORT:
+        return {"bestEffort": {}}
+    if capacity is Capacity.RESERVED:
+        return {"reservationName": f"{where}/reservations/-"}  # any reservation that fits
+    return {}
+
+
 def create_request(spec: GcpPodSpec, project: str, ssh_keys: str | None) -> ApiRequest:
+    check_api_choice(spec)
     node = node_body(spec, ssh_keys)
     where = parent(project, spec.zone)
     if not spec.queued:
         return ApiRequest("TPU VM (nodes)", "v2", "POST", f"{where}/nodes?nodeId={spec.name}", node)
+    version = "v2alpha1" if spec.capacity is Capacity.BEST_EFFORT else "v2"
     node_spec: dict[str, Any] = {"parent": where, "node": node}
     if spec.node_count > 1:
-        node_spec["multisliceParams"] = {"nodeCount": spec.node_count, "nodeIdPrefix": spec.name}
+        params = "multiNodeParams" if version == "v2alpha1" else "multisliceParams"
+        node_spec[params] = {"nodeCount": spec.node_count, "nodeIdPrefix": spec.name}
     else:
         node_spec["nodeId"] = spec.name
-    body: dict[str, Any] = {"tpu": {"nodeSpec": [node_spec]}}
-    version = "v2"
-    if spec.capacity is Capacity.SPOT:
-        body["spot"] = {}
-    elif spec.capacity is Capacity.BEST_EFFORT:
-        body["bestEffort"] = {}
-        version = "v2alpha1"
+    body = {"tpu": {"nodeSpec": [node_spec]}, **queued_tier(spec.capacity, where)}
     return ApiRequest(
         "Queued Resources",
         version,

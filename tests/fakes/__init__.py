@@ -1,0 +1,1 @@
+"""Stand-ins of outside services that only the tests use (kept out of src/)."""
