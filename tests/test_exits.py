@@ -22,12 +22,12 @@ class Recorder:
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> _ExitWatch:
     monkeypatch.delattr(sys, "last_value", raising=False)
-    return _ExitWatch(Recorder())  # type: ignore[arg-type]
+    return _ExitWatch(Recorder().report_exit)
 
 
 def ended(watch: _ExitWatch) -> Any:
     watch.at_exit()  # JAX's runtime is not started here, so it only reports
-    return watch.client.reports[-1]  # type: ignore[attr-defined]
+    return watch.report.__self__.reports[-1]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

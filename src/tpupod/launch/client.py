@@ -165,7 +165,7 @@ def client() -> RendezvousClient:
             hint="start the program on every worker with 'tpupod run -- CMD'",
         )
     connected = RendezvousClient(address, token, worker(), program_digest())
-    watch_exit(connected)
+    watch_exit(connected.report_exit)
     return connected
 
 

@@ -43,18 +43,19 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
-if TYPE_CHECKING:
-    from tpupod.launch.client import RendezvousClient
+# Tells the rendezvous how this process ends: (code, reason, timeout), best effort and bounded
+# (``RendezvousClient.report_exit``; passed in, so this module needs nothing of the client).
+Report = Callable[[int | None, str | None, float], None]
 
 REPORT_TIMEOUT_S = 2.0
 INTERRUPTED_EXIT = 130
 
 
 class _ExitWatch:
-    def __init__(self, client: RendezvousClient) -> None:
-        self.client = client
+    def __init__(self, report: Report) -> None:
+        self.report = report
         self.pid = os.getpid()
         self.code: int | None = None  # what sys.exit was last asked for
         self.reason: str | None = None
@@ -75,7 +76,7 @@ class _ExitWatch:
         if os.getpid() != self.pid:  # a forked child exiting: not this worker
             return
         code, reason = self._outcome()
-        self.client.report_exit(code, reason, REPORT_TIMEOUT_S)
+        self.report(code, reason, REPORT_TIMEOUT_S)
         if code and _jax_distributed_started():
             with contextlib.suppress(Exception):
                 logging.shutdown()
@@ -95,9 +96,9 @@ class _ExitWatch:
         return None, None
 
 
-def watch_exit(client: RendezvousClient) -> None:
-    """Report this process's end to the rendezvous (see the module docstring)."""
-    watch = _ExitWatch(client)
+def watch_exit(report: Report) -> None:
+    """Report this process's end with ``report`` (see the module docstring)."""
+    watch = _ExitWatch(report)
     sys.exit = watch.exit
     atexit.register(watch.at_exit)
 
