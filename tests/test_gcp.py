@@ -159,23 +159,27 @@ def test_a_multislice_queued_resource_lists_every_slice(
 
 
 @pytest.mark.parametrize(
-    ("status", "message", "hint"),
+    ("status", "message", "hint", "capacity"),
     [
-        ("RESOURCE_EXHAUSTED", "Quota 'TPUV4sPerProjectPerZone' exceeded", "ask for TPU quota"),
-        ("PERMISSION_DENIED", "Permission 'tpu.nodes.create' denied", "roles/tpu.admin"),
-        ("ALREADY_EXISTS", "Resource exists", "pick another --name"),
+        ("RESOURCE_EXHAUSTED", "Quota 'TPUV4sPerProjectPerZone' exceeded", "ask for TPU quota", ()),
+        ("PERMISSION_DENIED", "Permission 'tpu.nodes.create' denied", "roles/tpu.admin", ()),
+        ("ALREADY_EXISTS", "Resource exists", "pick another --name", ()),
+        # best-effort: v2alpha1, POSTed by hand, its errors read the same way
+        ("RESOURCE_EXHAUSTED", "Quota exceeded", "ask for TPU quota", ("--best-effort",)),
+        ("PERMISSION_DENIED", "Permission denied", "roles/tpu.admin", ("--best-effort",)),
     ],
 )
 def test_api_errors_are_one_line_with_what_to_do(
     status: str,
     message: str,
     hint: str,
+    capacity: tuple[str, ...],
     tpu_api: TpuApiStandIn,
     cli: Callable[..., CliResult],
     state_home: Path,
 ) -> None:
-    tpu_api.fail("POST", "nodes", status, message)
-    result = cli(*UP, "--name", "err", "--tpu-type", "v4-8")
+    tpu_api.fail("POST", "queuedResources" if capacity else "nodes", status, message)
+    result = cli(*UP, "--name", "err", "--tpu-type", "v4-8", *capacity)
     assert result.code == 1
     lines = result.err.strip().splitlines()
     assert lines[-2].startswith("error: Cloud TPU API (err)") and message in lines[-2]
@@ -548,6 +552,13 @@ def test_what_neither_api_makes_is_refused_before_any_call(
         assert lines[-1].startswith("hint: ") and "Traceback" not in result.err
         assert result.out == ""  # not even the dry run's first line
     assert api.calls == []
+
+
+def test_a_multislice_tpu_vm_is_refused(cli: Callable[..., CliResult]) -> None:
+    result = cli(*UP, "--name", "no", "--tpu-type", "v4-8", "--api", "tpu-vm", "--node-count", "2")
+    assert result.code == 2 and result.out == ""
+    assert "error: multislice (2 slices) needs a queued resource, not a TPU VM" in result.err
+    assert "hint: multislice goes through queued resources: drop --api tpu-vm" in result.err
 
 
 V4_8_NODE = {"acceleratorType": "v4-8", "runtimeVersion": "tpu-ubuntu2204-base"}

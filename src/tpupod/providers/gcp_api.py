@@ -21,6 +21,7 @@ from tpupod.errors import SpecError
 from tpupod.spec import GcpPodSpec
 
 API_ROOT = "https://tpu.googleapis.com"
+NOT_TPU_VM = "--api tpu-vm (api: tpu-vm in a spec file)"
 # A TPU VM's capacity, as its schedulingConfig (on-demand: none).
 NODE_SCHEDULING = {
     Capacity.PREEMPTIBLE: {"preemptible": True},
@@ -51,13 +52,13 @@ def check_api_choice(spec: GcpPodSpec) -> None:
     queued resources (the Queued Resources API has no preemptible tier)."""
     if not spec.queued and spec.node_count > 1:
         raise SpecError(
-            f"--node-count {spec.node_count} needs a queued resource, not a TPU VM",
-            hint="drop --api tpu-vm (multislice goes through queued resources)",
+            f"multislice ({spec.node_count} slices) needs a queued resource, not a TPU VM",
+            hint=f"multislice goes through queued resources: drop {NOT_TPU_VM}",
         )
     if not spec.queued and spec.capacity is Capacity.BEST_EFFORT:
         raise SpecError(
             "best-effort capacity exists only for queued resources",
-            hint="drop --api tpu-vm, or pick --capacity spot for a TPU VM",
+            hint=f"drop {NOT_TPU_VM}, or pick --capacity spot for a TPU VM",
         )
     if spec.queued and spec.capacity is Capacity.PREEMPTIBLE:
         raise SpecError(
