@@ -38,7 +38,7 @@ from tpupod.image.containerize import (
 from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
-from tpupod.launch.serve import FAILED, READY
+from tpupod.launch.rendezvous_main import FAILED, READY
 from tpupod.names import new_launch_id
 from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
@@ -324,7 +324,7 @@ class _LauncherRendezvous:
 
 
 class _Worker0Rendezvous:
-    """The service as a process on worker 0 (``python -m tpupod.launch.serve``)."""
+    """The service as a process on worker 0 (``python -m tpupod.launch.rendezvous_main``)."""
 
     def __init__(
         self,
@@ -343,7 +343,7 @@ class _Worker0Rendezvous:
 
     async def start(self, launch_id: str, token: str, count: int) -> str:
         command = (
-            f"{shlex.quote(self.python)} -m tpupod.launch.serve --launch-id {launch_id} "
+            f"{shlex.quote(self.python)} -m tpupod.launch.rendezvous_main --launch-id {launch_id} "
             f"--count {count} --host {shlex.quote(self.first.internal_address)}"
         )
         self.proc = await self.transport.start(

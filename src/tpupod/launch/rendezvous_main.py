@@ -1,4 +1,4 @@
-"""``python -m tpupod.launch.serve``: a launch's rendezvous service, run on worker 0.
+"""``python -m tpupod.launch.rendezvous_main``: a launch's rendezvous service, run on worker 0.
 
 ``tpupod run --rendezvous-on worker0`` starts it when the workers cannot
 reach the launcher (a laptop behind NAT driving a Cloud TPU). The token comes
@@ -24,7 +24,7 @@ FAILED = "tpupod-rendezvous-failed"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tpupod.launch.serve")
+    parser = argparse.ArgumentParser(prog="python -m tpupod.launch.rendezvous_main")
     parser.add_argument("--launch-id", required=True)
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--host", required=True)
