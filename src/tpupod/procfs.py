@@ -39,6 +39,13 @@ def stat(pid: int) -> ProcStat | None:
     return ProcStat(pid=pid, state=fields[0].decode(), pgrp=int(fields[2]))
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie: one killed under a parent that never reaps it
+    (PID 1 of a container or a simulated host) is gone too."""
+    st = stat(pid)
+    return st is not None and st.alive
+
+
 def environ(pid: int) -> list[bytes]:
     """The process's environment as ``NAME=value`` items; empty when unreadable."""
     try:

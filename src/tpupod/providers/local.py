@@ -69,7 +69,7 @@ def stop_processes(pids: list[int], grace: float) -> None:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if _alive(pid)]
+        pids = [pid for pid in pids if procfs.alive(pid)]
         time.sleep(0.05)
     for pid in pids:
         _signal(pid, signal.SIGKILL)
@@ -78,8 +78,3 @@ def stop_processes(pids: list[int], grace: float) -> None:
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-
-
-def _alive(pid: int) -> bool:
-    st = procfs.stat(pid)
-    return st is not None and st.alive

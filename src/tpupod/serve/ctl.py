@@ -39,18 +39,13 @@ STOP_GRACE_S = 8.0
 SERVICES = ("agent", "router")
 
 
-def alive(pid: int) -> bool:
-    st = procfs.stat(pid)
-    return st is not None and st.alive
-
-
 def read_info(state: Path, service: str) -> dict[str, Any] | None:
     """The service's record, when it exists and its process is alive."""
     try:
         info: dict[str, Any] = json.loads((state / f"{service}.json").read_text())
     except (OSError, ValueError):
         return None
-    return info if isinstance(info.get("pid"), int) and alive(info["pid"]) else None
+    return info if isinstance(info.get("pid"), int) and procfs.alive(info["pid"]) else None
 
 
 def write_info(state: Path, service: str, host: str, port: int, **extra: object) -> None:
@@ -122,9 +117,9 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while alive(pid) and time.monotonic() < deadline:
+        while procfs.alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if alive(pid):
+        if procfs.alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         stopped = True
@@ -143,7 +138,7 @@ def _kill_recorded_groups(state: Path) -> int:
     killed = 0
     for pgid in groups:
         members = [p for p in procfs.pids() if (st := procfs.stat(p)) and st.pgrp == pgid]
-        if any(alive(p) for p in members):
+        if any(procfs.alive(p) for p in members):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
                 killed += 1

@@ -369,7 +369,7 @@ def cleanup_stale() -> None:
             owner = None
         if owner is None and time.time() - path.stat().st_mtime < 60:
             continue  # being created right now
-        if owner is None or not _alive(owner):
+        if owner is None or not procfs.alive(owner):
             _teardown(int(path.name))
 
 
@@ -401,12 +401,6 @@ def _teardown(index: int) -> None:
             _run(["ip", "link", "del", name], check=False)
     _run(["ip", "link", "del", f"{PREFIX}{index}br"], check=False)
     shutil.rmtree(STATE_ROOT / str(index), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie: an owner killed under a parent that never reaps it is gone too."""
-    st = procfs.stat(pid)
-    return st is not None and st.alive
 
 
 def _port_open(address: str, port: int) -> bool:
