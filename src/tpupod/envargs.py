@@ -1,21 +1,36 @@
-"""``--env NAME=VALUE`` arguments, parsed and checked once (light: exec's fast path uses it)."""
+"""``NAME=VALUE`` arguments (``--env``, ``--label``), parsed and checked once (light: exec's
+fast path uses it)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from tpupod.errors import UsageError
 from tpupod.names import ENV_NAME_RE
 
 
-def parse_env(items: Iterable[str] | None) -> dict[str, str]:
-    """``["A=1", "B=x=y"]`` -> ``{"A": "1", "B": "x=y"}``, each name checked."""
-    env: dict[str, str] = {}
+def parse_pairs(
+    items: Iterable[str] | None,
+    *,
+    option: str,
+    example: str,
+    name_re: re.Pattern[str] | None = None,
+    error: type[UsageError] = UsageError,
+) -> dict[str, str]:
+    """``["A=1", "B=x=y"]`` -> ``{"A": "1", "B": "x=y"}``. Each item needs a ``=`` and a name
+    (that ``name_re`` matches, when given); a bad one raises ``error`` naming ``option``."""
+    pairs: dict[str, str] = {}
     for item in items or ():
         name, sep, value = item.partition("=")
-        if not sep or not ENV_NAME_RE.match(name):
-            raise UsageError(
-                f"bad --env {item!r}", hint="write --env NAME=VALUE, e.g. --env XLA_FLAGS=--foo"
+        if not sep or not name or (name_re is not None and not name_re.match(name)):
+            raise error(
+                f"bad {option} {item!r}", hint=f"write {option} NAME=VALUE, e.g. {option} {example}"
             )
-        env[name] = value
-    return env
+        pairs[name] = value
+    return pairs
+
+
+def parse_env(items: Iterable[str] | None) -> dict[str, str]:
+    """``--env`` items, each name a valid environment variable name."""
+    return parse_pairs(items, option="--env", example="XLA_FLAGS=--foo", name_re=ENV_NAME_RE)

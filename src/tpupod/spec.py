@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
-from tpupod.envargs import parse_env
+from tpupod.envargs import parse_env, parse_pairs
 from tpupod.errors import SpecError, TpupodError
 from tpupod.names import ENV_NAME_RE, POD_NAME_RE
 
@@ -594,15 +594,7 @@ def _capacity(flags: UpFlags) -> Capacity | None:
 
 
 def _labels(items: tuple[str, ...]) -> dict[str, str] | None:
-    labels = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SpecError(
-                f"bad --label {item!r}", hint="write --label KEY=VALUE, e.g. --label team=ml"
-            )
-        labels[key] = value
-    return labels or None
+    return parse_pairs(items, option="--label", example="team=ml", error=SpecError) or None
 
 
 def _flag_labels(flags: UpFlags, every: bool) -> dict[str, str]:
