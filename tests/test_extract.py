@@ -324,6 +324,7 @@ def test_a_tokenizer_that_pads_and_truncates_gives_each_sample_its_own_tokens(
         _, stats = runner.extract_here(options, say=lambda line: None)
         assert stats.tokens == sum(map(len, want.values()))  # tokens/s counts real tokens
         runs[batch] = tpupod.extract.open(options.out)
+    assert runs[1].ids == runs[4].ids == runs[8].ids == list(want)
     model = load_model(folder)
     for sample, ids in want.items():
         alone = model.generate([ids], max_new_tokens=5).tokens[0]
