@@ -4,6 +4,8 @@ says when the outage started and when it ended, and nothing in between."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import re
 import time
@@ -14,8 +16,10 @@ import pytest
 
 from tests.test_jobs import Postgres, _wait_for, command_job, postgres_cluster, runner
 from tpupod.jobs import claims
+from tpupod.jobs.execute import LocalExecutor
 from tpupod.jobs.linebuffer import LineBuffer
 from tpupod.jobs.models import JobStatus
+from tpupod.jobs.runner import Runner
 from tpupod.jobs.store import Store
 from tpupod.pod import Pod
 
@@ -114,6 +118,38 @@ def test_a_gang_job_printing_through_an_outage_keeps_every_workers_lines(
         mine = [line.line for line in logs if line.worker == worker]
         assert mine == [f"w{worker} line {i}" for i in range(1, 26)]
     _said_once(err, down_for)
+    store.close()
+
+
+@pytest.mark.timeout(150)  # a cluster of its own, a 6 s outage
+def test_lines_past_the_runners_buffer_are_dropped_and_the_log_says_how_many_and_where(
+    pg: Postgres,
+) -> None:
+    """A runner whose buffer (here a few lines) fills during the outage: the log has every
+    line up to the gap, one marker with the count, and every line after it."""
+    url = _database(pg)
+    store = Store.open(url)
+    job = store.submit(command_job("for i in $(seq 1 80); do echo line $i; sleep 0.1; done"))
+    said: list[str] = []
+    tiny = functools.partial(LineBuffer, memory_bytes=100, disk_bytes=100)
+    work = Runner(Store.open(url), LocalExecutor(), lease_s=4, on_event=said.append, buffer=tiny)
+
+    async def main() -> None:
+        serving = asyncio.create_task(work.serve(until_empty=True))
+        await asyncio.to_thread(_outage, pg, store, lambda: len(store.logs(job)) >= 5)
+        await serving
+
+    asyncio.run(main())
+    work.store.close()
+    assert store.get(job).status is JobStatus.COMPLETED, said
+    lines = [line.line for line in store.logs(job)]
+    marks = [i for i, line in enumerate(lines) if line.startswith("[tpupod] ")]
+    assert len(marks) == 1, lines
+    gap = marks[0]
+    dropped = int(lines[gap].split()[1])
+    assert "lines dropped here (" in lines[gap] and dropped > 10, lines[gap]
+    assert lines[:gap] == [f"line {i}" for i in range(1, gap + 1)]
+    assert lines[gap + 1 :] == [f"line {i}" for i in range(gap + dropped + 1, 81)]
     store.close()
 
 

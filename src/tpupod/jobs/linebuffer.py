@@ -21,7 +21,6 @@ from typing import IO
 
 MEMORY_BYTES = 16 << 20
 DISK_BYTES = 1 << 30
-READ_BATCH = 5000  # lines brought back from the spill file at a time
 
 Line = tuple[int, str]  # (worker, text)
 
@@ -33,6 +32,7 @@ class LineBuffer:
         self._head_bytes = 0
         self._spill: IO[bytes] | None = None  # the lines after the head, in order
         self._read_at = self._write_at = 0
+        self._peeked_ends: list[int] = []  # where each line the last peek read from disk ends
         self._dropped = 0
         self._dropped_from = 0.0
         self._dropped_worker = 0
@@ -55,17 +55,31 @@ class LineBuffer:
         self._store((worker, text), size)
 
     def peek(self, limit: int) -> list[Line]:
-        """Up to ``limit`` of the oldest lines (a drop marker among them where it belongs)."""
+        """Up to ``limit`` of the oldest lines (a drop marker among them where it belongs);
+        lines on disk are read, not moved: they stay there until ``consume``."""
         if not self._head and self._write_at == self._read_at:
             self._note_drops()  # nothing after the gap yet: the marker ends the buffer
-        while len(self._head) < limit and self._write_at > self._read_at:
-            self._unspill()
-        return [self._head[i] for i in range(min(limit, len(self._head)))]
+        lines = [self._head[i] for i in range(min(limit, len(self._head)))]
+        self._peeked_ends = []
+        if len(lines) < limit and self._spill is not None and self._write_at > self._read_at:
+            self._spill.seek(self._read_at)
+            while len(lines) < limit and self._spill.tell() < self._write_at:
+                worker, text = json.loads(self._spill.readline())
+                lines.append((worker, text))
+                self._peeked_ends.append(self._spill.tell())
+        return lines
 
     def consume(self, count: int) -> None:
-        """The oldest ``count`` lines are in the store now."""
-        for _ in range(count):
+        """The oldest ``count`` lines (of the last ``peek``) are in the store now."""
+        from_head = min(count, len(self._head))
+        for _ in range(from_head):
             self._head_bytes -= len(self._head.popleft()[1]) + 16
+        if count > from_head:
+            self._read_at = self._peeked_ends[count - from_head - 1]
+            if self._read_at >= self._write_at:  # all written: the file starts over
+                assert self._spill is not None
+                self._spill.truncate(0)
+                self._read_at = self._write_at = 0
 
     def close(self) -> None:
         if self._spill is not None:
@@ -90,21 +104,6 @@ class LineBuffer:
         self._spill.seek(self._write_at)
         self._write_at += self._spill.write(json.dumps(line).encode() + b"\n")
         self.spilled_total += 1
-
-    def _unspill(self) -> None:
-        assert self._spill is not None
-        self._spill.seek(self._read_at)
-        for _ in range(READ_BATCH):
-            if self._read_at >= self._write_at:
-                break
-            raw = self._spill.readline()
-            self._read_at += len(raw)
-            worker, text = json.loads(raw)
-            self._head.append((worker, text))
-            self._head_bytes += len(text) + 16
-        if self._read_at >= self._write_at:  # all read back: the file starts over
-            self._spill.truncate(0)
-            self._read_at = self._write_at = 0
 
     def _note_drops(self) -> None:
         if not self._dropped:

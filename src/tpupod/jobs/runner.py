@@ -91,6 +91,7 @@ class Runner:
         owner: str | None = None,
         on_event: Callable[[str], None] | None = None,
         concurrency: int = 1,
+        buffer: Callable[[], LineBuffer] = LineBuffer,
     ) -> None:
         self.store, self.executor, self.pod = store, executor, pod
         self.lease_s = lease_s
@@ -99,6 +100,7 @@ class Runner:
         self.owner = owner or new_owner()
         self.say = on_event or (lambda text: None)
         self.concurrency = max(1, concurrency)
+        self.buffer = buffer  # holds an attempt's lines until the store has them
         # a local executor starts a job the moment it has it: the claim marks it running
         self.starts_at_once = bool(getattr(executor, "starts_at_once", False))
         self.shutdown = asyncio.Event()
@@ -316,7 +318,9 @@ class Runner:
 
     async def run_one(self, claim: Claim) -> None:
         job = claim.job
-        attempt = _Attempt(claim, claim.next_seq, marked_started=self.starts_at_once)
+        attempt = _Attempt(
+            claim, claim.next_seq, lines=self.buffer(), marked_started=self.starts_at_once
+        )
         self.held[attempt.key] = attempt
         named = f" ({job.name})" if job.name else ""
         self.say(f"job {job.id} attempt {claim.attempt}: started{named}")
