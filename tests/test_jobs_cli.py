@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 from typer.testing import CliRunner
 
 import tpupod.cli.jobs
@@ -68,6 +68,52 @@ def quick_request(command: str) -> Any:
     from tpupod.jobs.models import JobRequest
 
     return JobRequest(command=command)
+
+
+def test_retries_run_a_failing_program_again(cli: Cli, tmp_path: Path) -> None:
+    db = _sqlite(tmp_path)
+    tries = tmp_path / "tries"
+    second_works = f"echo x >> {tries}; test $(wc -l < {tries}) -ge 2"
+    flaky = cli("jobs", "submit", "--db", db, "--retries", "2", "--", second_works).out.strip()
+    never = cli("jobs", "submit", "--db", db, "--retries", "1", "--", "exit 4").out.strip()
+    worker = cli("jobs", "worker", "--db", db, "--local", "--until-empty", timeout=60)
+    assert worker.code == 0, worker.err
+    assert f"job {flaky} attempt 1: retried" in worker.err
+    job = Store.open(db).get(int(flaky))
+    assert (job.status, job.attempt, job.retries, job.max_attempts) == (
+        JobStatus.COMPLETED,
+        2,
+        2,
+        3,
+    )
+    shown = cli("jobs", "show", never, "--db", db).out.splitlines()
+    assert shown[1] == "  status    failed after 2 attempts", shown  # 1 retry, then no more
+    assert shown[-1] == "  error     exit 4: (no output)", shown
+
+
+def test_retries_need_attempts_to_run_them(cli: Cli, tmp_path: Path) -> None:
+    db = _sqlite(tmp_path)
+    many = cli("jobs", "submit", "--db", db, "--retries", "5", "--", "true")
+    assert Store.open(db).get(int(many.out)).max_attempts == 6  # --max-attempts follows
+    _one_error(
+        cli("jobs", "submit", "--db", db, "--retries", "3", "--max-attempts", "2", "--", "true"),
+        2,
+        "retries 3 needs max_attempts of at least 4",
+    )
+
+
+def test_a_store_of_schema_1_gains_retries_on_open(db_url: str) -> None:  # noqa: F811
+    store = Store.open(db_url)
+    old = store.submit(quick_request("true"))
+    with store.write() as conn:  # as tpupod made it before retries
+        conn.execute(text(f"ALTER TABLE {quick.JOBS_TABLE} DROP COLUMN retries"))
+        conn.execute(text(f"UPDATE {quick.VERSION_TABLE} SET version = 1"))
+    store.close()
+    again = Store.open(db_url)
+    assert again.get(old).retries == 0
+    with again.write() as conn:
+        assert schema.current_version(conn) == schema.LATEST == 2
+    again.close()
 
 
 # -- refusals and plain messages ------------------------------------------------------------
@@ -277,7 +323,7 @@ def test_the_fast_path_and_the_typer_command_store_the_same_row(
     code.write_text("result = 1\n")
     store = Store.open(db_url)  # the fast path needs the store made
     options = ["--db", db_url, "--pod", pod.name, "--name", "n", "-l", "a=b", "--label", "c=d"]
-    options += ["--priority", "5", "--timeout", "2.5", "--max-attempts", "4"]
+    options += ["--priority", "5", "--timeout", "2.5", "--max-attempts", "4", "--retries", "1"]
     for what in ([str(code)], ["--", "echo", "a b"]):
         fast = cli("jobs", "submit", *options, *what)
         assert fast.code == 0, fast.err

@@ -147,8 +147,19 @@ def submit(
         float | None, typer.Option("--timeout", help="Seconds.", show_default=False)
     ] = None,
     max_attempts: Annotated[
-        int, typer.Option("--max-attempts", help="Attempts when its runner is lost.")
-    ] = 3,
+        int | None,
+        typer.Option(
+            "--max-attempts",
+            help="Attempts in all, lost runners' too (default: 3, or --retries + 1).",
+            show_default=False,
+        ),
+    ] = None,
+    retries: Annotated[
+        int,
+        typer.Option(
+            "--retries", min=0, help="Run it again when the program fails, this many times."
+        ),
+    ] = 0,
     wait: Annotated[bool, typer.Option("--wait", help="Wait, then print the result.")] = False,
     remote_pod: Annotated[
         bool,
@@ -158,7 +169,7 @@ def submit(
     """Queue a job; print its id alone on stdout (id=$(tpupod jobs submit ...))."""
     from pydantic import ValidationError
 
-    from tpupod.jobs.quick import check_pod
+    from tpupod.jobs.quick import attempts_for, check_pod
 
     dashed = "--" in sys.argv
     try:
@@ -167,8 +178,10 @@ def submit(
         extra: dict[str, object] = {"timeout": _seconds("--timeout", timeout), "pod": pod}
         extra["labels"] = _labels(label) or None
         changes.update({k: v for k, v in extra.items() if v is not None})
-        if max_attempts != 3:
-            changes["max_attempts"] = max_attempts
+        if retries:
+            changes["retries"] = retries
+        if max_attempts is not None or retries >= request.max_attempts:
+            changes["max_attempts"] = max_attempts or attempts_for(retries)
         request = type(request).model_validate({**request.model_dump(), **changes})
     except ValidationError as exc:
         raise UsageError(_first_problem(exc), hint=JSON_HINT) from exc

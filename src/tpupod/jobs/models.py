@@ -48,6 +48,7 @@ class JobRequest(BaseModel):
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
     max_attempts: int = Field(default=3, ge=1, le=100)
+    retries: int = Field(default=0, ge=0, le=99)  # program failures run again this many times
     pod: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -59,6 +60,10 @@ class JobRequest(BaseModel):
             raise ValueError("code or command is empty")
         if self.code is not None and (problem := syntax_problem(self.code)):
             raise ValueError(problem)
+        if self.retries >= self.max_attempts:
+            raise ValueError(
+                f"retries {self.retries} needs max_attempts of at least {self.retries + 1}"
+            )
         extra = dict(self.model_extra or {})
         for ignored in ("status", "created_at"):  # the seed's; the store owns these
             extra.pop(ignored, None)
@@ -95,6 +100,7 @@ class Job:
     result: Any  # the JSON value the job's ``result`` became (None: none)
     error: str | None
     metadata: dict[str, Any] = field(default_factory=dict)
+    retries: int = 0  # program failures that run it again (max_attempts bounds all attempts)
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
@@ -111,6 +117,7 @@ class Job:
             pod=values["pod"],
             attempt=values["attempt"],
             max_attempts=values["max_attempts"],
+            retries=values["retries"],
             lease_owner=values["lease_owner"],
             lease_expires_at=values["lease_expires_at"],
             cancel_requested=bool(values["cancel_requested"]),

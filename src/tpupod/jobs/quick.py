@@ -26,7 +26,7 @@ from tpupod.errors import JobStoreError, PodNotFound
 from tpupod.jobs.code import syntax_problem
 from tpupod.plainargs import OptionTable, scan
 
-SCHEMA_VERSION = 1  # schema.py's latest migration (a test checks they agree)
+SCHEMA_VERSION = 2  # schema.py's latest migration (a test checks they agree)
 JOBS_TABLE = "tpupod_jobs"
 VERSION_TABLE = "tpupod_jobs_schema"
 NOTIFY_CHANNEL = "tpupod_jobs"
@@ -41,6 +41,7 @@ SUBMIT_OPTIONS = OptionTable(
         "--priority": "priority",
         "--timeout": "timeout",
         "--max-attempts": "max_attempts",
+        "--retries": "retries",
     },
     repeated={"--label": "label", "-l": "label"},
     flags={"--remote-pod": "remote_pod"},
@@ -66,12 +67,18 @@ def job_row(fields: Mapping[str, Any], now: float) -> dict[str, Any]:
         "pod": fields["pod"],
         "attempt": 0,
         "max_attempts": fields["max_attempts"],
+        "retries": fields["retries"],
         "cancel_requested": False,
         "created_at": now,
         "updated_at": now,
         "run_after": 0.0,
         "metadata": json.dumps(who | dict(fields["metadata"]), sort_keys=True, default=str),
     }
+
+
+def attempts_for(retries: int) -> int:
+    """``--max-attempts`` when not given: 3, or enough for ``--retries``."""
+    return max(3, retries + 1)
 
 
 def check_pod(pod: str | None, remote: bool) -> None:
@@ -128,11 +135,14 @@ def _fields(
         labels[name] = text
     try:
         priority = int(values.get("priority", "0"))
-        attempts = int(values.get("max_attempts", "3"))
+        retries = int(values.get("retries", "0"))
+        attempts = int(values.get("max_attempts", str(attempts_for(retries))))
         timeout = float(values["timeout"]) if "timeout" in values else None
     except ValueError:
         return None
-    if not 1 <= attempts <= MAX_ATTEMPTS or (timeout is not None and not 0 < timeout < math.inf):
+    if not 0 <= retries < attempts <= MAX_ATTEMPTS:
+        return None
+    if timeout is not None and not 0 < timeout < math.inf:
         return None
     code = command = None
     if dashed or len(rest) > 1 or (rest and not rest[0].endswith((".py", ".json"))):
@@ -158,6 +168,7 @@ def _fields(
         "timeout": timeout,
         "pod": values.get("pod"),
         "max_attempts": attempts,
+        "retries": retries,
         "metadata": {},
     }
 

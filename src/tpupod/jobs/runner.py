@@ -45,6 +45,11 @@ WATCH_S = 1.0  # a pod runner checks that its pod is there
 WRITE_BATCH = 5000  # log lines per transaction
 
 
+def _retried(claim: Claim, outcome: Outcome) -> bool:
+    """A program failure the job's ``retries`` cover (the retry fails it at max_attempts)."""
+    return outcome.status is JobStatus.FAILED and claim.attempt <= claim.job.retries
+
+
 def new_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
@@ -412,7 +417,7 @@ class Runner:
         given_back = attempt.why == "shutdown" and stopped
         if attempt.why == "cancel":
             ending = Ending(claim, JobStatus.CANCELLED, error="cancelled by request")
-        elif not given_back and not outcome.retry:
+        elif not given_back and not outcome.retry and not _retried(claim, outcome):
             ending = Ending(claim, outcome.status, result=outcome.result, error=outcome.error)
         else:
             try:

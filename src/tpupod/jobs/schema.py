@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    inspect,
     select,
     text,
 )
@@ -51,6 +52,8 @@ jobs = Table(
     Column("pod", String(200)),  # None: any runner may take it
     Column("attempt", Integer, nullable=False, default=0),
     Column("max_attempts", Integer, nullable=False, default=3),
+    # program failures run again up to this many times (v2; lost runners: max_attempts)
+    Column("retries", Integer, nullable=False, default=0, server_default="0"),
     Column("lease_owner", String(200)),
     Column("lease_expires_at", Float),
     Column("run_after", Float, nullable=False, default=0.0),  # backoff after a lost lease
@@ -96,11 +99,19 @@ log_lines = Table(
 
 
 def _v1(conn: Connection) -> None:
-    metadata.create_all(conn, tables=[jobs, log_lines])
+    metadata.create_all(conn, tables=[jobs, log_lines])  # today's shape: v2's column too
+
+
+def _v2(conn: Connection) -> None:
+    """``retries``; a store made by this tpupod's ``_v1`` has it already."""
+    if "retries" not in {c["name"] for c in inspect(conn).get_columns(JOBS_TABLE)}:
+        conn.execute(
+            text(f"ALTER TABLE {JOBS_TABLE} ADD COLUMN retries INTEGER NOT NULL DEFAULT 0")
+        )
 
 
 # version -> what brings the schema from version - 1 to it
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1, 2: _v2}
 LATEST = max(MIGRATIONS)  # quick.SCHEMA_VERSION too (its fast submit checks it)
 
 
