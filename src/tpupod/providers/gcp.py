@@ -148,7 +148,7 @@ class TpuSession:
         return project
 
     def client(self, version: str = "v2") -> Any:
-        """The API's client (v2; v2alpha1 only for what v2 lacks), made once."""
+        """The API's client, made once (v2 for every call; v2alpha1 has no REST one: _post)."""
         if version not in self._clients:
             self._clients[version] = _new_client(version, self.credentials()[0])
         return self._clients[version]
