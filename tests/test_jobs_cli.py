@@ -187,6 +187,7 @@ def test_a_jobs_traceback_shows_the_jobs_frames_not_tpupods(
             "--timeout -5: must be more than 0 seconds",
         ),
         (["wait", "1", "--timeout", "-5"], 2, "--timeout -5: must be more than 0 seconds"),
+        (["submit", "--retries", "-1", "--", "true"], 2, "--retries -1: must be 0 or more"),
         (
             ["ls", "--db", "mysql://me:secret@db/jobs"],
             2,

@@ -156,9 +156,7 @@ def submit(
     ] = None,
     retries: Annotated[
         int,
-        typer.Option(
-            "--retries", min=0, help="Run it again when the program fails, this many times."
-        ),
+        typer.Option("--retries", help="Run it again when the program fails, this many times."),
     ] = 0,
     wait: Annotated[bool, typer.Option("--wait", help="Wait, then print the result.")] = False,
     remote_pod: Annotated[
@@ -178,6 +176,8 @@ def submit(
         extra: dict[str, object] = {"timeout": _seconds("--timeout", timeout), "pod": pod}
         extra["labels"] = _labels(label) or None
         changes.update({k: v for k, v in extra.items() if v is not None})
+        if retries < 0:
+            raise UsageError(f"--retries {retries}: must be 0 or more", hint="--retries 2")
         if retries:
             changes["retries"] = retries
         if max_attempts is not None or retries >= request.max_attempts:
