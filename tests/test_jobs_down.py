@@ -42,6 +42,7 @@ def _runner_at_work(pod: Pod, tmp_path: Path) -> Iterator[tuple[Store, int, subp
             proc.communicate()
 
 
+@pytest.mark.timeout(120)
 def test_down_refuses_a_pod_a_runner_is_using_and_force_gives_its_job_back(
     make_pod: Callable[..., Pod],
     cli: Callable[..., CliResult],
@@ -73,6 +74,7 @@ def test_down_refuses_a_pod_a_runner_is_using_and_force_gives_its_job_back(
     store.close()
 
 
+@pytest.mark.timeout(120)
 def test_a_runner_whose_pod_goes_gives_its_job_back_and_stops_leasing(
     make_pod: Callable[..., Pod],
     leftovers: Callable[[Pod], list[str]],
