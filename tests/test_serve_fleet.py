@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -607,6 +608,28 @@ def test_a_failed_serve_up_ends_at_once_and_leaves_nothing_running(tmp_path: Pat
         assert wait_until_gone(pod) == []
         gone = run_cli(home, "serve", "status", "--pod", pod)
         assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_serve_up_leaves_nothing_running(tmp_path: Path) -> None:
+    """Ctrl-C while the servers start left the agent, its server and ctl wait-ready running."""
+    with local_pod(tmp_path, "sc", 1) as (home, pod):
+        argv = tpupod_argv(
+            "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+            "--command", "sleep 1000 # {port}", "--base-port", str(free_base_port()),
+        )  # fmt: skip
+        env = {**os.environ, "TPUPOD_HOME": str(home)}
+        up = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not any("sleep" in p.cmdline() for p in pod_processes(pod)):
+            assert time.monotonic() < deadline and up.poll() is None
+            time.sleep(0.2)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 130
+        assert up.stderr is not None and "Traceback" not in up.stderr.read()
+        up.stderr.close()
+        assert wait_until_gone(pod, timeout=10) == []
 
 
 def stub_pids(pod: str) -> set[int]:

@@ -183,8 +183,13 @@ def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:
     """
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
+    missed = 0  # polls in a row without an agent: it was stopped (serve down, a Ctrl-C)
     while True:
         answer = call(state, "agent", "GET", "/admin/status", None)
+        missed = missed + 1 if answer.get("status") is None else 0
+        if missed >= 3:
+            print(json.dumps({"event": "gone", "error": answer.get("error")}), flush=True)
+            return 1
         servers = answer.get("body", {}).get("servers", []) if answer.get("status") == 200 else []
         for s in servers:
             if s["state"] == "ready" and s["name"] not in seen:

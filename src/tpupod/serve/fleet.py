@@ -346,6 +346,11 @@ class Fleet:
                 hint=(f"its last lines: {logs}" if logs else "see its log in the agent's folder")
                 + "; serve up stopped what it had started",
             )
+        if last.get("event") == "gone":
+            raise ServeError(
+                f"{worker.label}: the agent went away while its servers started: {last['error']}",
+                hint="was 'tpupod serve down' run meanwhile? serve up stopped what it had started",
+            )
         if last.get("event") == "timeout":
             pending = last.get("pending", [])
             names = ", ".join(
@@ -404,7 +409,7 @@ class Fleet:
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}  # may refuse
         try:
             return await self.start(options, plans, old, progress)
-        except Exception:
+        except BaseException:  # a failure, or Ctrl-C (the task is cancelled): stop it all
             with contextlib.suppress(Exception):
                 await self.down(lambda _: None)
             raise
