@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,28 @@ def test_chatter_cuts_gloo_pieces_out_wherever_they_land(
 ) -> None:
     chatter = Chatter()
     assert [kept for line in lines if (kept := chatter(line)) is not None] == shown
+
+
+def test_write_atomic_writes_whole_files_and_leaves_nothing_beside(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tpupod.files import write_atomic
+
+    dest = tmp_path / "sub" / "results.json"
+    write_atomic(dest, [b"ab", memoryview(b"cd")], mode=0o644, sync=False)
+    assert dest.read_bytes() == b"abcd" and dest.stat().st_mode & 0o777 == 0o644
+    # many writers of one file at once: each rename brings one whole file (a fixed staging
+    # name, as bench/storage.py had, let one writer's rename take another's half file)
+    texts = [str(i) * 100_000 for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda text: write_atomic(dest, text), texts * 4))
+    assert dest.read_text() in texts and dest.stat().st_mode & 0o777 == 0o600
+
+    def broken() -> Iterator[bytes]:
+        yield b"half"
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(dest, broken())
+    assert dest.read_text() in texts  # the old file, whole
+    assert [p.name for p in dest.parent.iterdir()] == ["results.json"]

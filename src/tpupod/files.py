@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -26,6 +27,39 @@ def copy_atomic(src: Path, dest: Path) -> None:
         replace(staged, dest)
     finally:
         remove_path(staged)
+
+
+def write_atomic(
+    path: Path,
+    data: str | bytes | Iterable[bytes | memoryview],
+    *,
+    mode: int = 0o600,
+    sync: bool = True,
+) -> None:
+    """Write ``data`` (text, bytes, or parts of bytes written in turn) to ``path`` so that
+    readers see the old file or the new one, never half: written under a name of its own
+    beside it (two writers never share one), then renamed. ``sync``: on disk before the
+    rename (a crash then leaves the old file or the whole new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_name(path)  # the one pattern of staged files (a resume removes them)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)  # not narrowed by the umask
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(data, str):
+                f.write(data.encode())
+            elif isinstance(data, bytes):
+                f.write(data)
+            else:
+                for part in data:
+                    f.write(part)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def remove_path(path: Path) -> None:

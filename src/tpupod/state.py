@@ -12,36 +12,20 @@ an atomic ``mkdir``, so two concurrent ``up`` calls cannot both create a pod.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpupod import settings
 from tpupod.errors import PodNotFound, StateError
+from tpupod.files import write_atomic
 from tpupod.names import POD_NAME_RE
 
 if TYPE_CHECKING:
     from tpupod.pod import Pod
 
 RECORD_FILE = "pod.json"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod.errors import UsageError
-from tpupod.state import write_atomic
+from tpupod.files import write_atomic
 
 
 def is_remote(location: str) -> bool:
@@ -41,11 +41,7 @@ def _fs(url: str) -> tuple[Any, str]:
 
 def write(location: str, data: bytes) -> None:
     if not is_remote(location):
-        local = Path(location)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(local)
+        write_atomic(Path(location), data, mode=0o644)
         return
     fs, path = _fs(location)
     fs.pipe_file(path, data)  # an object appears whole, when its upload ends
@@ -55,7 +51,7 @@ def write_text(location: str, text: str) -> None:
     if is_remote(location):
         write(location, text.encode())
     else:
-        write_atomic(Path(location), text)
+        write_atomic(Path(location), text, mode=0o644)
 
 
 def read_text(location: str) -> str:

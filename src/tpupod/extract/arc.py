@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod.errors import DataError
-from tpupod.files import staging_name
+from tpupod.files import write_atomic
 
 ARC_RENDERING = 1
 INTRO = (
@@ -56,10 +56,7 @@ def convert(src: Path, out: Path) -> int:
             if "output" in test:
                 record["answer"] = grid_text(test["output"])
             lines.append(json.dumps(record, ensure_ascii=False))
-    staged = Path(staging_name(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged.write_text("".join(line + "\n" for line in lines))
-    staged.replace(out)
+    write_atomic(out, "".join(line + "\n" for line in lines), mode=0o644)
     return len(lines)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from tpupod.errors import ExtractError
 from tpupod.extract.tensorfile import Buffer
-from tpupod.files import staging_name
+from tpupod.files import write_atomic
 
 QUEUE_DEPTH = 4  # shards waiting to be written before compute waits
 WRITER_THREADS = 4
@@ -56,12 +56,8 @@ class LocalStore:
             ) from exc
 
     def write(self, name: str, data: Data) -> None:
-        dest = self.folder / name
-        staged = Path(staging_name(dest))
-        with staged.open("wb") as f:
-            for part in _parts(data):
-                f.write(part)
-        staged.replace(dest)
+        # no fsync: shards are large, and a run that dies redoes a shard without a manifest
+        write_atomic(self.folder / name, _parts(data), mode=0o644, sync=False)
 
     def read(self, name: str) -> bytes | None:
         with contextlib.suppress(FileNotFoundError):

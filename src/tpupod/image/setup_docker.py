@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from tpupod.state import write_atomic
+from tpupod.files import write_atomic
 
 SCRIPT = """#!/bin/bash
 # tpupod setup --docker: install and start Docker on this worker (idempotent).
@@ -47,5 +47,5 @@ $SUDO docker info --format 'docker {{.ServerVersion}} ready'
 def script_file() -> Path:
     """The script as a file for ``tpupod setup`` (its name does not matter: its hash does)."""
     path = Path(tempfile.gettempdir()) / f"tpupod-setup-docker-{os.getuid()}.sh"
-    write_atomic(path, SCRIPT)
+    write_atomic(path, SCRIPT, mode=0o644)
     return path

@@ -28,6 +28,7 @@ from typing import IO, Any, Protocol
 from tpupod import settings
 from tpupod.errors import PreflightError, TpupodError
 from tpupod.fanout import Interrupt, NoticeHandler, Supervision, execute_async
+from tpupod.files import write_atomic
 from tpupod.image.containerize import (
     Container,
     check_workers,
@@ -47,7 +48,7 @@ from tpupod.pod import Pod, Worker
 from tpupod.providers import provider_for
 from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 from tpupod.spec import GcpPodSpec
-from tpupod.state import StateDir, write_atomic
+from tpupod.state import StateDir
 from tpupod.transport import Connector, OutputLine, RemoteProcess
 from tpupod.workerrun import LineHandler
 

@@ -32,10 +32,10 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
+from tpupod.files import write_atomic
 from tpupod.serve import ctl
 from tpupod.serve.backends import ServerSpec
 from tpupod.serve.supervisor import ManagedServer, tail
-from tpupod.state import write_atomic
 
 
 class NameRequest(BaseModel):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod import procfs, settings
-from tpupod.state import write_atomic
+from tpupod.files import write_atomic
 
 STATE_DIR = ".tpupod/serve"  # relative: each worker's home (SSH) or work folder (local)
 READY_TIMEOUT_S = 30.0
@@ -70,10 +70,7 @@ def token(state: Path, service: str, given: str | None = None) -> str:
             if existing:
                 return existing
         given = secrets.token_urlsafe(24)
-    state.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(given + "\n")
+    write_atomic(path, given + "\n")
     return given
 
 
