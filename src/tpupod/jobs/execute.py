@@ -25,6 +25,7 @@ from tpupod.jobs.models import Job, JobStatus
 from tpupod.results import Outcome as WorkerOutcome
 from tpupod.transport.base import Stream, command_script
 from tpupod.transport.lines import read_lines
+from tpupod.transport.local import kill_process_group
 
 if TYPE_CHECKING:
     from tpupod.fanout import Interrupt
@@ -135,8 +136,7 @@ class LocalExecutor:
             if stop.is_set():
                 return Outcome(JobStatus.CANCELLED, error="stopped")
             return Outcome(JobStatus.FAILED, error=f"timed out after {job.timeout:g} s")
-        with contextlib.suppress(ProcessLookupError):  # what it left in the background
-            os.killpg(proc.pid, signal.SIGKILL)
+        await kill_process_group(proc.pid, 0)  # what it left in the background
         await pump
         code = proc.returncode
         if code == 0:
@@ -150,14 +150,8 @@ class LocalExecutor:
             marks.line(0, line.text)
 
     async def _kill(self, proc: asyncio.subprocess.Process) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), self.grace_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        await kill_process_group(proc.pid, self.grace_s)
+        await proc.wait()
 
 
 def describe_exit(code: int | None) -> str:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import sys
 from typing import Any
 
@@ -27,6 +25,7 @@ from tpupod.jobs.code import END, TAKEN
 from tpupod.jobs.execute import GRACE_S, Hooks, Outcome, _Marks, describe_exit
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.transport.lines import READ_CHUNK, LineSplitter
+from tpupod.transport.local import kill_process_group
 
 
 class PoolProcess:
@@ -94,14 +93,8 @@ class PoolProcess:
     async def kill(self, grace_s: float) -> None:
         """TERM the process group, KILL it after ``grace_s``; the process is gone after."""
         self.alive = False
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.proc.wait(), grace_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            await self.proc.wait()
+        await kill_process_group(self.proc.pid, grace_s)
+        await self.proc.wait()
         await self.pump
 
 

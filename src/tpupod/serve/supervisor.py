@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import enum
 import os
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tpupod.serve.backends import ServerSpec, render, render_env
+from tpupod.transport.local import kill_process_group
 
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0
@@ -202,11 +202,8 @@ class ManagedServer:
 
 
 async def stop_group(pgid: int, grace: float, proc: asyncio.subprocess.Process | None) -> None:
-    """TERM the group, wait for its leader up to ``grace`` s, then KILL the group."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGTERM)
+    """TERM the group, KILL what is left after ``grace`` s; returns once no member is alive
+    (a restart then finds the server's port free)."""
+    await kill_process_group(pgid, grace)
     if proc is not None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), grace)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+        await proc.wait()

@@ -17,6 +17,7 @@ from tpupod.transport.lines import read_lines
 
 SHELL = "/bin/bash"
 GROUP_POLL_S = 0.05
+KILLED_WAIT_S = 5.0  # a KILLed process ends as soon as the kernel runs it; bounded all the same
 STREAM_LIMIT = 2**16
 
 
@@ -155,14 +156,25 @@ def signal_group(pgid: int, sig: int) -> bool:
 
 
 async def kill_process_group(pgid: int, grace: float) -> None:
-    """TERM the group, wait up to ``grace`` s for it to empty, then KILL whatever is left."""
-    if grace > 0 and signal_group(pgid, signal.SIGTERM):
-        deadline = asyncio.get_running_loop().time() + grace
-        while asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(GROUP_POLL_S)
-            if not group_has_live_members(pgid):
-                return
-    signal_group(pgid, signal.SIGKILL)
+    """TERM the group, wait up to ``grace`` s for every member to end, then KILL whatever is
+    left and wait (bounded) until it is gone. The one way tpupod stops a local process group:
+    when it returns, no member is alive, so a port or a file one held is free. Waiting for the
+    leader alone is not enough: a member that ignores TERM, or is still cleaning up, outlives it.
+    """
+    if grace > 0 and signal_group(pgid, signal.SIGTERM) and await _emptied(pgid, grace):
+        return
+    if signal_group(pgid, signal.SIGKILL):
+        await _emptied(pgid, KILLED_WAIT_S)
+
+
+async def _emptied(pgid: int, within: float) -> bool:
+    """Wait up to ``within`` s for the group to have no live member; False if it still has."""
+    deadline = asyncio.get_running_loop().time() + within
+    while group_has_live_members(pgid):
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(GROUP_POLL_S)
+    return True
 
 
 def group_has_live_members(pgid: int) -> bool:
