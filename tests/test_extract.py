@@ -508,6 +508,7 @@ def test_a_global_mesh_over_two_processes_matches_one_process(
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").glob("shard*"))
 
 
+@pytest.mark.timeout(240)  # three extraction runs: about 40 s quiet, 90 s under load
 def test_resume_after_kill_9_at_several_points_is_identical(
     reference_run: tuple[Path, Path], tmp_path: Path, state_home: Path
 ) -> None:
