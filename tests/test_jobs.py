@@ -284,7 +284,8 @@ def test_seed_003_documents_are_accepted_as_they_are() -> None:
 def test_the_local_executor_keeps_long_and_unterminated_lines(store: Store) -> None:
     import asyncio
 
-    from tpupod.jobs.execute import Hooks, LocalExecutor
+    from tpupod.jobs.attempt import Hooks
+    from tpupod.jobs.execute import LocalExecutor
 
     job_id = store.submit(command_job("head -c 200000 /dev/zero | tr '\\0' x; echo; printf end"))
     lines: list[str] = []

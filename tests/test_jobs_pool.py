@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from tests.test_jobs import _wait_for, runner
-from tpupod.jobs.execute import Hooks, LocalExecutor, Outcome
+from tpupod.jobs.attempt import Hooks, Outcome
+from tpupod.jobs.execute import LocalExecutor
 from tpupod.jobs.models import JobRequest, JobStatus
 from tpupod.jobs.pool import Pool
 from tpupod.jobs.store import Store

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tpupod import procfs
-from tpupod.jobs.execute import Hooks, LocalExecutor
+from tpupod.jobs.attempt import Hooks
+from tpupod.jobs.execute import LocalExecutor
 from tpupod.jobs.models import JobRequest, JobStatus
 from tpupod.jobs.pool import Pool
 from tpupod.jobs.store import Store

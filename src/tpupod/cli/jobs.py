@@ -24,7 +24,8 @@ from tpupod.report import notice
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from tpupod.jobs.execute import Executor
+    from tpupod.jobs.attempt import Executor
+    from tpupod.jobs.k8s_manifest import Target
     from tpupod.jobs.models import Job, JobRequest
     from tpupod.jobs.pool import Pool
     from tpupod.jobs.runner import Runner
@@ -409,6 +410,13 @@ def worker(
     service_account: Annotated[
         str | None, typer.Option("--service-account", help="--k8s: the pods' account.")
     ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="--k8s: print the JobSet for the next queued job (or a sample job) and exit.",
+        ),
+    ] = False,
 ) -> None:
     """Run jobs: on every worker of a pod (gang-run through 'tpupod run'), here (--local),
     or as JobSets on a GKE TPU slice (--k8s)."""
@@ -420,6 +428,8 @@ def worker(
     target = None
     if local and k8s:
         raise UsageError("--local and --k8s", hint="a runner runs jobs in one place")
+    if dry_run and not k8s:
+        raise UsageError("--dry-run is for --k8s runners", hint="it prints a JobSet")
     if not local and concurrency not in (None, 1):
         raise UsageError(
             "--concurrency is for --local runners",
@@ -436,16 +446,22 @@ def worker(
         executor = LocalExecutor(pool=job_pool)
     elif k8s:
         target = pod
-        executor = _k8s_executor(
+        k8s_target = _k8s_target(
             store,
             tpu=tpu,
             topology=topology,
             image=image,
             namespace=namespace,
-            kubeconfig=kubeconfig,
-            context=context,
             service_account=service_account,
             worker_python=worker_python,
+        )
+        if dry_run:
+            _print_jobset(store, k8s_target, pod)
+            return
+        executor = _k8s_executor(
+            k8s_target,
+            kubeconfig=kubeconfig,
+            context=context,
             on_event=None if quiet else notice,
         )
     else:
@@ -475,20 +491,16 @@ def _runner_pod(state: StateDir, pod: str | None) -> Pod:
         raise PodNotFound(exc.message, hint=f"{exc.hint}; {also}") from exc
 
 
-def _k8s_executor(
+def _k8s_target(
     store: Store,
     *,
     tpu: str | None,
     topology: str | None,
     image: str | None,
     namespace: str,
-    kubeconfig: str | None,
-    context: str | None,
     service_account: str | None,
     worker_python: str,
-    on_event: Callable[[str], None] | None,
-) -> Executor:
-    from tpupod.jobs.k8s import KubernetesExecutor, connect
+) -> Target:
     from tpupod.jobs.k8s_manifest import Target, store_label, tpu_slice
 
     if tpu is None or image is None:
@@ -496,17 +508,41 @@ def _k8s_executor(
             "--k8s needs --tpu and --image",
             hint="e.g. --k8s --tpu v5litepod-16 --image us-docker.pkg.dev/P/R/worker:1",
         )
-    found = tpu_slice(tpu, topology)
-    target = Target(
-        found,
+    return Target(
+        tpu_slice(tpu, topology),
         image=image,
         namespace=namespace,
         store=store_label(store.url),
         worker_python=worker_python,
         service_account=service_account,
     )
+
+
+def _print_jobset(store: Store, target: Target, pod: str | None) -> None:
+    import yaml
+
+    from tpupod.jobs.k8s_manifest import preview
+
+    job, body = preview(store, target, pod)
+    which = f"job {job.id}, the next queued" if job.id else "a sample job (none is queued)"
+    typer.echo(f"# the JobSet for {which}; nothing was sent")
+    typer.echo(yaml.safe_dump(body, sort_keys=False), nl=False)
+
+
+def _k8s_executor(
+    target: Target,
+    *,
+    kubeconfig: str | None,
+    context: str | None,
+    on_event: Callable[[str], None] | None,
+) -> Executor:
+    from tpupod.jobs.k8s import KubernetesExecutor, connect
+
     cluster = connect(
-        kubeconfig=kubeconfig, context=context, namespace=namespace, pool=found.hosts + 8
+        kubeconfig=kubeconfig,
+        context=context,
+        namespace=target.namespace,
+        pool=target.slice.hosts + 8,
     )
     return KubernetesExecutor(cluster, target, on_event=on_event)
 

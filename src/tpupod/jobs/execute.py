@@ -1,26 +1,21 @@
-"""How one attempt of a job runs: here (the local runner) or on every worker of a pod.
-
-Both report lines and the moment every worker started through ``Hooks``, stop when the
-runner sets ``stop`` (a cancel, a lost lease, the runner itself stopping) and end in an
-``Outcome``; neither touches the store (the runner writes, fenced).
-"""
+"""How one attempt of a job runs: here (the local runner) or on every worker of a pod,
+in the vocabulary of ``attempt.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
-import json
 import os
 import shlex
 import signal
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from tpupod.errors import TpupodError
-from tpupod.jobs.code import MARK, RESULT, STARTED
+from tpupod.jobs.attempt import GRACE_S, Executor, Hooks, Marks, Outcome, describe_exit
+from tpupod.jobs.code import STARTED
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.results import Outcome as WorkerOutcome
 from tpupod.transport.base import Stream, command_script
@@ -29,51 +24,9 @@ from tpupod.transport.local import kill_process_group
 
 if TYPE_CHECKING:
     from tpupod.fanout import Interrupt
-    from tpupod.jobs.pool import Pool
     from tpupod.pod import Pod
     from tpupod.podusers import Watch
     from tpupod.state import StateDir
-
-GRACE_S = 3.0  # TERM, then KILL: JAX ignores TERM
-
-
-@dataclass
-class Hooks:
-    on_line: Callable[[int, str], None]
-    on_started: Callable[[], None]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    status: JobStatus
-    result: str | None = None
-    error: str | None = None
-    # the infrastructure ended it (a Kubernetes pod evicted or preempted), not the job itself:
-    # it runs again, until max_attempts
-    retry: bool = False
-
-
-@dataclass
-class _Marks:
-    """Reads the workers' marker lines: who started, worker 0's result."""
-
-    workers: int
-    hooks: Hooks
-    started: set[int] = field(default_factory=set)
-    result: str | None = None
-    last: str = "(no output)"
-
-    def line(self, worker: int, text: str) -> None:
-        if not text.startswith(MARK):
-            self.hooks.on_line(worker, text)
-            if text.strip():
-                self.last = text
-        elif text == STARTED:
-            self.started.add(worker)
-            if len(self.started) == self.workers:
-                self.hooks.on_started()
-        elif text.startswith(RESULT) and worker == 0:
-            self.result = json.loads(text[len(RESULT) :])
 
 
 def job_env(job: Job, attempt: int) -> dict[str, str]:
@@ -91,26 +44,20 @@ def job_command(job: Job, python: str) -> str:
     return f"echo {shlex.quote(STARTED)}; {job.command}"
 
 
-class Executor(Protocol):
-    async def execute(
-        self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event
-    ) -> Outcome: ...
-
-
 class LocalExecutor:
     """Runs the job on this machine: a command line (or, without a pool, a code job) in a
     process group of its own; a code job in a warm pool process when given a ``pool``."""
 
     starts_at_once = True  # the claim marks its jobs running: there is nothing to wait for
 
-    def __init__(self, grace_s: float = GRACE_S, pool: Pool | None = None) -> None:
+    def __init__(self, grace_s: float = GRACE_S, pool: Executor | None = None) -> None:
         self.grace_s = grace_s
         self.pool = pool
 
     async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
         if job.code is not None and self.pool is not None:
             return await self.pool.execute(job, attempt, hooks, stop)
-        marks = _Marks(1, hooks)
+        marks = Marks(1, hooks)
         # Guarded as `tpupod run` guards its workers: if this runner dies (even by kill -9),
         # the guard sees its stdin close and ends the job's whole process group.
         proc = await asyncio.create_subprocess_exec(
@@ -143,7 +90,7 @@ class LocalExecutor:
             return Outcome(JobStatus.COMPLETED, result=marks.result)
         return Outcome(JobStatus.FAILED, error=f"{describe_exit(code)}: {marks.last}")
 
-    async def _pump(self, proc: asyncio.subprocess.Process, marks: _Marks) -> None:
+    async def _pump(self, proc: asyncio.subprocess.Process, marks: Marks) -> None:
         """The transports' line reader: any line length, a partial last line, a closed pipe."""
         assert proc.stdout is not None
         async for line in read_lines([(Stream.STDOUT, proc.stdout)]):
@@ -152,12 +99,6 @@ class LocalExecutor:
     async def _kill(self, proc: asyncio.subprocess.Process) -> None:
         await kill_process_group(proc.pid, self.grace_s)
         await proc.wait()
-
-
-def describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit {code}"
 
 
 class PodExecutor:
@@ -201,7 +142,7 @@ class PodExecutor:
         from tpupod.fanout import Interrupt
         from tpupod.launch.run import run
 
-        marks = _Marks(len(self.pod.workers), hooks)
+        marks = Marks(len(self.pod.workers), hooks)
         interrupt = Interrupt()
         watcher = asyncio.create_task(_relay_stop(stop, interrupt))
         try:

@@ -38,8 +38,8 @@ from kubernetes.client.exceptions import ApiException
 
 from tpupod import settings
 from tpupod.errors import JobError, JobNotFound, UsageError
+from tpupod.jobs.attempt import Hooks, Marks, Outcome
 from tpupod.jobs.code import MARK
-from tpupod.jobs.execute import Hooks, Outcome, _Marks
 from tpupod.jobs.k8s_manifest import (
     ATTEMPT_LABEL,
     COMPLETION_INDEX,
@@ -407,7 +407,7 @@ class _Attempt:
         self.executor, self.cluster = executor, executor.cluster
         self.job, self.name, self.stop, self.followers = job, name, stop, followers
         self.hosts = executor.target.slice.hosts
-        self.marks = _Marks(self.hosts, hooks)
+        self.marks = Marks(self.hosts, hooks)
         self.last: dict[int, str] = {}
         self.lines: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()

@@ -234,6 +234,7 @@ def _sample_job() -> Job:
         pod=None,
         attempt=0,
         max_attempts=1,
+        retries=0,
         lease_owner=None,
         lease_expires_at=None,
         cancel_requested=False,

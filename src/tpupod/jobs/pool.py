@@ -21,8 +21,8 @@ import json
 import sys
 from typing import Any
 
+from tpupod.jobs.attempt import GRACE_S, Hooks, Marks, Outcome, describe_exit
 from tpupod.jobs.code import END, TAKEN
-from tpupod.jobs.execute import GRACE_S, Hooks, Outcome, _Marks, describe_exit
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.transport.lines import READ_CHUNK, LineSplitter
 from tpupod.transport.local import kill_process_group
@@ -33,7 +33,7 @@ class PoolProcess:
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
-        self.marks: _Marks | None = None
+        self.marks: Marks | None = None
         self.ended: asyncio.Future[str | None] | None = None
         self.taken = False  # the running job was read by the process (its TAKEN line)
         self.alive = True
@@ -70,7 +70,7 @@ class PoolProcess:
     async def run(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> str | None:
         """Send the job; returns None (completed), why it failed, or raises ``_Stopped``."""
         assert self.proc.stdin is not None and job.code is not None
-        self.marks = _Marks(1, hooks)
+        self.marks = Marks(1, hooks)
         self.ended = asyncio.get_running_loop().create_future()
         self.taken = False
         env = {"TPUPOD_JOB_ID": str(job.id), "TPUPOD_JOB_ATTEMPT": str(attempt)}

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from tpupod.errors import JobError, JobStoreError, LeaseLost
 from tpupod.jobs import claims
+from tpupod.jobs.attempt import Executor, Hooks, Outcome
 from tpupod.jobs.claims import Ending
-from tpupod.jobs.execute import Executor, Hooks, Outcome
 from tpupod.jobs.linebuffer import LineBuffer
 from tpupod.jobs.models import Claim, JobStatus
 from tpupod.jobs.store import Store
