@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -514,12 +515,21 @@ def test_a_gang_job_runs_on_every_worker_and_worker_0_gives_the_result(
     code = tmp_path / "gang.py"
     code.write_text(GANG.format(fail=-1, sleep=0))
     job_id = cli("jobs", "submit", str(code), "--db", db, "--pod", pod.name).out.strip()
-    worker = cli("jobs", "worker", "--db", db, "--pod", pod.name, "--until-empty", timeout=60)
+    # --worker-python is the workers' Python on a local pod too (it was ignored there)
+    python, used = tmp_path / "python", tmp_path / "used"
+    script = f'#!/bin/sh\necho "$TPUPOD_WORKER_ID" >> {used}\nexec {sys.executable} "$@"\n'
+    python.write_text(script)
+    python.chmod(0o755)
+    worker = cli(
+        "jobs", "worker", "--db", db, "--pod", pod.name, "--until-empty",
+        "--worker-python", str(python), timeout=60,
+    )  # fmt: skip
     assert worker.code == 0, worker.err
     waited = cli("jobs", "wait", job_id, "--db", db)
     assert (waited.code, waited.out) == (0, "2\n"), waited.err
     logs = cli("jobs", "logs", job_id, "--db", db).out.splitlines()
     assert sorted(logs) == ["[w0] INFO worker 0 of 2", "[w1] INFO worker 1 of 2"]
+    assert sorted(used.read_text().split()) == ["0", "1"]
 
 
 def test_a_gang_job_where_w1_fails_fails_the_attempt_naming_w1_and_leaves_nothing(

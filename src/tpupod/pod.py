@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +47,17 @@ class Pod(BaseModel):
     @property
     def provider(self) -> str:
         return self.spec.provider
+
+    @property
+    def on_this_machine(self) -> bool:
+        """The workers are processes here (a local pod): they share this machine's files,
+        Python, ports and container engine, so what holds for one holds for all."""
+        return self.provider == "local"
+
+    def worker_python(self, given: str | None = None) -> str:
+        """The Python the workers run tpupod with: ``given``, else this interpreter on a
+        local pod (its workers are processes here), else the hosts' ``python3``."""
+        return given or (sys.executable if self.on_this_machine else "python3")
 
     def select(self, selection: str | None) -> list[Worker]:
         """The workers named by a selection such as ``"0,2-3"`` (``None`` or ``"all"``: all)."""

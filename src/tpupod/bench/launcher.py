@@ -48,10 +48,10 @@ class BenchRun:
 def checkpoint_dir(pod: Pod, output: str, chosen: str | None) -> str:
     """Where the workers write checkpoints (a launch id is added below it)."""
     if chosen:
-        if storage.is_remote(chosen) or pod.provider != "local":
+        if storage.is_remote(chosen) or not pod.on_this_machine:
             return chosen  # a gs:// URL every worker writes its part to, or a host's folder
         return str(Path(chosen).expanduser().resolve())
-    if pod.provider != "local":
+    if not pod.on_this_machine:
         return HOST_CHECKPOINT_DIR
     # results may go to gs://; a local pod's checkpoints stay on this machine
     return str(Path(LOCAL_OUTPUT if storage.is_remote(output) else output, "checkpoints").resolve())

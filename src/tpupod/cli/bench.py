@@ -149,8 +149,7 @@ def checkpoint(
     before = None if earlier is None else baselines.load(earlier)
     if before is not None and earlier is not None:
         baselines.check_like(suite, len(workers), before, earlier)
-    local = target.provider == "local"
-    python = worker_python or (sys.executable if local else "python3")
+    python = target.worker_python(worker_python)
     checkpoints = ramfs_dir or where(target, output, checkpoint_dir)
     if storage.is_remote(checkpoints):
         storage.check_writable(checkpoints, "--checkpoint-dir")

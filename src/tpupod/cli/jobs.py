@@ -361,8 +361,14 @@ def worker(
         int | None, typer.Option("--max-jobs", help="Exit after this many.", show_default=False)
     ] = None,
     worker_python: Annotated[
-        str, typer.Option("--worker-python", help="Python on the workers (code jobs).")
-    ] = "python3",
+        str | None,
+        typer.Option(
+            "--worker-python",
+            help="Python on the workers, for code jobs (default: this one on a local pod, "
+            "python3 on hosts and in --k8s images).",
+            show_default=False,
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No line per job.")] = False,
     concurrency: Annotated[
         int | None,
@@ -453,7 +459,7 @@ def worker(
             image=image,
             namespace=namespace,
             service_account=service_account,
-            worker_python=worker_python,
+            worker_python=worker_python or "python3",
         )
         if dry_run:
             _print_jobset(store, k8s_target, pod)
@@ -467,8 +473,7 @@ def worker(
     else:
         found = _runner_pod(StateDir(), pod)
         target = found.name
-        python = sys.executable if found.provider == "local" else worker_python
-        executor = PodExecutor(found, worker_python=python)
+        executor = PodExecutor(found, worker_python=found.worker_python(worker_python))
     runner = Runner(
         store,
         executor,

@@ -57,10 +57,6 @@ def _pod(name: str | None) -> Pod:
     return StateDir().resolve(name)
 
 
-def _python(pod: Pod, given: str | None) -> str:
-    return given or (sys.executable if pod.provider == "local" else "python3")
-
-
 def _with_fleet(pod: Pod, python: str, use: Callable[[Fleet], Awaitable[T]]) -> T:
     from tpupod.serve.fleet import Fleet
 
@@ -176,7 +172,7 @@ def up(
         Policy(policy)
     except ValueError as exc:
         raise UsageError(str(exc), hint="see 'tpupod serve up --help'") from None
-    if found.provider == "local" and not model.startswith("gs://") and Path(model).exists():
+    if found.on_this_machine and not model.startswith("gs://") and Path(model).exists():
         model = str(Path(model).absolute())  # a local worker starts in its own folder
     options = UpOptions(
         model=model,
@@ -188,7 +184,7 @@ def up(
         command=command_template,
         extra_args=tuple(backend_args or ()),
         startup_timeout=startup_timeout,
-        python=_python(found, worker_python),
+        python=found.worker_python(worker_python),
         devices_per_worker=devices_per_worker,
         router_port=router_port,
         policy=policy,
@@ -346,9 +342,9 @@ def down(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> Non
         record = load_record(StateDir(), found.name)
     except ServeError:
         record = None
-    python = record.python if record is not None else _python(found, worker_python)
+    python = record.python if record is not None else found.worker_python(worker_python)
     _with_fleet(found, worker_python or python, lambda f: f.down(notice))
-    if record is not None and found.provider != "local":
+    if record is not None and not found.on_this_machine:
         from tpupod.holder.client import close_forward
 
         close_forward(
@@ -378,7 +374,7 @@ def endpoint(
     found = _pod(pod)
     record = _record(found)
     url = record.base_url
-    if found.provider != "local" and not direct:
+    if not found.on_this_machine and not direct:
         url = _forwarded(found, record)
     print(f"export OPENAI_BASE_URL={shlex.quote(url)}")
     print(f"export OPENAI_API_KEY={shlex.quote(record.token)}")

@@ -200,7 +200,7 @@ async def check_workers(
     """Every worker has an engine and the same image; its id, or a PreflightError."""
     # The workers of a local pod are this machine, one engine and storage: one look answers
     # for all (four at once cost a 4-worker launch about 0.1 s of this machine's CPU).
-    shared = pod.provider == "local"
+    shared = pod.on_this_machine
     result = await execute_async(
         pod,
         check_script(container),

@@ -197,7 +197,7 @@ async def run(
             )
             env = {**(env or {}), "TPUPOD_CODE_COMMIT": commit}
             workdir = shell_path(sync_dir)
-        elif pod.provider == "local":
+        elif pod.on_this_machine:
             # Local workers share this machine's files: start where the launcher stands, so
             # `tpupod run -- python examples/x.py` means what it says.
             workdir = shlex.quote(os.getcwd())
@@ -390,7 +390,7 @@ class _Worker0Rendezvous:
 
 def _coordinator_port(pod: Pod) -> int:
     """Local pods share this machine: take a free port. Real hosts: the TPU firewall's port."""
-    if pod.provider != "local":
+    if not pod.on_this_machine:
         return DEFAULT_COORDINATOR_PORT
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -370,7 +370,7 @@ class Fleet:
         head = self.pod.workers[0]
         port = options.router_port
         if port is None:
-            port = 0 if self.pod.provider == "local" else DEFAULT_ROUTER_PORT
+            port = 0 if self.pod.on_this_machine else DEFAULT_ROUTER_PORT
         argv = [self.python, "-m", "tpupod.serve.router", "--host", head.internal_address]
         argv += ["--port", str(port)]
         # without --served-model-name, the router asks the servers what they call the model
