@@ -86,6 +86,48 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     return data, out
 
 
+# ---- the workers' flags -----------------------------------------------------------
+
+
+def test_the_workers_flags_parse_back_to_the_same_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every field of ExtractOptions, none at its default, goes through worker_argv and the
+    real CLI parser and comes back equal: a field the CLI does not take, or takes under
+    another name, fails here (the launcher has no list of flags of its own)."""
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    from tpupod.cli import app, load_commands
+    from tpupod.extract.launcher import worker_argv
+
+    options = ExtractOptions(
+        model="m", data="d.jsonl", layers=(0, 15, 16), out="gs://b/o", batch_size=3,
+        max_length=100, dtype="bfloat16", mesh=(2, 3), max_samples=7, generate=4,
+        temperature=0.7, seed=5, shard_samples=6, strict=True, global_mesh=True,
+    )  # fmt: skip
+    bare = ExtractOptions(model="", data="", layers=(), out="")
+    at_default = [
+        f.name
+        for f in dataclasses.fields(options)
+        if getattr(options, f.name) == getattr(bare, f.name)
+    ]
+    assert not at_default, f"give these a value that is not the default: {at_default}"
+    argv = worker_argv(options, "python3")
+    assert argv[:4] == ["python3", "-m", "tpupod", "extract"]
+    seen: list[ExtractOptions] = []
+    monkeypatch.setattr(runner, "run_worker", lambda parsed, say, mark=None: seen.append(parsed))
+    monkeypatch.delenv("TPUPOD_WORKER_ID", raising=False)
+    load_commands(["extract"])
+    result = CliRunner().invoke(app, argv[3:])
+    assert result.exit_code == 0, result.output
+    assert seen == [options]
+    # options left at their defaults are left out: each worker takes the same default
+    plain = worker_argv(dataclasses.replace(bare, model="m", data="d", out="o"), "py")
+    assert not {"--max-length", "--strict", "--global-mesh"} & set(plain)
+
+
 # ---- data --------------------------------------------------------------------------
 
 

@@ -3,7 +3,6 @@ pod) and ``tpupod extract convert-arc`` (ARC tasks to JSONL prompts)."""
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -130,16 +129,9 @@ def extract(
     if args and args[0] == "convert-arc":
         _convert_arc(args[1:])
         return
-    missing = [
-        n
-        for n, v in (("--model", model), ("--data", data), ("--layers", layers), ("--out", out))
-        if not v
-    ]
-    if missing:
-        raise ExtractError(f"missing {', '.join(missing)}", hint="see 'tpupod extract --help'")
     from tpupod.extract.runner import ExtractOptions
 
-    assert model and data and layers and out
+    model, data, layers, out = _required(model=model, data=data, layers=layers, out=out)
     options = ExtractOptions(
         model=model,
         data=data,
@@ -162,6 +154,14 @@ def extract(
     _here(options)
 
 
+def _required(**given: str | None) -> tuple[str, ...]:
+    """The values of the options that have no default, in the order given."""
+    missing = ["--" + name for name, value in given.items() if not value]
+    if missing:
+        raise ExtractError(f"missing {', '.join(missing)}", hint="see 'tpupod extract --help'")
+    return tuple(str(value) for value in given.values())
+
+
 def _layers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(p) for p in text.replace(",", " ").split())
@@ -171,109 +171,32 @@ def _layers(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _worker_argv(options: ExtractOptions, python: str) -> list[str]:
-    """The same extraction, as each worker runs it."""
-    argv = [python, "-m", "tpupod", "extract"]
-    argv += ["--model", options.model, "--data", options.data, "--out", options.out]
-    argv += ["--layers", ",".join(map(str, options.layers))]
-    argv += ["--batch-size", str(options.batch_size)]
-    argv += ["--dtype", options.dtype, "--mesh", f"data={options.mesh[0]},model={options.mesh[1]}"]
-    argv += ["--generate", str(options.generate), "--temperature", str(options.temperature)]
-    argv += ["--seed", str(options.seed)]
-    for flag, value in (
-        ("--max-length", options.max_length),
-        ("--shard-samples", options.shard_samples),
-        ("--max-samples", options.max_samples),
-    ):
-        if value is not None:  # else each worker takes the same default
-            argv += [flag, str(value)]
-    if options.strict:
-        argv.append("--strict")
-    if options.global_mesh:
-        argv.append("--global-mesh")
-    return argv
-
-
 def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int:
     """Check the input here first (one clear error, nothing started), then launch everywhere."""
-    from tpupod.extract.runner import check_output, prepare
+    from tpupod.extract.launcher import plan_launch, run_extract, said_progress
     from tpupod.launch.run import RunResult
-    from tpupod.launch.run import run as launch_run
     from tpupod.live import Live, run_live
     from tpupod.podprogress import PodProgress
     from tpupod.report import print_summary
     from tpupod.state import StateDir
 
-    prepared = prepare(options, say=lambda line: None)
-    target = StateDir().resolve(pod)
-    workers = target.select(None)
-    # a local pod's workers are this machine: this python, and paths from where we stand
-    local = target.provider == "local"
-    if local or "://" in options.out:  # else --out is a path on the hosts, not here
-        check_output(_absolute(options).out, prepared.config)
-    python = worker_python or (sys.executable if local else "python3")
-    line = shlex.join(_worker_argv(_absolute(options) if local else options, python))
+    launch = plan_launch(StateDir().resolve(pod), options, worker_python)
 
     async def body(live: Live) -> RunResult:
-        with PodProgress("extract", workers, live.on_line, hide=_said_progress) as view:
-            return await launch_run(
-                target,
-                line,
-                workers=workers,
-                on_line=view,
-                on_notice=live.on_notice,
-                interrupt=live.interrupt,
+        with PodProgress("extract", launch.workers, live.on_line, hide=said_progress) as view:
+            return await run_extract(
+                launch, on_line=view, on_notice=live.on_notice, interrupt=live.interrupt
             )
 
-    result = run_live(workers, False, body)
+    result = run_live(launch.workers, False, body)
     print_summary(result.fanout, sys.stderr, title=f"extract {result.launch.launch_id}")
     return result.fanout.exit_code()
 
 
-def _absolute(options: ExtractOptions) -> ExtractOptions:
-    import dataclasses
-
-    def fix(p: str) -> str:
-        return p if "://" in p else str(Path(p).absolute())
-
-    return dataclasses.replace(
-        options, model=fix(options.model), data=fix(options.data), out=fix(options.out)
-    )
-
-
-def _said_progress(text: str) -> bool:
-    """Worker 0's own progress line, which a terminal's live view shows better."""
-    return "writes pending, ETA" in text
-
-
 def _here(options: ExtractOptions) -> None:
-    """All of it in this process: as a worker of 'tpupod run' (progress markers go to the
-    launcher), or alone (a live view on a terminal; worker 0's plain lines otherwise)."""
-    from tpupod import settings
-    from tpupod.extract.runner import run_worker
+    from tpupod.extract.launcher import run_here
 
-    on_a_pod = "TPUPOD_WORKER_ID" in settings.environment()  # a worker of 'tpupod run'
-    if on_a_pod or not sys.stdout.isatty():
-        run_worker(options, _say, mark=_say if on_a_pod else None)
-        return
-    from tpupod.podprogress import PodProgress
-    from tpupod.transport import OutputLine, Stream
-
-    here = _Here()
-    with PodProgress("extract", [here], None, hide=_said_progress) as view:
-
-        def say(text: str) -> None:
-            view(here, OutputLine(Stream.STDOUT, text))
-
-        run_worker(options, say, mark=say)
-
-
-class _Here:
-    """This machine as the one host of the live view."""
-
-    id = 0
-    hostname = "localhost"
-    label = "w0"
+    run_here(options, _say, live=sys.stdout.isatty())
 
 
 def _say(line: str) -> None:
