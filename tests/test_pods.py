@@ -127,6 +127,23 @@ def test_python_api_errors(state_home: Path) -> None:
         state.load("other")
 
 
+def test_the_spec_and_dry_run_requests_are_python_calls(state_home: Path) -> None:
+    """What `up --dry-run` and `down --dry-run` print comes from lifecycle, no CLI needed."""
+    from tpupod import lifecycle
+    from tpupod.spec import UpFlags
+
+    flags = UpFlags(name="t", gcp=True, tpu_type="v4-16", zone="us-central2-b", project="p")
+    tpu = lifecycle.spec_for(flags)
+    request = lifecycle.create_request(tpu)
+    assert request is not None and request.method == "POST"
+    assert request.url.endswith("/projects/p/locations/us-central2-b/nodes?nodeId=t")
+    local = lifecycle.spec_for(UpFlags(name="dev", local=2))
+    assert local == LocalPodSpec(name="dev", workers=2)
+    assert lifecycle.create_request(local) is None
+    pod = up(local, StateDir()).pod
+    assert lifecycle.delete_request(pod) is None
+
+
 def test_a_half_made_pod_folder_is_reclaimed(state_home: Path) -> None:
     (state_home / "pods" / "dev").mkdir(parents=True)  # as if an earlier `up` crashed
     result = up(LocalPodSpec(name="dev", workers=2), StateDir())

@@ -4,16 +4,60 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tpupod import podusers
+from tpupod import podusers, settings
 from tpupod.errors import PodExists, StateError
 from tpupod.pod import Pod
 from tpupod.podusers import PodUser
 from tpupod.providers import provider_for
-from tpupod.spec import PodSpec
+from tpupod.spec import GcpPodSpec, PodSpec, UpFlags, adoption, spec_from_flags
 from tpupod.state import StateDir
 
+if TYPE_CHECKING:
+    from tpupod.providers.gcp_api import ApiRequest
+
 STOP_S = 30.0  # a runner stops its job (TERM, then KILL after 3 s) and gives it back
+
+
+def spec_for(flags: UpFlags) -> PodSpec:
+    """The spec ``up``'s flags ask for; with ``--adopt``, the TPU is read from the API first
+    (after the flags and the key file are checked, so a mistake costs no call)."""
+    adopted = None
+    target = adoption(flags)
+    if target is not None:
+        from tpupod.providers.gcp import describe_existing
+        from tpupod.providers.ssh import check_key_file
+
+        check_key_file(str(flags.key))  # before the API is asked
+        adopted = describe_existing(*target)
+    return spec_from_flags(flags, adopted)
+
+
+def create_request(spec: PodSpec) -> ApiRequest | None:
+    """The Cloud TPU API request ``up`` would send for ``spec`` (None for other pods), made
+    without credentials; it refuses what neither TPU API makes."""
+    if not isinstance(spec, GcpPodSpec):
+        return None
+    from tpupod.providers import gcp_api
+
+    return gcp_api.create_request(
+        spec, _project(spec), f"{spec.user}:<the pod's public key> {spec.user}"
+    )
+
+
+def delete_request(pod: Pod) -> ApiRequest | None:
+    """The Cloud TPU API request ``down`` would send (None: not a TPU, or an adopted one,
+    which ``down`` never deletes)."""
+    if not isinstance(pod.spec, GcpPodSpec) or pod.spec.adopted:
+        return None
+    from tpupod.providers import gcp_api
+
+    return gcp_api.delete_request(pod.spec, _project(pod.spec))
+
+
+def _project(spec: GcpPodSpec) -> str:
+    return str(spec.project or settings.gcp_project() or "PROJECT_ID")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from tpupod.errors import SpecError
 
 if TYPE_CHECKING:
     from tpupod.ops.status import PodStatus
-    from tpupod.spec import PodSpec, UpFlags
+    from tpupod.providers.gcp_api import ApiRequest
+    from tpupod.spec import UpFlags
 
 
 @command("up")
@@ -126,11 +127,11 @@ def up(
     ] = None,
     network: Annotated[str | None, typer.Option("--network", show_default=False)] = None,
     subnetwork: Annotated[str | None, typer.Option("--subnetwork", show_default=False)] = None,
-    tag: Annotated[
+    tags: Annotated[
         list[str] | None,
         typer.Option("--tag", help="Network tag (repeatable).", show_default=False),
     ] = None,
-    label: Annotated[
+    labels: Annotated[
         list[str] | None,
         typer.Option("--label", metavar="K=V", help="Label (repeatable).", show_default=False),
     ] = None,
@@ -189,92 +190,40 @@ def up(
 
       tpupod up -f tpupod.yaml --name dev-2      # flags override the file
     """
-    from tpupod.lifecycle import up as pod_up
-    from tpupod.spec import UpFlags
+    given = dict(locals())  # first: the parameters, named as UpFlags' fields
+    from tpupod import lifecycle
+    from tpupod.report import notice
+    from tpupod.spec import SshPodSpec
     from tpupod.state import StateDir
 
-    flags = UpFlags(
-        name=name,
-        local=local,
-        devices_per_worker=devices_per_worker,
-        ssh=ssh,
-        port=port,
-        user=user,
-        key=key,
-        host_keys=host_keys,
-        gcp=gcp,
-        tpu_type=tpu_type,
-        adopt=adopt,
-        zone=zone,
-        project=project,
-        runtime_version=runtime_version,
-        capacity=capacity,
-        spot=spot,
-        preemptible=preemptible,
-        reserved=reserved,
-        best_effort=best_effort,
-        node_count=node_count,
-        api=api,
-        network=network,
-        subnetwork=subnetwork,
-        tags=tuple(tag or ()),
-        labels=tuple(label or ()),
-        internal=internal,
-        env=tuple(env or ()),
-        file=file,
-    )
-    spec = _spec(flags)
+    spec = lifecycle.spec_for(_up_flags(given))
+    if isinstance(spec, SshPodSpec):
+        for line in spec.repeated_hosts():
+            notice(f"warning: {line}: those workers share that host")
     if dry_run:
-        _dry_run_up(spec)
+        request = lifecycle.create_request(spec)  # first: it refuses what neither API makes
+        print(f"dry run: would create pod {spec.name!r}: {spec.summary()}")
+        _print_request(request)
         return
-    result = pod_up(spec, StateDir(), recreate=recreate)
+    result = lifecycle.up(spec, StateDir(), recreate=recreate)
     verb = "is up" if result.created else "was already up"
     print(f"pod {result.pod.name!r} {verb}: {spec.summary()}")
 
 
-def _spec(flags: UpFlags) -> PodSpec:
-    """The spec the flags ask for (a TPU to adopt is read from the API first), with warnings."""
-    from tpupod.report import notice
-    from tpupod.spec import SshPodSpec, adoption, spec_from_flags
+def _up_flags(given: dict[str, Any]) -> UpFlags:
+    """``up``'s parameters as UpFlags (repeated options as tuples); a parameter that is not
+    a field, other than --dry-run and --recreate, is a TypeError here."""
+    from tpupod.spec import UpFlags
 
-    adopted = None
-    target = adoption(flags)
-    if target is not None:
-        from tpupod.providers.gcp import describe_existing
-        from tpupod.providers.ssh import check_key_file
-
-        check_key_file(str(flags.key))  # before the API is asked
-        adopted = describe_existing(*target)
-    spec = spec_from_flags(flags, adopted)
-    if isinstance(spec, SshPodSpec):
-        for line in spec.repeated_hosts():
-            notice(f"warning: {line}: those workers share that host")
-    return spec
+    flags = {k: v for k, v in given.items() if k not in ("dry_run", "recreate")}
+    for repeated in ("tags", "labels", "env"):
+        flags[repeated] = tuple(flags[repeated] or ())
+    return UpFlags(**flags)
 
 
-def _dry_run_up(spec: PodSpec) -> None:
-    """What `up` would do, without doing it (and, for a TPU, without credentials)."""
-    from tpupod.spec import GcpPodSpec
-
-    request = None
-    if isinstance(spec, GcpPodSpec):
-        from tpupod.providers.gcp_api import create_request
-
-        request = create_request(  # first: it refuses what neither API makes
-            spec, _project(spec), f"{spec.user}:<the pod's public key> {spec.user}"
-        )
-    print(f"dry run: would create pod {spec.name!r}: {spec.summary()}")
-    if request is not None:
-        _print_request(request)
-
-
-def _project(spec: Any) -> str:
-    from tpupod import settings
-
-    return str(spec.project or settings.gcp_project() or "PROJECT_ID")
-
-
-def _print_request(request: Any) -> None:
+def _print_request(request: ApiRequest | None) -> None:
+    if request is None:
+        return
     print(f"API: Cloud TPU {request.version}, {request.api}")
     print(f"{request.method} {request.url}")
     if request.body is not None:
@@ -306,20 +255,16 @@ def down(
 
       tpupod down --pod big-tpu --dry-run
     """
-    from tpupod.lifecycle import down as pod_down
-    from tpupod.spec import GcpPodSpec
+    from tpupod import lifecycle
     from tpupod.state import StateDir
 
     state = StateDir()
     target = state.resolve(pod)
     if dry_run:
         print(f"dry run: would take pod {target.name!r} down: {target.spec.summary()}")
-        if isinstance(target.spec, GcpPodSpec) and not target.spec.adopted:
-            from tpupod.providers.gcp_api import delete_request
-
-            _print_request(delete_request(target.spec, _project(target.spec)))
+        _print_request(lifecycle.delete_request(target))
         return
-    asked, left = pod_down(target, state, force=force)
+    asked, left = lifecycle.down(target, state, force=force)
     for user in asked:
         done = "did not stop in time (it stops when it sees the pod gone)" if user in left else ""
         print(f"stopped {user.describe()}" if not done else f"{user.describe()} {done}")
