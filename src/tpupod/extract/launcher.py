@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,11 +75,10 @@ def plan_launch(pod: Pod, options: ExtractOptions, worker_python: str | None = N
     (default: this one on a local pod, python3 on hosts)."""
     prepared = prepare(options, say=lambda line: None)
     # a local pod's workers are this machine: this python, and paths from where we stand
-    local = pod.provider == "local"
+    local = pod.on_this_machine
     if local or "://" in options.out:  # else --out is a path on the hosts, not here
         check_output(absolute(options).out, prepared.config)
-    python = worker_python or (sys.executable if local else "python3")
-    argv = worker_argv(absolute(options) if local else options, python)
+    argv = worker_argv(absolute(options) if local else options, pod.worker_python(worker_python))
     return Launch(pod, pod.select(None), shlex.join(argv))
 
 
