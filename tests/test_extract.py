@@ -546,7 +546,9 @@ def test_a_global_mesh_over_two_processes_matches_one_process(
     bad = cli(*_args(data, tmp_path / "bad"), "--pod", pod.name, "--global-mesh", timeout=120)
     assert bad.code == 2
     why = "error: --global-mesh: a 1 x 1 mesh is 1 devices, the pod has 4 (2 processes)"
-    assert f"[w0] {why}" in bad.err and f"[w1] {why}" in bad.err
+    # every worker finds it; the first to say so ends the run, so the other may be stopped
+    # before its own line is out
+    assert f"[w0] {why}" in bad.err or f"[w1] {why}" in bad.err, bad.err
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").glob("shard*"))
 
 
