@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult, sim_leftovers, tpupod_argv
-from tpupod.execargs import ExecArgs, parse_plain
+from tpupod.execflow import ExecArgs, parse_plain
 from tpupod.holder import socket_path
 from tpupod.pod import Pod
 from tpupod.sim import SimPod

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import CliResult
 from tpupod.plainargs import OptionTable, scan
 from tpupod.pod import Pod
-from tpupod.runargs import RunArgs, parse_plain
+from tpupod.runflow import RunArgs, parse_plain
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tpupod"
 
-# The modules the CLI's start and `exec`'s fast path import (entry.py -> execargs.fast_exec):
+# The modules the CLI's start and `exec`'s fast path import (entry.py -> execflow.fast_exec):
 # the layout's light modules, what they import, and what the fast path reads the pod and
 # reaches the holder with.
 LIGHT_MODULES = [
@@ -23,7 +23,7 @@ LIGHT_MODULES = [
     "tpupod.choices",
     "tpupod.selection",
     "tpupod.results",
-    "tpupod.execargs",
+    "tpupod.execflow",
     "tpupod.errors",
     "tpupod.settings",
     "tpupod.state",

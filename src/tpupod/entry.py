@@ -10,11 +10,11 @@ def main() -> None:
     argv = sys.argv[1:]
     code: int | None = None
     if argv[:1] == ["exec"]:
-        from tpupod.execargs import fast_exec
+        from tpupod.execflow import fast_exec
 
         code = fast_exec(argv)
     elif argv[:1] == ["run"]:
-        from tpupod.runargs import fast_run
+        from tpupod.runflow import fast_run
 
         code = fast_run(argv)
     elif argv[:2] == ["jobs", "submit"]:

@@ -16,7 +16,7 @@ from tpupod.cli.image import (
     PrivilegedOption,
 )
 from tpupod.cli.options import EnvOption, PodOption
-from tpupod.execargs import ExecArgs, finish, plan_exec, run_held
+from tpupod.execflow import ExecArgs, finish, plan_exec, run_held
 from tpupod.image.options import container_from_options
 from tpupod.live import Live, run_live
 from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail

@@ -99,7 +99,7 @@ def build(
       tpupod image build -t app:1 -f docker/Dockerfile --on-each .
     """
     from tpupod.image.build import BuildRequest, run_build
-    from tpupod.image.engine import check_engine
+    from tpupod.image.container_engine import check_engine
     from tpupod.report import format_duration, notice
     from tpupod.state import StateDir
 
@@ -125,7 +125,7 @@ def ls(pod: PodOption = None, engine: EngineOption = None) -> None:
     """
     import asyncio
 
-    from tpupod.image.engine import check_engine
+    from tpupod.image.container_engine import check_engine
     from tpupod.image.listing import list_images, table
     from tpupod.providers import provider_for
     from tpupod.state import StateDir

@@ -18,7 +18,7 @@ import typer
 from tpupod.cli import app, reporting_errors
 from tpupod.cli.options import PodOption
 from tpupod.errors import JobError, PodNotFound, UsageError
-from tpupod.execargs import join_command
+from tpupod.execflow import join_command
 from tpupod.report import notice
 
 if TYPE_CHECKING:

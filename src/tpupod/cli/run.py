@@ -13,7 +13,7 @@ from tpupod.cli.exec import GraceOption, TimeoutOption, WorkerOption
 from tpupod.cli.image import EngineOption, ImageOption, MountOption, PrivilegedOption
 from tpupod.cli.options import EnvOption, PodOption
 from tpupod.results import DEFAULT_GRACE_S, OnFail
-from tpupod.runargs import RunArgs, run_command
+from tpupod.runflow import RunArgs, run_command
 
 if TYPE_CHECKING:
     from tpupod.state import StateDir

@@ -442,8 +442,8 @@ def fanout(
     """One chat request to every backend at once: a RESP line each, then DONE."""
     import httpx
 
-    from tpupod.serve.fanout import fanout as ask_all
-    from tpupod.serve.fanout import registry_backends
+    from tpupod.serve.broadcast import fanout as ask_all
+    from tpupod.serve.broadcast import registry_backends
 
     if registry_url is None:
         record = _record(_pod(pod))

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from tpupod.errors import TpupodError, UsageError
 from tpupod.fanout import execute_async, for_each
+from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.image.containerize import IMAGE_LINE, check_script
 from tpupod.image.containerize import Container as _Container
-from tpupod.image.engine import pick_engine, raise_unusable
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult, WorkerResult
 from tpupod.transport import Connector, OutputLine, Transport

@@ -38,7 +38,7 @@ from typing import Any
 
 from tpupod.errors import PreflightError, UsageError
 from tpupod.fanout import execute_async
-from tpupod.image.engine import force_remove, pick_engine, raise_unusable
+from tpupod.image.container_engine import force_remove, pick_engine, raise_unusable
 from tpupod.names import new_launch_id
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tpupod.errors import TpupodError
 from tpupod.fanout import execute_async
-from tpupod.image.engine import pick_engine, raise_unusable
+from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.pod import Pod, Worker
 from tpupod.transport import Connector, OutputLine
 

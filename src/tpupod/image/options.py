@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tpupod.errors import UsageError
-from tpupod.image.engine import check_engine
+from tpupod.image.container_engine import check_engine
 
 if TYPE_CHECKING:
     from tpupod.image.containerize import Container

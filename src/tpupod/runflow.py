@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tpupod.choices import RendezvousOn
-from tpupod.execargs import EXEC_OPTIONS, env_ok
+from tpupod.execflow import EXEC_OPTIONS, env_ok
 from tpupod.plainargs import scan
 from tpupod.results import DEFAULT_GRACE_S, OnFail
 
@@ -48,7 +48,7 @@ class RunArgs:
 def run_command(args: RunArgs) -> int:
     """What ``tpupod run`` does, whichever reader read its arguments; the exit code."""
     from tpupod.envargs import parse_env
-    from tpupod.execargs import join_command
+    from tpupod.execflow import join_command
     from tpupod.image.options import container_from_options
     from tpupod.launch.run import run as launch_run
     from tpupod.live import run_live
