@@ -431,7 +431,7 @@ def test_submit_prints_the_id_alone_and_wait_prints_the_result(
     [
         (["--", "true", "--timeout", "x"], None),  # after --: part of the command, accepted
         (["--timeout", "-1", "--", "true"], "--timeout -1: must be more than 0 seconds"),
-        (["--label", "novalue", "--", "true"], "--label 'novalue'"),
+        (["--label", "novalue", "--", "true"], "bad --label 'novalue'"),
         (["missing.py"], "missing.py: no such file"),
     ],
 )

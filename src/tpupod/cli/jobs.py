@@ -120,13 +120,9 @@ def _first_problem(exc: Exception) -> str:
 
 
 def _labels(values: list[str] | None) -> dict[str, str]:
-    labels = {}
-    for value in values or []:
-        name, sep, text = value.partition("=")
-        if not sep or not name:
-            raise UsageError(f"--label {value!r}", hint="labels are NAME=VALUE")
-        labels[name] = text
-    return labels
+    from tpupod.envargs import parse_pairs
+
+    return parse_pairs(values, option="--label", example="team=ml")
 
 
 @jobs_app.command("submit")
@@ -581,12 +577,9 @@ def _token() -> tuple[str, str]:
         return given, "$TPUPOD_JOBS_TOKEN"
     path = settings.state_home() / TOKEN_FILE
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staged = path.with_name(f".{TOKEN_FILE}.tmp")
-        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as file:
-            file.write(secrets.token_urlsafe(32) + "\n")
-        staged.replace(path)
+        from tpupod.files import write_atomic
+
+        write_atomic(path, secrets.token_urlsafe(32) + "\n")  # 0600
     return path.read_text().strip(), str(path)
 
 

@@ -20,7 +20,8 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from tpupod.errors import JobNotFound, JobStoreError
+from tpupod.envargs import parse_pairs
+from tpupod.errors import JobNotFound, JobStoreError, UsageError
 from tpupod.jobs.models import JobRequest, JobStatus, LogLine
 from tpupod.jobs.store import Store
 
@@ -66,10 +67,10 @@ def create_app(store: Store, token: str) -> FastAPI:
         since: float | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        pairs = [item.partition("=") for item in label or []]
-        if any(not sep or not name for name, sep, _ in pairs):
-            raise HTTPException(422, "label filters are NAME=VALUE")
-        labels = {name: value for name, _, value in pairs}
+        try:
+            labels = parse_pairs(label, option="label", example="team=ml")
+        except UsageError as exc:
+            raise HTTPException(422, "label filters are NAME=VALUE") from exc
         found = store.find(statuses=status or [], labels=labels, since=since, limit=limit)
         return [job.to_dict() for job in found]
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from tpupod import settings
-from tpupod.errors import JobStoreError, PodNotFound
+from tpupod.envargs import parse_pairs
+from tpupod.errors import JobStoreError, PodNotFound, UsageError
 from tpupod.jobs.code import syntax_problem
 from tpupod.plainargs import OptionTable, scan
 
@@ -127,12 +128,10 @@ def _fields(
     values: dict[str, str], lists: dict[str, list[str]], rest: list[str], *, dashed: bool
 ) -> dict[str, Any] | None:
     """A plain request's fields, or None for anything the typer command must explain."""
-    labels = {}
-    for value in lists.get("label", []):
-        name, sep, text = value.partition("=")
-        if not sep or not name:
-            return None
-        labels[name] = text
+    try:
+        labels = parse_pairs(lists.get("label"), option="--label", example="team=ml")
+    except UsageError:
+        return None  # the typer command says what is wrong
     try:
         priority = int(values.get("priority", "0"))
         retries = int(values.get("retries", "0"))
