@@ -28,7 +28,7 @@ from typing import Any
 
 from tpupod.errors import WorkerError
 from tpupod.pod import Pod, Worker
-from tpupod.providers import provider_for
+from tpupod.providers import provider_for, worker_environment
 from tpupod.results import (
     DEFAULT_GRACE_S,
     FanoutResult,
@@ -352,7 +352,7 @@ async def execute_async(
     pod_connector = connector if connector is not None else provider.connect(pod, StateDir())
     runs = []
     for worker in selected:
-        worker_env = {**pod.identity_env(worker), **provider.worker_env(pod, worker), **(env or {})}
+        worker_env = worker_environment(pod, worker, env, provider)
         transport = pod_connector.transport(worker)
         run = WorkerRun(worker, transport, command, worker_env, on_line, guard=guard)
         run.chatter = chatter(worker) if chatter is not None else None

@@ -53,6 +53,15 @@ def provider_for(name: str) -> Provider:
     raise UsageError(f"unknown provider {name!r}", hint="supported providers: local, ssh, gcp")
 
 
+def worker_environment(
+    pod: Pod, worker: Worker, extra: dict[str, str] | None = None, provider: Provider | None = None
+) -> dict[str, str]:
+    """What a process tpupod starts on ``worker`` sees: the worker's identity, its provider's
+    variables, then ``extra`` (the caller's own, which win)."""
+    provider = provider or provider_for(pod.provider)
+    return {**pod.identity_env(worker), **provider.worker_env(pod, worker), **(extra or {})}
+
+
 def connect(pod: Pod, state: StateDir | None = None) -> Connector:
     """The pod's transports, from its provider."""
     return provider_for(pod.provider).connect(pod, state or StateDir())

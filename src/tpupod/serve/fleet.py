@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from tpupod.errors import ServeError, WorkerError
 from tpupod.files import write_atomic
 from tpupod.pod import Pod, Worker
-from tpupod.providers import provider_for
+from tpupod.providers import provider_for, worker_environment
 from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
 from tpupod.serve.supervisor import unstamped
 from tpupod.state import StateDir
@@ -169,11 +169,7 @@ class Fleet:
     ) -> list[dict[str, Any]]:
         """Run ``python -m tpupod.serve.ctl ARGS`` on the worker; its JSON lines."""
         command = shlex.join([self.python, "-m", "tpupod.serve.ctl", *args])
-        full_env = {
-            **self.pod.identity_env(worker),
-            **self.provider.worker_env(self.pod, worker),
-            **(env or {}),
-        }
+        full_env = worker_environment(self.pod, worker, env, self.provider)
         transport = self.connector.transport(worker)
         proc = await transport.start(command, full_env, guard=False)
         answers: list[dict[str, Any]] = []
