@@ -17,6 +17,7 @@ from tpupod.cli import app, command, reporting_errors
 from tpupod.cli.options import PodOption
 from tpupod.errors import ServeError, UsageError
 from tpupod.report import notice
+from tpupod.serve import defaults
 
 if TYPE_CHECKING:
     from tpupod.pod import Pod
@@ -91,7 +92,9 @@ def up(
     servers_per_worker: Annotated[
         int, typer.Option("--servers-per-worker", help="Servers (engines) per worker.")
     ] = 1,
-    base_port: Annotated[int, typer.Option("--base-port", help="The first server port.")] = 31000,
+    base_port: Annotated[
+        int, typer.Option("--base-port", help="The first server port.")
+    ] = defaults.BASE_PORT,
     startup_timeout: Annotated[
         float, typer.Option("--startup-timeout", help="Seconds for every server to answer.")
     ] = 600.0,
@@ -117,20 +120,21 @@ def up(
         int | None,
         typer.Option(
             "--router-port",
-            help="The router's port on worker 0 (default 9100; any free one on a local pod).",
+            help=f"The router's port on worker 0 (default {defaults.ROUTER_PORT}; any free one "
+            "on a local pod).",
             show_default=False,
         ),
     ] = None,
     policy: Annotated[
         str,
         typer.Option("--policy", help="least_outstanding, round_robin or power_of_two."),
-    ] = "least_outstanding",
+    ] = defaults.POLICY,
     health_interval: Annotated[
         float, typer.Option("--health-interval", help="Seconds between health checks.")
-    ] = 2.0,
+    ] = defaults.HEALTH_INTERVAL_S,
     restart_backoff: Annotated[
         float, typer.Option("--restart-backoff", help="First wait before a restart (doubles).")
-    ] = 1.0,
+    ] = defaults.RESTART_BACKOFF_S,
     hosts_per_replica: Annotated[
         int,
         typer.Option(
@@ -406,7 +410,7 @@ def agent(
     host: Annotated[str, typer.Option("--host", help="The worker's internal address.")] = (
         "127.0.0.1"
     ),
-    port: Annotated[int, typer.Option("--port", help="0: any free port.")] = 9010,
+    port: Annotated[int, typer.Option("--port", help="0: any free port.")] = defaults.AGENT_PORT,
     state_dir: Annotated[
         str, typer.Option("--state-dir", help="Pidfile, token and logs.")
     ] = ".tpupod/serve",

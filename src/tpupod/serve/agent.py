@@ -33,7 +33,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
 from tpupod.files import write_atomic
-from tpupod.serve import ctl
+from tpupod.serve import ctl, defaults
 from tpupod.serve.backends import ServerSpec
 from tpupod.serve.supervisor import ManagedServer, tail
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tpupod.serve.agent")
     parser.add_argument("--state-dir", default=ctl.STATE_DIR)
     parser.add_argument("--host", default="127.0.0.1", help="the worker's internal address")
-    parser.add_argument("--port", type=int, default=9010, help="0: any free port")
+    parser.add_argument("--port", type=int, default=defaults.AGENT_PORT, help="0: any free port")
     args = parser.parse_args(argv)
     serve(Path(args.state_dir).expanduser().absolute(), args.host, args.port)
 

@@ -16,6 +16,7 @@ import shlex
 from pydantic import BaseModel, ConfigDict, Field
 
 from tpupod.errors import UsageError
+from tpupod.serve import defaults
 
 
 class Backend(enum.StrEnum):
@@ -58,7 +59,9 @@ class ServerSpec(BaseModel):
     command: str | None = Field(default=None, description="the template of a command backend")
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
-    restart_backoff_s: float = Field(default=1.0, gt=0, description="first wait before a restart")
+    restart_backoff_s: float = Field(
+        default=defaults.RESTART_BACKOFF_S, gt=0, description="first wait before a restart"
+    )
     group: GroupSpec | None = Field(default=None, description="a member of a multi-host replica")
 
 
@@ -89,7 +92,7 @@ def plan(
     python: str = "python3",
     command: str | None = None,
     extra_args: tuple[str, ...] = (),
-    restart_backoff_s: float = 1.0,
+    restart_backoff_s: float = defaults.RESTART_BACKOFF_S,
 ) -> list[ServerSpec]:
     """The server processes of one worker serving ``ports``."""
     if backend is Backend.COMMAND and not command:
@@ -172,7 +175,7 @@ def plan_replicas(
     python: str = "python3",
     mesh: str | None = None,
     extra_args: tuple[str, ...] = (),
-    restart_backoff_s: float = 1.0,
+    restart_backoff_s: float = defaults.RESTART_BACKOFF_S,
 ) -> dict[int, list[ServerSpec]]:
     """The member processes of replicas of ``hosts_per_replica`` workers each, by worker id.
 

@@ -31,14 +31,13 @@ from tpupod.errors import ServeError, WorkerError
 from tpupod.files import write_atomic
 from tpupod.pod import Pod, Worker
 from tpupod.providers import provider_for, worker_environment
+from tpupod.serve import defaults
 from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
 from tpupod.serve.supervisor import unstamped
 from tpupod.state import StateDir
 from tpupod.transport import Connector
 
 RECORD_FILE = "serve.json"
-DEFAULT_AGENT_PORT = 9010
-DEFAULT_ROUTER_PORT = 9100
 Progress = Callable[[str], None]
 
 
@@ -76,7 +75,7 @@ class UpOptions:
     model: str
     backend: Backend = Backend.BUILTIN
     servers_per_worker: int = 1
-    base_port: int = 31000
+    base_port: int = defaults.BASE_PORT
     dtype: str | None = None
     served_model_name: str | None = None
     command: str | None = None
@@ -84,11 +83,11 @@ class UpOptions:
     startup_timeout: float = 600.0
     python: str = "python3"
     devices_per_worker: int | None = None
-    agent_port: int = DEFAULT_AGENT_PORT
+    agent_port: int = defaults.AGENT_PORT
     router_port: int | None = None
-    policy: str = "least_outstanding"
-    health_interval: float = 2.0
-    restart_backoff: float = 1.0
+    policy: str = defaults.POLICY
+    health_interval: float = defaults.HEALTH_INTERVAL_S
+    restart_backoff: float = defaults.RESTART_BACKOFF_S
     hosts_per_replica: int = 1  # >1: each run of K workers serves one replica in lockstep
     mesh: str | None = None  # model=M across a replica's devices
 
@@ -366,7 +365,7 @@ class Fleet:
         head = self.pod.workers[0]
         port = options.router_port
         if port is None:
-            port = 0 if self.pod.on_this_machine else DEFAULT_ROUTER_PORT
+            port = 0 if self.pod.on_this_machine else defaults.ROUTER_PORT
         argv = [self.python, "-m", "tpupod.serve.router", "--host", head.internal_address]
         argv += ["--port", str(port)]
         # without --served-model-name, the router asks the servers what they call the model

@@ -26,6 +26,8 @@ from typing import Any
 
 import aiohttp
 
+from tpupod.serve import defaults
+
 
 class Health(enum.StrEnum):
     UP = "up"
@@ -61,12 +63,12 @@ class Backend:
 
 @dataclass(frozen=True)
 class HealthPolicy:
-    interval: float = 2.0
-    timeout: float = 1.0
-    fall: int = 2
-    rise: int = 2
-    eject_after: int = 3
-    cooldown: float = 5.0
+    interval: float = defaults.HEALTH_INTERVAL_S
+    timeout: float = defaults.HEALTH_TIMEOUT_S
+    fall: int = defaults.FALL
+    rise: int = defaults.RISE
+    eject_after: int = defaults.EJECT_AFTER
+    cooldown: float = defaults.COOLDOWN_S
 
 
 class Registry:

@@ -40,7 +40,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tpupod import settings
-from tpupod.serve import ctl
+from tpupod.serve import ctl, defaults
 from tpupod.serve.openai_errors import error_body, path_error
 from tpupod.serve.registry import Backend, HealthPolicy, Registry
 
@@ -386,17 +386,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tpupod.serve.router")
     parser.add_argument("--state-dir", default=ctl.STATE_DIR)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=9100, help="0: any free port")
+    parser.add_argument("--port", type=int, default=defaults.ROUTER_PORT, help="0: any free port")
     parser.add_argument("--backends", required=True, help="host:port,host:port,...")
     parser.add_argument("--model", default="")
-    parser.add_argument("--policy", choices=[p.value for p in Policy], default="least_outstanding")
-    parser.add_argument("--retries", type=int, default=2)
-    parser.add_argument("--health-interval", type=float, default=2.0)
-    parser.add_argument("--health-timeout", type=float, default=1.0)
-    parser.add_argument("--fall", type=int, default=2)
-    parser.add_argument("--rise", type=int, default=2)
-    parser.add_argument("--eject-after", type=int, default=3)
-    parser.add_argument("--cooldown", type=float, default=5.0)
+    parser.add_argument("--policy", choices=[p.value for p in Policy], default=defaults.POLICY)
+    parser.add_argument("--retries", type=int, default=defaults.ROUTER_RETRIES)
+    parser.add_argument("--health-interval", type=float, default=defaults.HEALTH_INTERVAL_S)
+    parser.add_argument("--health-timeout", type=float, default=defaults.HEALTH_TIMEOUT_S)
+    parser.add_argument("--fall", type=int, default=defaults.FALL)
+    parser.add_argument("--rise", type=int, default=defaults.RISE)
+    parser.add_argument("--eject-after", type=int, default=defaults.EJECT_AFTER)
+    parser.add_argument("--cooldown", type=float, default=defaults.COOLDOWN_S)
     parser.add_argument("--no-auth", action="store_true", help="no token (benchmarks only)")
     args = parser.parse_args(argv)
     state = Path(args.state_dir).expanduser().absolute()
