@@ -145,11 +145,16 @@ def _verdict(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str
     return lines
 
 
-def print_columns(rows: Sequence[Sequence[str]], file: TextIO) -> None:
-    """Rows of cells as plain aligned text (the first row is the header)."""
+def columns(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as plain aligned text, two spaces apart (the first row is the header):
+    the one plain table of every command that prints one."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        file.write(_join(row, widths).rstrip() + "\n")
+    return "\n".join(_join(row, widths).rstrip() for row in rows)
+
+
+def print_columns(rows: Sequence[Sequence[str]], file: TextIO) -> None:
+    """``columns(rows)``, printed."""
+    file.write(columns(rows) + "\n")
     file.flush()
 
 

@@ -14,6 +14,7 @@ from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKin
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption
 from tpupod.errors import SpecError
+from tpupod.report import print_columns
 
 if TYPE_CHECKING:
     from tpupod.ops.status import PodStatus
@@ -411,8 +412,4 @@ def _status_of_tpu(name: str, zone: str | None, project: str | None) -> None:
 
 
 def _print_columns(rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+    print_columns(rows, sys.stdout)

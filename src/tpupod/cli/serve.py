@@ -16,7 +16,7 @@ from tpupod import settings
 from tpupod.cli import app, command, reporting_errors
 from tpupod.cli.options import PodOption
 from tpupod.errors import ServeError, UsageError
-from tpupod.report import notice
+from tpupod.report import notice, print_columns
 from tpupod.serve import defaults
 
 if TYPE_CHECKING:
@@ -252,9 +252,7 @@ def _cell(value: Any) -> str:
 
 
 def _print_table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
-    for row in [header, *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    print_columns([header, *rows], sys.stdout)
 
 
 @serve_app.command("logs")

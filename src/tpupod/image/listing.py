@@ -9,6 +9,7 @@ from tpupod.errors import TpupodError
 from tpupod.fanout import execute_async
 from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.pod import Pod, Worker
+from tpupod.report import columns
 from tpupod.transport import Connector, OutputLine
 
 LIST_TIMEOUT_S = 60.0
@@ -79,11 +80,7 @@ def table(rows: Sequence[ImageRow], workers: Sequence[Worker]) -> str:
         )
         for r in rows
     ]
-    widths = [max(len(cell) for cell in column) for column in zip(header, *lines, strict=True)]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in [header, *lines]
-    )
+    return columns([header, *lines])
 
 
 def _workers(ids: tuple[int, ...]) -> str:
