@@ -32,10 +32,9 @@ from common import sim_pod
 
 from tpupod.ops.transfer import get, put
 from tpupod.pod import Pod
-from tpupod.providers import connect
+from tpupod.providers import Connector, connect
 from tpupod.results import FanoutResult
 from tpupod.sim import SimPod
-from tpupod.transport import Connector
 
 
 def make_large(root: Path, mib: int) -> Path:

@@ -28,7 +28,7 @@ from typing import Any
 
 from tpupod.errors import WorkerError
 from tpupod.pod import Pod, Worker
-from tpupod.providers import provider_for, worker_environment
+from tpupod.providers import Connector, provider_for, worker_environment
 from tpupod.results import (
     DEFAULT_GRACE_S,
     FanoutResult,
@@ -37,7 +37,7 @@ from tpupod.results import (
     WorkerResult,
 )
 from tpupod.state import StateDir
-from tpupod.transport import Connector, ExitStatus, Transport
+from tpupod.transport import ExitStatus, Transport
 from tpupod.workerrun import LineHandler, WorkerRun
 
 # How long after the first failure the others are stopped: processes that end together (a

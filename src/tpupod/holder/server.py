@@ -17,10 +17,10 @@ from tpupod.errors import WorkerError
 from tpupod.fanout import Interrupt, execute_async
 from tpupod.holder import socket_path
 from tpupod.pod import Pod, Worker
-from tpupod.providers import connect
+from tpupod.providers import Connector, connect
 from tpupod.results import result_to_json
 from tpupod.state import RECORD_FILE, StateDir
-from tpupod.transport import Connector, OutputLine, Stream
+from tpupod.transport import OutputLine, Stream
 from tpupod.transport.ssh import SshTransport
 
 CHECK_EVERY_S = 1.0

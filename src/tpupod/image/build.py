@@ -30,8 +30,9 @@ from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.image.containerize import IMAGE_LINE, check_script
 from tpupod.image.containerize import Container as _Container
 from tpupod.pod import Pod, Worker
+from tpupod.providers import Connector
 from tpupod.results import FanoutResult, WorkerResult
-from tpupod.transport import Connector, OutputLine, Transport
+from tpupod.transport import OutputLine, Transport
 
 BUILD_TIMEOUT_S = 3600.0
 STEP_TIMEOUT_S = 600.0

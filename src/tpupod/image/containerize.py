@@ -41,8 +41,8 @@ from tpupod.fanout import execute_async
 from tpupod.image.container_engine import force_remove, pick_engine, raise_unusable
 from tpupod.names import new_launch_id
 from tpupod.pod import Pod, Worker
+from tpupod.providers import Connector
 from tpupod.results import FanoutResult
-from tpupod.transport import Connector
 
 PASSED_PREFIXES = ("TPUPOD_", "TPU_", "JAX_", "XLA_", "MEGASCALE_", "LIBTPU_")
 ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio/*")

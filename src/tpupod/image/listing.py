@@ -9,8 +9,9 @@ from tpupod.errors import TpupodError
 from tpupod.fanout import execute_async
 from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.pod import Pod, Worker
+from tpupod.providers import Connector
 from tpupod.report import columns
-from tpupod.transport import Connector, OutputLine
+from tpupod.transport import OutputLine
 
 LIST_TIMEOUT_S = 60.0
 LINE = "tpupod-images:"

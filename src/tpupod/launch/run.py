@@ -45,11 +45,11 @@ from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
 from tpupod.ops.sync import shell_path, sync_local
 from tpupod.pod import Pod, Worker
-from tpupod.providers import provider_for
+from tpupod.providers import Connector, provider_for
 from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 from tpupod.spec import GcpPodSpec
 from tpupod.state import StateDir
-from tpupod.transport import Connector, OutputLine, RemoteProcess
+from tpupod.transport import OutputLine, RemoteProcess
 from tpupod.workerrun import LineHandler
 
 # What runtimes print for themselves at every start: kept in the per-worker logs, but off the

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from tpupod.fanout import Interrupt, execute_async
 from tpupod.ops import defaults
 from tpupod.pod import Pod, Worker
+from tpupod.providers import Connector
 from tpupod.results import FanoutResult
-from tpupod.transport import Connector
 from tpupod.workerrun import LineHandler
 
 DEFAULT_DEVICES = defaults.ACCELERATOR_DEVICES

@@ -19,8 +19,8 @@ from tpupod.ops import defaults
 from tpupod.ops.locks import WAIT_FOR_LOCKS
 from tpupod.ops.transfer import put
 from tpupod.pod import Pod, Worker
+from tpupod.providers import Connector
 from tpupod.results import FanoutResult
-from tpupod.transport import Connector
 from tpupod.workerrun import LineHandler
 
 DEFAULT_LOCKS = defaults.APT_LOCKS

@@ -23,8 +23,8 @@ from tpupod.errors import TpupodError, UsageError
 from tpupod.fanout import Interrupt, execute_async
 from tpupod.ops.transfer import put
 from tpupod.pod import Pod, Worker
+from tpupod.providers import Connector
 from tpupod.results import FanoutResult, chain
-from tpupod.transport import Connector
 from tpupod.workerrun import LineHandler
 
 COMMIT_MARKER = "tpupod-commit "

@@ -11,8 +11,9 @@ from pathlib import Path
 from tpupod.errors import UsageError
 from tpupod.fanout import for_each
 from tpupod.pod import Pod, Worker
+from tpupod.providers import Connector
 from tpupod.results import FanoutResult
-from tpupod.transport import Connector, Transport
+from tpupod.transport import Transport
 
 
 async def put(

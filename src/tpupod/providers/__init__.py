@@ -8,7 +8,23 @@ from tpupod.errors import UsageError
 from tpupod.pod import Pod, Worker
 from tpupod.spec import PodSpec
 from tpupod.state import StateDir
-from tpupod.transport import Connector
+from tpupod.transport import Transport
+
+
+class Connector(Protocol):
+    """The transports of one pod, sharing whatever connections they need (a transport
+    implements it; it lives here, with the providers that hand it out, so that the
+    transport seam needs nothing of the pod record)."""
+
+    def transport(self, worker: Worker) -> Transport: ...
+
+    async def reachback(self, worker: Worker) -> str:
+        """The address at which ``worker`` reaches this machine (for services we run here)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; running commands are not touched."""
+        ...
 
 
 class Provider(Protocol):

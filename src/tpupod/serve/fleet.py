@@ -30,12 +30,11 @@ from pydantic import BaseModel
 from tpupod.errors import ServeError, WorkerError
 from tpupod.files import write_atomic
 from tpupod.pod import Pod, Worker
-from tpupod.providers import provider_for, worker_environment
+from tpupod.providers import Connector, provider_for, worker_environment
 from tpupod.serve import defaults
 from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
 from tpupod.serve.supervisor import unstamped
 from tpupod.state import StateDir
-from tpupod.transport import Connector
 
 RECORD_FILE = "serve.json"
 Progress = Callable[[str], None]

@@ -1,7 +1,6 @@
 """How commands reach a worker. The fan-out engine sees only :class:`Transport`."""
 
 from tpupod.transport.base import (
-    Connector,
     ExitStatus,
     OutputLine,
     RemoteProcess,
@@ -9,4 +8,4 @@ from tpupod.transport.base import (
     Transport,
 )
 
-__all__ = ["Connector", "ExitStatus", "OutputLine", "RemoteProcess", "Stream", "Transport"]
+__all__ = ["ExitStatus", "OutputLine", "RemoteProcess", "Stream", "Transport"]

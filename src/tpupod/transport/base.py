@@ -13,10 +13,7 @@ import signal
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from tpupod.pod import Worker
+from typing import Protocol
 
 
 class Stream(enum.Enum):
@@ -109,20 +106,6 @@ class Transport(Protocol):
 
     async def get(self, remote: str, local: Path) -> None:
         """Copy ``remote`` (a file or folder) from the worker to ``local``, atomically."""
-        ...
-
-
-class Connector(Protocol):
-    """The transports of one pod, sharing whatever connections they need."""
-
-    def transport(self, worker: Worker) -> Transport: ...
-
-    async def reachback(self, worker: Worker) -> str:
-        """The address at which ``worker`` reaches this machine (for services we run here)."""
-        ...
-
-    async def close(self) -> None:
-        """Release connections; running commands are not touched."""
         ...
 
 
