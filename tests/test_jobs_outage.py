@@ -144,12 +144,14 @@ def test_lines_past_the_runners_buffer_are_dropped_and_the_log_says_how_many_and
     assert store.get(job).status is JobStatus.COMPLETED, said
     lines = [line.line for line in store.logs(job)]
     marks = [i for i, line in enumerate(lines) if line.startswith("[tpupod] ")]
-    assert len(marks) == 1, lines
+    # one gap: one marker, or (a write that fitted nothing between) markers side by side
+    assert marks and marks == list(range(marks[0], marks[-1] + 1)), lines
     gap = marks[0]
-    dropped = int(lines[gap].split()[1])
-    assert "lines dropped here (" in lines[gap] and dropped > 10, lines[gap]
+    assert all("lines dropped here (" in lines[i] for i in marks), lines
+    dropped = sum(int(lines[i].split()[1]) for i in marks)
+    assert dropped > 10, lines
     assert lines[:gap] == [f"line {i}" for i in range(1, gap + 1)]
-    assert lines[gap + 1 :] == [f"line {i}" for i in range(gap + dropped + 1, 81)]
+    assert lines[marks[-1] + 1 :] == [f"line {i}" for i in range(gap + dropped + 1, 81)]
     store.close()
 
 
