@@ -32,10 +32,7 @@ translated into these at the seam where they arise, chained with ``from``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tpupod.results import FanoutResult
+from typing import Any
 
 
 class TpupodError(Exception):
@@ -177,15 +174,14 @@ class ServeError(TpupodError):
 
 
 class FanoutFailed(TpupodError):
-    """Raised by ``FanoutResult.raise_for_failures`` when some worker did not succeed."""
+    """Raised by ``FanoutResult.raise_for_failures`` when some worker did not succeed.
 
-    def __init__(self, result: FanoutResult) -> None:
-        first = result.first_failure
-        assert first is not None, "FanoutFailed needs a failed worker"
+    ``result`` is that ``FanoutResult``, typed loosely: the error tree imports nothing of
+    tpupod (results.py raises this error, so naming its type here would close a circle)."""
+
+    def __init__(self, message: str, exit_code: int, result: Any) -> None:
         super().__init__(
-            f"{result.failed_count} of {len(result.workers)} workers did not succeed; "
-            f"first: w{first.worker.id} ({first.worker.hostname}) {first.outcome_text()}",
-            hint="scroll up for that worker's output, or rerun on it alone with --worker",
+            message, hint="scroll up for that worker's output, or rerun on it alone with --worker"
         )
         self.result = result
-        self.exit_code = result.exit_code()
+        self.exit_code = exit_code

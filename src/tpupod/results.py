@@ -130,9 +130,16 @@ class FanoutResult:
         return first.status.shell_code or 1
 
     def raise_for_failures(self) -> FanoutResult:
-        if not self.ok:
-            raise FanoutFailed(self)
-        return self
+        if self.ok:
+            return self
+        first = self.first_failure
+        assert first is not None, "a failed result names its first failure"
+        raise FanoutFailed(
+            f"{self.failed_count} of {len(self.workers)} workers did not succeed; "
+            f"first: w{first.worker.id} ({first.worker.hostname}) {first.outcome_text()}",
+            self.exit_code(),
+            self,
+        )
 
 
 def chain(earlier: FanoutResult, later: FanoutResult) -> FanoutResult:
