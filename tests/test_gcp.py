@@ -488,14 +488,20 @@ def bare_tpu_api() -> Iterator[tuple[TpuApiStandIn, str]]:
     api.stop()
 
 
-@pytest.mark.parametrize(("capacity", "shape"), COMBINATIONS)
+@pytest.mark.parametrize(("capacity", "shape"), [(c, s) for c in CAPACITIES for s in SHAPES])
 def test_dry_run_bodies_are_what_gcloud_sends_and_the_api_takes(
     capacity: str,
     shape: str,
     cli: Callable[..., CliResult],
     bare_tpu_api: tuple[TpuApiStandIn, str],
 ) -> None:
+    """Every capacity x shape: the body gcloud sends, or (what neither API makes) refused
+    before any call, dry run or not."""
     api, endpoint = bare_tpu_api
+    if (capacity, shape) in REFUSED:
+        check_refused(capacity, shape, cli, endpoint)
+        assert api.calls == []
+        return
     name = f"d-{capacity}-{shape}"
     shown = cli(*UP, *capacity_args(name, capacity, shape), "--dry-run")
     assert shown.code == 0, shown.err
@@ -510,6 +516,17 @@ def test_dry_run_bodies_are_what_gcloud_sends_and_the_api_takes(
     status, answer = post(url.replace("https://tpu.googleapis.com", endpoint), body)
     assert status == 200, answer
     assert api.tier(name) == capacity
+
+
+def check_refused(capacity: str, shape: str, cli: Callable[..., CliResult], endpoint: str) -> None:
+    for extra in (("--dry-run",), ()):
+        args = (*UP, *capacity_args("no", capacity, shape), *extra)
+        result = cli(*args, env={"TPUPOD_TPU_API_ENDPOINT": endpoint})
+        assert result.code == 2, result.err
+        lines = result.err.strip().splitlines()
+        assert lines[-2].startswith(f"error: {REFUSED[capacity, shape]}"), result.err
+        assert lines[-1].startswith("hint: ") and "Traceback" not in result.err
+        assert result.out == ""  # not even the dry run's first line
 
 
 @pytest.mark.parametrize(("capacity", "shape"), COMBINATIONS)
@@ -533,25 +550,6 @@ def test_create_each_capacity_and_shape(
     gone = cli("down", "--pod", name)
     assert gone.code == 0, gone.err
     assert not tpu_api.resources
-
-
-@pytest.mark.parametrize(("capacity", "shape"), sorted(REFUSED))
-def test_what_neither_api_makes_is_refused_before_any_call(
-    capacity: str,
-    shape: str,
-    cli: Callable[..., CliResult],
-    bare_tpu_api: tuple[TpuApiStandIn, str],
-) -> None:
-    api, endpoint = bare_tpu_api
-    for extra in (("--dry-run",), ()):
-        args = (*UP, *capacity_args("no", capacity, shape), *extra)
-        result = cli(*args, env={"TPUPOD_TPU_API_ENDPOINT": endpoint})
-        assert result.code == 2, result.err
-        lines = result.err.strip().splitlines()
-        assert lines[-2].startswith(f"error: {REFUSED[capacity, shape]}"), result.err
-        assert lines[-1].startswith("hint: ") and "Traceback" not in result.err
-        assert result.out == ""  # not even the dry run's first line
-    assert api.calls == []
 
 
 def test_a_multislice_tpu_vm_is_refused(cli: Callable[..., CliResult]) -> None:
