@@ -8,6 +8,6 @@ results.py        typed samples and results, aggregation across hosts and repeat
 wire.py           worker 0's results as output lines, and back
 baseline.py       an earlier results file (or the latest of the suite) and regressions
 plots.py          one PNG per benchmark (matplotlib)
-storage.py        where results live: a local folder, or gs:// through fsspec
 launcher.py       the launcher's side: the plan, ``tpupod run``, the results on disk
+(results are written through tpupod.storage: a local folder, or gs:// through fsspec)
 """

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 from pydantic_core import to_jsonable_python
 
-from tpupod.bench import storage
+from tpupod import storage
 from tpupod.bench.config import BenchConfig, as_written
 from tpupod.bench.results import OP, Results, Status, larger_is_better
 from tpupod.errors import UsageError

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpupod.bench import storage
+from tpupod import storage
 from tpupod.bench.baseline import RESULTS_FILE, suite_dir
 from tpupod.bench.config import BenchConfig
 from tpupod.bench.plots import write_plots
@@ -126,7 +126,7 @@ async def run_bench(
         # nothing measured is no result: a later --baseline latest must not compare with it
         return BenchRun(result, results, None, [])
     folder = storage.join(suite_dir(output, results.suite_name), results.launch_id)
-    storage.write_text(storage.join(folder, RESULTS_FILE), results.model_dump_json(indent=1) + "\n")
+    storage.write(storage.join(folder, RESULTS_FILE), results.model_dump_json(indent=1) + "\n")
     return BenchRun(result, results, folder, write_plots(results, folder))
 
 

@@ -132,8 +132,8 @@ def checkpoint(
 
       tpupod bench checkpoint -c bench.yaml --checkpoint-dir gs://bucket/ckpt -o gs://bucket/runs
     """
+    from tpupod import storage
     from tpupod.bench import baseline as baselines
-    from tpupod.bench import storage
     from tpupod.bench.config import check_fits, load_config
     from tpupod.bench.launcher import checkpoint_dir as where
     from tpupod.bench.launcher import raise_for_failures, run_bench

@@ -32,7 +32,7 @@ from tpupod.errors import CheckpointError, ExtractError
 from tpupod.extract import plan, shards
 from tpupod.extract.data import Sample, read_samples
 from tpupod.extract.progress import HostStats, Progress
-from tpupod.extract.store import LocalStore, Store, Writer, open_store
+from tpupod.extract.store import Store, Writer, open_store
 
 if TYPE_CHECKING:
     from tpupod.model import ForwardOutput
@@ -373,9 +373,8 @@ def extract_here(
     def mine(shard: plan.ShardPlan) -> bool:
         return not lockstep or shard.index % hosts == host
 
-    if isinstance(store, LocalStore):
-        # a killed run's half-written files, of this host's shards only: others write theirs now
-        store.remove_staged([n for s in left if mine(s) for n in shards.files_of(s.index)])
+    # a killed run's half-written files, of this host's shards only: others write theirs now
+    store.remove_staged([n for s in left if mine(s) for n in shards.files_of(s.index)])
     total = sum(len(s.samples) for s in left)
     progress = Progress(host, total, say if host == 0 else None, mark)
     writer = Writer(store, progress.written)
@@ -474,8 +473,8 @@ def merge_manifests(options: ExtractOptions, prepared: Prepared) -> tuple[int, l
             f"{len(missing)} shards are not in {store.url} (first: {missing[0]})",
             hint="every host must write to the same place (gs://...), or rerun to resume",
         )
-    if isinstance(store, LocalStore):  # every other writer is done: leftovers are a killed run's
-        store.remove_staged([shards.RUN_FILE, shards.MANIFEST_FILE])
+    # every other writer is done: leftovers are a killed run's
+    store.remove_staged([shards.RUN_FILE, shards.MANIFEST_FILE])
     store.write(shards.MANIFEST_FILE, shards.merge(prepared.config, manifests))
     cut = [i for raw in manifests for i in json.loads(raw).get("cut", [])]
     return len(prepared.samples), sorted(cut, key=prepared.positions.__getitem__)

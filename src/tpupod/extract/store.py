@@ -1,5 +1,6 @@
-"""Where outputs go: a local folder or an fsspec URL (``gs://BUCKET/PREFIX``), and the
-bounded background queue that writes to it.
+"""Where an extraction's outputs go: a folder (local, or an fsspec URL such as
+``gs://BUCKET/PREFIX``, through ``tpupod.storage``), and the bounded background queue
+that writes to it.
 
 Every file is written whole under its final name only at the end: locally
 staged beside it and renamed, remotely uploaded in one piece (an object
@@ -9,16 +10,14 @@ tensors, so a manifest present means the shard is complete.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
 
+from tpupod import storage
 from tpupod.errors import ExtractError
 from tpupod.extract.tensorfile import Buffer
-from tpupod.files import write_atomic
 
 QUEUE_DEPTH = 4  # shards waiting to be written before compute waits
 WRITER_THREADS = 4
@@ -27,90 +26,44 @@ WRITER_THREADS = 4
 Data = bytes | list[Buffer]  # a whole file, or its parts in order
 
 
-def _parts(data: Data) -> list[Buffer]:
-    return [data] if isinstance(data, bytes) else data
-
-
 def size_of(data: Data) -> int:
-    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in _parts(data))
+    parts = [data] if isinstance(data, bytes) else data
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
 
-class Store(Protocol):
-    url: str
+class Store:
+    """An output folder, its files by name. Open with ``open_store``."""
 
-    def write(self, name: str, data: Data) -> None: ...
-    def read(self, name: str) -> bytes | None: ...
-    def names(self) -> list[str]: ...
-    def local_path(self, name: str) -> Path | None: ...
-
-
-class LocalStore:
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.url = str(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ExtractError(
-                f"cannot create {folder}: {exc.strerror}", hint="choose --out"
-            ) from exc
+    def __init__(self, url: str) -> None:
+        self.url = url
 
     def write(self, name: str, data: Data) -> None:
         # no fsync: shards are large, and a run that dies redoes a shard without a manifest
-        write_atomic(self.folder / name, _parts(data), mode=0o644, sync=False)
+        storage.write(storage.join(self.url, name), data, sync=False)
 
     def read(self, name: str) -> bytes | None:
-        with contextlib.suppress(FileNotFoundError):
-            return (self.folder / name).read_bytes()
-        return None
+        return storage.read(storage.join(self.url, name))
 
     def names(self) -> list[str]:
-        return sorted(p.name for p in self.folder.iterdir() if not p.name.startswith("."))
+        return storage.names(self.url)
 
     def local_path(self, name: str) -> Path | None:
-        return self.folder / name
+        return storage.local_path(storage.join(self.url, name))
 
     def remove_staged(self, names: list[str]) -> None:
         """What a killed run was writing under ``names`` (hidden, never under a final name)."""
-        for name in names:
-            for p in self.folder.glob(f".{name}.tpupod-*"):
-                p.unlink(missing_ok=True)
+        storage.remove_staged(self.url, names)
 
 
-class FsspecStore:
-    def __init__(self, url: str) -> None:
-        import fsspec
-
-        self.url = url.rstrip("/")
-        self.fs: Any
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
-
-    def write(self, name: str, data: Data) -> None:
-        with self.fs.open(f"{self.root}/{name}", "wb") as f:  # one object, complete or absent
-            for part in _parts(data):
-                f.write(part)
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            return bytes(self.fs.cat_file(f"{self.root}/{name}"))
-        except FileNotFoundError:
-            return None
-
-    def names(self) -> list[str]:
-        try:
-            found = self.fs.ls(self.root, detail=False, refresh=True)
-        except FileNotFoundError:
-            return []
-        return sorted(str(n).rsplit("/", 1)[-1] for n in found)
-
-    def local_path(self, name: str) -> Path | None:
-        return None
-
-
-def open_store(where: str) -> LocalStore | FsspecStore:
-    if "://" in where:
-        return FsspecStore(where)
-    return LocalStore(Path(where))
+def open_store(where: str) -> Store:
+    if storage.is_remote(where):
+        return Store(where.rstrip("/"))
+    folder = Path(where)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExtractError(f"cannot create {folder}: {exc.strerror}", hint="choose --out") from exc
+    return Store(str(folder))
 
 
 class Writer:
