@@ -1,6 +1,7 @@
-"""docs/ARCHITECTURE.md's layout is the map a newcomer starts from: it names every module of
+"""docs/ARCHITECTURE.md is the map a newcomer starts from: its layout names every module of
 the package (a subpackage's ``__init__.py`` aside, which the folder's own line stands for),
-and everything it names exists."""
+and everything it names exists; it stays short enough to read in ten minutes, with no
+benchmark figures (those live in BENCHMARKS.md, beside the command that measured them)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MAP = ROOT / "docs" / "ARCHITECTURE.md"
+LINE_BUDGET = 400
+# a measured figure: a number with a unit of time, throughput or size per second, a ratio
+# ("4x", "x faster") or a percentage; not a name with digits in it (k8s, v5e)
+FIGURE = re.compile(
+    r"(?<![\w.])\d(?:[\d.,]*\d)?\s*(?:ms|µs|us|s|seconds?|minutes?|min|[KMG]i?B/s|tok/s"
+    r"|tokens/s|req/s|runs/s|/s|x|%)(?!\w)|\bx (?:faster|slower)\b"
+)
 # a folder (``name/``) or a file with one of these extensions, first on its line
 NAME = re.compile(r"^( *)([\w./-]+/|[\w./-]+\.(?:py|sh|yaml|json|md|toml))(?:\s|$)")
 
@@ -18,7 +27,7 @@ pytestmark = pytest.mark.unit
 
 def layout_paths() -> set[str]:
     """The paths the layout block names, folders joined by indentation."""
-    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    text = MAP.read_text()
     block = text.split("## Layout", 1)[1].split("```", 2)[1]
     folders: list[tuple[int, str]] = []
     named = set()
@@ -50,3 +59,26 @@ def test_the_layout_names_every_module() -> None:
 def test_what_the_layout_names_exists() -> None:
     missing = sorted(path for path in layout_paths() if not (ROOT / path).exists())
     assert missing == [], "docs/ARCHITECTURE.md's layout names files that are not there"
+
+
+def figures(text: str) -> list[str]:
+    return [line for line in text.splitlines() if FIGURE.search(line)]
+
+
+def test_the_map_is_short_and_holds_no_figures() -> None:
+    text = MAP.read_text()
+    assert len(text.splitlines()) <= LINE_BUDGET, "move long notes to docs/<topic>.md"
+    assert figures(text) == [], "figures live in BENCHMARKS.md; link there instead"
+
+
+def test_the_figure_check_sees_a_figure() -> None:
+    seen = [
+        "a run ends 0.17 s after a worker fails",
+        "it took 92-99 ms here",
+        "1,000 small files move 4-10x faster",
+        "2,400 tok/s",
+        "a quarter less: 25% of the time",
+        "the tar stream is 3 x faster",
+    ]
+    assert figures("\n".join(seen)) == seen
+    assert figures("k8s.py, v5e-16, 4 chips per worker, 128+N for signal N, exit 2") == []
