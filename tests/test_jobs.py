@@ -553,6 +553,26 @@ def test_a_gang_job_where_w1_fails_fails_the_attempt_naming_w1_and_leaves_nothin
     assert leftovers(pod) == []
 
 
+SLOW = "echo up; sleep 60"
+
+
+@contextlib.contextmanager
+def runner_at_work(
+    store: Store, pod: Pod, *args: str
+) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """A runner for ``pod`` (a process, with ``args``) running a slow gang job on it, once
+    the jobs queued before it are done; killed afterwards if the test left it running."""
+    job = store.submit(command_job(SLOW, pod=pod.name))
+    proc = runner(store.url, "--pod", pod.name, *args)
+    try:
+        _wait_for(lambda: store.get(job).status is JobStatus.RUNNING, timeout=30)
+        yield job, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_cancel_and_timeout_stop_every_worker_of_a_gang_job(
     make_pod: Callable[..., Pod],
     cli: Callable[..., CliResult],
@@ -560,15 +580,11 @@ def test_cancel_and_timeout_stop_every_worker_of_a_gang_job(
     tmp_path: Path,
 ) -> None:
     pod = make_pod(2)
-    db = f"sqlite:///{tmp_path / 'jobs.db'}"
-    store = Store.open(db)
-    slow = "echo up; sleep 60"
-    timed = store.submit(command_job(slow, pod=pod.name, timeout=1.5))
-    cancelled = store.submit(command_job(slow, pod=pod.name))
-    proc = runner(db, "--pod", pod.name, "--lease", "1.5", "--until-empty")
-    _wait_for(lambda: store.get(cancelled).status is JobStatus.RUNNING, timeout=30)
-    store.cancel(cancelled)
-    _, err = proc.communicate(timeout=60)
+    store = Store.open(f"sqlite:///{tmp_path / 'jobs.db'}")
+    timed = store.submit(command_job(SLOW, pod=pod.name, timeout=1.5))
+    with runner_at_work(store, pod, "--lease", "1.5", "--until-empty") as (cancelled, proc):
+        store.cancel(cancelled)
+        _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert store.get(timed).status is JobStatus.FAILED
     assert store.get(timed).error == "timed out after 1.5 s"
@@ -578,7 +594,7 @@ def test_cancel_and_timeout_stop_every_worker_of_a_gang_job(
 
 
 def test_sigterm_to_a_runner_gives_its_job_back(store: Store, db_url: str) -> None:
-    job = store.submit(command_job("echo up; sleep 60"))
+    job = store.submit(command_job(SLOW))
     proc = runner(db_url, "--local")
     _wait_for(lambda: store.get(job).status is JobStatus.RUNNING)
     proc.send_signal(signal.SIGTERM)
@@ -592,7 +608,9 @@ def test_an_idle_runner_wakes_for_a_new_job_at_once(store: Store, db_url: str) -
     """PostgreSQL: NOTIFY wakes it (its own wait is lease/3 = 5 s); SQLite: it polls."""
     proc = runner(db_url, "--local", "--lease", "15")
     try:
-        time.sleep(1.0)  # started, found nothing, now waiting
+        first = store.submit(command_job("true"))  # the runner is up once it has run this
+        _wait_for(lambda: store.get(first).status.finished, timeout=60)
+        time.sleep(1.0)  # found nothing more, now waiting
         submitted = time.monotonic()
         job = store.submit(command_job("true"))
         _wait_for(lambda: store.get(job).status is not JobStatus.PENDING, timeout=10)

@@ -4,6 +4,7 @@ command, on SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -17,12 +18,12 @@ import pytest
 from sqlalchemy import select, text
 from typer.testing import CliRunner
 
-import tpupod.cli.jobs
+import tpupod.cli.jobs  # noqa: F401  (registers `jobs` for CliRunner)
 from tests.conftest import CliResult
 from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
 from tests.test_jobs_api import serving
 from tpupod.cli import app
-from tpupod.jobs import claims, quick, schema
+from tpupod.jobs import claims, quick, schema, service
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.store import Store
 
@@ -60,7 +61,7 @@ def test_a_job_still_running_shows_its_attempt_of_how_many(tmp_path: Path) -> No
     store = Store.open(_sqlite(tmp_path))
     job_id = store.submit(quick_request("sleep 1"))
     assert claims.claim(store, "r", pod=None, lease_s=30) is not None
-    assert tpupod.cli.jobs._status(store.get(job_id)) == "scheduled (attempt 1 of 3)"
+    assert service.status_text(store.get(job_id)) == "scheduled (attempt 1 of 3)"
     store.close()
 
 
@@ -287,7 +288,12 @@ def test_logs_without_follow_never_waits_between_pages(
     job_id = _job_with_lines(store, 12_000)
     store.close()
     slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
     monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(asyncio, "sleep", sleep)  # the follower's wait
     printed = CliRunner().invoke(app, ["jobs", "logs", str(job_id), "--db", db])
     assert printed.exit_code == 0, printed.output
     assert printed.output.splitlines() == [f"line {i}" for i in range(12_000)]

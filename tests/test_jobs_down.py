@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult
-from tests.test_jobs import _wait_for, command_job, runner
+from tests.test_jobs import command_job, runner_at_work
 from tpupod import podusers
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.store import Store
@@ -23,23 +23,13 @@ from tpupod.state import StateDir
 
 pytestmark = pytest.mark.local  # runner processes on a local pod
 
-SLOW = "echo up; sleep 60"
-
 
 @contextlib.contextmanager
 def _runner_at_work(pod: Pod, tmp_path: Path) -> Iterator[tuple[Store, int, subprocess.Popen[str]]]:
-    """A runner for ``pod`` (a process) running a slow job on it; killed afterwards if
-    the test left it running."""
+    """A runner for ``pod`` (a process) running a slow job on it, in a fresh store."""
     store = Store.open(f"sqlite:///{tmp_path / 'jobs.db'}")
-    job = store.submit(command_job(SLOW, pod=pod.name))
-    proc = runner(store.url, "--pod", pod.name)
-    try:
-        _wait_for(lambda: store.get(job).status is JobStatus.RUNNING, timeout=30)
+    with runner_at_work(store, pod) as (job, proc):
         yield store, job, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
 
 
 @pytest.mark.timeout(120)

@@ -10,9 +10,12 @@ starts (``X-Next-Offset`` and ``Link: <...>; rel="next"``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import secrets
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -23,9 +26,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from tpupod.envargs import parse_pairs
 from tpupod.errors import JobNotFound, JobStoreError, UsageError
 from tpupod.jobs.models import JobRequest, JobStatus, LogLine
+from tpupod.jobs.service import follow
 from tpupod.jobs.store import Store
 
-FOLLOW_POLL_S = 0.2
 PAGE = 500  # lines in a page of GET /jobs/ID/logs, unless ?limit= says (up to PAGE_MAX)
 PAGE_MAX = 10_000
 
@@ -113,15 +116,55 @@ def _page(lines: list[LogLine], job_id: int, limit: int) -> JSONResponse:
 
 async def _follow(store: Store, job_id: int, after: int) -> AsyncIterator[str]:
     """Lines after ``after`` as they come, then an ``end`` event with the job's status."""
-    while True:
-        finished = (await asyncio.to_thread(store.get, job_id)).status.finished
-        lines = await asyncio.to_thread(store.logs, job_id, after=after, limit=PAGE)
+    async for lines in follow(store, job_id, after=after, page=PAGE):
         for line in lines:
-            after = line.seq
             yield f"id: {line.seq}\nevent: line\ndata: {json.dumps(asdict(line))}\n\n"
-        if finished and len(lines) < PAGE:
-            status = (await asyncio.to_thread(store.get, job_id)).status.value
-            yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
-            return
-        if not lines:
-            await asyncio.sleep(FOLLOW_POLL_S)
+    status = (await asyncio.to_thread(store.get, job_id)).status.value
+    yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
+
+
+TOKEN_FILE = "jobs-token"
+
+
+def api_token() -> tuple[str, str]:
+    """The API's token and where it came from: $TPUPOD_JOBS_TOKEN, else a file of ours (0600)."""
+    from tpupod import settings
+
+    given = settings.jobs_token()
+    if given:
+        return given, "$TPUPOD_JOBS_TOKEN"
+    path = settings.state_home() / TOKEN_FILE
+    if not path.exists():
+        from tpupod.files import write_atomic
+
+        write_atomic(path, secrets.token_urlsafe(32) + "\n")  # 0600
+    return path.read_text().strip(), str(path)
+
+
+def serve_api(
+    store: Store, host: str, port: int, on_ready: Callable[[str], None] | None = None
+) -> None:
+    """Serve the API on ``host:port`` until interrupted; ``on_ready`` hears where, and where
+    the token came from (never the token)."""
+    import uvicorn
+
+    token, source = api_token()
+    app = create_app(store, token)
+    listening = _listen(host, port)  # ours, so a busy port is one error line
+    if on_ready is not None:
+        on_ready(f"job API on http://{host}:{port} (bearer token: {source})")
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        busy = exc.errno == errno.EADDRINUSE
+        hint = f"something else listens there: pick another, --port {port + 1}"
+        raise UsageError(
+            f"cannot listen on {host}:{port}: {os.strerror(exc.errno) if exc.errno else exc}",
+            hint=hint if busy else "--host takes an address of this machine (127.0.0.1)",
+        ) from exc

@@ -159,6 +159,18 @@ class LogLine:
 
 
 @dataclass(frozen=True)
+class AttemptLines:
+    """What one attempt of a job printed: how many lines, the offsets of its first and last
+    (None: none), and how many workers printed them."""
+
+    attempt: int
+    lines: int
+    first_seq: int | None
+    last_seq: int | None
+    workers: int
+
+
+@dataclass(frozen=True)
 class Claim:
     """A runner's lease on one attempt of a job: every write it makes is fenced by it."""
 

@@ -19,7 +19,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from tpupod.errors import JobNotFound, JobStoreError, UsageError
 from tpupod.jobs import schema
-from tpupod.jobs.models import FINISHED, Job, JobRequest, JobStatus, LogLine
+from tpupod.jobs.models import FINISHED, AttemptLines, Job, JobRequest, JobStatus, LogLine
 from tpupod.jobs.quick import NOTIFY_CHANNEL, default_url, job_row
 from tpupod.jobs.schema import jobs, log_lines
 
@@ -179,9 +179,13 @@ class Store:
         statuses: Sequence[JobStatus] = (),
         labels: dict[str, str] | None = None,
         since: float | None = None,
+        before: int | None = None,
         limit: int = 100,
     ) -> list[Job]:
+        """Newest first; ``before``: only ids below it (the next page)."""
         query = select(jobs).order_by(jobs.c.id.desc())
+        if before is not None:
+            query = query.where(jobs.c.id < before)
         if statuses:
             query = query.where(jobs.c.status.in_([s.value for s in statuses]))
         if since is not None:
@@ -205,6 +209,24 @@ class Store:
         with self.read() as conn:
             rows = conn.execute(query).all()
         return [LogLine(r.seq, r.attempt, r.worker, r.line) for r in rows]
+
+    def attempts(self, job_id: int) -> list[AttemptLines]:
+        """What each attempt that printed anything printed, in attempt order."""
+        query = (
+            select(
+                log_lines.c.attempt,
+                func.count(),
+                func.min(log_lines.c.seq),
+                func.max(log_lines.c.seq),
+                func.count(func.distinct(log_lines.c.worker)),
+            )
+            .where(log_lines.c.job_id == job_id)
+            .group_by(log_lines.c.attempt)
+            .order_by(log_lines.c.attempt)
+        )
+        with self.read() as conn:
+            rows = conn.execute(query).all()
+        return [AttemptLines(int(a), int(n), first, last, int(w)) for a, n, first, last, w in rows]
 
     def cancel(self, job_id: int) -> Job:
         """A pending job ends now; a leased one is asked to stop (its runner kills it)."""

@@ -1,0 +1,176 @@
+"""The job service as library calls: what ``tpupod jobs`` does, for the CLI, a Python user
+and the dashboard. List jobs (filters, pages), read one with its attempts, follow its log
+(the one follower: the CLI's ``logs``, the API's SSE stream), wait for it, count jobs per
+status. Submitting is ``Store.submit`` (``jobs.request`` builds the request from a file),
+cancelling ``Store.cancel``; running jobs is ``jobs.runnerflow``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+from tpupod.errors import JobError, UsageError
+from tpupod.jobs.models import AttemptLines, Job, JobRequest, JobStatus, LogLine
+from tpupod.jobs.quick import check_pod
+from tpupod.jobs.store import Store
+
+POLL_S = 0.2  # a follower and a waiter read the store again after this long
+LOG_PAGE = 5000  # lines per read while following
+
+
+def open_store(db: str | None, *, create: bool = False) -> Store:
+    """The job store at ``db`` (default: ``$TPUPOD_JOBS_DB``, else the state directory's);
+    only what adds jobs or serves (``create``) makes one where none is."""
+    return Store.open(db, create=create)
+
+
+def job_id(text: str) -> int:
+    """A job id as a person types it."""
+    if not text.isdigit():
+        raise UsageError(f"job id {text!r} is not a number", hint="'tpupod jobs ls' lists the ids")
+    return int(text)
+
+
+def statuses(names: Sequence[str]) -> list[JobStatus]:
+    """Status filters by name (``--status running``)."""
+    try:
+        return [JobStatus(name) for name in names]
+    except ValueError as exc:
+        choices = ", ".join(s.value for s in JobStatus)
+        raise UsageError(f"--status {exc.args[0].split()[0]}", hint=f"one of {choices}") from exc
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """A page of jobs, newest first; ``next_before`` (None: that was all) asks for the next."""
+
+    jobs: list[Job]
+    next_before: int | None
+
+
+def list_jobs(
+    store: Store,
+    *,
+    statuses: Sequence[JobStatus] = (),
+    labels: dict[str, str] | None = None,
+    since: float | None = None,
+    before: int | None = None,
+    limit: int = 50,
+) -> JobPage:
+    """Jobs with any of ``statuses`` and all of ``labels``, created at or after ``since``,
+    with ids below ``before``: up to ``limit`` of them, newest first."""
+    found = store.find(
+        statuses=statuses, labels=labels, since=since, before=before, limit=limit + 1
+    )
+    more = len(found) > limit
+    return JobPage(found[:limit], found[limit - 1].id if more else None)
+
+
+@dataclass(frozen=True)
+class JobDetail:
+    """One job and its attempts (one entry per attempt it has had, with what it printed)."""
+
+    job: Job
+    attempts: list[AttemptLines]
+
+
+def job_detail(store: Store, ident: int) -> JobDetail:
+    job = store.get(ident)
+    printed = {a.attempt: a for a in store.attempts(ident)}
+    numbers = range(1, max(job.attempt, max(printed, default=0)) + 1)
+    return JobDetail(job, [printed.get(n, AttemptLines(n, 0, None, None, 0)) for n in numbers])
+
+
+def status_counts(store: Store) -> dict[JobStatus, int]:
+    """How many jobs have each status (every status, 0 where none)."""
+    found = store.counts()
+    return {status: found.get(status, 0) for status in JobStatus}
+
+
+def status_text(job: Job) -> str:
+    """The status, and the attempts only where another one can still happen."""
+    if job.status.finished:
+        return job.status.value + (f" after {job.attempt} attempts" if job.attempt > 1 else "")
+    if job.attempt and job.max_attempts > 1:
+        return f"{job.status.value} (attempt {job.attempt} of {job.max_attempts})"
+    return job.status.value
+
+
+def result_text(value: object) -> str:
+    """A result as a person (or ``$(...)``) reads it: a string as is, the rest as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+async def follow(
+    store: Store,
+    ident: int,
+    *,
+    after: int = 0,
+    until_end: bool = True,
+    page: int = LOG_PAGE,
+    poll_s: float = POLL_S,
+) -> AsyncIterator[list[LogLine]]:
+    """The job's lines after offset ``after``, in pages as they are written; it ends when
+    the job has ended and every line is read (``until_end=False``: when every line written
+    so far is read). Pages already written are read back to back, without waiting."""
+    while True:
+        ended = not until_end or (await asyncio.to_thread(store.get, ident)).status.finished
+        lines = await asyncio.to_thread(store.logs, ident, after=after, limit=page)
+        if lines:
+            after = lines[-1].seq
+            yield lines
+        if len(lines) == page:
+            continue
+        if ended:
+            return
+        await asyncio.sleep(poll_s)
+
+
+def log_pages(
+    store: Store, ident: int, *, after: int = 0, until_end: bool = False
+) -> Iterator[list[LogLine]]:
+    """``follow`` for a caller without an event loop (the CLI)."""
+    pages = follow(store, ident, after=after, until_end=until_end)
+
+    async def step() -> list[LogLine] | None:
+        return await anext(pages, None)
+
+    with asyncio.Runner() as runner:
+        while (lines := runner.run(step())) is not None:
+            yield lines
+
+
+def wait(store: Store, ident: int, *, timeout: float | None = None) -> Job:
+    """The job once it has ended; a ``JobError`` when it did not complete, or when it is
+    still going after ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    job = store.get(ident)
+    while not job.status.finished:
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobError(
+                f"job {ident} is still {job.status.value} after {timeout:g} s",
+                hint=f"'tpupod jobs logs -f {ident}' follows it",
+            )
+        time.sleep(POLL_S)
+        job = store.get(ident)
+    if job.status is not JobStatus.COMPLETED:
+        raise JobError(
+            f"job {job.id} {job.status.value}: {job.error}",
+            hint=f"'tpupod jobs logs {job.id}' shows its output",
+        )
+    return job
+
+
+def submit(request: JobRequest, *, db: str | None = None, remote_pod: bool = False) -> int:
+    """Queue ``request`` in the store at ``db`` (made if none is there); its id. A job for a
+    pod this machine does not know is refused unless its runner is elsewhere (``remote_pod``)."""
+    check_pod(request.pod, remote_pod)
+    store = open_store(db, create=True)
+    try:
+        return store.submit(request)
+    finally:
+        store.close()
