@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
+from tpupod import limits
 from tpupod.launch.identity import IdentityError, worker
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
 from tpupod.pod import Pod
@@ -195,6 +196,40 @@ def test_1024_clients_pass_one_barrier_twice() -> None:
         return elapsed
 
     assert asyncio.run(go()) < 5  # benchmarks/launch.py measures it; this only bounds it
+
+
+async def barrier_cpu_s(clients: int, rounds: int) -> tuple[float, int]:
+    """The best of ``rounds`` barriers of ``clients``, in this process's CPU seconds.
+
+    CPU time, not wall time: the service and its clients share this process, so
+    other load on the machine does not count. Also returns how many gatherings
+    the service still keeps afterwards (none: its memory does not grow per barrier).
+    """
+    limits.open_files(2 * clients)
+    server, address = await serve(clients)
+    members = [(await AsyncMember.join(address, registration(i)))[0] for i in range(clients)]
+    samples = []
+    for _ in range(rounds):
+        started = time.process_time()
+        replies = await asyncio.gather(
+            *(m.request({"op": "barrier", "name": "b", "timeout": 60}) for m in members)
+        )
+        samples.append(time.process_time() - started)
+        assert all(r == {"ok": True} for r in replies)
+    kept = len(server._gatherings)
+    await asyncio.gather(*(m.close() for m in members))
+    await server.close()
+    return min(samples), kept
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_4096_client_barrier_costs_at_most_6x_a_1024_client_one() -> None:
+    """Before: every arrival re-checked every worker's digest (quadratic, 10x for 4x clients)."""
+    require(limits.open_files(2 * 4096) is None, "the hard limit on open files is below 8,300")
+    small, kept_small = asyncio.run(barrier_cpu_s(1024, 3))
+    large, kept_large = asyncio.run(barrier_cpu_s(4096, 3))
+    assert (kept_small, kept_large) == (0, 0)
+    assert large < 6 * small, f"1,024 clients: {small * 1000:.0f} ms, 4,096: {large * 1000:.0f} ms"
 
 
 # -- tpupod run -------------------------------------------------------------------------

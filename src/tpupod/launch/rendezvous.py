@@ -32,12 +32,15 @@ the workers that differ from the rest.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tpupod import limits
 
 DEFAULT_TIMEOUT_S = 300.0
 DIGEST_BARRIER = "__digests__"
@@ -62,10 +65,18 @@ class Member:
 
 @dataclass
 class _Gathering:
-    """Workers arriving at one named barrier (or exchange), and their values."""
+    """Workers arriving at one named barrier (or exchange), and their values.
+
+    The reply every worker gets is built and encoded once, by the last one to
+    arrive, and the gathering is forgotten once every worker took it: a
+    barrier costs O(count) in all, not O(count) per arrival, and the service
+    keeps nothing per barrier passed.
+    """
 
     values: dict[int, Any] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    reply: bytes = b""
+    taken: int = 0  # how many workers took the reply
 
 
 # on_failure(worker, reason): a failure it reported, or None: it vanished without a word.
@@ -91,9 +102,15 @@ class RendezvousServer:
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self._frozen = False
 
     async def start(self, host: str, port: int = 0) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._handle, host, port, backlog=4096)
+        short = limits.open_files(self.count)
+        if short:
+            self.on_event(f"warning: {short}")
+        self._server = await asyncio.start_server(
+            self._handle, host, port, backlog=max(4096, self.count)
+        )
         address = self._server.sockets[0].getsockname()
         return str(address[0]), int(address[1])
 
@@ -107,6 +124,9 @@ class RendezvousServer:
     async def close(self) -> None:
         """Stop listening and end every connection (its handler too: nothing left pending)."""
         self._closing = True
+        if self._frozen:
+            gc.unfreeze()
+            self._frozen = False
         if self._server is not None:
             self._server.close()
         for task in list(self._handlers):
@@ -125,7 +145,9 @@ class RendezvousServer:
             member.writer = writer
             _reply(writer, {"ok": True, "count": self.count})
             while line := await reader.readline():
-                _reply(writer, await self._serve(member, json.loads(line)))
+                answer = await self._serve(member, json.loads(line))
+                if not writer.is_closing():
+                    writer.write(answer if isinstance(answer, bytes) else _encode(answer))
                 await writer.drain()
         except _Refused as exc:
             _reply(writer, {"error": str(exc)})
@@ -165,40 +187,56 @@ class RendezvousServer:
             str(message.get("digest", "")),
         )
         self.members[worker] = member
+        if len(self.members) == self.count and not self._frozen:
+            # Every connection is in: the collector need not re-scan thousands of
+            # long-lived streams on each barrier (that grew faster than the clients).
+            gc.freeze()
+            self._frozen = True
         return member
 
-    async def _serve(self, member: Member, request: dict[str, Any]) -> dict[str, Any]:
+    async def _serve(self, member: Member, request: dict[str, Any]) -> dict[str, Any] | bytes:
         op = request.get("op")
         name = str(request.get("name", ""))
         timeout = float(request.get("timeout", DEFAULT_TIMEOUT_S))
         if op == "barrier":
-            values = await self._gather(member.key("b", name), member, None, timeout)
-            if isinstance(values, dict) and "error" in values:
-                return values
-            return self._digest_check() or {"ok": True}
+            return await self._gather(member.key("b", name), member, None, timeout)
         if op == "exit":
             return self._exit(member, request.get("code"), request.get("reason"))
         if op == "exchange":
-            values = await self._gather(
-                member.key("x", name), member, request.get("value"), timeout
-            )
-            if "error" in values:
-                return values
-            return {"values": {str(k): v for k, v in values.items()}}
+            return await self._gather(member.key("x", name), member, request.get("value"), timeout)
         return {"error": f"unknown request {op!r}"}
 
-    async def _gather(self, key: str, member: Member, value: Any, timeout: float) -> dict[Any, Any]:
+    async def _gather(
+        self, key: str, member: Member, value: Any, timeout: float
+    ) -> dict[str, Any] | bytes:
         gathering = self._gatherings.setdefault(key, _Gathering())
         gathering.values[member.worker] = value
         if len(gathering.values) == self.count:
+            gathering.reply = _encode(self._outcome(key, gathering.values))
             gathering.done.set()
         try:
-            await asyncio.wait_for(gathering.done.wait(), timeout)
+            async with asyncio.timeout(timeout):  # a timer, not a task per waiter
+                await gathering.done.wait()
         except TimeoutError:
             arrived = sorted(gathering.values)
             missing = [w for w in range(self.count) if w not in gathering.values]
-            return {"error": "timeout", "arrived": arrived, "missing": missing}
-        return gathering.values
+            answer: dict[str, Any] | bytes = {
+                "error": "timeout",
+                "arrived": arrived,
+                "missing": missing,
+            }
+        else:
+            answer = gathering.reply
+        gathering.taken += 1
+        if gathering.taken == self.count:
+            del self._gatherings[key]
+        return answer
+
+    def _outcome(self, key: str, values: dict[int, Any]) -> dict[str, Any]:
+        """What every worker of a complete gathering hears: a barrier checks the digests too."""
+        if key.startswith("b:"):
+            return self._digest_check() or {"ok": True}
+        return {"values": {str(k): v for k, v in values.items()}}
 
     def _exit(self, member: Member, code: Any, reason: Any) -> dict[str, Any]:
         member.leaving = True
@@ -225,9 +263,13 @@ class _Refused(Exception):
     pass
 
 
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
 def _reply(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
     if not writer.is_closing():
-        writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+        writer.write(_encode(message))
 
 
 class AsyncMember:
