@@ -71,6 +71,11 @@ def test_an_unwritable_bucket_is_one_line(gcs: object) -> None:
     assert info.value.hint and "\n" not in str(info.value)
 
 
-def test_an_unknown_protocol_is_a_usage_error() -> None:
-    with pytest.raises(UsageError, match="nosuchproto://x"):
-        storage.read("nosuchproto://x")
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [("nosuchproto://x", "Protocol not known"), ("gs://", "no bucket"), ("memory:///", "bucket")],
+)
+def test_a_url_it_cannot_use_is_a_usage_error(url: str, words: str) -> None:
+    with pytest.raises(UsageError, match=words) as info:
+        storage.names(url)
+    assert info.value.hint and "\n" not in str(info.value)

@@ -44,10 +44,16 @@ def filesystem(url: str) -> tuple[Any, str]:
             f"{url}: remote storage needs fsspec",
             hint="pip install 'tpupod[checkpoint-bench]' or 'tpupod[model]'",
         ) from exc
+    if not url.split("://", 1)[1].strip("/"):
+        raise UsageError(f"{url}: no bucket or path", hint="name one: gs://BUCKET/PREFIX")
     try:
         fs, path = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as exc:
-        raise UsageError(f"{url}: {exc}", hint="gs:// needs gcsfs") from exc
+    except ImportError as exc:
+        raise UsageError(f"{url}: {exc}", hint="gs:// needs gcsfs: pip install gcsfs") from exc
+    except ValueError as exc:
+        raise UsageError(
+            f"{url}: {exc}", hint="give a local folder or an fsspec URL such as gs://BUCKET/PREFIX"
+        ) from exc
     return fs, path
 
 

@@ -57,6 +57,7 @@ class Store:
 
 def open_store(where: str) -> Store:
     if storage.is_remote(where):
+        storage.filesystem(where)  # a URL it cannot use is one line here
         return Store(where.rstrip("/"))
     folder = Path(where)
     try:
