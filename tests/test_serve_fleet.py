@@ -130,6 +130,29 @@ def test_a_stream_is_counted_by_its_events_or_its_usage() -> None:
     assert with_usage.tokens == 9
 
 
+def test_status_records_say_each_servers_state_and_why_a_worker_did_not_answer() -> None:
+    """Fleet.status()'s records (what serve status prints and the dashboard reads)."""
+    from tpupod.serve.record import FleetRecord, ServerRecord
+    from tpupod.serve.status import ServerStatus, fleet_status
+
+    servers = [ServerRecord(worker=w, host=f"h{w}", port=1, name="a") for w in (0, 1)]
+    record = FleetRecord(
+        pod="p", model="m", backend=Backend.COMMAND, python="python3", servers=servers,
+        router_host="h0", router_port=9, token="t", started=0.0,
+    )  # fmt: skip
+    silent = "w1 (h1): unreachable: cannot connect: no answer in 5s"
+    agents: list[Any] = [
+        {"servers": [{"name": "a", "ports": [1], "state": "ready", "pid": 5, "restarts": 2}]},
+        silent,
+    ]
+    router = {"backends": ["h0:1"], "health": {"h0:1": {"requests": 3, "tokens_per_s": 1.5}}}
+    found = fleet_status(record, agents, router)
+    assert found.servers[0] == ServerStatus(0, "h0:1", "command", "ready", 5, 2, 3, 1.5)
+    assert found.servers[1] == ServerStatus(1, "h1:1", "command", silent, None, None, None, None)
+    assert (found.healthy, found.router_error, found.replicated) == (1, None, False)
+    assert fleet_status(record, agents, "w0: no router").router_error == "w0: no router"
+
+
 def test_policies_choose_among_available_backends() -> None:
     from tpupod.serve.registry import HealthPolicy, Registry
     from tpupod.serve.router import Policy, Router

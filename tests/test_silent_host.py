@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult, tpupod_argv
+from tests.test_serve_fleet import STUB_COMMAND
 from tpupod.pod import Pod
 from tpupod.sim import SimPod
 
@@ -177,3 +179,41 @@ def test_sync_names_a_silent_host(
     assert proc.returncode == 255, proc.stderr
     assert "unreachable" in next(line for line in proc.stderr.splitlines() if line[:2] == "w1")
     assert time.monotonic() - started < 9
+
+
+def serving(sim: SimPod, index: int) -> list[str]:
+    """The fleet's processes (agent, router, servers) on simulated host ``index``."""
+    names = ("tpupod.serve", "serve_stub.py")
+    return [args for _, args in sim.processes(index) if any(n in args for n in names)]
+
+
+@pytest.mark.timeout(180)
+def test_serve_names_a_silent_host(
+    make_ssh_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    unplug: Callable[[int], None],
+    sim_hosts_up: SimPod,
+) -> None:
+    """serve status, down and up on a pod whose host 1 went silent end within the fan-out's
+    bounds (a host answers a new command within 5 s), each naming the host; serve down left
+    worker 0's router running (it stopped at the first unreachable agent)."""
+    pod = make_ssh_pod(2)
+    serve = ["--pod", pod.name, "--worker-python", sys.executable]
+    stub = ["--model", "m", "--backend", "command", "--command", STUB_COMMAND]
+    up = cli("serve", "up", *serve, *stub, timeout=120)
+    assert up.code == 0, up.err
+    unplug(SILENT)
+    status = cli("serve", "status", *serve, timeout=60)
+    assert status.seconds < 12, status
+    row = next(line for line in status.out.splitlines() if line.startswith(f"w{SILENT} "))
+    assert "unreachable" in row and "w0 " in status.out and " ready " in status.out, status.out
+    down = cli("serve", "down", *serve, timeout=60)
+    assert down.seconds < 12, down
+    assert down.code == 1 and "Traceback" not in down.err
+    assert f"error: w{SILENT} (" in down.err and "unreachable" in down.err, down.err
+    assert "w0 agent stopped" in down.err and "w0 router stopped" in down.err, down.err
+    assert serving(sim_hosts_up, 0) == []  # all that answers is stopped
+    again = cli("serve", "up", *serve, *stub, timeout=120)
+    assert again.seconds < 30, again
+    assert again.code == 1 and f"error: w{SILENT} (" in again.err, again.err
+    assert serving(sim_hosts_up, 0) == []  # a failed serve up leaves nothing

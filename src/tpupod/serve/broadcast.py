@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from tpupod.errors import ServeError
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -116,3 +118,59 @@ async def fanout(
 
         await asyncio.gather(*(one(b) for b in backends))
     return answers
+
+
+def broadcast(
+    registry_url: str,
+    token: str | None,
+    prompt: str,
+    *,
+    model: str | None = None,
+    max_tokens: int = 64,
+    timeout: float = 600.0,
+    concurrency: int | None = None,
+    on_answer: Callable[[Answer], None] = lambda a: None,
+) -> list[Answer]:
+    """``tpupod fanout``: ask the registry for its backends, then every healthy one at once;
+    a backend the registry marks down is answered for (``status=down``), not asked."""
+    listed = asyncio.run(_listed(registry_url, token))
+    down = listed.down_answers()
+    for answer in down:
+        on_answer(answer)
+    answers = asyncio.run(
+        fanout(
+            listed.healthy,
+            model or listed.model,
+            prompt,
+            max_tokens=max_tokens,
+            timeout=timeout,
+            concurrency=concurrency,
+            on_answer=on_answer,
+        )
+    )
+    return answers + down
+
+
+async def _listed(registry_url: str, token: str | None) -> Listed:
+    """The registry's backends; a refusal or silence is a ServeError that says which."""
+    try:
+        listed = await registry_backends(registry_url, token, 30.0)
+    except httpx.HTTPStatusError as exc:
+        status = exc.response.status_code
+        if status in (401, 403):
+            raise ServeError(
+                f"the registry at {registry_url} refused the token (HTTP {status})",
+                hint="leave --token out to use the fleet's ('tpupod serve endpoint' prints it)",
+            ) from exc
+        raise ServeError(
+            f"the registry at {registry_url} answered HTTP {status}",
+            hint="'tpupod serve status' shows the fleet",
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise ServeError(
+            f"the registry at {registry_url} does not answer: {exc}",
+            hint="'tpupod serve status' shows the fleet",
+        ) from exc
+    if not listed.healthy and not listed.down:
+        raise ServeError("the registry lists no backend", hint="'tpupod serve status'")
+    return listed

@@ -1,0 +1,474 @@
+"""``tpupod serve``'s remote side: a fleet of model servers on a pod, one router in front.
+
+Everything reaches the workers through the fan-out (``fanout.execute_async``, so its
+bounds on a silent host hold), by running ``python -m tpupod.serve.ctl`` there (see
+``ctl.py``): ensure an agent (detached), hand it the server specs, stream readiness, then
+ensure the router on worker 0, which can reach every worker's internal address. The
+fleet's record is ``record.py``'s; ``fleet.py`` is the blocking face the CLI drives.
+
+Where several workers share one address (a local pod: all are 127.0.0.1),
+each worker gets its own port range and its agent any free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import secrets
+import shlex
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tpupod.errors import ServeError, WorkerError
+from tpupod.fanout import execute_async
+from tpupod.pod import Pod, Worker
+from tpupod.providers import Connector, provider_for
+from tpupod.results import Outcome, WorkerResult
+from tpupod.serve import defaults
+from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
+from tpupod.serve.record import (
+    FleetRecord,
+    ServerRecord,
+    UpOptions,
+    differences,
+    load_record,
+    record_path,
+    save_record,
+    settings_of,
+)
+from tpupod.serve.status import AgentAnswer, member
+from tpupod.serve.supervisor import unstamped
+from tpupod.state import StateDir
+from tpupod.transport import OutputLine
+
+Progress = Callable[[str], None]
+# The longest a ctl call but wait-ready may take: ``ensure`` waits up to ctl's
+# READY_TIMEOUT_S for a service to listen, ``stop`` up to its STOP_GRACE_S.
+CTL_TIMEOUT_S = 60.0
+# wait-ready's own --timeout is the servers'; the call gets this much more.
+WAIT_MARGIN_S = 30.0
+
+
+class RemoteFleet:
+    """The fleet of one pod, asynchronously: ctl calls on its workers through the fan-out."""
+
+    def __init__(self, pod: Pod, python: str, connector: Connector | None = None) -> None:
+        self.pod = pod
+        self.python = python
+        self.provider = provider_for(pod.provider)
+        self.state = StateDir()
+        self.connector = connector or self.provider.connect(pod, self.state)
+
+    async def close(self) -> None:
+        await self.connector.close()
+
+    def shared_addresses(self) -> bool:
+        return len({w.internal_address for w in self.pod.workers}) < len(self.pod.workers)
+
+    async def ctl(
+        self,
+        worker: Worker,
+        *args: str,
+        env: dict[str, str] | None = None,
+        on_line: Callable[[str], None] | None = None,
+        timeout: float = CTL_TIMEOUT_S,
+    ) -> list[dict[str, Any]]:
+        """Run ``python -m tpupod.serve.ctl ARGS`` on the worker; its JSON lines.
+
+        It runs through the fan-out (``fanout.execute_async``), so its bounds hold: a host
+        that does not answer a new command within the connect timeout, or goes silent
+        mid-call, or a call past ``timeout`` seconds, is given up and named.
+        """
+        command = shlex.join([self.python, "-m", "tpupod.serve.ctl", *args])
+        answers: list[dict[str, Any]] = []
+        other: list[str] = []
+
+        def seen(_: Worker, line: OutputLine) -> None:
+            try:
+                answer = json.loads(line.text)
+            except ValueError:
+                other.append(line.text)
+                return
+            if isinstance(answer, dict):
+                answers.append(answer)
+                if on_line is not None:
+                    on_line(line.text)
+
+        done = await execute_async(
+            self.pod, command, workers=[worker], env=env, on_line=seen,
+            connector=self.connector, timeout=timeout,
+        )  # fmt: skip
+        result = done.workers[0]
+        if result.outcome in (Outcome.UNREACHABLE, Outcome.TIMED_OUT):
+            raise unanswered(worker, result, args[0], timeout)
+        if not answers:
+            last = other[-1] if other else result.outcome_text
+            raise ServeError(
+                f"{worker.label}: tpupod.serve.ctl gave no answer ({last})",
+                hint=f"is tpupod installed for {self.python} on the worker? "
+                "(--worker-python names another Python)",
+            )
+        return answers
+
+    async def call(
+        self, worker: Worker, service: str, method: str, path: str, body: Any = None
+    ) -> Any:
+        args = ["call", service, method, path]
+        if body is not None:
+            args += ["--body", json.dumps(body)]
+        answer = (await self.ctl(worker, *args))[-1]
+        if answer.get("status") != 200:
+            what = answer.get("error") or f"HTTP {answer.get('status')}: {answer.get('body')}"
+            raise ServeError(f"{worker.label}: the {service} refused {method} {path}: {what}")
+        return answer["body"]
+
+    # -- up ------------------------------------------------------------------------------
+    def ports(self, worker: Worker, options: UpOptions) -> list[int]:
+        n = options.servers_per_worker
+        offset = worker.id * n if self.shared_addresses() else 0
+        return [options.base_port + offset + k for k in range(n)]
+
+    def devices(self, options: UpOptions) -> int:
+        if options.devices_per_worker is not None:
+            return options.devices_per_worker
+        return int(getattr(self.pod.spec, "devices_per_worker", 0) or 4)
+
+    async def ensure_agent(self, worker: Worker, options: UpOptions) -> dict[str, Any]:
+        port = 0 if self.shared_addresses() else options.agent_port
+        answer = (
+            await self.ctl(
+                worker,
+                "ensure",
+                "agent",
+                "--",
+                self.python,
+                "-m",
+                "tpupod.serve.agent",
+                "--host",
+                worker.internal_address,
+                "--port",
+                str(port),
+            )
+        )[-1]
+        if "error" in answer:
+            log = "; ".join(answer.get("log", [])[-3:])
+            raise ServeError(f"{worker.label}: {answer['error']}: {log}")
+        return answer
+
+    def replica_specs(self, options: UpOptions) -> dict[int, list[ServerSpec]]:
+        if options.backend is not Backend.BUILTIN or options.servers_per_worker != 1:
+            raise ServeError(
+                "--hosts-per-replica serves one builtin replica per group of workers",
+                hint="use the builtin backend with --servers-per-worker 1",
+            )
+        return plan_replicas(
+            [(w.id, w.internal_address) for w in self.pod.workers],
+            options.hosts_per_replica,
+            model=options.model,
+            base_port=options.base_port,
+            shared_addresses=self.shared_addresses(),
+            dtype=options.dtype,
+            served_model_name=options.served_model_name,
+            python=self.python,
+            mesh=options.mesh,
+            extra_args=options.extra_args,
+            restart_backoff_s=options.restart_backoff,
+        )
+
+    def plan_worker(self, worker: Worker, options: UpOptions) -> list[ServerSpec]:
+        """The server specs of one worker (raises on options that do not fit)."""
+        if options.hosts_per_replica > 1:
+            return self.replica_specs(options)[worker.id]
+        return plan(
+            options.backend,
+            host=worker.internal_address,
+            ports=self.ports(worker, options),
+            model=options.model,
+            devices=self.devices(options),
+            dtype=options.dtype,
+            served_model_name=options.served_model_name,
+            python=self.python,
+            command=options.command,
+            extra_args=options.extra_args,
+            restart_backoff_s=options.restart_backoff,
+        )
+
+    async def start_servers(
+        self, worker: Worker, options: UpOptions, plans: dict[int, list[ServerSpec]]
+    ) -> list[ServerRecord]:
+        if options.hosts_per_replica > 1:
+            return await self.start_members(worker, plans)
+        specs = plans[worker.id]
+        for spec in specs:
+            await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
+        return [
+            ServerRecord(worker=worker.id, host=worker.internal_address, port=p, name=s.name)
+            for s in specs
+            for p in s.ports
+        ]
+
+    async def start_members(
+        self, worker: Worker, every: dict[int, list[ServerSpec]]
+    ) -> list[ServerRecord]:
+        """Start this worker's members of multi-host replicas; a record per replica it leads."""
+        records = []
+        for spec in every[worker.id]:
+            await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
+            group = spec.group
+            if group is not None and group.rank == 0:
+                followers = [
+                    w
+                    for w, specs in every.items()
+                    for other in specs
+                    if other.group is not None
+                    and other.group.leader == group.leader
+                    and other.group.rank > 0
+                ]
+                records.append(
+                    ServerRecord(
+                        worker=worker.id,
+                        host=worker.internal_address,
+                        port=group.http_port,
+                        name=spec.name,
+                        followers=followers,
+                    )
+                )
+        return records
+
+    async def wait_ready(self, worker: Worker, timeout: float, progress: Progress) -> None:
+        began = time.monotonic()
+
+        def seen(text: str) -> None:
+            event = json.loads(text)
+            ports = ",".join(str(p) for p in event.get("ports", []))
+            took = time.monotonic() - began
+            if event["event"] == "ready":
+                progress(f"{worker.label} :{ports} ready ({took:.1f}s)")
+
+        answers = await self.ctl(
+            worker, "wait-ready", "--timeout", str(timeout), on_line=seen,
+            timeout=timeout + WAIT_MARGIN_S,
+        )  # fmt: skip
+        last = answers[-1]
+        if last.get("event") == "failing":
+            ports = ",".join(str(p) for p in last.get("ports", []))
+            logs = " | ".join(own_lines(last.get("log", []))[-3:])
+            raise ServeError(
+                f"{worker.label}: the server {f'on :{ports}' if ports else last['name']} exited "
+                f"before it answered (exit {last.get('last_exit')})",
+                hint=(f"its last lines: {logs}" if logs else "see its log in the agent's folder")
+                + "; serve up stopped what it had started",
+            )
+        if last.get("event") == "gone":
+            raise ServeError(
+                f"{worker.label}: the agent went away while its servers started: {last['error']}",
+                hint="was 'tpupod serve down' run meanwhile? serve up stopped what it had started",
+            )
+        if last.get("event") == "timeout":
+            pending = last.get("pending", [])
+            names = ", ".join(
+                f":{','.join(str(p) for p in s['ports'])} ({s['state']})" for s in pending
+            )
+            logs = " | ".join(own_lines(pending[0].get("log", []))[-3:]) if pending else ""
+            raise ServeError(
+                f"{worker.label}: not ready after {timeout:g}s: {names}",
+                hint=(f"last log lines: {logs}" if logs else "see the agent's logs/ folder")
+                + "; serve up stopped what it had started",
+            )
+
+    async def ensure_router(
+        self, options: UpOptions, servers: list[ServerRecord], token: str
+    ) -> int:
+        head = self.pod.workers[0]
+        port = options.router_port
+        if port is None:
+            port = 0 if self.pod.on_this_machine else defaults.ROUTER_PORT
+        argv = [self.python, "-m", "tpupod.serve.router", "--host", head.internal_address]
+        argv += ["--port", str(port)]
+        # without --served-model-name, the router asks the servers what they call the model
+        argv += ["--model", options.served_model_name] if options.served_model_name else []
+        argv += ["--backends", ",".join(s.address for s in servers), "--policy", options.policy]
+        argv += ["--health-interval", str(options.health_interval)]
+        args = ["ensure", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN", "router", "--", *argv]
+        answer = (await self.ctl(head, *args, env={"TPUPOD_SERVE_TOKEN": token}))[-1]
+        if "error" in answer:
+            raise ServeError(f"w0: {answer['error']}: {'; '.join(answer.get('log', []))}")
+        return int(answer["port"])
+
+    async def up(
+        self, options: UpOptions, progress: Progress, replace: bool = False
+    ) -> FleetRecord | None:
+        """Start the fleet; None when the same one already serves (nothing is touched).
+
+        Another fleet on the pod is refused unless ``replace``; then every server of
+        every agent is stopped before the new ones start. When anything fails, every
+        agent, server and router is stopped: a failed ``serve up`` leaves nothing.
+        """
+        wanted = settings_of(options)
+        old = self.existing()
+        if old is not None and not replace:
+            if old.settings != wanted:
+                raise ServeError(
+                    f"already serving {old.model} on pod {self.pod.name!r} with other "
+                    f"settings ({differences(old.settings, wanted)})",
+                    hint="'tpupod serve down' first, or 'tpupod serve up --replace' to stop "
+                    "every server of it and start these",
+                )
+            lost = await self.missing(old)
+            if not lost:
+                progress(f"already serving {old.model} with these settings at {old.base_url}")
+                return None
+            progress(f"already serving with these settings, but not {lost}: starting it again")
+        plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}  # may refuse
+        try:
+            return await self.start(options, plans, old, progress)
+        except BaseException:  # a failure, or Ctrl-C (the task is cancelled): stop it all
+            with contextlib.suppress(Exception):
+                await self.down(lambda _: None)
+            raise
+
+    def existing(self) -> FleetRecord | None:
+        try:
+            return load_record(self.state, self.pod.name)
+        except ServeError:
+            return None
+
+    async def missing(self, record: FleetRecord) -> str:
+        """What of the recorded fleet does not run ('' when all of it does)."""
+        agents, router = await self.status()
+        lost = [
+            f"w{w}'s {s.name}"
+            for s in record.servers
+            for w in (s.worker, *s.followers)
+            if isinstance(m := member(agents, w, s.name), str) or m["state"] == "stopped"
+        ]
+        return ", ".join(lost + (["the router"] if isinstance(router, str) else []))
+
+    async def start(
+        self,
+        options: UpOptions,
+        plans: dict[int, list[ServerSpec]],
+        old: FleetRecord | None,
+        progress: Progress,
+    ) -> FleetRecord:
+        workers = list(self.pod.workers)
+        agents = await _gather(self.ensure_agent(w, options) for w in workers)
+        for w, a in zip(workers, agents, strict=True):
+            state = "started" if a.get("started_now") else "running"
+            progress(f"{w.label} agent {state} (pid {a['pid']}, {a['host']}:{a['port']})")
+        # an agent that ran already may hold servers of a fleet before: none may stay
+        running = [w for w, a in zip(workers, agents, strict=True) if not a.get("started_now")]
+        stopped = await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
+        if count := sum(len(answer["stopped"]) for answer in stopped):
+            progress(f"stopped {count} servers of the fleet before")
+        per_worker = await _gather(self.start_servers(w, options, plans) for w in workers)
+        servers = [s for group in per_worker for s in group]
+        if options.hosts_per_replica > 1:
+            progress(
+                f"starting {len(servers)} replicas of {options.hosts_per_replica} workers each "
+                "(lockstep)"
+            )
+        else:
+            progress(
+                f"starting {len(servers)} servers ({options.backend.value}) "
+                f"on {len(workers)} workers"
+            )
+        await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
+        wanted = settings_of(options)  # as given: a router port kept below is not a setting
+        token = old.token if old is not None else secrets.token_urlsafe(24)
+        if old is not None and options.router_port is None:  # the endpoint stays where it was
+            options = dataclasses.replace(options, router_port=old.router_port)
+        port = await self.ensure_router(options, servers, token)
+        record = FleetRecord(
+            pod=self.pod.name,
+            model=options.served_model_name or options.model,
+            backend=options.backend,
+            python=self.python,
+            servers=servers,
+            router_host=self.pod.workers[0].internal_address,
+            router_port=port,
+            token=token,
+            started=time.time(),
+            settings=wanted,
+        )
+        save_record(self.state, record)
+        progress(f"router on w0 at {record.base_url} over {len(servers)} servers")
+        return record
+
+    # -- status, restart, down -----------------------------------------------------------
+    async def agent_status(self, worker: Worker) -> AgentAnswer:
+        try:
+            body: dict[str, Any] = await self.call(worker, "agent", "GET", "/admin/status")
+        except (ServeError, WorkerError) as exc:
+            return exc.message
+        return body
+
+    async def status(self) -> tuple[list[AgentAnswer], AgentAnswer]:
+        agents = await asyncio.gather(*(self.agent_status(w) for w in self.pod.workers))
+        try:
+            router = await self.call(self.pod.workers[0], "router", "GET", "/backends")
+        except (ServeError, WorkerError) as exc:
+            router = exc.message
+        return list(agents), router
+
+    async def restart(self, workers: list[Worker], name: str | None) -> list[str]:
+        done = await _gather(
+            self.call(w, "agent", "POST", "/admin/restart", {"name": name}) for w in workers
+        )
+        return [f"w{w.id}:{n}" for w, d in zip(workers, done, strict=True) for n in d["restarted"]]
+
+    async def down(self, progress: Progress) -> None:
+        """Stop every agent (and its servers), then the router; the record goes once all
+        of it is stopped. A worker that cannot be reached does not keep the others running:
+        it is named after the rest stopped, and the record stays for a later down."""
+
+        async def stop_worker(w: Worker) -> None:
+            answer = (await self.ctl(w, "stop", "agent"))[-1]
+            what = "stopped" if answer.get("stopped") else "was not running"
+            progress(f"{w.label} agent {what}")
+
+        async def stop_router() -> None:
+            answer = (await self.ctl(self.pod.workers[0], "stop", "router"))[-1]
+            progress(f"w0 router {'stopped' if answer.get('stopped') else 'was not running'}")
+
+        agents = await asyncio.gather(*map(stop_worker, self.pod.workers), return_exceptions=True)
+        router = await asyncio.gather(stop_router(), return_exceptions=True)
+        _raise_first([*agents, *router])
+        record_path(self.state, self.pod.name).unlink(missing_ok=True)
+
+
+def own_lines(log: list[str]) -> list[str]:
+    """A server's log lines without their times and the agent's notes about it."""
+    lines = [unstamped(line) for line in log]
+    return [line for line in lines if not line.startswith("[tpupod agent]")]
+
+
+async def _gather(awaitables: Any) -> list[Any]:
+    """Gather, and raise the first failure only after every worker has answered."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    _raise_first(results)
+    return results
+
+
+def _raise_first(results: list[Any]) -> None:
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
+
+
+def unanswered(worker: Worker, result: WorkerResult, call: str, timeout: float) -> WorkerError:
+    """The error of a ctl call the worker did not answer: its host is unreachable or silent."""
+    if result.outcome is Outcome.TIMED_OUT:
+        reason = f"tpupod.serve.ctl {call} gave no answer in {timeout:g}s"
+    else:
+        reason = f"unreachable: {result.error}"
+    return WorkerError(
+        f"{worker.label} ({worker.internal_address}): {reason}",
+        hint=result.hint or "the host or its network may be down",
+        worker=worker.id,
+        reason=reason,
+        unreachable=True,
+    )

@@ -1,0 +1,105 @@
+"""``serve status`` as typed records: one :class:`ServerStatus` per server (a replica across
+workers is one, led by its rank-0 worker), gathered into a :class:`FleetStatus`.
+
+The agents and the router answer JSON; this module turns their answers and the fleet's
+record into rows a table, the dashboard or a script reads (``Fleet.status()`` returns them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tpupod.serve.record import FleetRecord, ServerRecord
+
+# An agent's /admin/status body, or why it gave none (the worker's error, one line).
+AgentAnswer = dict[str, Any] | str
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """One server (or replica) of the fleet, as its agent and the router see it."""
+
+    worker: int  # the worker it runs on (a replica's leader)
+    address: str  # host:port the router sends requests to
+    backend: str
+    state: str  # ready, starting, restarting, stopped, ...; or why the agent did not answer
+    pid: int | None
+    restarts: int | None
+    requests: int | None  # the router's counts (None: the router does not know it)
+    tokens_per_s: float | None
+    followers: tuple[int, ...] = ()  # a replica's other members' workers
+    follower_restarts: tuple[int | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class FleetStatus:
+    """The fleet as a whole: its record, a row per server, and the router's view."""
+
+    record: FleetRecord
+    servers: list[ServerStatus]
+    healthy: int  # backends the router routes to
+    router_error: str | None = None  # why the router did not answer (None: it did)
+
+    @property
+    def replicated(self) -> bool:
+        """Replicas across workers: a row per group (leader and followers)."""
+        return any(s.followers for s in self.servers)
+
+
+def fleet_status(
+    record: FleetRecord, agents: list[AgentAnswer], router: AgentAnswer
+) -> FleetStatus:
+    """The fleet's status from every agent's answer (in worker order) and the router's."""
+    health = router.get("health", {}) if isinstance(router, dict) else {}
+    servers = [_server(record, s, agents, health.get(s.address, {})) for s in record.servers]
+    if isinstance(router, str):
+        return FleetStatus(record, servers, 0, router)
+    return FleetStatus(record, servers, len(router.get("backends", [])))
+
+
+def _server(
+    record: FleetRecord, s: ServerRecord, agents: list[AgentAnswer], seen: dict[str, Any]
+) -> ServerStatus:
+    agent = agents[s.worker] if s.worker < len(agents) else "no agent"
+    managed = None
+    if isinstance(agent, dict):
+        managed = next((m for m in agent["servers"] if s.port in m["ports"]), None)
+    state = managed["state"] if managed else (agent if isinstance(agent, str) else "gone")
+    members = [member_state(agents, f, s.name) for f in s.followers]
+    pairs = zip(s.followers, members, strict=True)
+    state = ", ".join([state, *(f"w{f}: {m}" for f, m in pairs if m != "ready")])
+    if managed and seen.get("state") == "down":
+        state = f"{state}, router: down"
+    return ServerStatus(
+        worker=s.worker,
+        address=s.address,
+        backend=record.backend.value,
+        state=state,
+        pid=managed["pid"] if managed else None,
+        restarts=managed["restarts"] if managed else None,
+        requests=seen.get("requests"),
+        tokens_per_s=seen.get("tokens_per_s"),
+        followers=tuple(s.followers),
+        follower_restarts=tuple(member_restarts(agents, f, s.name) for f in s.followers),
+    )
+
+
+def member(agents: list[AgentAnswer], worker: int, name: str) -> AgentAnswer:
+    """What ``worker``'s agent says of the server ``name``: its entry, or why there is none."""
+    agent = agents[worker] if worker < len(agents) else "no agent"
+    if isinstance(agent, str):
+        return agent
+    found = next((m for m in agent["servers"] if m["name"] == name), None)
+    return found if found is not None else "gone"
+
+
+def member_state(agents: list[AgentAnswer], worker: int, name: str) -> str:
+    """The state of a replica's member on ``worker`` (as its agent reports it)."""
+    found = member(agents, worker, name)
+    return found if isinstance(found, str) else str(found["state"])
+
+
+def member_restarts(agents: list[AgentAnswer], worker: int, name: str) -> int | None:
+    found = member(agents, worker, name)
+    return None if isinstance(found, str) else int(found["restarts"])
