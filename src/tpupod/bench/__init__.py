@@ -10,4 +10,6 @@ baseline.py       an earlier results file (or the latest of the suite) and regre
 plots.py          one PNG per benchmark (matplotlib)
 launcher.py       the launcher's side: the plan, ``tpupod run``, the results on disk
 (results are written through tpupod.storage: a local folder, or gs:// through fsspec)
+
+Design notes: docs/checkpoint-bench.md.
 """

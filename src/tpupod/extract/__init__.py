@@ -8,6 +8,8 @@ Modules: ``data`` (JSONL samples), ``arc`` (ARC tasks to prompts), ``plan``
 (shards by hash of id), ``shards`` (the file format), ``store`` (local or
 fsspec, the write queue), ``runner`` (one host's part), ``launcher`` (a run on
 a pod), ``progress``, ``reader`` (``open``).
+
+Design notes: docs/extract.md.
 """
 
 from tpupod.extract.reader import Dataset, open

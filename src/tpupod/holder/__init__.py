@@ -13,6 +13,8 @@ Wire format: one JSON object per line. The client sends one request
 ``{"op": "interrupt", "signal": N}``; the holder streams ``line`` and
 ``notice`` events and ends with ``result`` (or ``error``). A client that goes
 away mid-run counts as an interrupt, so nothing is left running on the hosts.
+
+Design notes: docs/ssh.md.
 """
 
 from __future__ import annotations

@@ -1,1 +1,4 @@
-"""Lockstep launch: who each worker is, rendezvous between them, and `tpupod run`."""
+"""Lockstep launch: who each worker is, rendezvous between them, and `tpupod run`.
+
+Design notes: docs/launch.md.
+"""

@@ -5,6 +5,8 @@ layer activations, generate. Needs the ``tpupod[model]`` extra.
     >>> model = load_model("/tmp/model/qwen2.5-0.5b", dtype="bfloat16")
     >>> out = model.forward(ids, mask, layers=[15, 16, 23])
     >>> model.chat([{"role": "user", "content": "Who are you?"}], max_new_tokens=64).texts
+
+Design notes: docs/model.md.
 """
 
 from tpupod.model.config import PRESETS, QwenConfig, qwen2_5_0_5b, qwen3_0_6b, qwen3_1_7b

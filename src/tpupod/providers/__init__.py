@@ -1,4 +1,7 @@
-"""Where pods come from. A provider creates and destroys pods and hands out transports."""
+"""Where pods come from. A provider creates and destroys pods and hands out transports.
+
+Design notes: docs/gcp.md (the gcp provider).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""How commands reach a worker. The fan-out engine sees only :class:`Transport`."""
+"""How commands reach a worker. The fan-out engine sees only :class:`Transport`.
+
+Design notes: docs/ssh.md.
+"""
 
 from tpupod.transport.base import (
     ExitStatus,
