@@ -80,6 +80,7 @@ def command(name: str, **settings: object) -> Callable[[Callable[P, R]], Callabl
 # 5 to 40 ms to import; a bare `tpupod run` paid for all of them), help loads them all.
 COMMAND_MODULES = {
     "bench": "bench",
+    "dashboard": "dashboard",
     "exec": "exec",
     "extract": "extract",
     "image": "image",

@@ -1,0 +1,253 @@
+"""`tpupod dashboard` under a big state directory: render times, browser navigation, live
+updates, the process's CPU and memory, and whether history slows the first view.
+
+    .venv/bin/python benchmarks/dashboard.py                # 256 workers, 1,000 runs, 10,000 jobs
+    .venv/bin/python benchmarks/dashboard.py --watch-s 600  # the issue's 10 minutes of 3 browsers
+
+Everything runs on this machine: a local pod of 256 workers (each sample runs a probe on
+every worker), 1,000 finished runs and one running run written as `tpupod run` writes
+them (run.json, wN.log), 10,000 jobs in a SQLite store, and the dashboard as its own
+process (`tpupod dashboard --interval 5`). Chromium is Debian's, driven by playwright.
+
+* render: server time per page, p50 and p95 of ``--requests`` GETs each (httpx, keep-alive);
+* navigation: ``goto`` until the page's heading is visible, in Chromium, median of 5;
+* event: a job cancelled in the store until the jobs page shows it;
+* log line: a line appended to a running worker's log until the run page shows it;
+* process: CPU (share of one core) and RSS of the dashboard with 3 browser pages open;
+* history: the runs page and the overview with 10 and with 1,000 finished runs (p50).
+
+No serving fleet is started (20 backends need 20 model servers); the serving page is
+rendered empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tpupod.jobs.models import JobRequest
+from tpupod.jobs.store import Store
+from tpupod.lifecycle import up
+from tpupod.spec import LocalPodSpec
+from tpupod.state import StateDir
+
+TPUPOD = str(Path(sys.executable).with_name("tpupod"))
+PORT = 8761
+
+
+def write_runs(state: StateDir, pod: str, workers: int, count: int) -> str:
+    """``count`` finished runs and one running one (no launcher lock: it stays "running");
+    the running one's launch id."""
+    runs = state.pod_dir(pod) / "runs"
+    now = time.time() - count * 60
+    briefs = [{"id": i, "hostname": "vm"} for i in range(workers)]
+    for n in range(count + 1):
+        launch = f"20260101-{n:06d}-bench"
+        folder = runs / launch
+        folder.mkdir(parents=True)
+        done = n < count
+        failed = done and n % 10 == 0
+        record = {
+            "launch_id": launch,
+            "command": f"python train.py --step {n}",
+            "workers": briefs,
+            "coordinator": "127.0.0.1:8476",
+            "started": now + n * 60,
+            "finished": now + n * 60 + 30 if done else None,
+            "exit_code": (1 if failed else 0) if done else None,
+            "results": [
+                {
+                    "worker": i,
+                    "outcome": "exit 1" if failed and i == 2 else "exit 0",
+                    "last_line": f"step {n} done",
+                }
+                for i in range(workers)
+            ]
+            if done
+            else [],
+        }
+        (folder / "run.json").write_text(json.dumps(record))
+        for i in range(min(workers, 4)):
+            (folder / f"w{i}.log").write_text("".join(f"w{i} line {k}\n" for k in range(20)))
+    return f"20260101-{count:06d}-bench"
+
+
+def start(home: Path, interval: float) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "TPUPOD_HOME": str(home)}
+    argv = [TPUPOD, "dashboard", "--port", str(PORT), "--interval", str(interval), "--token", "t"]
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300  # a first sample of 256 workers on a busy machine
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{PORT}/api/pods").json()["state"] == "ok":
+                return proc
+        except (httpx.TransportError, ValueError):
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the dashboard did not sample within 300 s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def render_times(paths: list[str], requests: int) -> dict[str, tuple[float, float]]:
+    """Per path: (p50, p95) of the server's answer time, in ms."""
+    found = {}
+    with httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120) as client:
+        for path in paths:
+            times = []
+            for _ in range(requests):
+                began = time.perf_counter()
+                client.get(path).raise_for_status()
+                times.append((time.perf_counter() - began) * 1000)
+            times.sort()
+            found[path] = (statistics.median(times), times[int(len(times) * 0.95) - 1])
+    return found
+
+
+def browse(
+    paths: list[str],
+    running: str,
+    home: Path,
+    store: Store,
+    *,
+    proc: subprocess.Popen[bytes],
+    watch_s: float,
+) -> dict[str, Any]:
+    from playwright.sync_api import sync_playwright
+
+    base = f"http://127.0.0.1:{PORT}"
+    out: dict[str, Any] = {}
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(
+            executable_path=shutil.which("chromium"), args=["--no-sandbox"]
+        )
+        page = chromium.new_page()
+        for path in paths:
+            times = []
+            for _ in range(5):
+                began = time.perf_counter()
+                page.goto(base + path)
+                page.locator("main h1").wait_for()
+                times.append((time.perf_counter() - began) * 1000)
+            out[path] = statistics.median(times)
+        # an event: a job cancelled in the store, until the jobs page shows it
+        page.goto(base + "/jobs")
+        newest = page.locator("#job-list tbody tr").first
+        job = int(newest.get_attribute("data-job") or 0)
+        began = time.perf_counter()
+        store.cancel(job)
+        newest.locator("td.status", has_text="cancelled").wait_for(timeout=30_000)
+        out["event"] = time.perf_counter() - began
+        # a log line of a running worker, until the run page shows it
+        page.goto(f"{base}/runs/{running}")
+        page.locator('#logs pre[data-worker="0"]', has_text="line 19").wait_for()
+        log = home / "state" / "pods" / "big" / "runs" / running / "w0.log"
+        began = time.perf_counter()
+        with log.open("a") as f:
+            f.write("a new line\n")
+        page.locator('#logs pre[data-worker="0"]', has_text="a new line").wait_for()
+        out["log"] = time.perf_counter() - began
+        # three viewers for watch_s: the dashboard's CPU and RSS
+        pages = [chromium.new_page() for _ in range(3)]
+        for viewer, path in zip(pages, ["/", "/pods/big", f"/runs/{running}"], strict=True):
+            viewer.goto(base + path)
+        out["cpu"], out["rss"] = watch(proc, watch_s)
+        chromium.close()
+    return out
+
+
+def watch(proc: subprocess.Popen[bytes], seconds: float) -> tuple[float, float]:
+    """(share of one core, RSS MiB) of the dashboard over ``seconds``."""
+    process = psutil.Process(proc.pid)
+    before = process.cpu_times()
+    time.sleep(seconds)
+    after = process.cpu_times()
+    cpu = (after.user + after.system - before.user - before.system) / seconds
+    return cpu, process.memory_info().rss / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=1000)
+    parser.add_argument("--jobs", type=int, default=10_000)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--interval", type=float, default=5.0)
+    parser.add_argument("--watch-s", type=float, default=60.0)
+    args = parser.parse_args()
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    home = Path(tempfile.mkdtemp(prefix="tpupod-dash-bench-"))
+    os.environ["TPUPOD_HOME"] = str(home / "state")
+    state = StateDir()
+    up(LocalPodSpec(name="big", workers=args.workers), state)
+    few = home / "few"
+    shutil.copytree(home / "state", few / "state")
+    running = write_runs(state, "big", args.workers, args.runs)
+    write_runs(StateDir(few / "state"), "big", args.workers, 10)
+    store = Store.open()
+    store.submit_many([JobRequest(command=f"echo {i}", name=f"job-{i}") for i in range(args.jobs)])
+    paths = [
+        "/",
+        "/pods",
+        "/pods/big",
+        "/runs",
+        f"/runs/{running}",
+        "/jobs",
+        "/jobs?status=pending",
+        "/jobs/1",
+        "/serving",
+        "/charts",
+        "/api/pods",
+        "/metrics",
+    ]
+    proc = start(home / "state", args.interval)
+    try:
+        rendered = render_times(paths, args.requests)
+        print("\n| page | p50 ms | p95 ms |\n| --- | ---: | ---: |")
+        for path, (p50, p95) in rendered.items():
+            print(f"| `{path}` | {p50:.1f} | {p95:.1f} |")
+        browsed = browse(paths[:6], running, home, store, proc=proc, watch_s=args.watch_s)
+        print("\n| page | navigation to visible, ms (median of 5) |\n| --- | ---: |")
+        for path in paths[:6]:
+            print(f"| `{path}` | {browsed[path]:.0f} |")
+        print(f"\nevent (job cancelled) -> on screen: {browsed['event']:.2f} s")
+        print(f"log line -> on screen: {browsed['log']:.2f} s")
+        cpu, rss = browsed["cpu"] * 100, browsed["rss"]
+        print(f"dashboard, 3 pages open {args.watch_s:.0f} s: {cpu:.1f} % of a core, {rss:.0f} MiB")
+        stop(proc)
+        proc = start(few / "state", args.interval)
+        small = render_times(["/", "/runs"], args.requests)
+        stop(proc)
+        proc = start(home / "state", args.interval)
+        large = render_times(["/", "/runs"], args.requests)
+        for path in ("/", "/runs"):
+            ratio = large[path][0] / small[path][0]
+            print(
+                f"history: `{path}` p50 {small[path][0]:.1f} ms with 10 runs, "
+                f"{large[path][0]:.1f} ms with {args.runs}: {ratio:.2f}x"
+            )
+    finally:
+        stop(proc)
+        store.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""The dashboard's web app (FastAPI): pages, their JSON under /api, server-sent events,
+Prometheus /metrics, and the few actions (POST, token and same origin: guard.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from tpupod.dashboard import metrics, runs
+from tpupod.dashboard.charts import line_chart
+from tpupod.dashboard.guard import allowed_hosts, guard_middleware
+from tpupod.dashboard.sampler import Sampler
+from tpupod.errors import JobNotFound, StateError, TpupodError, UsageError
+from tpupod.launch.records import RunRecord
+
+HERE = Path(__file__).parent
+HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 8750
+    token: str | None = None
+    names: tuple[str, ...] = ()  # more names the Host header may carry
+    interval: float = 5.0
+    jobs_url: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def create_app(config: Config) -> FastAPI:
+    sampler = Sampler(config.interval, config.jobs_url)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(sampler.run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await sampler.close()
+
+    app = FastAPI(title="tpupod dashboard", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.sampler = sampler
+    app.state.templates = Jinja2Templates(directory=HERE / "templates")
+    app.middleware("http")(guard_middleware(allowed_hosts(config.host, config.names), config.token))
+    app.middleware("http")(_headers)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.exception_handler(TpupodError)(_error)
+    _pages(app, sampler)
+    _api(app, sampler)
+    return app
+
+
+async def _headers(request: Request, call_next: Any) -> Response:
+    response: Response = await call_next(request)
+    response.headers.update(HEADERS)
+    return response
+
+
+async def _error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, TpupodError)
+    status = 404 if isinstance(exc, JobNotFound | StateError) else 503
+    status = 400 if isinstance(exc, UsageError) else status
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"detail": exc.message, "hint": exc.hint}, status_code=status)
+    return render(request, "error.html", (), status=status, message=exc.message, hint=exc.hint)
+
+
+def render(
+    request: Request, template: str, topics: tuple[str, ...], status: int = 200, **context: Any
+) -> HTMLResponse:
+    """A page, or only its live part when the script asks (``X-Fragment: 1``)."""
+    sampler: Sampler = request.app.state.sampler
+    now = time.time()
+    sources = [sampler.sources[t].to_json(now) for t in topics]
+    fragment = request.headers.get("x-fragment") == "1"
+    context.update(topics=" ".join(topics), sources=sources, fragment=fragment, now=now)
+    templates: Jinja2Templates = request.app.state.templates
+    return templates.TemplateResponse(request, template, context, status_code=status)
+
+
+def find_run(sampler: Sampler, launch_id: str) -> RunRecord:
+    """A run by launch id, on whichever pod it ran."""
+    for record in sampler.run_cache.all(sampler.state):
+        if record.launch_id == launch_id:
+            return record
+    raise StateError(f"no run {launch_id!r}", hint="the runs page lists them")
+
+
+def overview(sampler: Sampler) -> dict[str, Any]:
+    """Counts, and whatever is failing first."""
+    pods = sampler.sources["pods"].data or []
+    run_list = sampler.sources["runs"].data or []
+    jobs = sampler.sources["jobs"].data or {}
+    failing = [
+        {
+            "what": f"pod {p['name']}",
+            "why": f"{len(p['workers']) - p['reachable']} unreachable",
+            "href": f"/pods/{p['name']}",
+        }
+        for p in pods
+        if p["reachable"] < len(p["workers"])
+    ]
+    failing += [
+        {
+            "what": f"run {r['id']}",
+            "why": f"worker {r['first_failure']} failed first",
+            "href": f"/runs/{r['id']}",
+        }
+        for r in run_list[:20]
+        if r["state"] in ("failed", "launcher gone")
+    ]
+    return {
+        "pods": len(pods),
+        "workers": sum(len(p["workers"]) for p in pods),
+        "runs": len(run_list),
+        "running": sum(r["state"] == "running" for r in run_list),
+        "jobs": jobs,
+        "failing": failing,
+    }
+
+
+def _pages(app: FastAPI, sampler: Sampler) -> None:
+    @app.get("/", response_class=HTMLResponse)
+    def home(request: Request) -> Response:
+        return render(request, "overview.html", ("pods", "runs", "jobs"), view=overview(sampler))
+
+    @app.get("/pods", response_class=HTMLResponse)
+    def pods(request: Request) -> Response:
+        return render(request, "pods.html", ("pods",), pods=sampler.sources["pods"].data)
+
+    @app.get("/pods/{name}", response_class=HTMLResponse)
+    def pod(request: Request, name: str) -> Response:
+        found = _pod(sampler, name)
+        charts = [
+            line_chart(sampler.history.since(f"{k}:{name}", time.time() - 3600), t, u)
+            for k, t, u in (("load", "load per core", ""), ("memory", "memory", ""))
+        ]
+        return render(request, "pod.html", ("pods",), name=name, pod=found, charts=charts)
+
+    @app.get("/runs", response_class=HTMLResponse)
+    def run_list(request: Request, page: int = 1) -> Response:
+        return render(request, "runs.html", ("runs",), **_run_page(sampler, page))
+
+    @app.get("/runs/{launch_id}", response_class=HTMLResponse)
+    def run(request: Request, launch_id: str) -> Response:
+        record = find_run(sampler, launch_id)
+        view = runs.detail(record.reread(), runs.pod_of(record))
+        return render(request, "run.html", ("runs",), run=view)
+
+    @app.get("/jobs", response_class=HTMLResponse)
+    def jobs(request: Request, status: str | None = None, before: int | None = None) -> Response:
+        listing = sampler.jobs.page(status or None, before)
+        counts = sampler.sources["jobs"].data
+        return render(request, "jobs.html", ("jobs",), listing=listing, counts=counts)
+
+    @app.get("/jobs/{job_id}", response_class=HTMLResponse)
+    def job(request: Request, job_id: int) -> Response:
+        return render(request, "job.html", ("jobs",), job=sampler.jobs.one(job_id))
+
+    @app.get("/serving", response_class=HTMLResponse)
+    def serving(request: Request) -> Response:
+        return render(request, "serving.html", ("serving",), fleets=sampler.sources["serving"].data)
+
+    @app.get("/charts", response_class=HTMLResponse)
+    def charts(request: Request, hours: float = 1.0) -> Response:
+        start = time.time() - hours * 3600
+        drawn = [
+            line_chart(sampler.history.since(key, start), key)
+            for key in sorted(sampler.history.series)
+        ]
+        return render(request, "charts.html", (), charts=drawn, hours=hours)
+
+
+def _pod(sampler: Sampler, name: str) -> dict[str, Any] | None:
+    """The pod's last sample (None while loading); an unknown pod is a 404."""
+    sampler.state.load_brief(name)
+    return next((p for p in sampler.sources["pods"].data or () if p["name"] == name), None)
+
+
+RUN_PAGE = 50
+
+
+def _run_page(sampler: Sampler, page: int) -> dict[str, Any]:
+    found = sampler.sources["runs"].data
+    if found is None:
+        return {"runs": None, "page": 1, "pages": 1}
+    pages = max(1, -(-len(found) // RUN_PAGE))
+    page = min(max(page, 1), pages)
+    return {"runs": found[(page - 1) * RUN_PAGE : page * RUN_PAGE], "page": page, "pages": pages}
+
+
+def _api(app: FastAPI, sampler: Sampler) -> None:
+    def sourced(topic: str, data: Any) -> dict[str, Any]:
+        return {**sampler.sources[topic].to_json(time.time()), "data": data}
+
+    @app.get("/api/pods")
+    def api_pods() -> dict[str, Any]:
+        return sourced("pods", sampler.sources["pods"].data)
+
+    @app.get("/api/pods/{name}")
+    def api_pod(name: str) -> dict[str, Any]:
+        return sourced("pods", _pod(sampler, name))
+
+    @app.get("/api/runs")
+    def api_runs(page: int = 1) -> dict[str, Any]:
+        return sourced("runs", _run_page(sampler, page))
+
+    @app.get("/api/runs/{launch_id}")
+    def api_run(launch_id: str) -> dict[str, Any]:
+        record = find_run(sampler, launch_id)
+        return runs.detail(record.reread(), runs.pod_of(record))
+
+    @app.get("/api/runs/{launch_id}/follow")
+    def api_run_follow(launch_id: str) -> StreamingResponse:
+        return _sse(_follow_run(find_run(sampler, launch_id)))
+
+    @app.post("/api/runs/{launch_id}/stop")
+    def api_run_stop(launch_id: str) -> dict[str, Any]:
+        runs.stop(find_run(sampler, launch_id).reread())
+        return {"stopping": launch_id}
+
+    @app.get("/api/jobs")
+    def api_jobs(status: str | None = None, before: int | None = None) -> dict[str, Any]:
+        return sampler.jobs.page(status or None, before)
+
+    @app.get("/api/jobs/{job_id}")
+    def api_job(job_id: int) -> dict[str, Any]:
+        return sampler.jobs.one(job_id)
+
+    @app.get("/api/jobs/{job_id}/follow")
+    def api_job_follow(job_id: int, after: int = 0) -> StreamingResponse:
+        sampler.jobs.one(job_id)  # 404 before the stream starts
+        return _sse(sampler.jobs.follow(job_id, after))
+
+    @app.post("/api/jobs/{job_id}/cancel")
+    def api_job_cancel(job_id: int) -> dict[str, Any]:
+        job = sampler.jobs.cancel(job_id)
+        sampler.publish("jobs")
+        return job
+
+    @app.get("/api/serving")
+    def api_serving() -> dict[str, Any]:
+        return sourced("serving", sampler.sources["serving"].data)
+
+    @app.get("/api/events")
+    def api_events() -> StreamingResponse:
+        return _sse(_events(sampler))
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.exposition(sampler), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/favicon.ico")
+    def favicon() -> Response:
+        return Response(status_code=204)
+
+
+def _sse(stream: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+
+async def _events(sampler: Sampler) -> AsyncIterator[str]:
+    """A topic's name whenever its data changes; a comment every 15 s keeps proxies open."""
+    queue = sampler.listen()
+    try:
+        yield "retry: 2000\n\n"
+        while True:
+            try:
+                topic = await asyncio.wait_for(queue.get(), timeout=15)
+            except TimeoutError:
+                yield ": keepalive\n\n"
+                continue
+            yield f"data: {topic}\n\n"
+    finally:
+        sampler.forget(queue)
+
+
+async def _follow_run(record: RunRecord) -> AsyncIterator[str]:
+    """Every worker's log lines as they are written, then ``end``."""
+    lines = runs.follow(record)
+    while True:
+        found = await asyncio.to_thread(next, lines, None)
+        if found is None:
+            yield "event: end\ndata: {}\n\n"
+            return
+        worker, line = found
+        yield f"event: line\ndata: {json.dumps({'worker': worker, 'line': line})}\n\n"

@@ -1,0 +1,87 @@
+"""The job store for the dashboard, through the job service's calls (jobs/service.py): counts,
+a filtered page (keyset: ids below the last one shown), one job with its attempts, its log
+followed, cancel."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from tpupod.errors import JobStoreError
+from tpupod.jobs import service
+from tpupod.jobs.models import Job, JobStatus
+from tpupod.jobs.store import Store
+
+PAGE = 50
+
+
+class Jobs:
+    """The store at ``url``, opened on first use; a store not made yet has no jobs."""
+
+    def __init__(self, url: str | None) -> None:
+        self.url = url
+        self.store: Store | None = None
+
+    def open(self) -> Store | None:
+        if self.store is None:
+            try:
+                self.store = service.open_store(self.url)
+            except JobStoreError as exc:
+                if "no job store at" in exc.message:
+                    return None
+                raise
+        return self.store
+
+    def need(self) -> Store:
+        store = self.open()
+        if store is None:
+            raise JobStoreError("there is no job store yet", hint="submit a job first")
+        return store
+
+    def counts(self) -> dict[str, int]:
+        store = self.open()
+        if store is None:
+            return {s.value: 0 for s in JobStatus}
+        return {s.value: n for s, n in service.status_counts(store).items()}
+
+    def page(self, status: str | None, before: int | None, size: int = PAGE) -> dict[str, Any]:
+        """Jobs newest first, ``size`` a page, ids below ``before``; ``status`` filters."""
+        store = self.open()
+        if store is None:
+            return {"jobs": [], "next_before": None, "status": status, "before": before}
+        statuses = service.statuses([status] if status else [])
+        found = service.list_jobs(store, statuses=statuses, before=before, limit=size)
+        return {
+            "jobs": [_row(job) for job in found.jobs],
+            "next_before": found.next_before,
+            "status": status,
+            "before": before,
+        }
+
+    def one(self, job_id: int) -> dict[str, Any]:
+        detail = service.job_detail(self.need(), job_id)
+        return {**_row(detail.job), "attempts": [asdict(a) for a in detail.attempts]}
+
+    def cancel(self, job_id: int) -> dict[str, Any]:
+        return _row(self.need().cancel(job_id))
+
+    async def follow(self, job_id: int, after: int) -> AsyncIterator[str]:
+        """The job's lines after offset ``after`` as server-sent events (ids are the
+        offsets, as the job API's), then ``end`` with its status."""
+        store = self.need()
+        async for lines in service.follow(store, job_id, after=after):
+            for line in lines:
+                yield f"id: {line.seq}\nevent: line\ndata: {json.dumps(asdict(line))}\n\n"
+        status = store.get(job_id).status.value
+        yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
+
+
+def _row(job: Job) -> dict[str, Any]:
+    data = job.to_dict()
+    keep = ("id", "name", "status", "command", "code", "pod", "attempt", "max_attempts", "error")
+    row = {k: data[k] for k in (*keep, "created_at", "started_at", "completed_at")}
+    row.update(labels=job.labels, cancel_requested=job.cancel_requested)
+    row["status_text"] = service.status_text(job)
+    return row

@@ -1,0 +1,71 @@
+"""One sample of a pod's workers: reachable or not, CPU load and memory, through the same
+fan-out every command uses (one short shell line per worker, on kept connections)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tpupod.fanout import execute_async
+from tpupod.pod import Pod
+from tpupod.providers import Connector
+from tpupod.results import FanoutResult
+
+# load average, cores, memory: one line each, read from /proc (no tools needed on the host)
+PROBE = (
+    "read a b c _ < /proc/loadavg; echo load $a; echo cores $(nproc); "
+    "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"
+)
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    worker: int
+    hostname: str
+    reachable: bool
+    at: float
+    load: float | None = None  # 1-minute load average per core (1.0: every core busy)
+    memory: float | None = None  # share of memory in use, 0..1
+    accelerator: str = "no TPU"  # libtpu's metrics are read only on TPU hosts
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse(lines: list[str]) -> tuple[float | None, float | None]:
+    """(load per core, memory in use) from the probe's lines; None where a line is missing."""
+    values: dict[str, float] = {}
+    for line in lines:
+        parts = line.replace(":", "").split()
+        if len(parts) >= 2:
+            try:
+                values[parts[0]] = float(parts[1])
+            except ValueError:
+                continue
+    load = values["load"] / max(values.get("cores", 1.0), 1.0) if "load" in values else None
+    total, free = values.get("MemTotal"), values.get("MemAvailable")
+    memory = (total - free) / total if total and free is not None else None
+    return load, memory
+
+
+async def sample_pod(pod: Pod, connector: Connector, timeout: float) -> list[WorkerSample]:
+    """Every worker's sample; one that does not answer within ``timeout`` is unreachable."""
+    seen: dict[int, list[str]] = {w.id: [] for w in pod.workers}
+    result: FanoutResult = await execute_async(
+        pod,
+        PROBE,
+        timeout=timeout,
+        grace=0.5,
+        connector=connector,
+        on_line=lambda worker, line: seen[worker.id].append(line.text),
+    )
+    now = time.time()
+    samples = []
+    for r in result.workers:
+        load, memory = parse(seen[r.worker.id]) if r.ok else (None, None)
+        error = "" if r.ok else f"{r.outcome_text()}: {r.last_line}".strip(": ")
+        w = r.worker
+        samples.append(WorkerSample(w.id, w.hostname, r.ok, now, load, memory, error=error))
+    return samples

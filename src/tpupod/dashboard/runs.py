@@ -1,0 +1,138 @@
+"""Runs of ``tpupod run`` for the dashboard: the records ``tpupod logs`` reads
+(launch/records.py), summarised; the first failure with its last lines."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tpupod.errors import StateError, UsageError
+from tpupod.launch.records import RunRecord, read_logs, run_record
+from tpupod.launch.run import RUNS_DIR
+from tpupod.state import StateDir
+
+TAIL_LINES = 10
+TAIL_BYTES = 16_384
+STOPPED_BY = re.compile(r"stopped after w(\d+) failed")
+
+
+class RunCache:
+    """Every pod's runs; an ended run's record never changes, so it is read once."""
+
+    def __init__(self) -> None:
+        self.ended: dict[Path, RunRecord] = {}
+
+    def all(self, state: StateDir) -> list[RunRecord]:
+        """Every pod's runs, newest first."""
+        found = [record for name in state.names() for record in self._read(state, name)]
+        self.ended.update((r.folder, r) for r in found if r.done)
+        return sorted(found, key=lambda r: (r.started, r.launch_id), reverse=True)
+
+    def _read(self, state: StateDir, name: str) -> Iterator[RunRecord]:
+        folder = state.pod_dir(name) / RUNS_DIR
+        for path in folder.iterdir() if folder.is_dir() else ():
+            cached = self.ended.get(path)
+            if cached is not None:
+                yield cached
+                continue
+            try:
+                yield run_record(path)
+            except StateError:  # a launch this instant: its record is not written yet
+                continue
+
+
+def ok(outcome: str) -> bool:
+    return outcome in ("exit 0", "ok")
+
+
+def first_failure(record: RunRecord) -> int | None:
+    """The worker that failed first: the one the others were stopped for, else the first
+    whose program did not end well."""
+    for r in record.results:
+        match = STOPPED_BY.search(r.outcome)
+        if match:
+            return int(match.group(1))
+    return next((r.worker for r in record.results if not ok(r.outcome)), None)
+
+
+def state(record: RunRecord) -> str:
+    """ok, failed, running or launcher gone."""
+    if record.done:
+        return "ok" if record.exit_code == 0 else "failed"
+    return record.state()
+
+
+def summary(record: RunRecord, pod: str) -> dict[str, Any]:
+    end = record.finished
+    return {
+        "id": record.launch_id,
+        "pod": pod,
+        "command": record.command,
+        "state": state(record),
+        "exit_code": record.exit_code,
+        "started": record.started,
+        "seconds": None if end is None else round(end - record.started, 3),
+        "workers": len(record.workers),
+        "first_failure": first_failure(record),
+    }
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
+    """The last lines of a log file (its last 16 KiB at most)."""
+    try:
+        with path.open("rb") as file:
+            size = file.seek(0, 2)
+            file.seek(max(0, size - TAIL_BYTES))
+            data = file.read()
+    except FileNotFoundError:
+        return []
+    return data.decode("utf-8", errors="replace").splitlines()[-lines:]
+
+
+def detail(record: RunRecord, pod: str) -> dict[str, Any]:
+    """The run with every worker's state and exit, the first failure first."""
+    outcomes = {r.worker: r for r in record.results}
+    failed = first_failure(record)
+    workers = []
+    for w in record.workers:
+        r = outcomes.get(w.id)
+        workers.append(
+            {
+                "worker": w.id,
+                "hostname": w.hostname,
+                "state": r.outcome if r else state(record),
+                "ok": ok(r.outcome) if r else None,
+                "last_line": r.last_line if r else "",
+                "tail": tail(record.log_file(w.id)),
+            }
+        )
+    workers.sort(key=lambda w: (w["worker"] != failed, w["worker"]))
+    return {**summary(record, pod), "finished": record.finished, "worker_list": workers}
+
+
+def pod_of(record: RunRecord) -> str:
+    return record.folder.parent.parent.name
+
+
+def follow(record: RunRecord) -> Iterator[tuple[int, str]]:
+    """Every worker's lines as ``tpupod logs --follow`` reads them."""
+    ids = [w.id for w in record.workers]
+    for brief, line in read_logs(record, ids, follow=True, poll_s=0.1):
+        yield brief.id, line
+
+
+def stop(record: RunRecord) -> None:
+    """Stop a running run as Ctrl-C on its launcher does (it stops every worker: TERM, then
+    KILL after the grace). Its launcher runs on this machine: it writes this state directory."""
+    if record.ended() or record.launcher_pid is None:
+        raise UsageError(f"run {record.launch_id} is not running", hint="nothing to stop")
+    try:
+        os.kill(record.launcher_pid, signal.SIGINT)
+    except ProcessLookupError:
+        raise UsageError(
+            f"run {record.launch_id}'s launcher is gone", hint="nothing to stop"
+        ) from None

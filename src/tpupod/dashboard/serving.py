@@ -1,0 +1,56 @@
+"""The serving fleets for the dashboard: `tpupod serve status`'s own call (``Fleet.status``),
+plus requests/s from two samples in a row."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from tpupod.errors import ServeError
+from tpupod.serve.fleet import Fleet
+from tpupod.serve.status import FleetStatus
+from tpupod.state import StateDir
+
+
+class Serving:
+    """Every pod's fleet; keeps each backend's last request count for the rate."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[float, int]] = {}  # address -> (time, requests)
+
+    async def sample(self, state: StateDir) -> list[dict[str, Any]]:
+        found = await asyncio.gather(*(self._one(state, name) for name in state.names()))
+        return [self._view(status, at) for status, at in filter(None, found)]
+
+    async def _one(self, state: StateDir, name: str) -> tuple[FleetStatus, float] | None:
+        """The fleet's status and when it was answered (the rate's clock)."""
+        fleet = Fleet(state.load(name), state)
+        try:
+            fleet.record()
+        except ServeError:  # no fleet serves on this pod
+            return None
+        status = await asyncio.to_thread(fleet.status)
+        return status, time.time()
+
+    def _view(self, status: FleetStatus, now: float) -> dict[str, Any]:
+        record = status.record
+        return {
+            "pod": record.pod,
+            "model": record.model,
+            "router": f"down: {status.router_error}" if status.router_error else "up",
+            "healthy": status.healthy,
+            "endpoint": record.base_url,
+            "backends": [self._rated(dataclasses.asdict(s), now) for s in status.servers],
+        }
+
+    def _rated(self, row: dict[str, Any], now: float) -> dict[str, Any]:
+        requests = row.get("requests")
+        before = self.last.get(row["address"])
+        rate = None
+        if isinstance(requests, int):
+            if before is not None and now > before[0]:
+                rate = max(0, requests - before[1]) / (now - before[0])
+            self.last[row["address"]] = (now, requests)
+        return {**row, "requests_per_s": rate}

@@ -1,0 +1,120 @@
+"""A real `tpupod dashboard` process for the dashboard tests, and a headless Chromium
+(Debian's, driven by playwright through its executable path: nothing is downloaded)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import free_base_port, require, tpupod_argv
+
+TOKEN = "test-dashboard-token"
+
+
+@dataclass
+class Dashboard:
+    proc: subprocess.Popen[str]
+    port: int
+    interval: float
+    token: str | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, **options: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10, **options)
+
+    def post(self, path: str, **options: Any) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=10, **options)
+
+
+def start(
+    *, interval: float = 1.0, token: str | None = TOKEN, extra: tuple[str, ...] = ()
+) -> Dashboard:
+    """Start the dashboard (the CLI, as a user would) and wait until it answers."""
+    port = free_base_port(1)
+    argv = ["dashboard", "--port", str(port), "--interval", str(interval), *extra]
+    if token:
+        argv += ["--token", token]
+    proc = subprocess.Popen(
+        tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    board = Dashboard(proc, port, interval, token)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the dashboard ended: {proc.communicate()}")
+        try:
+            if board.get("/api/pods").status_code == 200:
+                return board
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("the dashboard did not answer within 30 s")
+
+
+def stop(board: Dashboard) -> None:
+    board.proc.terminate()
+    try:
+        board.proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        board.proc.kill()
+        board.proc.communicate()
+
+
+@pytest.fixture(name="dashboard")
+def dashboard_fixture(state_home: Any) -> Iterator[Any]:
+    """``dashboard(interval=..., token=...)`` starts one; each is stopped afterwards."""
+    started: list[Dashboard] = []
+
+    def make(**options: Any) -> Dashboard:
+        started.append(start(**options))
+        return started[-1]
+
+    yield make
+    for board in started:
+        stop(board)
+
+
+@dataclass
+class Browser:
+    """A Chromium page that collects console errors and uncaught exceptions."""
+
+    page: Any
+    errors: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(name="browser")
+def browser_fixture() -> Iterator[Callable[[], Browser]]:
+    """``browser()`` opens the page (call it after making pods: playwright's sync API runs an
+    event loop in this thread, so ``asyncio.run`` cannot be called while it is open)."""
+    chromium = shutil.which("chromium")
+    require(chromium is not None, "the browser tests need Debian's chromium (apt install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        require(False, "the browser tests need playwright (pip install playwright)")
+        raise
+    with contextlib.ExitStack() as stack:
+
+        def open_page() -> Browser:
+            pw = stack.enter_context(sync_playwright())
+            launched = pw.chromium.launch(
+                executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-gpu"]
+            )
+            stack.callback(launched.close)
+            page = launched.new_page(viewport={"width": 1440, "height": 900})
+            seen = Browser(page)
+            page.on("console", lambda m: seen.errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: seen.errors.append(str(e)))
+            return seen
+
+        yield open_page

@@ -1,0 +1,92 @@
+"""`tpupod dashboard` without a browser: the security rules against a real dashboard process,
+and the loading / empty / stale states of a page."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import CliResult
+from tests.dashboard_server import TOKEN, Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
+from tpupod.dashboard.app import Config, create_app
+from tpupod.jobs.models import JobRequest
+from tpupod.jobs.store import Store
+
+
+def test_a_bind_beyond_loopback_without_a_token_is_refused(cli: Callable[..., CliResult]) -> None:
+    result = cli("dashboard", "--host", "0.0.0.0", "--port", "1")
+    assert result.code == 2, result.err
+    assert result.err.startswith("error: the dashboard would listen on 0.0.0.0 without a token")
+    assert "hint: add --token T" in result.err and "Traceback" not in result.err
+
+
+def test_a_foreign_host_header_gets_400(dashboard: Callable[..., Dashboard]) -> None:
+    board = dashboard()
+    assert board.get("/").status_code == 200
+    assert board.get("/", headers={"Host": f"localhost:{board.port}"}).status_code == 200
+    rebound = board.get("/api/pods", headers={"Host": f"evil.example:{board.port}"})
+    assert rebound.status_code == 400 and "Host" in rebound.json()["detail"]
+
+
+def test_actions_need_the_token_and_the_same_origin(
+    dashboard: Callable[..., Dashboard], state_home: Path
+) -> None:
+    store = Store.open()
+    first, second = store.submit_many([JobRequest(command="true"), JobRequest(command="true")])
+    board = dashboard()
+    cancel = f"/api/jobs/{first}/cancel"
+    assert board.post(cancel).status_code == 401
+    wrong = board.post(cancel, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    foreign = {"Authorization": f"Bearer {TOKEN}", "Origin": "http://evil.example"}
+    assert board.post(cancel, headers=foreign).status_code == 403
+    assert store.get(first).status.value == "pending"  # nothing was done
+    own = {"Authorization": f"Bearer {TOKEN}", "Origin": board.url}
+    done = board.post(cancel, headers=own)
+    assert done.status_code == 200 and done.json()["status"] == "cancelled"
+    assert store.get(second).status.value == "pending"
+    store.close()
+
+
+def test_without_a_token_the_dashboard_is_read_only(
+    dashboard: Callable[..., Dashboard], state_home: Path
+) -> None:
+    store = Store.open()
+    job = store.submit(JobRequest(command="true"))
+    store.close()
+    board = dashboard(token=None)
+    refused = board.post(f"/api/jobs/{job}/cancel", headers={"Authorization": "Bearer x"})
+    assert refused.status_code == 403 and "--token" in refused.json()["detail"]
+
+
+def test_metrics_are_prometheus_text(
+    dashboard: Callable[..., Dashboard], make_pod: Callable[..., object]
+) -> None:
+    make_pod(2)
+    board = dashboard()
+    deadline = time.monotonic() + 20
+    while "tpupod_worker_up{" not in board.get("/metrics").text and time.monotonic() < deadline:
+        time.sleep(0.2)
+    families = {f.name: f for f in text_string_to_metric_families(board.get("/metrics").text)}
+    ups = [s.value for s in families["tpupod_worker_up"].samples]
+    assert ups == [1.0, 1.0]
+    assert "tpupod_jobs" in families
+
+
+def test_loading_is_not_empty_and_stale_data_says_its_age(state_home: Path) -> None:
+    app = create_app(Config())  # no lifespan: the sampler has not run yet
+    client = TestClient(app, base_url="http://127.0.0.1")
+    page = client.get("/pods").text
+    assert 'data-state="loading"' in page and "No pods" not in page
+    assert client.get("/api/pods").json()["state"] == "loading"
+    source = app.state.sampler.sources["pods"]
+    source.data, source.at = [], time.time() - 30
+    assert 'data-state="empty"' in client.get("/pods").text
+    source.error = "state directory unreadable"
+    page = client.get("/pods").text
+    assert "data from 30 s ago; the source failed: state directory unreadable" in page
+    assert client.get("/api/pods").json()["state"] == "stale"

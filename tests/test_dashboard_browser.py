@@ -1,0 +1,266 @@
+"""`tpupod dashboard` in a real browser (headless Chromium through playwright) against a real
+dashboard process: a simulated pod losing a host, a real `tpupod run` where worker 2 raises,
+a job store of 1,000 jobs; no console errors; usable at 375 and 1,440 px."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.conftest import tpupod_argv
+from tests.dashboard_server import (  # noqa: F401 (fixtures)
+    TOKEN,
+    Browser,
+    Dashboard,
+    browser_fixture,
+    dashboard_fixture,
+)
+from tests.test_jobs import db_url, postgres  # noqa: F401 (fixtures: SQLite and PostgreSQL)
+from tpupod.jobs.models import JobRequest
+from tpupod.jobs.store import Store
+from tpupod.pod import Pod
+from tpupod.sim import SimPod
+
+PROGRAM = """\
+import os, pathlib, sys, time
+w = int(os.environ["TPUPOD_WORKER_ID"])
+d = pathlib.Path(sys.argv[1])
+print(f"w{w} started", flush=True)
+while not (d / "go").exists():
+    time.sleep(0.02)
+print(f"w{w} saw go", flush=True)
+while not (d / "fail").exists():
+    time.sleep(0.02)
+if w == 2:
+    print("w2 about to fail", flush=True)
+    raise ValueError("worker 2 fails on purpose")
+time.sleep(60)
+"""
+
+
+def test_a_killed_host_is_shown_unreachable_within_two_intervals(
+    make_ssh_pod: Callable[..., Pod],
+    sim_hosts_up: SimPod,
+    dashboard: Callable[..., Dashboard],
+    browser: Callable[[], Browser],
+) -> None:
+    pod = make_ssh_pod(4)
+    board = dashboard(interval=2.0)
+    seen = browser()
+    page = seen.page
+    page.goto(f"{board.url}/pods/{pod.name}")
+    reach = page.locator("#workers td.reach")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#workers td.reach')]"
+        ".filter(td => td.textContent.trim() === 'yes').length === 4",
+        timeout=30_000,
+    )
+    assert reach.count() == 4
+    sim_hosts_up.stop_host(3)
+    killed = time.monotonic()
+    page.locator('#workers tr[data-worker="3"] td.reach', has_text="unreachable").wait_for(
+        timeout=20_000
+    )
+    seconds = time.monotonic() - killed
+    assert seconds <= 2 * board.interval + 1.0, seconds  # two intervals, a second to draw
+    assert page.locator('#workers tr[data-worker="0"] td.reach').inner_text() == "yes"
+    assert not seen.errors
+
+
+def test_a_run_page_names_worker_2_first_and_follows_logs_live(
+    make_pod: Callable[..., Pod],
+    dashboard: Callable[..., Dashboard],
+    browser: Callable[[], Browser],
+    tmp_path: Path,
+) -> None:
+    pod = make_pod(4)
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    argv = [
+        "run",
+        "--pod",
+        pod.name,
+        "--",
+        sys.executable,
+        str(tmp_path / "prog.py"),
+        str(tmp_path),
+    ]
+    run = subprocess.Popen(tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        board = dashboard(interval=1.0)
+        seen = browser()
+        page = seen.page
+        page.goto(f"{board.url}/runs")
+        link = page.locator("table a").first
+        link.wait_for(timeout=30_000)
+        link.click()
+        logs = page.locator('#logs pre[data-worker="1"]')
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#logs pre')]"
+            ".filter(p => p.textContent.includes('started')).length === 4",
+            timeout=30_000,
+        )
+        (tmp_path / "go").touch()
+        said = time.monotonic()
+        page.wait_for_function(
+            "() => document.querySelector('#logs pre[data-worker=\"1\"]')"
+            ".textContent.includes('saw go')",
+            timeout=10_000,
+        )
+        seconds = time.monotonic() - said
+        assert seconds <= 1.0 + 0.5, seconds  # the issue's 1 s, a half second for the browser
+        assert "w1 saw go" in logs.inner_text()
+        (tmp_path / "fail").touch()
+        run.communicate(timeout=60)
+        first = page.locator("#first-failure")
+        first.wait_for(timeout=20_000)
+        assert first.locator("h2").inner_text().startswith("w2 failed first")
+        assert "ValueError: worker 2 fails on purpose" in first.locator("pre").inner_text()
+        assert page.locator("#run-workers tbody tr").first.locator("td").first.inner_text() == "w2"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert not seen.errors
+
+
+def test_a_thousand_jobs_filter_page_and_cancel(
+    dashboard: Callable[..., Dashboard],
+    browser: Callable[[], Browser],
+    db_url: str,  # noqa: F811 (the fixture imported above)
+) -> None:
+    store = Store.open(db_url)
+    try:
+        see_a_thousand_jobs(store, dashboard(interval=1.0, extra=("--db", db_url)), browser())
+    finally:
+        store.close()
+
+
+def see_a_thousand_jobs(store: Store, board: Dashboard, seen: Browser) -> None:
+    ids = store.submit_many([JobRequest(command=f"echo {i}", name=f"job-{i}") for i in range(1000)])
+    for job in ids[:30]:
+        store.cancel(job)
+    page = seen.page
+    page.goto(f"{board.url}/jobs")
+    rows = page.locator("#job-list tbody tr")
+    assert rows.count() == 50
+    assert rows.first.get_attribute("data-job") == str(ids[-1])
+    page.locator("nav.pager a[rel=next]").click()
+    page.wait_for_url(f"**before={ids[-50]}")
+    assert rows.first.get_attribute("data-job") == str(ids[-51])
+    assert rows.count() == 50
+    page.locator('nav.filters a[data-status="cancelled"]').click()
+    page.wait_for_url("**status=cancelled")
+    assert rows.count() == 30
+    assert set(page.locator("#job-list td.status").all_inner_texts()) == {"cancelled"}
+    assert page.locator("nav.pager a[rel=next]").count() == 0  # 30: one page
+
+    page.goto(f"{board.url}/jobs")
+    target = ids[-1]
+    row = page.locator(f'#job-list tr[data-job="{target}"]')
+    row.locator("button").click()
+    page.locator("#action-result", has_text="401").wait_for(timeout=10_000)
+    assert store.get(target).status.value == "pending"
+    page.fill("#token", TOKEN)
+    page.dispatch_event("#token", "change")
+    row.locator("button").click()
+    page.locator("#action-result", has_text="done").wait_for(timeout=10_000)
+    assert store.get(target).status.value == "cancelled"
+    row.locator("td.status", has_text="cancelled").wait_for(timeout=10_000)
+    assert not [e for e in seen.errors if "401" not in e]  # the refused POST is logged
+
+
+def test_every_page_usable_at_375_and_1440_px_without_console_errors(
+    make_pod: Callable[..., Pod],
+    dashboard: Callable[..., Dashboard],
+    browser: Callable[[], Browser],
+) -> None:
+    pod = make_pod(2)
+    Store.open().submit(JobRequest(command="true", name="a job with a rather long name"))
+    board = dashboard(interval=1.0)
+    seen = browser()
+    page = seen.page
+    paths = ["/", "/pods", f"/pods/{pod.name}", "/runs", "/serving", "/jobs", "/jobs/1", "/charts"]
+    for width in (375, 1440):
+        page.set_viewport_size({"width": width, "height": 800})
+        for path in paths:
+            page.goto(board.url + path)
+            page.locator("main h1").wait_for()
+            wide = page.evaluate("document.documentElement.scrollWidth")
+            assert wide <= width, f"{path} at {width} px is {wide} px wide"
+            assert page.locator("header nav a").first.is_visible()
+    assert not seen.errors, seen.errors
+
+
+JOB = "echo first; while [ ! -e {go} ]; do sleep 0.02; done; echo after go; echo last"
+
+
+def test_a_job_page_follows_its_log_live(
+    dashboard: Callable[..., Dashboard], browser: Callable[[], Browser], tmp_path: Path
+) -> None:
+    store = Store.open()
+    job = store.submit(JobRequest(command=JOB.format(go=tmp_path / "go"), name="follow"))
+    store.close()
+    runner = subprocess.Popen(
+        tpupod_argv("jobs", "worker", "--local", "--until-empty", "--quiet"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        board = dashboard(interval=1.0)
+        seen = browser()
+        page = seen.page
+        page.goto(f"{board.url}/jobs/{job}")
+        log = page.locator("#logs pre")
+        page.wait_for_function(
+            "() => document.querySelector('#logs pre').textContent.includes('first')",
+            timeout=30_000,
+        )
+        (tmp_path / "go").touch()
+        said = time.monotonic()
+        page.wait_for_function(
+            "() => document.querySelector('#logs pre').textContent.includes('after go')",
+            timeout=10_000,
+        )
+        seconds = time.monotonic() - said
+        assert seconds <= 1.0 + 0.5, seconds
+        page.locator("b.status", has_text="completed").wait_for(timeout=20_000)
+        assert log.inner_text().splitlines() == ["first", "after go", "last"]
+        assert page.locator("#attempts tbody tr").count() == 1
+        runner.communicate(timeout=30)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.communicate()
+    assert not seen.errors, seen.errors
+
+
+def test_stop_a_run_from_its_page_with_the_token(
+    make_pod: Callable[..., Pod],
+    dashboard: Callable[..., Dashboard],
+    browser: Callable[[], Browser],
+) -> None:
+    pod = make_pod(2)
+    argv = ["run", "--pod", pod.name, "--grace", "1", "--", "echo up; sleep 60"]
+    run = subprocess.Popen(tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        board = dashboard(interval=1.0)
+        seen = browser()
+        page = seen.page
+        page.goto(f"{board.url}/runs")
+        page.locator("table a").first.click()
+        page.locator('#logs pre[data-worker="1"]', has_text="up").wait_for(timeout=30_000)
+        page.fill("#token", TOKEN)
+        page.dispatch_event("#token", "change")
+        page.locator("form[data-action] button", has_text="stop the run").click()
+        page.locator("#action-result", has_text="done").wait_for(timeout=10_000)
+        _, err = run.communicate(timeout=30)
+        assert "interrupted" in err.decode()
+        page.locator("#run-state", has_text="failed").wait_for(timeout=10_000)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert not seen.errors, seen.errors

@@ -1,0 +1,124 @@
+"""The dashboard's serving page in a real browser, against a real fleet (agents, router and
+the stub OpenAI servers of the fleet's tests) under a load generator of a fixed rate."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import CliResult, free_base_port
+from tests.dashboard_server import (  # noqa: F401 (fixtures)
+    Browser,
+    Dashboard,
+    browser_fixture,
+    dashboard_fixture,
+)
+from tests.test_serve_fleet import STUB_COMMAND, stub_pid
+
+RATE = 20.0  # requests/s the generator sends
+NONE = "\N{EN DASH}"  # what a cell shows without a value
+
+
+class Load:
+    """Open-loop load: a request every 1/RATE s (late ones go at once), counted as sent."""
+
+    def __init__(self, base_url: str, token: str) -> None:
+        self.sent = 0
+        self.failed = 0
+        self.started = time.monotonic()
+        self.stop = threading.Event()
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+        auth = {"Authorization": f"Bearer {token}"}
+
+        def run() -> None:
+            with httpx.Client(headers=auth, timeout=10) as http:
+                while not self.stop.is_set():
+                    due = self.started + self.sent / RATE
+                    time.sleep(max(0.0, due - time.monotonic()))
+                    self.sent += 1
+                    try:
+                        http.post(f"{base_url}/chat/completions", json={**body, "max_tokens": 2})
+                    except httpx.HTTPError:
+                        self.failed += 1
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def rate(self) -> float:
+        return self.sent / (time.monotonic() - self.started)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=15)
+
+
+@pytest.fixture
+def stub_fleet(cli: Callable[..., CliResult], state_home: Path) -> Iterator[tuple[str, str]]:
+    """A local pod of one worker serving two stub servers; (base URL, token)."""
+    pod = f"dsv{os.getpid()}"
+    assert cli("up", "--name", pod, "--local", "1").code == 0
+    try:
+        up = cli(
+            "serve", "up", "--pod", pod, "--model", "stub-model", "--backend", "command",
+            "--command", STUB_COMMAND, "--servers-per-worker", "2",
+            "--base-port", str(free_base_port()), "--health-interval", "0.5",
+            "--restart-backoff", "0.2", "--startup-timeout", "60", timeout=120,
+        )  # fmt: skip
+        assert up.code == 0, up.err
+        exports = cli("serve", "endpoint", "--pod", pod).out.splitlines()
+        values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+        yield values["OPENAI_BASE_URL"], values["OPENAI_API_KEY"]
+    finally:
+        cli("serve", "down", "--pod", pod, timeout=60)
+        cli("down", "--pod", pod, timeout=60)
+
+
+def page_rate(seen: Browser) -> float:
+    cells = seen.page.locator("table.backends td.rps").all_inner_texts()
+    return sum(float(c) for c in cells if c not in (NONE, ""))
+
+
+@pytest.mark.timeout(240)
+def test_requests_per_second_match_the_generator_and_a_killed_backend_is_counted(
+    stub_fleet: tuple[str, str],
+    dashboard: Callable[..., Dashboard],
+    browser: Callable[[], Browser],
+) -> None:
+    base_url, token = stub_fleet
+    board = dashboard(interval=2.0)
+    seen = browser()
+    page = seen.page
+    page.goto(f"{board.url}/serving")
+    page.locator("table.backends tbody tr").nth(1).wait_for(timeout=60_000)
+    load = Load(base_url, token)
+    try:
+        rates = []
+        for _ in range(4):  # a sample every 2 s: read the page after each
+            time.sleep(board.interval)
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('table.backends td.rps')]"
+                f".some(td => td.textContent.trim() !== '{NONE}')",
+                timeout=30_000,
+            )
+            rates.append(page_rate(seen))
+        shown = statistics.median(rates[1:])  # the first may span the load's start
+        sent = load.rate()
+        assert abs(shown - sent) <= 0.1 * sent, (rates, sent)
+
+        address = page.locator("table.backends tbody tr").first.get_attribute("data-backend")
+        assert address is not None
+        row = page.locator(f'table.backends tr[data-backend="{address}"]')
+        assert row.locator("td.restarts").inner_text() == "0"
+        os.kill(stub_pid(int(address.rsplit(":", 1)[1])), signal.SIGKILL)
+        row.locator("td.restarts", has_text="1").wait_for(timeout=30_000)
+    finally:
+        load.close()
+    assert not seen.errors, seen.errors
