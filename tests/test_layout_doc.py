@@ -71,6 +71,13 @@ def test_the_map_is_short_and_holds_no_figures() -> None:
     assert figures(text) == [], "figures live in BENCHMARKS.md; link there instead"
 
 
+def test_every_design_note_is_linked_from_the_map_and_every_link_resolves() -> None:
+    links = set(re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]+)?\)", MAP.read_text()))
+    assert sorted(link for link in links if not (MAP.parent / link).is_file()) == []
+    notes = {p.name for p in MAP.parent.glob("*.md")} - {MAP.name}
+    assert sorted(notes - links) == [], "link each docs/<topic>.md from the map's Design notes"
+
+
 def test_the_figure_check_sees_a_figure() -> None:
     seen = [
         "a run ends 0.17 s after a worker fails",
