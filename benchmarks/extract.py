@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from tpupod.extract import runner
-from tpupod.extract.store import LocalStore
+from tpupod.extract.store import open_store
 from tpupod.model import PRESETS, QwenConfig, load_model
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "qwen2-tiny"
@@ -179,7 +179,7 @@ def writes(source: Path, folder: Path) -> tuple[float, float, int]:
     store_s, raw_s = [], []
     for rep in range(3):
         target = folder / f"store-{rep}"
-        store = LocalStore(target)
+        store = open_store(str(target))
         started = time.perf_counter()
         for name, data in files:
             store.write(name, data)
