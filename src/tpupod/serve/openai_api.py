@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -284,150 +285,182 @@ def loop_dispatch(loop: asyncio.AbstractEventLoop) -> Callable[[list[tuple[Sink,
     return dispatch
 
 
-def create_app(  # noqa: PLR0915 (the routes are closures over one engine)
-    engine: Engine, model_name: str, metrics: Metrics | None = None
-) -> FastAPI:
+@dataclass(frozen=True)
+class Served:
+    """What every handler of one server reads (``app.state.served``): the engine, the name
+    it serves the model under, its metrics, and when it started (the model's ``created``)."""
+
+    engine: Engine
+    model_name: str
+    metrics: Metrics
+    created: int
+
+
+def create_app(engine: Engine, model_name: str, metrics: Metrics | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under the name ``model_name``."""
     app = FastAPI(title="tpupod builtin server", docs_url=None, redoc_url=None)
-    metrics = metrics or Metrics(engine)
-    created = int(time.time())
-    tokenizer = engine.tokenizer
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """A path or method this server does not have: OpenAI's shape, not ``{"detail"}``."""
-        body = path_error(exc.status_code, request.method, request.url.path, str(exc.detail))
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"ok": True, "model": model_name, "running": engine.running}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "tpupod",
-                    "max_model_len": engine.max_length,
-                }
-            ],
-        }
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def parse(request: Request, kind: type[_Sampling], endpoint: str) -> Any:
-        try:
-            raw = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            metrics.requests.labels(endpoint, "rejected").inc()
-            raise APIError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from exc
-        try:
-            if not isinstance(raw, dict):
-                raise APIError(400, "the body must be a JSON object", None, "invalid_value")
-            body = kind.model_validate(raw)
-            if body.model != model_name:
-                raise APIError(
-                    404,
-                    f"The model `{body.model}` does not exist; this server serves `{model_name}`",
-                    "model",
-                    "model_not_found",
-                )
-            if (field := body.unsupported()) is not None:
-                raise APIError(
-                    400,
-                    f"{field}: this server does not compute log probabilities; leave {field} out",
-                    field,
-                    "unsupported_parameter",
-                )
-        except ValidationError as exc:
-            metrics.requests.labels(endpoint, "rejected").inc()
-            raise _validation_error(exc) from exc
-        except APIError:
-            metrics.requests.labels(endpoint, "rejected").inc()
-            raise
-        return body
-
-    def submit(call: _Call, prompt: list[int], body: _Sampling, prompt_param: str) -> None:
-        try:
-            max_tokens = engine.check(prompt, body.wanted_tokens())
-            call.request = engine.submit(prompt, body.params(max_tokens), call.sink)
-        except RequestRejected as exc:
-            call.metrics.requests.labels(call.endpoint, "rejected").inc()
-            param = prompt_param if exc.param in ("messages", "prompt") else exc.param
-            raise APIError(400, exc.message, param, exc.code) from exc
-        except EngineStopped as exc:
-            raise _stopping() from exc
-        metrics.prompt_tokens.inc(len(prompt))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        body: ChatRequest = await parse(request, ChatRequest, "chat")
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, **(body.chat_template_kwargs or {}))
-        except ModelError as exc:
-            metrics.requests.labels("chat", "rejected").inc()
-            raise APIError(400, exc.message, "messages", "invalid_value") from exc
-        call = _Call(engine, metrics, "chat")
-        submit(call, tokenizer.encode(text), body, "messages")
-        return await respond(call, body, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body: CompletionRequest = await parse(request, CompletionRequest, "completions")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
-            ids = tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            vocab = engine.model.config.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
-        call = _Call(engine, metrics, "completions")
-        submit(call, ids, body, "prompt")
-        return await respond(call, body, chat=False)
-
-    async def respond(call: _Call, body: _Sampling, *, chat: bool) -> Response:
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        shape = _Shape(ident, model_name, chat)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _stream(call, shape, usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        text: list[str] = []
-        try:
-            async for event in call.events():
-                if isinstance(event, Delta):
-                    text.append(event.text)
-                elif isinstance(event, Failed):
-                    raise APIError(503, event.message, None, "service_unavailable", "server_error")
-                else:
-                    return JSONResponse(shape.whole("".join(text), event))
-        finally:
-            call.abandon()
-        raise _stopping()  # not reached: events end with Finished or Failed
-
+    app.state.served = Served(engine, model_name, metrics or Metrics(engine), int(time.time()))
+    app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/metrics", prometheus, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
     return app
+
+
+def _served(request: Request) -> Served:
+    served: Served = request.app.state.served
+    return served
+
+
+async def api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """A path or method this server does not have: OpenAI's shape, not ``{"detail"}``."""
+    body = path_error(exc.status_code, request.method, request.url.path, str(exc.detail))
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def health(request: Request) -> dict[str, Any]:
+    served = _served(request)
+    return {"ok": True, "model": served.model_name, "running": served.engine.running}
+
+
+async def models(request: Request) -> dict[str, Any]:
+    served = _served(request)
+    model = {
+        "id": served.model_name,
+        "object": "model",
+        "created": served.created,
+        "owned_by": "tpupod",
+        "max_model_len": served.engine.max_length,
+    }
+    return {"object": "list", "data": [model]}
+
+
+async def prometheus(request: Request) -> Response:
+    registry = _served(request).metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def chat(request: Request) -> Response:
+    served = _served(request)
+    body: ChatRequest = await _parse(served, request, ChatRequest, "chat")
+    tokenizer = served.engine.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer", "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, **(body.chat_template_kwargs or {}))
+    except ModelError as exc:
+        served.metrics.requests.labels("chat", "rejected").inc()
+        raise APIError(400, exc.message, "messages", "invalid_value") from exc
+    call = _Call(served.engine, served.metrics, "chat")
+    _submit(served, call, tokenizer.encode(text), body, "messages")
+    return await _respond(served, call, body, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    served = _served(request)
+    body: CompletionRequest = await _parse(served, request, CompletionRequest, "completions")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if served.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
+        ids = served.engine.tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+        vocab = served.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
+    call = _Call(served.engine, served.metrics, "completions")
+    _submit(served, call, ids, body, "prompt")
+    return await _respond(served, call, body, chat=False)
+
+
+async def _parse(served: Served, request: Request, kind: type[_Sampling], endpoint: str) -> Any:
+    """The body, validated; every refusal counted as ``rejected``."""
+    requests = served.metrics.requests
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        requests.labels(endpoint, "rejected").inc()
+        raise APIError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from exc
+    try:
+        return _checked(served, raw, kind)
+    except ValidationError as exc:
+        requests.labels(endpoint, "rejected").inc()
+        raise _validation_error(exc) from exc
+    except APIError:
+        requests.labels(endpoint, "rejected").inc()
+        raise
+
+
+def _checked(served: Served, raw: Any, kind: type[_Sampling]) -> _Sampling:
+    if not isinstance(raw, dict):
+        raise APIError(400, "the body must be a JSON object", None, "invalid_value")
+    body = kind.model_validate(raw)
+    if body.model != served.model_name:
+        raise APIError(
+            404,
+            f"The model `{body.model}` does not exist; this server serves `{served.model_name}`",
+            "model",
+            "model_not_found",
+        )
+    if (field := body.unsupported()) is not None:
+        raise APIError(
+            400,
+            f"{field}: this server does not compute log probabilities; leave {field} out",
+            field,
+            "unsupported_parameter",
+        )
+    return body
+
+
+def _submit(
+    served: Served, call: _Call, prompt: list[int], body: _Sampling, prompt_param: str
+) -> None:
+    engine = served.engine
+    try:
+        max_tokens = engine.check(prompt, body.wanted_tokens())
+        call.request = engine.submit(prompt, body.params(max_tokens), call.sink)
+    except RequestRejected as exc:
+        call.metrics.requests.labels(call.endpoint, "rejected").inc()
+        param = prompt_param if exc.param in ("messages", "prompt") else exc.param
+        raise APIError(400, exc.message, param, exc.code) from exc
+    except EngineStopped as exc:
+        raise _stopping() from exc
+    served.metrics.prompt_tokens.inc(len(prompt))
+
+
+async def _respond(served: Served, call: _Call, body: _Sampling, *, chat: bool) -> Response:
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    shape = _Shape(ident, served.model_name, chat)
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(call, shape, usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    text: list[str] = []
+    try:
+        async for event in call.events():
+            if isinstance(event, Delta):
+                text.append(event.text)
+            elif isinstance(event, Failed):
+                raise APIError(503, event.message, None, "service_unavailable", "server_error")
+            else:
+                return JSONResponse(shape.whole("".join(text), event))
+    finally:
+        call.abandon()
+    raise _stopping()  # not reached: events end with Finished or Failed
 
 
 class _Shape:
