@@ -1,12 +1,13 @@
 # make demo: the main job on a local pod.   make test: lint, types, every test tier.
 # make test-fast: the unit tier only (no root, seconds).
+# make test-local, make test-ssh: one tier without its slow end-to-end tests (minutes).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP_CORE := $(VENV)/.stamp-core
 STAMP_TEST := $(VENV)/.stamp-test
 
-.PHONY: demo test test-fast test-reference lint typecheck pytest prereqs bench clean
+.PHONY: demo test test-fast test-local test-ssh test-reference lint typecheck pytest prereqs bench clean
 
 # As root, installs the Debian packages the tests and the demo need when missing.
 prereqs:
@@ -51,6 +52,10 @@ test: prereqs lint typecheck pytest
 
 test-fast: $(STAMP_TEST)
 	$(BIN)/pytest -m unit
+
+# The tests marked slow (tests/conftest.py: SLOW) run in `make test` alone.
+test-local test-ssh: $(STAMP_TEST)
+	$(BIN)/pytest -m "$(@:test-%=%) and not slow"
 
 # Rerun the model tests against outputs transformers computes now (needs torch;
 # TORCH names the wheel to install when it is missing).

@@ -247,6 +247,35 @@ TIERS = {
 }
 # Modules whose tests are slow for a reason no fixture shows: JAX compiles the model.
 MODULE_TIERS = {"test_model.py": "local"}
+# The long end-to-end tests (module::function, every parameter), marked `slow`: the
+# slowest of the run BENCHMARKS.md ("Tests") records. `make test-quick` and the one-tier
+# targets leave them out for an answer in minutes; `make test` runs them.
+SLOW = {
+    "test_bench_checkpoint.py::test_an_existing_checkpoint_with_orbax_sharding_config",
+    "test_bench_checkpoint.py::test_results_to_gs_and_latest_from_there",
+    "test_bench_checkpoint.py::test_sweep_runs_on_every_worker_and_flags_a_regression",
+    "test_extract.py::test_a_global_mesh_over_two_processes_matches_one_process",
+    "test_extract.py::test_a_tokenizer_that_pads_and_truncates_gives_each_sample_its_own_tokens",
+    "test_extract.py::test_gs_input_and_output_through_a_gcs_emulator_killed_mid_upload",
+    "test_extract.py::test_kill_9_of_a_worker_and_of_the_launcher_then_resume_on_three_workers",
+    "test_extract.py::test_resume_after_kill_9_at_several_points_is_identical",
+    "test_gcp.py::test_status_shows_the_cloud_state_and_recreate_replaces_a_preempted_tpu",
+    "test_jobs.py::test_1000_jobs_through_3_runner_processes_each_run_exactly_once",
+    "test_jobs_outage.py::test_lines_printed_while_postgres_is_down_reach_the_log_in_order_once_it_is_back",
+    "test_readme.py::test_make_demo",
+    "test_readme.py::test_serving",
+    "test_serve_fleet.py::test_a_second_serve_up_changes_nothing_or_is_refused_and_replace_leaves_no_old_server",
+    "test_serve_fleet.py::test_the_builtin_backend_serves_the_tiny_checkpoint",
+    "test_serve_multihost.py::test_a_replica_across_two_simulated_ssh_hosts",
+    "test_serve_multihost.py::test_a_stopped_follower_is_detected_within_the_lockstep_timeout",
+    "test_serve_multihost.py::test_kill_9_of_a_follower_restarts_its_group_and_no_request_fails",
+    "test_serve_multihost.py::test_two_replicas_of_two_hosts_serve_behind_the_router",
+}
+
+
+def is_slow(item: pytest.Item) -> bool:
+    name = getattr(item, "originalname", None) or item.name
+    return f"{item.path.name}::{name}" in SLOW
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -269,6 +298,8 @@ def tier_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(tier_of(item))
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
