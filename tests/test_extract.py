@@ -596,6 +596,7 @@ def test_kill_9_of_a_worker_and_of_the_launcher_then_resume_on_three_workers(
     assert _files(out) == _files(single)
 
 
+@pytest.mark.timeout(240)  # two runs through the emulator: 54-74 s at load 13, plus the reference
 def test_gs_input_and_output_through_a_gcs_emulator_killed_mid_upload(
     reference_run: tuple[Path, Path], gcs: Any, cli: Callable[..., CliResult]
 ) -> None:
