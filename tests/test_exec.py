@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -258,3 +259,91 @@ def test_a_failed_worker_s_hint_reaches_the_summary(
     assert result.err.rstrip().endswith(
         "hint: the pod's working directory may be gone; 'tpupod down' then 'tpupod up' recreates it"
     )
+
+
+# -- the local fast path (localexec) and the summary's shape ------------------------------------
+
+TYPER_ONLY = "from tpupod.cli import main; main()"  # the console script without fast paths
+DURATION = re.compile(r"\d+\.\d\ds|\d+m\d\ds")
+
+
+def typer_cli(*args: str) -> CliResult:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", TYPER_ONLY, *args], capture_output=True, text=True, timeout=60
+    )
+    return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
+
+
+def shape(text: str) -> list[str]:
+    """Output to compare: durations blanked, lines sorted (workers interleave freely)."""
+    return sorted(DURATION.sub("T", line).rstrip() for line in text.splitlines())
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        ["--", "true"],
+        ["-v", "--", "true"],
+        ["-e", "A=1", "--", "env | grep -E '^(TPU|JAX|A=)' | sort; pwd; echo oops >&2"],
+        ["-w", "1,3", "--", "[ $TPUPOD_WORKER_ID = 3 ] && sleep 2; exit $TPUPOD_WORKER_ID"],
+        ["-q", "--worker", "0-1", "--", "echo", "a b"],
+        ["--", "kill -9 $$"],
+    ],
+)
+def test_the_local_fast_path_and_the_full_cli_agree(
+    line: list[str], make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(4, devices=2)
+    args = ["exec", "--pod", pod.name, *line]
+    fast, full = cli(*args), typer_cli(*args)
+    assert fast.code == full.code, (fast.err, full.err)
+    assert shape(fast.out) == shape(full.out)
+    assert shape(fast.err) == shape(full.err)
+
+
+def test_a_plain_local_exec_starts_neither_typer_nor_asyncio(
+    make_pod: Callable[..., Pod],
+) -> None:
+    pod = make_pod(2)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "tpupod",
+            "exec",
+            "--pod",
+            pod.name,
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert {"typer", "asyncio", "pydantic"}.isdisjoint(imported)
+    summary = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
+    assert len(summary) == 1 and summary[0].startswith(f"exec on {pod.name}: 2/2 ok in ")
+
+
+def test_a_large_pod_s_summary_groups_identical_results(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_pod(20)
+    failing = (
+        "[ $((TPUPOD_WORKER_ID % 6)) = 1 ] && exit 2; [ $TPUPOD_WORKER_ID = 4 ] && exit 3; true"
+    )
+    result = cli("exec", "--pod", pod.name, "--", failing)
+    assert result.code == 2, result.err
+    lines = result.err.splitlines()
+    assert lines[0].startswith(f"exec on {pod.name}: 15/20 ok in "), result.err
+    assert lines[1] == "4 failed: w1, w7, w13, w19 (exit 2)", result.err
+    assert lines[2] == "1 failed: w4 (exit 3)", result.err
+    assert lines[3].startswith("first failure: w"), result.err
+    assert len(lines) == 4, result.err
+    every = cli("exec", "--verbose", "--pod", pod.name, "--", failing)
+    assert sum(line.startswith("w") and "exit" in line for line in every.err.splitlines()) == 20

@@ -119,6 +119,7 @@ def test_a_stale_holder_is_replaced(
         "--pod dev -w 0,2 --on-fail kill -t 5 --grace 1 -e A=1 -e B=x=y -- echo $A",
         "--pod=dev --worker=1-3 --timeout=2.5 ls -la /",
         "-w 0 python train.py --steps 3",
+        "-v -q --verbose -- true",
     ],
 )
 def test_the_fast_parser_agrees_with_the_cli(line: str) -> None:

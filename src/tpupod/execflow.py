@@ -37,6 +37,7 @@ class ExecArgs:
     grace: float = DEFAULT_GRACE_S
     quiet: bool = False
     env: list[str] = field(default_factory=list)
+    verbose: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,22 @@ def run_held(state: StateDir, plan: ExecPlan, args: ExecArgs) -> FanoutResult:
     return held_exec(state, plan.name, workers, exec_request(args, plan), args.quiet)
 
 
-def finish(result: FanoutResult, plan: ExecPlan) -> int:
+def run_here(state: StateDir, plan: ExecPlan, args: ExecArgs) -> FanoutResult:
+    """Run the plan on a local pod's workers with no event loop (``localexec``)."""
+    import json
+
+    from tpupod.localexec import run_local
+    from tpupod.state import RECORD_FILE
+
+    record = json.loads((state.pod_dir(plan.name) / RECORD_FILE).read_text(encoding="utf-8"))
+    return run_local(record, plan, args)
+
+
+def finish(result: FanoutResult, plan: ExecPlan, verbose: bool = False) -> int:
     """Print the summary; the exit code."""
     from tpupod.report import print_summary
 
-    print_summary(result, sys.stderr, title=f"exec on {plan.name}")
+    print_summary(result, sys.stderr, title=f"exec on {plan.name}", verbose=verbose)
     return result.exit_code()
 
 
@@ -113,7 +125,7 @@ EXEC_OPTIONS = OptionTable(
         "--grace": "grace",
     },
     repeated={"-e": "env", "--env": "env"},
-    flags={"-q": "quiet", "--quiet": "quiet"},
+    flags={"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "verbose"},
 )
 
 
@@ -131,6 +143,7 @@ def parse_plain(argv: list[str]) -> ExecArgs | None:
             worker=values.get("worker"),
             quiet="quiet" in scanned.flags,
             env=env,
+            verbose="verbose" in scanned.flags,
         )
         args.on_fail = OnFail(values.get("on_fail", OnFail.WAIT))
         args.timeout = float(values["timeout"]) if "timeout" in values else None
@@ -151,8 +164,9 @@ def env_ok(items: list[str]) -> bool:
 
 
 def fast_exec(argv: list[str]) -> int | None:
-    """Run ``tpupod exec`` through the pod's holder if it applies; None means: use the full CLI."""
-    if not argv or argv[0] != "exec" or not settings.holder_enabled():
+    """Run ``tpupod exec`` through the pod's holder, or on a local pod's processes without an
+    event loop, if that applies; None means: use the full CLI."""
+    if not argv or argv[0] != "exec":
         return None
     args = parse_plain(argv[1:])
     if args is None:
@@ -164,10 +178,11 @@ def fast_exec(argv: list[str]) -> int | None:
         plan = plan_exec(args, state)
     except TpupodError:
         return None  # the full CLI reports it, the one way
-    if not plan.held:
+    local = plan.brief.provider == "local" and args.on_fail is OnFail.WAIT and not args.timeout
+    if not (plan.held or local):
         return None
     try:
-        result = run_held(state, plan, args)
+        result = run_held(state, plan, args) if plan.held else run_here(state, plan, args)
     except TpupodError as exc:
         from tpupod.report import print_error
 
@@ -175,4 +190,4 @@ def fast_exec(argv: list[str]) -> int | None:
         return exc.exit_code
     except BrokenPipeError:
         return 141
-    return finish(result, plan)
+    return finish(result, plan, args.verbose)

@@ -15,12 +15,13 @@ from tpupod.results import Outcome
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
-    from tpupod.results import FanoutResult, WorkerLike
+    from tpupod.results import FanoutResult, WorkerLike, WorkerResult
 
 # Bright and normal ANSI colors, skipping black/white/grey which vanish on some themes.
 PALETTE = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)
 RESET = "\x1b[0m"
 LAST_LINE_WIDTH = 60
+GROUPED_ABOVE = 16  # workers; a larger fan-out's summary groups identical results
 
 
 def worker_color(worker_id: int) -> int:
@@ -77,16 +78,68 @@ def format_duration(seconds: float) -> str:
 
 
 def print_summary(
-    result: FanoutResult, file: TextIO, title: str, color: bool | None = None
+    result: FanoutResult,
+    file: TextIO,
+    title: str,
+    color: bool | None = None,
+    verbose: bool = False,
 ) -> None:
-    """The per-worker table (worker, host, result, time, last line), then the first failure.
+    """How a fan-out ended: its headline, the workers, then the first failure.
 
+    The workers are a table (worker, host, result, time, last line) on a small
+    pod, or with ``verbose``. A success with no output is the headline alone;
+    beyond ``GROUPED_ABOVE`` workers, identical results are grouped
+    ("3 failed: w17, w90, w201 (exit 2)"): 256 rows are read by nobody.
     Plain aligned text with ANSI colors in a terminal: no table library on the
     path every command takes (it costs more to import than the table takes to print).
     """
     paint = _painter(settings.color_wanted(file.isatty()) if color is None else color)
     ok = len(result.workers) - result.failed_count
     lines = [f"{title}: {ok}/{len(result.workers)} ok in {format_duration(result.elapsed)}"]
+    silent = result.failed_count == 0 and not any(r.last_line for r in result.workers)
+    if verbose or not (silent or len(result.workers) > GROUPED_ABOVE):
+        lines.extend(_table(result, file, paint))
+    else:
+        lines.extend(_groups(result, paint))
+    lines.extend(_verdict(result, paint))
+    file.write("\n".join(lines) + "\n")
+    file.flush()
+
+
+def _groups(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str]:
+    """One line per distinct failed result, naming its workers; nothing for the ones that passed."""
+    by_outcome: dict[str, list[WorkerResult]] = {}
+    for r in result.workers:
+        if not r.ok:
+            by_outcome.setdefault(r.outcome_text(), []).append(r)
+    return [
+        paint("31", f"{len(group)} failed: {worker_names(group)} ({outcome})")
+        for outcome, group in sorted(by_outcome.items(), key=lambda item: -len(item[1]))
+    ]
+
+
+def worker_names(results: Sequence[WorkerResult]) -> str:
+    """Workers' labels, runs of consecutive ids shortened: ``w0-w3, w7, w9-w10``."""
+    parts: list[str] = []
+    run: list[WorkerResult] = []
+    for r in sorted(results, key=lambda r: r.worker.id):
+        if run and r.worker.id != run[-1].worker.id + 1:
+            parts.append(_span(run))
+            run = []
+        run.append(r)
+    if run:
+        parts.append(_span(run))
+    return ", ".join(parts)
+
+
+def _span(run: list[WorkerResult]) -> str:
+    first, last = run[0].worker.label, run[-1].worker.label
+    return first if len(run) == 1 else f"{first}{'-' if len(run) > 2 else ', '}{last}"
+
+
+def _table(result: FanoutResult, file: TextIO, paint: Callable[[str, str], str]) -> list[str]:
+    """The per-worker rows, under their header."""
+    lines: list[str] = []
     header = ("worker", "host", "result", "time")
     rows = [
         (r.worker.label, r.worker.hostname, r.outcome_text(), format_duration(r.duration))
@@ -100,9 +153,7 @@ def print_summary(
         outcome = paint("32" if r.ok else "31", row[2].ljust(widths[2]))
         cells = "  ".join([label, row[1].ljust(widths[1]), outcome, row[3].ljust(widths[3])])
         lines.append(f"{cells}  {_clip(r.last_line, room)}".rstrip())
-    lines.extend(_verdict(result, paint))
-    file.write("\n".join(lines) + "\n")
-    file.flush()
+    return lines
 
 
 def print_verdict(result: FanoutResult, file: TextIO, color: bool | None = None) -> None:

@@ -53,6 +53,15 @@ GraceOption = Annotated[
     ),
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary.")]
+VerboseOption = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="A summary row for every worker (by default a success with no output is one "
+        "line, and beyond 16 workers identical results are grouped).",
+    ),
+]
 
 
 @command("exec", context_settings={"allow_interspersed_args": False})
@@ -70,6 +79,7 @@ def exec_command(
     timeout: TimeoutOption = None,
     grace: GraceOption = DEFAULT_GRACE_S,
     quiet: QuietOption = False,
+    verbose: VerboseOption = False,
     env: EnvOption = None,
     image: ImageOption = None,
     mount: MountOption = None,
@@ -93,7 +103,7 @@ def exec_command(
 
       tpupod exec --image app:1 -- python -c 'import jax; print(jax.devices())'
     """
-    args = ExecArgs(command, pod, worker, on_fail, timeout, grace, quiet, list(env or []))
+    args = ExecArgs(command, pod, worker, on_fail, timeout, grace, quiet, list(env or []), verbose)
     if image is None:
         container_from_options(image, mount, engine, privileged, [])  # refuses stray options
     run_exec(args, ContainerOptions(image, mount, engine, privileged) if image else None)
@@ -136,7 +146,7 @@ def run_exec(args: ExecArgs, in_image: ContainerOptions | None = None) -> None:
             env=plan.env,
             container=container,
         )
-    raise typer.Exit(finish(result, plan))
+    raise typer.Exit(finish(result, plan, args.verbose))
 
 
 def run_with_signals(

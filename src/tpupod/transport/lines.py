@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -65,6 +64,8 @@ async def read_lines(streams: list[tuple[Stream, ByteReader]]) -> AsyncIterator[
     A read that fails with OSError ends that stream like an EOF: the process's
     exit status, not its pipes, says how it ended.
     """
+    import asyncio  # here: the splitter serves exec's event-loop-free fast path too
+
     # Bounded, so a command that floods its output waits for us instead of filling memory.
     queue: asyncio.Queue[OutputLine | None] = asyncio.Queue(maxsize=QUEUE_LINES)
 

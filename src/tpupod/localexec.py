@@ -1,0 +1,231 @@
+"""``tpupod exec`` on a local pod with no event loop: the console script's fast path.
+
+A local pod's workers are processes of this machine. Starting four of them
+needs neither asyncio, nor pydantic (the pod's record is read as plain JSON),
+nor the CLI framework: those imports cost ten times what the command does.
+This runs plain ``exec`` lines (workers, ``-e``, ``--quiet``, ``--verbose``,
+``--grace``, ``--on-fail wait``) with ``subprocess`` and a ``selectors`` loop;
+anything else (``--timeout``, ``--on-fail kill``, ``--image``) goes to the
+full fan-out (``fanout.py``), which stays the reference: tests run the same
+argument lines both ways and compare what the workers saw and what was printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import IO, TYPE_CHECKING, Any
+
+from tpupod.report import LinePrinter
+from tpupod.results import FanoutResult, Outcome, WorkerResult
+from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
+from tpupod.transport.lines import LineSplitter
+
+if TYPE_CHECKING:
+    from tpupod.execflow import ExecArgs, ExecPlan
+    from tpupod.state import WorkerBrief
+
+TAIL_LINES = 10
+OUTPUT_LINGER_S = 2.0  # as workerrun: output a background child holds open after the exit
+POLL_S = 0.05
+START_HINT = (  # as transport/local.py says it
+    "the pod's working directory may be gone; 'tpupod down' then 'tpupod up' recreates it"
+)
+SHELL = "/bin/bash"  # as transport/local.py, which imports asyncio
+
+
+def local_env(record: dict[str, Any], index: int, extra: dict[str, str]) -> dict[str, str]:
+    """What worker ``index`` of a local pod sees (``Pod.identity_env`` + the local provider's
+    ``worker_env`` + ``extra``), from the raw record; tests compare it with the full path's."""
+    workers, spec = record["workers"], record["spec"]
+    hostnames = ",".join(str(w["internal_address"]) for w in workers)
+    worker_id = str(workers[index]["id"])
+    return {
+        "TPUPOD_POD": str(record["name"]),
+        "TPUPOD_WORKER_ID": worker_id,
+        "TPUPOD_NUM_WORKERS": str(len(workers)),
+        "TPUPOD_WORKER_HOSTNAMES": hostnames,
+        "TPU_WORKER_ID": worker_id,
+        "TPU_WORKER_HOSTNAMES": hostnames,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": str(spec["devices_per_worker"]),
+        **{str(k): str(v) for k, v in spec.get("env", {}).items()},
+        **extra,
+    }
+
+
+class _Run:
+    """One worker's process: its output splitters, tail, and how it ended."""
+
+    def __init__(self, worker: WorkerBrief, proc: subprocess.Popen[bytes] | None) -> None:
+        self.worker = worker
+        self.proc = proc
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.status: ExitStatus | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.lines = 0
+        self.pipes_open: dict[int, IO[bytes]] = {}
+        self.error: str | None = None
+
+    def pipes(self) -> list[tuple[IO[bytes], Stream]]:
+        """Its stdout and stderr, now counted as open."""
+        if self.proc is None or self.proc.stdout is None or self.proc.stderr is None:
+            return []
+        pipes = [(self.proc.stdout, Stream.STDOUT), (self.proc.stderr, Stream.STDERR)]
+        self.pipes_open = {pipe.fileno(): pipe for pipe, _ in pipes}
+        return pipes
+
+    def take(self, text: str) -> None:
+        self.lines += 1
+        self.tail.append(text)
+
+    def check_exit(self, now: float) -> bool:
+        """Whether it exited just now (its status is then set)."""
+        if self.ended is not None or self.proc is None or self.proc.poll() is None:
+            return False
+        code = self.proc.returncode
+        self.ended = now
+        self.status = ExitStatus(code) if code >= 0 else ExitStatus(None, -code)
+        return True
+
+
+def run_local(record: dict[str, Any], plan: ExecPlan, args: ExecArgs) -> FanoutResult:
+    """Run the plan on the local pod's workers, output printed as it arrives."""
+    workers = [plan.brief.workers[i] for i in plan.ids]
+    printer = None if args.quiet else LinePrinter(workers, sys.stdout, sys.stderr)
+    script = command_script(plan.line, guard=True)
+    started = time.monotonic()
+    runs = [_start(record, plan, i, script) for i in plan.ids]
+    interrupted: list[int] = []
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: interrupted.append(signum))
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    failure_order = [run.worker.id for run in runs if run.proc is None]
+    try:
+        _pump(runs, printer, interrupted, failure_order, args.grace)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    stopped = interrupted[0] if interrupted else None
+    results = [_result(run, stopped) for run in runs]
+    for r in results:
+        if not r.ok and r.worker.id not in failure_order:
+            failure_order.append(r.worker.id)
+    return FanoutResult(
+        plan.line,
+        results,
+        time.monotonic() - started,
+        failure_order=failure_order,
+        interrupt_signal=stopped,
+    )
+
+
+def _start(record: dict[str, Any], plan: ExecPlan, index: int, script: str) -> _Run:
+    worker = plan.brief.workers[index]
+    env = {**os.environ, **local_env(record, index, plan.env)}
+    try:
+        # Guarded (command_script): stdin is a pipe we never write to, closed if we die.
+        proc = subprocess.Popen(
+            [SHELL, "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=record["workers"][index].get("workdir"),
+            env=env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        run = _Run(worker, None)
+        run.ended = run.started
+        run.error = f"cannot start the command: {exc.strerror or exc}"
+        return run
+    return _Run(worker, proc)
+
+
+def _pump(
+    runs: list[_Run],
+    printer: LinePrinter | None,
+    interrupted: list[int],
+    failure_order: list[int],
+    grace: float,
+) -> None:
+    """Read every worker's output until each has exited and closed it (or lingered too long);
+    a SIGINT or SIGTERM stops them all (TERM, then KILL after ``grace``)."""
+    selector = selectors.DefaultSelector()
+    for run in runs:
+        for pipe, stream in run.pipes():
+            selector.register(pipe, selectors.EVENT_READ, (run, stream, LineSplitter()))
+    stopping: float | None = None
+    while any(run.ended is None or run.pipes_open for run in runs):
+        for key, _ in selector.select(POLL_S):
+            _read(selector, key, printer)
+        now = time.monotonic()
+        for run in runs:
+            if run.check_exit(now) and run.status is not None and not run.status.ok:
+                failure_order.append(run.worker.id)
+            if run.ended is not None and now - run.ended > OUTPUT_LINGER_S:
+                for fd in list(run.pipes_open):
+                    _close(selector, run, fd)
+        if interrupted and stopping is None:
+            stopping = now
+            _signal_all(runs, signal.SIGTERM)
+        if stopping is not None and now - stopping > grace:
+            _signal_all(runs, signal.SIGKILL)
+    selector.close()
+    for run in runs:
+        if run.proc is not None and run.proc.stdin is not None:
+            run.proc.stdin.close()
+
+
+def _read(
+    selector: selectors.BaseSelector, key: selectors.SelectorKey, printer: LinePrinter | None
+) -> None:
+    """What one pipe has now, as lines; at its end, the last line and the pipe closed."""
+    run, stream, splitter = key.data
+    data = os.read(key.fd, 65536)
+    for text in splitter.feed(data) if data else splitter.finish():
+        run.take(text)
+        if printer is not None:
+            printer(run.worker, OutputLine(stream, text))
+    if not data:
+        _close(selector, run, key.fd)
+
+
+def _close(selector: selectors.BaseSelector, run: _Run, fd: int) -> None:
+    pipe = run.pipes_open.pop(fd)
+    selector.unregister(pipe)
+    pipe.close()
+
+
+def _signal_all(runs: list[_Run], signum: int) -> None:
+    for run in runs:
+        if run.proc is not None and run.ended is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.proc.pid, signum)
+
+
+def _result(run: _Run, stopped: int | None) -> WorkerResult:
+    if run.proc is None:
+        outcome = Outcome.UNREACHABLE
+    elif run.status is not None and run.status.ok:
+        outcome = Outcome.OK
+    else:
+        outcome = Outcome.INTERRUPTED if stopped is not None else Outcome.FAILED
+    return WorkerResult(
+        worker=run.worker,
+        outcome=outcome,
+        duration=(run.ended or time.monotonic()) - run.started,
+        status=run.status,
+        tail=tuple(run.tail),
+        lines=run.lines,
+        error=run.error,
+        hint=START_HINT if run.proc is None else None,
+    )
