@@ -40,12 +40,15 @@ typecheck: $(STAMP_TEST)
 ROOT := $(filter 0,$(shell id -u))
 SKIP_TIERS := $(if $(or $(ROOT),$(filter true 1 yes,$(CI))),,ssh)
 
+# Each run ends with its slowest tests, so a test that grows slow shows in the next CI log.
+DURATIONS := --durations=15 --durations-min=5
+
 pytest: $(STAMP_TEST)
 ifneq ($(SKIP_TIERS),)
 	@echo "make test: skipping the ssh tier: simulated hosts (network namespaces running sshd) need root"
-	$(BIN)/pytest -m "not ssh"
+	$(BIN)/pytest $(DURATIONS) -m "not ssh"
 else
-	$(BIN)/pytest
+	$(BIN)/pytest $(DURATIONS)
 endif
 
 test: prereqs lint typecheck pytest
