@@ -17,7 +17,8 @@ A program started on every worker by ``tpupod run`` meets the others with::
     tpupod.assert_same(config, "config")  # raises on every worker if one differs
 
 and the launcher reads its runs back with ``tpupod.get_run("dev")`` (the latest)
-or ``tpupod.runs("dev")`` (all, oldest first).
+or ``tpupod.runs("dev")`` (all, oldest first). A program run with ``--retries`` resumes
+from ``tpupod.latest_checkpoint(ckpt_dir)`` (the newest complete Orbax step, or None).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "get_pod",
     "get_run",
     "init_jax",
+    "latest_checkpoint",
     "pod_status",
     "rendezvous",
     "runs",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from tpupod.launch.records import RunOutcome, RunRecord, get_run, runs
     from tpupod.ops.status import PodStatus, WorkerStatus, pod_status
     from tpupod.pod import Pod, Worker
+    from tpupod.recovery.checkpoints import latest_checkpoint
     from tpupod.results import FanoutResult, WorkerResult
     from tpupod.state import get_pod
 
@@ -84,6 +87,7 @@ _LAZY = {
     "RunOutcome": "tpupod.launch.records",
     "runs": "tpupod.launch.records",
     "get_run": "tpupod.launch.records",
+    "latest_checkpoint": "tpupod.recovery.checkpoints",
 }
 
 

@@ -70,12 +70,16 @@ class Interrupt:
         self.requested = asyncio.Event()
         self.forced = asyncio.Event()
         self.signal: int | None = None
+        self.grace: float | None = None  # the stop's grace, if not the fan-out's own
+        self.reason: str | None = None  # why, if not the signal's name
 
-    def request(self, signum: int = signal.SIGINT) -> None:
+    def request(
+        self, signum: int = signal.SIGINT, *, grace: float | None = None, reason: str | None = None
+    ) -> None:
         if self.requested.is_set():
             self.forced.set()
         else:
-            self.signal = signum
+            self.signal, self.grace, self.reason = signum, grace, reason
             self.requested.set()
 
 
@@ -210,10 +214,10 @@ class _Fanout:
                     self._record(task.result())
                 self._act_on_failures()
                 if interrupted in done and not forced.done():
-                    self._begin_stop(
-                        Outcome.INTERRUPTED,
-                        *INTERRUPT_REASONS.get(self.interrupt.signal or 0, ("interrupted", "")),
-                    )
+                    why = INTERRUPT_REASONS.get(self.interrupt.signal or 0, ("interrupted", ""))
+                    if self.interrupt.grace is not None:  # e.g. a preemption notice's grace
+                        self.grace = self.interrupt.grace
+                    self._begin_stop(Outcome.INTERRUPTED, self.interrupt.reason or why[0], why[1])
                 if forced.done() and not self.forced:
                     self.forced = True
                     self._spawn_stop(Outcome.INTERRUPTED, 0.0)
@@ -300,7 +304,12 @@ class _Fanout:
             f"{reason}: stopping {len(running)} worker{'s' if len(running) != 1 else ''} ({plan})"
         )
         self.on_notice(f"{note}; {extra}" if extra else note)
-        self.supervision.stopping(reason)
+        if outcome is Outcome.INTERRUPTED and self.interrupt.grace is not None:
+            # A stop with its own grace (a preemption notice): the programs get TERM and
+            # that grace to save; the rendezvous does not tell them to leave at once.
+            self.supervision.stop_begun = True
+        else:
+            self.supervision.stopping(reason)
         self._spawn_stop(outcome, self.grace, by)
 
     def _spawn_stop(self, outcome: Outcome, grace: float, by: int | None = None) -> None:

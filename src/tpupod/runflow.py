@@ -20,8 +20,10 @@ from tpupod.plainargs import scan
 from tpupod.results import DEFAULT_GRACE_S, OnFail
 
 if TYPE_CHECKING:
+    from tpupod.fanout import Interrupt
     from tpupod.launch.run import RunResult
     from tpupod.live import Live
+    from tpupod.pod import Pod
 
 
 @dataclass
@@ -43,53 +45,95 @@ class RunArgs:
     mounts: list[str] = field(default_factory=list)
     engine: str | None = None
     privileged: bool = False
+    # --retries and its company (``recovery``): 0 and empty run one plain attempt
+    retries: int = 0
+    retry_errors: int = 0
+    retry_exit_codes: str | None = None
+    zones: str | None = None
+    notice_grace: float | None = None
+    setup: str | None = None
+    resume: str | None = None
 
 
 def run_command(args: RunArgs) -> int:
     """What ``tpupod run`` does, whichever reader read its arguments; the exit code."""
-    from tpupod.envargs import parse_env
-    from tpupod.execflow import join_command
-    from tpupod.image.options import container_from_options
-    from tpupod.launch.run import run as launch_run
     from tpupod.live import run_live
-    from tpupod.report import print_summary, print_verdict
     from tpupod.state import StateDir
 
+    if bool(args.command) == bool(args.resume):
+        from tpupod.errors import UsageError
+
+        raise UsageError(
+            "run takes a command, or --resume RUN without one",
+            hint="tpupod run -- python train.py",
+        )
+    if args.retries or args.retry_errors or args.retry_exit_codes or args.resume:
+        from tpupod.recovery.drive import run_recovering
+
+        return run_recovering(args, launch_attempt)
     target = StateDir().resolve(args.pod)
     workers = target.select(args.worker)
-    line = join_command(args.command)
-    run_env = parse_env(args.env)  # every option is checked before any work
-    names = [*run_env, *target.spec.env]
-    container = container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
+    check_args(args, target)  # every option is checked before any work
+    result = run_live(workers, False, lambda live: launch_attempt(args, target, live, {}, None))
+    return report_attempt(args, result)
 
-    def body(live: Live) -> Awaitable[RunResult]:
-        return launch_run(
-            target,
-            line,
-            workers=workers,
-            env=run_env,
-            timeout=args.timeout,
-            on_fail=args.on_fail,
-            grace=args.grace,
-            coordinator_port=args.coordinator_port,
-            sync_dir=args.sync,
-            rendezvous_on=args.rendezvous_on.value,
-            worker_python=args.worker_python,
-            show_chatter=args.verbose,
-            collateral_in_logs_only=not args.verbose,
-            on_line=live.on_line,
-            on_notice=_silent if args.quiet else live.on_notice,
-            interrupt=live.interrupt,
-            container=container,
-        )
 
-    # -q: the program's output and errors, and of tpupod's only why the run failed.
-    result = run_live(workers, False, body)
+def check_args(args: RunArgs, target: Pod) -> None:
+    """Refuse bad options before any work (launch_attempt reads them again)."""
+    from tpupod.envargs import parse_env
+    from tpupod.image.options import container_from_options
+
+    names = [*parse_env(args.env), *target.spec.env]
+    container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
+
+
+def report_attempt(args: RunArgs, result: RunResult) -> int:
+    """The summary of one attempt (-q: of tpupod's only why the run failed)."""
+    from tpupod.report import print_summary, print_verdict
+
     if args.quiet:
         print_verdict(result.fanout, sys.stderr)
     else:
         print_summary(result.fanout, sys.stderr, title=f"run {result.launch.launch_id}")
     return result.fanout.exit_code()
+
+
+def launch_attempt(
+    args: RunArgs,
+    target: Pod,
+    live: Live,
+    extra_env: dict[str, str],
+    interrupt: Interrupt | None,
+) -> Awaitable[RunResult]:
+    """One launch of the program on ``target``'s selected workers."""
+    from tpupod.envargs import parse_env
+    from tpupod.execflow import join_command
+    from tpupod.image.options import container_from_options
+    from tpupod.launch.run import run as launch_run
+
+    workers = target.select(args.worker)
+    run_env = {**parse_env(args.env), **extra_env}
+    names = [*run_env, *target.spec.env]
+    container = container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
+    return launch_run(
+        target,
+        join_command(args.command),
+        workers=workers,
+        env=run_env,
+        timeout=args.timeout,
+        on_fail=args.on_fail,
+        grace=args.grace,
+        coordinator_port=args.coordinator_port,
+        sync_dir=args.sync,
+        rendezvous_on=args.rendezvous_on.value,
+        worker_python=args.worker_python,
+        show_chatter=args.verbose,
+        collateral_in_logs_only=not args.verbose,
+        on_line=live.on_line,
+        on_notice=_silent if args.quiet else live.on_notice,
+        interrupt=interrupt or live.interrupt,
+        container=container,
+    )
 
 
 def _silent(text: str) -> None:

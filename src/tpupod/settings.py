@@ -78,6 +78,34 @@ def gcp_poll_s() -> float:
         return 5.0
 
 
+def metadata_url() -> str:
+    """A TPU VM's metadata server, as its workers reach it (``TPUPOD_METADATA_URL``: a
+    test stand-in's)."""
+    default = "http://metadata.google.internal/computeMetadata/v1"
+    return os.environ.get("TPUPOD_METADATA_URL") or default
+
+
+def recovery_watch_s() -> float:
+    """Seconds between reads of a TPU's state during a run with --retries
+    (``TPUPOD_RECOVERY_WATCH_S``)."""
+    try:
+        return float(os.environ.get("TPUPOD_RECOVERY_WATCH_S", "5"))
+    except ValueError:
+        return 5.0
+
+
+def recovery_probe() -> tuple[float, int]:
+    """How long, and how many times, an unreachable worker or a failing API call is retried
+    before a run with --retries decides without it (``TPUPOD_RECOVERY_PROBE_S``, 120, and
+    ``TPUPOD_RECOVERY_PROBE_TRIES``, 8)."""
+    try:
+        seconds = float(os.environ.get("TPUPOD_RECOVERY_PROBE_S", "120"))
+        tries = int(os.environ.get("TPUPOD_RECOVERY_PROBE_TRIES", "8"))
+    except ValueError:
+        return 120.0, 8
+    return seconds, tries
+
+
 def model_cache_dir() -> Path:
     """Where checkpoints read from remote storage (``gs://``) are copied.
 

@@ -30,6 +30,14 @@ whose capacity is held for it and so never waits for resources. Only
 preemptible and spot TPU VMs are preempted (PREEMPTED), and only spot and
 best-effort queued resources (SUSPENDING, SUSPENDED; their nodes are deleted);
 ``preempt`` of anything else is a ValueError, as the API never does it.
+
+Preemption follows GCE's notice: the hosts' metadata answers ``instance/preempted``
+TRUE at once (``/computeMetadata/v1/...``, served here to whoever asks from a host's
+address), ``on_notice(addresses)`` is told at once (a test sends TERM to the hosts'
+processes, as the guest's shutdown does), and ``notice_s`` later ``on_reclaim(addresses)``
+(KILL, the hosts taken away). ``on_provision(addresses)`` is told when hosts are handed
+out to a new node (a test boots them fresh: nothing from before). ``unavailable(s)`` makes
+every API call answer 503 for ``s`` seconds.
 Resources are answered in the shape of the version asked (a best-effort queued
 resource read through v2 shows no tier, and ``multisliceParams``).
 """
@@ -42,6 +50,7 @@ import itertools
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,6 +77,7 @@ STATUS_CODES = {
     "NOT_FOUND": 404,
     "ALREADY_EXISTS": 409,
     "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
 }
 QUEUED_TIERS = {"spot": "spot", "bestEffort": "best-effort", "reservationName": "reserved"}
 MULTISLICE = {"v2": "multisliceParams", "v2alpha1": "multiNodeParams"}
@@ -106,6 +116,14 @@ class TpuApiStandIn:
         self.steps = steps
         self.on_ssh_keys = on_ssh_keys or (lambda keys: None)
         self.offered = offered or {}  # zone -> types it offers (a zone not named offers all)
+        self.notice_s = 0.0  # from a preemption's notice to its hosts taken away
+        self.on_notice: Callable[[list[str]], None] = lambda addresses: None
+        self.on_reclaim: Callable[[list[str]], None] = lambda addresses: None
+        self.on_provision: Callable[[list[str]], None] = lambda addresses: None
+        self.preempted: set[str] = set()  # internal addresses whose metadata says TRUE
+        self.preemptions = 0
+        self.unavailable_until = 0.0
+        self.no_capacity = 0  # polls a new queued resource stays WAITING_FOR_RESOURCES
         self.resources: dict[str, _Resource] = {}
         self.operations: dict[str, dict[str, Any]] = {}
         self.failures: list[tuple[str, str, str, str]] = []  # (method, kind, status, message)
@@ -117,12 +135,26 @@ class TpuApiStandIn:
 
     # -- control, for tests -----------------------------------------------------------
 
-    def start(self) -> str:
-        """Serve on a free loopback port; returns the endpoint URL for the client."""
+    def start(self, host: str = "127.0.0.1") -> str:
+        """Serve on a free port (of ``host``: "0.0.0.0" lets simulated hosts ask their
+        metadata); returns the endpoint URL for the client."""
         handler = type("Handler", (_Handler,), {"api": self})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server = ThreadingHTTPServer((host, 0), handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.server_address[1])
+
+    def unavailable(self, seconds: float) -> None:
+        """Answer every API call with 503 UNAVAILABLE for ``seconds`` from now."""
+        self.unavailable_until = time.monotonic() + seconds
+
+    def alive(self) -> list[str]:
+        """The names of the TPUs that exist (queued resources and nodes)."""
+        return [key.rsplit("/", 1)[-1] for key in self.resources]
 
     def stop(self) -> None:
         if self._server is not None:
@@ -152,6 +184,30 @@ class TpuApiStandIn:
                 self._free(self.resources.pop(child, None))
             resource.children = []
 
+    def preempt_with_notice(self, name: str) -> list[str]:
+        """Preempt as GCE does (see the module's text): metadata TRUE, notice, then after
+        ``notice_s`` the hosts killed and taken away. Returns the hosts' addresses."""
+        with self._lock:
+            _, resource = self._find(name)
+            nodes = [self.resources[c] for c in resource.children] or [resource]
+            addresses = [
+                e["ipAddress"] for node in nodes for e in node.data.get("networkEndpoints", [])
+            ]
+            self.preempted.update(addresses)
+            self.preemptions += 1
+        self.preempt(name)
+        self.on_notice(addresses)
+        timer = threading.Timer(self.notice_s, self.on_reclaim, (addresses,))
+        timer.daemon = True
+        timer.start()
+        return addresses
+
+    def metadata(self, path: str, caller: str) -> tuple[int, str]:
+        """A host's metadata server: ``instance/preempted`` (TRUE once its TPU is preempted)."""
+        if path.rstrip("/").endswith("/instance/preempted"):
+            return 200, "TRUE" if caller in self.preempted else "FALSE"
+        return 404, "not found"
+
     def _find(self, name: str) -> tuple[str, _Resource]:
         """A queued resource by its id, else a node."""
         for kind in ("queuedResources", "nodes"):
@@ -177,6 +233,8 @@ class TpuApiStandIn:
         kind, name, version = match["kind"], match["name"], match["version"]
         parent = f"projects/{match['project']}/locations/{match['zone']}"
         self.calls.append((method, f"{kind}/{name or ''}"))
+        if time.monotonic() < self.unavailable_until:
+            raise Refused("UNAVAILABLE", "The service is currently unavailable.")
         for i, (f_method, f_kind, status, message) in enumerate(self.failures):
             if f_method == method and f_kind == kind:
                 del self.failures[i]
@@ -217,6 +275,11 @@ class TpuApiStandIn:
         resource = self.resources[full]
         resource.reads += 1
         state = resource.states[min(len(resource.states) - 1, resource.reads // self.steps)]
+        waited = state in QR_STATES[2:] and resource.states == QR_STATES
+        if waited and self.no_capacity and not resource.children:
+            self.no_capacity -= 1  # held back: no capacity yet
+            resource.reads -= 1
+            state = "WAITING_FOR_RESOURCES"
         if "/queuedResources/" in full:
             resource.data["state"] = {"state": state}
             if state == "ACTIVE" and not resource.children:
@@ -271,6 +334,8 @@ class TpuApiStandIn:
         if len(self.endpoints) < workers:
             raise Refused("RESOURCE_EXHAUSTED", "not enough addresses in the stand-in")
         taken, self.endpoints = self.endpoints[:workers], self.endpoints[workers:]
+        self.preempted.difference_update(internal for internal, _ in taken)
+        self.on_provision([internal for internal, _ in taken])
         keys = body.get("metadata", {}).get("ssh-keys")
         if keys:
             self.on_ssh_keys(keys)
@@ -397,6 +462,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, method: str) -> None:
         url = urlparse(self.path)
+        if url.path.startswith("/computeMetadata/"):
+            code, text = self.api.metadata(url.path, self.client_address[0])
+            data = text.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/text")
+            self.send_header("Metadata-Flavor", "Google")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         length = int(self.headers.get("Content-Length") or 0)
         try:

@@ -95,6 +95,7 @@ COMMAND_MODULES = {
     "list": "pods",
     "status": "pods",
     "up": "pods",
+    "cancel": "run",
     "logs": "run",
     "run": "run",
     "agent": "serve",

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 @command("run", context_settings={"allow_interspersed_args": False})
 def run(
     command_args: Annotated[
-        list[str], typer.Argument(metavar="-- CMD...", help="The program.", show_default=False)
-    ],
+        list[str] | None,
+        typer.Argument(metavar="-- CMD...", help="The program.", show_default=False),
+    ] = None,
     pod: PodOption = None,
     worker: WorkerOption = None,
     on_fail: Annotated[
@@ -88,6 +89,63 @@ def run(
     mount: MountOption = None,
     engine: EngineOption = None,
     privileged: PrivilegedOption = False,
+    retries: Annotated[
+        int,
+        typer.Option(
+            "--retries",
+            help="Recover up to N times from a preemption (the TPU deleted, created again, "
+            "set up, synced, relaunched) or a lost worker (rerun).",
+        ),
+    ] = 0,
+    retry_errors: Annotated[
+        int, typer.Option("--retry-errors", help="Rerun up to M times after the program fails.")
+    ] = 0,
+    retry_exit_codes: Annotated[
+        str | None,
+        typer.Option(
+            "--retry-exit-codes",
+            metavar="CODES",
+            help="Always rerun after these exit codes (e.g. 42,75).",
+            show_default=False,
+        ),
+    ] = None,
+    zones: Annotated[
+        str | None,
+        typer.Option(
+            "--zones",
+            metavar="Z1,Z2",
+            help="Recreate a preempted TPU in these zones when its own has no capacity.",
+            show_default=False,
+        ),
+    ] = None,
+    notice_grace: Annotated[
+        float | None,
+        typer.Option(
+            "--notice-grace",
+            metavar="SECONDS",
+            help="On a preemption notice: SIGTERM, then KILL after this long (default 25).",
+            show_default=False,
+            min=0,
+        ),
+    ] = None,
+    setup: Annotated[
+        str | None,
+        typer.Option(
+            "--setup",
+            metavar="SCRIPT",
+            help="The pod's setup script: run first, and again on a recreated TPU.",
+            show_default=False,
+        ),
+    ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            metavar="RUN",
+            help="Continue the recovery of run RUN after its launcher died (no CMD).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run a program on every worker in lockstep: preflight, rendezvous, supervision, logs.
 
@@ -105,9 +163,11 @@ def run(
       tpupod run --timeout 3600 -e XLA_FLAGS=--xla_dump_to=/tmp/x -- python bench.py
 
       tpupod run --image app:1 --mount /data:/data:ro -- python train.py   # in containers
+
+      tpupod run --retries 3 --sync ~/code -- python train.py   # survives preemption
     """
     args = RunArgs(
-        command=command_args,
+        command=list(command_args or []),
         pod=pod,
         worker=worker,
         on_fail=on_fail,
@@ -124,6 +184,13 @@ def run(
         mounts=list(mount or []),
         engine=engine,
         privileged=privileged,
+        retries=retries,
+        retry_errors=retry_errors,
+        retry_exit_codes=retry_exit_codes,
+        zones=zones,
+        notice_grace=notice_grace,
+        setup=setup,
+        resume=resume,
     )
     raise typer.Exit(run_command(args))
 
@@ -160,6 +227,7 @@ def logs(
     """
     from tpupod.errors import UsageError
     from tpupod.launch.records import get_run, read_logs
+    from tpupod.recovery.record import find_recovery
     from tpupod.report import LinePrinter
     from tpupod.state import StateDir
     from tpupod.transport import OutputLine, Stream
@@ -170,6 +238,10 @@ def logs(
             raise UsageError("--list takes no RUN, --worker or --follow", hint="tpupod logs --list")
         _list_runs(state.resolve_name(pod), state)
         return
+    recovery = find_recovery(state, state.resolve_name(pod), run_id)
+    if recovery is not None:  # a --retries run: its attempts, then its latest launch's logs
+        print("\n".join(recovery.lines()), file=sys.stderr)
+        run_id = next((a.launch_id for a in reversed(recovery.attempts) if a.launch_id), None)
     record = get_run(state.resolve_name(pod), run_id, state)
     ids = [w.id for w in record.workers if worker is None or w.id == worker]
     if not ids:
@@ -210,3 +282,22 @@ def _list_runs(pod: str, state: StateDir) -> None:
         command = record.command if len(record.command) <= 60 else record.command[:59] + "…"
         rows.append([record.launch_id, started, str(len(record.workers)), record.state(), command])
     print_columns(rows, sys.stdout)
+
+
+@command("cancel")
+def cancel(
+    run_id: Annotated[
+        str, typer.Argument(metavar="RUN", help="The id 'tpupod run --retries' printed.")
+    ],
+    pod: PodOption = None,
+) -> None:
+    """Stop a run started with --retries, in any phase: its workers are stopped, and a TPU
+    its recovery was creating is deleted.
+
+    Examples:
+
+      tpupod cancel 20261127-080102-5d1e2a
+    """
+    from tpupod.recovery.drive import cancel_run
+
+    print(cancel_run(pod, run_id))

@@ -1,0 +1,124 @@
+"""Is it a preemption? Only the provider may say so.
+
+A TPU counts as preempted when the Cloud TPU API says so (the node PREEMPTED, the
+queued resource SUSPENDING or SUSPENDED) or a worker's metadata server answers
+``instance/preempted`` TRUE. An API call that fails, or a worker that does not
+answer, is retried with backoff within the policy's budget (a time and a count)
+and is never taken for a preemption: recovery loops that destroyed healthy runs
+did exactly that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from tpupod import settings
+from tpupod.errors import TpupodError
+from tpupod.fanout import NoticeHandler, execute_async
+from tpupod.pod import Pod
+from tpupod.providers import Connector, provider_for
+from tpupod.recovery.policy import RetryPolicy
+from tpupod.results import Outcome
+
+PREEMPTED_STATES = frozenset({"PREEMPTED", "SUSPENDING", "SUSPENDED"})
+METADATA_TIMEOUT_S = 10.0
+T = TypeVar("T")
+
+
+def backoff(attempt: int) -> float:
+    """Seconds before retry ``attempt`` (0, 1, ...): 0.5, 1, 2, ... up to 10."""
+    return float(min(0.5 * 2**attempt, 10.0))
+
+
+async def with_budget(
+    call: Callable[[], Awaitable[T]], policy: RetryPolicy, what: str, notice: NoticeHandler
+) -> T | None:
+    """``call()``, retried with backoff while it raises, within the policy's budget; None
+    when the budget is spent without an answer."""
+    started = time.monotonic()
+    for attempt in range(max(1, policy.probe_tries)):
+        try:
+            return await call()
+        except TpupodError as exc:
+            left = policy.probe_s - (time.monotonic() - started)
+            if attempt + 1 >= policy.probe_tries or left <= 0:
+                notice(f"{what}: no answer within the budget ({exc}); not a preemption")
+                return None
+            delay = min(backoff(attempt), left)
+            notice(f"{what}: {exc}; retrying in {delay:.1f}s")
+            await asyncio.sleep(delay)
+    return None
+
+
+async def api_state(pod: Pod, policy: RetryPolicy, notice: NoticeHandler) -> str | None:
+    """The TPU's state as the API reports it, or None (no answer within the budget, or a
+    provider without a cloud state)."""
+    provider = provider_for(pod.provider)
+    return await with_budget(lambda: provider.live_state(pod), policy, "TPU state", notice)
+
+
+_METADATA_SCRIPT = (
+    "import sys, urllib.request as u\n"
+    "r = u.Request(sys.argv[1] + '/instance/preempted', headers={'Metadata-Flavor': 'Google'})\n"
+    "print(u.urlopen(r, timeout=5).read().decode().strip())"
+)
+METADATA_READ = "python3 -c " + shlex.quote(_METADATA_SCRIPT) + " "
+
+
+async def metadata_preempted(pod: Pod, connector: Connector) -> list[int]:
+    """The workers whose metadata server answers ``instance/preempted`` TRUE (those that
+    answer at all: a worker taken away says nothing, and that alone proves nothing)."""
+    command = METADATA_READ + shlex.quote(settings.metadata_url())
+    result = await execute_async(pod, command, connector=connector, timeout=METADATA_TIMEOUT_S)
+    return [r.worker.id for r in result.workers if r.outcome is Outcome.OK and "TRUE" in r.tail]
+
+
+async def reachable(pod: Pod, connector: Connector) -> list[int]:
+    """The workers that do not answer a plain command now."""
+    result = await execute_async(pod, "true", connector=connector, timeout=METADATA_TIMEOUT_S)
+    return [r.worker.id for r in result.workers if r.outcome is not Outcome.OK]
+
+
+async def wait_reachable(
+    pod: Pod, connector: Connector, policy: RetryPolicy, notice: NoticeHandler
+) -> list[int]:
+    """Probe the workers with backoff within the budget; those still silent at its end."""
+    started = time.monotonic()
+    silent = await reachable(pod, connector)
+    attempt = 0
+    while silent and attempt + 1 < policy.probe_tries:
+        left = policy.probe_s - (time.monotonic() - started)
+        if left <= 0:
+            break
+        delay = min(backoff(attempt), left)
+        names = ", ".join(f"w{w}" for w in silent)
+        notice(f"{names} not answering; probing again in {delay:.1f}s")
+        await asyncio.sleep(delay)
+        silent = await reachable(pod, connector)
+        attempt += 1
+    return silent
+
+
+async def watch(
+    pod: Pod, interval: float, on_preempted: Callable[[str], None], stopped: asyncio.Event
+) -> None:
+    """Read the TPU's state every ``interval`` seconds during an attempt; tell
+    ``on_preempted`` once the API says it was preempted. A failed read is skipped."""
+    provider = provider_for(pod.provider)
+    while not stopped.is_set():
+        try:
+            await asyncio.wait_for(stopped.wait(), interval)
+            return
+        except TimeoutError:
+            pass
+        try:
+            state = await provider.live_state(pod)
+        except TpupodError:
+            continue  # the API failed: that alone says nothing
+        if state in PREEMPTED_STATES:
+            on_preempted(state)
+            return

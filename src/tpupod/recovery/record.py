@@ -1,0 +1,120 @@
+"""A recovery's state, kept in its run directory (``runs/RUN_ID/recovery.json``).
+
+Written (atomically) at every phase, so that ``tpupod run --resume RUN`` can go on
+after the launcher died, ``tpupod status``/``logs`` can show the attempts, and
+anything the recovery was creating when it was stopped can be deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpupod.errors import StateError, UsageError
+from tpupod.files import write_atomic
+from tpupod.names import new_launch_id
+from tpupod.state import StateDir
+
+RECORD_FILE = "recovery.json"
+RUNS_DIR = "runs"
+
+
+@dataclass
+class AttemptRecord:
+    attempt: int
+    started: float
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    launch_id: str | None = None
+    cause: str | None = None  # why it ended (policy.Cause), None while it runs
+    exit_code: int | None = None
+    detail: str = ""
+    ended: float | None = None
+
+
+@dataclass
+class RecoveryRecord:
+    run_id: str
+    pod: str
+    command: list[str]
+    options: dict[str, Any]  # what the run was started with (for --resume)
+    started: float
+    launcher_pid: int
+    commit: str | None = None  # the code every attempt must run
+    state: str = "running"  # running, recovering, done, failed, cancelled
+    phase: str = ""  # what it does now: delete, create, setup, launch, run
+    exit_code: int | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    path: Path = Path()
+
+    @classmethod
+    def new(
+        cls, state: StateDir, pod: str, command: list[str], options: dict[str, Any]
+    ) -> RecoveryRecord:
+        run_id = new_launch_id()
+        folder = state.pod_dir(pod) / RUNS_DIR / run_id
+        folder.mkdir(parents=True, exist_ok=False)
+        record = cls(
+            run_id=run_id,
+            pod=pod,
+            command=command,
+            options=options,
+            started=time.time(),
+            launcher_pid=os.getpid(),
+            path=folder / RECORD_FILE,
+        )
+        record.save()
+        return record
+
+    @classmethod
+    def load(cls, state: StateDir, pod: str, run_id: str) -> RecoveryRecord:
+        path = state.pod_dir(pod) / RUNS_DIR / run_id / RECORD_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UsageError(
+                f"run {run_id!r} of pod {pod!r} has no recovery record",
+                hint="--resume takes the RUN id that 'tpupod run --retries' printed",
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise StateError(f"cannot read {path}: {exc}", hint="it may be damaged") from exc
+        attempts = [AttemptRecord(**a) for a in data.pop("attempts", [])]
+        return cls(**data, attempts=attempts, path=path)
+
+    @property
+    def current(self) -> AttemptRecord:
+        return self.attempts[-1]
+
+    def begin_attempt(self) -> AttemptRecord:
+        attempt = AttemptRecord(attempt=len(self.attempts) + 1, started=time.time())
+        self.attempts.append(attempt)
+        self.save()
+        return attempt
+
+    def save(self) -> None:
+        data = asdict(self)
+        data.pop("path")
+        data["launcher_pid"] = os.getpid()
+        write_atomic(self.path, json.dumps(data, indent=1) + "\n")
+
+    def lines(self) -> list[str]:
+        """The attempts, one line each: their launch, cause and phases' times."""
+        rows = []
+        for a in self.attempts:
+            phases = ", ".join(f"{name} {secs:.1f}s" for name, secs in a.phases.items())
+            cause = a.cause or f"running ({self.phase})"
+            code = "" if a.exit_code is None else f", exit {a.exit_code}"
+            launch = a.launch_id or "-"
+            rows.append(f"attempt {a.attempt}: {cause}{code}; launch {launch}; {phases}")
+        return rows
+
+
+def find_recovery(state: StateDir, pod: str, run_id: str | None) -> RecoveryRecord | None:
+    """The recovery record of run ``run_id`` (a --retries run's id), if it is one."""
+    if run_id is None or not (state.pod_dir(pod) / RUNS_DIR / run_id / RECORD_FILE).is_file():
+        return None
+    return RecoveryRecord.load(state, pod, run_id)

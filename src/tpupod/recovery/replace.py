@@ -1,0 +1,80 @@
+"""Replace a preempted TPU: delete it (never reuse it), create it again (its zone first,
+then each of ``--zones``), and rerun the pod's setup on the fresh workers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from tpupod.errors import GcpError, TpupodError
+from tpupod.fanout import NoticeHandler
+from tpupod.ops.setup import setup
+from tpupod.pod import Pod
+from tpupod.providers import provider_for
+from tpupod.recovery.policy import RetryPolicy
+from tpupod.spec import GcpPodSpec
+from tpupod.state import StateDir
+
+T = TypeVar("T")
+
+
+async def timed(phases: dict[str, float], name: str, work: Awaitable[T]) -> T:
+    """Await ``work``, adding its time to ``phases[name]``."""
+    started = time.monotonic()
+    try:
+        return await work
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.monotonic() - started
+
+
+async def delete_tpu(pod: Pod, state: StateDir, notice: NoticeHandler) -> None:
+    provider = provider_for(pod.provider)
+    await provider.destroy(pod, state)
+
+
+async def recreate(
+    pod: Pod,
+    state: StateDir,
+    policy: RetryPolicy,
+    phases: dict[str, float],
+    *,
+    notice: NoticeHandler,
+    on_phase: Callable[[str], None],
+) -> Pod:
+    """The pod on a new TPU of the same shape: the old one deleted, a new one created in
+    the first zone that has room. The pod's record is rewritten (its zone may change)."""
+    assert isinstance(pod.spec, GcpPodSpec)
+    on_phase("delete")
+    await timed(phases, "delete", delete_tpu(pod, state, notice))
+    zones = [pod.spec.zone, *(z for z in policy.zones if z != pod.spec.zone)]
+    errors = []
+    on_phase("create")
+    for zone in zones:
+        spec = pod.spec.model_copy(update={"zone": zone})
+        notice(f"creating {spec.tpu_type} {spec.name!r} again in {zone}")
+        provider = provider_for(pod.provider)
+        try:
+            new = await timed(phases, "create", provider.create(spec, state, recreate=True))
+        except GcpError as exc:
+            errors.append(f"{zone}: {exc}")
+            notice(f"{zone}: {exc}; trying the next zone" if zone != zones[-1] else str(exc))
+            continue
+        state.save(new)
+        return new
+    raise GcpError(
+        f"could not create {pod.name!r} again: {'; '.join(errors)}",
+        hint="--zones z1,z2 lets the recovery try other zones",
+    )
+
+
+async def rerun_setup(pod: Pod, script: Path, phases: dict[str, float]) -> None:
+    """The pod's setup script on every worker (a fresh TPU has nothing from before)."""
+    result = await timed(phases, "setup", setup(pod, script))
+    if not result.ok:
+        first = result.first_failure
+        detail = f"{first.worker.label}: {first.last_line}" if first else "failed"
+        raise TpupodError(
+            f"setup failed on the new TPU ({detail})", hint="'tpupod logs' shows more"
+        )

@@ -1,0 +1,44 @@
+"""A stand-in for training, for the recovery tests: STEPS steps of a deterministic update,
+a checkpoint after each (worker 0 writes it: a temporary folder, then a rename), resumed
+from the newest complete one. On SIGTERM it finishes its step, saves it, and leaves (143).
+
+    python steps.py CKPT_DIR STEPS SECONDS_PER_STEP
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ckpt, steps, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+ckpt.mkdir(parents=True, exist_ok=True)
+worker = int(os.environ["TPUPOD_WORKER_ID"])
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+
+
+def latest() -> tuple[int, int]:
+    done = sorted(int(p.stem) for p in ckpt.glob("*.ckpt"))
+    if not done:
+        return 0, 1
+    return done[-1] + 1, int((ckpt / f"{done[-1]}.ckpt").read_text())
+
+
+start, value = latest()
+print(f"worker {worker} attempt {os.environ.get('TPUPOD_ATTEMPT')} from step {start}", flush=True)
+for step in range(start, steps):
+    value = (value * 31 + step) % 1_000_003
+    time.sleep(pause)
+    if worker == 0:
+        tmp = ckpt / f"{step}.tmp-{os.getpid()}"
+        tmp.write_text(str(value))
+        os.replace(tmp, ckpt / f"{step}.ckpt")
+    with (ckpt / f"steps-w{worker}.log").open("a") as log:
+        log.write(f"{step}\n")
+    if stop:
+        print(f"worker {worker}: SIGTERM, saved step {step}", flush=True)
+        sys.exit(143)
+if worker == 0:
+    (ckpt / "final").write_text(str(value))
+print(f"worker {worker} done: {value}", flush=True)

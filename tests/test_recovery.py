@@ -1,0 +1,75 @@
+"""``tpupod run --retries``: which endings are rerun, with what identity (issue 23).
+
+On a local pod: no cloud, so nothing is recreated; the program's own failures are
+rerun only with --retry-errors or a listed exit code, and every attempt sees the
+same TPUPOD_RUN_ID.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import CliResult
+from tpupod.pod import Pod
+
+# Fails (exit $1) on its first attempt, succeeds after; prints its identity.
+FLAKY = (
+    'echo "id=$TPUPOD_RUN_ID attempt=$TPUPOD_ATTEMPT resumed=${{TPUPOD_RESUMED:-0}}"; '
+    '[ "$TPUPOD_ATTEMPT" -gt 1 ] || exit {code}'
+)
+
+
+def attempts_of(state_home: Path, pod: Pod) -> dict[str, Any]:
+    [record] = (state_home / "pods" / pod.name / "runs").glob("*/recovery.json")
+    data: dict[str, Any] = json.loads(record.read_text())
+    return data
+
+
+def test_a_program_error_is_not_rerun_without_retry_errors(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    pod = make_pod(workers=2)
+    result = cli(
+        "run", "--pod", pod.name, "--retries", "2", "--", "bash", "-c", FLAKY.format(code=3)
+    )
+    assert result.code == 3, result.err
+    assert "attempt=1" in result.out and "attempt=2" not in result.out
+    record = attempts_of(state_home, pod)
+    assert record["state"] == "failed"
+    assert [a["cause"] for a in record["attempts"]] == ["program error"]
+    assert "0 reruns after errors" in result.err
+
+
+def test_retry_errors_reruns_with_the_same_run_id(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    pod = make_pod(workers=2)
+    result = cli(
+        "run", "--pod", pod.name, "--retry-errors", "1", "--", "bash", "-c", FLAKY.format(code=3)
+    )
+    assert result.code == 0, result.err
+    record = attempts_of(state_home, pod)
+    run_id = record["run_id"]
+    assert f"id={run_id} attempt=1 resumed=0" in result.out
+    assert result.out.count(f"id={run_id} attempt=2 resumed=1") == 2
+    assert record["state"] == "done" and record["exit_code"] == 0
+    assert [a["cause"] for a in record["attempts"]] == ["program error", "ok"]
+    assert f"run {run_id}: done after 2 attempts" in result.err
+
+
+def test_a_listed_exit_code_is_rerun(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    pod = make_pod(workers=2)
+    command = ("bash", "-c", FLAKY.format(code=42))
+    result = cli("run", "--pod", pod.name, "--retry-exit-codes", "42,75", "--", *command)
+    assert result.code == 0, result.err
+    assert [a["cause"] for a in attempts_of(state_home, pod)["attempts"]] == [
+        "listed exit code",
+        "ok",
+    ]
+    bad = cli("run", "--pod", pod.name, "--retry-exit-codes", "42,x", "--", "true")
+    assert bad.code == 2 and "'x' is not an exit code" in bad.err and "Traceback" not in bad.err
