@@ -48,12 +48,10 @@ def create_app(config: Config) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(sampler.run())
+        thread = sampler.start()
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await sampler.close()
+        sampler.stopping.set()
+        await asyncio.to_thread(thread.join, config.interval * 2 + 5)
 
     app = FastAPI(title="tpupod dashboard", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.sampler = sampler
@@ -207,19 +205,20 @@ def _run_page(sampler: Sampler, page: int) -> dict[str, Any]:
 
 
 def _api(app: FastAPI, sampler: Sampler) -> None:
-    def sourced(topic: str, data: Any) -> dict[str, Any]:
-        return {**sampler.sources[topic].to_json(time.time()), "data": data}
+    def sourced(topic: str, data: Any) -> Response:
+        """The data with its source's state and age (plain JSON: no model to validate)."""
+        return JSONResponse({**sampler.sources[topic].to_json(time.time()), "data": data})
 
     @app.get("/api/pods")
-    def api_pods() -> dict[str, Any]:
+    def api_pods() -> Response:
         return sourced("pods", sampler.sources["pods"].data)
 
     @app.get("/api/pods/{name}")
-    def api_pod(name: str) -> dict[str, Any]:
+    def api_pod(name: str) -> Response:
         return sourced("pods", _pod(sampler, name))
 
     @app.get("/api/runs")
-    def api_runs(page: int = 1) -> dict[str, Any]:
+    def api_runs(page: int = 1) -> Response:
         return sourced("runs", _run_page(sampler, page))
 
     @app.get("/api/runs/{launch_id}")
@@ -256,7 +255,7 @@ def _api(app: FastAPI, sampler: Sampler) -> None:
         return job
 
     @app.get("/api/serving")
-    def api_serving() -> dict[str, Any]:
+    def api_serving() -> Response:
         return sourced("serving", sampler.sources["serving"].data)
 
     @app.get("/api/events")

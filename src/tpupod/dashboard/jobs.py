@@ -5,6 +5,7 @@ followed, cancel."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -23,8 +24,13 @@ class Jobs:
     def __init__(self, url: str | None) -> None:
         self.url = url
         self.store: Store | None = None
+        self.opening = threading.Lock()  # the sampler's thread and the pages' open it
 
     def open(self) -> Store | None:
+        with self.opening:
+            return self._open()
+
+    def _open(self) -> Store | None:
         if self.store is None:
             try:
                 self.store = service.open_store(self.url)

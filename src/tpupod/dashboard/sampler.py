@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -77,23 +78,33 @@ class Sampler:
         self.connectors: dict[str, Connector] = {}
         self.run_cache = RunCache()
         self.serving = Serving()
-        self.listeners: set[asyncio.Queue[str]] = set()
+        # each viewer's queue, and the loop it is read on (the web server's)
+        self.listeners: dict[asyncio.Queue[str], asyncio.AbstractEventLoop] = {}
+        self.stopping = threading.Event()
         self.rounds = 0
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def start(self) -> threading.Thread:
+        """Sample in a thread of its own, on its own event loop: probing hundreds of workers
+        costs the loop CPU, and pages must not wait for it."""
+        thread = threading.Thread(target=asyncio.run, args=(self.run(),), daemon=True)
+        thread.start()
+        return thread
+
     async def run(self) -> None:
-        """Rounds forever: the store and the run records (cheap: files and one query) every
+        """Rounds until stopped: the store and the run records (cheap: files and one query) every
         ``TICK_S``, the workers and the fleets (commands on every host) every ``interval``."""
         tick = min(self.interval, TICK_S)
         due = 0.0
-        while True:
+        while not self.stopping.is_set():
             started = time.monotonic()
             full = started >= due
             if full:
                 due = started + self.interval
             await self.round(full)
             await asyncio.sleep(max(0.0, tick - (time.monotonic() - started)))
+        await self.close()
 
     async def round(self, full: bool = True) -> None:
         steps: dict[str, Callable[[], Awaitable[Any]]] = {
@@ -162,22 +173,29 @@ class Sampler:
     # -- viewers ----------------------------------------------------------------------------
 
     def publish(self, topic: str) -> None:
-        for queue in self.listeners:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(topic)
+        """Tell every viewer (from any thread) that ``topic``'s data changed."""
+        for queue, loop in list(self.listeners.items()):
+            with contextlib.suppress(RuntimeError):  # its loop closed
+                loop.call_soon_threadsafe(_offer, queue, topic)
 
     def listen(self) -> asyncio.Queue[str]:
+        """A queue of changed topics, read on the calling (running) loop."""
         queue: asyncio.Queue[str] = asyncio.Queue(maxsize=64)
-        self.listeners.add(queue)
+        self.listeners[queue] = asyncio.get_running_loop()
         return queue
 
     def forget(self, queue: asyncio.Queue[str]) -> None:
-        self.listeners.discard(queue)
+        self.listeners.pop(queue, None)
 
     async def close(self) -> None:
         for connector in self.connectors.values():
             with contextlib.suppress(Exception):
                 await connector.close()
+
+
+def _offer(queue: asyncio.Queue[str], topic: str) -> None:
+    with contextlib.suppress(asyncio.QueueFull):  # a viewer this far behind refetches anyway
+        queue.put_nowait(topic)
 
 
 def _mean(values: list[float]) -> float | None:
