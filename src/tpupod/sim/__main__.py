@@ -1,7 +1,8 @@
 """``python -m tpupod.sim --hosts N``: run a simulated pod until interrupted (root only).
 
-Prints one JSON line once every host answers: the hosts' addresses and the
-key that logs in as root on them, e.g. for ``tpupod up --ssh``. SIGINT or
+Prints one JSON line once every host answers: the hosts' addresses, the
+key that logs in as root on them (e.g. for ``tpupod up --ssh``) and how long
+the start took (``startup_s``). SIGINT or
 SIGTERM tears everything down.
 """
 
@@ -27,7 +28,8 @@ def main() -> None:
         sys.exit(f"error: {exc}")
     try:
         hosts = [{"hostname": h.hostname, "address": h.address} for h in sim.hosts]
-        print(json.dumps({"key": str(sim.key), "hosts": hosts}), flush=True)
+        startup = round(sim.startup_s, 2)
+        print(json.dumps({"key": str(sim.key), "startup_s": startup, "hosts": hosts}), flush=True)
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
     finally:
         sim.stop()

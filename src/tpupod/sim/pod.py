@@ -3,7 +3,8 @@
 Each host has
 
 * its own network namespace with its own address on a shared bridge
-  (``198.18.N.0/24``, the range RFC 2544 sets aside for benchmarking),
+  (pod N has ``198.18.0.0/15``'s N-th /23, the range RFC 2544 sets aside
+  for benchmarking: up to 500 hosts, so a 256-host pod spans two /24s),
 * its own hostname (UTS namespace) and process table (PID namespace, where
   sshd is PID 1: stopping it takes the whole host down, as a crash would),
 * a private writable view of ``/tmp`` and of root's home (overlays over
@@ -22,6 +23,7 @@ failed test.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -29,6 +31,7 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -38,10 +41,13 @@ from tpupod import procfs
 PREFIX = "tps"
 STATE_ROOT = Path("/run/tpupod-sim")
 SSHD = "/usr/sbin/sshd"
-SUBNET = "198.18.{index}"
-FIRST_HOST_OCTET = 10
-MAX_HOSTS = 200
-READY_TIMEOUT_S = 20.0
+NETWORK = ipaddress.IPv4Network("198.18.0.0/15")
+POD_PREFIX = 23  # each simulated pod's subnet: 512 addresses
+FIRST_HOST_OFFSET = 10
+MAX_HOSTS = 500
+READY_TIMEOUT_S = 20.0  # plus READY_PER_HOST_S a host: sshd starts slower on a busy machine
+READY_PER_HOST_S = 0.25
+BUILD_THREADS = 16  # hosts built at once: each is a handful of `ip` and `ssh-keygen` runs
 
 
 class SimError(RuntimeError):
@@ -102,6 +108,7 @@ class SimPod:
         self.index = -1
         self.hosts: list[SimHost] = []
         self.dir = Path()
+        self.startup_s = 0.0
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -127,25 +134,35 @@ class SimPod:
         return self.dir / "client_key"
 
     @property
+    def subnet(self) -> ipaddress.IPv4Network:
+        """This pod's addresses (a /23 of 198.18.0.0/15, by pod index)."""
+        base = int(NETWORK.network_address) + self.index * 2 ** (32 - POD_PREFIX)
+        return ipaddress.IPv4Network((base, POD_PREFIX))
+
+    @property
     def gateway(self) -> str:
-        return f"{SUBNET.format(index=self.index)}.1"
+        return str(self.subnet[1])
 
     def start(self) -> None:
+        """Build and boot every host (in parallel); ``startup_s`` says how long it took."""
+        started = time.monotonic()
         cleanup_stale()
         self.index, self.dir = _claim_index()
         try:
             self._write_manifest()
             self._make_keys()
             self._make_bridge()
-            self.hosts = [self._make_host(i) for i in range(self.count)]
+            with ThreadPoolExecutor(min(BUILD_THREADS, self.count)) as pool:
+                self.hosts = list(pool.map(self._make_host, range(self.count)))
             self._write_hosts_files()
             self._write_sshd_config()
             for host in self.hosts:
                 self.start_host(host.index)
-            self.wait_ready()
+            self.wait_ready(timeout=READY_TIMEOUT_S + READY_PER_HOST_S * self.count)
         except BaseException:
             self.stop()
             raise
+        self.startup_s = time.monotonic() - started
 
     def stop(self) -> None:
         """Kill every host and remove every namespace, link and file the pod made."""
@@ -291,12 +308,12 @@ class SimPod:
 
     def _make_bridge(self) -> None:
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
+        _run(["ip", "addr", "add", f"{self.gateway}/{POD_PREFIX}", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
 
     def _make_host(self, i: int) -> SimHost:
         netns = f"{PREFIX}{self.index}h{i}"
-        address = f"{SUBNET.format(index=self.index)}.{FIRST_HOST_OCTET + i}"
+        address = str(self.subnet[FIRST_HOST_OFFSET + i])
         host = SimHost(i, f"host-{i}", address, netns, self.dir / f"host{i}")
         (host.root / "homefs").mkdir(parents=True)
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host.root / "host_key")])
@@ -307,7 +324,7 @@ class SimPod:
         _run(["ip", "link", "set", inside, "netns", netns])
         ns = ["ip", "-n", netns]
         _run([*ns, "link", "set", inside, "name", "eth0"])
-        _run([*ns, "addr", "add", f"{address}/24", "dev", "eth0"])
+        _run([*ns, "addr", "add", f"{address}/{POD_PREFIX}", "dev", "eth0"])
         _run([*ns, "link", "set", "eth0", "up"])
         _run([*ns, "link", "set", "lo", "up"])
         return host

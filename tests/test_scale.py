@@ -1,0 +1,123 @@
+"""A 256-host pod: the simulated hosts, then the CLI over them, checked on every host.
+
+One simulated pod of 256 namespaces with real sshd serves the whole module: it
+costs about 25-35 s to start and 10 s to stop on this 2-core machine, and each
+step below a few seconds to a few tens of seconds, so the module is marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require, tpupod_argv
+from tpupod.sim import SimPod
+from tpupod.sim.pod import missing_prerequisites
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(900)]
+
+HOSTS = 256
+PREFIXED = re.compile(r"^\[w(\d+)\]\s+(.*)$")
+
+
+@pytest.fixture(scope="module")
+def big_sim() -> Iterator[SimPod]:
+    missing = missing_prerequisites()
+    require(not missing, f"a simulated pod needs {', '.join(missing)}")
+    with SimPod(HOSTS) as sim:
+        yield sim
+
+
+def tpupod(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TPUPOD_HOME": str(home), "TPUPOD_HOLDER_IDLE": "60"}
+    return subprocess.run(
+        tpupod_argv(*args), capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def by_worker(out: str) -> dict[int, list[str]]:
+    found: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        match = PREFIXED.match(line)
+        assert match, f"a line without its worker: {line!r}"
+        found.setdefault(int(match[1]), []).append(match[2])
+    return found
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_a_256_host_pod_execs_reports_puts_and_syncs_on_every_host(
+    big_sim: SimPod, tmp_path: Path
+) -> None:
+    home = tmp_path / "state"
+    assert len({h.address.rsplit(".", 1)[0] for h in big_sim.hosts}) == 2  # beyond one /24
+    hosts = ",".join(f"root@{h.address}" for h in big_sim.hosts)
+    up = tpupod(home, "up", "--name", "big", "--ssh", hosts, "--key", str(big_sim.key))
+    assert up.returncode == 0, up.stderr
+    try:
+        # exec: every host answers once, under its own worker id; the summary is one line
+        started = time.monotonic()
+        names = tpupod(home, "exec", "--", "hostname")
+        assert names.returncode == 0, names.stderr
+        assert by_worker(names.stdout) == {i: [f"host-{i}"] for i in range(HOSTS)}
+        assert names.stderr.splitlines() == [names.stderr.splitlines()[0]]
+        assert names.stderr.startswith("exec on big: 256/256 ok in "), names.stderr
+        print(f"exec hostname on {HOSTS} hosts (cold): {time.monotonic() - started:.1f}s")
+
+        # failures are grouped, not 256 rows; --verbose gives every row
+        failing = "case $TPUPOD_WORKER_ID in 17|90|201) exit 2;; esac"
+        failed = tpupod(home, "exec", "--", failing)
+        assert failed.returncode == 2
+        assert "3 failed: w17, w90, w201 (exit 2)" in failed.stderr.splitlines(), failed.stderr
+        assert len(failed.stderr.splitlines()) == 3, failed.stderr
+        every = tpupod(home, "exec", "--verbose", "--", failing)
+        rows = [line for line in every.stderr.splitlines() if re.match(r"w\d+ ", line)]
+        assert len(rows) == HOSTS
+
+        # status: every worker up
+        status = tpupod(home, "status")
+        assert status.returncode == 0, status.stderr
+        assert all(f"host-{i}" in status.stdout for i in range(HOSTS)), status.stdout
+
+        # put one file, then read it back on every host
+        payload = tmp_path / "one.txt"
+        payload.write_text("the same on every host\n")
+        put = tpupod(home, "put", str(payload), "/tmp/one.txt")
+        assert put.returncode == 0, put.stderr
+        seen = tpupod(home, "exec", "--", "cat /tmp/one.txt")
+        assert by_worker(seen.stdout) == {i: ["the same on every host"] for i in range(HOSTS)}
+
+        # sync a repository, then a one-file change to it, and check it on every host
+        repo = tmp_path / "repo"
+        repo.mkdir()
+        git(repo, "init", "-q", "-b", "main")
+        git(repo, "config", "user.email", "t@example.com")
+        git(repo, "config", "user.name", "t")
+        (repo / "train.py").write_text("print('v1')\n")
+        (repo / "other.py").write_text("x = 1\n")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", "v1")
+        for text in ("print('v1')", "print('v2')"):
+            (repo / "train.py").write_text(text + "\n")
+            git(repo, "commit", "-q", "--allow-empty", "-am", text)
+            synced = subprocess.run(
+                tpupod_argv("sync", "--from-local", "--dir", "code"),
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=repo,
+                env={**os.environ, "TPUPOD_HOME": str(home)},
+            )
+            assert synced.returncode == 0, synced.stderr[-3000:]
+            shown = tpupod(home, "exec", "--", "cat code/train.py")
+            assert by_worker(shown.stdout) == {i: [text] for i in range(HOSTS)}
+    finally:
+        tpupod(home, "down", "--pod", "big")
