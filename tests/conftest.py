@@ -291,7 +291,10 @@ def tier_of(item: pytest.Item) -> str:
         return "ssh"
     if item.path.name in MODULE_TIERS:
         return MODULE_TIERS[item.path.name]
-    return "local" if fixtures & {"cli", "make_pod"} or "local" in kinds else "unit"
+    # a slow test is an end-to-end one even where no fixture shows it (it starts the CLI
+    # or JAX processes itself): it would make the unit tier take minutes
+    local = fixtures & {"cli", "make_pod"} or "local" in kinds or is_slow(item)
+    return "local" if local else "unit"
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by these marks
