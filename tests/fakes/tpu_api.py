@@ -121,6 +121,7 @@ class TpuApiStandIn:
         self.on_reclaim: Callable[[list[str]], None] = lambda addresses: None
         self.on_provision: Callable[[list[str]], None] = lambda addresses: None
         self.preempted: set[str] = set()  # internal addresses whose metadata says TRUE
+        self.generation: dict[str, int] = {}  # address -> how many times it was handed out
         self.preemptions = 0
         self.unavailable_until = 0.0
         self.no_capacity = 0  # polls a new queued resource stays WAITING_FOR_RESOURCES
@@ -130,6 +131,7 @@ class TpuApiStandIn:
         self.calls: list[tuple[str, str]] = []
         self.invalid: list[str] = []  # the messages of requests refused as invalid, in order
         self._ids = itertools.count(1)
+        self._timers: list[threading.Timer] = []  # reclaims still to come
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -157,6 +159,8 @@ class TpuApiStandIn:
         return [key.rsplit("/", 1)[-1] for key in self.resources]
 
     def stop(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -197,10 +201,18 @@ class TpuApiStandIn:
             self.preemptions += 1
         self.preempt(name)
         self.on_notice(addresses)
-        timer = threading.Timer(self.notice_s, self.on_reclaim, (addresses,))
+        handed = {address: self.generation.get(address, 0) for address in addresses}
+        timer = threading.Timer(self.notice_s, self._reclaim, (handed,))
         timer.daemon = True
         timer.start()
+        self._timers.append(timer)
         return addresses
+
+    def _reclaim(self, handed: dict[str, int]) -> None:
+        """The notice is over: the hosts go, unless a new TPU got them meanwhile."""
+        with self._lock:
+            gone = [a for a, n in handed.items() if self.generation.get(a, 0) == n]
+        self.on_reclaim(gone)
 
     def metadata(self, path: str, caller: str) -> tuple[int, str]:
         """A host's metadata server: ``instance/preempted`` (TRUE once its TPU is preempted)."""
@@ -335,6 +347,8 @@ class TpuApiStandIn:
             raise Refused("RESOURCE_EXHAUSTED", "not enough addresses in the stand-in")
         taken, self.endpoints = self.endpoints[:workers], self.endpoints[workers:]
         self.preempted.difference_update(internal for internal, _ in taken)
+        for internal, _ in taken:
+            self.generation[internal] = self.generation.get(internal, 0) + 1
         self.on_provision([internal for internal, _ in taken])
         keys = body.get("metadata", {}).get("ssh-keys")
         if keys:

@@ -26,6 +26,8 @@ def latest() -> tuple[int, int]:
 
 
 start, value = latest()
+if worker == 0:  # for the tests: when this attempt began
+    (ckpt / f"started-{os.environ.get('TPUPOD_ATTEMPT', '0')}").write_text(str(start))
 print(f"worker {worker} attempt {os.environ.get('TPUPOD_ATTEMPT')} from step {start}", flush=True)
 for step in range(start, steps):
     value = (value * 31 + step) % 1_000_003

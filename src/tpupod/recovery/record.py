@@ -78,7 +78,7 @@ class RecoveryRecord:
         except FileNotFoundError:
             raise UsageError(
                 f"run {run_id!r} of pod {pod!r} has no recovery record",
-                hint="--resume takes the RUN id that 'tpupod run --retries' printed",
+                hint="RUN is the id that 'tpupod run --retries' printed first",
             ) from None
         except (OSError, ValueError) as exc:
             raise StateError(f"cannot read {path}: {exc}", hint="it may be damaged") from exc

@@ -1,0 +1,169 @@
+"""``tpupod run --retries`` when things go wrong around it (issue 23): preempted again and
+again, the program's own errors, a failing API and a silent worker, Ctrl-C/cancel while
+waiting for capacity, and a launcher killed mid-recovery (then ``--resume``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult
+from tests.fakes.tpu_api import TpuApiStandIn
+from tests.test_recovery_gcp import UP, expected_value, record_of, shared_dir, spot_api, start_run
+from tpupod.sim import SimPod
+
+__all__ = ["shared_dir", "spot_api"]  # the fixtures, shared with test_recovery_gcp
+
+
+def wait_until(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"not reached:\n{out}\n{err}")
+        time.sleep(0.05)
+
+
+def running_attempt(state_home: Path, name: str, attempt: int, ckpt: Path) -> Callable[[], bool]:
+    """True once attempt ``attempt``'s program runs and has saved a step."""
+    started = ckpt / f"started-{attempt}"
+
+    def check() -> bool:
+        if not started.exists():
+            return False
+        first = int(started.read_text())
+        return (ckpt / f"{first}.ckpt").exists() and (
+            ckpt / f"{first}.ckpt"
+        ).stat().st_mtime >= started.stat().st_mtime
+
+    return check
+
+
+@pytest.mark.timeout(300)
+def test_preempted_three_times_with_two_retries_ends_clearly_and_leaves_nothing(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    assert cli(*UP, "--name", "p3", "--tpu-type", "v4-16", "--spot", "--api", "tpu-vm").code == 0
+    run = start_run("p3", shared_dir, 500, "--retries", "2", "--notice-grace", "1")
+    for attempt in (1, 2, 3):
+        wait_until(running_attempt(state_home, "p3", attempt, shared_dir), run, timeout=90)
+        spot_api.preempt_with_notice("p3")
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert lines[-2].startswith("error: run ") and "preempted again after 2 recoveries" in lines[-2]
+    assert lines[-1].startswith("hint: ") and "Traceback" not in err
+    causes = [a["cause"] for a in record_of(state_home, "p3")["attempts"]]
+    assert causes == ["preempted"] * 3
+    assert spot_api.resources == {}  # the TPU the recovery made is gone
+
+
+@pytest.mark.timeout(240)
+def test_a_program_error_on_a_spot_tpu_recreates_nothing(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    assert cli(*UP, "--name", "pe", "--tpu-type", "v4-16", "--spot", "--api", "tpu-vm").code == 0
+    fails = ("run", "--pod", "pe", "--rendezvous-on", "launcher", "--retries", "2")
+    result = cli(*fails, "--", "bash", "-c", "exit 3", timeout=120)
+    assert result.code == 3, result.err
+    again = cli(*fails, "--retry-errors", "1", "--", "bash", "-c", "exit 3", timeout=120)
+    assert again.code == 3, again.err
+    assert "1 reruns after errors" in again.err
+    assert spot_api.calls.count(("POST", "nodes/")) == 1  # the first, by `up`
+    assert not [call for call in spot_api.calls if call[0] == "DELETE"]
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_api_and_a_silent_worker_are_not_a_preemption(
+    spot_api: TpuApiStandIn,
+    cli: Callable[..., CliResult],
+    shared_dir: Path,
+    state_home: Path,
+    sim_hosts_up: SimPod,
+) -> None:
+    assert cli(*UP, "--name", "ok", "--tpu-type", "v4-16", "--spot", "--api", "tpu-vm").code == 0
+    [w1] = [h.index for h in sim_hosts_up.hosts if h.address == _address(cli, "ok", 1)]
+    run = start_run("ok", shared_dir, 60, "--retries", "2", "--notice-grace", "1")
+    wait_until(running_attempt(state_home, "ok", 1, shared_dir), run, timeout=90)
+    spot_api.unavailable(60)  # every API call answers 503 for a minute
+    sim_hosts_up.unplug(w1)  # and worker 1's network is gone for 20 s
+    time.sleep(20)
+    sim_hosts_up.plug(w1)
+    _, err = run.communicate(timeout=200)
+    assert run.returncode == 0, err
+    assert (shared_dir / "final").read_text() == str(expected_value(60))
+    causes = [a["cause"] for a in record_of(state_home, "ok")["attempts"]]
+    assert causes[-1] == "ok" and "preempted" not in causes, err
+    assert spot_api.calls.count(("POST", "nodes/")) == 1
+    assert not [call for call in spot_api.calls if call[0] == "DELETE"]
+
+
+def _address(cli: Callable[..., CliResult], pod: str, worker: int) -> str:
+    hosts = json.loads(cli("hosts", "--pod", pod, "--format", "json").out)
+    return str(hosts[worker]["internal_address"])
+
+
+def waiting_for_capacity(state_home: Path, name: str, api: TpuApiStandIn) -> Callable[[], bool]:
+    """True once the recovery creates the TPU again and the API holds it back."""
+
+    def check() -> bool:
+        try:
+            record = record_of(state_home, name)
+        except (ValueError, FileNotFoundError):
+            return False
+        return record["phase"] == "create" and api.calls.count(("POST", "queuedResources/")) == 2
+
+    return check
+
+
+@pytest.mark.timeout(300)
+def test_cancel_while_waiting_for_capacity_leaves_nothing(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    assert cli(*UP, "--name", "cc", "--tpu-type", "v4-16", "--spot").code == 0
+    run = start_run("cc", shared_dir, 500, "--retries", "2", "--notice-grace", "1")
+    wait_until(running_attempt(state_home, "cc", 1, shared_dir), run, timeout=90)
+    spot_api.no_capacity = 10_000  # no capacity anywhere, for as long as it takes
+    spot_api.preempt_with_notice("cc")
+    wait_until(waiting_for_capacity(state_home, "cc", spot_api), run, timeout=90)
+    run_id = str(record_of(state_home, "cc")["run_id"])
+    cancelled = cli("cancel", "--pod", "cc", run_id, timeout=150)
+    assert cancelled.code == 0, cancelled.err
+    assert "cancelled" in cancelled.out
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "WAITING_FOR_RESOURCES" in err  # the wait was shown
+    assert spot_api.resources == {}, err  # the TPU it was creating is deleted
+    assert record_of(state_home, "cc")["state"] == "cancelled"
+
+
+@pytest.mark.timeout(300)
+def test_a_launcher_killed_mid_recovery_is_resumed(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    assert cli(*UP, "--name", "rs", "--tpu-type", "v4-16", "--spot").code == 0
+    run = start_run("rs", shared_dir, 16, "--retries", "2", "--notice-grace", "1")
+    wait_until(running_attempt(state_home, "rs", 1, shared_dir), run, timeout=90)
+    spot_api.no_capacity = 10_000
+    spot_api.preempt_with_notice("rs")
+    wait_until(waiting_for_capacity(state_home, "rs", spot_api), run, timeout=90)
+    run.kill()  # kill -9: the launcher dies mid-recovery
+    run.communicate()
+    spot_api.no_capacity = 5  # capacity comes back after a few polls
+    run_id = str(record_of(state_home, "rs")["run_id"])
+    resumed = cli("run", "--pod", "rs", "--resume", run_id, timeout=200)
+    assert resumed.code == 0, resumed.err
+    assert f"resuming run {run_id} (attempt 3)" in resumed.err
+    assert (shared_dir / "final").read_text() == str(expected_value(16))
+    record = record_of(state_home, "rs")
+    assert record["state"] == "done"
+    causes = [a["cause"] for a in record["attempts"]]
+    assert causes == ["preempted", "launcher lost", "ok"]
+    assert "attempt 3 from step" in resumed.out
+    assert set(spot_api.alive()) == {"rs"}  # the queued resource and its node
