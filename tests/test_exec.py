@@ -9,10 +9,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv
+from tests.conftest import CliResult, require, tpupod_argv
 from tpupod.pod import Pod
 
 PREFIX = re.compile(r"^\[w(\d+)\]\s+(.*)$")
@@ -347,3 +348,24 @@ def test_a_large_pod_s_summary_groups_identical_results(
     assert len(lines) == 4, result.err
     every = cli("exec", "--verbose", "--pod", pod.name, "--", failing)
     assert sum(line.startswith("w") and "exit" in line for line in every.err.splitlines()) == 20
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_pod_beyond_the_soft_open_files_limit_raises_it_itself(
+    fast: bool, make_pod: Callable[..., Pod], state_home: Path
+) -> None:
+    """100 workers need about 400 open files: a soft limit of 256 is raised, not hit."""
+    require(shutil.which("prlimit") is not None, "prlimit (util-linux) is missing")
+    pod = make_pod(100)
+    entry = ["-m", "tpupod"] if fast else ["-c", TYPER_ONLY]
+    argv = [sys.executable, *entry, "exec", "--pod", pod.name, "--", "true"]
+    proc = subprocess.run(
+        ["prlimit", "--nofile=256:20000", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith(f"exec on {pod.name}: 100/100 ok in "), proc.stderr
+    low = subprocess.run(
+        ["prlimit", "--nofile=256:256", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert "the hard limit on open files is 256" in low.stderr, low.stderr
+    assert "Traceback" not in low.stderr

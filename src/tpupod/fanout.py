@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tpupod import limits
 from tpupod.errors import WorkerError
 from tpupod.pod import Pod, Worker
 from tpupod.providers import Connector, provider_for, worker_environment
@@ -52,6 +53,8 @@ INTERRUPT_REASONS: dict[int, tuple[str, str]] = {
 
 Action = Callable[[Worker, Transport], Awaitable[str | None]]
 NoticeHandler = Callable[[str], None]
+# Open files a worker's command may take here: a connection, or three pipes and the guard's.
+FILES_PER_WORKER = 4
 
 
 @dataclass(frozen=True)
@@ -357,6 +360,9 @@ async def execute_async(
     """
     provider = provider_for(pod.provider)
     selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
+    short = limits.open_files(FILES_PER_WORKER * len(selected))
+    if short:
+        (on_notice or (lambda text: None))(f"warning: {short}")
     own_connector = connector is None
     pod_connector = connector if connector is not None else provider.connect(pod, StateDir())
     runs = []

@@ -13,6 +13,7 @@ argument lines both ways and compare what the workers saw and what was printed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import selectors
 import signal
@@ -22,6 +23,7 @@ import time
 from collections import deque
 from typing import IO, TYPE_CHECKING, Any
 
+from tpupod import limits
 from tpupod.report import LinePrinter
 from tpupod.results import FanoutResult, Outcome, WorkerResult
 from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
@@ -37,6 +39,7 @@ POLL_S = 0.05
 START_HINT = (  # as transport/local.py says it
     "the pod's working directory may be gone; 'tpupod down' then 'tpupod up' recreates it"
 )
+FILES_HINT = "raise the hard limit on open files (ulimit -Hn): a worker takes four"
 SHELL = "/bin/bash"  # as transport/local.py, which imports asyncio
 
 
@@ -73,6 +76,7 @@ class _Run:
         self.lines = 0
         self.pipes_open: dict[int, IO[bytes]] = {}
         self.error: str | None = None
+        self.hint: str | None = None
 
     def pipes(self) -> list[tuple[IO[bytes], Stream]]:
         """Its stdout and stderr, now counted as open."""
@@ -101,6 +105,9 @@ def run_local(record: dict[str, Any], plan: ExecPlan, args: ExecArgs) -> FanoutR
     workers = [plan.brief.workers[i] for i in plan.ids]
     printer = None if args.quiet else LinePrinter(workers, sys.stdout, sys.stderr)
     script = command_script(plan.line, guard=True)
+    short = limits.open_files(4 * len(workers))  # three pipes and the guard's stdin a worker
+    if short:
+        print(f"tpupod: warning: {short}", file=sys.stderr, flush=True)
     started = time.monotonic()
     runs = [_start(record, plan, i, script) for i in plan.ids]
     interrupted: list[int] = []
@@ -146,6 +153,7 @@ def _start(record: dict[str, Any], plan: ExecPlan, index: int, script: str) -> _
         run = _Run(worker, None)
         run.ended = run.started
         run.error = f"cannot start the command: {exc.strerror or exc}"
+        run.hint = FILES_HINT if exc.errno == errno.EMFILE else START_HINT
         return run
     return _Run(worker, proc)
 
@@ -227,5 +235,5 @@ def _result(run: _Run, stopped: int | None) -> WorkerResult:
         tail=tuple(run.tail),
         lines=run.lines,
         error=run.error,
-        hint=START_HINT if run.proc is None else None,
+        hint=run.hint,
     )

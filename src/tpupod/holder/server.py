@@ -8,13 +8,15 @@ import fcntl
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from tpupod import limits
 from tpupod.errors import WorkerError
-from tpupod.fanout import Interrupt, execute_async
+from tpupod.fanout import FILES_PER_WORKER, Interrupt, execute_async
 from tpupod.holder import socket_path
 from tpupod.pod import Pod, Worker
 from tpupod.providers import Connector, connect
@@ -56,6 +58,9 @@ class Holder:
         self.forwards: dict[tuple[int, str, int], Forward] = {}
 
     async def serve(self, path: Path) -> None:
+        short = limits.open_files(FILES_PER_WORKER * len(self.pod.workers))
+        if short:
+            print(f"tpupod: warning: {short}", file=sys.stderr, flush=True)  # the holder's log
         path.unlink(missing_ok=True)
         server = await asyncio.start_unix_server(self._handle, path=str(path))
         os.chmod(path, 0o600)
