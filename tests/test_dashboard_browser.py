@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import tpupod_argv
 from tests.dashboard_server import (  # noqa: F401 (fixtures)
     TOKEN,
@@ -23,6 +25,9 @@ from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
 from tpupod.pod import Pod
 from tpupod.sim import SimPod
+
+# a real browser and a real dashboard process: generous under load, bounded
+pytestmark = pytest.mark.timeout(180)
 
 PROGRAM = """\
 import os, pathlib, sys, time
@@ -263,4 +268,51 @@ def test_stop_a_run_from_its_page_with_the_token(
         if run.poll() is None:
             run.kill()
             run.communicate()
+    assert not seen.errors, seen.errors
+
+
+def suite_results(output: Path) -> Path:
+    """A results folder as `tpupod bench checkpoint` leaves it: results.json and its plots."""
+    from tpupod.bench import baseline
+    from tpupod.bench.plots import write_plots
+    from tpupod.bench.results import CombinationResult, RepeatStats, Results, Status
+
+    def combo(i: int, flag: bool) -> CombinationResult:
+        speeds = {"save_gbps": 0.5 + i, "restore_gbps": 2.0 + i}
+        return CombinationResult(
+            index=i, label=f"async={flag}", generator="orbax.PyTreeCheckpointBenchmark",
+            options={"async_enabled": flag}, swept={"async_enabled": flag}, mesh=None,
+            checkpoint=0, status=Status.OK,
+            repeats={m: RepeatStats(mean=v, std=0.01) for m, v in speeds.items()},
+        )  # fmt: skip
+
+    combos = [combo(i, flag) for i, flag in enumerate((True, False))]
+    results = Results(
+        suite_name="Small suite", launch_id="20261127-080000-abcdef", started="now",
+        seconds=3.0, commit="c", pod="dev", workers=2, machine={}, versions={}, config={},
+        combinations=combos,
+    )  # fmt: skip
+    folder = Path(baseline.suite_dir(str(output), results.suite_name)) / results.launch_id
+    folder.mkdir(parents=True)
+    (folder / baseline.RESULTS_FILE).write_text(results.model_dump_json())
+    write_plots(results, str(folder))
+    return folder
+
+
+def test_checkpoint_results_with_their_plots(
+    dashboard: Callable[..., Dashboard], browser: Callable[[], Browser], tmp_path: Path
+) -> None:
+    folder = suite_results(tmp_path / "bench")
+    board = dashboard(extra=("--bench", str(tmp_path / "bench")))
+    seen = browser()
+    page = seen.page
+    page.goto(f"{board.url}/checkpoints")
+    page.locator("#checkpoint-runs a", has_text=folder.name).click()
+    rows = page.locator("#combinations tbody tr")
+    assert rows.count() == 2
+    assert rows.first.inner_text().split("\t") == ["async=True", "ok", "2", "0.5"]
+    image = page.locator("figure.plot img").first
+    image.wait_for()
+    page.wait_for_function("() => document.querySelector('figure.plot img').naturalWidth > 0")
+    assert board.get(f"/checkpoints/{folder.parent.name}/{folder.name}/../x.png").status_code == 404
     assert not seen.errors, seen.errors

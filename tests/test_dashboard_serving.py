@@ -23,6 +23,9 @@ from tests.dashboard_server import (  # noqa: F401 (fixtures)
 )
 from tests.test_serve_fleet import STUB_COMMAND, stub_pid
 
+# a real browser and a real dashboard process: generous under load, bounded
+pytestmark = pytest.mark.timeout(180)
+
 RATE = 20.0  # requests/s the generator sends
 NONE = "\N{EN DASH}"  # what a cell shows without a value
 

@@ -42,11 +42,21 @@ def dashboard(
             show_default=False,
         ),
     ] = None,
+    bench: Annotated[
+        str | None,
+        typer.Option(
+            "--bench",
+            metavar="OUTPUT",
+            help="Show 'tpupod bench checkpoint' results "
+            "kept here (the suite's --output: a folder or gs:// URL).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the dashboard until Ctrl-C: pods, runs, serving, jobs, metrics, live."""
     from tpupod.dashboard.app import Config
     from tpupod.dashboard.server import serve
 
     names = tuple(allow_host or ())
-    config = Config(host, port, token, names, interval, db)
+    config = Config(host, port, token, names, interval, db, bench)
     serve(config, open_browser=open_browser, on_ready=notice)

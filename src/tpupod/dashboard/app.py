@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from tpupod.dashboard import metrics, runs
+from tpupod.dashboard import checkpoints, metrics, runs
 from tpupod.dashboard.charts import line_chart
 from tpupod.dashboard.guard import allowed_hosts, guard_middleware
 from tpupod.dashboard.sampler import Sampler
@@ -40,7 +40,7 @@ class Config:
     names: tuple[str, ...] = ()  # more names the Host header may carry
     interval: float = 5.0
     jobs_url: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    bench: str | None = None  # `tpupod bench checkpoint --output`: its results and plots
 
 
 def create_app(config: Config) -> FastAPI:
@@ -62,6 +62,7 @@ def create_app(config: Config) -> FastAPI:
     app.exception_handler(TpupodError)(_error)
     _pages(app, sampler)
     _api(app, sampler)
+    _checkpoints(app, config.bench)
     return app
 
 
@@ -94,11 +95,7 @@ def render(
 
 
 def find_run(sampler: Sampler, launch_id: str) -> RunRecord:
-    """A run by launch id, on whichever pod it ran."""
-    for record in sampler.run_cache.all(sampler.state):
-        if record.launch_id == launch_id:
-            return record
-    raise StateError(f"no run {launch_id!r}", hint="the runs page lists them")
+    return runs.find(sampler.state, launch_id)
 
 
 def overview(sampler: Sampler) -> dict[str, Any]:
@@ -159,7 +156,7 @@ def _pages(app: FastAPI, sampler: Sampler) -> None:
     @app.get("/runs/{launch_id}", response_class=HTMLResponse)
     def run(request: Request, launch_id: str) -> Response:
         record = find_run(sampler, launch_id)
-        view = runs.detail(record.reread(), runs.pod_of(record))
+        view = runs.detail(record, runs.pod_of(record))
         return render(request, "run.html", ("runs",), run=view)
 
     @app.get("/jobs", response_class=HTMLResponse)
@@ -224,7 +221,7 @@ def _api(app: FastAPI, sampler: Sampler) -> None:
     @app.get("/api/runs/{launch_id}")
     def api_run(launch_id: str) -> dict[str, Any]:
         record = find_run(sampler, launch_id)
-        return runs.detail(record.reread(), runs.pod_of(record))
+        return runs.detail(record, runs.pod_of(record))
 
     @app.get("/api/runs/{launch_id}/follow")
     def api_run_follow(launch_id: str) -> StreamingResponse:
@@ -232,7 +229,7 @@ def _api(app: FastAPI, sampler: Sampler) -> None:
 
     @app.post("/api/runs/{launch_id}/stop")
     def api_run_stop(launch_id: str) -> dict[str, Any]:
-        runs.stop(find_run(sampler, launch_id).reread())
+        runs.stop(find_run(sampler, launch_id))
         return {"stopping": launch_id}
 
     @app.get("/api/jobs")
@@ -269,6 +266,32 @@ def _api(app: FastAPI, sampler: Sampler) -> None:
     @app.get("/favicon.ico")
     def favicon() -> Response:
         return Response(status_code=204)
+
+
+def _checkpoints(app: FastAPI, output: str | None) -> None:
+    """The checkpoint suite's runs: read when asked (they do not change), not sampled."""
+
+    @app.get("/checkpoints", response_class=HTMLResponse)
+    def listing(request: Request) -> Response:
+        found = checkpoints.runs(output)
+        return render(request, "checkpoints.html", (), runs=found, output=output)
+
+    @app.get("/checkpoints/{suite}/{launch_id}", response_class=HTMLResponse)
+    def one(request: Request, suite: str, launch_id: str) -> Response:
+        run = checkpoints.detail(output, suite, launch_id)
+        return render(request, "checkpoint.html", (), run=run)
+
+    @app.get("/checkpoints/{suite}/{launch_id}/{name}")
+    def plot(suite: str, launch_id: str, name: str) -> Response:
+        return Response(checkpoints.plot(output, suite, launch_id, name), media_type="image/png")
+
+    @app.get("/api/checkpoints")
+    def api_listing() -> list[dict[str, Any]]:
+        return checkpoints.runs(output)
+
+    @app.get("/api/checkpoints/{suite}/{launch_id}")
+    def api_one(suite: str, launch_id: str) -> dict[str, Any]:
+        return checkpoints.detail(output, suite, launch_id)
 
 
 def _sse(stream: AsyncIterator[str]) -> StreamingResponse:

@@ -18,21 +18,22 @@ from tpupod.state import StateDir
 TAIL_LINES = 10
 TAIL_BYTES = 16_384
 STOPPED_BY = re.compile(r"stopped after w(\d+) failed")
+LAUNCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 class RunCache:
-    """Every pod's runs; an ended run's record never changes, so it is read once."""
+    """Every pod's runs as summaries; an ended run never changes, so its summary is made once
+    (a summary, not the record: a record of 256 workers is thousands of objects)."""
 
     def __init__(self) -> None:
-        self.ended: dict[Path, RunRecord] = {}
+        self.ended: dict[Path, dict[str, Any]] = {}
 
-    def all(self, state: StateDir) -> list[RunRecord]:
+    def summaries(self, state: StateDir) -> list[dict[str, Any]]:
         """Every pod's runs, newest first."""
-        found = [record for name in state.names() for record in self._read(state, name)]
-        self.ended.update((r.folder, r) for r in found if r.done)
-        return sorted(found, key=lambda r: (r.started, r.launch_id), reverse=True)
+        found = [run for name in state.names() for run in self._read(state, name)]
+        return sorted(found, key=lambda r: (r["started"], r["id"]), reverse=True)
 
-    def _read(self, state: StateDir, name: str) -> Iterator[RunRecord]:
+    def _read(self, state: StateDir, name: str) -> Iterator[dict[str, Any]]:
         folder = state.pod_dir(name) / RUNS_DIR
         for path in folder.iterdir() if folder.is_dir() else ():
             cached = self.ended.get(path)
@@ -40,9 +41,23 @@ class RunCache:
                 yield cached
                 continue
             try:
-                yield run_record(path)
+                record = run_record(path)
             except StateError:  # a launch this instant: its record is not written yet
                 continue
+            made = summary(record, name)
+            if record.done:
+                self.ended[path] = made
+            yield made
+
+
+def find(state: StateDir, launch_id: str) -> RunRecord:
+    """A run by launch id, on whichever pod it ran (its folder is named by it)."""
+    if LAUNCH_ID.fullmatch(launch_id):
+        for name in state.names():
+            folder = state.pod_dir(name) / RUNS_DIR / launch_id
+            if folder.is_dir():
+                return run_record(folder)
+    raise StateError(f"no run {launch_id!r}", hint="the runs page lists them")
 
 
 def ok(outcome: str) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 from tpupod.dashboard.jobs import Jobs
 from tpupod.dashboard.probe import sample_pod
-from tpupod.dashboard.runs import RunCache, pod_of, summary
+from tpupod.dashboard.runs import RunCache
 from tpupod.dashboard.serving import Serving
 from tpupod.providers import Connector, connect
 from tpupod.state import StateDir
@@ -93,29 +93,31 @@ class Sampler:
         return thread
 
     async def run(self) -> None:
-        """Rounds until stopped: the store and the run records (cheap: files and one query) every
-        ``TICK_S``, the workers and the fleets (commands on every host) every ``interval``."""
-        tick = min(self.interval, TICK_S)
-        due = 0.0
-        while not self.stopping.is_set():
-            started = time.monotonic()
-            full = started >= due
-            if full:
-                due = started + self.interval
-            await self.round(full)
-            await asyncio.sleep(max(0.0, tick - (time.monotonic() - started)))
+        """Until stopped: the store and the run records (cheap: one query, a folder listing)
+        every ``TICK_S``, the workers and the fleets (commands on every host) every
+        ``interval``, each on its own clock (a slow probe does not hold the cheap ones)."""
+        cheap, costly = ("runs", "jobs"), ("pods", "serving")
+        await asyncio.gather(
+            self._every(min(self.interval, TICK_S), cheap), self._every(self.interval, costly)
+        )
         await self.close()
 
-    async def round(self, full: bool = True) -> None:
+    async def _every(self, period: float, names: tuple[str, ...]) -> None:
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            await self.round(names)
+            await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+
+    async def round(self, names: tuple[str, ...] = TOPICS) -> None:
+        """Take the named sources once (a round of the workers also adds to the history)."""
         steps: dict[str, Callable[[], Awaitable[Any]]] = {
             "runs": lambda: asyncio.to_thread(self._runs),
             "jobs": lambda: asyncio.to_thread(self.jobs.counts),
+            "pods": self._pods,
+            "serving": lambda: self.serving.sample(self.state),
         }
-        if full:
-            steps["pods"] = self._pods
-            steps["serving"] = lambda: self.serving.sample(self.state)
-        await asyncio.gather(*(self._take(name, step) for name, step in steps.items()))
-        if full:
+        await asyncio.gather(*(self._take(name, steps[name]) for name in names))
+        if "pods" in names:
             self.rounds += 1
             self._record_history()
 
@@ -153,7 +155,7 @@ class Sampler:
         }
 
     def _runs(self) -> list[dict[str, Any]]:
-        return [summary(r, pod_of(r)) for r in self.run_cache.all(self.state)]
+        return self.run_cache.summaries(self.state)
 
     def _record_history(self) -> None:
         now = time.time()

@@ -3,6 +3,7 @@ interrupted."""
 
 from __future__ import annotations
 
+import dataclasses
 import webbrowser
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str
 
     token = config.token or settings.named(TOKEN_ENV)
     check_bind(config.host, token)
-    config = Config(config.host, config.port, token, config.names, config.interval, config.jobs_url)
+    config = dataclasses.replace(config, token=token)
     listening = _listen(config.host, config.port)  # a busy port is one error line
     url = url_of(config)
     actions = "actions need the token" if token else "read-only (no --token)"
