@@ -247,6 +247,14 @@ TIERS = {
 }
 # Modules whose tests are slow for a reason no fixture shows: JAX compiles the model.
 MODULE_TIERS = {"test_model.py": "local"}
+# Tests that start processes themselves (JAX replicas), where no fixture shows it: without
+# this they fell in the unit tier and made `make test-fast` take minutes. Their owners may
+# mark them in place (`@pytest.mark.local`) and drop them from here.
+LOCAL_TESTS = {
+    "test_serve_multihost.py::test_a_two_process_replica_answers_as_generate_does",
+    "test_serve_multihost.py::test_a_code_or_config_mismatch_is_refused_naming_the_worker",
+    "test_serve_multihost.py::test_kill_9_of_the_follower_fails_in_flight_requests_and_ends_the_replica",
+}
 # The long end-to-end tests (module::function, every parameter), marked `slow`: the
 # slowest of the run BENCHMARKS.md ("Tests") records. `make test-quick` and the one-tier
 # targets leave them out for an answer in minutes; `make test` runs them.
@@ -262,6 +270,7 @@ SLOW = {
     "test_gcp.py::test_status_shows_the_cloud_state_and_recreate_replaces_a_preempted_tpu",
     "test_jobs.py::test_1000_jobs_through_3_runner_processes_each_run_exactly_once",
     "test_jobs_outage.py::test_lines_printed_while_postgres_is_down_reach_the_log_in_order_once_it_is_back",
+    "test_launch.py::test_a_4096_client_barrier_costs_at_most_6x_a_1024_client_one",
     "test_readme.py::test_make_demo",
     "test_readme.py::test_serving",
     "test_serve_fleet.py::test_a_second_serve_up_changes_nothing_or_is_refused_and_replace_leaves_no_old_server",
@@ -273,9 +282,13 @@ SLOW = {
 }
 
 
+def node_key(item: pytest.Item) -> str:
+    """``module::function``, the same for every parameter, as SLOW and LOCAL_TESTS name it."""
+    return f"{item.path.name}::{getattr(item, 'originalname', None) or item.name}"
+
+
 def is_slow(item: pytest.Item) -> bool:
-    name = getattr(item, "originalname", None) or item.name
-    return f"{item.path.name}::{name}" in SLOW
+    return node_key(item) in SLOW
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -291,10 +304,9 @@ def tier_of(item: pytest.Item) -> str:
         return "ssh"
     if item.path.name in MODULE_TIERS:
         return MODULE_TIERS[item.path.name]
-    # a slow test is an end-to-end one even where no fixture shows it (it starts the CLI
-    # or JAX processes itself): it would make the unit tier take minutes
-    local = fixtures & {"cli", "make_pod"} or "local" in kinds or is_slow(item)
-    return "local" if local else "unit"
+    if node_key(item) in LOCAL_TESTS or is_slow(item):
+        return "local"  # processes no fixture shows; a slow test is an end-to-end one
+    return "local" if fixtures & {"cli", "make_pod"} or "local" in kinds else "unit"
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by these marks

@@ -9,21 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SLOW
+from tests.conftest import LOCAL_TESTS, SLOW
 
 TESTS = Path(__file__).parent
 
 
-def test_every_slow_entry_names_a_test_that_exists() -> None:
+def test_every_entry_names_a_test_that_exists() -> None:
     """A renamed or removed test would leave a stale entry that marks nothing."""
     stale = []
-    for entry in sorted(SLOW):
+    for entry in sorted(SLOW | LOCAL_TESTS):
         module, name = entry.split("::")
         tree = ast.parse((TESTS / module).read_text())
         defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
         if name not in defined:
             stale.append(entry)
-    assert not stale, f"SLOW names tests that do not exist: {stale}"
+    assert not stale, f"SLOW or LOCAL_TESTS name tests that do not exist: {stale}"
 
 
 # a module whose slow tests no fixture shows as end-to-end, and one whose tests say "local"
