@@ -167,3 +167,28 @@ def test_a_launcher_killed_mid_recovery_is_resumed(
     assert causes == ["preempted", "launcher lost", "ok"]
     assert "attempt 3 from step" in resumed.out
     assert set(spot_api.alive()) == {"rs"}  # the queued resource and its node
+
+
+@pytest.mark.timeout(300)
+def test_preempted_during_setup_recovers_and_sets_up_the_new_tpu(
+    spot_api: TpuApiStandIn,
+    cli: Callable[..., CliResult],
+    shared_dir: Path,
+    state_home: Path,
+    tmp_path: Path,
+) -> None:
+    assert cli(*UP, "--name", "su", "--tpu-type", "v4-16", "--spot", "--api", "tpu-vm").code == 0
+    script = tmp_path / "setup.sh"  # slow, and says on which host it ran (a fresh host: again)
+    script.write_text(f'echo "$(hostname) begins" >> {shared_dir}/setup.log; sleep 4\n')
+    run = start_run("su", shared_dir, 6, "--retries", "1", "--setup", str(script))
+    wait_until((shared_dir / "setup.log").exists, run, timeout=60)
+    spot_api.preempt_with_notice("su")
+    _, err = run.communicate(timeout=200)
+    assert run.returncode == 0, err
+    assert (shared_dir / "final").read_text() == str(expected_value(6))
+    record = record_of(state_home, "su")
+    assert [a["cause"] for a in record["attempts"]] == ["preempted", "ok"], err
+    assert "during setup" in record["attempts"][0]["detail"]
+    assert "setup" in record["attempts"][1]["phases"]  # the new TPU was set up
+    hosts = {line.split()[0] for line in (shared_dir / "setup.log").read_text().splitlines()}
+    assert hosts == {"host-0", "host-1", "host-2", "host-3"}

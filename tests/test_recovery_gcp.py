@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import CliResult, tpupod_argv
-from tests.fakes.tpu_api import TpuApiStandIn
+from tests.fakes.tpu_api import TpuApiStandIn, on_sim_hosts
+from tpupod.pod import Pod
 from tpupod.sim import SimPod
 
 PROGRAM = str(Path(__file__).parent / "programs" / "steps.py")
@@ -30,36 +31,11 @@ UP = ("up", "--gcp", "--zone", "us-central2-b", "--project", "proj", "--user", "
 NOTICE_S = 3.0  # the stand-in's notice window: TERM, then this long before the hosts go
 
 
-def term_all(sim: SimPod, index: int) -> None:
-    """What a preempted VM's shutdown does: TERM to every process but sshd's own."""
-    pids = " ".join(str(pid) for pid, _ in sim.processes(index))
-    if pids:
-        sim.run_on(index, f"kill -TERM {pids} 2>/dev/null; true")
-
-
 @pytest.fixture
 def spot_api(sim_hosts_up: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuApiStandIn]:
     """The stand-in, handing out the simulated hosts and preempting them as GCE does."""
     sim = sim_hosts_up
-    index = {h.address: h.index for h in sim.hosts}
-    api = TpuApiStandIn([(h.address, h.address) for h in sim.hosts], on_ssh_keys=sim.authorize)
-    api.notice_s = NOTICE_S
-
-    def provision(addresses: list[str]) -> None:  # a new VM: booted fresh
-        for address in addresses:
-            sim.stop_host(index[address])
-            sim.start_host(index[address])
-        sim.wait_ready([index[a] for a in addresses])
-
-    def on_notice(addresses: list[str]) -> None:
-        for address in addresses:
-            term_all(sim, index[address])
-
-    def on_reclaim(addresses: list[str]) -> None:
-        for address in addresses:
-            sim.stop_host(index[address])
-
-    api.on_provision, api.on_notice, api.on_reclaim = provision, on_notice, on_reclaim
+    api = on_sim_hosts(sim, NOTICE_S)
     monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start("0.0.0.0"))
     monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.05")
     monkeypatch.setenv("TPUPOD_RECOVERY_WATCH_S", "0.3")
@@ -176,7 +152,7 @@ def train(ckpt: Path, out: Path, steps: int) -> tuple[str, ...]:
 def test_a_preempted_jax_run_ends_bit_for_bit_as_an_uninterrupted_one(
     spot_api: TpuApiStandIn,
     cli: Callable[..., CliResult],
-    make_pod: Callable[..., object],
+    make_pod: Callable[..., Pod],
     shared_dir: Path,
     state_home: Path,
 ) -> None:

@@ -60,6 +60,7 @@ from urllib.parse import parse_qs, urlparse
 from google.protobuf.json_format import ParseError  # type: ignore[import-untyped]
 
 from tpupod.accelerators import all_names, lookup
+from tpupod.sim import SimPod
 
 NODE_TYPE = "type.googleapis.com/google.cloud.tpu.{version}.Node"
 QR_TYPE = "type.googleapis.com/google.cloud.tpu.{version}.QueuedResource"
@@ -503,3 +504,31 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         return None
+
+
+def on_sim_hosts(sim: SimPod, notice_s: float, steps: int = 2) -> TpuApiStandIn:
+    """A stand-in that hands out ``sim``'s hosts as TPU workers and preempts them as GCE
+    does: a new TPU's hosts are booted fresh (nothing from before), a notice TERMs every
+    process on them (sshd's own aside), and ``notice_s`` later they are taken down."""
+    index = {h.address: h.index for h in sim.hosts}
+    api = TpuApiStandIn([(h.address, h.address) for h in sim.hosts], steps, sim.authorize)
+    api.notice_s = notice_s
+
+    def provision(addresses: list[str]) -> None:
+        for address in addresses:
+            sim.stop_host(index[address])
+            sim.start_host(index[address])
+        sim.wait_ready([index[a] for a in addresses])
+
+    def on_notice(addresses: list[str]) -> None:
+        for address in addresses:
+            pids = " ".join(str(pid) for pid, _ in sim.processes(index[address]))
+            if pids:
+                sim.run_on(index[address], f"kill -TERM {pids} 2>/dev/null; true")
+
+    def on_reclaim(addresses: list[str]) -> None:
+        for address in addresses:
+            sim.stop_host(index[address])
+
+    api.on_provision, api.on_notice, api.on_reclaim = provision, on_notice, on_reclaim
+    return api
