@@ -399,20 +399,21 @@ class RemoteFleet:
         return record
 
     # -- status, restart, down -----------------------------------------------------------
-    async def agent_status(self, worker: Worker) -> AgentAnswer:
+    async def answer(self, worker: Worker, service: str, path: str) -> AgentAnswer:
+        """A service's GET answer, or why there is none (one line naming the worker)."""
         try:
-            body: dict[str, Any] = await self.call(worker, "agent", "GET", "/admin/status")
+            body: dict[str, Any] = await self.call(worker, service, "GET", path)
         except (ServeError, WorkerError) as exc:
             return exc.message
         return body
 
     async def status(self) -> tuple[list[AgentAnswer], AgentAnswer]:
-        agents = await asyncio.gather(*(self.agent_status(w) for w in self.pod.workers))
-        try:
-            router = await self.call(self.pod.workers[0], "router", "GET", "/backends")
-        except (ServeError, WorkerError) as exc:
-            router = exc.message
-        return list(agents), router
+        """Every agent's answer and the router's, asked at once."""
+        asked = [self.answer(w, "agent", "/admin/status") for w in self.pod.workers]
+        *agents, router = await asyncio.gather(
+            *asked, self.answer(self.pod.workers[0], "router", "/backends")
+        )
+        return agents, router
 
     async def restart(self, workers: list[Worker], name: str | None) -> list[str]:
         done = await _gather(
