@@ -1,19 +1,28 @@
 """``tpupod run --retries``: which endings are rerun, with what identity (issue 23).
 
-On a local pod: no cloud, so nothing is recreated; the program's own failures are
-rerun only with --retry-errors or a listed exit code, and every attempt sees the
-same TPUPOD_RUN_ID.
+On local and SSH pods: no cloud, so nothing is recreated (a lost worker is rerun); the
+program's own failures are rerun only with --retry-errors or a listed exit code, and
+every attempt sees the same TPUPOD_RUN_ID.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import CliResult
+import pytest
+
+from tests.conftest import CliResult, tpupod_argv
+from tests.test_recovery_gcp import PROGRAM, expected_value, shared_dir
 from tpupod.pod import Pod
+from tpupod.sim import SimPod
+
+__all__ = ["shared_dir"]  # the fixture, shared with test_recovery_gcp
 
 # Fails (exit $1) on its first attempt, succeeds after; prints its identity.
 FLAKY = (
@@ -73,3 +82,30 @@ def test_a_listed_exit_code_is_rerun(
     ]
     bad = cli("run", "--pod", pod.name, "--retry-exit-codes", "42,x", "--", "true")
     assert bad.code == 2 and "'x' is not an exit code" in bad.err and "Traceback" not in bad.err
+
+
+@pytest.mark.timeout(240)
+def test_on_an_ssh_pod_a_lost_worker_is_rerun_without_recreating(
+    make_ssh_pod: Callable[..., Pod],
+    sim_hosts_up: SimPod,
+    shared_dir: Path,
+    state_home: Path,
+) -> None:
+    pod = make_ssh_pod(2)
+    argv = tpupod_argv("run", "--pod", pod.name, "--retries", "1", "--",
+                       sys.executable, PROGRAM, str(shared_dir), "12", "0.4")  # fmt: skip
+    run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not (shared_dir / "3.ckpt").exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.05)
+    sim_hosts_up.stop_host(1)  # worker 1's host crashes: it stops answering
+    time.sleep(3)
+    sim_hosts_up.start_host(1)  # and comes back, empty
+    sim_hosts_up.wait_ready([1])
+    _, err = run.communicate(timeout=180)
+    assert run.returncode == 0, err
+    assert (shared_dir / "final").read_text() == str(expected_value(12))
+    record = attempts_of(state_home, pod)
+    assert [a["cause"] for a in record["attempts"]] == ["lost worker", "ok"], err
+    assert "w1 stopped answering" in record["attempts"][0]["detail"]
