@@ -9,7 +9,9 @@ every worker), 1,000 finished runs and one running run written as `tpupod run` w
 them (run.json, wN.log), 10,000 jobs in a SQLite store, and the dashboard as its own
 process (`tpupod dashboard --interval 5`). Chromium is Debian's, driven by playwright.
 
-* render: server time per page, p50 and p95 of ``--requests`` GETs each (httpx, keep-alive);
+* render: server time per page, p50 and p95 of ``--requests`` GETs each (httpx, keep-alive),
+  beside the anchor: an empty answer of the same process (``/favicon.ico``, 204), the HTTP
+  floor on this machine at this moment;
 * navigation: ``goto`` until the page's heading is visible, in Chromium, median of 5;
 * event: a job cancelled in the store until the jobs page shows it;
 * log line: a line appended to a running worker's log until the run page shows it;
@@ -219,7 +221,7 @@ def main() -> None:
     ]
     proc = start(home / "state", args.interval)
     try:
-        rendered = render_times(paths, args.requests)
+        rendered = render_times(["/favicon.ico", *paths], args.requests)
         print("\n| page | p50 ms | p95 ms |\n| --- | ---: | ---: |")
         for path, (p50, p95) in rendered.items():
             print(f"| `{path}` | {p50:.1f} | {p95:.1f} |")
