@@ -99,6 +99,8 @@ def test_on_an_ssh_pod_a_lost_worker_is_rerun_without_recreating(
     while not (shared_dir / "3.ckpt").exists():
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
         time.sleep(0.05)
+    # A killed accelerator holder's stale lockfile on worker 0 (it would fail the preflight)
+    sim_hosts_up.run_on(0, "touch /tmp/libtpu_lockfile")
     sim_hosts_up.stop_host(1)  # worker 1's host crashes: it stops answering
     time.sleep(3)
     sim_hosts_up.start_host(1)  # and comes back, empty
@@ -109,3 +111,4 @@ def test_on_an_ssh_pod_a_lost_worker_is_rerun_without_recreating(
     record = attempts_of(state_home, pod)
     assert [a["cause"] for a in record["attempts"]] == ["lost worker", "ok"], err
     assert "w1 stopped answering" in record["attempts"][0]["detail"]
+    assert sim_hosts_up.run_on(0, "ls /tmp/libtpu_lockfile").returncode != 0  # freed first

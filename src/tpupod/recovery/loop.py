@@ -23,6 +23,7 @@ from pathlib import Path
 from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
 from tpupod.fanout import Interrupt, NoticeHandler
+from tpupod.ops.free_tpu import free_tpu
 from tpupod.pod import Pod
 from tpupod.providers import provider_for
 from tpupod.recovery import confirm
@@ -96,6 +97,8 @@ class Recovery:
             self.record.state = "recovering"
             self.record.save()
             recreate_next = ending.cause is Cause.PREEMPTED and self.cloud
+            if not recreate_next:
+                await self._free_accelerator()
 
     async def _attempt(self, recreate_first: bool, *, resumed: bool) -> Ending:
         phases = self.record.current.phases
@@ -208,6 +211,21 @@ class Recovery:
         if code in self.policy.retry_exit_codes:
             return Ending(Cause.LISTED, code, f"exit code {code}")
         return Ending(Cause.ERROR, code)
+
+    async def _free_accelerator(self) -> None:
+        """Before a rerun on the same hosts: what still holds the accelerator is killed and
+        a stale libtpu lockfile removed (a killed holder leaves one, and the next launch's
+        preflight would refuse the host). Not on a local pod: its workers share this
+        machine's /tmp."""
+        if self.pod.provider == "local":
+            return
+        try:
+            result = await free_tpu(self.pod)
+        except TpupodError as exc:
+            self.notice(f"could not free the accelerator before the rerun: {exc}")
+            return
+        if not result.ok:
+            self.notice("the accelerator is still held on some worker; the launch will say which")
 
     async def _metadata_says(self) -> str:
         """The workers whose metadata says preempted ("w0, w1"), or ""."""
