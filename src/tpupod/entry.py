@@ -1,5 +1,6 @@
-"""The ``tpupod`` console script: the fast paths for plain ``exec``, ``run`` and
-``jobs submit``, else the full CLI (see ``plainargs``)."""
+"""The ``tpupod`` console script: the fast paths for plain ``exec`` (through an SSH
+pod's holder, or on a local pod's processes), ``run`` and ``jobs submit``, else the
+full CLI (see ``plainargs``)."""
 
 from __future__ import annotations
 
