@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from tpupod.dashboard import checkpoints, metrics, runs
+from tpupod.dashboard import checkpoints, metrics, runs, serving
 from tpupod.dashboard.charts import line_chart
 from tpupod.dashboard.guard import allowed_hosts, guard_middleware
 from tpupod.dashboard.sampler import Sampler
@@ -170,7 +170,7 @@ def _pages(app: FastAPI, sampler: Sampler) -> None:
         return render(request, "job.html", ("jobs",), job=sampler.jobs.one(job_id))
 
     @app.get("/serving", response_class=HTMLResponse)
-    def serving(request: Request) -> Response:
+    def serving_page(request: Request) -> Response:
         return render(request, "serving.html", ("serving",), fleets=sampler.sources["serving"].data)
 
     @app.get("/charts", response_class=HTMLResponse)
@@ -254,6 +254,12 @@ def _api(app: FastAPI, sampler: Sampler) -> None:
     @app.get("/api/serving")
     def api_serving() -> Response:
         return sourced("serving", sampler.sources["serving"].data)
+
+    @app.post("/api/serving/{pod}/restart")
+    def api_restart(pod: str, worker: int, port: int) -> dict[str, Any]:
+        restarted = serving.restart(sampler.state, pod, worker, port)
+        sampler.publish("serving")
+        return {"restarted": restarted}
 
     @app.get("/api/events")
     def api_events() -> StreamingResponse:

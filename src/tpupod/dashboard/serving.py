@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import deque
 from typing import Any
 
 from tpupod.errors import ServeError
@@ -13,12 +14,16 @@ from tpupod.serve.fleet import Fleet
 from tpupod.serve.status import FleetStatus
 from tpupod.state import StateDir
 
+WINDOW = 3  # sampling intervals a backend's requests/s is taken over
+
 
 class Serving:
     """Every pod's fleet; keeps each backend's last request count for the rate."""
 
     def __init__(self) -> None:
-        self.last: dict[str, tuple[float, int]] = {}  # address -> (time, requests)
+        # address -> its last (time, requests) samples: the rate spans WINDOW intervals, so
+        # how long one status call took (seconds on a busy pod) moves it less
+        self.last: dict[str, deque[tuple[float, int]]] = {}
 
     async def sample(self, state: StateDir) -> list[dict[str, Any]]:
         found = await asyncio.gather(*(self._one(state, name) for name in state.names()))
@@ -47,10 +52,17 @@ class Serving:
 
     def _rated(self, row: dict[str, Any], now: float) -> dict[str, Any]:
         requests = row.get("requests")
-        before = self.last.get(row["address"])
         rate = None
         if isinstance(requests, int):
-            if before is not None and now > before[0]:
-                rate = max(0, requests - before[1]) / (now - before[0])
-            self.last[row["address"]] = (now, requests)
+            seen = self.last.setdefault(row["address"], deque(maxlen=WINDOW + 1))
+            seen.append((now, requests))
+            (t0, c0), (t1, c1) = seen[0], seen[-1]
+            if t1 > t0:
+                rate = max(0, c1 - c0) / (t1 - t0)
         return {**row, "requests_per_s": rate}
+
+
+def restart(state: StateDir, pod: str, worker: int, port: int) -> list[str]:
+    """Restart the server on ``port`` of ``worker`` as ``tpupod serve restart -w W --port P``
+    does; what was restarted (``w0:NAME``)."""
+    return Fleet(state.load(pod), state).restart(workers=str(worker), port=port)
