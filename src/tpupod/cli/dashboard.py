@@ -20,8 +20,8 @@ def dashboard(
         str | None,
         typer.Option(
             "--token",
-            help="Bearer token for actions (cancel a job); required off loopback "
-            "(default: $TPUPOD_DASHBOARD_TOKEN).",
+            help="Bearer token for actions (cancel a job, stop a run, restart a server); "
+            "required off loopback (default: $TPUPOD_DASHBOARD_TOKEN).",
             show_default=False,
         ),
     ] = None,
