@@ -192,3 +192,42 @@ def test_preempted_during_setup_recovers_and_sets_up_the_new_tpu(
     assert "setup" in record["attempts"][1]["phases"]  # the new TPU was set up
     hosts = {line.split()[0] for line in (shared_dir / "setup.log").read_text().splitlines()}
     assert hosts == {"host-0", "host-1", "host-2", "host-3"}
+
+
+@pytest.mark.timeout(120)
+def test_waiting_for_capacity_is_shown_and_its_polls_back_off(
+    spot_api: TpuApiStandIn,
+    state_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import asyncio
+    import types
+
+    from tpupod.lifecycle import up
+    from tpupod.providers import gcp
+    from tpupod.spec import GcpPodSpec
+    from tpupod.state import StateDir
+
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:  # what the provider waits between two reads
+        pauses.append(seconds)
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(gcp, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": pause}))
+    spot_api.no_capacity = 12  # twelve reads of WAITING_FOR_RESOURCES, then capacity
+    spec = GcpPodSpec(
+        name="wc", provider="gcp", tpu_type="v4-8", zone="us-central2-b", project="proj",
+        user="root", capacity="spot",
+    )  # fmt: skip
+    up(spec, StateDir())
+    shown = [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert [line.split(" (")[0] for line in shown if line.startswith("wc: ")] == [
+        "wc: ACCEPTED", "wc: WAITING_FOR_RESOURCES", "wc: PROVISIONING", "wc: ACTIVE",
+    ]  # fmt: skip
+    # TPUPOD_GCP_POLL_S is 0.05: each read of a state that lasts waits 1.5 times longer, up
+    # to 8 times the poll (0.4 s); a new state is read again at the poll's pace.
+    waiting = pauses[1:]  # after ACCEPTED, the first read of WAITING_FOR_RESOURCES
+    assert waiting[:4] == pytest.approx([0.05, 0.075, 0.1125, 0.16875]), pauses
+    assert max(pauses) == pytest.approx(0.4) and pauses.count(pytest.approx(0.4)) >= 5

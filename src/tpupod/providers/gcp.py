@@ -35,6 +35,7 @@ from tpupod.transport.ssh import SshConnector, SshPool, generate_key, probe, pub
 
 KEY_FILE = "id_ed25519"
 WAIT_S = 3600.0
+MAX_POLL_S = 30.0  # the longest pause between two reads of a TPU's state
 READY = {"READY", "ACTIVE"}
 BROKEN = {"FAILED", "SUSPENDING", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
 
@@ -102,13 +103,19 @@ class GcpProvider:
         return dict(pod.spec.env)
 
     async def _wait(self, api: TpuApi, spec: GcpPodSpec) -> None:
+        """Follow the TPU's states until it is ready, showing each; while a state lasts (hours
+        of WAITING_FOR_RESOURCES, say) the polls back off, up to 8 times apart, 30 s at most."""
         started = time.monotonic()
         last = None
+        poll = settings.gcp_poll_s()
+        delay = poll
         while time.monotonic() - started < WAIT_S:
             state = await asyncio.to_thread(api.state)
             if state != last:
                 self.progress(f"{spec.name}: {state} ({time.monotonic() - started:.0f}s)")
-                last = state
+                last, delay = state, poll
+            else:
+                delay = min(delay * 1.5, max(poll, min(MAX_POLL_S, poll * 8)))
             if state in READY:
                 return
             if state in BROKEN:
@@ -116,7 +123,7 @@ class GcpProvider:
                     f"TPU {spec.name!r} is {state}",
                     hint="'tpupod up --recreate' deletes it and creates it again",
                 )
-            await asyncio.sleep(settings.gcp_poll_s())
+            await asyncio.sleep(delay)
         raise GcpError(
             f"TPU {spec.name!r} not ready after {WAIT_S:.0f}s (last state {last})",
             hint=f"it still exists: 'tpupod status --tpu {spec.name} --zone {spec.zone}' shows it; "
