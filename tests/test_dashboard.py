@@ -15,6 +15,9 @@ from tests.dashboard_server import TOKEN, Dashboard, dashboard_fixture  # noqa: 
 from tpupod.dashboard.app import Config, create_app
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
+from tpupod.pod import Pod
+from tpupod.recovery.record import RecoveryRecord
+from tpupod.state import StateDir
 
 
 def test_a_bind_beyond_loopback_without_a_token_is_refused(cli: Callable[..., CliResult]) -> None:
@@ -90,3 +93,24 @@ def test_loading_is_not_empty_and_stale_data_says_its_age(state_home: Path) -> N
     page = client.get("/pods").text
     assert "data from 30 s ago; the source failed: state directory unreadable" in page
     assert client.get("/api/pods").json()["state"] == "stale"
+
+
+def test_a_run_with_retries_lists_its_attempts_and_preemptions(
+    dashboard: Callable[..., Dashboard], make_pod: Callable[..., Pod]
+) -> None:
+    pod = make_pod(2)
+    record = RecoveryRecord.new(StateDir(), pod.name, ["python", "train.py"], {})
+    first = record.begin_attempt()
+    first.cause, first.launch_id, first.ended = "preempted", "20261127-080000-aaaaaa", time.time()
+    record.begin_attempt().cause = "ok"
+    record.state, record.exit_code = "done", 0
+    record.save()
+    board = dashboard()
+    listed = next(
+        r for r in board.get("/api/runs").json()["data"]["runs"] if r["id"] == record.run_id
+    )
+    assert listed["state"] == "done" and len(listed["attempts"]) == 2
+    assert listed["attempts"][0].startswith("attempt 1: preempted")
+    page = board.get(f"/runs/{record.run_id}").text
+    assert "attempt 1: preempted" in page and "attempt 2: ok" in page
+    assert 'href="/runs/20261127-080000-aaaaaa"' in page

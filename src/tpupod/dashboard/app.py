@@ -115,7 +115,9 @@ def overview(sampler: Sampler) -> dict[str, Any]:
     failing += [
         {
             "what": f"run {r['id']}",
-            "why": f"worker {r['first_failure']} failed first",
+            "why": r["state"]
+            if r["first_failure"] is None
+            else f"worker {r['first_failure']} failed first",
             "href": f"/runs/{r['id']}",
         }
         for r in run_list[:20]
@@ -155,6 +157,9 @@ def _pages(app: FastAPI, sampler: Sampler) -> None:
 
     @app.get("/runs/{launch_id}", response_class=HTMLResponse)
     def run(request: Request, launch_id: str) -> Response:
+        retried = runs.find_retried(sampler.state, launch_id)
+        if retried is not None:
+            return render(request, "retried.html", ("runs",), run=retried)
         record = find_run(sampler, launch_id)
         view = runs.detail(record, runs.pod_of(record))
         return render(request, "run.html", ("runs",), run=view)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 from tpupod.errors import StateError, UsageError
 from tpupod.launch.records import RunRecord, read_logs, run_record
 from tpupod.launch.run import RUNS_DIR
+from tpupod.recovery.record import RecoveryRecord, find_recovery
 from tpupod.state import StateDir
 
 TAIL_LINES = 10
@@ -40,6 +42,10 @@ class RunCache:
             if cached is not None:
                 yield cached
                 continue
+            recovery = find_recovery(state, name, path.name)
+            if recovery is not None:  # a --retries run: its attempts are runs of their own
+                yield recovery_summary(recovery)
+                continue
             try:
                 record = run_record(path)
             except StateError:  # a launch this instant: its record is not written yet
@@ -48,6 +54,33 @@ class RunCache:
             if record.done:
                 self.ended[path] = made
             yield made
+
+
+def recovery_summary(record: RecoveryRecord) -> dict[str, Any]:
+    """A ``run --retries`` run: its state and attempts (preemptions among their causes)."""
+    return {
+        "id": record.run_id,
+        "pod": record.pod,
+        "command": shlex.join(record.command),
+        "state": record.state,
+        "exit_code": record.exit_code,
+        "started": record.started,
+        "seconds": None,
+        "workers": None,
+        "first_failure": None,
+        "attempts": record.lines(),
+        "launches": [a.launch_id for a in record.attempts if a.launch_id],
+    }
+
+
+def find_retried(state: StateDir, run_id: str) -> dict[str, Any] | None:
+    """The ``run --retries`` run ``run_id`` (None: it is not one)."""
+    if LAUNCH_ID.fullmatch(run_id):
+        for name in state.names():
+            found = find_recovery(state, name, run_id)
+            if found is not None:
+                return recovery_summary(found)
+    return None
 
 
 def find(state: StateDir, launch_id: str) -> RunRecord:
