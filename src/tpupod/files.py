@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,7 +10,7 @@ from pathlib import Path
 def staging_name(dest: str | Path) -> str:
     """A hidden sibling of ``dest`` to write into before the final rename."""
     path = Path(dest)
-    return str(path.with_name(f".{path.name}.tpupod-{secrets.token_hex(4)}"))
+    return str(path.with_name(f".{path.name}.tpupod-{os.urandom(4).hex()}"))
 
 
 def copy_atomic(src: Path, dest: Path) -> None:
@@ -20,6 +18,8 @@ def copy_atomic(src: Path, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(staging_name(dest))
     try:
+        import shutil  # here: exec's fast path imports this module, not shutil's codecs
+
         if src.is_dir():
             shutil.copytree(src, staged, symlinks=True)
         else:
@@ -65,6 +65,8 @@ def write_atomic(
 def remove_path(path: Path) -> None:
     """Remove a file or a folder, if it is there."""
     if path.is_dir() and not path.is_symlink():
+        import shutil
+
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
@@ -76,6 +78,8 @@ def replace(staged: Path, dest: Path) -> None:
         old = Path(staging_name(dest))
         os.rename(dest, old)
         os.rename(staged, dest)
+        import shutil
+
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, dest)

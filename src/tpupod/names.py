@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
-from datetime import UTC, datetime
 
 POD_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -12,4 +11,6 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def new_launch_id() -> str:
     """A launch's id, sortable by its start and unique across launchers: 20261127-041500-a1b2c3."""
-    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+    from datetime import UTC, datetime  # here: the CLI's fast paths import this module
+
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{os.urandom(3).hex()}"

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
 import signal
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
@@ -225,6 +223,8 @@ def _clip(text: str, width: int) -> str:
 
 def _width(file: TextIO) -> int:
     if file.isatty():
+        import shutil  # here: not on the path of a summary printed to a pipe
+
         return shutil.get_terminal_size().columns
     return 100
 
@@ -242,6 +242,8 @@ def report_failure(exc: Exception) -> int:
     ``internal error:`` line. The traceback is shown only with ``--debug``.
     """
     if debug_requested():
+        import traceback
+
         traceback.print_exception(exc)
     if isinstance(exc, BrokenPipeError):
         return 141  # as a process killed by SIGPIPE

@@ -12,7 +12,6 @@ an atomic ``mkdir``, so two concurrent ``up`` calls cannot both create a pod.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,6 +137,8 @@ class StateDir:
         )
 
     def remove(self, name: str) -> None:
+        import shutil  # here: exec's fast path reads the state, and never removes
+
         shutil.rmtree(self.pod_dir(name), ignore_errors=True)
 
     def _known_hint(self) -> str:
