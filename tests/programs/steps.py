@@ -26,8 +26,9 @@ def latest() -> tuple[int, int]:
 
 
 start, value = latest()
-if worker == 0:  # for the tests: when this attempt began
-    (ckpt / f"started-{os.environ.get('TPUPOD_ATTEMPT', '0')}").write_text(str(start))
+if worker == 0:  # for the tests: when this attempt began (written whole, then renamed)
+    (ckpt / "started.tmp").write_text(str(start))
+    os.replace(ckpt / "started.tmp", ckpt / f"started-{os.environ.get('TPUPOD_ATTEMPT', '0')}")
 print(f"worker {worker} attempt {os.environ.get('TPUPOD_ATTEMPT')} from step {start}", flush=True)
 for step in range(start, steps):
     value = (value * 31 + step) % 1_000_003
