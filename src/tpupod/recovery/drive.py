@@ -168,8 +168,11 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
     if _alive(record.launcher_pid):
         os.kill(record.launcher_pid, signal.SIGINT)
         deadline = time.monotonic() + CANCEL_WAIT_S
+        ended = ("done", "failed", "cancelled")
         while _alive(record.launcher_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
+            if RecoveryRecord.load(state, pod, run_id).state in ended:
+                break  # it wrote its end (its parent may not have reaped it yet)
         record = RecoveryRecord.load(state, pod, run_id)
         return f"run {run_id}: {record.state} (its launcher, pid {record.launcher_pid}, stopped it)"
     deleted = asyncio.run(delete_unfinished(record, state))
