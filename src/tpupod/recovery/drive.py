@@ -138,13 +138,18 @@ def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
 
 
 def _alive(pid: int) -> bool:
+    """Is process ``pid`` running (an exited one its parent has not reaped is not)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 CANCEL_WAIT_S = 120.0
