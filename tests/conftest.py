@@ -256,7 +256,7 @@ LOCAL_TESTS = {
     "test_serve_multihost.py::test_kill_9_of_the_follower_fails_in_flight_requests_and_ends_the_replica",
 }
 # The long end-to-end tests (module::function, every parameter), marked `slow`: the
-# slowest of the run BENCHMARKS.md ("Tests") records. `make test-quick` and the one-tier
+# slowest of the runs BENCHMARKS.md ("Tests") records. `make test-quick` and the one-tier
 # targets leave them out for an answer in minutes; `make test` runs them.
 SLOW = {
     "test_bench_checkpoint.py::test_an_existing_checkpoint_with_orbax_sharding_config",
@@ -272,6 +272,9 @@ SLOW = {
     "test_jobs_outage.py::test_lines_printed_while_postgres_is_down_reach_the_log_in_order_once_it_is_back",
     "test_launch.py::test_a_4096_client_barrier_costs_at_most_6x_a_1024_client_one",
     "test_readme.py::test_make_demo",
+    "test_recovery_faults.py::test_a_failing_api_and_a_silent_worker_are_not_a_preemption",
+    "test_recovery_faults.py::test_cancel_while_waiting_for_capacity_leaves_nothing",
+    "test_recovery_gcp.py::test_a_preempted_jax_run_ends_bit_for_bit_as_an_uninterrupted_one",
     "test_readme.py::test_serving",
     "test_serve_fleet.py::test_a_second_serve_up_changes_nothing_or_is_refused_and_replace_leaves_no_old_server",
     "test_serve_fleet.py::test_the_builtin_backend_serves_the_tiny_checkpoint",
