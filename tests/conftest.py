@@ -79,6 +79,14 @@ def pod_processes(pod_name: str) -> list[psutil.Process]:
     return found
 
 
+def described(proc: psutil.Process) -> str:
+    """A process's command line; "" when it ended between being listed and read (gone)."""
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return ""
+
+
 def wait_until_gone(pod_name: str, timeout: float = 3.0) -> list[psutil.Process]:
     """Processes of the pod still alive after ``timeout`` (the answer should be none)."""
     deadline = time.monotonic() + timeout
@@ -221,7 +229,7 @@ def leftovers(request: pytest.FixtureRequest) -> Callable[[Pod], list[str]]:
 
     def find(pod: Pod) -> list[str]:
         if pod.provider == "local":
-            return [" ".join(p.cmdline()) for p in wait_until_gone(pod.name)]
+            return [line for p in wait_until_gone(pod.name) if (line := described(p))]
         return sim_leftovers(request.getfixturevalue("sim"))
 
     return find

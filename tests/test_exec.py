@@ -123,7 +123,7 @@ def test_timeout_kills_the_process_group(
         "exec", "--pod", pod.name, "--timeout", "1", "--", "sleep 60 & sleep 60 | cat; wait"
     )
     assert result.code == 124
-    assert result.seconds < 6
+    assert result.seconds < 20  # the commands sleep 60: a hang shows; the margin is CI load
     assert result.err.count("timed out") >= 3
     assert leftovers(pod) == []
 
@@ -146,7 +146,7 @@ def test_term_ignoring_command_is_killed_after_grace(
         'trap "" TERM; sleep 60; sleep 60',
     )
     assert result.code == 124
-    assert 1.4 < result.seconds < 6
+    assert 1.4 < result.seconds < 20  # the commands sleep 60 twice: a hang shows
     assert "SIGKILL" in result.err
     assert leftovers(pod) == []
 
@@ -184,7 +184,7 @@ def test_background_child_holding_output_does_not_hang(
     pod = any_pod(1)
     result = cli("exec", "--pod", pod.name, "--", "echo main; sleep 30 &")
     assert result.code == 0
-    assert result.seconds < 6
+    assert result.seconds < 20  # the commands sleep 60: a hang shows; the margin is CI load
     assert "[w0] main" in result.out
 
 

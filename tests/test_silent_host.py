@@ -59,7 +59,7 @@ def test_exec_names_a_silent_host_within_the_connect_timeout(
     result = cli("exec", "--pod", pod.name, "--", "hostname", env=env, timeout=60)
     assert_silent_named(result)
     assert "[w0] host-0" in result.out  # the others' results print
-    assert result.seconds < 9  # connect timeout 5 s
+    assert result.seconds < 20  # connect timeout 5 s (a SYN retried unbounded takes ~2 min)
 
 
 def exec_running(pod: Pod, *options: str) -> subprocess.Popen[str]:
@@ -81,12 +81,14 @@ def test_a_timeout_is_honoured_when_a_host_goes_silent_mid_command(
     make_ssh_pod: Callable[..., Pod], unplug: Callable[[int], None], state_home: Path
 ) -> None:
     pod = make_ssh_pod(2)
-    started = time.monotonic()
     proc = exec_running(pod, "--timeout", "4", "--grace", "1")
+    started = time.monotonic()  # the workers' commands run (the CLI's start-up is not counted)
     unplug(SILENT)
     _, err = proc.communicate(timeout=60)
     seconds = time.monotonic() - started
-    assert seconds < 4 + 3, err  # the kill gets no answer: given up about a second later
+    # The kill gets no answer and is given up about a second after the 4 s; not honoured, the
+    # exec would wait for keepalives (15 s) or the command (60 s). The margin is for a loaded CI.
+    assert seconds < 12, err
     assert proc.returncode in (124, 255)
     assert "unreachable" in silent_row(err)
 
@@ -113,7 +115,7 @@ def test_status_names_a_silent_host(
     result = cli("status", "--pod", pod.name, timeout=60)
     assert result.code == 255
     assert "1       host-1    NO         unreachable" in result.out
-    assert result.seconds < 9
+    assert result.seconds < 20  # connect timeout 5 s (a SYN retried unbounded takes ~2 min)
 
 
 @pytest.mark.parametrize("operation", ["put", "get"])
