@@ -112,3 +112,39 @@ def test_on_an_ssh_pod_a_lost_worker_is_rerun_without_recreating(
     assert [a["cause"] for a in record["attempts"]] == ["lost worker", "ok"], err
     assert "w1 stopped answering" in record["attempts"][0]["detail"]
     assert sim_hosts_up.run_on(0, "ls /tmp/libtpu_lockfile").returncode != 0  # freed first
+
+
+def test_status_shows_the_latest_runs_attempts_causes_and_phase_times(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    pod = make_pod(workers=2)
+    assert "(--retries)" not in cli("status", "--pod", pod.name).out  # no such run yet
+    flaky = ("bash", "-c", FLAKY.format(code=3))
+    assert cli("run", "--pod", pod.name, "--retry-errors", "1", "--", *flaky).code == 0
+    record = attempts_of(state_home, pod)
+    run_id, (first, second) = record["run_id"], record["attempts"]
+    shown = cli("status", "--pod", pod.name)
+    assert shown.code == 0, shown.err
+    lines = shown.out.splitlines()
+    at = lines.index(f"run {run_id}: done after 2 attempts")
+    # the record's own lines (one reader: RecoveryRecord), each phase with its time
+    assert lines[at + 1 : at + 3] == [
+        f"  attempt 1: program error, exit 3; launch {first['launch_id']}; "
+        f"run {first['phases']['run']:.1f}s",
+        f"  attempt 2: ok, exit 0; launch {second['launch_id']}; "
+        f"run {second['phases']['run']:.1f}s",
+    ]
+    as_json = json.loads(cli("status", "--pod", pod.name, "--format", "json").out)
+    assert as_json["recovery"]["run_id"] == run_id
+    assert [a["cause"] for a in as_json["recovery"]["attempts"]] == ["program error", "ok"]
+
+
+def test_the_probe_budget_has_one_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tpupod import settings
+
+    monkeypatch.delenv("TPUPOD_RECOVERY_PROBE_S", raising=False)
+    monkeypatch.delenv("TPUPOD_RECOVERY_PROBE_TRIES", raising=False)
+    from tpupod.recovery.policy import RetryPolicy
+
+    policy = RetryPolicy()
+    assert settings.recovery_probe() == (policy.probe_s, policy.probe_tries) == (120.0, 8)

@@ -96,13 +96,15 @@ def recovery_watch_s() -> float:
 
 def recovery_probe() -> tuple[float, int]:
     """How long, and how many times, an unreachable worker or a failing API call is retried
-    before a run with --retries decides without it (``TPUPOD_RECOVERY_PROBE_S``, 120, and
-    ``TPUPOD_RECOVERY_PROBE_TRIES``, 8)."""
+    before a run with --retries decides without it (``TPUPOD_RECOVERY_PROBE_S`` and
+    ``TPUPOD_RECOVERY_PROBE_TRIES``; the defaults are the retry policy's)."""
+    from tpupod.recovery.policy import DEFAULT_PROBE_S, DEFAULT_PROBE_TRIES
+
     try:
-        seconds = float(os.environ.get("TPUPOD_RECOVERY_PROBE_S", "120"))
-        tries = int(os.environ.get("TPUPOD_RECOVERY_PROBE_TRIES", "8"))
+        seconds = float(os.environ.get("TPUPOD_RECOVERY_PROBE_S", DEFAULT_PROBE_S))
+        tries = int(os.environ.get("TPUPOD_RECOVERY_PROBE_TRIES", DEFAULT_PROBE_TRIES))
     except ValueError:
-        return 120.0, 8
+        return DEFAULT_PROBE_S, DEFAULT_PROBE_TRIES
     return seconds, tries
 
 

@@ -357,23 +357,30 @@ def status(
     zone: Annotated[str | None, typer.Option("--zone", show_default=False)] = None,
     project: Annotated[str | None, typer.Option("--project", show_default=False)] = None,
 ) -> None:
-    """Show a pod and check that every worker answers (runs 'hostname' on each).
+    """Show a pod and check that every worker answers (runs 'hostname' on each); with the
+    pod's latest 'run --retries' run: its attempts, their causes and each phase's time.
 
     Examples:
 
       tpupod status --pod dev
     """
     from tpupod.ops.status import pod_status
+    from tpupod.recovery.record import latest_recovery
     from tpupod.state import StateDir
 
     if tpu is not None:
         _status_of_tpu(tpu, zone, project)
         return
-    found = pod_status(StateDir().resolve(pod))
+    state = StateDir()
+    found = pod_status(state.resolve(pod))
+    recovery = latest_recovery(state, found.pod.name)
     if output is Format.JSON:
-        print(json.dumps(found.to_json(), indent=2))
+        as_json = {**found.to_json(), "recovery": recovery and recovery.to_json()}
+        print(json.dumps(as_json, indent=2))
     else:
         _print_status(found)
+        if recovery is not None:
+            print("\n  ".join([recovery.headline(), *recovery.lines()]))
     if not found.healthy:
         raise typer.Exit(found.exit_code or 1)
 

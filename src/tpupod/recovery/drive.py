@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpupod import settings
+from tpupod import procfs, settings
 from tpupod.choices import RendezvousOn
 from tpupod.errors import UsageError
 from tpupod.recovery.policy import DEFAULT_NOTICE_GRACE_S, RetryPolicy, parse_exit_codes
@@ -121,7 +121,7 @@ def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
             f"run {record.run_id} is {record.state}: nothing to resume",
             hint="start a new run with 'tpupod run --retries N -- CMD'",
         )
-    if record.launcher_pid != os.getpid() and _alive(record.launcher_pid):
+    if record.launcher_pid != os.getpid() and procfs.alive(record.launcher_pid):
         raise UsageError(
             f"run {record.run_id} is still driven by pid {record.launcher_pid}",
             hint=f"'kill {record.launcher_pid}' first if it hangs",
@@ -135,21 +135,6 @@ def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
         os.chdir(cwd)  # --sync ships the repository the run began in
     print(f"resuming run {record.run_id} (attempt {len(record.attempts) + 1})", file=sys.stderr)
     return record, RunArgs(**options)
-
-
-def _alive(pid: int) -> bool:
-    """Is process ``pid`` running (an exited one its parent has not reaped is not)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 CANCEL_WAIT_S = 120.0
@@ -170,11 +155,11 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
     record = RecoveryRecord.load(state, pod, run_id)
     if record.state in ("done", "failed", "cancelled"):
         return f"run {run_id} is already {record.state}"
-    if _alive(record.launcher_pid):
+    if procfs.alive(record.launcher_pid):
         os.kill(record.launcher_pid, signal.SIGINT)
         deadline = time.monotonic() + CANCEL_WAIT_S
         ended = ("done", "failed", "cancelled")
-        while _alive(record.launcher_pid) and time.monotonic() < deadline:
+        while procfs.alive(record.launcher_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
             if RecoveryRecord.load(state, pod, run_id).state in ended:
                 break  # it wrote its end (its parent may not have reaped it yet)

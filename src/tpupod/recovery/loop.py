@@ -311,11 +311,7 @@ class Recovery:
         self.record.exit_code = code
         self.record.phase = ""
         self.record.save()
-        attempts = len(self.record.attempts)
-        self.notice(
-            f"run {self.record.run_id}: {self.record.state} after {attempts} attempt"
-            f"{'s' if attempts != 1 else ''}; {self.counters.describe()}"
-        )
+        self.notice(f"{self.record.headline()}; {self.counters.describe()}")
         if ending.cause is Cause.PREEMPTED and self.record.options.get("created"):
             self.notice(f"deleting {self.pod.name!r}: preempted, and the recovery made it")
             await provider_for(self.pod.provider).destroy(self.pod, self.state)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpupod import procfs
 from tpupod.errors import StateError, UsageError
 from tpupod.files import write_atomic
 from tpupod.names import new_launch_id
@@ -95,11 +96,33 @@ class RecoveryRecord:
         self.save()
         return attempt
 
-    def save(self) -> None:
+    def to_json(self) -> dict[str, Any]:
+        """The record as ``recovery.json`` holds it (``tpupod status --output json`` too)."""
         data = asdict(self)
         data.pop("path")
+        return data
+
+    def save(self) -> None:
+        data = self.to_json()
         data["launcher_pid"] = os.getpid()
         write_atomic(self.path, json.dumps(data, indent=1) + "\n")
+
+    @property
+    def ended(self) -> bool:
+        return self.state not in ("running", "recovering")
+
+    def headline(self) -> str:
+        """Where the run stands: ``run RUN: done after 2 attempts``, ``run RUN: recovering
+        (create), attempt 2``, or that its launcher is gone and how to go on."""
+        count = len(self.attempts)
+        if self.ended:
+            return (
+                f"run {self.run_id}: {self.state} after {count} attempt{'' if count == 1 else 's'}"
+            )
+        where = f"run {self.run_id}: {self.state} ({self.phase}), attempt {count}"
+        if procfs.alive(self.launcher_pid):
+            return where
+        return f"{where}; its launcher is gone: 'tpupod run --resume {self.run_id}' goes on"
 
     def lines(self) -> list[str]:
         """The attempts, one line each: their launch, cause and phases' times."""
@@ -118,3 +141,9 @@ def find_recovery(state: StateDir, pod: str, run_id: str | None) -> RecoveryReco
     if run_id is None or not (state.pod_dir(pod) / RUNS_DIR / run_id / RECORD_FILE).is_file():
         return None
     return RecoveryRecord.load(state, pod, run_id)
+
+
+def latest_recovery(state: StateDir, pod: str) -> RecoveryRecord | None:
+    """The pod's newest ``--retries`` run (run ids sort by their start), if it has one."""
+    found = sorted((state.pod_dir(pod) / RUNS_DIR).glob(f"*/{RECORD_FILE}"))
+    return RecoveryRecord.load(state, pod, found[-1].parent.name) if found else None
