@@ -263,9 +263,6 @@ CLI_ALLOWED = {
     ("bench.py", "_print_results"),
     ("ops.py", "sync"),
     ("ops.py", "setup"),
-    ("run.py", "logs"),
-    ("run.py", "tpupod.transport"),
-    ("image.py", "asyncio"),
 }
 
 

@@ -123,23 +123,8 @@ def ls(pod: PodOption = None, engine: EngineOption = None) -> None:
 
       tpupod image ls
     """
-    import asyncio
-
     from tpupod.image.container_engine import check_engine
-    from tpupod.image.listing import list_images, table
-    from tpupod.providers import provider_for
+    from tpupod.image.listing import images_table
     from tpupod.state import StateDir
 
-    state = StateDir()
-    target = state.resolve(pod)
-    chosen = check_engine(engine)
-
-    async def go() -> str:
-        connector = provider_for(target.provider).connect(target, state)
-        try:
-            rows = await list_images(target, connector, target.workers, chosen)
-        finally:
-            await connector.close()
-        return table(rows, target.workers)
-
-    print(asyncio.run(go()))
+    print(images_table(StateDir().resolve(pod), check_engine(engine)))

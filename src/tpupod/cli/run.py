@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -14,9 +13,6 @@ from tpupod.cli.image import EngineOption, ImageOption, MountOption, PrivilegedO
 from tpupod.cli.options import EnvOption, PodOption
 from tpupod.results import DEFAULT_GRACE_S, OnFail
 from tpupod.runflow import RunArgs, run_command
-
-if TYPE_CHECKING:
-    from tpupod.state import StateDir
 
 
 @command("run", context_settings={"allow_interspersed_args": False})
@@ -211,7 +207,7 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")
     ] = False,
-    list_runs: Annotated[
+    list_runs_wanted: Annotated[
         bool, typer.Option("--list", "-l", help="List the pod's runs, oldest first.")
     ] = False,
 ) -> None:
@@ -226,62 +222,16 @@ def logs(
       tpupod logs --list              # every run: when, how it ended, what ran
     """
     from tpupod.errors import UsageError
-    from tpupod.launch.records import get_run, read_logs
-    from tpupod.recovery.record import find_recovery
-    from tpupod.report import LinePrinter
+    from tpupod.launch.logview import list_runs, show_logs
     from tpupod.state import StateDir
-    from tpupod.transport import OutputLine, Stream
 
     state = StateDir()
-    if list_runs:
+    if list_runs_wanted:
         if run_id is not None or worker is not None or follow:
             raise UsageError("--list takes no RUN, --worker or --follow", hint="tpupod logs --list")
-        _list_runs(state.resolve_name(pod), state)
+        list_runs(state, state.resolve_name(pod))
         return
-    recovery = find_recovery(state, state.resolve_name(pod), run_id)
-    if recovery is not None:  # a --retries run: its attempts, then its latest launch's logs
-        print("\n".join(recovery.lines()), file=sys.stderr)
-        run_id = next((a.launch_id for a in reversed(recovery.attempts) if a.launch_id), None)
-    record = get_run(state.resolve_name(pod), run_id, state)
-    ids = [w.id for w in record.workers if worker is None or w.id == worker]
-    if not ids:
-        raise UsageError(
-            f"run {record.launch_id} has no worker {worker}", hint="see 'tpupod hosts'"
-        )
-    printer = LinePrinter([w for w in record.workers if w.id in ids], sys.stdout, sys.stderr)
-    for brief, text in read_logs(record, ids, follow=follow):
-        printer(brief, OutputLine(Stream.STDOUT, text))
-    final = record.reread()
-    if final.done:
-        print(f"run {final.launch_id} ended with exit code {final.exit_code}", file=sys.stderr)
-    elif final.launcher_gone():
-        pid = f" (pid {final.launcher_pid})" if final.launcher_pid else ""
-        print(
-            f"run {final.launch_id} ended without a record of its end: its launcher{pid} is "
-            "gone (killed?), and its workers were stopped with it",
-            file=sys.stderr,
-        )
-    else:
-        print(f"run {final.launch_id} is still running ('-f' follows it)", file=sys.stderr)
-
-
-def _list_runs(pod: str, state: StateDir) -> None:
-    """One line per run: its id, start, workers, how it stands, and what it ran."""
-    import time
-
-    from tpupod.launch.records import runs
-    from tpupod.report import print_columns
-
-    found = runs(pod, state)
-    if not found:
-        print(f"pod {pod!r} has no runs yet", file=sys.stderr)
-        return
-    rows = [["run", "started", "workers", "state", "command"]]
-    for record in found:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started))
-        command = record.command if len(record.command) <= 60 else record.command[:59] + "…"
-        rows.append([record.launch_id, started, str(len(record.workers)), record.state(), command])
-    print_columns(rows, sys.stdout)
+    show_logs(state, state.resolve_name(pod), run_id, worker=worker, follow=follow)
 
 
 @command("cancel")

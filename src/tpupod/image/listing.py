@@ -93,3 +93,21 @@ def _workers(ids: tuple[int, ...]) -> str:
         else:
             runs.append([i])
     return ",".join(f"w{r[0]}" if len(r) == 1 else f"w{r[0]}-{r[-1]}" for r in runs)
+
+
+def images_table(pod: Pod, engine: str | None) -> str:
+    """Blocking form with its own connections (the CLI's): ``tpupod image ls``'s table."""
+    import asyncio
+
+    from tpupod.providers import provider_for
+    from tpupod.state import StateDir
+
+    async def go() -> str:
+        connector = provider_for(pod.provider).connect(pod, StateDir())
+        try:
+            rows = await list_images(pod, connector, pod.workers, engine)
+        finally:
+            await connector.close()
+        return table(rows, pod.workers)
+
+    return asyncio.run(go())

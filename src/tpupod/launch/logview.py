@@ -1,0 +1,78 @@
+"""What ``tpupod logs`` prints: a run's per-worker logs (followed if asked), how the run
+stands at the end, and the list of a pod's runs. The CLI parses and calls these."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from tpupod.errors import UsageError
+from tpupod.launch.records import RunRecord, get_run, read_logs, runs
+from tpupod.report import LinePrinter, print_columns
+from tpupod.state import StateDir
+from tpupod.transport import OutputLine, Stream
+
+COMMAND_WIDTH = 60  # characters of a run's command in the list
+
+
+def show_logs(
+    state: StateDir,
+    pod: str,
+    run_id: str | None,
+    *,
+    worker: int | None = None,
+    follow: bool = False,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> None:
+    """Print a run's logs (the latest run without ``run_id``), prefixed per worker, then one
+    line on how it stands. A ``run --retries`` run lists its attempts first, then shows the
+    logs of its latest launch."""
+    from tpupod.recovery.record import find_recovery
+
+    recovery = find_recovery(state, pod, run_id)
+    if recovery is not None:
+        print("\n".join(recovery.lines()), file=err)
+        run_id = next((a.launch_id for a in reversed(recovery.attempts) if a.launch_id), None)
+    record = get_run(pod, run_id, state)
+    ids = [w.id for w in record.workers if worker is None or w.id == worker]
+    if not ids:
+        raise UsageError(
+            f"run {record.launch_id} has no worker {worker}", hint="see 'tpupod hosts'"
+        )
+    printer = LinePrinter([w for w in record.workers if w.id in ids], out, err)
+    for brief, text in read_logs(record, ids, follow=follow):
+        printer(brief, OutputLine(Stream.STDOUT, text))
+    print(standing(record.reread()), file=err)
+
+
+def standing(record: RunRecord) -> str:
+    """One line on how a run stands: its exit code, a launcher that died, or still running."""
+    if record.done:
+        return f"run {record.launch_id} ended with exit code {record.exit_code}"
+    if record.launcher_gone():
+        pid = f" (pid {record.launcher_pid})" if record.launcher_pid else ""
+        return (
+            f"run {record.launch_id} ended without a record of its end: its launcher{pid} is "
+            "gone (killed?), and its workers were stopped with it"
+        )
+    return f"run {record.launch_id} is still running ('-f' follows it)"
+
+
+def list_runs(
+    state: StateDir, pod: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+) -> None:
+    """One line per run, oldest first: its id, start, workers, how it stands, what it ran."""
+    found = runs(pod, state)
+    if not found:
+        print(f"pod {pod!r} has no runs yet", file=err)
+        return
+    rows = [["run", "started", "workers", "state", "command"]]
+    for record in found:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started))
+        command = record.command
+        if len(command) > COMMAND_WIDTH:
+            command = command[: COMMAND_WIDTH - 1] + "…"
+        rows.append([record.launch_id, started, str(len(record.workers)), record.state(), command])
+    print_columns(rows, out)
