@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -117,6 +118,14 @@ class Replica:
             assert time.monotonic() < deadline, f"replica not ready in time: {self.output}"
             time.sleep(0.05)
 
+    def lines(self, i: int) -> list[str]:
+        """Every line member ``i`` wrote, once it has ended (the reader thread may lag
+        the exit under CPU load: a line checked straight after ``wait`` can be missing)."""
+        self.procs[i].wait(30)
+        self.readers[i].join(30)
+        assert not self.readers[i].is_alive(), f"member {i}'s output did not end"
+        return self.output[i]
+
     def client(self) -> openai.OpenAI:
         return openai_client(f"http://127.0.0.1:{self.port}/v1", "x", timeout=30)
 
@@ -216,7 +225,7 @@ def test_kill_9_of_the_follower_fails_in_flight_requests_and_ends_the_replica(
     assert errors and "lost a member" in errors[0]
     assert replica.procs[0].wait(10) == 3  # the leader ends the replica ...
     assert time.monotonic() - killed < 5  # ... within seconds, not a JAX heartbeat timeout
-    assert any("w1 (rank 1) went away" in line for line in replica.output[0])
+    assert any("w1 (rank 1) went away" in line for line in replica.lines(0))
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{replica.port}/health")
 
@@ -244,6 +253,33 @@ def test_a_failed_step_waits_for_the_side_channel_to_say_who_left(
         assert time.monotonic() - began < 2  # as soon as the channel says so
 
 
+def test_a_follower_killed_with_steps_unread_went_away() -> None:
+    """kill -9 of a follower that is behind (steps unread in its buffer, as under CPU
+    load) closes its connection with a reset, not an EOF: the leader must still say
+    it went away (seen as "connection failed: [Errno 104]" in a loaded run)."""
+    from tpupod.serve.lockstep import Hello, Leader
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        follower = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        leader = Leader(listener, 1, timeout=30)
+        leader.members = [(Hello(1, 1, "code", "config"), conn)]
+        reasons: list[str] = []
+        gone = threading.Event()
+
+        def failed(reason: str) -> None:
+            reasons.append(reason)
+            gone.set()
+
+        conn.sendall(b"a step the follower never reads")
+        assert select.select([follower], [], [], 10)[0]  # in its buffer, unread
+        follower.close()  # unread data: the kernel sends a reset
+        leader.watch(failed)
+        assert gone.wait(10), "the leader did not notice"
+        conn.close()
+    assert reasons == ["w1 (rank 1) went away (its connection was reset)"]
+
+
 @pytest.mark.timeout(60)
 def test_a_stopped_follower_is_detected_within_the_lockstep_timeout() -> None:
     """The leader gives up on a silent follower; the follower, woken, on its gone leader."""
@@ -255,10 +291,10 @@ def test_a_stopped_follower_is_detected_within_the_lockstep_timeout() -> None:
         stopped = time.monotonic()
         assert r.procs[0].wait(15) == 3
         assert 2.5 < time.monotonic() - stopped < 8  # --lockstep-timeout 3
-        assert any("w1 (rank 1) was silent" in line for line in r.output[0])
+        assert any("w1 (rank 1) was silent" in line for line in r.lines(0))
         r.procs[1].send_signal(signal.SIGCONT)  # the follower finds its leader gone
         assert r.procs[1].wait(10) == 3
-        assert any("lost a member (the leader" in line for line in r.output[1])
+        assert any("lost a member (the leader" in line for line in r.lines(1))
     finally:
         r.stop()
 
@@ -269,10 +305,10 @@ def test_a_code_or_config_mismatch_is_refused_naming_the_worker() -> None:
     try:
         codes = [p.wait(30) for p in r.procs]
         assert codes == [2, 2]
-        text = "\n".join(r.output[0])
+        text = "\n".join(r.lines(0))
         assert "w1 (rank 1) runs a different code" in text
-        assert "the leader refused this worker" in "\n".join(r.output[1])
-        assert not any("Gloo" in line for out in r.output for line in out)  # JAX never began
+        assert "the leader refused this worker" in "\n".join(r.lines(1))
+        assert not any("Gloo" in line for i in (0, 1) for line in r.lines(i))  # JAX never began
     finally:
         r.stop()
 

@@ -216,6 +216,23 @@ class Leader:
         self._failed.set()
         self._on_failure(reason)
 
+    def _receive(self, conn: socket.socket, hello: Hello) -> bytes | None:
+        """What a follower sent; None once it is gone (the group has failed)."""
+        try:
+            chunk = conn.recv(4096)
+        except ConnectionResetError:
+            # killed with our steps unread in its buffer, a member's end closes with a
+            # reset, not an EOF (likelier under CPU load): it went away all the same
+            self._fail(f"{hello.label} went away (its connection was reset)")
+            return None
+        except OSError as exc:
+            self._fail(f"{hello.label}'s connection failed: {exc}")
+            return None
+        if not chunk:
+            self._fail(f"{hello.label} went away (its connection closed)")
+            return None
+        return chunk
+
     def _watching(self) -> None:
         selector = selectors.DefaultSelector()
         buffers: dict[int, bytes] = {}
@@ -227,13 +244,8 @@ class Leader:
         while not self._failed.is_set():
             for key, _ in selector.select(timeout=min(beat, 0.1)):
                 hello = key.data
-                try:
-                    chunk = key.fileobj.recv(4096)  # type: ignore[union-attr]
-                except OSError as exc:
-                    self._fail(f"{hello.label}'s connection failed: {exc}")
-                    return
-                if not chunk:
-                    self._fail(f"{hello.label} went away (its connection closed)")
+                chunk = self._receive(key.fileobj, hello)  # type: ignore[arg-type]
+                if chunk is None:
                     return
                 data = buffers[hello.rank] + chunk
                 usable = len(data) - len(data) % RECORD.size
