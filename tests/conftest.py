@@ -256,13 +256,9 @@ TIERS = {
 # Modules whose tests are slow for a reason no fixture shows: JAX compiles the model.
 MODULE_TIERS = {"test_model.py": "local"}
 # Tests that start processes themselves (JAX replicas), where no fixture shows it: without
-# this they fell in the unit tier and made `make test-fast` take minutes. Their owners may
-# mark them in place (`@pytest.mark.local`) and drop them from here.
-LOCAL_TESTS = {
-    "test_serve_multihost.py::test_a_two_process_replica_answers_as_generate_does",
-    "test_serve_multihost.py::test_a_code_or_config_mismatch_is_refused_naming_the_worker",
-    "test_serve_multihost.py::test_kill_9_of_the_follower_fails_in_flight_requests_and_ends_the_replica",
-}
+# a tier they fell in the unit tier and made `make test-fast` take minutes. Better, such a
+# test marks itself in place (`@pytest.mark.local`), as test_serve_multihost.py's do.
+LOCAL_TESTS: set[str] = set()
 # The long end-to-end tests (module::function, every parameter), marked `slow`: the
 # slowest of the runs BENCHMARKS.md ("Tests") records. `make test-quick` and the one-tier
 # targets leave them out for an answer in minutes; `make test` runs them.

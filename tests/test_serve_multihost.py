@@ -183,6 +183,7 @@ def ask_all_at_once(client: openai.OpenAI) -> list[str | None]:
 QUESTIONS = ["Who are you?", "def add(a, b):", "Tell me a story", "1 2 3 4", "abc"]
 
 
+@pytest.mark.local
 @pytest.mark.timeout(120)
 def test_a_two_process_replica_answers_as_generate_does(replica: Replica, model: QwenModel) -> None:
     want = reference(model, [chat_ids(model, q) for q in QUESTIONS], NEW)
@@ -200,6 +201,7 @@ def test_a_two_process_replica_answers_as_generate_does(replica: Replica, model:
     assert any("follower w1 ready" in line for line in replica.output[1])
 
 
+@pytest.mark.local
 @pytest.mark.timeout(60)
 def test_kill_9_of_the_follower_fails_in_flight_requests_and_ends_the_replica(
     replica: Replica,
@@ -299,6 +301,7 @@ def test_a_stopped_follower_is_detected_within_the_lockstep_timeout() -> None:
         r.stop()
 
 
+@pytest.mark.local
 @pytest.mark.timeout(60)
 def test_a_code_or_config_mismatch_is_refused_naming_the_worker() -> None:
     r = Replica(2, 1, env={1: {"TPUPOD_CODE_COMMIT": "another-commit"}})
