@@ -277,6 +277,7 @@ SLOW = {
     "test_launch.py::test_a_4096_client_barrier_costs_at_most_6x_a_1024_client_one",
     "test_readme.py::test_make_demo",
     "test_recovery_faults.py::test_a_failing_api_and_a_silent_worker_are_not_a_preemption",
+    "test_recovery_faults.py::test_a_launcher_killed_mid_recovery_is_resumed",
     "test_recovery_gcp.py::test_a_preempted_jax_run_ends_bit_for_bit_as_an_uninterrupted_one",
     "test_readme.py::test_serving",
     "test_serve_fleet.py::test_a_second_serve_up_changes_nothing_or_is_refused_and_replace_leaves_no_old_server",

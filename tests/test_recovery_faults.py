@@ -155,8 +155,14 @@ def test_a_launcher_killed_mid_recovery_is_resumed(
     wait_until(waiting_for_capacity(state_home, "rs", spot_api), run, timeout=90)
     run.kill()  # kill -9: the launcher dies mid-recovery
     run.communicate()
-    spot_api.no_capacity = 5  # capacity comes back after a few polls
     run_id = str(record_of(state_home, "rs")["run_id"])
+    shown = cli("status", "--pod", "rs").out  # the attempts, and how to go on
+    assert (
+        f"run {run_id}: recovering (create), attempt 2; its launcher is gone: "
+        f"'tpupod run --resume {run_id}' goes on" in shown
+    ), shown
+    assert "  attempt 1: preempted" in shown and "  attempt 2: running (create)" in shown
+    spot_api.no_capacity = 5  # capacity comes back after a few polls
     resumed = cli("run", "--pod", "rs", "--resume", run_id, timeout=200)
     assert resumed.code == 0, resumed.err
     assert f"resuming run {run_id} (attempt 3)" in resumed.err
