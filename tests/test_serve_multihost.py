@@ -227,7 +227,8 @@ def test_kill_9_of_the_follower_fails_in_flight_requests_and_ends_the_replica(
     assert errors and "lost a member" in errors[0]
     assert replica.procs[0].wait(10) == 3  # the leader ends the replica ...
     assert time.monotonic() - killed < 5  # ... within seconds, not a JAX heartbeat timeout
-    assert any("w1 (rank 1) went away" in line for line in replica.lines(0))
+    leader = replica.lines(0)
+    assert any("w1 (rank 1) went away" in line for line in leader), leader
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{replica.port}/health")
 
