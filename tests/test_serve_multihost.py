@@ -283,6 +283,25 @@ def test_a_follower_killed_with_steps_unread_went_away() -> None:
     assert reasons == ["w1 (rank 1) went away (its connection was reset)"]
 
 
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_kill_9_of_a_follower_that_is_behind_is_a_member_that_went_away() -> None:
+    """A follower behind its leader (starved of CPU; here stopped, before any step, so no
+    silence limit applies) has the leader's frames unread when kill -9 comes: its end
+    closes with a reset. The leader still ends the replica saying it went away."""
+    r = Replica(2, 1)
+    try:
+        r.wait_ready(150)
+        r.procs[1].send_signal(signal.SIGSTOP)
+        time.sleep(2)  # heartbeats every 0.6 s (--lockstep-timeout 3 / 5) pile up unread
+        r.procs[1].send_signal(signal.SIGKILL)
+        assert r.procs[0].wait(30) == 3
+        leader = r.lines(0)
+        assert any("lost a member (w1 (rank 1) went away" in line for line in leader), leader
+    finally:
+        r.stop()
+
+
 @pytest.mark.timeout(60)
 def test_a_stopped_follower_is_detected_within_the_lockstep_timeout() -> None:
     """The leader gives up on a silent follower; the follower, woken, on its gone leader."""
