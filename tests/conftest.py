@@ -284,6 +284,7 @@ SLOW = {
     "test_serve_fleet.py::test_the_builtin_backend_serves_the_tiny_checkpoint",
     "test_serve_multihost.py::test_a_replica_across_two_simulated_ssh_hosts",
     "test_serve_multihost.py::test_a_stopped_follower_is_detected_within_the_lockstep_timeout",
+    "test_serve_multihost.py::test_kill_9_of_a_follower_that_is_behind_is_a_member_that_went_away",
     "test_serve_multihost.py::test_kill_9_of_a_follower_restarts_its_group_and_no_request_fails",
     "test_serve_multihost.py::test_two_replicas_of_two_hosts_serve_behind_the_router",
 }
