@@ -28,6 +28,7 @@ from tpupod.report import LinePrinter
 from tpupod.results import FanoutResult, Outcome, WorkerResult
 from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
 from tpupod.transport.lines import LineSplitter
+from tpupod.workerenv import identity_env
 
 if TYPE_CHECKING:
     from tpupod.execflow import ExecArgs, ExecPlan
@@ -47,15 +48,9 @@ def local_env(record: dict[str, Any], index: int, extra: dict[str, str]) -> dict
     """What worker ``index`` of a local pod sees (``Pod.identity_env`` + the local provider's
     ``worker_env`` + ``extra``), from the raw record; tests compare it with the full path's."""
     workers, spec = record["workers"], record["spec"]
-    hostnames = ",".join(str(w["internal_address"]) for w in workers)
-    worker_id = str(workers[index]["id"])
+    addresses = [str(w["internal_address"]) for w in workers]
     return {
-        "TPUPOD_POD": str(record["name"]),
-        "TPUPOD_WORKER_ID": worker_id,
-        "TPUPOD_NUM_WORKERS": str(len(workers)),
-        "TPUPOD_WORKER_HOSTNAMES": hostnames,
-        "TPU_WORKER_ID": worker_id,
-        "TPU_WORKER_HOSTNAMES": hostnames,
+        **identity_env(str(record["name"]), int(workers[index]["id"]), addresses),
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": str(spec["devices_per_worker"]),
         **{str(k): str(v) for k, v in spec.get("env", {}).items()},

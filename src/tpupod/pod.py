@@ -64,20 +64,8 @@ class Pod(BaseModel):
         return [self.workers[i] for i in select_ids(selection, len(self.workers))]
 
     def identity_env(self, worker: Worker) -> dict[str, str]:
-        """The variables that tell a process which worker of which pod it is.
+        """The variables that tell a process which worker of which pod it is (see
+        ``tpupod.workerenv``, which the local fast path shares)."""
+        from tpupod.workerenv import identity_env
 
-        ``TPUPOD_WORKER_HOSTNAMES`` lists, in worker order, the names peers use to
-        reach each worker: its internal address, which always resolves. The TPU
-        variables mirror what a GKE TPU worker sees; JAX only reads them when
-        libtpu is installed and TPU chips are present, so on a CPU host they are
-        inert (checked in tests/test_local_env.py).
-        """
-        hostnames = ",".join(w.internal_address for w in self.workers)
-        return {
-            "TPUPOD_POD": self.name,
-            "TPUPOD_WORKER_ID": str(worker.id),
-            "TPUPOD_NUM_WORKERS": str(len(self.workers)),
-            "TPUPOD_WORKER_HOSTNAMES": hostnames,
-            "TPU_WORKER_ID": str(worker.id),
-            "TPU_WORKER_HOSTNAMES": hostnames,
-        }
+        return identity_env(self.name, worker.id, [w.internal_address for w in self.workers])
