@@ -300,7 +300,16 @@ def test_the_local_fast_path_and_the_full_cli_agree(
     fast, full = cli(*args), typer_cli(*args)
     assert fast.code == full.code, (fast.err, full.err)
     assert shape(fast.out) == shape(full.out)
-    assert shape(fast.err) == shape(full.err)
+    if line[-1] == "kill -9 $$":
+        # All four die at once, so which one ended first is a race in either path (a CI run
+        # saw w1 in one and w0 in the other); the rows below it still say each was killed.
+        assert shape(racing_first(fast.err)) == shape(racing_first(full.err))
+    else:
+        assert shape(fast.err) == shape(full.err)
+
+
+def racing_first(text: str) -> str:
+    return re.sub(r"first failure: w\d+", "first failure: w?", text)
 
 
 def test_a_plain_local_exec_starts_neither_typer_nor_asyncio(
