@@ -26,12 +26,12 @@ def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str
     import uvicorn
 
     from tpupod.dashboard.app import create_app
-    from tpupod.jobs.api import _listen
+    from tpupod.jobs.api import listen
 
     token = config.token or settings.named(TOKEN_ENV)
     check_bind(config.host, token)
     config = dataclasses.replace(config, token=token)
-    listening = _listen(config.host, config.port)  # a busy port is one error line
+    listening = listen(config.host, config.port)  # a busy port is one error line
     url = url_of(config)
     actions = "actions need the token" if token else "read-only (no --token)"
     on_ready(f"dashboard on {url} ({actions}); Ctrl-C stops it")

@@ -150,14 +150,16 @@ def serve_api(
 
     token, source = api_token()
     app = create_app(store, token)
-    listening = _listen(host, port)  # ours, so a busy port is one error line
+    listening = listen(host, port)  # ours, so a busy port is one error line
     if on_ready is not None:
         on_ready(f"job API on http://{host}:{port} (bearer token: {source})")
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[listening])
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; a busy port or a foreign address is one error
+    line with a hint (uvicorn would log a traceback). The job API and the dashboard use it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         return socket.create_server((host, port), family=family)
