@@ -1,12 +1,17 @@
 """One sample of a pod's workers: reachable or not, CPU load and memory, through the same
-fan-out every command uses (one short shell line per worker, on kept connections)."""
+fan-out every command uses (one short shell line per worker, on kept connections); on a
+worker with TPU devices also HBM and duty cycle from libtpu's metrics (libtpu.py)."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tpupod import settings
+from tpupod.dashboard import libtpu
 from tpupod.fanout import execute_async
 from tpupod.pod import Pod
 from tpupod.providers import Connector
@@ -17,6 +22,22 @@ PROBE = (
     "read a b c _ < /proc/loadavg; echo load $a; echo cores $(nproc); "
     "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"
 )
+# a TPU host's chips (v4: /dev/accel*, v5e and later: /dev/vfio/N; TPUPOD_ACCELERATOR_DEVICES
+# names others); only there does the probe start Python to ask libtpu
+TPU_DEVICES = ("/dev/accel*", "/dev/vfio/[0-9]*")
+GLOB = re.compile(r"[A-Za-z0-9_./*?\[\]-]+")  # a pattern left unquoted for the shell to expand
+METRICS_ENV = "TPUPOD_LIBTPU_METRICS"  # libtpu's metrics address (default localhost:8431)
+
+
+def probe(python: str) -> str:
+    """The shell line: load, cores, memory; ``tpu ...`` lines where TPU devices exist."""
+    patterns = [p for p in settings.accelerator_devices(TPU_DEVICES) if GLOB.fullmatch(p)]
+    address = settings.named(METRICS_ENV) or libtpu.ADDRESS
+    ask = shlex.join([python, "-m", "tpupod.dashboard.libtpu", address])
+    return (
+        f'{PROBE}; for d in {" ".join(patterns)}; do if [ -e "$d" ]; then {ask}; break; fi; '
+        "done; true"
+    )
 
 
 @dataclass(frozen=True)
@@ -27,7 +48,7 @@ class WorkerSample:
     at: float
     load: float | None = None  # 1-minute load average per core (1.0: every core busy)
     memory: float | None = None  # share of memory in use, 0..1
-    accelerator: str = "no TPU"  # libtpu's metrics are read only on TPU hosts
+    accelerator: str = "no TPU"  # on TPU hosts: HBM and duty cycle, or "idle" (libtpu.summary)
     error: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -55,7 +76,7 @@ async def sample_pod(pod: Pod, connector: Connector, timeout: float) -> list[Wor
     seen: dict[int, list[str]] = {w.id: [] for w in pod.workers}
     result: FanoutResult = await execute_async(
         pod,
-        PROBE,
+        probe(pod.worker_python()),
         timeout=timeout,
         grace=0.5,
         connector=connector,
@@ -64,8 +85,10 @@ async def sample_pod(pod: Pod, connector: Connector, timeout: float) -> list[Wor
     now = time.time()
     samples = []
     for r in result.workers:
-        load, memory = parse(seen[r.worker.id]) if r.ok else (None, None)
+        lines = seen[r.worker.id] if r.ok else []
+        load, memory = parse(lines)
+        accelerator = libtpu.summary(lines) or "no TPU"
         error = "" if r.ok else f"{r.outcome_text()}: {r.last_line}".strip(": ")
         w = r.worker
-        samples.append(WorkerSample(w.id, w.hostname, r.ok, now, load, memory, error=error))
+        samples.append(WorkerSample(w.id, w.hostname, r.ok, now, load, memory, accelerator, error))
     return samples
