@@ -181,6 +181,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--streams", type=int, default=20, help="streamed requests per round")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="another router.py to measure beside, e.g. the code before a change: "
+        "git show HEAD~1:src/tpupod/serve/router.py > /tmp/router_before.py",
+    )
     args = parser.parse_args()
     try:
         import uvloop
@@ -204,17 +211,21 @@ def main() -> None:
         addresses = ",".join(f"127.0.0.1:{p}" for p in backends)
         targets["direct"] = (backends, None)
 
-        ours = free_port()
-        procs.append(
-            subprocess.Popen(
-                [python, "-m", "tpupod.serve.router", "--state-dir", tmp, "--port", str(ours),
-                 "--backends", addresses, "--model", "stub-model"],
-                stdout=subprocess.DEVNULL,
-            )
-        )  # fmt: skip
-        wait_port(ours)
-        token = (Path(tmp) / "router.token").read_text().strip()
-        targets["tpupod router"] = ([ours], token)
+        routers = {"tpupod router": ["-m", "tpupod.serve.router"]}
+        if args.before is not None:
+            routers["tpupod router, before"] = [str(args.before)]
+        for name, program in routers.items():
+            ours = free_port()
+            procs.append(
+                subprocess.Popen(
+                    [python, *program, "--state-dir", tmp, "--port", str(ours),
+                     "--backends", addresses, "--model", "stub-model"],
+                    stdout=subprocess.DEVNULL,
+                )
+            )  # fmt: skip
+            wait_port(ours)
+            token = (Path(tmp) / "router.token").read_text().strip()
+            targets[name] = ([ours], token)
 
         if _has_module("sglang_router"):
             sgl = free_port()

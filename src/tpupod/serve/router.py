@@ -1,7 +1,8 @@
 """The router: one OpenAI endpoint over every server of the fleet.
 
-An aiohttp server in front of an aiohttp client pool (both set TCP_NODELAY:
-a streamed token never waits on Nagle). Per request:
+An aiohttp server in front of a keep-alive pool of raw HTTP/1.1 connections to
+the backends (``upstream.py``; both set TCP_NODELAY: a streamed token never
+waits on Nagle). Per request:
 
 1. bearer auth (every path but ``/health``), then a body check: a malformed
    request gets an OpenAI-shaped 400 here and never reaches (or marks) a backend;
@@ -34,20 +35,24 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tpupod import settings
-from tpupod.serve import ctl, defaults
+from tpupod.serve import ctl, defaults, upstream
 from tpupod.serve.openai_errors import error_body, path_error
 from tpupod.serve.registry import Backend, HealthPolicy, Registry
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Not passed on to a backend: hop-by-hop, framing (the router frames its own request),
+# the router's own token, and Expect (aiohttp answered it already).
 HOP_HEADERS = frozenset(
-    ("host", "content-length", "transfer-encoding", "connection", "keep-alive", "authorization")
-)
+    (b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
+     b"authorization", b"expect", b"te", b"upgrade", b"proxy-connection")
+)  # fmt: skip
 USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 # A streamed chunk that carries generated text: chat's delta content or a completion's text.
 PIECE_RE = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
@@ -100,7 +105,9 @@ class Router:
         self.retries = retries
         self.metrics = Metrics()
         self._rr = itertools.count()
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # the registry's health checks
+        self.pools: dict[str, upstream.Pool] = {}
+        self._counted: dict[tuple[str, str], Any] = {}
 
     # -- choosing ----------------------------------------------------------------------
     def choose(self, exclude: set[str]) -> Backend | None:
@@ -170,8 +177,11 @@ class Router:
         return await self.forward(request, b"")
 
     async def forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
-        assert self.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = b"".join(
+            b"%s: %s\r\n" % (name, value)
+            for name, value in request.raw_headers
+            if name.lower() not in HOP_HEADERS
+        )
         tried: set[str] = set()
         last: web.Response | None = None
         started = time.monotonic()
@@ -199,56 +209,68 @@ class Router:
             503, "no healthy backend can take the request", "server_error", "no_backend"
         )
 
+    def pool(self, backend: Backend) -> upstream.Pool:
+        found = self.pools.get(backend.address)
+        if found is None:
+            found = self.pools[backend.address] = upstream.Pool(backend.address)
+        return found
+
     async def attempt(
-        self, request: web.Request, backend: Backend, body: bytes, headers: dict[str, str]
+        self, request: web.Request, backend: Backend, body: bytes, headers: bytes
     ) -> web.StreamResponse:
         """One try on one backend: a 5xx Response means 'try another'; else the answer."""
-        assert self.session is not None
         self.registry.begin(backend)
-        url = backend.url + request.path_qs
         try:
-            upstream = await self.session.request(
-                request.method, url, data=body or None, headers=headers
+            answer = await self.pool(backend).request(
+                request.method, request.path_qs, headers, body
             )
-        except aiohttp.ClientConnectorError as exc:
-            self.registry.end(backend, ok=False, error=f"connect: {exc.os_error or exc}")
-            self.registry.refused(backend, f"cannot connect: {exc.os_error or exc}")
+        except upstream.Refused as exc:
+            self.registry.end(backend, ok=False, error=f"connect: {exc}")
+            self.registry.refused(backend, f"cannot connect: {exc}")
             return self._failed(backend, 502, f"backend {backend.address} refused the connection")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.registry.end(backend, ok=False, error=f"{type(exc).__name__}: {exc}")
+        except upstream.Dropped as exc:
+            self.registry.end(backend, ok=False, error=f"dropped: {exc}")
             return self._failed(backend, 502, f"backend {backend.address} failed: {exc}")
         try:
-            streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-            if streaming and upstream.status < 400:
-                return await self.stream(request, backend, upstream)
+            streaming = answer.content_type.startswith("text/event-stream")
+            if streaming and answer.status < 400:
+                return await self.stream(request, backend, answer)
             try:
-                data = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                self.registry.end(backend, ok=False, error=f"{type(exc).__name__}: {exc}")
+                data = await answer.read()
+            except upstream.Dropped as exc:
+                self.registry.end(backend, ok=False, error=f"dropped: {exc}")
                 return self._failed(backend, 502, f"backend {backend.address} dropped: {exc}")
-            ok = upstream.status < 500
-            tokens = _tokens(data) if upstream.status == 200 else 0
+            ok = answer.status < 500
+            tokens = _tokens(data) if answer.status == 200 else 0
             self.registry.end(
-                backend, ok=ok, error=None if ok else f"HTTP {upstream.status}", tokens=tokens
+                backend, ok=ok, error=None if ok else f"HTTP {answer.status}", tokens=tokens
             )
-            self.metrics.requests.labels(backend.address, str(upstream.status)).inc()
+            self.count(backend, answer.status)
             return web.Response(
-                status=upstream.status,
+                status=answer.status,
                 body=data,
-                headers={"Content-Type": upstream.headers.get("Content-Type", "application/json")},
+                headers={"Content-Type": answer.content_type or "application/json"},
             )
         finally:
-            upstream.release()
+            answer.release()
+
+    def count(self, backend: Backend, status: int | str) -> None:
+        """One answer in ``tpupod_router_requests`` (the labelled child is looked up once)."""
+        key = (backend.address, str(status))
+        child = self._counted.get(key)
+        if child is None:
+            child = self._counted[key] = self.metrics.requests.labels(*key)
+        child.inc()
 
     def _failed(self, backend: Backend, status: int, message: str) -> web.Response:
-        self.metrics.requests.labels(backend.address, str(status)).inc()
+        self.count(backend, status)
         return openai_error(status, message, "server_error", "backend_unavailable")
 
     async def stream(
-        self, request: web.Request, backend: Backend, upstream: aiohttp.ClientResponse
+        self, request: web.Request, backend: Backend, answer: upstream.Answer
     ) -> web.StreamResponse:
         out = web.StreamResponse(
-            status=upstream.status,
+            status=answer.status,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
         )
         await out.prepare(request)
@@ -256,12 +278,12 @@ class Router:
         ok, error = True, None
         tally = StreamTally()
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in answer.chunks():
                 done = done or b"data: [DONE]" in chunk
                 tally.feed(chunk)
                 await out.write(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            ok, error = False, f"{type(exc).__name__}: {exc}"
+        except upstream.Dropped as exc:
+            ok, error = False, str(exc)
         except (ConnectionResetError, asyncio.CancelledError):
             self.registry.end(backend, ok=True)  # the client left: not the backend's fault
             raise
@@ -270,7 +292,7 @@ class Router:
             error = error or "the stream ended before [DONE]"
             await _write_quietly(out, sse_error(f"backend {backend.address} failed: {error}"))
         self.registry.end(backend, ok=ok, error=error, tokens=tally.tokens)
-        self.metrics.requests.labels(backend.address, "200" if ok else "stream_error").inc()
+        self.count(backend, "200" if ok else "stream_error")
         await out.write_eof()
         return out
 
@@ -298,6 +320,8 @@ class Router:
 
     async def _close(self, app: web.Application) -> None:
         await self.registry.stop()
+        for pool in self.pools.values():
+            pool.close()
         if self.session is not None:
             await self.session.close()
 

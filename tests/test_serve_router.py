@@ -1,0 +1,256 @@
+"""The router's own client to its backends (``tpupod.serve.upstream``) on real sockets,
+and the router process in front of a backend that drops idle keep-alive connections."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import free_base_port, openai_client
+from tpupod.serve import upstream
+
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    return head + await reader.readexactly(length)
+
+
+async def with_backend(serve: Serve, body: Callable[[upstream.Pool], Awaitable[Any]]) -> Any:
+    """Run ``body`` against a pool to a real TCP server whose connections ``serve`` handles."""
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.add(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await serve(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    pool = upstream.Pool(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        return await body(pool)
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()
+        if handlers:  # each ends once the pool's side is closed
+            await asyncio.wait(handlers, timeout=10)
+
+
+def answer(body: bytes) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    return head % len(body) + body
+
+
+@pytest.mark.unit
+def test_answers_with_a_length_reuse_one_connection_and_the_request_is_passed_on() -> None:
+    connections: list[int] = []
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            while True:
+                seen.append(await read_request(reader))
+                writer.write(answer(b'{"n": %d}' % len(seen)))
+        writer.close()
+
+    async def body(pool: upstream.Pool) -> list[bytes]:
+        bodies = []
+        for _ in range(5):
+            got = await pool.request("POST", "/v1/x?a=1", b"X-Test: yes\r\n", b'{"q": 1}')
+            assert (got.status, got.content_type) == (200, "application/json")
+            bodies.append(await got.read())
+            got.release()
+        return bodies
+
+    assert asyncio.run(with_backend(serve, body)) == [b'{"n": %d}' % i for i in range(1, 6)]
+    assert len(connections) == 1  # kept alive
+    first = seen[0]
+    assert first.startswith(b"POST /v1/x?a=1 HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"\r\nX-Test: yes\r\n" in first and b"Content-Length: 8\r\n" in first
+    assert first.endswith(b'\r\n\r\n{"q": 1}')
+
+
+@pytest.mark.unit
+def test_a_chunked_stream_is_passed_on_chunk_by_chunk_as_it_arrives() -> None:
+    """The second event is sent only after the client has read the first: a client that
+    waited for more would hang here."""
+    second = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\ndata: 1\n\n\r\n" % 9
+        )
+        await second.wait()
+        writer.write(b"%x;ext=1\r\ndata: [DONE]\n\n\r\n0\r\nX-Trailer: t\r\n\r\n" % 14)
+        await reader.read()  # the connection stays open: kept alive
+        writer.close()
+
+    async def body(pool: upstream.Pool) -> tuple[list[bytes], int]:
+        got = await pool.request("POST", "/s", b"", b"{}")
+        assert got.content_type == "text/event-stream"
+        pieces = []
+        async for piece in got.chunks():
+            pieces.append(piece)
+            second.set()
+        got.release()
+        return pieces, len(pool.idle)
+
+    pieces, idle = asyncio.run(asyncio.wait_for(with_backend(serve, body), 10))
+    assert pieces == [b"data: 1\n\n", b"data: [DONE]\n\n"]
+    assert idle == 1  # read whole: kept for the next request
+
+
+@pytest.mark.unit
+def test_an_answer_ended_by_closing_is_read_to_the_end_and_its_connection_not_kept() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")
+        writer.close()
+
+    async def body(pool: upstream.Pool) -> tuple[bytes, int]:
+        got = await pool.request("GET", "/", b"", b"")
+        data = await got.read()
+        got.release()
+        return data, len(pool.idle)
+
+    assert asyncio.run(with_backend(serve, body)) == (b"all of it", 0)
+
+
+@pytest.mark.unit
+def test_a_kept_alive_connection_the_backend_closed_while_idle_is_replaced() -> None:
+    """Servers close idle keep-alive connections (uvicorn after 5 s); the next request
+    on such a connection must go out again on a new one, not fail."""
+    connections: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        await read_request(reader)
+        writer.write(answer(b"ok"))  # no "Connection: close", then closes anyway
+        await writer.drain()
+        writer.close()
+
+    async def body(pool: upstream.Pool) -> list[bytes]:
+        out = []
+        for _ in range(3):
+            got = await pool.request("POST", "/", b"", b"{}")
+            out.append(await got.read())
+            got.release()
+            await asyncio.sleep(0.05)  # the backend's close arrives
+        return out
+
+    assert asyncio.run(with_backend(serve, body)) == [b"ok"] * 3
+    assert len(connections) == 3
+
+
+@pytest.mark.unit
+def test_nothing_listening_is_refused_and_a_broken_answer_is_dropped() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b"0123456789")[:-4])  # dies 4 bytes short
+
+    async def broken(pool: upstream.Pool) -> str:
+        got = await pool.request("POST", "/", b"", b"{}")
+        with pytest.raises(upstream.Dropped) as caught:
+            await got.read()
+        got.release()
+        return str(caught.value)
+
+    assert "broke off" in asyncio.run(with_backend(serve, broken))
+
+    async def refused() -> None:
+        port = free_base_port(1)  # nothing listens there
+        with pytest.raises(upstream.Refused):
+            await upstream.Pool(f"127.0.0.1:{port}").request("GET", "/", b"", b"")
+
+    asyncio.run(refused())
+
+
+# -- the router process ---------------------------------------------------------------------
+
+
+class Closer(BaseHTTPRequestHandler):
+    """An OpenAI-shaped backend that closes every connection after its answer without
+    saying so (as servers do to idle keep-alive connections after their timeout)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.reply(b'{"ok": true}')
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.reply(
+            b'{"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": '
+            b'[{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", '
+            b'"content": "closer"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, '
+            b'"total_tokens": 2}}'
+        )
+
+    def reply(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.local
+@pytest.mark.timeout(60)
+def test_the_router_survives_a_backend_that_closes_kept_alive_connections(
+    tmp_path: Path,
+) -> None:
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), Closer)
+    thread = threading.Thread(target=backend.serve_forever, daemon=True)
+    thread.start()
+    port = free_base_port(1)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(tmp_path),
+         "--port", str(port), "--backends", f"127.0.0.1:{backend.server_address[1]}",
+         "--model", "m", "--retries", "0"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.1)
+        token = (tmp_path / "router.token").read_text().strip()
+        client = openai_client(f"{url}/v1", token)
+        for _ in range(5):  # no retries allowed: each one must work on its first try
+            got = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}]
+            )
+            assert got.choices[0].message.content == "closer"
+            time.sleep(0.05)
+    finally:
+        router.terminate()
+        router.wait(10)
+        backend.shutdown()
+        backend.server_close()
+        thread.join(10)
