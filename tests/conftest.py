@@ -166,6 +166,31 @@ def cli(state_home: Path) -> Callable[..., CliResult]:
     return run
 
 
+FAST_PATHS = (["exec"], ["run"], ["jobs", "submit"])  # tpupod.entry's: not the typer app
+
+
+@pytest.fixture
+def cli_in_process(state_home: Path) -> Callable[..., CliResult]:
+    """``cli``'s twin that calls the typer app in this process (what ``tpupod`` runs for
+    every command but entry's fast paths): 20-30 ms a call instead of a process's ~1 s of
+    imports, for checks of what a command prints or refuses. End-to-end checks use ``cli``."""
+    from typer.testing import CliRunner
+
+    from tpupod.cli import app, load_commands
+
+    def run(*args: str, timeout: float = 30, env: dict[str, str] | None = None) -> CliResult:
+        assert not any(list(args[: len(p)]) == p for p in FAST_PATHS), "use cli: a fast path"
+        load_commands(list(args))
+        started = time.monotonic()
+        result = CliRunner().invoke(app, list(args), env=env, prog_name="tpupod")
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception  # a bug, not an exit code: show its traceback
+        seconds = time.monotonic() - started
+        return CliResult(result.exit_code, result.stdout, result.stderr, seconds)
+
+    return run
+
+
 def _unique_name(made: list[Pod]) -> str:
     return f"t{os.getpid()}-{len(made)}-{time.monotonic_ns() % 100000}"
 
@@ -177,6 +202,15 @@ def sim() -> Iterator[SimPod]:
     require(not missing, f"a simulated pod needs {', '.join(missing)}")
     with SimPod(SIM_HOSTS) as pod:
         yield pod
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Any]:
+    """One PostgreSQL cluster for the session (tests/postgres.py); a database per test."""
+    from tests.postgres import postgres_cluster
+
+    with postgres_cluster() as server:
+        yield server
 
 
 @pytest.fixture

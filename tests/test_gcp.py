@@ -30,9 +30,9 @@ def dry_run_body(out: str) -> dict[str, object]:
     [("v4-16", 2, "tpu-ubuntu2204-base"), ("v5litepod-64", 16, "v2-alpha-tpuv5-lite")],
 )
 def test_dry_run_shows_the_request_and_the_workers(
-    tpu_type: str, workers: int, runtime: str, cli: Callable[..., CliResult]
+    tpu_type: str, workers: int, runtime: str, cli_in_process: Callable[..., CliResult]
 ) -> None:
-    result = cli(
+    result = cli_in_process(
         "up",
         "--name",
         "dry",
@@ -56,11 +56,13 @@ def test_dry_run_shows_the_request_and_the_workers(
     body = dry_run_body(result.out)
     assert body["acceleratorType"] == tpu_type and body["runtimeVersion"] == runtime
     assert "ssh-keys" in body["metadata"]  # type: ignore[operator]
-    assert cli("list").out == ""  # nothing was created
+    assert cli_in_process("list").out == ""  # nothing was created
 
 
-def test_multislice_and_spot_go_through_queued_resources(cli: Callable[..., CliResult]) -> None:
-    result = cli(
+def test_multislice_and_spot_go_through_queued_resources(
+    cli_in_process: Callable[..., CliResult],
+) -> None:
+    result = cli_in_process(
         "up",
         "--name",
         "ms",
@@ -84,8 +86,8 @@ def test_multislice_and_spot_go_through_queued_resources(cli: Callable[..., CliR
     assert body["spot"] == {}
 
 
-def test_best_effort_uses_v2alpha1(cli: Callable[..., CliResult]) -> None:
-    result = cli(
+def test_best_effort_uses_v2alpha1(cli_in_process: Callable[..., CliResult]) -> None:
+    result = cli_in_process(
         "up",
         "--name",
         "be",
@@ -101,8 +103,10 @@ def test_best_effort_uses_v2alpha1(cli: Callable[..., CliResult]) -> None:
     assert "/v2alpha1/projects/" in result.out
 
 
-def test_a_wrong_type_names_the_right_one(cli: Callable[..., CliResult]) -> None:
-    result = cli("up", "--name", "x", "--tpu-type", "v5e-256", "--zone", "us-west4-a", "--dry-run")
+def test_a_wrong_type_names_the_right_one(cli_in_process: Callable[..., CliResult]) -> None:
+    result = cli_in_process(
+        "up", "--name", "x", "--tpu-type", "v5e-256", "--zone", "us-west4-a", "--dry-run"
+    )
     assert result.code == 2
     assert "the API calls it v5litepod-256" in result.err
 
@@ -175,11 +179,11 @@ def test_api_errors_are_one_line_with_what_to_do(
     hint: str,
     capacity: tuple[str, ...],
     tpu_api: TpuApiStandIn,
-    cli: Callable[..., CliResult],
+    cli_in_process: Callable[..., CliResult],
     state_home: Path,
 ) -> None:
     tpu_api.fail("POST", "queuedResources" if capacity else "nodes", status, message)
-    result = cli(*UP, "--name", "err", "--tpu-type", "v4-8", *capacity)
+    result = cli_in_process(*UP, "--name", "err", "--tpu-type", "v4-8", *capacity)
     assert result.code == 1
     lines = result.err.strip().splitlines()
     assert lines[-2].startswith("error: Cloud TPU API (err)") and message in lines[-2]
@@ -220,27 +224,27 @@ def test_status_shows_the_cloud_state_and_recreate_replaces_a_preempted_tpu(
     preempted: tuple[str, ...],
     ready: str,
     tpu_api: TpuApiStandIn,
-    cli: Callable[..., CliResult],
+    cli_in_process: Callable[..., CliResult],
 ) -> None:
     pt = (*UP, "--name", "pt", "--tpu-type", "v4-8", *capacity)
-    assert cli(*pt).code == 0
-    assert f"cloud state {ready}" in cli("status", "--pod", "pt").out
+    assert cli_in_process(*pt).code == 0
+    assert f"cloud state {ready}" in cli_in_process("status", "--pod", "pt").out
     tpu_api.preempt("pt")
-    status = cli("status", "--pod", "pt", "--format", "json")
+    status = cli_in_process("status", "--pod", "pt", "--format", "json")
     assert json.loads(status.out)["cloud_state"] in preempted
     assert not [key for key in tpu_api.resources if "/nodes/pt-" in key]  # a suspended one's went
-    again = cli(*pt)
+    again = cli_in_process(*pt)
     assert again.code == 0 and "was already up" in again.out  # the record is unchanged...
-    refused = cli(*UP, "--name", "pt2", "--tpu-type", "v4-8")
+    refused = cli_in_process(*UP, "--name", "pt2", "--tpu-type", "v4-8")
     assert refused.code == 0  # another name is another TPU
     with pytest.raises(ValueError, match="never preempts"):
         tpu_api.preempt("pt2")  # an on-demand TPU is not preempted
-    recreated = cli(*pt, "--recreate")
+    recreated = cli_in_process(*pt, "--recreate")
     assert recreated.code == 0, recreated.err
     assert any(
         f"pt: {state}; deleting it to create it again" in recreated.err for state in preempted
     )
-    assert f"cloud state {ready}" in cli("status", "--pod", "pt").out
+    assert f"cloud state {ready}" in cli_in_process("status", "--pod", "pt").out
 
 
 def test_adopt_records_a_tpu_made_elsewhere_and_down_leaves_it(
@@ -274,37 +278,48 @@ def test_adopt_records_a_tpu_made_elsewhere_and_down_leaves_it(
 
 
 def test_status_of_any_tpu_by_name_tries_queued_resources_then_nodes(
-    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+    tpu_api: TpuApiStandIn, cli_in_process: Callable[..., CliResult]
 ) -> None:
-    assert cli(*UP, "--name", "plain", "--tpu-type", "v4-8").code == 0
-    assert cli(*UP, "--name", "queued", "--tpu-type", "v4-8", "--capacity", "spot").code == 0
-    plain = cli("status", "--tpu", "plain", "--zone", "us-central2-b", "--project", "proj")
+    assert cli_in_process(*UP, "--name", "plain", "--tpu-type", "v4-8").code == 0
+    assert (
+        cli_in_process(*UP, "--name", "queued", "--tpu-type", "v4-8", "--capacity", "spot").code
+        == 0
+    )
+    plain = cli_in_process(
+        "status", "--tpu", "plain", "--zone", "us-central2-b", "--project", "proj"
+    )
     assert plain.code == 0 and plain.out.split() == ["plain:", "node,", "v4-8,", "READY"]
-    queued = cli("status", "--tpu", "queued", "--zone", "us-central2-b", "--project", "proj")
+    queued = cli_in_process(
+        "status", "--tpu", "queued", "--zone", "us-central2-b", "--project", "proj"
+    )
     assert queued.out.split() == ["queued:", "queued", "resource,", "v4-8,", "ACTIVE"]
-    missing = cli("status", "--tpu", "nope", "--zone", "us-central2-b", "--project", "proj")
+    missing = cli_in_process(
+        "status", "--tpu", "nope", "--zone", "us-central2-b", "--project", "proj"
+    )
     assert missing.code == 1 and "NotFound" in missing.err
 
 
 def test_down_dry_run_shows_the_delete(
-    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+    tpu_api: TpuApiStandIn, cli_in_process: Callable[..., CliResult]
 ) -> None:
-    assert cli(*UP, "--name", "dd", "--tpu-type", "v4-8", "--node-count", "2").code == 0
-    shown = cli("down", "--pod", "dd", "--dry-run")
+    assert cli_in_process(*UP, "--name", "dd", "--tpu-type", "v4-8", "--node-count", "2").code == 0
+    shown = cli_in_process("down", "--pod", "dd", "--dry-run")
     assert (
         "DELETE https://tpu.googleapis.com/v2/projects/proj/locations/us-central2-b/queuedResources/dd?force=true"
         in shown.out
     )
-    assert "dd" in cli("list").out  # still there
+    assert "dd" in cli_in_process("list").out  # still there
 
 
-def test_missing_credentials_say_what_to_run(cli: Callable[..., CliResult], tmp_path: Path) -> None:
+def test_missing_credentials_say_what_to_run(
+    cli_in_process: Callable[..., CliResult], tmp_path: Path
+) -> None:
     env = {
         "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "none.json"),
         "NO_GCE_CHECK": "True",
         "TPUPOD_TPU_API_ENDPOINT": "",
     }
-    result = cli(
+    result = cli_in_process(
         "up",
         "--name",
         "nocreds",
@@ -322,21 +337,21 @@ def test_missing_credentials_say_what_to_run(cli: Callable[..., CliResult], tmp_
 
 
 def test_a_zone_that_does_not_offer_the_type_names_what_it_offers(
-    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+    tpu_api: TpuApiStandIn, cli_in_process: Callable[..., CliResult]
 ) -> None:
     tpu_api.offered = {"us-central2-b": ["v4-8", "v4-16", "v4-32"]}
-    result = cli(*UP, "--name", "nz", "--tpu-type", "v5litepod-8")
+    result = cli_in_process(*UP, "--name", "nz", "--tpu-type", "v5litepod-8")
     assert result.code == 1
     assert "error: zone us-central2-b does not offer v5litepod-8" in result.err
     assert "types offered there include v4-8" in result.err
     assert not [k for k in tpu_api.resources if k.endswith("/nz")]
 
 
-def test_capacity_shorthands(cli: Callable[..., CliResult]) -> None:
+def test_capacity_shorthands(cli_in_process: Callable[..., CliResult]) -> None:
     base = ("up", "--name", "c", "--tpu-type", "v4-8", "--zone", "us-central2-b", "--dry-run")
-    assert '"preemptible": true' in cli(*base, "--preemptible").out
-    assert "Queued Resources" in cli(*base, "--reserved").out
-    both = cli(*base, "--spot", "--preemptible")
+    assert '"preemptible": true' in cli_in_process(*base, "--preemptible").out
+    assert "Queued Resources" in cli_in_process(*base, "--reserved").out
+    both = cli_in_process(*base, "--spot", "--preemptible")
     assert both.code == 2 and "preemptible and spot contradict each other" in both.err
 
 
@@ -492,18 +507,18 @@ def bare_tpu_api() -> Iterator[tuple[TpuApiStandIn, str]]:
 def test_dry_run_bodies_are_what_gcloud_sends_and_the_api_takes(
     capacity: str,
     shape: str,
-    cli: Callable[..., CliResult],
+    cli_in_process: Callable[..., CliResult],
     bare_tpu_api: tuple[TpuApiStandIn, str],
 ) -> None:
     """Every capacity x shape: the body gcloud sends, or (what neither API makes) refused
     before any call, dry run or not."""
     api, endpoint = bare_tpu_api
     if (capacity, shape) in REFUSED:
-        check_refused(capacity, shape, cli, endpoint)
+        check_refused(capacity, shape, cli_in_process, endpoint)
         assert api.calls == []
         return
     name = f"d-{capacity}-{shape}"
-    shown = cli(*UP, *capacity_args(name, capacity, shape), "--dry-run")
+    shown = cli_in_process(*UP, *capacity_args(name, capacity, shape), "--dry-run")
     assert shown.code == 0, shown.err
     lines = shown.out.splitlines()
     version = lines[1].split()[3].rstrip(",")
@@ -531,10 +546,10 @@ def check_refused(capacity: str, shape: str, cli: Callable[..., CliResult], endp
 
 @pytest.mark.parametrize(("capacity", "shape"), COMBINATIONS)
 def test_create_each_capacity_and_shape(
-    capacity: str, shape: str, tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+    capacity: str, shape: str, tpu_api: TpuApiStandIn, cli_in_process: Callable[..., CliResult]
 ) -> None:
     name = f"c-{capacity}-{shape}"
-    made = cli(*UP, *capacity_args(name, capacity, shape))
+    made = cli_in_process(*UP, *capacity_args(name, capacity, shape))
     assert made.code == 0, made.err
     assert not tpu_api.invalid
     assert tpu_api.tier(name) == capacity
@@ -545,15 +560,17 @@ def test_create_each_capacity_and_shape(
         seen = [state for state in states if f"{name}: {state}" in made.err]
         waits = [] if capacity == "reserved" else ["WAITING_FOR_RESOURCES"]
         assert seen == ["ACCEPTED", *waits, "PROVISIONING", "ACTIVE"], made.err
-    hosts = json.loads(cli("hosts", "--pod", name, "--format", "json").out)
+    hosts = json.loads(cli_in_process("hosts", "--pod", name, "--format", "json").out)
     assert len(hosts) == (2 if shape == "multislice" else 1)
-    gone = cli("down", "--pod", name)
+    gone = cli_in_process("down", "--pod", name)
     assert gone.code == 0, gone.err
     assert not tpu_api.resources
 
 
-def test_a_multislice_tpu_vm_is_refused(cli: Callable[..., CliResult]) -> None:
-    result = cli(*UP, "--name", "no", "--tpu-type", "v4-8", "--api", "tpu-vm", "--node-count", "2")
+def test_a_multislice_tpu_vm_is_refused(cli_in_process: Callable[..., CliResult]) -> None:
+    result = cli_in_process(
+        *UP, "--name", "no", "--tpu-type", "v4-8", "--api", "tpu-vm", "--node-count", "2"
+    )
     assert result.code == 2 and result.out == ""
     assert "error: multislice (2 slices) needs a queued resource, not a TPU VM" in result.err
     assert "hint: multislice goes through queued resources: drop --api tpu-vm" in result.err
