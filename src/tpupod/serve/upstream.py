@@ -18,6 +18,7 @@ a new connection, before any answer was read (the backend never saw the request)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 
@@ -158,36 +159,29 @@ class Pool:
         )
         while self.idle:
             conn = self.idle.pop()
-            try:
+            with contextlib.suppress(_Stale):  # closed by the backend while idle: the next one
                 return await self._exchange(conn, message)
-            except _Stale:
-                conn.close()  # closed by the backend while idle: try the next one
-        conn = await self.connect()
         try:
-            return await self._exchange(conn, message)
+            return await self._exchange(await self.connect(), message)
         except _Stale:
-            conn.close()
             raise Dropped("the backend closed the connection without answering") from None
 
     async def _exchange(self, conn: Conn, message: bytes) -> Answer:
+        """Send, read the status line and headers; on any failure the connection is closed."""
         try:
             conn.writer.write(message)
-            head = await conn.reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial:
-                raise _Stale from None
+            return self._answer(conn, await conn.reader.readuntil(b"\r\n\r\n"))
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
             conn.close()
-            raise Dropped("the answer broke off in its headers") from None
-        except (ConnectionResetError, BrokenPipeError):
+            if isinstance(exc, asyncio.IncompleteReadError) and exc.partial:
+                raise Dropped("the answer broke off in its headers") from None
             raise _Stale from None
-        except (OSError, asyncio.LimitOverrunError) as exc:
+        except (OSError, asyncio.LimitOverrunError, ValueError) as exc:
             conn.close()
-            raise Dropped(f"{type(exc).__name__} {exc}".strip()) from None
-        try:
-            return self._answer(conn, head)
-        except ValueError:
+            raise Dropped(f"no HTTP/1.1 answer: {type(exc).__name__} {exc}".strip()) from None
+        except BaseException:  # cancelled: the connection is in an unknown state
             conn.close()
-            raise Dropped("the backend's answer is not HTTP/1.1") from None
+            raise
 
     def _answer(self, conn: Conn, head: bytes) -> Answer:
         lines = head[:-4].split(b"\r\n")
