@@ -40,9 +40,9 @@ TPU = ("--tpu-type", "v4-8", "--zone", "us-central2-b")
     ],
 )
 def test_conflicting_pod_kinds_name_the_flags(
-    flags: tuple[str, ...], named: tuple[str, ...], cli: Callable[..., CliResult]
+    flags: tuple[str, ...], named: tuple[str, ...], cli_in_process: Callable[..., CliResult]
 ) -> None:
-    error = one_error(cli("up", "--name", "x", *flags, "--dry-run"))
+    error = one_error(cli_in_process("up", "--name", "x", *flags, "--dry-run"))
     for flag in named:
         assert flag in error, error
     assert "unknown field" not in error
@@ -59,9 +59,9 @@ def test_conflicting_pod_kinds_name_the_flags(
     ],
 )
 def test_a_flag_of_another_kind_of_pod_is_named(
-    flags: tuple[str, ...], named: str, cli: Callable[..., CliResult]
+    flags: tuple[str, ...], named: str, cli_in_process: Callable[..., CliResult]
 ) -> None:
-    error = one_error(cli("up", "--name", "x", *flags, "--dry-run"))
+    error = one_error(cli_in_process("up", "--name", "x", *flags, "--dry-run"))
     assert named in error and "unknown field" not in error
 
 
@@ -78,35 +78,39 @@ def test_a_flag_of_another_kind_of_pod_is_named(
     ],
 )
 def test_spec_errors_from_flags_name_the_flag(
-    flags: tuple[str, ...], named: str, cli: Callable[..., CliResult]
+    flags: tuple[str, ...], named: str, cli_in_process: Callable[..., CliResult]
 ) -> None:
-    error = one_error(cli("up", "--name", "x", *flags, "--dry-run"))
+    error = one_error(cli_in_process("up", "--name", "x", *flags, "--dry-run"))
     assert error.startswith(f"error: {named}"), error
 
 
 def test_a_flag_over_a_file_is_named_as_the_flag(
-    tmp_path: Path, cli: Callable[..., CliResult]
+    tmp_path: Path, cli_in_process: Callable[..., CliResult]
 ) -> None:
     spec = tmp_path / "pod.yaml"
     spec.write_text("name: dev\nworkers: 2\n")
-    error = one_error(cli("up", "-f", str(spec), "--devices-per-worker", "0", "--dry-run"))
+    error = one_error(
+        cli_in_process("up", "-f", str(spec), "--devices-per-worker", "0", "--dry-run")
+    )
     assert error.startswith("error: --devices-per-worker: "), error
-    from_file = one_error(cli("up", "-f", str(spec), "--name", "Bad_Name", "--dry-run"))
+    from_file = one_error(cli_in_process("up", "-f", str(spec), "--name", "Bad_Name", "--dry-run"))
     assert from_file.startswith("error: --name: "), from_file
 
 
 @pytest.mark.parametrize("value", ["true", "false", "yes"])
 def test_a_boolean_is_not_a_count(
-    value: str, tmp_path: Path, cli: Callable[..., CliResult]
+    value: str, tmp_path: Path, cli_in_process: Callable[..., CliResult]
 ) -> None:
     spec = tmp_path / "pod.yaml"
     spec.write_text(f"name: dev\nworkers: {value}\n")
-    error = one_error(cli("up", "-f", str(spec), "--dry-run"))
+    error = one_error(cli_in_process("up", "-f", str(spec), "--dry-run"))
     assert "workers" in error and "integer" in error
 
 
-def test_the_same_host_twice_is_warned(cli: Callable[..., CliResult]) -> None:
-    result = cli("up", "--name", "x", "--ssh", "10.0.0.1,10.0.0.2,root@10.0.0.1", "--dry-run")
+def test_the_same_host_twice_is_warned(cli_in_process: Callable[..., CliResult]) -> None:
+    result = cli_in_process(
+        "up", "--name", "x", "--ssh", "10.0.0.1,10.0.0.2,root@10.0.0.1", "--dry-run"
+    )
     assert result.code == 0, result.err
     assert "10.0.0.1 is given twice (workers 0 and 2)" in result.err
 
