@@ -187,21 +187,25 @@ def test_nothing_listening_is_refused_and_a_broken_answer_is_dropped() -> None:
 # -- the router process ---------------------------------------------------------------------
 
 
-class Closer(BaseHTTPRequestHandler):
-    """An OpenAI-shaped backend that closes every connection after its answer without
+class Backend(BaseHTTPRequestHandler):
+    """An OpenAI-shaped backend that notes from which connection (client port) each
+    completion came; with ``close`` it closes every connection after its answer without
     saying so (as servers do to idle keep-alive connections after their timeout)."""
 
     protocol_version = "HTTP/1.1"
+    close = False
+    ports: list[int]  # per test: the router's side of each completion's connection
 
     def do_GET(self) -> None:
         self.reply(b'{"ok": true}')
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
+        self.ports.append(self.client_address[1])
         self.reply(
             b'{"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": '
             b'[{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", '
-            b'"content": "closer"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, '
+            b'"content": "backend"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, '
             b'"total_tokens": 2}}'
         )
 
@@ -211,7 +215,7 @@ class Closer(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-        self.close_connection = True
+        self.close_connection = self.close
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -219,10 +223,15 @@ class Closer(BaseHTTPRequestHandler):
 
 @pytest.mark.local
 @pytest.mark.timeout(60)
-def test_the_router_survives_a_backend_that_closes_kept_alive_connections(
-    tmp_path: Path,
+@pytest.mark.parametrize("closes", [False, True], ids=["keeps-alive", "closes"])
+def test_the_router_keeps_connections_alive_and_survives_a_backend_that_closes_them(
+    tmp_path: Path, closes: bool
 ) -> None:
-    backend = ThreadingHTTPServer(("127.0.0.1", 0), Closer)
+    """Sequential requests share one kept-alive connection to the backend; a backend that
+    closes it after each answer costs no request (retries are off: each must work on its
+    first try)."""
+    handler: type[Backend] = type("Handler", (Backend,), {"close": closes, "ports": []})
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=backend.serve_forever, daemon=True)
     thread.start()
     port = free_base_port(1)
@@ -242,12 +251,13 @@ def test_the_router_survives_a_backend_that_closes_kept_alive_connections(
             time.sleep(0.1)
         token = (tmp_path / "router.token").read_text().strip()
         client = openai_client(f"{url}/v1", token)
-        for _ in range(5):  # no retries allowed: each one must work on its first try
+        for _ in range(5):
             got = client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "hi"}]
             )
-            assert got.choices[0].message.content == "closer"
-            time.sleep(0.05)
+            assert got.choices[0].message.content == "backend"
+            time.sleep(0.05)  # a closing backend's close reaches the router first
+        assert len(set(handler.ports)) == (5 if closes else 1), handler.ports
     finally:
         router.terminate()
         router.wait(10)
