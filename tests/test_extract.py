@@ -204,14 +204,14 @@ BAD_INPUT = {
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_error_line_with_a_hint_and_nothing_written(
-    case: str, tmp_path: Path, cli: Callable[..., CliResult]
+    case: str, tmp_path: Path, cli_in_process: Callable[..., CliResult]
 ) -> None:
     write, more, message = BAD_INPUT[case]
     data = tmp_path / "data.jsonl"
     write(data)
     out = tmp_path / "out"
     args = ["extract", "--model", str(QWEN2), "--data", str(data), "--layers", "1"]
-    result = cli(*args, "--out", str(out), *more)
+    result = cli_in_process(*args, "--out", str(out), *more)
     assert result.code == 2, result.err
     lines = result.err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: ")
@@ -222,7 +222,9 @@ def test_bad_input_is_one_error_line_with_a_hint_and_nothing_written(
 # ---- ARC ----------------------------------------------------------------------------
 
 
-def test_arc_tasks_become_stable_prompts(tmp_path: Path, cli: Callable[..., CliResult]) -> None:
+def test_arc_tasks_become_stable_prompts(
+    tmp_path: Path, cli_in_process: Callable[..., CliResult]
+) -> None:
     task = {
         "train": [{"input": [[0, 1], [1, 0]], "output": [[1, 0], [0, 1]]}],
         "test": [{"input": [[2, 0]], "output": [[0, 2]]}, {"input": [[3]]}],
@@ -230,7 +232,7 @@ def test_arc_tasks_become_stable_prompts(tmp_path: Path, cli: Callable[..., CliR
     src = tmp_path / "arc.json"
     src.write_text(json.dumps({"t2": task, "t1": {**task, "test": task["test"][:1]}}))
     out = tmp_path / "arc.jsonl"
-    assert _ok(cli("extract", "convert-arc", str(src), str(out))).out == (
+    assert _ok(cli_in_process("extract", "convert-arc", str(src), str(out))).out == (
         f"3 samples written to {out}\n"
     )
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -241,7 +243,7 @@ def test_arc_tasks_become_stable_prompts(tmp_path: Path, cli: Callable[..., CliR
         "Test input:\n2 0\nTest output:\n"
     )
     src.write_text(json.dumps({"t": {"train": [], "test": [{"input": [[10]]}]}}))
-    bad = cli("extract", "convert-arc", str(src), str(tmp_path / "x.jsonl"))
+    bad = cli_in_process("extract", "convert-arc", str(src), str(tmp_path / "x.jsonl"))
     assert bad.code == 2 and "not grids of digits" in bad.err
     assert not (tmp_path / "x.jsonl").exists()
 
@@ -258,7 +260,7 @@ def test_max_samples_keeps_the_first_lines_and_is_part_of_the_run(tmp_path: Path
 
 
 def test_another_runs_output_folder_is_refused(
-    reference_run: tuple[Path, Path], tmp_path: Path, cli: Callable[..., CliResult]
+    reference_run: tuple[Path, Path], tmp_path: Path, cli_in_process: Callable[..., CliResult]
 ) -> None:
     data, single = reference_run
     out = tmp_path / "out"
@@ -266,7 +268,7 @@ def test_another_runs_output_folder_is_refused(
     (out / "run.json").write_bytes((single / "run.json").read_bytes())
     args = _args(data, out)
     args[args.index("--layers") + 1 : args.index("--layers") + 4] = ["1"]
-    result = cli(*args)
+    result = cli_in_process(*args)
     assert result.code == 2, result.err
     assert "holds another run's output: layers ([0, 1, 3] -> [1])" in result.err
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]
@@ -450,7 +452,7 @@ def test_generate_writes_each_samples_greedy_completion(
 
 
 def test_a_mesh_over_each_hosts_devices_matches_transformers(
-    tmp_path: Path, cli: Callable[..., CliResult]
+    tmp_path: Path, cli: Callable[..., CliResult], cli_in_process: Callable[..., CliResult]
 ) -> None:
     meta, arrays = _reference("qwen2")
     data = tmp_path / "data.jsonl"
@@ -464,7 +466,7 @@ def test_a_mesh_over_each_hosts_devices_matches_transformers(
         for layer in ds.layers:
             got = ds.activations(f"s{i}", layer)
             np.testing.assert_allclose(got, arrays[f"hidden_f32_{i}"][layer], atol=F32_ATOL, rtol=0)
-    bad = cli(*_args(data, tmp_path / "bad"), "--mesh", "data=2,model=2")
+    bad = cli_in_process(*_args(data, tmp_path / "bad"), "--mesh", "data=2,model=2")
     assert bad.code == 1 and "a 2 x 2 mesh needs 4 devices; there are 1" in bad.err
     assert not (tmp_path / "bad").exists()
 
