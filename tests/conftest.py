@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,12 +218,17 @@ def postgres_server() -> Iterator[Any]:
 def sim_hosts_up(sim: SimPod) -> Iterator[SimPod]:
     """The simulated pod, every host brought back up and emptied after the test."""
     yield sim
+    reset_sim(sim)
+
+
+def reset_sim(sim: SimPod) -> None:
+    """Every host up again, and nothing running on any but its sshd."""
     down = [h.index for h in sim.hosts if h.sshd_pid is None]
     for index in down:
         sim.start_host(index)
     sim.wait_ready(down)
-    for host in sim.hosts:
-        sim.kill_all(host.index)
+    with ThreadPoolExecutor(len(sim.hosts)) as pool:  # a process or two per host: at once
+        list(pool.map(sim.kill_all, range(len(sim.hosts))))
 
 
 @pytest.fixture
@@ -272,11 +278,13 @@ def leftovers(request: pytest.FixtureRequest) -> Callable[[Pod], list[str]]:
 def sim_leftovers(sim: SimPod, timeout: float = 3.0) -> list[str]:
     """Processes on the simulated hosts other than sshd's, after up to ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while True:
-        left = [f"{h.hostname}: {args}" for h in sim.hosts for _, args in sim.processes(h.index)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    with ThreadPoolExecutor(len(sim.hosts)) as pool:  # each host's ps at once
+        while True:
+            found = zip(sim.hosts, pool.map(sim.processes, range(len(sim.hosts))), strict=True)
+            left = [f"{h.hostname}: {args}" for h, rows in found for _, args in rows]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
 
 
 # Test tiers. `make test-fast` runs the unit tier; `make test` runs them all (the ssh
@@ -294,8 +302,8 @@ MODULE_TIERS = {"test_model.py": "local"}
 # test marks itself in place (`@pytest.mark.local`), as test_serve_multihost.py's do.
 LOCAL_TESTS: set[str] = set()
 # The long end-to-end tests (module::function, every parameter), marked `slow`: the
-# slowest of the runs BENCHMARKS.md ("Tests") records. `make test-quick` and the one-tier
-# targets leave them out for an answer in minutes; `make test` runs them.
+# slowest of the runs BENCHMARKS.md ("Tests") records. The one-tier targets leave them
+# out for an answer in minutes (none is a unit test); `make test` runs them.
 SLOW = {
     "test_bench_checkpoint.py::test_an_existing_checkpoint_with_orbax_sharding_config",
     "test_bench_checkpoint.py::test_results_to_gs_and_latest_from_there",
