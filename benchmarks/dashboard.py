@@ -15,11 +15,14 @@ process (`tpupod dashboard --interval 5`). Chromium is Debian's, driven by playw
 * navigation: ``goto`` until the page's heading is visible, in Chromium, median of 5;
 * event: a job cancelled in the store until the jobs page shows it;
 * log line: a line appended to a running worker's log until the run page shows it;
-* process: CPU (share of one core) and RSS of the dashboard with 3 browser pages open;
+* process: CPU (share of one core) and RSS of the dashboard with 3 browser pages open: the
+  web process, and apart from it the sampling process (its own CPU, and its probes'
+  processes: a local pod's workers are processes here, on a real pod that work is on the
+  hosts);
 * history: the runs page and the overview with 10 and with 1,000 finished runs (p50).
 
-No serving fleet is started (20 backends need 20 model servers); the serving page is
-rendered empty.
+``--backends N`` also starts a serving fleet of N backends (the fleet tests' stub OpenAI
+server, 4 a worker, behind the router) for the serving page; without it the page is empty.
 """
 
 from __future__ import annotations
@@ -170,19 +173,64 @@ def browse(
         pages = [chromium.new_page() for _ in range(3)]
         for viewer, path in zip(pages, ["/", "/pods/big", f"/runs/{running}"], strict=True):
             viewer.goto(base + path)
-        out["cpu"], out["rss"] = watch(proc, watch_s)
+        out["process"] = watch(proc, watch_s)
         chromium.close()
     return out
 
 
-def watch(proc: subprocess.Popen[bytes], seconds: float) -> tuple[float, float]:
-    """(share of one core, RSS MiB) of the dashboard over ``seconds``."""
-    process = psutil.Process(proc.pid)
-    before = process.cpu_times()
+def watch(proc: subprocess.Popen[bytes], seconds: float) -> dict[str, float]:
+    """Over ``seconds``, in shares of one core: the web process, the sampling process, and
+    the sampler's reaped children (the probes); RSS MiB of the first two."""
+    web = psutil.Process(proc.pid)
+    sampler = next(c for c in web.children() if "tpupod.dashboard.sampler" in c.cmdline())
+    before = [web.cpu_times(), sampler.cpu_times()]
     time.sleep(seconds)
-    after = process.cpu_times()
-    cpu = (after.user + after.system - before.user - before.system) / seconds
-    return cpu, process.memory_info().rss / 2**20
+    after = [web.cpu_times(), sampler.cpu_times()]
+    (w0, s0), (w1, s1) = before, after
+    return {
+        "web": (w1.user + w1.system - w0.user - w0.system) / seconds,
+        "sampler": (s1.user + s1.system - s0.user - s0.system) / seconds,
+        "probes": (s1.children_user + s1.children_system - s0.children_user - s0.children_system)
+        / seconds,
+        "web_rss": web.memory_info().rss / 2**20,
+        "sampler_rss": sampler.memory_info().rss / 2**20,
+    }
+
+
+def start_fleet(backends: int) -> None:
+    """A local pod of ``backends / 4`` workers serving 4 stub servers each, behind the router."""
+    stub = Path(__file__).parents[1] / "tests" / "serve_stub.py"
+    command = f"{{python}} {stub} --host {{host}} --port {{port}} --tokens 4 --token-delay 0"
+    workers = max(1, backends // 4)
+    run_cli("up", "--name", "serve", "--local", str(workers))
+    run_cli(
+        "serve", "up", "--pod", "serve", "--model", "stub-model", "--backend", "command",
+        "--command", command, "--servers-per-worker", str(backends // workers),
+        "--base-port", "18200", "--startup-timeout", "120",
+    )  # fmt: skip
+
+
+def run_cli(*args: str) -> None:
+    done = subprocess.run([TPUPOD, *args], check=False, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise SystemExit(f"tpupod {' '.join(args[:2])} failed: {done.stderr.strip()}")
+
+
+def history(few: Path, many: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    """The overview and the runs page with 10, then with ``args.runs`` finished runs; the
+    dashboard left running (the caller stops it)."""
+    proc = start(few, args.interval)
+    small = render_times(["/", "/runs"], args.requests)
+    stop(proc)
+    proc = start(many, args.interval)
+    large = render_times(["/", "/runs"], args.requests)
+    for path in ("/", "/runs"):
+        ratio = large[path][0] / small[path][0]
+        print(
+            f"history: `{path}` p50 {small[path][0]:.1f} ms with 10 runs, "
+            f"{large[path][0]:.1f} ms with {args.runs}: {ratio:.2f}x"
+        )
+    return proc
 
 
 def main() -> None:
@@ -193,6 +241,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--watch-s", type=float, default=60.0)
+    parser.add_argument("--backends", type=int, default=0)
     args = parser.parse_args()
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     home = Path(tempfile.mkdtemp(prefix="tpupod-dash-bench-"))
@@ -219,6 +268,8 @@ def main() -> None:
         "/api/pods",
         "/metrics",
     ]
+    if args.backends:
+        start_fleet(args.backends)
     proc = start(home / "state", args.interval)
     try:
         rendered = render_times(["/favicon.ico", *paths], args.requests)
@@ -231,22 +282,20 @@ def main() -> None:
             print(f"| `{path}` | {browsed[path]:.0f} |")
         print(f"\nevent (job cancelled) -> on screen: {browsed['event']:.2f} s")
         print(f"log line -> on screen: {browsed['log']:.2f} s")
-        cpu, rss = browsed["cpu"] * 100, browsed["rss"]
-        print(f"dashboard, 3 pages open {args.watch_s:.0f} s: {cpu:.1f} % of a core, {rss:.0f} MiB")
+        seen = browsed["process"]
+        print(
+            f"dashboard, 3 pages open {args.watch_s:.0f} s, % of one core: "
+            f"web process {seen['web'] * 100:.1f}, sampling process {seen['sampler'] * 100:.1f}"
+            f" (+ its probes {seen['probes'] * 100:.1f}); RSS web {seen['web_rss']:.0f} MiB,"
+            f" sampler {seen['sampler_rss']:.0f} MiB"
+        )
         stop(proc)
-        proc = start(few / "state", args.interval)
-        small = render_times(["/", "/runs"], args.requests)
-        stop(proc)
-        proc = start(home / "state", args.interval)
-        large = render_times(["/", "/runs"], args.requests)
-        for path in ("/", "/runs"):
-            ratio = large[path][0] / small[path][0]
-            print(
-                f"history: `{path}` p50 {small[path][0]:.1f} ms with 10 runs, "
-                f"{large[path][0]:.1f} ms with {args.runs}: {ratio:.2f}x"
-            )
+        proc = history(few / "state", home / "state", args)
     finally:
         stop(proc)
+        if args.backends:
+            down = [TPUPOD, "serve", "down", "--pod", "serve"]
+            subprocess.run(down, check=False, capture_output=True)
         store.close()
         shutil.rmtree(home, ignore_errors=True)
 

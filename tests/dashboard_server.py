@@ -49,16 +49,18 @@ def start(
         tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     board = Dashboard(proc, port, interval, token)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90  # two processes' imports on a loaded machine
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"the dashboard ended: {proc.communicate()}")
         try:
-            if board.get("/api/pods").status_code == 200:
+            # answering, and the sampling process has read the run records once
+            if board.get("/api/runs").json().get("state") not in (None, "loading"):
                 return board
         except httpx.TransportError:
             time.sleep(0.1)
-    raise AssertionError("the dashboard did not answer within 30 s")
+    stop(board)  # no leftover dashboard (and sampler) when it was only slow
+    raise AssertionError("the dashboard did not answer within 90 s")
 
 
 def stop(board: Dashboard) -> None:

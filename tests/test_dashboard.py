@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import psutil
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -86,7 +88,7 @@ def test_loading_is_not_empty_and_stale_data_says_its_age(state_home: Path) -> N
     page = client.get("/pods").text
     assert 'data-state="loading"' in page and "No pods" not in page
     assert client.get("/api/pods").json()["state"] == "loading"
-    source = app.state.sampler.sources["pods"]
+    source = app.state.feed.sources["pods"]
     source.data, source.at = [], time.time() - 30
     assert 'data-state="empty"' in client.get("/pods").text
     source.error = "state directory unreadable"
@@ -114,3 +116,47 @@ def test_a_run_with_retries_lists_its_attempts_and_preemptions(
     page = board.get(f"/runs/{record.run_id}").text
     assert "attempt 1: preempted" in page and "attempt 2: ok" in page
     assert 'href="/runs/20261127-080000-aaaaaa"' in page
+
+
+def sampling_process(board: Dashboard) -> psutil.Process:
+    children = psutil.Process(board.proc.pid).children()
+    return next(c for c in children if "tpupod.dashboard.sampler" in c.cmdline())
+
+
+def wait_for_state(
+    board: Dashboard, path: str, wanted: str, within: float = 60.0
+) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while True:
+        seen: dict[str, Any] = board.get(path).json()
+        if seen["state"] == wanted:
+            return seen
+        assert time.monotonic() < deadline, f"{path} is {seen['state']}, not {wanted}"
+        time.sleep(0.1)
+
+
+def test_a_killed_sampling_process_is_shown_and_started_again(
+    dashboard: Callable[..., Dashboard], make_pod: Callable[..., Pod]
+) -> None:
+    """The sampler runs apart from the web process (its probes held the GIL against every
+    render); if it dies the pages keep their data, say so, and a new one takes over."""
+    make_pod(2)
+    board = dashboard()
+    wait_for_state(board, "/api/pods", "ok")
+    first = sampling_process(board)
+    first.kill()
+    stale = wait_for_state(board, "/api/pods", "stale")
+    assert "the sampling process ended" in stale["error"] and len(stale["data"]) == 1
+    wait_for_state(board, "/api/pods", "ok")
+    assert sampling_process(board).pid != first.pid
+
+
+def test_a_killed_dashboard_leaves_no_sampling_process(
+    dashboard: Callable[..., Dashboard], make_pod: Callable[..., Pod]
+) -> None:
+    make_pod(1)
+    board = dashboard()
+    sampler = sampling_process(board)
+    board.proc.kill()  # SIGKILL: nothing of the web process runs to stop it
+    board.proc.wait()
+    sampler.wait(timeout=30)  # it reads EOF on its stdin and ends

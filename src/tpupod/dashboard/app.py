@@ -19,8 +19,8 @@ from fastapi.templating import Jinja2Templates
 
 from tpupod.dashboard import checkpoints, metrics, runs, serving
 from tpupod.dashboard.charts import line_chart
+from tpupod.dashboard.feed import Feed
 from tpupod.dashboard.guard import allowed_hosts, guard_middleware
-from tpupod.dashboard.sampler import Sampler
 from tpupod.errors import JobNotFound, StateError, TpupodError, UsageError
 from tpupod.launch.records import RunRecord
 
@@ -44,24 +44,24 @@ class Config:
 
 
 def create_app(config: Config) -> FastAPI:
-    sampler = Sampler(config.interval, config.jobs_url)
+    feed = Feed(config.interval, config.jobs_url)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        thread = sampler.start()
+        thread = feed.start()
         yield
-        sampler.stopping.set()
-        await asyncio.to_thread(thread.join, config.interval * 2 + 5)
+        await asyncio.to_thread(feed.stop)
+        await asyncio.to_thread(thread.join, 10)
 
     app = FastAPI(title="tpupod dashboard", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.sampler = sampler
+    app.state.feed = feed
     app.state.templates = Jinja2Templates(directory=HERE / "templates")
     app.middleware("http")(guard_middleware(allowed_hosts(config.host, config.names), config.token))
     app.middleware("http")(_headers)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     app.exception_handler(TpupodError)(_error)
-    _pages(app, sampler)
-    _api(app, sampler)
+    _pages(app, feed)
+    _api(app, feed)
     _checkpoints(app, config.bench)
     return app
 
@@ -85,24 +85,24 @@ def render(
     request: Request, template: str, topics: tuple[str, ...], status: int = 200, **context: Any
 ) -> HTMLResponse:
     """A page, or only its live part when the script asks (``X-Fragment: 1``)."""
-    sampler: Sampler = request.app.state.sampler
+    feed: Feed = request.app.state.feed
     now = time.time()
-    sources = [sampler.sources[t].to_json(now) for t in topics]
+    sources = [feed.sources[t].to_json(now) for t in topics]
     fragment = request.headers.get("x-fragment") == "1"
     context.update(topics=" ".join(topics), sources=sources, fragment=fragment, now=now)
     templates: Jinja2Templates = request.app.state.templates
     return templates.TemplateResponse(request, template, context, status_code=status)
 
 
-def find_run(sampler: Sampler, launch_id: str) -> RunRecord:
-    return runs.find(sampler.state, launch_id)
+def find_run(feed: Feed, launch_id: str) -> RunRecord:
+    return runs.find(feed.state, launch_id)
 
 
-def overview(sampler: Sampler) -> dict[str, Any]:
+def overview(feed: Feed) -> dict[str, Any]:
     """Counts, and whatever is failing first."""
-    pods = sampler.sources["pods"].data or []
-    run_list = sampler.sources["runs"].data or []
-    jobs = sampler.sources["jobs"].data or {}
+    pods = feed.sources["pods"].data or []
+    run_list = feed.sources["runs"].data or []
+    jobs = feed.sources["jobs"].data or {}
     failing = [
         {
             "what": f"pod {p['name']}",
@@ -133,72 +133,71 @@ def overview(sampler: Sampler) -> dict[str, Any]:
     }
 
 
-def _pages(app: FastAPI, sampler: Sampler) -> None:
+def _pages(app: FastAPI, feed: Feed) -> None:
     @app.get("/", response_class=HTMLResponse)
     def home(request: Request) -> Response:
-        return render(request, "overview.html", ("pods", "runs", "jobs"), view=overview(sampler))
+        return render(request, "overview.html", ("pods", "runs", "jobs"), view=overview(feed))
 
     @app.get("/pods", response_class=HTMLResponse)
     def pods(request: Request) -> Response:
-        return render(request, "pods.html", ("pods",), pods=sampler.sources["pods"].data)
+        return render(request, "pods.html", ("pods",), pods=feed.sources["pods"].data)
 
     @app.get("/pods/{name}", response_class=HTMLResponse)
     def pod(request: Request, name: str) -> Response:
-        found = _pod(sampler, name)
+        found = _pod(feed, name)
         charts = [
-            line_chart(sampler.history.since(f"{k}:{name}", time.time() - 3600), t, u)
+            line_chart(feed.history.since(f"{k}:{name}", time.time() - 3600), t, u)
             for k, t, u in (("load", "load per core", ""), ("memory", "memory", ""))
         ]
         return render(request, "pod.html", ("pods",), name=name, pod=found, charts=charts)
 
     @app.get("/runs", response_class=HTMLResponse)
     def run_list(request: Request, page: int = 1) -> Response:
-        return render(request, "runs.html", ("runs",), **_run_page(sampler, page))
+        return render(request, "runs.html", ("runs",), **_run_page(feed, page))
 
     @app.get("/runs/{launch_id}", response_class=HTMLResponse)
     def run(request: Request, launch_id: str) -> Response:
-        retried = runs.find_retried(sampler.state, launch_id)
+        retried = runs.find_retried(feed.state, launch_id)
         if retried is not None:
             return render(request, "retried.html", ("runs",), run=retried)
-        record = find_run(sampler, launch_id)
+        record = find_run(feed, launch_id)
         view = runs.detail(record, runs.pod_of(record))
         return render(request, "run.html", ("runs",), run=view)
 
     @app.get("/jobs", response_class=HTMLResponse)
     def jobs(request: Request, status: str | None = None, before: int | None = None) -> Response:
-        listing = sampler.jobs.page(status or None, before)
-        counts = sampler.sources["jobs"].data
+        listing = feed.jobs.page(status or None, before)
+        counts = feed.sources["jobs"].data
         return render(request, "jobs.html", ("jobs",), listing=listing, counts=counts)
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job(request: Request, job_id: int) -> Response:
-        return render(request, "job.html", ("jobs",), job=sampler.jobs.one(job_id))
+        return render(request, "job.html", ("jobs",), job=feed.jobs.one(job_id))
 
     @app.get("/serving", response_class=HTMLResponse)
     def serving_page(request: Request) -> Response:
-        return render(request, "serving.html", ("serving",), fleets=sampler.sources["serving"].data)
+        return render(request, "serving.html", ("serving",), fleets=feed.sources["serving"].data)
 
     @app.get("/charts", response_class=HTMLResponse)
     def charts(request: Request, hours: float = 1.0) -> Response:
         start = time.time() - hours * 3600
         drawn = [
-            line_chart(sampler.history.since(key, start), key)
-            for key in sorted(sampler.history.series)
+            line_chart(feed.history.since(key, start), key) for key in sorted(feed.history.series)
         ]
         return render(request, "charts.html", (), charts=drawn, hours=hours)
 
 
-def _pod(sampler: Sampler, name: str) -> dict[str, Any] | None:
+def _pod(feed: Feed, name: str) -> dict[str, Any] | None:
     """The pod's last sample (None while loading); an unknown pod is a 404."""
-    sampler.state.load_brief(name)
-    return next((p for p in sampler.sources["pods"].data or () if p["name"] == name), None)
+    feed.state.load_brief(name)
+    return next((p for p in feed.sources["pods"].data or () if p["name"] == name), None)
 
 
 RUN_PAGE = 50
 
 
-def _run_page(sampler: Sampler, page: int) -> dict[str, Any]:
-    found = sampler.sources["runs"].data
+def _run_page(feed: Feed, page: int) -> dict[str, Any]:
+    found = feed.sources["runs"].data
     if found is None:
         return {"runs": None, "page": 1, "pages": 1}
     pages = max(1, -(-len(found) // RUN_PAGE))
@@ -206,73 +205,73 @@ def _run_page(sampler: Sampler, page: int) -> dict[str, Any]:
     return {"runs": found[(page - 1) * RUN_PAGE : page * RUN_PAGE], "page": page, "pages": pages}
 
 
-def _api(app: FastAPI, sampler: Sampler) -> None:
+def _api(app: FastAPI, feed: Feed) -> None:
     def sourced(topic: str, data: Any) -> Response:
         """The data with its source's state and age (plain JSON: no model to validate)."""
-        return JSONResponse({**sampler.sources[topic].to_json(time.time()), "data": data})
+        return JSONResponse({**feed.sources[topic].to_json(time.time()), "data": data})
 
     @app.get("/api/pods")
     def api_pods() -> Response:
-        return sourced("pods", sampler.sources["pods"].data)
+        return sourced("pods", feed.sources["pods"].data)
 
     @app.get("/api/pods/{name}")
     def api_pod(name: str) -> Response:
-        return sourced("pods", _pod(sampler, name))
+        return sourced("pods", _pod(feed, name))
 
     @app.get("/api/runs")
     def api_runs(page: int = 1) -> Response:
-        return sourced("runs", _run_page(sampler, page))
+        return sourced("runs", _run_page(feed, page))
 
     @app.get("/api/runs/{launch_id}")
     def api_run(launch_id: str) -> dict[str, Any]:
-        record = find_run(sampler, launch_id)
+        record = find_run(feed, launch_id)
         return runs.detail(record, runs.pod_of(record))
 
     @app.get("/api/runs/{launch_id}/follow")
     def api_run_follow(launch_id: str) -> StreamingResponse:
-        return _sse(_follow_run(find_run(sampler, launch_id)))
+        return _sse(_follow_run(find_run(feed, launch_id)))
 
     @app.post("/api/runs/{launch_id}/stop")
     def api_run_stop(launch_id: str) -> dict[str, Any]:
-        runs.stop(find_run(sampler, launch_id))
+        runs.stop(find_run(feed, launch_id))
         return {"stopping": launch_id}
 
     @app.get("/api/jobs")
     def api_jobs(status: str | None = None, before: int | None = None) -> dict[str, Any]:
-        return sampler.jobs.page(status or None, before)
+        return feed.jobs.page(status or None, before)
 
     @app.get("/api/jobs/{job_id}")
     def api_job(job_id: int) -> dict[str, Any]:
-        return sampler.jobs.one(job_id)
+        return feed.jobs.one(job_id)
 
     @app.get("/api/jobs/{job_id}/follow")
     def api_job_follow(job_id: int, after: int = 0) -> StreamingResponse:
-        sampler.jobs.one(job_id)  # 404 before the stream starts
-        return _sse(sampler.jobs.follow(job_id, after))
+        feed.jobs.one(job_id)  # 404 before the stream starts
+        return _sse(feed.jobs.follow(job_id, after))
 
     @app.post("/api/jobs/{job_id}/cancel")
     def api_job_cancel(job_id: int) -> dict[str, Any]:
-        job = sampler.jobs.cancel(job_id)
-        sampler.publish("jobs")
+        job = feed.jobs.cancel(job_id)
+        feed.publish("jobs")
         return job
 
     @app.get("/api/serving")
     def api_serving() -> Response:
-        return sourced("serving", sampler.sources["serving"].data)
+        return sourced("serving", feed.sources["serving"].data)
 
     @app.post("/api/serving/{pod}/restart")
     def api_restart(pod: str, worker: int, port: int) -> dict[str, Any]:
-        restarted = serving.restart(sampler.state, pod, worker, port)
-        sampler.publish("serving")
+        restarted = serving.restart(feed.state, pod, worker, port)
+        feed.publish("serving")
         return {"restarted": restarted}
 
     @app.get("/api/events")
     def api_events() -> StreamingResponse:
-        return _sse(_events(sampler))
+        return _sse(_events(feed))
 
     @app.get("/metrics")
     def prometheus() -> Response:
-        return Response(metrics.exposition(sampler), media_type=metrics.CONTENT_TYPE)
+        return Response(metrics.exposition(feed), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/favicon.ico")
     def favicon() -> Response:
@@ -310,9 +309,9 @@ def _sse(stream: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
 
-async def _events(sampler: Sampler) -> AsyncIterator[str]:
+async def _events(feed: Feed) -> AsyncIterator[str]:
     """A topic's name whenever its data changes; a comment every 15 s keeps proxies open."""
-    queue = sampler.listen()
+    queue = feed.listen()
     try:
         yield "retry: 2000\n\n"
         while True:
@@ -323,7 +322,7 @@ async def _events(sampler: Sampler) -> AsyncIterator[str]:
                 continue
             yield f"data: {topic}\n\n"
     finally:
-        sampler.forget(queue)
+        feed.forget(queue)
 
 
 async def _follow_run(record: RunRecord) -> AsyncIterator[str]:

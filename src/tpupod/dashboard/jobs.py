@@ -24,7 +24,7 @@ class Jobs:
     def __init__(self, url: str | None) -> None:
         self.url = url
         self.store: Store | None = None
-        self.opening = threading.Lock()  # the sampler's thread and the pages' open it
+        self.opening = threading.Lock()  # the pages (threads of the web server) open it
 
     def open(self) -> Store | None:
         with self.opening:

@@ -1,4 +1,4 @@
-"""The sampler's numbers in Prometheus' text format (prometheus-client), for /metrics."""
+"""The sampled numbers in Prometheus' text format (prometheus-client), for /metrics."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from tpupod.dashboard.sampler import Sampler
+    from tpupod.dashboard.feed import Feed
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class _Snapshot(Collector):
-    def __init__(self, sampler: Sampler) -> None:
-        self.sampler = sampler
+    def __init__(self, feed: Feed) -> None:
+        self.feed = feed
 
     def collect(self) -> Iterator[Metric]:
-        sources = self.sampler.sources
+        sources = self.feed.sources
         up = GaugeMetricFamily(
             "tpupod_worker_up", "worker answered the last probe", labels=["pod", "worker", "host"]
         )
@@ -59,7 +59,7 @@ class _Snapshot(Collector):
         yield from (up, load, memory, jobs, rate, runs)
 
 
-def exposition(sampler: Sampler) -> bytes:
+def exposition(feed: Feed) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(sampler))
+    registry.register(_Snapshot(feed))
     return generate_latest(registry)

@@ -1,22 +1,24 @@
 """The background sampler: every source sampled at a fixed interval, shared by every viewer
-(the workers and the fleets every ``interval``; the job store and the run records, one query
-and a folder listing, every second).
+(the workers and the fleets every ``interval``; the run records every second, the job store
+four times a second: a folder listing, one grouped count).
 
-Each source (pods, runs, jobs, serving) keeps its last good data, when it was taken and its
-last error, so a page whose source died still shows its data, how old it is and what failed;
-a source never sampled yet is *loading*, never "empty". A round asks at most ``concurrency``
-pods at once; history is a bounded ring (24 h at the interval), so memory does not grow.
+``python -m tpupod.dashboard.sampler`` runs it in a process of its own (feed.py starts it
+and says why) and writes a JSON line per source per take: its data when it changed, else only
+when it was taken; its error when it failed; ``{"round": T}`` after each round of the
+workers (the history's clock). It ends when its stdin closes: the dashboard went away. A
+round asks at most ``concurrency`` pods at once.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
+import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tpupod.dashboard.jobs import Jobs
@@ -26,79 +28,36 @@ from tpupod.dashboard.serving import Serving
 from tpupod.providers import Connector, connect
 from tpupod.state import StateDir
 
-HISTORY_S = 24 * 3600
-TICK_S = 1.0  # how often the cheap sources are read
+TICK_S = 1.0  # how often the run records are read
+JOBS_TICK_S = 0.25  # and the job store (one grouped count): a cancel shows within a second
 TOPICS = ("pods", "runs", "jobs", "serving")
-
-
-@dataclass
-class Source:
-    """One source's last data and last failure."""
-
-    name: str
-    data: Any = None
-    at: float | None = None  # when the data was taken (None: never yet)
-    error: str | None = None
-    error_at: float | None = None
-
-    @property
-    def state(self) -> str:
-        if self.at is None:
-            return "error" if self.error else "loading"
-        return "stale" if self.error else "ok"
-
-    def to_json(self, now: float) -> dict[str, Any]:
-        age = None if self.at is None else round(now - self.at, 1)
-        return {"source": self.name, "state": self.state, "age_s": age, "error": self.error}
-
-
-@dataclass
-class History:
-    """Per-pod and overall series: (time, value) rings of a fixed length."""
-
-    length: int
-    series: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
-
-    def add(self, key: str, at: float, value: float | None) -> None:
-        if value is not None:
-            self.series.setdefault(key, deque(maxlen=self.length)).append((at, value))
-
-    def since(self, key: str, start: float) -> list[tuple[float, float]]:
-        return [p for p in self.series.get(key, ()) if p[0] >= start]
+Report = Callable[[dict[str, Any]], None]
 
 
 class Sampler:
-    def __init__(self, interval: float, jobs_url: str | None, concurrency: int = 8) -> None:
+    def __init__(
+        self, interval: float, jobs_url: str | None, report: Report, concurrency: int = 8
+    ) -> None:
         self.interval = interval
+        self.report = report
         self.state = StateDir()
         self.jobs = Jobs(jobs_url)
-        self.sources = {name: Source(name) for name in TOPICS}
-        self.history = History(int(HISTORY_S / interval))
+        self.last: dict[str, Any] = {}  # each source's last data sent
         self.limit = asyncio.Semaphore(concurrency)
         self.connectors: dict[str, Connector] = {}
         self.run_cache = RunCache()
         self.serving = Serving()
-        # each viewer's queue, and the loop it is read on (the web server's)
-        self.listeners: dict[asyncio.Queue[str], asyncio.AbstractEventLoop] = {}
         self.stopping = threading.Event()
-        self.rounds = 0
-
-    # -- the loop ---------------------------------------------------------------------------
-
-    def start(self) -> threading.Thread:
-        """Sample in a thread of its own, on its own event loop: probing hundreds of workers
-        costs the loop CPU, and pages must not wait for it."""
-        thread = threading.Thread(target=asyncio.run, args=(self.run(),), daemon=True)
-        thread.start()
-        return thread
 
     async def run(self) -> None:
         """Until stopped: the store and the run records (cheap: one query, a folder listing)
-        every ``TICK_S``, the workers and the fleets (commands on every host) every
+        every ``TICK_S`` or less, the workers and the fleets (commands on every host) every
         ``interval``, each on its own clock (a slow probe does not hold the cheap ones)."""
-        cheap, costly = ("runs", "jobs"), ("pods", "serving")
+        tick = min(self.interval, TICK_S)
         await asyncio.gather(
-            self._every(min(self.interval, TICK_S), cheap), self._every(self.interval, costly)
+            self._every(tick, ("runs",)),
+            self._every(min(tick, JOBS_TICK_S), ("jobs",)),
+            self._every(self.interval, ("pods", "serving")),
         )
         await self.close()
 
@@ -109,7 +68,7 @@ class Sampler:
             await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
 
     async def round(self, names: tuple[str, ...] = TOPICS) -> None:
-        """Take the named sources once (a round of the workers also adds to the history)."""
+        """Take the named sources once (a round of the workers also marks the history)."""
         steps: dict[str, Callable[[], Awaitable[Any]]] = {
             "runs": lambda: asyncio.to_thread(self._runs),
             "jobs": lambda: asyncio.to_thread(self.jobs.counts),
@@ -118,21 +77,18 @@ class Sampler:
         }
         await asyncio.gather(*(self._take(name, steps[name]) for name in names))
         if "pods" in names:
-            self.rounds += 1
-            self._record_history()
+            self.report({"round": time.time()})
 
     async def _take(self, name: str, step: Callable[[], Awaitable[Any]]) -> None:
-        source = self.sources[name]
         try:
             data = await asyncio.wait_for(step(), timeout=max(self.interval * 4, 10))
         except Exception as exc:  # a source's failure is shown, not raised
-            source.error, source.error_at = _describe(exc), time.time()
-            self.publish(name)
+            self.report({"source": name, "error": _describe(exc), "error_at": time.time()})
             return
-        changed = data != source.data or source.error is not None
-        source.data, source.at, source.error = data, time.time(), None
-        if changed:
-            self.publish(name)
+        news: dict[str, Any] = {"source": name, "at": time.time()}
+        if name not in self.last or data != self.last[name]:
+            self.last[name] = news["data"] = data
+        self.report(news)
 
     async def _pods(self) -> list[dict[str, Any]]:
         names = await asyncio.to_thread(self.state.names)
@@ -157,51 +113,10 @@ class Sampler:
     def _runs(self) -> list[dict[str, Any]]:
         return self.run_cache.summaries(self.state)
 
-    def _record_history(self) -> None:
-        now = time.time()
-        for pod in self.sources["pods"].data or ():
-            workers: list[dict[str, Any]] = pod["workers"]
-            loads = [w["load"] for w in workers if w["load"] is not None]
-            memory = [w["memory"] for w in workers if w["memory"] is not None]
-            self.history.add(f"reachable:{pod['name']}", now, pod["reachable"])
-            self.history.add(f"load:{pod['name']}", now, _mean(loads))
-            self.history.add(f"memory:{pod['name']}", now, _mean(memory))
-        for status, count in (self.sources["jobs"].data or {}).items():
-            self.history.add(f"jobs:{status}", now, count)
-        for fleet in self.sources["serving"].data or ():
-            rates = [b["requests_per_s"] or 0.0 for b in fleet["backends"]]
-            self.history.add(f"requests_per_s:{fleet['pod']}", now, sum(rates))
-
-    # -- viewers ----------------------------------------------------------------------------
-
-    def publish(self, topic: str) -> None:
-        """Tell every viewer (from any thread) that ``topic``'s data changed."""
-        for queue, loop in list(self.listeners.items()):
-            with contextlib.suppress(RuntimeError):  # its loop closed
-                loop.call_soon_threadsafe(_offer, queue, topic)
-
-    def listen(self) -> asyncio.Queue[str]:
-        """A queue of changed topics, read on the calling (running) loop."""
-        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=64)
-        self.listeners[queue] = asyncio.get_running_loop()
-        return queue
-
-    def forget(self, queue: asyncio.Queue[str]) -> None:
-        self.listeners.pop(queue, None)
-
     async def close(self) -> None:
         for connector in self.connectors.values():
             with contextlib.suppress(Exception):
                 await connector.close()
-
-
-def _offer(queue: asyncio.Queue[str], topic: str) -> None:
-    with contextlib.suppress(asyncio.QueueFull):  # a viewer this far behind refetches anyway
-        queue.put_nowait(topic)
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 def _describe(exc: BaseException) -> str:
@@ -209,3 +124,29 @@ def _describe(exc: BaseException) -> str:
         return "timed out"
     message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
     return str(message).splitlines()[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tpupod.dashboard.sampler")
+    parser.add_argument("--interval", type=float, default=5.0)
+    parser.add_argument("--db", default=None)
+    args = parser.parse_args(argv)
+    out = sys.stdout
+
+    def report(message: dict[str, Any]) -> None:
+        out.write(json.dumps(message, default=str) + "\n")
+        out.flush()
+
+    sampler = Sampler(args.interval, args.db, report)
+
+    def until_eof() -> None:  # the dashboard closed our stdin, or died
+        sys.stdin.buffer.read()
+        sampler.stopping.set()
+
+    threading.Thread(target=until_eof, daemon=True).start()
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+        asyncio.run(sampler.run())
+
+
+if __name__ == "__main__":
+    main()
