@@ -34,7 +34,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +90,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="decode steps per device call (default: 1 on a CPU, else 8)",
     )
+    parser.add_argument(
+        "--no-split",
+        action="store_true",
+        help="HTTP and engines in one process (the engine's thread shares the interpreter)",
+    )
+    # the roles of the split server's processes (split.py starts them)
+    parser.add_argument("--role", choices=["engine", "frontend"], help=argparse.SUPPRESS)
+    parser.add_argument("--ipc", help=argparse.SUPPRESS)
+    parser.add_argument("--fds", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -148,9 +157,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tpupod.serve import split
+
     ports = parse_ports(args.ports)
     if args.max_batch < 1 or args.max_length < 2 or (args.decode_steps or 1) < 1:
         raise UsageError("--max-batch and --decode-steps must be >= 1, --max-length >= 2")
+    if args.role == "engine":
+        return split.engine_main(args, ports)
+    if args.role == "frontend":
+        return split.frontend_main(args, ports)
     sockets = [bind(args.host, p) for p in ports]
     if "://" not in args.model and not Path(args.model).expanduser().is_dir():
         # before JAX loads (seconds on a busy host): a wrong path fails at once
@@ -158,18 +173,29 @@ def run(args: argparse.Namespace) -> int:
             f"--model {args.model}: no such folder",
             hint="give a checkpoint folder (config.json, *.safetensors) or a gs:// URL",
         )
+    if not args.no_split:
+        return split.keep(args, sockets)
+    engines = build_engines(args, len(ports))
+    _warm(engines)
+    return asyncio.run(_serve(engines, sockets, ports, args.host, served_name(args)))
 
+
+def served_name(args: argparse.Namespace) -> str:
+    return str(args.served_model_name or model_name(args.model))
+
+
+def build_engines(args: argparse.Namespace, count: int) -> list[Engine]:
+    """One engine per port, each on its own slice of this host's devices (not yet warm)."""
     import jax
 
     from tpupod.model import load_model, make_mesh
     from tpupod.serve.engine import Engine
 
-    slices = device_slices(jax.local_devices(), len(ports))
+    slices = device_slices(jax.local_devices(), count)
     cpu = jax.default_backend() == "cpu"
     dtype = args.dtype or ("float32" if cpu else "bfloat16")
     # a step on a CPU takes long enough that a host round trip a step costs little
     decode_steps = args.decode_steps or (1 if cpu else 8)
-    name = args.served_model_name or model_name(args.model)
     engines = []
     for devices in slices:
         model = load_model(args.model, dtype=dtype, mesh=make_mesh(1, len(devices), devices))
@@ -182,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
                 prefill_tokens=args.prefill_tokens,
             )
         )
-    _warm(engines)
-    return asyncio.run(_serve(engines, sockets, ports, args.host, name))
+    return engines
 
 
 def _warm(engines: list[Engine]) -> None:
@@ -208,9 +233,35 @@ def _warm(engines: list[Engine]) -> None:
 async def _serve(
     engines: list[Engine], sockets: list[socket.socket], ports: list[int], host: str, name: str
 ) -> int:
-    import uvicorn
-
+    """Serve ``engines`` in this process (``--no-split``, and a multi-host replica's leader)."""
     from tpupod.serve.openai_api import create_app, loop_dispatch
+
+    loop = asyncio.get_running_loop()
+    for engine, port in zip(engines, ports, strict=True):
+        engine.dispatch = loop_dispatch(loop)
+        engine.start(f"engine-{port}")
+
+    def stop() -> None:
+        for engine in engines:
+            engine.shutdown(SHUTDOWN_MESSAGE, timeout=0)
+
+    apps = [create_app(engine, name) for engine in engines]
+    await serve_apps(apps, sockets, ports, host, stop)
+    for engine in engines:
+        engine.shutdown(SHUTDOWN_MESSAGE, timeout=10)
+    return 0
+
+
+async def serve_apps(
+    apps: Sequence[Any],
+    sockets: list[socket.socket],
+    ports: list[int],
+    host: str,
+    on_stop: Callable[[], None],
+) -> None:
+    """Serve each app on its socket until SIGTERM/SIGINT (``on_stop`` first fails what is in
+    flight); print ``ready port=P`` once each answers /health."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -218,12 +269,9 @@ async def _serve(
             yield
 
     servers = []
-    loop = asyncio.get_running_loop()
-    for engine, port in zip(engines, ports, strict=True):
-        engine.dispatch = loop_dispatch(loop)
-        engine.start(f"engine-{port}")
+    for app in apps:
         config = uvicorn.Config(
-            create_app(engine, name),
+            app,
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -233,11 +281,11 @@ async def _serve(
         servers.append(Server(config))
 
     def stop() -> None:
-        for engine in engines:
-            engine.shutdown(SHUTDOWN_MESSAGE, timeout=0)
+        on_stop()
         for server in servers:
             server.should_exit = True
 
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     pairs = zip(servers, sockets, strict=True)
@@ -245,9 +293,6 @@ async def _serve(
     probe = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
     await asyncio.gather(*(_announce(t, probe, p) for t, p in zip(tasks, ports, strict=True)))
     await asyncio.gather(*tasks)
-    for engine in engines:
-        engine.shutdown(SHUTDOWN_MESSAGE, timeout=10)
-    return 0
 
 
 async def _announce(task: asyncio.Task[Any], host: str, port: int) -> None:

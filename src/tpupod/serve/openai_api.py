@@ -14,8 +14,11 @@ take, 503 once the server is shutting down. A stream that
 cannot finish (the server stops under it) ends with an ``error`` event and no
 ``[DONE]``, which the ``openai`` client raises as an ``APIError``.
 
-The engine runs in its own thread; its events hop onto the event loop
-(``call_soon_threadsafe``) into one queue per request.
+The engine is either in this process, in its own thread (its events hop
+onto the event loop with ``call_soon_threadsafe``, one queue per request),
+or in the engine process behind a link (``enginelink.RemoteEngine``, its
+events read on the loop). While a linked engine is down, ``/health`` and
+every request answer 503 with the reason.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,10 +58,30 @@ from tpupod.serve.engine import (
     Sink,
     deliver,
 )
-from tpupod.serve.engine import (
-    Request as EngineRequest,
-)
 from tpupod.serve.openai_errors import error_body, path_error
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class ServedEngine(Protocol):
+    """What the app uses of an engine: an :class:`Engine`, or one behind a link."""
+
+    tokenizer: Any
+    max_length: int
+    max_batch: int
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    def check(self, prompt: Sequence[int], max_tokens: int | None) -> int: ...
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink) -> Cancellable: ...
+
 
 # ---- request bodies ----------------------------------------------------------
 
@@ -176,8 +199,8 @@ def _validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"{where}{first['msg']}", param, "invalid_value")
 
 
-def _stopping() -> APIError:
-    return APIError(503, "the server is shutting down", None, "service_unavailable", "server_error")
+def _unavailable(message: str = "the server is shutting down") -> APIError:
+    return APIError(503, message, None, "service_unavailable", "server_error")
 
 
 # ---- metrics -------------------------------------------------------------------
@@ -186,7 +209,7 @@ def _stopping() -> APIError:
 class Metrics:
     """One engine's Prometheus metrics, in its own registry (one per port)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: ServedEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -232,7 +255,7 @@ class Metrics:
 class _Call:
     """One request's events, carried from the engine's thread onto the event loop."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, endpoint: str) -> None:
+    def __init__(self, engine: ServedEngine, metrics: Metrics, endpoint: str) -> None:
         self.engine = engine
         self.metrics = metrics
         self.endpoint = endpoint
@@ -241,7 +264,7 @@ class _Call:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.started = time.perf_counter()
         self.first: float | None = None
-        self.request: EngineRequest | None = None
+        self.request: Cancellable | None = None
         self.ended = False
 
     def abandon(self) -> None:
@@ -288,18 +311,30 @@ def loop_dispatch(loop: asyncio.AbstractEventLoop) -> Callable[[list[tuple[Sink,
 @dataclass(frozen=True)
 class Served:
     """What every handler of one server reads (``app.state.served``): the engine, the name
-    it serves the model under, its metrics, and when it started (the model's ``created``)."""
+    it serves the model under, its metrics, when it started (the model's ``created``) and
+    the model's vocabulary size (token ids a prompt may hold)."""
 
-    engine: Engine
+    engine: ServedEngine
     model_name: str
     metrics: Metrics
     created: int
+    vocab_size: int
 
 
-def create_app(engine: Engine, model_name: str, metrics: Metrics | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the name ``model_name``."""
+def create_app(
+    engine: ServedEngine,
+    model_name: str,
+    metrics: Metrics | None = None,
+    vocab_size: int | None = None,
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the name ``model_name`` (``vocab_size``:
+    the model's, by default read from a local :class:`Engine`)."""
+    if vocab_size is None:
+        assert isinstance(engine, Engine)
+        vocab_size = engine.model.config.vocab_size
     app = FastAPI(title="tpupod builtin server", docs_url=None, redoc_url=None)
-    app.state.served = Served(engine, model_name, metrics or Metrics(engine), int(time.time()))
+    metrics = metrics or Metrics(engine)
+    app.state.served = Served(engine, model_name, metrics, int(time.time()), vocab_size)
     app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
     app.add_api_route("/health", health, methods=["GET"])
@@ -325,8 +360,11 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
-async def health(request: Request) -> dict[str, Any]:
+async def health(request: Request) -> Any:
     served = _served(request)
+    down: str | None = getattr(served.engine, "down", None)  # an engine behind a link
+    if down is not None:
+        return JSONResponse(_unavailable(down).body(), status_code=503)
     return {"ok": True, "model": served.model_name, "running": served.engine.running}
 
 
@@ -376,7 +414,7 @@ async def completions(request: Request) -> Response:
         ids = served.engine.tokenizer.encode(prompt)
     else:
         ids = [int(t) for t in prompt]
-        vocab = served.engine.model.config.vocab_size
+        vocab = served.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
     call = _Call(served.engine, served.metrics, "completions")
@@ -435,7 +473,7 @@ def _submit(
         param = prompt_param if exc.param in ("messages", "prompt") else exc.param
         raise APIError(400, exc.message, param, exc.code) from exc
     except EngineStopped as exc:
-        raise _stopping() from exc
+        raise _unavailable(exc.message) from exc
     served.metrics.prompt_tokens.inc(len(prompt))
 
 
@@ -460,7 +498,7 @@ async def _respond(served: Served, call: _Call, body: _Sampling, *, chat: bool) 
                 return JSONResponse(shape.whole("".join(text), event))
     finally:
         call.abandon()
-    raise _stopping()  # not reached: events end with Finished or Failed
+    raise _unavailable()  # not reached: events end with Finished or Failed
 
 
 class _Shape:

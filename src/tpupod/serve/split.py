@@ -1,0 +1,216 @@
+"""The builtin server as three processes: a keeper, the engine, the front end (vLLM's split).
+
+``python -m tpupod.serve.builtin`` (what the fleet's agent starts and
+watches) binds the ports, then becomes the *keeper*: a small process that
+starts two children in its process group and restarts either when a signal
+kills it (``kill -9``, the OOM killer, an abort):
+
+- the **engine** process loads the model and runs every port's engine (one
+  process owns the device, as before); each engine is served over a Unix
+  socket (``enginelink.py``);
+- the **front end** process holds the ports (inherited from the keeper) and
+  runs HTTP, validation, chat templates and tokenizing, so request handling
+  never takes the engine loop's interpreter time.
+
+Front end killed: the engine keeps its compiled programs and KV cache (the
+dead front end's requests are cancelled); the keeper starts a new front end
+on the same listening sockets (connections wait in the backlog meanwhile).
+Engine killed: the front end fails every request in flight (a stream ends
+with an ``error`` event) and answers 503 with the reason until the keeper's
+new engine is warm. A child that exits by itself (an error, a clean stop)
+ends the server with its exit code, and the fleet's supervisor takes over.
+SIGTERM stops both children (the front end first), then the keeper exits 0;
+the children die with the keeper (``PR_SET_PDEATHSIG``), and all three share
+the process group the fleet stops, so ``serve status``, ``serve restart`` and
+``serve down`` see one server as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tpupod.serve import builtin
+
+RESTART_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 10.0
+STABLE_S = 60.0
+STOP_GRACE_S = 8.0
+POLL_S = 0.05
+
+
+class _Child:
+    """One child process of the keeper and its restarts."""
+
+    def __init__(self, role: str, argv: list[str], fds: tuple[int, ...]) -> None:
+        self.role, self.argv, self.fds = role, argv, fds
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.began = 0.0
+        self.backoff = RESTART_BACKOFF_S
+        self.due: float | None = None  # when a restart is due
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, pass_fds=self.fds, stdin=subprocess.DEVNULL)
+        self.began = time.monotonic()
+        self.due = None
+
+    def exited(self) -> int | None:
+        """Its exit code, once it ended (and only once)."""
+        if self.proc is None or (code := self.proc.poll()) is None:
+            return None
+        self.proc = None
+        return code
+
+    def schedule_restart(self, code: int) -> None:
+        if time.monotonic() - self.began > STABLE_S:
+            self.backoff = RESTART_BACKOFF_S
+        _say(f"the {self.role} process was killed ({_signal_name(code)}); restarting it")
+        self.due = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+
+def _say(text: str) -> None:
+    print(f"[tpupod builtin] {text}", file=sys.stderr, flush=True)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
+    """Run the engine and the front end; restart the one a signal kills; 0 after SIGTERM."""
+    folder = Path(tempfile.mkdtemp(prefix="tpupod-builtin-"))  # mode 0700: ours alone
+    base = [sys.executable, "-m", "tpupod.serve.builtin", *_passed_on(args), "--ipc", str(folder)]
+    fds = tuple(s.fileno() for s in sockets)
+    engine = _Child("engine", [*base, "--role", "engine"], ())
+    front = _Child("front end", [*base, "--role", "frontend", "--fds", _join(fds)], fds)
+    children = [front, engine]
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: stopping.append(signum))
+    try:
+        engine.start()
+        front.start()
+        while not stopping:
+            time.sleep(POLL_S)
+            for child in children:
+                if (code := child.exited()) is not None and not stopping:
+                    if code >= 0:  # it ended by itself: so does the server
+                        return code
+                    if child is engine:
+                        for path in folder.glob("*.sock"):
+                            path.unlink(missing_ok=True)
+                    child.schedule_restart(code)
+                if child.due is not None and time.monotonic() >= child.due:
+                    child.start()
+        return 0
+    finally:
+        _stop(children)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stop(children: list[_Child]) -> None:
+    """TERM the front end, then the engine; KILL what is left after a grace period."""
+    for child in children:
+        child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+def _join(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
+def _passed_on(args: argparse.Namespace) -> list[str]:
+    """The keeper's own options, for its children."""
+    argv = ["--model", args.model, "--host", args.host, "--ports", args.ports]
+    argv += ["--max-batch", str(args.max_batch), "--max-length", str(args.max_length)]
+    for flag, value in (
+        ("--dtype", args.dtype),
+        ("--served-model-name", args.served_model_name),
+        ("--prefill-tokens", args.prefill_tokens),
+        ("--decode-steps", args.decode_steps),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _die_with_parent() -> None:
+    """Be killed when the keeper dies (even by ``kill -9``): no orphan holds the device."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the keeper died before the line above
+        os._exit(1)
+
+
+def engine_main(args: argparse.Namespace, ports: list[int]) -> int:
+    """The engine process: every port's engine, warm, each behind its link."""
+    from tpupod.serve.enginelink import EngineHost, socket_path
+
+    _die_with_parent()
+    engines = builtin.build_engines(args, len(ports))
+    builtin._warm(engines)
+    # from here a stop waits for the engines to fail what they hold (threads inherit the mask)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    for engine, port in zip(engines, ports, strict=True):
+        host = EngineHost(engine, socket_path(Path(args.ipc), port))
+        engine.start(f"engine-{port}")
+        host.start(f"engine-{port}")
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    for engine in engines:
+        engine.shutdown(builtin.SHUTDOWN_MESSAGE, timeout=10)
+    return 0
+
+
+def frontend_main(args: argparse.Namespace, ports: list[int]) -> int:
+    """The front-end process: the ports' HTTP servers, each on its engine's link."""
+    _die_with_parent()
+    sockets = [socket.socket(fileno=int(fd)) for fd in args.fds.split(",")]
+    return asyncio.run(_front(sockets, ports, args.host, builtin.served_name(args), args.ipc))
+
+
+async def _front(
+    sockets: list[socket.socket], ports: list[int], host: str, name: str, ipc: str
+) -> int:
+    from tpupod.serve.enginelink import RemoteEngine, socket_path
+    from tpupod.serve.openai_api import create_app
+
+    remotes = [RemoteEngine(socket_path(Path(ipc), port)) for port in ports]
+    links = [asyncio.create_task(remote.run()) for remote in remotes]
+    await asyncio.gather(*(remote.connected.wait() for remote in remotes))  # warm engines
+
+    def stop() -> None:
+        for remote in remotes:
+            remote.shutdown(builtin.SHUTDOWN_MESSAGE)
+
+    apps = [create_app(r, name, vocab_size=r.vocab_size) for r in remotes]
+    await builtin.serve_apps(apps, sockets, ports, host, stop)
+    for link in links:
+        link.cancel()
+    return 0

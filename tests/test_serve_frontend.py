@@ -1,0 +1,150 @@
+"""The builtin server's front end apart from its engine (``serve/split.py``): real processes.
+
+One server (qwen2-tiny, one port) for the module: ``kill -9`` of its front
+end, then of its engine, each while streams are in flight, with the real
+``openai`` client. The keeper restarts the killed child; the other keeps
+running (the same pid): the engine keeps its warm programs, the front end
+keeps its port and answers 503 with the reason meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.test_serve_builtin import FIXTURES, NAME, Server, free_ports
+
+pytestmark = pytest.mark.local
+
+NEW = 8
+RESTART_S = 240  # an engine's restart loads and compiles the model: slow on a busy CPU
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = Server(FIXTURES / NAME, free_ports(1), "--max-batch", "4", "--max-length", "128")
+    try:
+        srv.wait_ready(timeout=RESTART_S)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def child(srv: Server, role: str) -> psutil.Process:
+    """The keeper's child of this role (``engine`` or ``frontend``)."""
+    for proc in psutil.Process(srv.proc.pid).children():
+        if f"--role {role}" in " ".join(proc.cmdline()):
+            return proc
+    raise AssertionError(f"no {role} process")
+
+
+def wait_healthy(srv: Server, timeout: float = RESTART_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(srv.url("/health"), timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not come back")
+
+
+def complete(client: openai.OpenAI, **kwargs: Any) -> Any:
+    return client.completions.create(
+        model=NAME, **{"prompt": [5, 6, 7], "max_tokens": NEW, "temperature": 0, **kwargs}
+    )
+
+
+def streams_in_flight(
+    client: openai.OpenAI, count: int
+) -> tuple[list[str], list[threading.Thread]]:
+    """``count`` long streams, each past its first chunk when this returns."""
+    outcomes: list[str] = []
+    first = threading.Barrier(count + 1)
+
+    def stream() -> None:
+        chunks = client.completions.create(
+            model=NAME, prompt=[5, 6, 7], max_tokens=120, temperature=0, stream=True
+        )
+        try:
+            for i, _ in enumerate(chunks):
+                if i == 0:
+                    first.wait(timeout=60)
+            outcomes.append("finished")
+        except openai.APIError as exc:
+            outcomes.append(f"error: {exc.message}")
+        except httpx.HTTPError as exc:
+            outcomes.append(f"cut: {type(exc).__name__}")
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    first.wait(timeout=60)
+    return outcomes, threads
+
+
+@pytest.mark.timeout(RESTART_S + 120)
+def test_front_end_killed_the_engine_keeps_its_state_and_a_new_front_end_serves(
+    server: Server,
+) -> None:
+    client = server.client()
+    want = complete(client).choices[0].text
+    engine, front = child(server, "engine"), child(server, "frontend")
+    compiled = engine.cpu_times()
+    _, threads = streams_in_flight(client, 2)
+    os.kill(front.pid, signal.SIGKILL)
+    for t in threads:  # the clients' connections are cut: nothing hangs
+        t.join(timeout=30)
+        assert not t.is_alive()
+    wait_healthy(server, timeout=120)  # a front end starts in seconds: no model, no compile
+    assert complete(server.client()).choices[0].text == want
+    assert child(server, "engine").pid == engine.pid  # the same engine, its programs warm
+    assert child(server, "frontend").pid != front.pid
+    # the dead front end's streams were cancelled: their slots are free again
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url("/health"), timeout=5).json()["running"] and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    assert httpx.get(server.url("/health"), timeout=5).json()["running"] == 0
+    # answering took far less engine CPU time than loading and compiling had
+    spent = engine.cpu_times().user - compiled.user
+    assert spent < compiled.user / 2, (spent, compiled.user)
+
+
+@pytest.mark.timeout(RESTART_S + 120)
+def test_engine_killed_streams_end_with_an_error_503_until_it_is_back(server: Server) -> None:
+    wait_healthy(server)
+    client = server.client()
+    want = complete(client).choices[0].text
+    engine, front = child(server, "engine"), child(server, "frontend")
+    outcomes, threads = streams_in_flight(client, 3)
+    os.kill(engine.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+    reason = "the engine process is not running (it exited); it is being restarted"
+    assert len(outcomes) == 3 and all(o.startswith(f"error: {reason}") for o in outcomes)
+
+    health = httpx.get(server.url("/health"), timeout=5)
+    assert health.status_code == 503
+    assert health.json()["error"]["message"].startswith(reason)
+    assert health.json()["error"]["code"] == "service_unavailable"
+    with pytest.raises(openai.APIStatusError) as refused:
+        complete(client)
+    assert refused.value.status_code == 503 and reason in refused.value.message
+
+    wait_healthy(server)
+    assert complete(client).choices[0].text == want
+    assert child(server, "frontend").pid == front.pid  # the port never closed
+    assert child(server, "engine").pid != engine.pid
