@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import CliResult, require, tpupod_argv
+from tests.conftest import CliResult, tpupod_argv
+from tests.postgres import Postgres, new_database, postgres_cluster
 from tests.test_jobs_api import serving
 from tpupod.errors import LeaseLost
 from tpupod.jobs import claims
@@ -32,82 +28,10 @@ from tpupod.pod import Pod
 pytestmark = pytest.mark.local  # a database server and runner processes
 
 
-def _pg_bin() -> Path | None:
-    """Where initdb and pg_ctl are: on PATH, else Debian's newest /usr/lib/postgresql/N/bin."""
-    found = shutil.which("initdb")
-    if found:
-        return Path(found).resolve().parent
-    debian = sorted(
-        Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3])
-    )
-    return debian[-1].parent if debian else None
-
-
-def _as_postgres(argv: list[str]) -> list[str]:
-    """Root may not run PostgreSQL: run it as the postgres user Debian's package made."""
-    return ["runuser", "-u", "postgres", "--", *argv] if os.getuid() == 0 else argv
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class Postgres:
-    """A PostgreSQL cluster of our own on 127.0.0.1 (trust auth), for this module."""
-
-    url: str
-    pg_ctl: list[str]
-
-    def restart(self) -> None:
-        subprocess.run([*self.pg_ctl, "-m", "fast", "restart"], check=True, capture_output=True)
-
-    def stop(self) -> None:
-        subprocess.run([*self.pg_ctl, "-m", "fast", "stop"], check=True, capture_output=True)
-
-    def start(self) -> None:
-        subprocess.run([*self.pg_ctl, "start"], check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[Postgres]:
-    with postgres_cluster() as server:
-        yield server
-
-
-@contextlib.contextmanager
-def postgres_cluster() -> Iterator[Postgres]:
-    """Start a cluster of our own (initdb, pg_ctl start); stop and remove it afterwards."""
-    bindir = _pg_bin()
-    require(bindir is not None, "PostgreSQL is not installed (apt-get install postgresql)")
-    assert bindir is not None
-    data = Path(tempfile.mkdtemp(prefix="tpupod-pg-"))
-    if os.getuid() == 0:
-        shutil.chown(data, "postgres", "postgres")
-    port = _free_port()
-    initdb = [str(bindir / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres"]
-    subprocess.run(_as_postgres(initdb), check=True, capture_output=True)
-    options = f"-h 127.0.0.1 -p {port} -k {data} -c fsync=off -c max_connections=100"
-    pg_ctl = _as_postgres(
-        [
-            str(bindir / "pg_ctl"),
-            "-D",
-            str(data / "db"),
-            "-o",
-            options,
-            "-w",
-            "-l",
-            str(data / "log"),
-        ]
-    )
-    subprocess.run([*pg_ctl, "start"], check=True, capture_output=True)
-    try:
-        yield Postgres(f"postgresql://postgres@127.0.0.1:{port}", pg_ctl)
-    finally:
-        subprocess.run([*pg_ctl, "-m", "immediate", "stop"], capture_output=True)
-        shutil.rmtree(data, ignore_errors=True)
+@pytest.fixture
+def postgres(postgres_server: Postgres) -> Postgres:
+    """The session's PostgreSQL cluster (tests/conftest.py); modules import this name."""
+    return postgres_server
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -115,13 +39,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty job store on each database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'jobs.db'}"
-    import psycopg
-
-    server: str = request.getfixturevalue("postgres").url
-    name = f"t{os.getpid()}_{time.monotonic_ns()}"
-    with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return f"{server}/{name}"
+    return new_database(request.getfixturevalue("postgres"))
 
 
 @pytest.fixture
@@ -621,14 +539,14 @@ def test_an_idle_runner_wakes_for_a_new_job_at_once(store: Store, db_url: str) -
 
 
 def test_postgres_restarted_under_load_loses_nothing_and_runs_nothing_twice(
-    request: pytest.FixtureRequest, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    import psycopg
+    with postgres_cluster() as server:  # its own: a restart disturbs no other test
+        _restarted_under_load(server, tmp_path)
 
-    server: Postgres = request.getfixturevalue("postgres")
-    with psycopg.connect(f"{server.url}/postgres", autocommit=True) as conn:
-        conn.execute("CREATE DATABASE restart_load")
-    url = f"{server.url}/restart_load"
+
+def _restarted_under_load(server: Postgres, tmp_path: Path) -> None:
+    url = new_database(server)
     store = Store.open(url)
     ran = tmp_path / "ran"
     ids = [store.submit(command_job(f"echo $TPUPOD_JOB_ID >> {ran}")) for _ in range(100)]

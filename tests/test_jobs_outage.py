@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_jobs import Postgres, _wait_for, command_job, postgres_cluster, runner
+from tests.postgres import Postgres, new_database, postgres_cluster
+from tests.test_jobs import _wait_for, command_job, runner
 from tpupod.jobs import claims
 from tpupod.jobs.execute import LocalExecutor
 from tpupod.jobs.linebuffer import LineBuffer
@@ -33,15 +33,6 @@ def pg() -> Iterator[Postgres]:
     """A cluster of this test's own: stopping it disturbs no other test."""
     with postgres_cluster() as server:
         yield server
-
-
-def _database(server: Postgres) -> str:
-    import psycopg
-
-    name = f"t{os.getpid()}_{time.monotonic_ns()}"
-    with psycopg.connect(f"{server.url}/postgres", autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return f"{server.url}/{name}"
 
 
 def _outage(server: Postgres, store: Store, ready: Callable[[], bool]) -> float:
@@ -72,7 +63,7 @@ def test_lines_printed_while_postgres_is_down_reach_the_log_in_order_once_it_is_
     """Two runners, a job each, print through a 6 s outage: one job ends during it, one
     after it. Neither runner takes the other's job for lost when the store is back (their
     leases expired meanwhile: neither could renew)."""
-    url = _database(pg)
+    url = new_database(pg)
     store = Store.open(url)
     long = store.submit(command_job("for i in $(seq 1 100); do echo line $i; sleep 0.1; done"))
     short = store.submit(command_job("for i in $(seq 1 30); do echo short $i; sleep 0.1; done"))
@@ -102,7 +93,7 @@ def test_a_gang_job_printing_through_an_outage_keeps_every_workers_lines(
 ) -> None:
     """The issue's case: a 3-worker gang job across an outage kept 11 of its 75 lines."""
     pod = make_pod(3)
-    url = _database(pg)
+    url = new_database(pg)
     store = Store.open(url)
     body = 'for i in $(seq 1 25); do echo "w$TPUPOD_WORKER_ID line $i"; sleep 0.3; done'
     job = store.submit(command_job(body, pod=pod.name))
@@ -127,7 +118,7 @@ def test_lines_past_the_runners_buffer_are_dropped_and_the_log_says_how_many_and
 ) -> None:
     """A runner whose buffer (here a few lines) fills during the outage: the log has every
     line up to the gap, one marker with the count, and every line after it."""
-    url = _database(pg)
+    url = new_database(pg)
     store = Store.open(url)
     job = store.submit(command_job("for i in $(seq 1 80); do echo line $i; sleep 0.1; done"))
     said: list[str] = []
