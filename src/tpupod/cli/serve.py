@@ -100,10 +100,22 @@ def up(
             show_default=False,
         ),
     ] = None,
-    policy: Annotated[
+    router: Annotated[
         str,
-        typer.Option("--policy", help="least_outstanding, round_robin or power_of_two."),
-    ] = defaults.POLICY,
+        typer.Option(
+            "--router",
+            help="builtin, or sgl: sgl-router on worker 0 (pip install 'tpupod[sgl]' there).",
+        ),
+    ] = defaults.ROUTER,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy",
+            help=f"builtin: least_outstanding (default), round_robin or power_of_two; sgl: "
+            f"{defaults.SGL_POLICY} (default), round_robin, power_of_two or random.",
+            show_default=False,
+        ),
+    ] = None,
     health_interval: Annotated[
         float, typer.Option("--health-interval", help="Seconds between health checks.")
     ] = defaults.HEALTH_INTERVAL_S,
@@ -145,7 +157,7 @@ def up(
 
     fleet = _fleet(pod)
     options = up_options(
-        backend, policy, model=model, servers_per_worker=servers_per_worker,
+        backend, policy, router, model=model, servers_per_worker=servers_per_worker,
         base_port=base_port, dtype=dtype, served_model_name=served_model_name,
         command=command_template, extra_args=tuple(backend_args or ()),
         startup_timeout=startup_timeout, python=fleet.pod.worker_python(worker_python),
@@ -167,11 +179,14 @@ def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> N
     """A table: worker, server, backend, state, restarts, requests, tokens/s."""
     found = _fleet(pod).status()
     print_columns(_status_table(found), sys.stdout)
+    kind = "" if found.record.router == "builtin" else f" ({found.router_kind})"
     if found.router_error is not None:
-        print(f"router: {found.router_error}")
-    else:
-        healthy = f"{found.healthy}/{len(found.servers)} backends healthy"
-        print(f"router: {found.record.base_url} ({healthy})")
+        print(f"router{kind}: {found.router_error}")
+        return
+    seen = [f"{found.healthy}/{len(found.servers)} backends healthy"]
+    seen += [f"its /health: {found.router_health}"] if found.router_health else []
+    seen += [f"circuit {c}" for c in found.circuits]
+    print(f"router{kind}: {found.record.base_url} ({'; '.join(seen)})")
 
 
 def _status_table(found: FleetStatus) -> list[list[str]]:

@@ -14,6 +14,10 @@ token from ``NAME.token`` (mode 0600), both in the state folder::
 
     .tpupod/serve/agent.json agent.token agent.log servers.json logs/NAME.log
     .tpupod/serve/router.json router.token router.log
+
+The router is the builtin one (``tpupod.serve.router``) or sgl-router
+(``tpupod.serve.sglrouter`` records ``kind: sgl`` in router.json); ``view`` asks
+either for its backends.
 """
 
 from __future__ import annotations
@@ -170,6 +174,17 @@ def call(state: Path, service: str, method: str, path: str, body: str | None) ->
     return {"status": r.status_code, "body": answer}
 
 
+def view(state: Path) -> dict[str, Any]:
+    """The router's view of its backends, as ``call`` answers: the builtin router's
+    ``/backends``, or sgl-router's workers, health and circuits (``sglrouter.view``)."""
+    info = read_info(state, "router")
+    if info is not None and info.get("kind") == "sgl":
+        from tpupod.serve.sglrouter import view as sgl_view
+
+        return sgl_view(info, token(state, "router"))
+    return call(state, "router", "GET", "/backends", None)
+
+
 def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:
     """Print a JSON event as each server of the agent becomes ready; 0 once all are.
 
@@ -222,6 +237,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("method")
     c.add_argument("path")
     c.add_argument("--body", default=None)
+    sub.add_parser("view", help="the router's view of its backends (either router)")
     w = sub.add_parser("wait-ready", help="report servers as they become ready")
     w.add_argument("--timeout", type=float, default=600.0)
     return parser
@@ -240,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         answer = stop(state, args.service, args.grace)
     elif args.action == "call":
         answer = call(state, args.service, args.method, args.path, args.body)
+    elif args.action == "view":
+        answer = view(state)
     else:
         return wait_ready(state, args.timeout)
     print(json.dumps(answer), flush=True)

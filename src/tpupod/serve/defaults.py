@@ -7,6 +7,8 @@ AGENT_PORT = 9010
 ROUTER_PORT = 9100  # on worker 0; a local pod's router takes any free port
 BASE_PORT = 31000  # the first server port of a worker
 POLICY = "least_outstanding"
+ROUTER = "builtin"  # or "sgl": sgl-router (the sglang-router package)
+SGL_POLICY = "cache_aware"  # sgl-router's own default: a prefix goes where it was cached
 ROUTER_RETRIES = 2  # another server, for a connect error or a 5xx before anything was sent
 RESTART_BACKOFF_S = 1.0  # the first wait before a server is restarted (it doubles)
 

@@ -49,6 +49,15 @@ class FleetRecord(BaseModel):
     token: str
     started: float
     settings: dict[str, Any] | None = None  # serve up's options: a second one compares them
+    router: str = defaults.ROUTER  # builtin or sgl (sgl-router)
+
+    @property
+    def options(self) -> dict[str, Any] | None:
+        """The recorded settings; an option added since they were written reads as its
+        default (a fleet started before ``--router`` existed ran the builtin router)."""
+        if self.settings is None:
+            return None
+        return {**settings_of(UpOptions(model=self.model)), **self.settings}
 
     @property
     def base_url(self) -> str:
@@ -71,22 +80,35 @@ class UpOptions:
     agent_port: int = defaults.AGENT_PORT
     router_port: int | None = None
     policy: str = defaults.POLICY
+    router: str = defaults.ROUTER  # builtin, or sgl: sgl-router (tpupod[sgl]) on worker 0
     health_interval: float = defaults.HEALTH_INTERVAL_S
     restart_backoff: float = defaults.RESTART_BACKOFF_S
     hosts_per_replica: int = 1  # >1: each run of K workers serves one replica in lockstep
     mesh: str | None = None  # model=M across a replica's devices
 
 
-def up_options(backend: str, policy: str, **given: Any) -> UpOptions:
-    """``serve up``'s options from flag values: the backend and policy named as strings."""
+def up_options(
+    backend: str, policy: str | None, router: str = defaults.ROUTER, **given: Any
+) -> UpOptions:
+    """``serve up``'s options from flag values: the backend, router and policy named as
+    strings (no policy: the router's default)."""
     from tpupod.serve.router import Policy
+    from tpupod.serve.sglrouter import POLICIES
 
+    policies = {"builtin": [p.value for p in Policy], "sgl": list(POLICIES)}
+    if router not in policies:
+        raise UsageError(f"no router {router!r}", hint="--router builtin or --router sgl")
+    policy = policy or (defaults.POLICY if router == "builtin" else defaults.SGL_POLICY)
+    if policy not in policies[router]:
+        raise UsageError(
+            f"the {router} router has no policy {policy!r}",
+            hint=f"--policy {' or '.join(policies[router])}",
+        )
     try:
         chosen = Backend(backend)
-        Policy(policy)
     except ValueError as exc:
         raise UsageError(str(exc), hint="see 'tpupod serve up --help'") from None
-    return UpOptions(backend=chosen, policy=policy, **given)
+    return UpOptions(backend=chosen, policy=policy, router=router, **given)
 
 
 FLAGS = {"python": "--worker-python", "extra_args": "the arguments after --"}

@@ -39,6 +39,7 @@ from tpupod.serve.record import (
     save_record,
     settings_of,
 )
+from tpupod.serve.sglrouter import MISSING
 from tpupod.serve.status import AgentAnswer, member
 from tpupod.serve.supervisor import unstamped
 from tpupod.state import StateDir
@@ -119,10 +120,16 @@ class RemoteFleet:
         args = ["call", service, method, path]
         if body is not None:
             args += ["--body", json.dumps(body)]
+        return await self.answered(worker, service, f"{method} {path}", args)
+
+    async def answered(self, worker: Worker, service: str, what: str, args: list[str]) -> Any:
+        """The body of a ctl call's answer (``call`` or ``view``), or a ServeError."""
         answer = (await self.ctl(worker, *args))[-1]
+        if answer.get("status") is None and "error" in answer:  # it does not run or answer
+            raise ServeError(f"{worker.label}: {answer['error']}")
         if answer.get("status") != 200:
-            what = answer.get("error") or f"HTTP {answer.get('status')}: {answer.get('body')}"
-            raise ServeError(f"{worker.label}: the {service} refused {method} {path}: {what}")
+            why = answer.get("error") or f"HTTP {answer.get('status')}: {answer.get('body')}"
+            raise ServeError(f"{worker.label}: the {service} refused {what}: {why}")
         return answer["body"]
 
     # -- up ------------------------------------------------------------------------------
@@ -286,16 +293,23 @@ class RemoteFleet:
         port = options.router_port
         if port is None:
             port = 0 if self.pod.on_this_machine else defaults.ROUTER_PORT
-        argv = [self.python, "-m", "tpupod.serve.router", "--host", head.internal_address]
-        argv += ["--port", str(port)]
+        module = "tpupod.serve.sglrouter" if options.router == "sgl" else "tpupod.serve.router"
+        argv = [self.python, "-m", module, "--host", head.internal_address, "--port", str(port)]
         # without --served-model-name, the router asks the servers what they call the model
-        argv += ["--model", options.served_model_name] if options.served_model_name else []
+        if options.served_model_name and options.router == "builtin":
+            argv += ["--model", options.served_model_name]
         argv += ["--backends", ",".join(s.address for s in servers), "--policy", options.policy]
         argv += ["--health-interval", str(options.health_interval)]
         args = ["ensure", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN", "router", "--", *argv]
         answer = (await self.ctl(head, *args, env={"TPUPOD_SERVE_TOKEN": token}))[-1]
         if "error" in answer:
-            raise ServeError(f"w0: {answer['error']}: {'; '.join(answer.get('log', []))}")
+            log = answer.get("log", [])
+            if any(MISSING in line for line in log):
+                raise ServeError(
+                    f"w0: {MISSING} {self.python}: --router sgl runs sgl-router there",
+                    hint="pip install 'tpupod[sgl]' on the workers (or --router builtin)",
+                )
+            raise ServeError(f"w0: {answer['error']}: {'; '.join(log)}")
         return int(answer["port"])
 
     async def up(
@@ -310,10 +324,10 @@ class RemoteFleet:
         wanted = settings_of(options)
         old = self.existing()
         if old is not None and not replace:
-            if old.settings != wanted:
+            if old.options != wanted:
                 raise ServeError(
                     f"already serving {old.model} on pod {self.pod.name!r} with other "
-                    f"settings ({differences(old.settings, wanted)})",
+                    f"settings ({differences(old.options, wanted)})",
                     hint="'tpupod serve down' first, or 'tpupod serve up --replace' to stop "
                     "every server of it and start these",
                 )
@@ -393,25 +407,30 @@ class RemoteFleet:
             token=token,
             started=time.time(),
             settings=wanted,
+            router=options.router,
         )
         save_record(self.state, record)
-        progress(f"router on w0 at {record.base_url} over {len(servers)} servers")
+        kind = "sgl-router" if options.router == "sgl" else "router"
+        progress(f"{kind} on w0 at {record.base_url} over {len(servers)} servers")
         return record
 
     # -- status, restart, down -----------------------------------------------------------
-    async def answer(self, worker: Worker, service: str, path: str) -> AgentAnswer:
-        """A service's GET answer, or why there is none (one line naming the worker)."""
+    async def answer(self, worker: Worker, service: str, args: list[str]) -> AgentAnswer:
+        """A service's answer to a ctl call, or why there is none (one line naming the
+        worker)."""
         try:
-            body: dict[str, Any] = await self.call(worker, service, "GET", path)
+            what = " ".join(args[2:4]) if args[0] == "call" else "its view of the backends"
+            body: dict[str, Any] = await self.answered(worker, service, what, args)
         except (ServeError, WorkerError) as exc:
             return exc.message
         return body
 
     async def status(self) -> tuple[list[AgentAnswer], AgentAnswer]:
-        """Every agent's answer and the router's, asked at once."""
-        asked = [self.answer(w, "agent", "/admin/status") for w in self.pod.workers]
+        """Every agent's answer and the router's view of its backends, asked at once."""
+        status = ["call", "agent", "GET", "/admin/status"]
+        asked = [self.answer(w, "agent", status) for w in self.pod.workers]
         *agents, router = await asyncio.gather(
-            *asked, self.answer(self.pod.workers[0], "router", "/backends")
+            *asked, self.answer(self.pod.workers[0], "router", ["view"])
         )
         return agents, router
 

@@ -40,6 +40,12 @@ class FleetStatus:
     servers: list[ServerStatus]
     healthy: int  # backends the router routes to
     router_error: str | None = None  # why the router did not answer (None: it did)
+    router_health: str | None = None  # sgl-router's own /health answer
+    circuits: tuple[str, ...] = ()  # sgl-router: backends whose circuit is not closed
+
+    @property
+    def router_kind(self) -> str:
+        return "sgl-router" if self.record.router == "sgl" else "builtin"
 
     @property
     def replicated(self) -> bool:
@@ -55,7 +61,11 @@ def fleet_status(
     servers = [_server(record, s, agents, health.get(s.address, {})) for s in record.servers]
     if isinstance(router, str):
         return FleetStatus(record, servers, 0, router)
-    return FleetStatus(record, servers, len(router.get("backends", [])))
+    circuits = tuple(
+        f"{a}: {h['circuit']}" for a, h in health.items() if h.get("circuit", "closed") != "closed"
+    )
+    healthy = len(router.get("backends", []))
+    return FleetStatus(record, servers, healthy, None, router.get("router_health"), circuits)
 
 
 def _server(
