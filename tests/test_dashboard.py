@@ -11,10 +11,12 @@ from typing import Any
 import psutil
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import event
 
 from tests.conftest import CliResult
 from tests.dashboard_server import TOKEN, Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
 from tpupod.dashboard.app import Config, create_app
+from tpupod.dashboard.jobs import Jobs
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
 from tpupod.pod import Pod
@@ -160,3 +162,24 @@ def test_a_killed_dashboard_leaves_no_sampling_process(
     board.proc.kill()  # SIGKILL: nothing of the web process runs to stop it
     board.proc.wait()
     sampler.wait(timeout=30)  # it reads EOF on its stdin and ends
+
+
+def test_job_counts_follow_each_commit_and_skip_the_query_when_nothing_changed(
+    state_home: Path,
+) -> None:
+    """The sampler asks four times a second; on SQLite a count is taken again only after a
+    commit (another process's: here another store) changed the database's files."""
+    store = Store.open()
+    ids = store.submit_many([JobRequest(command="true") for _ in range(3)])
+    jobs = Jobs(None)
+    assert jobs.counts()["pending"] == 3
+    assert jobs.store is not None
+    queries: list[str] = []
+    event.listen(jobs.store.engine, "before_cursor_execute", lambda *a: queries.append(a[2]))
+    assert jobs.counts()["pending"] == 3 and queries == []
+    store.cancel(ids[0])
+    counts = jobs.counts()
+    assert (counts["pending"], counts["cancelled"]) == (2, 1)
+    assert [q.split()[0] for q in queries if q != "BEGIN"] == ["SELECT"]
+    store.close()
+    jobs.store.close()

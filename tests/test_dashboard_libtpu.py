@@ -79,7 +79,7 @@ def test_a_tpu_worker_shows_hbm_and_duty_cycle_while_a_program_holds_the_chips(
     board = dashboard(interval=1.0)
     try:
         wait_for(board, pod.name, "HBM 4.0/32.0 GiB, duty 50 % (2 dev)")
-        assert len(metrics.asked) >= 6  # each of the 2 workers asked for the 3 metrics
+        assert set(metrics.asked) == {libtpu.USAGE, libtpu.TOTAL, libtpu.DUTY}
         page = board.get(f"/pods/{pod.name}").text
         assert "HBM 4.0/32.0 GiB, duty 50 % (2 dev)" in page
     finally:

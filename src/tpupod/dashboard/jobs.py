@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -14,8 +15,10 @@ from tpupod.errors import JobStoreError
 from tpupod.jobs import service
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.jobs.store import Store
+from tpupod.jobs.wakeup import file_state
 
 PAGE = 50
+RECOUNT_S = 5.0  # count again at least this often (a change a file's stat cannot show)
 
 
 class Jobs:
@@ -24,6 +27,9 @@ class Jobs:
     def __init__(self, url: str | None) -> None:
         self.url = url
         self.store: Store | None = None
+        self.seen: tuple[tuple[int, int, int] | None, ...] | None = None
+        self.counted_at = 0.0
+        self.last_counts: dict[str, int] = {}
         self.opening = threading.Lock()  # the pages (threads of the web server) open it
 
     def open(self) -> Store | None:
@@ -47,10 +53,18 @@ class Jobs:
         return store
 
     def counts(self) -> dict[str, int]:
+        """Jobs per status. On SQLite the count is taken again only when the database's
+        files changed (any commit changes one) or ``RECOUNT_S`` passed: the sampler asks
+        four times a second, and a grouped count of 10,000 jobs costs milliseconds."""
         store = self.open()
         if store is None:
             return {s.value: 0 for s in JobStatus}
-        return {s.value: n for s, n in service.status_counts(store).items()}
+        files = _files(store)  # before the count: a commit during it is seen next time
+        now = time.monotonic()
+        if files is None or files != self.seen or now - self.counted_at > RECOUNT_S:
+            self.last_counts = {s.value: n for s, n in service.status_counts(store).items()}
+            self.seen, self.counted_at = files, now
+        return self.last_counts
 
     def page(self, status: str | None, before: int | None, size: int = PAGE) -> dict[str, Any]:
         """Jobs newest first, ``size`` a page, ids below ``before``; ``status`` filters."""
@@ -82,6 +96,15 @@ class Jobs:
                 yield f"id: {line.seq}\nevent: line\ndata: {json.dumps(asdict(line))}\n\n"
         status = store.get(job_id).status.value
         yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
+
+
+def _files(store: Store) -> tuple[tuple[int, int, int] | None, ...] | None:
+    """A SQLite database's files as (inode, size, mtime): the same after no commit; None
+    for PostgreSQL (nothing here to watch: count every time)."""
+    database = store.engine.url.database
+    if store.postgres or not database or database == ":memory:":
+        return None
+    return tuple(file_state(database + suffix) for suffix in ("", "-wal"))
 
 
 def _row(job: Job) -> dict[str, Any]:

@@ -4,6 +4,7 @@ worker with TPU devices also HBM and duty cycle from libtpu's metrics (libtpu.py
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import time
@@ -72,11 +73,15 @@ def parse(lines: list[str]) -> tuple[float | None, float | None]:
 
 
 async def sample_pod(pod: Pod, connector: Connector, timeout: float) -> list[WorkerSample]:
-    """Every worker's sample; one that does not answer within ``timeout`` is unreachable."""
-    seen: dict[int, list[str]] = {w.id: [] for w in pod.workers}
+    """Every worker's sample; one that does not answer within ``timeout`` is unreachable.
+    A local pod's workers are processes of this machine: one probe's answer (worker 0's)
+    is every worker's, where probing each cost a process per worker per interval."""
+    asked = pod.workers[:1] if pod.on_this_machine else pod.workers
+    seen: dict[int, list[str]] = {w.id: [] for w in asked}
     result: FanoutResult = await execute_async(
         pod,
         probe(pod.worker_python()),
+        workers=asked,
         timeout=timeout,
         grace=0.5,
         connector=connector,
@@ -91,4 +96,7 @@ async def sample_pod(pod: Pod, connector: Connector, timeout: float) -> list[Wor
         error = "" if r.ok else f"{r.outcome_text()}: {r.last_line}".strip(": ")
         w = r.worker
         samples.append(WorkerSample(w.id, w.hostname, r.ok, now, load, memory, accelerator, error))
+    if pod.on_this_machine:
+        one = samples[0]
+        return [dataclasses.replace(one, worker=w.id, hostname=w.hostname) for w in pod.workers]
     return samples

@@ -41,12 +41,12 @@ class Wakeup:
             await asyncio.sleep(timeout)
             return
         wal = f"{database}-wal"
-        seen = _state(wal)
+        seen = file_state(wal)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
             await asyncio.sleep(SQLITE_WATCH_S)
-            if _state(wal) != seen:
+            if file_state(wal) != seen:
                 return
 
     async def _listen(self, timeout: float) -> None:
@@ -68,7 +68,9 @@ class Wakeup:
             self.conn = None
 
 
-def _state(path: str) -> tuple[int, int, int] | None:
+def file_state(path: str) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of ``path``, None if it is missing: a commit changes one of a
+    SQLite database's files (the runner's wakeup and the dashboard's job counts watch them)."""
     try:
         found = os.stat(path)
     except OSError:
