@@ -276,7 +276,7 @@ def test_another_runs_output_folder_is_refused(
 
 def test_a_pod_run_into_another_runs_output_is_refused_before_any_worker_starts(
     reference_run: tuple[Path, Path], make_pod: Callable[..., Pod],
-    cli: Callable[..., CliResult], tmp_path: Path,
+    cli_in_process: Callable[..., CliResult], tmp_path: Path,
 ) -> None:  # fmt: skip
     # every worker used to start, load the model and fail alike (gRPC shutdown noise from each)
     data, single = reference_run
@@ -286,7 +286,7 @@ def test_a_pod_run_into_another_runs_output_is_refused_before_any_worker_starts(
     (out / "run.json").write_bytes((single / "run.json").read_bytes())
     args = _args(data, out)
     args[args.index("--layers") + 1 : args.index("--layers") + 4] = ["1"]
-    result = cli(*args, "--pod", pod.name, timeout=60)
+    result = cli_in_process(*args, "--pod", pod.name, timeout=60)
     assert result.code == 2, result.err
     assert result.err.splitlines() == [
         f"error: {out} holds another run's output: layers ([0, 1, 3] -> [1])",
