@@ -43,12 +43,12 @@ BAD_FILES = {
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
 def test_bad_spec_file_gets_one_line_error_with_hint(
-    case: str, tmp_path: Path, cli: Callable[..., CliResult]
+    case: str, tmp_path: Path, cli_in_process: Callable[..., CliResult]
 ) -> None:
     text, expected = BAD_FILES[case]
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    result = cli("up", "-f", str(path))
+    result = cli_in_process("up", "-f", str(path))
     assert result.code == 2, result.err
     lines = result.err.splitlines()
     assert len(lines) == 2, result.err
@@ -102,15 +102,17 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert spec == LocalPodSpec(name="dev-2", workers=2, devices_per_worker=4, env={"A": "1"})
 
 
-def test_bad_flags_name_the_flag(cli: Callable[..., CliResult]) -> None:
-    result = cli("up", "--name", "dev", "--local", "0")
+def test_bad_flags_name_the_flag(cli_in_process: Callable[..., CliResult]) -> None:
+    result = cli_in_process("up", "--name", "dev", "--local", "0")
     assert result.code == 2
     assert result.err.startswith(
         "error: --local: Input should be greater than or equal to 1 (got 0)"
     )
 
 
-def test_up_without_anything_explains(cli: Callable[..., CliResult], tmp_path: Path) -> None:
-    result = cli("up")
+def test_up_without_anything_explains(
+    cli_in_process: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    result = cli_in_process("up")
     assert result.code == 2
     assert "nothing to create" in result.err and "hint: " in result.err
