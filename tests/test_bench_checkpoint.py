@@ -156,7 +156,7 @@ def test_sweep_runs_on_every_worker_and_flags_a_regression(
     ids=["unknown-generator", "unknown-option", "sharding-does-not-divide", "too-large", "bool"],
 )
 def test_bad_config_is_one_error_naming_the_key(
-    cli: Callable[..., CliResult],
+    cli_in_process: Callable[..., CliResult],
     make_pod: Callable[..., Pod],
     tmp_path: Path,
     change: Callable[[dict[str, object]], None],
@@ -167,7 +167,7 @@ def test_bad_config_is_one_error_naming_the_key(
     change(config)
     out = tmp_path / "out"
     path = write_config(tmp_path, config)
-    run = cli("bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", str(out))
+    run = cli_in_process("bench", "checkpoint", "--pod", pod.name, "-c", str(path), "-o", str(out))
     assert run.code == 2
     lines = run.err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: ")
