@@ -1,25 +1,26 @@
 """Slot-based decoding for continuous batching (the ``builtin`` server's engine).
 
 A fixed number of KV-cache slots ``[S, K, L, H]`` per layer (S slots of L
-positions) lives on the device for the life of an engine. Two jitted programs
-work on it, both pure functions of ``(graphdef, state, caches, ...)`` with the
-caches donated so XLA updates them in place:
+positions) lives on the device for the life of an engine. ``Programs`` holds
+the jitted programs that work on it, each compiled once per shape, with the
+caches donated so XLA updates them in place and the weights passed as one
+list of arrays flattened once (see ``Programs``):
 
 - ``prefill``: the newcomers' prompts packed one after another into one row
   of T tokens (T a length bucket), attention kept within each prompt; every
-  token's key and value land in its prompt's slot at its own position, and
-  each prompt's first new token is chosen from the logits at its last token.
+  token's key and value land in its prompt's slot at its own position.
   Padding tokens name slot ``S`` (out of range) and the scatter drops them.
-  One program per length bucket serves any mix of newcomers.
-- ``decode``: one token for every slot at once. Each row writes its key and
-  value at its own position (a scatter; ``compute.generate``'s rows share one
-  index because they are left-padded together, these do not) and attends to
-  the keys before it. Rows of idle slots compute and are ignored.
-
-``decode`` returns logits, and ``prefill`` its newcomers' last hidden states,
-which ``head`` turns into logits for only as many rows as there are newcomers
-(a power of two); ``choose`` (compiled once, for P = S rows) turns logits into
-tokens, so the sampling code is not compiled again into every program.
+  One program per length bucket serves any mix of newcomers. It returns the
+  newcomers' last hidden states, which ``head`` turns into logits for only as
+  many rows as there are newcomers (a power of two); ``choose`` (compiled
+  once, for S rows) turns those into their first tokens.
+- ``decode``: ``decode_steps`` tokens for every slot. Each row writes its key
+  and value at its own position (a scatter; ``compute.generate``'s rows share
+  one index because they are left-padded together, these do not) and attends
+  to the keys before it. Its input tokens are the previous call's output,
+  still on the device, except where the host gives a newcomer's first token,
+  so the host can start call k+1 before it reads call k's tokens (the
+  engine's overlap). Rows of idle slots compute and are ignored.
 
 A row's positions are 0..n-1 for its n prompt tokens, as ``compute.generate``
 gives them after its left padding, so a greedy answer equals ``generate``'s.
@@ -32,7 +33,6 @@ row is greedy the sort that top-p needs is skipped (``lax.cond``).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import jax
@@ -96,10 +96,8 @@ def empty_caches(
     return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
-def prefill(  # noqa: PLR0917 (jit takes the arrays positionally)
-    graphdef: nnx.GraphDef[Qwen],
-    state: Any,
+def _prefill(  # noqa: PLR0917 (jit takes the arrays positionally)
+    model: Qwen,
     caches: list[KVCache],  # each [S, K, L, H]
     input_ids: Array,  # [T]: the newcomers' prompts one after another, then padding
     token_slots: Array,  # [T] the slot of each token's prompt; S (out of range) for padding
@@ -113,7 +111,6 @@ def prefill(  # noqa: PLR0917 (jit takes the arrays positionally)
     its own prompt before it, and its key and value land in its prompt's slot at
     its own position. One program per packed length serves any mix of prompts.
     """
-    model = nnx.merge(graphdef, state)
     t = input_ids.shape[0]
     same = token_slots[:, None] == token_slots[None, :]
     mask = (jnp.tril(jnp.ones((t, t), bool)) & same)[None]  # [1, T, T]
@@ -133,12 +130,10 @@ def prefill(  # noqa: PLR0917 (jit takes the arrays positionally)
     return filled, ends
 
 
-@partial(jax.jit, static_argnames=("graphdef", "count"))
-def head(graphdef: nnx.GraphDef[Qwen], state: Any, ends: Array, *, count: int) -> Array:
+def _head(model: Qwen, ends: Array, count: int) -> Array:
     """Logits [P, V] of the first ``count`` rows of ``ends`` [P, D] (the rest zero): a
     prefill of a few newcomers does not pay the LM head for every slot. Compiled
     per ``count`` (powers of two)."""
-    model = nnx.merge(graphdef, state)
     logits = model.logits(ends[None, :count])[0]
     return jnp.zeros((ends.shape[0], logits.shape[-1]), logits.dtype).at[:count].set(logits)
 
@@ -185,37 +180,24 @@ def _step(
     return new_caches, model.logits(model.final_norm(x))[:, 0]
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
-def decode(
-    graphdef: nnx.GraphDef[Qwen],
-    state: Any,
-    caches: list[KVCache],  # each [S, K, L, H]
-    tokens: Array,  # [S] each slot's latest token
-    positions: Array,  # [S] where that token goes (its row's length so far)
-) -> tuple[list[KVCache], Array]:
-    """One decode step over every slot: the caches and each slot's next logits [S, V]."""
-    return _step(nnx.merge(graphdef, state), caches, tokens, positions)
-
-
-@partial(jax.jit, static_argnames=("graphdef", "count"), donate_argnames=("caches",))
-def decode_many(  # noqa: PLR0917 (jit takes the arrays positionally)
-    graphdef: nnx.GraphDef[Qwen],
-    state: Any,
+def _decode(  # noqa: PLR0917 (jit takes the arrays positionally)
+    model: Qwen,
     caches: list[KVCache],
-    tokens: Array,  # [S]
-    positions: Array,  # [S]
-    steps: Array,  # [S]
-    temperature: Array,  # [S]
-    top_p: Array,  # [S]
-    seeds: Array,  # [S]
-    *,
+    fed: Array,  # [count, S]: the previous call's tokens, still on the device
+    ints: Array,  # [5, S]: host tokens, use-the-host-token, positions, steps, seeds' bits
+    floats: Array,  # [2, S]: temperature, top-p
     count: int,
 ) -> tuple[list[KVCache], Array]:
-    """``count`` decode steps in one program, each token fed back on the device: the
-    caches and the tokens [count, S]. The host looks at the tokens once per call, so
-    a row that stops early computes on (in its own slot) until the call ends; a
-    position past the cache's end is dropped by the scatter."""
-    model = nnx.merge(graphdef, state)
+    """``count`` decode steps, each token fed back on the device: the caches and the
+    tokens [count, S]. A slot's first input is the previous call's last token
+    (``fed[-1]``), or the host's token where the host says so (a newcomer's first
+    token, from its prefill): the host never has to read a token back before the
+    next call can start. A row that stops early computes on (in its own slot) until
+    the call ends; a position past the cache's end is dropped by the scatter."""
+    host_tokens, use_host, positions, steps, seed_bits = ints
+    seeds = jax.lax.bitcast_convert_type(seed_bits, jnp.uint32)
+    temperature, top_p = floats
+    tokens = jnp.where(use_host != 0, host_tokens, fed[-1])
 
     def body(carry: Any, _: Any) -> tuple[Any, Array]:
         caches, tokens, positions, steps = carry
@@ -223,7 +205,60 @@ def decode_many(  # noqa: PLR0917 (jit takes the arrays positionally)
         nxt = choose(logits, steps, temperature, top_p, seeds)
         return (caches, nxt, positions + 1, steps + 1), nxt
 
+    if count == 1:  # one step: no loop
+        caches, logits = _step(model, caches, tokens, positions)
+        return caches, choose(logits, steps, temperature, top_p, seeds)[None]
     (caches, _, _, _), out = jax.lax.scan(
         body, (caches, tokens, positions, steps), None, length=count
     )
     return caches, out
+
+
+class Programs:
+    """The engine's device programs for one model, its weights flattened once.
+
+    ``jax.jit`` flattens every argument on every call and hashes its static
+    ones: passing the model as ``(graphdef, state)`` cost a host time per decode
+    call that grew with the layer count (nnx's ``State`` is a Python pytree; the
+    graphdef a static argument hashed each call). Here the weights are one list
+    of arrays (``weights``), flattened once; the graphdef and the tree's
+    structure are closed over, and each program is jitted once per engine.
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef[Qwen], state: Any, decode_steps: int = 1) -> None:
+        self.weights, treedef = jax.tree.flatten(state)
+
+        def merge(weights: list[Array]) -> Qwen:
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+
+        def prefill(weights: list[Array], caches: list[KVCache], *arrays: Array) -> Any:
+            return _prefill(merge(weights), caches, *arrays)
+
+        def head(weights: list[Array], ends: Array, count: int) -> Array:
+            return _head(merge(weights), ends, count)
+
+        def decode(
+            weights: list[Array], caches: list[KVCache], fed: Array, ints: Array, floats: Array
+        ) -> Any:
+            return _decode(merge(weights), caches, fed, ints, floats, decode_steps)
+
+        self.steps = decode_steps
+        self._prefill = jax.jit(prefill, donate_argnums=1)
+        self._head = jax.jit(head, static_argnums=2)
+        self._decode = jax.jit(decode, donate_argnums=1)
+
+    def prefill(self, caches: list[KVCache], *arrays: Array) -> tuple[list[KVCache], Array]:
+        """``_prefill`` (see there) on these weights: the caches and the ends [P, D]."""
+        out: tuple[list[KVCache], Array] = self._prefill(self.weights, caches, *arrays)
+        return out
+
+    def head(self, ends: Array, count: int) -> Array:
+        out: Array = self._head(self.weights, ends, count)
+        return out
+
+    def decode(
+        self, caches: list[KVCache], fed: Array, ints: Array, floats: Array
+    ) -> tuple[list[KVCache], Array]:
+        """``_decode`` (see there) on these weights: the caches and the tokens [D, S]."""
+        out: tuple[list[KVCache], Array] = self._decode(self.weights, caches, fed, ints, floats)
+        return out

@@ -205,11 +205,15 @@ class Engine:
         stop_tokens: Sequence[int] | None = None,
         decode_steps: int = 1,
         prefill_tokens: int | None = None,
+        overlap: bool = True,
     ) -> None:
         if max_batch < 1 or max_length < 2 or decode_steps < 1:
             raise ModelError("max_batch and decode_steps must be >= 1 and max_length >= 2")
         self.decode_steps = decode_steps
+        # read a decode call's tokens only after the next call is started (docs/serving.md)
+        self.overlap = overlap
         self.model = model
+        self.programs = slots.Programs(model._graphdef, model._state, decode_steps)
         self.tokenizer = model.tokenizer
         self.max_batch = max_batch
         self.max_length = min(max_length, model.config.max_position_embeddings)
@@ -232,12 +236,19 @@ class Engine:
         self._caches = self._fresh_caches()
         s = max_batch
         self._tokens = np.zeros(s, np.int32)
+        self._use_host = np.ones(s, np.int32)  # 1: the slot's next input is _tokens, not fed
         self._positions = np.zeros(s, np.int32)
         self._steps = np.zeros(s, np.int32)
         self._temperature = np.zeros(s, np.float32)
         self._top_p = np.ones(s, np.float32)
         self._seeds = np.zeros(s, np.uint32)
         self._running: dict[int, Request] = {}
+        # the last decode call's tokens [decode_steps, S], left on the device to feed the next
+        self._fed: Any = self._put(np.zeros((decode_steps, s), np.int32))[0]
+        # decode calls started and not yet read: their tokens and the slots they ran for
+        self._inflight: collections.deque[tuple[Any, list[tuple[int, Request]]]] = (
+            collections.deque()
+        )
         self._waiting: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -305,31 +316,29 @@ class Engine:
         ids_, slots_, positions_, last_, *sampling = self._put(
             ids, token_slots, positions, last, np.zeros(p, np.int32), temperature, top_p, seeds
         )
-        graphdef, state = self.model._graphdef, self.model._state
-        self._caches, ends = slots.prefill(
-            graphdef, state, self._caches, ids_, slots_, positions_, last_
-        )
+        self._caches, ends = self.programs.prefill(self._caches, ids_, slots_, positions_, last_)
         count = next(c for c in self.head_counts if c >= len(batch))
-        logits = slots.head(graphdef, state, ends, count=count)
+        logits = self.programs.head(ends, count)
         self.prefills += 1
         return self._fetch(slots.choose(logits, *sampling))[: len(batch)]
 
-    def _decode(self) -> np.ndarray:
-        """The next ``decode_steps`` tokens of every slot: [decode_steps, S]."""
-        tokens, positions, *sampling = self._put(
-            self._tokens, self._positions, self._steps, self._temperature, self._top_p, self._seeds
+    def _dispatch(self) -> Any:
+        """Start the next ``decode_steps`` tokens of every slot: [decode_steps, S] on the
+        device (JAX returns at once; the host reads them with ``_fetch``). Each running
+        slot's position and step move on by ``decode_steps`` here, so the call after it
+        can start before these tokens are read; its input tokens stay on the device."""
+        ints = np.stack(
+            [self._tokens, self._use_host, self._positions, self._steps, self._seeds.view(np.int32)]
         )
-        graphdef, state = self.model._graphdef, self.model._state
-        if self.decode_steps == 1:
-            self._caches, logits = slots.decode(graphdef, state, self._caches, tokens, positions)
-            out = slots.choose(logits, *sampling)[None]
-        else:
-            self._caches, out = slots.decode_many(
-                graphdef, state, self._caches, tokens, positions, *sampling,
-                count=self.decode_steps,
-            )  # fmt: skip
+        floats = np.stack([self._temperature, self._top_p])
+        ints_, floats_ = self._put(ints, floats)  # fresh arrays: the device may read them late
+        self._caches, self._fed = self.programs.decode(self._caches, self._fed, ints_, floats_)
+        for slot in self._running:
+            self._positions[slot] += self.decode_steps
+            self._steps[slot] += self.decode_steps
+        self._use_host[:] = 0
         self.steps += self.decode_steps
-        return self._fetch(out)
+        return self._fed
 
     def warmup(self) -> None:
         """Compile everything a request may run: the prefill per length bucket, the LM
@@ -342,16 +351,15 @@ class Engine:
                     np.zeros(t, np.int32),
                     np.zeros(self.max_batch, np.int32),
                 )
-                self._caches, ends = slots.prefill(
-                    self.model._graphdef, self.model._state, self._caches, *args
-                )
+                self._caches, ends = self.programs.prefill(self._caches, *args)
             for count in self.head_counts:
-                logits = slots.head(self.model._graphdef, self.model._state, ends, count=count)
+                logits = self.programs.head(ends, count)
             p = self.max_batch
             zeros = np.zeros(p, np.int32)
             sampling = self._put(zeros, np.ones(p, np.float32), np.ones(p, np.float32), zeros)
             slots.choose(logits, *sampling).block_until_ready()
-            self._decode()
+            self._fetch(self._dispatch())
+            self._use_host[:] = 1
 
     # ---- requests ----------------------------------------------------------
 
@@ -446,7 +454,7 @@ class Engine:
         """One turn: admit every newcomer a slot is free for (packed prefills), then
         run one decode call over all slots. False once stopping."""
         with self._wake:
-            while not self._stopping and not self._running and not self._waiting:
+            while not (self._stopping or self._running or self._waiting or self._inflight):
                 self._wake.wait()
             if self._stopping:
                 return False
@@ -457,11 +465,12 @@ class Engine:
                 for request, token in zip(batch, first.tolist(), strict=True):
                     self._accept(request, token)
             if self._running:
-                running = list(self._running.items())
-                for row in self._decode().tolist():
-                    for slot, request in running:
-                        if self._running.get(slot) is request:  # not finished meanwhile
-                            self._accept(request, row[slot])
+                self._inflight.append((self._dispatch(), list(self._running.items())))
+            # with overlap, the call just started runs on the device while the host
+            # reads and hands out the one before it (found one call late: docs/serving.md)
+            keep = 1 if self.overlap and self._running else 0
+            while len(self._inflight) > keep:
+                self._collect(*self._inflight.popleft())
         except Exception as exc:  # a device failure: fail what runs, start clean
             reason = self._failure_reason(exc)
             with self._wake:
@@ -470,8 +479,18 @@ class Engine:
                     self._free(slot)
             for request in failed:
                 self._emit(request, Failed(reason), close=True)
+            self._inflight.clear()
             self._caches = self._fresh_caches()
         return True
+
+    def _collect(self, out: Any, ran: list[tuple[int, Request]]) -> None:
+        """Read a decode call's tokens and hand them to the requests it ran for: a request
+        that finished (or was cancelled) since the call started is no longer running in
+        its slot, and the tokens its slot computed after its end are dropped unseen."""
+        for row in self._fetch(out).tolist():
+            for slot, request in ran:
+                if self._running.get(slot) is request:  # not finished meanwhile
+                    self._accept(request, row[slot])
 
     def _failure_reason(self, exc: Exception) -> str:
         """What the requests a failed step held are told."""
@@ -531,17 +550,20 @@ class Engine:
             return
         if delta:
             self._emit(request, Delta(delta))
-        self._tokens[slot] = token
-        self._positions[slot] = len(request.prompt) + request.generated - 1
-        self._steps[slot] = request.generated
-        self._temperature[slot] = request.params.temperature
-        self._top_p[slot] = request.params.top_p
-        self._seeds[slot] = request.seed
+        if request.generated == 1:  # its first token, from its prefill: decoding starts
+            self._tokens[slot] = token
+            self._use_host[slot] = 1
+            self._positions[slot] = len(request.prompt)
+            self._steps[slot] = 1
+            self._temperature[slot] = request.params.temperature
+            self._top_p[slot] = request.params.top_p
+            self._seeds[slot] = request.seed
 
     def _free(self, slot: int) -> None:
         """Give a slot back (the lock held): its row computes idle until reused."""
         self._running.pop(slot, None)
         self._tokens[slot] = 0
+        self._use_host[slot] = 1
         self._positions[slot] = 0
         self._steps[slot] = 0
         self._temperature[slot] = 0

@@ -7,7 +7,9 @@
 - on the leader, once a ``channel`` is attached (after warmup, which every
   member runs alike), each step's work is broadcast before it runs: a
   ``prefill`` carries the newcomers' prompt tokens, slots and sampling
-  parameters, a ``decode`` the slots' tokens, positions and sampling state, a
+  parameters, a ``decode`` the slots' host tokens (a newcomer's first; the
+  others are fed back on the device, as on the leader), positions and sampling
+  state, a
   ``reset`` asks for fresh caches (after a failed call);
 - :func:`follow_steps` is a follower's whole life: rebuild each step's work
   and run the same ``Engine`` method on it, so the same jitted programs run in
@@ -57,10 +59,18 @@ class LockstepEngine(Engine):
             self.channel.broadcast("prefill", prefill_work(batch))
         return super()._prefill(batch)
 
-    def _decode(self) -> np.ndarray:
+    def _dispatch(self) -> Any:
         if self.channel is not None:
             self.channel.broadcast("decode", self._decode_state())
-        return super()._decode()
+        return super()._dispatch()
+
+    def warmup(self) -> None:
+        """Every member warms up alike; then, where reading a call's tokens is a
+        collective (a data axis across processes), the leader reads each call's tokens
+        right after starting it, in the order its followers do: no overlap."""
+        super().warmup()
+        if not (self._fed.is_fully_addressable or self._fed.is_fully_replicated):
+            self.overlap = False
 
     def _fresh_caches(self) -> list[Any]:
         if self.channel is not None:
@@ -81,6 +91,7 @@ class LockstepEngine(Engine):
     def _decode_state(self) -> list[np.ndarray]:
         return [
             self._tokens,
+            self._use_host,
             self._positions,
             self._steps,
             self._temperature,
@@ -95,7 +106,7 @@ class LockstepEngine(Engine):
     def follow_decode(self, work: list[np.ndarray]) -> None:
         for mine, given in zip(self._decode_state(), work, strict=True):
             mine[...] = given
-        Engine._decode(self)
+        self._fetch(Engine._dispatch(self))
 
 
 def prefill_work(batch: list[Request]) -> list[np.ndarray]:
