@@ -120,6 +120,22 @@ def test_a_chunked_stream_is_passed_on_chunk_by_chunk_as_it_arrives() -> None:
 
 
 @pytest.mark.unit
+def test_a_long_body_reaches_the_backend_whole() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await read_request(reader)
+        body = request.split(b"\r\n\r\n", 1)[1]
+        writer.write(answer(b"%d %d" % (len(body), body.count(b"x"))))
+
+    async def body(pool: upstream.Pool) -> bytes:
+        got = await pool.request("POST", "/", b"", b"x" * 3_000_000)
+        data = await got.read()
+        got.release()
+        return data
+
+    assert asyncio.run(asyncio.wait_for(with_backend(serve, body), 30)) == b"3000000 3000000"
+
+
+@pytest.mark.unit
 def test_an_answer_ended_by_closing_is_read_to_the_end_and_its_connection_not_kept() -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)

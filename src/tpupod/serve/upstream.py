@@ -170,6 +170,8 @@ class Pool:
         """Send, read the status line and headers; on any failure the connection is closed."""
         try:
             conn.writer.write(message)
+            if len(message) > 65536:  # a long prompt: wait while the backend reads it
+                await conn.writer.drain()
             return self._answer(conn, await conn.reader.readuntil(b"\r\n\r\n"))
         except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
             conn.close()
