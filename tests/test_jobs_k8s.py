@@ -481,19 +481,19 @@ def test_the_cli_refuses_a_slice_gke_does_not_have(cli: Callable[..., CliResult]
 
 @pytest.mark.local
 def test_dry_run_prints_the_jobset_of_the_next_job_and_sends_nothing(
-    cli: Callable[..., CliResult], tmp_path: Path
+    cli: Callable[..., CliResult], cli_in_process: Callable[..., CliResult], tmp_path: Path
 ) -> None:
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     argv = ("jobs", "worker", "--db", db, "--k8s", "--tpu", "v5litepod-16", "--image", "img:1")
     # no cluster: a kubeconfig naming nothing would fail any call the runner made
     env = {"KUBECONFIG": str(tmp_path / "absent")}
-    sample = cli(*argv, "--dry-run", env=env)
+    sample = cli_in_process(*argv, "--dry-run", env=env)
     assert sample.code == 0, sample.err
     assert sample.out.startswith("# the JobSet for a sample job (none is queued)")
     assert validate_jobset(yaml.safe_load(sample.out)) == []
     assert cli("jobs", "submit", "--db", db, "--", "echo", "low").code == 0
     assert cli("jobs", "submit", "--db", db, "--priority", "5", "--", "echo", "high").code == 0
-    shown = cli(*argv, "--dry-run", env=env)
+    shown = cli_in_process(*argv, "--dry-run", env=env)
     assert shown.code == 0, shown.err
     body = yaml.safe_load(shown.out)
     assert validate_jobset(body) == []
@@ -501,9 +501,9 @@ def test_dry_run_prints_the_jobset_of_the_next_job_and_sends_nothing(
     pods = body["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert pods["parallelism"] == 4  # v5litepod-16: four TPU VMs
     assert "echo high" in pods["template"]["spec"]["containers"][0]["command"][-1]
-    jobs = cli("jobs", "ls", "--db", db)
+    jobs = cli_in_process("jobs", "ls", "--db", db)
     assert jobs.code == 0 and jobs.out.count(" pending ") == 2, jobs.out  # nothing claimed
-    refused = cli("jobs", "worker", "--db", db, "--local", "--dry-run")
+    refused = cli_in_process("jobs", "worker", "--db", db, "--local", "--dry-run")
     assert refused.code == 2 and "--dry-run is for --k8s runners" in refused.err
 
 

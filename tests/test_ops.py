@@ -129,7 +129,10 @@ def test_get_of_a_missing_file_names_the_worker(
 
 
 def test_put_and_get_cli(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    cli_in_process: Callable[..., CliResult],
+    tmp_path: Path,
 ) -> None:
     pod = make_pod(2)
     source = make_tree(tmp_path / "data")
@@ -137,7 +140,7 @@ def test_put_and_get_cli(
     result = cli("get", "--pod", pod.name, "data", str(tmp_path / "out"))
     assert result.code == 0, result.err
     assert trees_equal(source, tmp_path / "out" / "worker-1" / "data")
-    missing = cli("put", "--pod", pod.name, str(tmp_path / "nope"), "x")
+    missing = cli_in_process("put", "--pod", pod.name, str(tmp_path / "nope"), "x")
     assert missing.code == 2 and "no such file or folder" in missing.err
 
 
