@@ -90,10 +90,10 @@ def test_loading_is_not_empty_and_stale_data_says_its_age(state_home: Path) -> N
     page = client.get("/pods").text
     assert 'data-state="loading"' in page and "No pods" not in page
     assert client.get("/api/pods").json()["state"] == "loading"
-    source = app.state.feed.sources["pods"]
-    source.data, source.at = [], time.time() - 30
+    feed = app.state.feed  # told what the sampling process would say
+    feed.apply({"source": "pods", "data": [], "at": time.time() - 30})
     assert 'data-state="empty"' in client.get("/pods").text
-    source.error = "state directory unreadable"
+    feed.apply({"source": "pods", "error": "state directory unreadable", "error_at": time.time()})
     page = client.get("/pods").text
     assert "data from 30 s ago; the source failed: state directory unreadable" in page
     assert client.get("/api/pods").json()["state"] == "stale"

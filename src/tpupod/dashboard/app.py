@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ def create_app(config: Config) -> FastAPI:
 
     app = FastAPI(title="tpupod dashboard", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.feed = feed
+    app.state.pages = {}  # cached(): made pages by address, with their sources' versions
     app.state.templates = Jinja2Templates(directory=HERE / "templates")
     app.middleware("http")(guard_middleware(allowed_hosts(config.host, config.names), config.token))
     app.middleware("http")(_headers)
@@ -92,6 +93,27 @@ def render(
     context.update(topics=" ".join(topics), sources=sources, fragment=fragment, now=now)
     templates: Jinja2Templates = request.app.state.templates
     return templates.TemplateResponse(request, template, context, status_code=status)
+
+
+PAGES_KEPT = 256  # made pages kept (a page and its live part, per address)
+
+
+def cached(request: Request, topics: tuple[str, ...], make: Callable[[], Response]) -> Response:
+    """A page made only of sampled data is the same until one of its sources changes: made
+    once per change and served to every viewer (each change makes every open page fetch its
+    live part again)."""
+    kept: dict[tuple[str, bool], tuple[tuple[int, ...], int, bytes]] = request.app.state.pages
+    feed: Feed = request.app.state.feed
+    key = (str(request.url), request.headers.get("x-fragment") == "1")
+    versions = tuple(feed.sources[t].version for t in topics)  # before making: a change
+    found = kept.get(key)  # while it is made is seen by the next request
+    if found is not None and found[0] == versions:
+        return HTMLResponse(found[2], status_code=found[1])
+    made = make()
+    if len(kept) >= PAGES_KEPT:
+        kept.clear()
+    kept[key] = (versions, made.status_code, bytes(made.body))
+    return made
 
 
 def find_run(feed: Feed, launch_id: str) -> RunRecord:
@@ -136,24 +158,32 @@ def overview(feed: Feed) -> dict[str, Any]:
 def _pages(app: FastAPI, feed: Feed) -> None:
     @app.get("/", response_class=HTMLResponse)
     def home(request: Request) -> Response:
-        return render(request, "overview.html", ("pods", "runs", "jobs"), view=overview(feed))
+        topics = ("pods", "runs", "jobs")
+        make = lambda: render(request, "overview.html", topics, view=overview(feed))  # noqa: E731
+        return cached(request, topics, make)
 
     @app.get("/pods", response_class=HTMLResponse)
     def pods(request: Request) -> Response:
-        return render(request, "pods.html", ("pods",), pods=feed.sources["pods"].data)
+        make = lambda: render(request, "pods.html", ("pods",), pods=feed.sources["pods"].data)  # noqa: E731
+        return cached(request, ("pods",), make)
 
     @app.get("/pods/{name}", response_class=HTMLResponse)
     def pod(request: Request, name: str) -> Response:
         found = _pod(feed, name)
-        charts = [
-            line_chart(feed.history.since(f"{k}:{name}", time.time() - 3600), t, u)
-            for k, t, u in (("load", "load per core", ""), ("memory", "memory", ""))
-        ]
-        return render(request, "pod.html", ("pods",), name=name, pod=found, charts=charts)
+
+        def make() -> Response:  # the charts' history grows with each round of the pods
+            charts = [
+                line_chart(feed.history.since(f"{k}:{name}", time.time() - 3600), t, u)
+                for k, t, u in (("load", "load per core", ""), ("memory", "memory", ""))
+            ]
+            return render(request, "pod.html", ("pods",), name=name, pod=found, charts=charts)
+
+        return cached(request, ("pods",), make)
 
     @app.get("/runs", response_class=HTMLResponse)
     def run_list(request: Request, page: int = 1) -> Response:
-        return render(request, "runs.html", ("runs",), **_run_page(feed, page))
+        make = lambda: render(request, "runs.html", ("runs",), **_run_page(feed, page))  # noqa: E731
+        return cached(request, ("runs",), make)
 
     @app.get("/runs/{launch_id}", response_class=HTMLResponse)
     def run(request: Request, launch_id: str) -> Response:
@@ -176,7 +206,9 @@ def _pages(app: FastAPI, feed: Feed) -> None:
 
     @app.get("/serving", response_class=HTMLResponse)
     def serving_page(request: Request) -> Response:
-        return render(request, "serving.html", ("serving",), fleets=feed.sources["serving"].data)
+        fleets = feed.sources["serving"].data
+        make = lambda: render(request, "serving.html", ("serving",), fleets=fleets)  # noqa: E731
+        return cached(request, ("serving",), make)
 
     @app.get("/charts", response_class=HTMLResponse)
     def charts(request: Request, hours: float = 1.0) -> Response:
