@@ -219,16 +219,19 @@ def run_cli(*args: str) -> None:
 def history(few: Path, many: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
     """The overview and the runs page with 10, then with ``args.runs`` finished runs; the
     dashboard left running (the caller stops it)."""
+    paths = ["/favicon.ico", "/", "/runs"]  # the first: each run's anchor
     proc = start(few, args.interval)
-    small = render_times(["/", "/runs"], args.requests)
+    small = render_times(paths, args.requests)
     stop(proc)
     proc = start(many, args.interval)
-    large = render_times(["/", "/runs"], args.requests)
-    for path in ("/", "/runs"):
+    large = render_times(paths, args.requests)
+    for path in paths[1:]:
         ratio = large[path][0] / small[path][0]
+        anchored = (large[path][0] / large[paths[0]][0]) / (small[path][0] / small[paths[0]][0])
         print(
             f"history: `{path}` p50 {small[path][0]:.1f} ms with 10 runs, "
-            f"{large[path][0]:.1f} ms with {args.runs}: {ratio:.2f}x"
+            f"{large[path][0]:.1f} ms with {args.runs}: {ratio:.2f}x "
+            f"({anchored:.2f}x as multiples of each run's anchor)"
         )
     return proc
 
