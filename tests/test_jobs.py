@@ -294,7 +294,14 @@ def test_a_runner_killed_mid_job_loses_the_job_to_another_and_its_late_writes_ar
     store: Store, db_url: str, tmp_path: Path
 ) -> None:
     ran = tmp_path / "ran"
-    job = store.submit(command_job(f"echo begin; sleep 0.5; echo $TPUPOD_JOB_ATTEMPT >> {ran}"))
+    # the first attempt sleeps long enough to be killed under any load (with 0.5 s, a run at
+    # load 28 finished it before the kill); the second does not wait
+    job = store.submit(
+        command_job(
+            f"echo begin; [ $TPUPOD_JOB_ATTEMPT = 1 ] && sleep 30; "
+            f"echo $TPUPOD_JOB_ATTEMPT >> {ran}"
+        )
+    )
     first = runner(db_url, "--local", "--lease", "1")
     # a local claim marks the job running as it starts it: its first line says it is at work
     _wait_for(lambda: store.get(job).status is JobStatus.RUNNING and bool(store.logs(job)))
