@@ -159,10 +159,16 @@ def serve_api(
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port``; a busy port or a foreign address is one error
-    line with a hint (uvicorn would log a traceback). The job API and the dashboard use it."""
+    line with a hint (uvicorn would log a traceback). The job API and the dashboard use it.
+
+    TCP_NODELAY is set here, and accepted connections inherit it (Linux): asyncio sets it
+    only on sockets made with proto IPPROTO_TCP, and ``create_server``'s have proto 0, so
+    every keep-alive answer with a body waited 40 ms for the client's delayed ACK."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host, port), family=family)
+        listening = socket.create_server((host, port), family=family)
+        listening.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return listening
     except OSError as exc:
         busy = exc.errno == errno.EADDRINUSE
         hint = f"something else listens there: pick another, --port {port + 1}"
