@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult
+from tpupod.pod import Pod
 
 LINES = [
     # a dry run's request, printed
@@ -37,3 +38,19 @@ def test_a_fast_path_is_refused(cli_in_process: Callable[..., CliResult]) -> Non
     # `exec`, `run` and `jobs submit` start in tpupod.entry's fast paths, not the typer app
     with pytest.raises(AssertionError, match="fast path"):
         cli_in_process("exec", "--", "true")
+
+
+def test_logs_in_process_print_where_the_caller_reads(
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    cli_in_process: Callable[..., CliResult],
+) -> None:
+    # logview once took sys.stdout as a default argument, fixed at import: in process its
+    # lines went to a stream the runner had already closed ("I/O operation on closed file")
+    pod = make_pod(2)
+    assert cli("run", "--pod", pod.name, "--", "echo hello from $TPUPOD_WORKER_ID").code == 0
+    for line in (("logs", "--pod", pod.name), ("logs", "--pod", pod.name, "--list")):
+        cli_in_process(*line)  # a first call, as the test that found it made
+        real, here = cli(*line), cli_in_process(*line)
+        assert (here.code, here.out, here.err) == (real.code, real.out, real.err)
+        assert "hello from" in here.out

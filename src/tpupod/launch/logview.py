@@ -23,12 +23,14 @@ def show_logs(
     *,
     worker: int | None = None,
     follow: bool = False,
-    out: TextIO = sys.stdout,
-    err: TextIO = sys.stderr,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
 ) -> None:
     """Print a run's logs (the latest run without ``run_id``), prefixed per worker, then one
     line on how it stands. A ``run --retries`` run lists its attempts first, then shows the
-    logs of its latest launch."""
+    logs of its latest launch. ``out``/``err`` default to the streams at call time (not at
+    import, so a caller that swaps ``sys.stdout``, as typer's test runner does, is heard)."""
+    out, err = out or sys.stdout, err or sys.stderr
     from tpupod.recovery.record import find_recovery
 
     recovery = find_recovery(state, pod, run_id)
@@ -61,9 +63,10 @@ def standing(record: RunRecord) -> str:
 
 
 def list_runs(
-    state: StateDir, pod: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+    state: StateDir, pod: str, out: TextIO | None = None, err: TextIO | None = None
 ) -> None:
     """One line per run, oldest first: its id, start, workers, how it stands, what it ran."""
+    out, err = out or sys.stdout, err or sys.stderr
     found = runs(pod, state)
     if not found:
         print(f"pod {pod!r} has no runs yet", file=err)
