@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import free_base_port, openai_client, pod_processes, tpupod_argv
 from tpupod.errors import UsageError
+from tpupod.serve.backends import Backend
 from tpupod.serve.record import up_options
 from tpupod.serve.sglrouter import RETRIES, sgl_argv
 
@@ -86,6 +87,25 @@ def test_sgl_routers_command_line_retries_and_binds_metrics_to_the_internal_addr
     i = argv.index("--worker-urls")
     assert argv[i + 1 : i + 3] == ["http://10.0.0.2:31000", "http://10.0.0.3:31000"]
     assert "--api-key" not in argv  # the token goes in the child's environment
+
+
+def test_a_fleet_recorded_before_router_existed_reads_as_the_builtin_router() -> None:
+    """A record written before --router: the same serve up is the same fleet, and one with
+    --router sgl names the difference."""
+    from tpupod.serve.record import FleetRecord, differences, settings_of
+
+    options = up_options("command", None, model="m", command="c")
+    old = settings_of(options)
+    del old["router"]
+    record = FleetRecord(
+        pod="p", model="m", backend=Backend.COMMAND, python="py", servers=[], router_host="h",
+        router_port=9, token="t", started=0.0, settings=old,
+    )  # fmt: skip
+    assert record.router == "builtin" and record.options == settings_of(options)
+    sgl = settings_of(up_options("command", None, "sgl", model="m", command="c"))
+    assert differences(record.options, sgl) == (
+        "--policy least_outstanding, now cache_aware; --router builtin, now sgl"
+    )
 
 
 # -- a local pod of 2 workers x 2 stub servers behind sgl-router ---------------------------
@@ -166,6 +186,16 @@ def test_status_shows_sgl_router_its_health_and_its_backends(sgl_fleet: SglFleet
     rows = [line.split() for line in out.splitlines() if line.startswith("w")]
     assert len(rows) == 4 and all(r[3] == "ready" for r in rows), out
     assert sum(int(r[6]) for r in rows) >= 8, out  # sgl-router's own counts, per backend
+
+
+def test_fanout_is_refused_in_one_line_sgl_router_has_no_registry(sgl_fleet: SglFleet) -> None:
+    done = run_cli(sgl_fleet.home, "fanout", "--pod", sgl_fleet.pod, "--prompt", "hi")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: the fleet on pod {sgl_fleet.pod!r} runs sgl-router, which has no registry of "
+        "backends (/backends) to fan out to",
+        "hint: serve up --router builtin for tpupod fanout, or --registry-url URL",
+    ]
 
 
 def test_a_request_without_the_fleets_token_is_refused(sgl_fleet: SglFleet) -> None:

@@ -320,6 +320,14 @@ def fanout(
 
     if registry_url is None:
         record = _fleet(pod).record()
+        if record.router != "builtin":  # sgl-router keeps no seed-000 registry at /backends
+            from tpupod.errors import UsageError
+
+            raise UsageError(
+                f"the fleet on pod {record.pod!r} runs sgl-router, which has no registry of "
+                "backends (/backends) to fan out to",
+                hint="serve up --router builtin for tpupod fanout, or --registry-url URL",
+            )
         registry_url = f"http://{record.router_host}:{record.router_port}"
         token = token or record.token
     began = time.monotonic()
