@@ -31,7 +31,7 @@ RESTART_S = 240  # an engine's restart loads and compiles the model: slow on a b
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    srv = Server(FIXTURES / NAME, free_ports(1), "--max-batch", "4", "--max-length", "128")
+    srv = Server(FIXTURES / NAME, free_ports(1), "--max-batch", "4", "--max-length", "256")
     try:
         srv.wait_ready(timeout=RESTART_S)
         yield srv
@@ -74,7 +74,7 @@ def streams_in_flight(
 
     def stream() -> None:
         chunks = client.completions.create(
-            model=NAME, prompt=[5, 6, 7], max_tokens=120, temperature=0, stream=True
+            model=NAME, prompt=[5, 6, 7], max_tokens=250, temperature=0, stream=True
         )
         try:
             for i, _ in enumerate(chunks):

@@ -163,7 +163,6 @@ class EngineHost:
     def __init__(self, engine: Engine, path: Path) -> None:
         self.engine = engine
         self.path = path
-        self.link: _Link | None = None
         engine.dispatch = self.dispatch
         self.info = {
             "max_length": engine.max_length,
@@ -203,7 +202,6 @@ class EngineHost:
             except OSError:
                 conn.close()
                 continue
-            self.link = link
             threading.Thread(target=link.serve, name="engine-link", daemon=True).start()
 
 
