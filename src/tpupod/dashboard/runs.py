@@ -145,6 +145,7 @@ def detail(record: RunRecord, pod: str) -> dict[str, Any]:
     """The run with every worker's state and exit, the first failure first."""
     outcomes = {r.worker: r for r in record.results}
     failed = first_failure(record)
+    overall = state(record)  # once: it looks at the launcher (a lock file) each time
     workers = []
     for w in record.workers:
         r = outcomes.get(w.id)
@@ -152,7 +153,7 @@ def detail(record: RunRecord, pod: str) -> dict[str, Any]:
             {
                 "worker": w.id,
                 "hostname": w.hostname,
-                "state": r.outcome if r else state(record),
+                "state": r.outcome if r else overall,
                 "ok": ok(r.outcome) if r else None,
                 "last_line": r.last_line if r else "",
                 "tail": tail(record.log_file(w.id)),
