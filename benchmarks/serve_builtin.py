@@ -20,7 +20,17 @@ tokenizer and chat template are the tiny fixture's) serves both sides:
 Tokens/s is answer tokens over wall time; the rounds are interleaved so both
 see the same machine, and medians are reported with their ratio.
 
+``--tiny`` (issue 24): a tiny random Qwen (2 layers, hidden 64, vocabulary
+1,024), where a device step costs a fraction of a millisecond, so what is
+measured is the server's host cost per step: 64 *streaming* clients of 64
+tokens against ``generate`` of the same 64 prompts, and, in this process, the
+engine alone on the same requests with overlap on and off (``Engine(overlap=)``):
+its tokens/s, wall time per decode call and the engine thread's CPU time per
+decode call (the host's share of a step).
+
     python benchmarks/serve_builtin.py                     # this CPU, 4 of 24 layers
+    python benchmarks/serve_builtin.py --tiny              # the host's cost per step
+    python benchmarks/serve_builtin.py --engine-only       # 4 layers: overlap on and off, no server
     python benchmarks/serve_builtin.py --layers 24 --clients 64 --dtype bfloat16  # a GPU
     pip install torch==2.13.0 transformers; python benchmarks/serve_builtin.py --transformers
 """
@@ -44,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from tpupod.model import PRESETS, QwenConfig, load_model
+from tpupod.model import PRESETS, QwenConfig, QwenModel, load_model
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "qwen2-tiny"
 QUESTIONS = [
@@ -135,9 +145,28 @@ def wait_ready(proc: subprocess.Popen[str], port: int) -> None:
         raise SystemExit(f"the server did not start: {line!r} (exit {proc.wait()})")
 
 
-async def clients_round(port: int, conversations: list[str], new: int) -> tuple[float, int]:
+TINY = QwenConfig(
+    family="qwen2",
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    attention_bias=True,
+)
+
+
+async def clients_round(
+    port: int, conversations: list[str], new: int, stream: bool = False
+) -> tuple[float, int]:
     """All requests at once; wall seconds and answer tokens."""
     import httpx
+
+    if stream:
+        return await streaming_round(port, conversations, new)
 
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     limits = httpx.Limits(max_connections=len(conversations) * 2)
@@ -159,11 +188,92 @@ async def clients_round(port: int, conversations: list[str], new: int) -> tuple[
         return time.perf_counter() - started, sum(counts)
 
 
+async def streaming_round(port: int, conversations: list[str], new: int) -> tuple[float, int]:
+    """All requests at once, each streamed (server-sent events, usage in the last)."""
+    import httpx
+
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=len(conversations) * 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
+
+        async def one(question: str) -> int:
+            body = {
+                "model": "bench",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": new,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            tokens = 0
+            async with client.stream("POST", url, json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        usage = json.loads(line[6:]).get("usage")
+                        tokens = int(usage["completion_tokens"]) if usage else tokens
+            return tokens
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(q) for q in conversations))
+        return time.perf_counter() - started, sum(counts)
+
+
+def engine_round(
+    model: QwenModel, prompts: list[list[int]], args: argparse.Namespace, overlap: bool
+) -> dict[str, float]:
+    """The engine alone (no HTTP) on the same requests: tokens/s, and per decode call its
+    wall time and its thread's CPU time (the host's share; the device's threads apart)."""
+    import threading
+
+    from tpupod.serve.engine import Engine, Event, Finished, SamplingParams
+
+    class Timed(Engine):
+        cpu_s = 0.0
+
+        def _loop(self) -> None:
+            try:
+                super()._loop()
+            finally:
+                self.cpu_s = time.thread_time()
+
+    engine = Timed(model, max_batch=args.clients, max_length=args.max_length, overlap=overlap)
+    engine.warmup()
+    done = threading.Semaphore(0)
+    counts: list[int] = []
+
+    def sink(event: Event) -> None:
+        if isinstance(event, Finished):
+            counts.append(event.completion_tokens)
+        if not hasattr(event, "text"):
+            done.release()
+
+    engine.start()
+    started = time.perf_counter()
+    for prompt in prompts:
+        engine.submit(prompt, SamplingParams(max_tokens=args.new_tokens), sink)
+    for _ in prompts:
+        done.acquire()
+    wall = time.perf_counter() - started
+    steps = engine.steps
+    engine.shutdown()
+    return {
+        "tok_s": sum(counts) / wall,
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "host_cpu_ms_per_step": 1e3 * engine.cpu_s / steps,
+    }
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import jax
 
-    cfg = PRESETS[args.shape]()
-    cfg = type(cfg)(**{**cfg.__dict__, "num_layers": args.layers})
+    if args.tiny:
+        cfg = TINY
+        args.shape, args.layers = "tiny", cfg.num_layers
+    else:
+        cfg = PRESETS[args.shape]()
+        cfg = type(cfg)(**{**cfg.__dict__, "num_layers": args.layers})
     progress(f"{args.shape} cut to {args.layers} layers: writing a random checkpoint")
     folder = work / "checkpoint"
     checkpoint(cfg, folder)
@@ -187,27 +297,36 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     port = free_port()
     progress("server: starting (loads and compiles); generate: compiling")
     started = time.perf_counter()
-    server = start_server(folder, port, args)  # the two compile side by side
+    # the two compile side by side
+    server = None if args.engine_only else start_server(folder, port, args)
     try:
         generate()
-        wait_ready(server, port)
+        if server is not None:
+            wait_ready(server, port)
         startup = time.perf_counter() - started
         gen: list[tuple[float, int]] = []
         srv: list[tuple[float, int]] = []
         tfs: list[tuple[float, int]] = []
+        engine: dict[bool, list[dict[str, float]]] = {True: [], False: []}
         for r in range(args.rounds):
             progress(f"round {r + 1}: generate")
             gen.append(generate())
-            progress(f"round {r + 1}: server")
-            srv.append(asyncio.run(clients_round(port, questions, args.new_tokens)))
+            if server is not None:
+                progress(f"round {r + 1}: server")
+                srv.append(asyncio.run(clients_round(port, questions, args.new_tokens, args.tiny)))
+            if args.tiny or args.engine_only:
+                for overlap in (r % 2 == 0, r % 2 == 1):  # each goes first in turn
+                    progress(f"round {r + 1}: the engine alone, overlap {overlap}")
+                    engine[overlap].append(engine_round(model, prompts, args, overlap))
             if hand is not None:
                 progress(f"round {r + 1}: transformers, one request at a time")
                 tfs.append(hand())
     finally:
-        server.terminate()
-        server.wait(30)
+        if server is not None:
+            server.terminate()
+            server.wait(30)
     gen_rate = statistics.median(n / s for s, n in gen)
-    srv_rate = statistics.median(n / s for s, n in srv)
+    srv_rate = statistics.median(n / s for s, n in srv) if srv else float("nan")
     return {
         "shape": args.shape,
         "layers": args.layers,
@@ -227,6 +346,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "ratio": srv_rate / gen_rate,
         "transformers": tfs,
         "transformers_tok_s": statistics.median(n / s for s, n in tfs) if tfs else None,
+        "streaming": bool(args.tiny),
+        "engine": {
+            ("overlap" if on else "no_overlap"): {
+                key: statistics.median(r[key] for r in rounds) for key in rounds[0]
+            }
+            for on, rounds in engine.items()
+            if rounds
+        },
     }
 
 
@@ -264,16 +391,17 @@ def report(r: dict[str, Any]) -> None:
         f"{r['shape']} cut to {r['layers']} layers, {r['dtype']}, random weights, on "
         f"{r['device']}: {r['clients']} chat prompts of {r['prompt_tokens'][0]}-"
         f"{r['prompt_tokens'][1]} tokens, {r['new_tokens']} new tokens each (greedy), "
-        f"{len(r['server'])} rounds"
+        f"{len(r['generate'])} rounds"
     )
     print(f"{'':36}{'wall s (median)':>16}{'tok/s':>10}{'ratio':>9}")
     gen_s = statistics.median(s for s, _ in r["generate"])
-    srv_s = statistics.median(s for s, _ in r["server"])
+    srv_s = statistics.median(s for s, _ in r["server"]) if r["server"] else 0.0
     print(
         f"{'QwenModel.generate, one batch':36}{gen_s:>16.2f}{r['generate_tok_s']:>10.0f}{1:>8.2f}x"
     )
-    label = f"builtin server, {r['clients']} clients"
-    print(f"{label:36}{srv_s:>16.2f}{r['server_tok_s']:>10.0f}{r['ratio']:>8.2f}x")
+    label = f"builtin server, {r['clients']} {'streaming ' if r['streaming'] else ''}clients"
+    if r["server"]:
+        print(f"{label:36}{srv_s:>16.2f}{r['server_tok_s']:>10.0f}{r['ratio']:>8.2f}x")
     if r["transformers_tok_s"]:
         tf_s = statistics.median(s for s, _ in r["transformers"])
         tf_ratio = r["transformers_tok_s"] / r["generate_tok_s"]
@@ -281,7 +409,15 @@ def report(r: dict[str, Any]) -> None:
         print(f"{label:36}{tf_s:>16.2f}{r['transformers_tok_s']:>10.0f}{tf_ratio:>8.2f}x")
         speedup = r["server_tok_s"] / r["transformers_tok_s"]
         print(f"builtin server / transformers one at a time: {speedup:.1f}x")
-    print(f"server start to ready (beside generate's compile): {r['server_startup_s']:.1f} s")
+    for name, e in r["engine"].items():
+        label = f"engine alone, {name.replace('_', ' ')}"
+        print(
+            f"{label:36}{'':>16}{e['tok_s']:>10.0f}{e['tok_s'] / r['generate_tok_s']:>8.2f}x"
+            f"   per decode call: {e['wall_ms_per_step']:.2f} ms wall, "
+            f"{e['host_cpu_ms_per_step']:.2f} ms engine-thread CPU"
+        )
+    if r["server"]:
+        print(f"server start to ready (beside generate's compile): {r['server_startup_s']:.1f} s")
 
 
 def model_arguments(doc: str | None, layers: int, clients: int, max_length: int) -> Any:
@@ -331,7 +467,21 @@ def main() -> None:
         action="store_true",
         help="also transformers' generate one request at a time (needs torch)",
     )
-    run_and_report(parser.parse_args(), "tpupod-bench-serve-", measure, report)
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a tiny random Qwen, 64 streaming clients of 64 tokens, the engine with "
+        "overlap on and off (the host's cost per step)",
+    )
+    parser.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="no server: generate and the engine alone with overlap on and off",
+    )
+    args = parser.parse_args()
+    if args.tiny:
+        args.clients, args.new_tokens = 64, 64
+    run_and_report(args, "tpupod-bench-serve-", measure, report)
 
 
 if __name__ == "__main__":
