@@ -98,6 +98,7 @@ def start(home: Path, interval: float) -> subprocess.Popen[bytes]:
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{PORT}/api/pods").json()["state"] == "ok":
+                time.sleep(2 * interval)  # settled: its first rounds and imports are over
                 return proc
         except (httpx.TransportError, ValueError):
             pass
@@ -116,6 +117,7 @@ def render_times(paths: list[str], requests: int) -> dict[str, tuple[float, floa
     found = {}
     with httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120) as client:
         for path in paths:
+            client.get(path).raise_for_status()  # its first making (templates compile) aside
             times = []
             for _ in range(requests):
                 began = time.perf_counter()
