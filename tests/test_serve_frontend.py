@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +26,7 @@ import psutil
 import pytest
 
 from tests.test_serve_builtin import FIXTURES, NAME, Server, free_ports
+from tpupod.serve import split
 
 pytestmark = pytest.mark.local
 
@@ -36,7 +41,11 @@ def server() -> Iterator[Server]:
         srv.wait_ready(timeout=RESTART_S)
         yield srv
     finally:
-        srv.stop()
+        srv.proc.terminate()  # the keeper's own stop (kill -9 would leave its socket folder)
+        try:
+            srv.proc.wait(30)
+        finally:
+            srv.stop()
 
 
 def child(srv: Server, role: str) -> psutil.Process:
@@ -148,3 +157,20 @@ def test_engine_killed_streams_end_with_an_error_503_until_it_is_back(server: Se
     assert complete(client).choices[0].text == want
     assert child(server, "frontend").pid == front.pid  # the port never closed
     assert child(server, "engine").pid != engine.pid
+
+
+def test_a_keeper_killed_with_9_leaves_no_socket_folder_behind_the_next_start() -> None:
+    """A keeper's own cleanup does not run under ``kill -9``; the next keeper's start removes
+    the folders of keepers that are gone, and only those."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    root = Path(tempfile.gettempdir())
+    dead = Path(tempfile.mkdtemp(prefix=f"{split.FOLDER_PREFIX}{gone.pid}-", dir=root))
+    (dead / "engine-1.sock").touch()
+    alive = Path(tempfile.mkdtemp(prefix=f"{split.FOLDER_PREFIX}{os.getpid()}-", dir=root))
+    try:
+        split._sweep_folders()
+        assert not dead.exists()
+        assert alive.exists()
+    finally:
+        alive.rmdir()

@@ -22,7 +22,9 @@ ends the server with its exit code, and the fleet's supervisor takes over.
 SIGTERM stops both children (the front end first), then the keeper exits 0;
 the children die with the keeper (``PR_SET_PDEATHSIG``), and all three share
 the process group the fleet stops, so ``serve status``, ``serve restart`` and
-``serve down`` see one server as before.
+``serve down`` see one server as before. The sockets' folder (in the temp
+folder, mode 0700) is named after the keeper's pid: one that ``kill -9`` left
+is removed by the next keeper to start.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ MAX_BACKOFF_S = 10.0
 STABLE_S = 60.0
 STOP_GRACE_S = 8.0
 POLL_S = 0.05
+FOLDER_PREFIX = "tpupod-builtin-"
 
 
 class _Child:
@@ -96,7 +99,8 @@ def _signal_name(code: int) -> str:
 
 def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
     """Run the engine and the front end; restart the one a signal kills; 0 after SIGTERM."""
-    folder = Path(tempfile.mkdtemp(prefix="tpupod-builtin-"))  # mode 0700: ours alone
+    _sweep_folders()
+    folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))  # 0700: ours alone
     base = [sys.executable, "-m", "tpupod.serve.builtin", *_passed_on(args), "--ipc", str(folder)]
     fds = tuple(s.fileno() for s in sockets)
     engine = _Child("engine", [*base, "--role", "engine"], ())
@@ -124,6 +128,25 @@ def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
     finally:
         _stop(children)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep_folders() -> None:
+    """Remove the socket folders of keepers that died by ``kill -9`` (their own cleanup
+    never ran): a folder is named after its keeper's pid."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*-*"):
+        pid = folder.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and folder.stat().st_uid == os.getuid() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _stop(children: list[_Child]) -> None:
