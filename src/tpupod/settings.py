@@ -185,6 +185,12 @@ def named(variable: str) -> str | None:
     return os.environ.get(variable) or None
 
 
+def take(variable: str) -> str | None:
+    """A secret handed over in the environment, read once and removed, so no child started
+    later inherits it (the sgl-router child's API key)."""
+    return os.environ.pop(variable, None) or None
+
+
 def use_uvloop() -> bool:
     """``TPUPOD_NO_UVLOOP`` unset: the serving router runs on uvloop where it is installed."""
     return not os.environ.get("TPUPOD_NO_UVLOOP")

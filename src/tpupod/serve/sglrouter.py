@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tpupod import settings
 from tpupod.serve import ctl, defaults
 
 KEY_ENV = "TPUPOD_SGL_API_KEY"
@@ -116,7 +117,7 @@ def child(argv: list[str]) -> None:
     from sglang_router.launch_router import launch_router, parse_router_args
 
     args = parse_router_args(argv)
-    args.api_key = os.environ.pop(KEY_ENV, None)
+    args.api_key = settings.take(KEY_ENV)
     launch_router(args)
 
 
