@@ -9,12 +9,15 @@ the loop (the engine's own thread):
    tokens (``slots.prefill``, one compiled program per length bucket) that
    write their keys and values and pick their first tokens (newcomers go
    first: a burst of arrivals joins at once rather than a few per step);
-3. runs one decode call over every slot (``slots.decode``, or
-   ``decode_many`` for several steps a call; compiled once; idle slots
-   compute and are ignored) and hands each running request its next tokens.
+3. starts one decode call over every slot (``slots.Programs.decode``, one or
+   several steps a call; compiled once; idle slots compute and are ignored),
+   its input tokens the previous call's, fed back on the device;
+4. reads a call's tokens and hands each running request its next ones: with
+   ``overlap``, the previous call's, while the one just started runs
+   (docs/serving.md); without, the call just started.
 
 A request that stops (a stop token, a stop string, ``max_tokens``) frees its
-slot at once; the next newcomer reuses it. Results go out through each
+slot when its stop is read; the next newcomer reuses it. Results go out through each
 request's ``sink`` as ``Delta`` / ``Finished`` / ``Failed`` events, called
 from the engine's thread (the HTTP side hops them onto its event loop).
 
@@ -205,13 +208,15 @@ class Engine:
         stop_tokens: Sequence[int] | None = None,
         decode_steps: int = 1,
         prefill_tokens: int | None = None,
-        overlap: bool = True,
+        overlap: bool | None = None,
     ) -> None:
         if max_batch < 1 or max_length < 2 or decode_steps < 1:
             raise ModelError("max_batch and decode_steps must be >= 1 and max_length >= 2")
         self.decode_steps = decode_steps
-        # read a decode call's tokens only after the next call is started (docs/serving.md)
-        self.overlap = overlap
+        # read a decode call's tokens only after the next call is started (docs/serving.md);
+        # by default not on a CPU, where the "device" is the host's own cores: there it
+        # hid nothing and cost an extra call a batch (BENCHMARKS.md, issue 24)
+        self.overlap = jax.default_backend() != "cpu" if overlap is None else overlap
         self.model = model
         self.programs = slots.Programs(model._graphdef, model._state, decode_steps)
         self.tokenizer = model.tokenizer
