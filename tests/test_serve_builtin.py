@@ -94,7 +94,8 @@ class Server:
         self.lines: list[str] = []
         self.clients: list[openai.OpenAI] = []
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 240) -> None:
+        # a quiet machine is ready in ~10 s; at load 13-19 a start took 94-187 s (split or not)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         want = {f"ready port={p}" for p in self.ports}
