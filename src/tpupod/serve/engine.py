@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import secrets
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +45,19 @@ from tpupod.errors import ModelError
 from tpupod.model import QwenModel, sharding, slots
 from tpupod.model.qwen import MIN_LENGTH_BUCKET
 from tpupod.model.tokenizer import Tokenizer
+from tpupod.serve.events import (  # the engine's vocabulary, re-exported for its callers
+    Delta,
+    EngineStopped,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    SamplingParams,
+    Sink,
+    check_request,
+    deliver,
+)
 
-FinishReason = Literal["stop", "length"]
 # The default packed prefill (or a slot's length, if longer). Fewer, larger
 # prefills read the weights and compute the newcomers' LM head fewer times: 32
 # chat prompts (1,794 tokens, the 0.5B shape cut to 4 layers, a CPU) took 2.6 s
@@ -64,58 +74,6 @@ def length_buckets(largest: int) -> list[int]:
         buckets.append(size)
         size *= 2
     return [*buckets, largest]
-
-
-class RequestRejected(ModelError):
-    """A request the engine cannot take: too long a prompt, too many tokens asked."""
-
-    def __init__(self, message: str, param: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-class EngineStopped(ModelError):
-    """The engine is shutting down (or has) and takes no more requests."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    """New text of the answer (may be empty when a token added no whole character)."""
-
-    text: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-    reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = Delta | Finished | Failed
-Sink = Callable[[Event], None]
-
-
-def deliver(events: list[tuple[Sink, Event]]) -> None:
-    """Call each sink with its event; a sink's failure must not take the engine down."""
-    for sink, event in events:
-        with contextlib.suppress(Exception):
-            sink(event)
 
 
 class TextStream:
@@ -370,28 +328,7 @@ class Engine:
 
     def check(self, prompt: Sequence[int], max_tokens: int | None) -> int:
         """The ``max_tokens`` this prompt gets (the room left when not given), or a refusal."""
-        n = len(prompt)
-        if n == 0:
-            raise RequestRejected("the prompt is empty", "prompt")
-        room = self.max_length - n
-        if room < 1:
-            raise RequestRejected(
-                f"the prompt has {n} tokens; this server holds at most "
-                f"{self.max_length} per request (prompt and answer), so it takes prompts "
-                f"of up to {self.max_length - 1} tokens",
-                "messages",
-                "context_length_exceeded",
-            )
-        if max_tokens is None:
-            return room
-        if max_tokens > room:
-            raise RequestRejected(
-                f"max_tokens is {max_tokens}, but the prompt has {n} tokens and this server "
-                f"holds at most {self.max_length} per request: ask for at most {room}",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        return max_tokens
+        return check_request(prompt, max_tokens, self.max_length)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink) -> Request:
         """Queue a request; its events go to ``sink`` (from the engine's thread)."""

@@ -34,11 +34,10 @@ import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tpupod.serve.engine import (
+from tpupod.serve.events import (
     Delta,
-    Engine,
     EngineStopped,
     Event,
     Failed,
@@ -46,8 +45,12 @@ from tpupod.serve.engine import (
     RequestRejected,
     SamplingParams,
     Sink,
+    check_request,
 )
-from tpupod.serve.engine import Request as EngineRequest
+
+if TYPE_CHECKING:  # the front end never imports the engine (JAX): only the engine side has one
+    from tpupod.serve.engine import Engine
+    from tpupod.serve.engine import Request as EngineRequest
 
 HEADER = struct.Struct("!I")
 ENGINE_DOWN = "the engine process is not running (it exited); it is being restarted: retry shortly"
@@ -237,7 +240,7 @@ class RemoteEngine:
     def check(self, prompt: Sequence[int], max_tokens: int | None) -> int:
         if self.down is not None:
             raise EngineStopped(self.down)
-        return Engine.check(self, prompt, max_tokens)  # type: ignore[arg-type]  # one rule
+        return check_request(prompt, max_tokens, self.max_length)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink) -> RemoteRequest:
         if self.down is not None or self._writer is None:

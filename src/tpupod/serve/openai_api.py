@@ -46,9 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpupod.errors import ModelError
-from tpupod.serve.engine import (
+from tpupod.serve.events import (
     Delta,
-    Engine,
     EngineStopped,
     Event,
     Failed,
@@ -330,6 +329,8 @@ def create_app(
     """The FastAPI app serving ``engine`` under the name ``model_name`` (``vocab_size``:
     the model's, by default read from a local :class:`Engine`)."""
     if vocab_size is None:
+        from tpupod.serve.engine import Engine  # a local engine: JAX is loaded already
+
         assert isinstance(engine, Engine)
         vocab_size = engine.model.config.vocab_size
     app = FastAPI(title="tpupod builtin server", docs_url=None, redoc_url=None)

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from tpupod.model import sharding
-from tpupod.serve.engine import Engine, Request, SamplingParams
+from tpupod.serve.engine import Engine, Request
+from tpupod.serve.events import SamplingParams
 from tpupod.serve.lockstep import Follower, Leader
 
 # How long a failed step waits for the side channel to report a lost member.
