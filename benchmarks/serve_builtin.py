@@ -166,7 +166,8 @@ async def clients_round(
     import httpx
 
     if stream:
-        return await streaming_round(port, conversations, new)
+        wall, tokens, _ = await streaming_round(port, conversations, new)
+        return wall, tokens
 
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     limits = httpx.Limits(max_connections=len(conversations) * 2)
@@ -188,15 +189,18 @@ async def clients_round(
         return time.perf_counter() - started, sum(counts)
 
 
-async def streaming_round(port: int, conversations: list[str], new: int) -> tuple[float, int]:
-    """All requests at once, each streamed (server-sent events, usage in the last)."""
+async def streaming_round(
+    port: int, conversations: list[str], new: int
+) -> tuple[float, int, list[float]]:
+    """All requests at once, each streamed (server-sent events, usage in the last): wall
+    seconds, answer tokens, and each request's seconds to its first text."""
     import httpx
 
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     limits = httpx.Limits(max_connections=len(conversations) * 2)
     async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
 
-        async def one(question: str) -> int:
+        async def one(question: str) -> tuple[float, int]:
             body = {
                 "model": "bench",
                 "messages": [{"role": "user", "content": question}],
@@ -205,18 +209,25 @@ async def streaming_round(port: int, conversations: list[str], new: int) -> tupl
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            tokens = 0
+            sent = time.perf_counter()
+            first, tokens = 0.0, 0
             async with client.stream("POST", url, json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        usage = json.loads(line[6:]).get("usage")
-                        tokens = int(usage["completion_tokens"]) if usage else tokens
-            return tokens
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    choices = chunk.get("choices")
+                    if not first and choices and choices[0]["delta"].get("content"):
+                        first = time.perf_counter() - sent
+                    if chunk.get("usage"):
+                        tokens = int(chunk["usage"]["completion_tokens"])
+            return first, tokens
 
         started = time.perf_counter()
-        counts = await asyncio.gather(*(one(q) for q in conversations))
-        return time.perf_counter() - started, sum(counts)
+        results = await asyncio.gather(*(one(q) for q in conversations))
+        wall = time.perf_counter() - started
+    return wall, sum(n for _, n in results), [f for f, _ in results]
 
 
 def engine_round(

@@ -21,11 +21,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from serve_builtin import FIXTURE, QUESTIONS, free_port, progress, wait_ready
+from serve_builtin import FIXTURE, QUESTIONS, free_port, progress, streaming_round, wait_ready
 
 
 def start(port: int, args: argparse.Namespace, *extra: str) -> subprocess.Popen[str]:
@@ -37,48 +36,10 @@ def start(port: int, args: argparse.Namespace, *extra: str) -> subprocess.Popen[
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
 
 
-async def streaming_round(port: int, questions: list[str], new: int) -> dict[str, float]:
+async def split_round(port: int, questions: list[str], new: int) -> dict[str, float]:
     """All requests at once, streamed: tokens/s and the median time to the first text."""
-    import httpx
-
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    limits = httpx.Limits(max_connections=len(questions) * 2)
-    async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
-
-        async def one(question: str) -> tuple[float, int]:
-            body = {
-                "model": "bench",
-                "messages": [{"role": "user", "content": question}],
-                "max_tokens": new,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            sent = time.perf_counter()
-            first, tokens = 0.0, 0
-            async with client.stream("POST", url, json=body) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if (
-                        not first
-                        and chunk["choices"]
-                        and chunk["choices"][0]["delta"].get("content")
-                    ):
-                        first = time.perf_counter() - sent
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-            return first, tokens
-
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one(q) for q in questions))
-        wall = time.perf_counter() - started
-    return {
-        "tok_s": sum(n for _, n in results) / wall,
-        "ttft_ms": 1000 * statistics.median(f for f, _ in results),
-    }
+    wall, tokens, firsts = await streaming_round(port, questions, new)
+    return {"tok_s": tokens / wall, "ttft_ms": 1000 * statistics.median(firsts)}
 
 
 def main() -> None:
@@ -100,12 +61,12 @@ def main() -> None:
         for name, proc in servers.items():
             wait_ready(proc, ports[name])
         for name in servers:  # a first round each, not counted: connections, caches
-            asyncio.run(streaming_round(ports[name], questions, args.new_tokens))
+            asyncio.run(split_round(ports[name], questions, args.new_tokens))
         for r in range(args.rounds):
             for name in servers:
                 progress(f"round {r + 1}: {name}")
                 rounds[name].append(
-                    asyncio.run(streaming_round(ports[name], questions, args.new_tokens))
+                    asyncio.run(split_round(ports[name], questions, args.new_tokens))
                 )
     finally:
         for proc in servers.values():
