@@ -315,6 +315,8 @@ def racing_first(text: str) -> str:
 def test_a_plain_local_exec_starts_neither_typer_nor_asyncio(
     make_pod: Callable[..., Pod],
 ) -> None:
+    """Nor typing, dataclasses or pathlib: together they cost the fast path about two Python
+    starts (measured: exec -- true on 4 workers, 94 -> 58 ms of CPU, python -c pass 16 ms)."""
     pod = make_pod(2)
     proc = subprocess.run(
         [
@@ -335,7 +337,8 @@ def test_a_plain_local_exec_starts_neither_typer_nor_asyncio(
     )
     assert proc.returncode == 0, proc.stderr
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
-    assert {"typer", "asyncio", "pydantic"}.isdisjoint(imported)
+    heavy = {"typer", "asyncio", "pydantic", "typing", "dataclasses", "inspect", "pathlib"}
+    assert heavy & imported == set()
     summary = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
     assert len(summary) == 1 and summary[0].startswith(f"exec on {pod.name}: 2/2 ok in ")
 

@@ -23,7 +23,7 @@ from ``tpupod.latest_checkpoint(ckpt_dir)`` (the newest complete Orbax step, or 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (mypy reads it as True)
 
 __version__ = "0.1.0"
 
@@ -91,7 +91,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tpupod' has no attribute {name!r}")

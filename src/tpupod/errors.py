@@ -32,7 +32,9 @@ translated into these at the seam where they arise, chained with ``from``.
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (mypy reads it as True)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class TpupodError(Exception):

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tpupod import settings
 from tpupod.envargs import parse_env
 from tpupod.errors import TpupodError, UsageError
+from tpupod.plain import TYPE_CHECKING, Plain
 from tpupod.plainargs import OptionTable, scan
 from tpupod.results import DEFAULT_GRACE_S, OnFail
 from tpupod.selection import select_ids
@@ -27,28 +26,58 @@ if TYPE_CHECKING:
     from tpupod.state import PodBrief, StateDir
 
 
-@dataclass
-class ExecArgs:
-    command: list[str]
-    pod: str | None = None
-    worker: str | None = None
-    on_fail: OnFail = OnFail.WAIT
-    timeout: float | None = None
-    grace: float = DEFAULT_GRACE_S
-    quiet: bool = False
-    env: list[str] = field(default_factory=list)
-    verbose: bool = False
+class ExecArgs(Plain):
+    """``tpupod exec``'s options, as either parser read them."""
+
+    __slots__ = (
+        "command",
+        "env",
+        "grace",
+        "on_fail",
+        "pod",
+        "quiet",
+        "timeout",
+        "verbose",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        pod: str | None = None,
+        worker: str | None = None,
+        on_fail: OnFail = OnFail.WAIT,
+        timeout: float | None = None,
+        grace: float = DEFAULT_GRACE_S,
+        quiet: bool = False,
+        env: list[str] | None = None,
+        verbose: bool = False,
+    ) -> None:
+        self.command = command
+        self.pod = pod
+        self.worker = worker
+        self.on_fail = on_fail
+        self.timeout = timeout
+        self.grace = grace
+        self.quiet = quiet
+        self.env = env if env is not None else []
+        self.verbose = verbose
 
 
-@dataclass(frozen=True)
-class ExecPlan:
+class ExecPlan(Plain):
     """What one ``tpupod exec`` does: on which pod and workers, which command line."""
 
-    name: str
-    brief: PodBrief
-    ids: list[int]
-    line: str
-    env: dict[str, str]
+    __slots__ = ("brief", "env", "ids", "line", "name")
+
+    def __init__(
+        self, name: str, brief: PodBrief, ids: list[int], line: str, env: dict[str, str]
+    ) -> None:
+        self.name = name
+        self.brief = brief
+        self.ids = ids
+        self.line = line
+        self.env = env
 
     @property
     def held(self) -> bool:
@@ -74,13 +103,9 @@ def run_held(state: StateDir, plan: ExecPlan, args: ExecArgs) -> FanoutResult:
 
 def run_here(state: StateDir, plan: ExecPlan, args: ExecArgs) -> FanoutResult:
     """Run the plan on a local pod's workers with no event loop (``localexec``)."""
-    import json
-
     from tpupod.localexec import run_local
-    from tpupod.state import RECORD_FILE
 
-    record = json.loads((state.pod_dir(plan.name) / RECORD_FILE).read_text(encoding="utf-8"))
-    return run_local(record, plan, args)
+    return run_local(state.read_record(plan.name), plan, args)
 
 
 def finish(result: FanoutResult, plan: ExecPlan, verbose: bool = False) -> int:

@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 from collections import deque
-from typing import IO, TYPE_CHECKING, Any
 
 from tpupod import limits
+from tpupod.plain import TYPE_CHECKING
 from tpupod.report import LinePrinter
 from tpupod.results import FanoutResult, Outcome, WorkerResult
 from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
@@ -31,6 +31,8 @@ from tpupod.transport.lines import LineSplitter
 from tpupod.workerenv import identity_env
 
 if TYPE_CHECKING:
+    from typing import IO, Any
+
     from tpupod.execflow import ExecArgs, ExecPlan
     from tpupod.state import WorkerBrief
 

@@ -10,19 +10,26 @@ mean, reads them and explains. Tests check that both readers agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from tpupod.plain import Plain
 
 
-@dataclass(frozen=True)
-class OptionTable:
+class OptionTable(Plain):
     """A command's options: those that take a value, those repeated, and flags.
 
     Each maps every spelling (``-w``, ``--worker``) to one field name.
     """
 
-    valued: dict[str, str]
-    repeated: dict[str, str] = field(default_factory=dict)
-    flags: dict[str, str] = field(default_factory=dict)
+    __slots__ = ("flags", "repeated", "valued")
+
+    def __init__(
+        self,
+        valued: dict[str, str],
+        repeated: dict[str, str] | None = None,
+        flags: dict[str, str] | None = None,
+    ) -> None:
+        self.valued = valued
+        self.repeated = repeated or {}
+        self.flags = flags or {}
 
     def extended(
         self,
@@ -38,14 +45,14 @@ class OptionTable:
         )
 
 
-@dataclass
 class Scanned:
     """The options read from a command line, and what follows them."""
 
-    values: dict[str, str] = field(default_factory=dict)
-    lists: dict[str, list[str]] = field(default_factory=dict)
-    flags: set[str] = field(default_factory=set)
-    rest: list[str] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.lists: dict[str, list[str]] = {}
+        self.flags: set[str] = set()
+        self.rest: list[str] = []
 
 
 def scan(argv: list[str], table: OptionTable) -> Scanned | None:

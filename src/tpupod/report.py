@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TextIO
 
 from tpupod import settings
 from tpupod.errors import TpupodError
+from tpupod.plain import TYPE_CHECKING
 from tpupod.results import Outcome
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import TextIO
+
     from tpupod.results import FanoutResult, WorkerLike, WorkerResult
 
 # Bright and normal ANSI colors, skipping black/white/grey which vanish on some themes.

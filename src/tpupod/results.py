@@ -7,27 +7,29 @@ print a result that a connection holder sent it without loading the engine.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from tpupod.errors import FanoutFailed
+from tpupod.plain import TYPE_CHECKING, Plain
 from tpupod.transport.base import ExitStatus
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any, Protocol
+
+    class WorkerLike(Protocol):
+        """What a result needs of a worker (a Worker, or a light stand-in for one)."""
+
+        @property
+        def id(self) -> int: ...
+
+        @property
+        def hostname(self) -> str: ...
+
+        @property
+        def label(self) -> str: ...
+
+
 DEFAULT_GRACE_S = 5.0
-
-
-class WorkerLike(Protocol):
-    """What a result needs of a worker (a Worker, or a light stand-in for one)."""
-
-    @property
-    def id(self) -> int: ...
-
-    @property
-    def hostname(self) -> str: ...
-
-    @property
-    def label(self) -> str: ...
 
 
 class OnFail(enum.StrEnum):
@@ -44,18 +46,46 @@ class Outcome(enum.Enum):
     UNREACHABLE = "unreachable"
 
 
-@dataclass(frozen=True)
-class WorkerResult:
-    worker: WorkerLike
-    outcome: Outcome
-    duration: float
-    status: ExitStatus | None = None
-    tail: tuple[str, ...] = ()
-    lines: int = 0
-    error: str | None = None
-    hint: str | None = None  # what the user can do about ``error``
-    stopped_by: int | None = None
-    killed_after_term: bool = False  # TERM was ignored, KILL after the grace ended it
+class WorkerResult(Plain):
+    """How one worker ended."""
+
+    __slots__ = (
+        "duration",
+        "error",
+        "hint",
+        "killed_after_term",
+        "lines",
+        "outcome",
+        "status",
+        "stopped_by",
+        "tail",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        worker: WorkerLike,
+        outcome: Outcome,
+        duration: float,
+        status: ExitStatus | None = None,
+        *,
+        tail: tuple[str, ...] = (),
+        lines: int = 0,
+        error: str | None = None,
+        hint: str | None = None,
+        stopped_by: int | None = None,
+        killed_after_term: bool = False,
+    ) -> None:
+        self.worker = worker
+        self.outcome = outcome
+        self.duration = duration
+        self.status = status
+        self.tail = tail
+        self.lines = lines
+        self.error = error
+        self.hint = hint  # what the user can do about ``error``
+        self.stopped_by = stopped_by
+        self.killed_after_term = killed_after_term  # TERM was ignored, KILL after the grace
 
     @property
     def ok(self) -> bool:
@@ -87,14 +117,27 @@ class WorkerResult:
                 return "unreachable"
 
 
-@dataclass(frozen=True)
-class FanoutResult:
-    command: str
-    workers: list[WorkerResult]
-    elapsed: float
-    failure_order: list[int] = field(default_factory=list)
-    timed_out: bool = False
-    interrupt_signal: int | None = None
+class FanoutResult(Plain):
+    """How a fan-out ended: every worker's result, and which failed first."""
+
+    __slots__ = ("command", "elapsed", "failure_order", "interrupt_signal", "timed_out", "workers")
+
+    def __init__(
+        self,
+        command: str,
+        workers: list[WorkerResult],
+        elapsed: float,
+        failure_order: list[int] | None = None,
+        *,
+        timed_out: bool = False,
+        interrupt_signal: int | None = None,
+    ) -> None:
+        self.command = command
+        self.workers = workers
+        self.elapsed = elapsed
+        self.failure_order = failure_order if failure_order is not None else []
+        self.timed_out = timed_out
+        self.interrupt_signal = interrupt_signal
 
     @property
     def ok(self) -> bool:

@@ -12,47 +12,69 @@ an atomic ``mkdir``, so two concurrent ``up`` calls cannot both create a pod.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+import os
 
 from tpupod import settings
 from tpupod.errors import PodNotFound, StateError
-from tpupod.files import write_atomic
 from tpupod.names import POD_NAME_RE
+from tpupod.plain import TYPE_CHECKING, Plain
 
 if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
+
     from tpupod.pod import Pod
 
 RECORD_FILE = "pod.json"
 
 
-@dataclass(frozen=True)
-class WorkerBrief:
-    id: int
-    hostname: str
+class WorkerBrief(Plain):
+    """A worker as the fast paths know it: its id and host."""
+
+    __slots__ = ("hostname", "id")
+
+    def __init__(self, id: int, hostname: str) -> None:
+        self.id = id
+        self.hostname = hostname
 
     @property
     def label(self) -> str:
         return f"w{self.id}"
 
 
-@dataclass(frozen=True)
-class PodBrief:
-    name: str
-    provider: str
-    workers: tuple[WorkerBrief, ...]
+class PodBrief(Plain):
+    """A pod as the fast paths know it: its provider and workers."""
+
+    __slots__ = ("name", "provider", "workers")
+
+    def __init__(self, name: str, provider: str, workers: tuple[WorkerBrief, ...]) -> None:
+        self.name = name
+        self.provider = provider
+        self.workers = workers
 
 
 class StateDir:
-    """Known pods, found by name."""
+    """Known pods, found by name.
 
-    def __init__(self, root: Path | None = None) -> None:
-        self.root = root if root is not None else settings.state_home()
+    What the fast paths call (``resolve_name``, ``load_brief``, ``read_record``) works on
+    plain strings: ``pathlib`` is imported only by what hands out a ``Path``.
+    """
+
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.home = os.fspath(root) if root is not None else settings.state_home_text()
+
+    @property
+    def root(self) -> Path:
+        from pathlib import Path
+
+        return Path(self.home)
 
     @property
     def pods_dir(self) -> Path:
         return self.root / "pods"
+
+    def record_path(self, name: str) -> str:
+        return os.path.join(self.home, "pods", name, RECORD_FILE)
 
     def pod_dir(self, name: str) -> Path:
         return self.pods_dir / name
@@ -65,6 +87,8 @@ class StateDir:
         return path
 
     def save(self, pod: Pod) -> None:
+        from tpupod.files import write_atomic
+
         write_atomic(self.pod_dir(pod.name) / RECORD_FILE, pod.model_dump_json(indent=2) + "\n")
 
     def exists(self, name: str) -> bool:
@@ -75,7 +99,7 @@ class StateDir:
 
         from tpupod.pod import Pod
 
-        data = self._read(name)
+        data = self.read_record(name)
         try:
             return Pod.model_validate(data)
         except ValidationError as exc:
@@ -83,17 +107,18 @@ class StateDir:
 
     def load_brief(self, name: str) -> PodBrief:
         """The little the CLI's fast path needs (provider, workers), without validating it all."""
-        data = self._read(name)
+        data = self.read_record(name)
         try:
             workers = tuple(WorkerBrief(int(w["id"]), str(w["hostname"])) for w in data["workers"])
             return PodBrief(name, str(data["spec"]["provider"]), workers)
         except (KeyError, TypeError, ValueError) as exc:
             raise self._unreadable(name) from exc
 
-    def _read(self, name: str) -> Any:
-        path = self.pod_dir(name) / RECORD_FILE
+    def read_record(self, name: str) -> Any:
+        """The pod's record as plain JSON (not validated)."""
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            with open(self.record_path(name), encoding="utf-8") as file:
+                return json.load(file)
         except FileNotFoundError:
             if not POD_NAME_RE.match(name):
                 raise PodNotFound(f"{name!r} is not a pod name", hint=self._known_hint()) from None
@@ -103,14 +128,19 @@ class StateDir:
 
     def _unreadable(self, name: str) -> StateError:
         return StateError(
-            f"the record of pod {name!r} is unreadable: {self.pod_dir(name) / RECORD_FILE}",
+            f"the record of pod {name!r} is unreadable: {self.record_path(name)}",
             hint="fix or delete that file (tpupod writes it whole, so a hand edit broke it)",
         )
 
     def names(self) -> list[str]:
-        if not self.pods_dir.is_dir():
+        """The pods with a record (as ``glob("*/pod.json")``: hidden folders do not count)."""
+        try:
+            found = os.listdir(os.path.join(self.home, "pods"))
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(p.parent.name for p in self.pods_dir.glob(f"*/{RECORD_FILE}"))
+        return sorted(
+            n for n in found if not n.startswith(".") and os.path.isfile(self.record_path(n))
+        )
 
     def pods(self) -> list[Pod]:
         return [self.load(name) for name in self.names()]
@@ -128,7 +158,7 @@ class StateDir:
             return names[0]
         if not names:
             raise PodNotFound(
-                f"no pods yet (state directory {self.root})",
+                f"no pods yet (state directory {self.home})",
                 hint="create one with 'tpupod up --name dev --local 2'",
             )
         raise PodNotFound(

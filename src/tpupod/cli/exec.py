@@ -103,7 +103,17 @@ def exec_command(
 
       tpupod exec --image app:1 -- python -c 'import jax; print(jax.devices())'
     """
-    args = ExecArgs(command, pod, worker, on_fail, timeout, grace, quiet, list(env or []), verbose)
+    args = ExecArgs(
+        command,
+        pod=pod,
+        worker=worker,
+        on_fail=on_fail,
+        timeout=timeout,
+        grace=grace,
+        quiet=quiet,
+        env=list(env or []),
+        verbose=verbose,
+    )
     if image is None:
         container_from_options(image, mount, engine, privileged, [])  # refuses stray options
     run_exec(args, ContainerOptions(image, mount, engine, privileged) if image else None)

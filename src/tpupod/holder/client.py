@@ -16,14 +16,17 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpupod.errors import TpupodError
 from tpupod.holder import socket_path
 from tpupod.report import LinePrinter, notice
-from tpupod.results import FanoutResult, WorkerLike, result_from_json
+from tpupod.results import FanoutResult, result_from_json
 from tpupod.state import StateDir
 from tpupod.transport.base import OutputLine, Stream
+
+if TYPE_CHECKING:
+    from tpupod.results import WorkerLike
 
 START_TIMEOUT_S = 30.0
 LOG_FILE = "holder.log"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from tpupod.errors import PreflightError, UsageError
@@ -313,8 +313,8 @@ def explain(result: FanoutResult) -> FanoutResult:
     workers = []
     for worker in result.workers:
         hint = None if worker.ok or worker.hint else limit_hint(worker.tail)
-        workers.append(replace(worker, hint=hint) if hint else worker)
-    return replace(result, workers=workers)
+        workers.append(worker.replace(hint=hint) if hint else worker)
+    return result.replace(workers=workers)
 
 
 async def execute_in_containers(

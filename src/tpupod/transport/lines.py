@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Protocol
-
+from tpupod.plain import TYPE_CHECKING
 from tpupod.transport.base import OutputLine, Stream
+
+if TYPE_CHECKING:  # typing is not imported at run time: the local fast path imports this
+    from collections.abc import AsyncIterator
+    from typing import Protocol
+
+    class ByteReader(Protocol):
+        async def read(self, n: int = -1) -> bytes: ...
+
 
 MAX_LINE_BYTES = 64 * 1024
 READ_CHUNK = 64 * 1024
@@ -52,10 +58,6 @@ class LineSplitter:
 def _decode(data: bytes | bytearray) -> str:
     text = bytes(data).decode("utf-8", errors="replace")
     return text[:-1] if text.endswith("\r") else text
-
-
-class ByteReader(Protocol):
-    async def read(self, n: int = -1) -> bytes: ...
 
 
 async def read_lines(streams: list[tuple[Stream, ByteReader]]) -> AsyncIterator[OutputLine]:
