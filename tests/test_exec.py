@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -290,6 +291,8 @@ def shape(text: str) -> list[str]:
         ["-w", "1,3", "--", "[ $TPUPOD_WORKER_ID = 3 ] && sleep 2; exit $TPUPOD_WORKER_ID"],
         ["-q", "--worker", "0-1", "--", "echo", "a b"],
         ["--", "kill -9 $$"],
+        # SIGPIPE as Popen leaves it (Python ignores it; an ignoring worker's yes would complain)
+        ["-w", "0", "--", "trap -p; yes | head -n 1"],
     ],
 )
 def test_the_local_fast_path_and_the_full_cli_agree(
@@ -306,6 +309,21 @@ def test_the_local_fast_path_and_the_full_cli_agree(
         assert shape(racing_first(fast.err)) == shape(racing_first(full.err))
     else:
         assert shape(fast.err) == shape(full.err)
+
+
+def test_workers_get_none_of_the_descriptors_tpupod_inherited(make_pod: Callable[..., Pod]) -> None:
+    """As subprocess's close_fds in the full path: a worker that kept the caller's pipe open
+    (a background child) would hold up whoever reads it."""
+    pod = make_pod(2)
+    read, write = os.pipe()
+    argv = [sys.executable, "-m", "tpupod", "exec", "--pod", pod.name, "--", "ls /proc/$$/fd"]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, pass_fds=(write,))
+    finally:
+        os.close(read)
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split()) == sorted(["[w0]", "[w1]"] * 3 + ["0", "1", "2"] * 2)
 
 
 def racing_first(text: str) -> str:

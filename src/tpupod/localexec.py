@@ -4,7 +4,7 @@ A local pod's workers are processes of this machine. Starting four of them
 needs neither asyncio, nor pydantic (the pod's record is read as plain JSON),
 nor the CLI framework: those imports cost ten times what the command does.
 This runs plain ``exec`` lines (workers, ``-e``, ``--quiet``, ``--verbose``,
-``--grace``, ``--on-fail wait``) with ``subprocess`` and a ``selectors`` loop;
+``--grace``, ``--on-fail wait``) with ``os.posix_spawn`` and a ``selectors`` loop;
 anything else (``--timeout``, ``--on-fail kill``, ``--image``) goes to the
 full fan-out (``fanout.py``), which stays the reference: tests run the same
 argument lines both ways and compare what the workers saw and what was printed.
@@ -12,12 +12,10 @@ argument lines both ways and compare what the workers saw and what was printed.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import selectors
 import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -31,7 +29,7 @@ from tpupod.transport.lines import LineSplitter
 from tpupod.workerenv import identity_env
 
 if TYPE_CHECKING:
-    from typing import IO, Any
+    from typing import Any
 
     from tpupod.execflow import ExecArgs, ExecPlan
     from tpupod.state import WorkerBrief
@@ -60,10 +58,79 @@ def local_env(record: dict[str, Any], index: int, extra: dict[str, str]) -> dict
     }
 
 
+class _Child:
+    """A worker's shell, started by :func:`spawn`: its pid and our ends of its pipes."""
+
+    def __init__(self, pid: int, stdin: int, stdout: int, stderr: int) -> None:
+        self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, stderr
+        self.returncode: int | None = None  # as Popen's: -N when killed by signal N
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: str | None) -> _Child:
+    """``subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True)`` with its three
+    streams piped, by ``os.posix_spawn``: importing subprocess (threading, locale, ...)
+    cost this path more than starting four shells. posix_spawn has no ``cwd``, so this
+    single-threaded process steps into ``cwd`` for the spawn and back; the signals Python
+    ignores (SIGPIPE, SIGXFSZ) are reset for the child as Popen does, and every descriptor
+    Python opens is close-on-exec (``inherited_fds_closed`` covers the ones it was given)."""
+    fds: list[int] = []  # stdin r/w, stdout r/w, stderr r/w
+    back = None
+    try:
+        for _ in range(3):
+            fds.extend(os.pipe())
+        if cwd:
+            back = os.open(".", os.O_RDONLY)
+            os.chdir(cwd)
+        pid = os.posix_spawn(
+            argv[0],
+            argv,
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, fds[0], 0),
+                (os.POSIX_SPAWN_DUP2, fds[3], 1),
+                (os.POSIX_SPAWN_DUP2, fds[5], 2),
+            ],
+            setsid=True,
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+        )
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    finally:
+        if back is not None:
+            os.fchdir(back)
+            os.close(back)
+    for fd in (fds[0], fds[3], fds[5]):
+        os.close(fd)
+    return _Child(pid, fds[1], fds[2], fds[4])
+
+
+def inherited_fds_closed() -> None:
+    """Make the descriptors this process inherited (above stderr) close-on-exec, so the
+    workers do not get them (as Popen's ``close_fds``): a pipe a worker kept open could
+    hold up whoever started tpupod."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                if os.get_inheritable(fd):
+                    os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the listing's own descriptor, closed by now
+
+
 class _Run:
     """One worker's process: its output splitters, tail, and how it ended."""
 
-    def __init__(self, worker: WorkerBrief, proc: subprocess.Popen[bytes] | None) -> None:
+    def __init__(self, worker: WorkerBrief, proc: _Child | None) -> None:
         self.worker = worker
         self.proc = proc
         self.started = time.monotonic()
@@ -71,17 +138,16 @@ class _Run:
         self.status: ExitStatus | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.lines = 0
-        self.pipes_open: dict[int, IO[bytes]] = {}
+        self.pipes_open: set[int] = set()
         self.error: str | None = None
         self.hint: str | None = None
 
-    def pipes(self) -> list[tuple[IO[bytes], Stream]]:
+    def pipes(self) -> list[tuple[int, Stream]]:
         """Its stdout and stderr, now counted as open."""
-        if self.proc is None or self.proc.stdout is None or self.proc.stderr is None:
+        if self.proc is None:
             return []
-        pipes = [(self.proc.stdout, Stream.STDOUT), (self.proc.stderr, Stream.STDERR)]
-        self.pipes_open = {pipe.fileno(): pipe for pipe, _ in pipes}
-        return pipes
+        self.pipes_open = {self.proc.stdout, self.proc.stderr}
+        return [(self.proc.stdout, Stream.STDOUT), (self.proc.stderr, Stream.STDERR)]
 
     def take(self, text: str) -> None:
         self.lines += 1
@@ -89,9 +155,9 @@ class _Run:
 
     def check_exit(self, now: float) -> bool:
         """Whether it exited just now (its status is then set)."""
-        if self.ended is not None or self.proc is None or self.proc.poll() is None:
+        code = None if self.ended is not None or self.proc is None else self.proc.poll()
+        if code is None:
             return False
-        code = self.proc.returncode
         self.ended = now
         self.status = ExitStatus(code) if code >= 0 else ExitStatus(None, -code)
         return True
@@ -106,6 +172,7 @@ def run_local(record: dict[str, Any], plan: ExecPlan, args: ExecArgs) -> FanoutR
     if short:
         print(f"tpupod: warning: {short}", file=sys.stderr, flush=True)
     started = time.monotonic()
+    inherited_fds_closed()
     runs = [_start(record, plan, i, script) for i in plan.ids]
     interrupted: list[int] = []
     previous = {
@@ -137,15 +204,7 @@ def _start(record: dict[str, Any], plan: ExecPlan, index: int, script: str) -> _
     env = {**os.environ, **local_env(record, index, plan.env)}
     try:
         # Guarded (command_script): stdin is a pipe we never write to, closed if we die.
-        proc = subprocess.Popen(
-            [SHELL, "-c", script],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=record["workers"][index].get("workdir"),
-            env=env,
-            start_new_session=True,
-        )
+        proc = spawn([SHELL, "-c", script], env, record["workers"][index].get("workdir"))
     except OSError as exc:
         run = _Run(worker, None)
         run.ended = run.started
@@ -186,8 +245,8 @@ def _pump(
             _signal_all(runs, signal.SIGKILL)
     selector.close()
     for run in runs:
-        if run.proc is not None and run.proc.stdin is not None:
-            run.proc.stdin.close()
+        if run.proc is not None:
+            os.close(run.proc.stdin)
 
 
 def _read(
@@ -205,12 +264,14 @@ def _read(
 
 
 def _close(selector: selectors.BaseSelector, run: _Run, fd: int) -> None:
-    pipe = run.pipes_open.pop(fd)
-    selector.unregister(pipe)
-    pipe.close()
+    run.pipes_open.discard(fd)
+    selector.unregister(fd)
+    os.close(fd)
 
 
 def _signal_all(runs: list[_Run], signum: int) -> None:
+    import contextlib  # here: only a signal needs it, and every exec imports this module
+
     for run in runs:
         if run.proc is not None and run.ended is None:
             with contextlib.suppress(ProcessLookupError):
