@@ -4,6 +4,7 @@ Run as root (it builds simulated pods of network namespaces with real sshd):
 
     .venv/bin/python benchmarks/scale.py                       # 16, 64, 256 hosts; 3 runs
     .venv/bin/python benchmarks/scale.py --hosts 16 --runs 5 --clients 256 1024
+    .venv/bin/python benchmarks/scale.py --local-only --local-runs 25  # part 4 alone
 
 In one run:
 
@@ -14,7 +15,9 @@ In one run:
 3. One rendezvous barrier of 256 to 8,192 clients (clients and service in this
    process): wall time and this process's CPU time, the best of 3 rounds.
 4. ``tpupod exec -- true`` on a 4-worker local pod beside ``python -c pass``,
-   run in turn, wall and CPU (the children's user + system time).
+   run in turn, wall and CPU (the children's user + system time). Python writes its
+   bytecode for these runs (``PYTHONDONTWRITEBYTECODE`` is dropped): an installed
+   tpupod has it, and without it every run compiles each module it imports.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ def children_cpu() -> float:
 def local_exec(runs: int, home: Path) -> dict[str, tuple[list[float], list[float]]]:
     """(wall, CPU) samples of a local 4-worker ``exec -- true`` and of ``python -c pass``."""
     env = {**os.environ, "TPUPOD_HOME": str(home)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     run_ok([TPUPOD, "up", "--name", "local4", "--local", "4"], env)
     commands = {
         "tpupod exec -- true (4 local workers)": [TPUPOD, "exec", "--pod", "local4", "--", "true"],
@@ -125,14 +129,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--clients", type=int, nargs="+", default=[256, 1024, 4096, 8192])
     parser.add_argument("--local-runs", type=int, default=15)
+    parser.add_argument("--local-only", action="store_true", help="only part 4 (no root needed)")
     args = parser.parse_args()
+    if args.local_only:
+        args.hosts, args.clients = [], []
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}")
-    limits.open_files(2 * max(args.clients))
+    limits.open_files(2 * max(args.clients, default=0))
     with tempfile.TemporaryDirectory(prefix="tpupod-bench-") as tmp:
         home = Path(tmp)
         os.environ["TPUPOD_HOME"] = str(home)
-        print("\n| hosts | sim start s | method | median ms | vs OpenSSH |")
-        print("|------:|------------:|--------|----------:|-----------:|")
+        if args.hosts:
+            print("\n| hosts | sim start s | method | median ms | vs OpenSSH |")
+            print("|------:|------------:|--------|----------:|-----------:|")
         for count in args.hosts:
             with SimPod(count) as sim:
                 rows = measure_hosts(sim, args.runs, home)
@@ -149,8 +157,9 @@ def main() -> None:
                     print(f"| {count} | | tpupod sync --from-local, one-file change | "
                           f"{ms(synced)} | |")  # fmt: skip
                 stop_holder(StateDir(), f"bench{count}")
-        print("\n| clients | barrier wall ms (best of 3) | CPU ms | CPU per client us |")
-        print("|--------:|----------:|-------:|-------:|")
+        if args.clients:
+            print("\n| clients | barrier wall ms (best of 3) | CPU ms | CPU per client us |")
+            print("|--------:|----------:|-------:|-------:|")
         for clients in args.clients:
             wall, cpu = asyncio.run(barrier(clients, 3))
             per = cpu / clients * 1e6
