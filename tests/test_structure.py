@@ -6,10 +6,12 @@ import ast
 import functools
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tpupod.pod import Pod
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tpupod"
 
@@ -96,6 +98,39 @@ def test_the_light_check_sees_a_heavy_import() -> None:
     script = "import sys, tpupod.spec; print('pydantic' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.stdout.strip() == "True", done.stderr
+
+
+# A command imports its own cli module and what it calls: not every command's packages.
+OTHER_COMMANDS = ("serve", "jobs", "extract", "bench", "image", "dashboard")
+# the console script, printing the modules it imported as it exits (-X importtime does not
+# see importlib.import_module, which loads the command modules)
+IMPORTS_AT_EXIT = (
+    "import atexit, sys; "
+    "atexit.register(lambda: print('IMPORTED', *sorted(sys.modules), file=sys.stderr)); "
+    "sys.argv[0] = 'tpupod'; from tpupod.entry import main; main()"
+)
+
+
+def test_status_imports_no_other_command_s_packages(make_pod: Callable[..., Pod]) -> None:
+    pod = make_pod(2)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS_AT_EXIT, "status", "--pod", pod.name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = done.stderr.split("IMPORTED", 1)[1].split()
+    assert "tpupod.cli.pods" in imported  # the check sees what it looks for
+    others = [
+        name
+        for name in imported
+        if name.split(".")[:2] in (["tpupod", other] for other in OTHER_COMMANDS)
+        or (
+            name.startswith("tpupod.cli.") and name not in ("tpupod.cli.pods", "tpupod.cli.options")
+        )
+    ]
+    assert others == [], f"tpupod status imports {others}"
 
 
 def module_level_names(tree: ast.Module) -> set[str]:

@@ -7,6 +7,7 @@ traceback is shown only with ``--debug`` (or ``TPUPOD_DEBUG=1``).
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Annotated, ParamSpec, TypeVar
 
 import typer
+from typer.models import CommandInfo, TyperInfo
 
 from tpupod import __version__
 from tpupod.report import report_failure
@@ -107,13 +109,56 @@ COMMAND_MODULES = {
 def load_commands(argv: list[str]) -> None:
     """Import the module of the command ``argv`` names, or every command module when it
     names none we know (``--help``, a typo: typer then lists them all)."""
-    name = next((arg for arg in argv if not arg.startswith("-")), None)
-    known = COMMAND_MODULES.get(name or "")
+    known = COMMAND_MODULES.get(command_named(argv) or "")
     for module in [known] if known else sorted(set(COMMAND_MODULES.values())):
         importlib.import_module(f"tpupod.cli.{module}")
 
 
+def command_named(argv: list[str]) -> str | None:
+    """The command ``argv`` names, if it names one we know."""
+    name = next((arg for arg in argv if not arg.startswith("-")), None)
+    return name if name in COMMAND_MODULES else None
+
+
+def app_for(name: str | None) -> typer.Typer:
+    """The app with only what this call needs typer to build: the command ``name`` alone,
+    or for the command list (``--help``, a typo) every command as its name and help,
+    without its options. Typer builds every registered command's options before it parses
+    anything: about 100 ms of CPU for all of them, 2 to 15 ms for a module's siblings
+    (``tpupod --help`` 105 -> 3 ms; it prints the same, tests/test_cli_start.py)."""
+    trimmed = copy.copy(app)
+    if name is not None:
+        trimmed.registered_commands = [c for c in app.registered_commands if c.name == name]
+        trimmed.registered_groups = [g for g in app.registered_groups if g.name == name]
+    else:
+        trimmed.registered_commands = [_listed(c) for c in app.registered_commands]
+        trimmed.registered_groups = [_listed_group(g) for g in app.registered_groups]
+    return trimmed
+
+
+def _listed(info: CommandInfo) -> CommandInfo:
+    """A command as the command list shows it: its name and help, no options."""
+
+    def listed() -> None:
+        raise AssertionError("a listed command is never run")  # pragma: no cover
+
+    listed.__doc__ = info.callback.__doc__ if info.callback else None
+    shown = copy.copy(info)
+    shown.callback = listed
+    return shown
+
+
+def _listed_group(info: TyperInfo) -> TyperInfo:
+    """A command group as the command list shows it: its name and help, no commands."""
+    shown, group = copy.copy(info), copy.copy(info.typer_instance)
+    if group is not None:
+        group.registered_commands, group.registered_groups = [], []
+    shown.typer_instance = group
+    return shown
+
+
 def main() -> None:
     """The console script: load the command's module and run."""
-    load_commands(sys.argv[1:])
-    app(prog_name="tpupod")
+    argv = sys.argv[1:]
+    load_commands(argv)
+    app_for(command_named(argv))(prog_name="tpupod")

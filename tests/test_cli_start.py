@@ -1,0 +1,64 @@
+"""The console script has typer build only what a call needs (cli.app_for): the command it
+names, or for the command list every command's name and help without its options; what it
+prints is what the whole app prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import typer.main
+
+from tpupod.cli import COMMAND_MODULES, app_for, load_commands
+
+pytestmark = pytest.mark.unit
+
+# the whole app, every command built with its options (as before app_for)
+WHOLE_APP = (
+    "import sys; from tpupod.cli import app, load_commands; "
+    "load_commands(sys.argv[1:]); app(prog_name='tpupod')"
+)
+
+
+def both(*argv: str) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    """The console script's answer, and the whole app's."""
+    run = [
+        subprocess.run([sys.executable, *entry, *argv], capture_output=True, text=True, timeout=60)
+        for entry in (["-m", "tpupod"], ["-c", WHOLE_APP])
+    ]
+    return run[0], run[1]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], [], ["stauts"], ["status", "--help"], ["jobs", "--help"], ["jobs", "ls", "-h"]],
+)
+def test_the_console_script_prints_what_the_whole_app_prints(argv: list[str]) -> None:
+    script, whole = both(*argv)
+    assert (script.returncode, script.stdout, script.stderr) == (
+        whole.returncode,
+        whole.stdout,
+        whole.stderr,
+    )
+    assert whole.stdout or whole.stderr
+
+
+def test_the_command_list_names_every_command_with_its_help() -> None:
+    listed = subprocess.run(
+        [sys.executable, "-m", "tpupod", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    commands = listed.split("Commands:", 1)[1].splitlines()
+    assert sorted(line.split()[0] for line in commands if line.strip()) == sorted(COMMAND_MODULES)
+    assert all(len(line.split()) > 1 for line in commands if line.strip())
+
+
+def test_typer_builds_only_what_the_call_needs() -> None:
+    load_commands(["--help"])
+    listing = typer.main.get_command(app_for(None))
+    assert isinstance(listing, typer.core.TyperGroup)
+    assert sorted(listing.commands) == sorted(COMMAND_MODULES)
+    for name, command in listing.commands.items():
+        options = [p.name for p in command.params if p.name != "help"]
+        assert options == [], f"{name} was built with its options"
+    assert list(typer.main.get_command(app_for("status")).commands) == ["status"]  # type: ignore[attr-defined]
