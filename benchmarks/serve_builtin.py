@@ -237,7 +237,8 @@ def engine_round(
     wall time and its thread's CPU time (the host's share; the device's threads apart)."""
     import threading
 
-    from tpupod.serve.engine import Engine, Event, Finished, SamplingParams
+    from tpupod.serve.engine import Engine
+    from tpupod.serve.events import Event, Finished, SamplingParams, Tokens
 
     class Timed(Engine):
         cpu_s = 0.0
@@ -256,7 +257,7 @@ def engine_round(
     def sink(event: Event) -> None:
         if isinstance(event, Finished):
             counts.append(event.completion_tokens)
-        if not hasattr(event, "text"):
+        if not isinstance(event, Tokens):  # its end (the engine sends token ids, no text)
             done.release()
 
     engine.start()

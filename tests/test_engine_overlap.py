@@ -24,7 +24,9 @@ if importlib.util.find_spec("flax") is None:
     pytest.skip("needs the model extra", allow_module_level=True)
 
 from tpupod.model import QwenModel, load_model
-from tpupod.serve.engine import Delta, Engine, Event, Finished, SamplingParams, TextStream
+from tpupod.serve.engine import Engine
+from tpupod.serve.events import Delta, Event, Finished, SamplingParams, Tokens
+from tpupod.serve.text import TextStream, submit
 
 pytestmark = pytest.mark.local
 
@@ -83,7 +85,7 @@ def engine(request: pytest.FixtureRequest, model: QwenModel) -> Iterator[Engine]
 
 
 def text(model: QwenModel, tokens: list[int], stop: tuple[str, ...] = ()) -> str:
-    """What the engine streams for these tokens (the random model makes stray bytes, which
+    """What the server streams for these tokens (the random model makes stray bytes, which
     its incremental decoding renders as it goes): ``TextStream`` fed them, until a stop."""
     stream = TextStream(model.tokenizer, stop)
     out = ""
@@ -108,10 +110,10 @@ def test_early_stops_while_others_continue_equal_generate(
     engine.stop_tokens = frozenset({*model.stop_tokens, eos})
     try:
         sinks = [Collect() for _ in PROMPTS]
-        engine.submit(PROMPTS[0], SamplingParams(max_tokens=3), sinks[0])
-        engine.submit(PROMPTS[1], SamplingParams(max_tokens=NEW, stop=(stop,)), sinks[1])
-        engine.submit(PROMPTS[2], SamplingParams(max_tokens=NEW), sinks[2])
-        engine.submit(PROMPTS[3], SamplingParams(max_tokens=NEW), sinks[3])
+        submit(engine, PROMPTS[0], SamplingParams(max_tokens=3), sinks[0])
+        submit(engine, PROMPTS[1], SamplingParams(max_tokens=NEW, stop=(stop,)), sinks[1])
+        submit(engine, PROMPTS[2], SamplingParams(max_tokens=NEW), sinks[2])
+        submit(engine, PROMPTS[3], SamplingParams(max_tokens=NEW), sinks[3])
         ends = [s.finished() for s in sinks]
     finally:
         engine.stop_tokens = frozenset(model.stop_tokens)
@@ -136,11 +138,11 @@ def test_arrivals_during_a_step_equal_generate(
     def arrive(event: Event) -> None:
         if isinstance(event, Delta) and first.deltas in {2, 4}:
             i = first.deltas // 2 - 1
-            engine.submit(PROMPTS[1 + i], SamplingParams(max_tokens=NEW), late[i])
+            submit(engine, PROMPTS[1 + i], SamplingParams(max_tokens=NEW), late[i])
 
     first = Collect(arrive)
     steps = engine.steps
-    engine.submit(PROMPTS[0], SamplingParams(max_tokens=NEW), first)
+    submit(engine, PROMPTS[0], SamplingParams(max_tokens=NEW), first)
     first.finished()
     late[0].finished()
     late[1].finished()
@@ -148,3 +150,21 @@ def test_arrivals_during_a_step_equal_generate(
     assert [s.text for s in late] == [text(model, r) for r in reference[1:3]]
     # the newcomers ran beside the first: one after the other took 3 x 15 steps
     assert engine.steps - steps <= 2.5 * NEW
+
+
+def test_the_engine_sends_token_ids_and_no_text(engine: Engine, reference: list[list[int]]) -> None:
+    """The engine's events are token ids (its front end makes the text, ``text.py``), a
+    turn's tokens of a request as one ``Tokens``."""
+    seen: list[Event] = []
+    done = threading.Event()
+
+    def sink(event: Event) -> None:
+        seen.append(event)
+        if not isinstance(event, Tokens):
+            done.set()
+
+    engine.submit(PROMPTS[3], SamplingParams(max_tokens=NEW), sink)
+    assert done.wait(WAIT_S)
+    assert [t for e in seen if isinstance(e, Tokens) for t in e.ids] == reference[3]
+    assert seen[-1] == Finished("length", len(PROMPTS[3]), NEW)
+    assert all(isinstance(e, Tokens) for e in seen[:-1])

@@ -36,15 +36,9 @@ import httpx
 import openai
 
 from tpupod.model import QwenModel, load_model
-from tpupod.serve.engine import (
-    Delta,
-    Engine,
-    Event,
-    Failed,
-    Finished,
-    SamplingParams,
-    TextStream,
-)
+from tpupod.serve.engine import Engine
+from tpupod.serve.events import Delta, Event, Failed, Finished, SamplingParams
+from tpupod.serve.text import TextStream, submit
 
 pytestmark = pytest.mark.local
 
@@ -504,7 +498,7 @@ def test_slots_are_reused_and_answers_equal_generate(engine: Engine, model: Qwen
     sinks = [Collect() for _ in PROMPTS]
     admitted = len(engine.slot_history)
     for prompt, sink in zip(PROMPTS, sinks, strict=True):
-        engine.submit(prompt, SamplingParams(max_tokens=20), sink)
+        submit(engine, prompt, SamplingParams(max_tokens=20), sink)
     for sink in sinks:
         assert sink.done.wait(20)
     assert [s.text for s in sinks] == want
@@ -518,10 +512,10 @@ def test_a_newcomer_joins_a_running_batch(engine: Engine, model: QwenModel) -> N
     want = model.generate(PROMPTS[:2], max_new_tokens=40).texts
     first, second = Collect(), Collect()
     steps = engine.steps
-    engine.submit(PROMPTS[0], SamplingParams(max_tokens=40), first)
+    submit(engine, PROMPTS[0], SamplingParams(max_tokens=40), first)
     while engine.steps < steps + 5:  # the first is decoding alone
         time.sleep(0.001)
-    engine.submit(PROMPTS[1], SamplingParams(max_tokens=40), second)
+    submit(engine, PROMPTS[1], SamplingParams(max_tokens=40), second)
     assert first.done.wait(20) and second.done.wait(20)
     assert [first.text, second.text] == want
     # they overlapped: together they took fewer steps than one after the other
@@ -530,14 +524,14 @@ def test_a_newcomer_joins_a_running_batch(engine: Engine, model: QwenModel) -> N
 
 def test_a_cancelled_request_frees_its_slot(engine: Engine) -> None:
     sink = Collect()
-    request = engine.submit(PROMPTS[2], SamplingParams(max_tokens=60), sink)
+    request = submit(engine, PROMPTS[2], SamplingParams(max_tokens=60), sink)
     request.cancel()
     deadline = time.monotonic() + 10
     while engine.running and time.monotonic() < deadline:
         time.sleep(0.005)
     assert engine.running == 0 and not sink.done.is_set()
     after = Collect()
-    engine.submit(PROMPTS[3], SamplingParams(max_tokens=3), after)
+    submit(engine, PROMPTS[3], SamplingParams(max_tokens=3), after)
     assert after.done.wait(10) and isinstance(after.end, Finished)
 
 
@@ -545,7 +539,7 @@ def test_shutdown_fails_what_is_in_flight(model: QwenModel) -> None:
     eng = Engine(model, max_batch=1, max_length=64)
     sinks = [Collect() for _ in range(3)]
     for sink in sinks:  # not started: all three wait
-        eng.submit(PROMPTS[0], SamplingParams(max_tokens=10), sink)
+        submit(eng, PROMPTS[0], SamplingParams(max_tokens=10), sink)
     eng.shutdown("going away")
     assert all(isinstance(s.end, Failed) and s.end.message == "going away" for s in sinks)
 

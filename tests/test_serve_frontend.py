@@ -4,7 +4,9 @@ One server (qwen2-tiny, one port) for the module: ``kill -9`` of its front
 end, then of its engine, each while streams are in flight, with the real
 ``openai`` client. The keeper restarts the killed child; the other keeps
 running (the same pid): the engine keeps its warm programs, the front end
-keeps its port and answers 503 with the reason meanwhile.
+keeps its port and answers 503 with the reason meanwhile. Stop strings are
+found by the front end (the engine sends token ids): the answers and their
+usage are those of a ``--no-split`` server and of ``generate``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import psutil
 import pytest
 
 from tests.test_serve_builtin import FIXTURES, NAME, Server, free_ports
+from tpupod.model import Tokenizer, load_model
 from tpupod.serve import split
 
 pytestmark = pytest.mark.local
@@ -36,7 +39,11 @@ RESTART_S = 240  # an engine's restart loads and compiles the model: slow on a b
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    srv = Server(FIXTURES / NAME, free_ports(1), "--max-batch", "4", "--max-length", "256")
+    yield from started()
+
+
+def started(*extra: str) -> Iterator[Server]:
+    srv = Server(FIXTURES / NAME, free_ports(1), "--max-batch", "4", "--max-length", "256", *extra)
     try:
         srv.wait_ready(timeout=RESTART_S)
         yield srv
@@ -174,3 +181,64 @@ def test_a_keeper_killed_with_9_leaves_no_socket_folder_behind_the_next_start() 
         assert alive.exists()
     finally:
         alive.rmdir()
+
+
+# ---- stop strings, found by the front end --------------------------------------------
+
+PROMPT = [5, 6, 7]
+ANSWER = 40
+
+
+@pytest.fixture(scope="module")
+def unsplit() -> Iterator[Server]:
+    yield from started("--no-split")
+
+
+@pytest.fixture(scope="module")
+def answer() -> list[int]:
+    """Greedy tokens of ``generate`` for PROMPT."""
+    return [
+        int(t)
+        for t in load_model(FIXTURES / NAME).generate([PROMPT], max_new_tokens=ANSWER).tokens[0]
+    ]
+
+
+def asked(srv: Server, stop: str, stream: bool) -> tuple[str, str, int]:
+    """(text, finish reason, completion tokens) of a completion with this stop string."""
+    client = srv.client()
+    kwargs: dict[str, Any] = {"prompt": PROMPT, "max_tokens": ANSWER, "stop": [stop, "never"]}
+    if not stream:
+        out = complete(client, **kwargs)
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens
+    chunks = list(complete(client, **kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    assert chunks[-1].usage is not None
+    return text, reason, chunks[-1].usage.completion_tokens
+
+
+@pytest.mark.timeout(RESTART_S + 240)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_stop_strings_found_by_the_front_end_equal_no_split_and_generate(
+    server: Server, unsplit: Server, answer: list[int], stream: bool
+) -> None:
+    """The engine sends token ids; the front end finds the stop string one frame or more
+    late and cancels the request: no text past the stop, usage counts the tokens up to
+    it, as the --no-split server (and the engine that used to stop) reports."""
+    wait_healthy(server)
+    tokenizer = Tokenizer(FIXTURES / NAME)
+    full = tokenizer.decode(answer)
+    # the fixture's answer: '\x1a是是是��ededple�...'; each stop below spans two tokens,
+    # "是是" two tokens of a character each, "ede" after a held-back tail ("ed")
+    for stop in ("是是", "de", "ede", "dp"):
+        k = next(k for k in range(1, ANSWER + 1) if stop in tokenizer.decode(answer[:k]))
+        assert stop not in tokenizer.decode(answer[k - 1 : k]), stop  # spans tokens
+        want = (full[: full.index(stop)], "stop", k)
+        assert asked(server, stop, stream) == want, stop
+        assert asked(unsplit, stop, stream) == want, stop
+    # the cancelled requests left their slots
+    for srv in (server, unsplit):
+        deadline = time.monotonic() + 30
+        while httpx.get(srv.url("/health"), timeout=5).json()["running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)

@@ -16,15 +16,15 @@ the loop (the engine's own thread):
    ``overlap``, the previous call's, while the one just started runs
    (docs/serving.md); without, the call just started.
 
-A request that stops (a stop token, a stop string, ``max_tokens``) frees its
-slot when its stop is read; the next newcomer reuses it. Results go out through each
-request's ``sink`` as ``Delta`` / ``Finished`` / ``Failed`` events, called
-from the engine's thread (the HTTP side hops them onto its event loop).
+A request that stops (a stop token, ``max_tokens``) frees its slot when its
+stop is read; the next newcomer reuses it. Results go out through each
+request's ``sink`` as ``Tokens`` / ``Finished`` / ``Failed`` events, a turn's
+tokens of a request as one ``Tokens``, called from the engine's thread (the
+HTTP side hops them onto its event loop).
 
-Text is decoded incrementally (the whole answer re-decoded each token, a
-trailing partial UTF-8 character held back), stop strings are cut from it,
-and a tail that could still grow into a stop string is held back until it
-cannot.
+The engine makes no text: token ids go out, and the front end decodes them
+and finds stop strings (``text.py``), cancelling a request whose stop string
+it read; the engine frees its slot at its next turn.
 """
 
 from __future__ import annotations
@@ -44,9 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpupod.errors import ModelError
 from tpupod.model import QwenModel, sharding, slots
 from tpupod.model.qwen import MIN_LENGTH_BUCKET
-from tpupod.model.tokenizer import Tokenizer
 from tpupod.serve.events import (  # the engine's vocabulary, re-exported for its callers
-    Delta,
     EngineStopped,
     Event,
     Failed,
@@ -54,6 +52,7 @@ from tpupod.serve.events import (  # the engine's vocabulary, re-exported for it
     FinishReason,
     SamplingParams,
     Sink,
+    Tokens,
     check_request,
     deliver,
 )
@@ -76,73 +75,13 @@ def length_buckets(largest: int) -> list[int]:
     return [*buckets, largest]
 
 
-class TextStream:
-    """The answer's text as tokens arrive: incremental decoding and stop strings.
-
-    Each token decodes only a short window (the tokens since the last whole
-    character, as vLLM and TGI do), so a long answer costs no more per token
-    than a short one; at the end the whole answer is decoded once.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.longest_stop = max(map(len, self.stop), default=0)
-        self.tokens: list[int] = []
-        self.prefix = 0  # the window: tokens[prefix:read] are decoded already ...
-        self.read = 0  # ... and tokens[read:] are new
-        self.sent = 0  # characters of the text already handed out
-        self.text = ""  # the text of the tokens up to the last whole character
-
-    def _decode(self, tokens: list[int]) -> str:
-        if self.tokenizer is None:
-            return "".join(f"<{t}>" for t in tokens)
-        return self.tokenizer.decode(tokens)
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """Add a token: the text that may go out now, and whether a stop string ended it."""
-        self.tokens.append(token)
-        before = self._decode(self.tokens[self.prefix : self.read])
-        after = self._decode(self.tokens[self.prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return "", False  # no new whole character yet
-        grown = len(self.text)
-        self.text += after[len(before) :]
-        self.prefix, self.read = self.read, len(self.tokens)
-        if self.stop:
-            start = max(grown - self.longest_stop + 1, 0)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                return self._take(len(self.text)), True
-        safe = len(self.text)
-        hold = 0
-        for s in self.stop:  # a tail that may still grow into a stop string waits
-            for n in range(min(len(s) - 1, safe), 0, -1):
-                if self.text.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        return self._take(max(safe - hold, self.sent)), False
-
-    def flush(self) -> str:
-        """Everything not yet handed out (the answer ended without a stop string)."""
-        self.text = self._decode(self.tokens)
-        return self._take(len(self.text))
-
-    def _take(self, end: int) -> str:
-        out = self.text[self.sent : end]
-        self.sent = max(self.sent, end)
-        return out
-
-
 class Request:
     """One request inside the engine."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, sink: Sink, text: TextStream):
+    def __init__(self, prompt: list[int], params: SamplingParams, sink: Sink):
         self.prompt = prompt
         self.params = params
         self.sink = sink
-        self.text = text
         self.seed = params.seed if params.seed is not None else secrets.randbits(32)
         self.generated = 0
         self.slot: int | None = None
@@ -219,6 +158,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._outbox: list[tuple[Sink, Event]] = []
+        self._swept = False  # cancels freed slots this turn
         # how a turn's events reach their sinks; by default each sink is called here
         self.dispatch: Callable[[list[tuple[Sink, Event]]], None] = deliver
         self.steps = 0  # decode steps run
@@ -334,9 +274,7 @@ class Engine:
     def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink) -> Request:
         """Queue a request; its events go to ``sink`` (from the engine's thread)."""
         self.check(prompt, params.max_tokens)
-        request = Request(
-            list(map(int, prompt)), params, sink, TextStream(self.tokenizer, params.stop)
-        )
+        request = Request(list(map(int, prompt)), params, sink)
         with self._wake:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
@@ -364,8 +302,8 @@ class Engine:
 
     def _emit(self, request: Request, event: Event, close: bool = False) -> None:
         """Send an event: gathered for the end of the turn on the engine's thread,
-        at once from any other (``shutdown``)."""
-        if request.closed:
+        at once from any other (``shutdown``). A cancelled request gets none."""
+        if request.closed or request.cancelled:
             return
         if close:
             request.closed = True
@@ -375,14 +313,16 @@ class Engine:
             self.dispatch([(request.sink, event)])
 
     def _flush(self) -> None:
-        """Send the turn's events, each request's text of the turn as one ``Delta``."""
-        if not self._outbox:
+        """Send the turn's events, each request's tokens of the turn as one ``Tokens``
+        (none, when only cancels freed slots: a linked front end hears the new counts)."""
+        if not self._outbox and not self._swept:
             return
+        self._swept = False
         merged: dict[int, tuple[Sink, list[Event]]] = {}
         for sink, event in self._outbox:
             _, events = merged.setdefault(id(sink), (sink, []))
-            if isinstance(event, Delta) and events and isinstance(events[-1], Delta):
-                events[-1] = Delta(events[-1].text + event.text)
+            if isinstance(event, Tokens) and events and isinstance(events[-1], Tokens):
+                events[-1] = Tokens(events[-1].ids + event.ids)
             else:
                 events.append(event)
         self._outbox = []
@@ -448,8 +388,10 @@ class Engine:
         for slot, request in list(self._running.items()):
             if request.cancelled or request.closed:
                 self._free(slot)
+                self._swept = True
         while self._waiting and (self._waiting[0].cancelled or self._waiting[0].closed):
             self._waiting.popleft()
+            self._swept = True
 
     def _take_newcomers(self) -> list[Request]:
         """Waiting requests for the free slots, as many as one packed prefill holds."""
@@ -471,28 +413,23 @@ class Engine:
         return batch
 
     def _accept(self, request: Request, token: int) -> None:
-        """A request's next token: text out, and either finish or feed it back."""
+        """A request's next token: out to its sink, and either finish or feed it back."""
         slot = request.slot
         assert slot is not None
         request.generated += 1
-        delta, stopped = request.text.push(token)
+        self._emit(request, Tokens((token,)))
         reason: FinishReason | None = None
-        if stopped or token in self.stop_tokens:
+        if token in self.stop_tokens:
             reason = "stop"
         elif request.generated >= request.params.max_tokens:
             reason = "length"
         if reason is not None:
-            delta += request.text.flush() if not stopped else ""
-            if delta:
-                self._emit(request, Delta(delta))
             with self._wake:
                 self._free(slot)
             self._emit(
                 request, Finished(reason, len(request.prompt), request.generated), close=True
             )
             return
-        if delta:
-            self._emit(request, Delta(delta))
         if request.generated == 1:  # its first token, from its prefill: decoding starts
             self._tokens[slot] = token
             self._use_host[slot] = 1

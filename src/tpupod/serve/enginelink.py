@@ -10,10 +10,12 @@ alone: mode 0700). Front end to engine::
 
 Engine to front end: first ``("h", info)`` (the engine's limits and its
 tokenizer), then one frame per engine turn, ``("e", running, waiting,
-events)`` with each event as ``(rid, 0, text)`` (Delta), ``(rid, 1, reason,
-prompt_tokens, completion_tokens)`` (Finished) or ``(rid, 2, message)``
-(Failed). A turn's events go out as one frame, sent from the engine's
-thread, so a stream's first token leaves with the turn that made it.
+events)`` with each event as ``(rid, 0, token ids)`` (Tokens), ``(rid, 1,
+reason, prompt_tokens, completion_tokens)`` (Finished) or ``(rid, 2,
+message)`` (Failed). A turn's events go out as one frame, sent from the
+engine's thread, so a stream's first token leaves with the turn that made
+it. The front end makes the text (``text.py``): a stop string it reads
+comes back as a cancel.
 
 The engine keeps its state (compiled programs, KV cache) when its front end
 goes: the requests of that front end are cancelled, and the next front end
@@ -37,7 +39,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpupod.serve.events import (
-    Delta,
     EngineStopped,
     Event,
     Failed,
@@ -45,6 +46,7 @@ from tpupod.serve.events import (
     RequestRejected,
     SamplingParams,
     Sink,
+    Tokens,
     check_request,
 )
 
@@ -66,17 +68,18 @@ def pack(message: Any) -> bytes:
 
 
 def encode(rid: int, event: Event) -> tuple[Any, ...]:
-    if isinstance(event, Delta):
-        return (rid, 0, event.text)
+    if isinstance(event, Tokens):
+        return (rid, 0, event.ids)
     if isinstance(event, Finished):
         return (rid, 1, event.reason, event.prompt_tokens, event.completion_tokens)
+    assert isinstance(event, Failed), event  # the engine makes no Delta (text.py does)
     return (rid, 2, event.message)
 
 
 def decode(item: tuple[Any, ...]) -> tuple[int, Event]:
     rid, kind, *rest = item
     if kind == 0:
-        return rid, Delta(rest[0])
+        return rid, Tokens(rest[0])
     if kind == 1:
         return rid, Finished(rest[0], rest[1], rest[2])
     return rid, Failed(rest[0])
@@ -109,7 +112,7 @@ class _Link:
         items = []
         for sink, event in events:
             assert isinstance(sink, _RemoteSink)
-            if not isinstance(event, Delta):
+            if not isinstance(event, Tokens):
                 self.sinks.pop(sink.rid, None)
             items.append(encode(sink.rid, event))
         frame = pack(("e", self.host.engine.running, self.host.engine.waiting, items))
@@ -136,6 +139,7 @@ class _Link:
             pass
         finally:
             self.alive = False
+            self.host.links.discard(self)
             for sink in list(self.sinks.values()):
                 if sink.request is not None:
                     sink.request.cancel()
@@ -167,6 +171,7 @@ class EngineHost:
         self.engine = engine
         self.path = path
         engine.dispatch = self.dispatch
+        self.links: set[_Link] = set()  # the front ends connected now
         self.info = {
             "max_length": engine.max_length,
             "max_batch": engine.max_batch,
@@ -182,7 +187,12 @@ class EngineHost:
         os.replace(temporary, path)
 
     def dispatch(self, events: list[tuple[Sink, Event]]) -> None:
-        """The engine's ``dispatch``: a turn's events, one frame per front end."""
+        """The engine's ``dispatch``: a turn's events, one frame per front end (a turn
+        without events: the running and waiting counts to every front end)."""
+        if not events:
+            for link in list(self.links):
+                link.send([])
+            return
         by_link: dict[int, tuple[_Link, list[tuple[Sink, Event]]]] = {}
         for sink, event in events:
             if isinstance(sink, _RemoteSink):
@@ -205,6 +215,7 @@ class EngineHost:
             except OSError:
                 conn.close()
                 continue
+            self.links.add(link)
             threading.Thread(target=link.serve, name="engine-link", daemon=True).start()
 
 
@@ -295,7 +306,7 @@ class RemoteEngine:
             _, self.running, self.waiting, items = await _read_async(reader)
             for item in items:
                 rid, event = decode(item)
-                ends = not isinstance(event, Delta)
+                ends = not isinstance(event, Tokens)
                 sink = self._sinks.pop(rid, None) if ends else self._sinks.get(rid)
                 if sink is not None:
                     with contextlib.suppress(Exception):

@@ -1,5 +1,6 @@
 """What the builtin server's front end and its engine say to each other: a request's
-sampling parameters, the events of its answer, the refusals, and the one rule on a
+sampling parameters, the events of its answer (token ids from the engine, text
+after the front end's ``text.py``), the refusals, and the one rule on a
 prompt's length. Nothing here imports JAX, so the front-end process (``split``) starts
 in a fraction of the engine's import time and a restarted front end serves sooner.
 """
@@ -39,8 +40,15 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tokens:
+    """The answer's next token ids, as the engine makes them (``text.py`` makes text)."""
+
+    ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Delta:
-    """New text of the answer (may be empty when a token added no whole character)."""
+    """New text of the answer, made from ``Tokens`` by the front end (``text.py``)."""
 
     text: str
 
@@ -57,7 +65,7 @@ class Failed:
     message: str
 
 
-Event = Delta | Finished | Failed
+Event = Tokens | Delta | Finished | Failed
 Sink = Callable[[Event], None]
 
 

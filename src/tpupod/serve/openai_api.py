@@ -17,8 +17,10 @@ cannot finish (the server stops under it) ends with an ``error`` event and no
 The engine is either in this process, in its own thread (its events hop
 onto the event loop with ``call_soon_threadsafe``, one queue per request),
 or in the engine process behind a link (``enginelink.RemoteEngine``, its
-events read on the loop). While a linked engine is down, ``/health`` and
-every request answer 503 with the reason.
+events read on the loop). Either way the engine answers token ids, and their
+text is made on the loop (``text.py``: incremental decoding, stop strings).
+While a linked engine is down, ``/health`` and every request answer 503 with
+the reason.
 """
 
 from __future__ import annotations
@@ -58,10 +60,8 @@ from tpupod.serve.events import (
     deliver,
 )
 from tpupod.serve.openai_errors import error_body, path_error
-
-
-class Cancellable(Protocol):
-    def cancel(self) -> None: ...
+from tpupod.serve.text import Cancellable
+from tpupod.serve.text import submit as submit_text
 
 
 class ServedEngine(Protocol):
@@ -468,7 +468,8 @@ def _submit(
     engine = served.engine
     try:
         max_tokens = engine.check(prompt, body.wanted_tokens())
-        call.request = engine.submit(prompt, body.params(max_tokens), call.sink)
+        # the engine answers token ids; their text is made here, on the loop (text.py)
+        call.request = submit_text(engine, prompt, body.params(max_tokens), call.sink)
     except RequestRejected as exc:
         call.metrics.requests.labels(call.endpoint, "rejected").inc()
         param = prompt_param if exc.param in ("messages", "prompt") else exc.param
@@ -495,7 +496,7 @@ async def _respond(served: Served, call: _Call, body: _Sampling, *, chat: bool) 
                 text.append(event.text)
             elif isinstance(event, Failed):
                 raise APIError(503, event.message, None, "service_unavailable", "server_error")
-            else:
+            elif isinstance(event, Finished):
                 return JSONResponse(shape.whole("".join(text), event))
     finally:
         call.abandon()
@@ -582,7 +583,7 @@ async def _chunks(call: _Call, shape: _Shape, usage: bool) -> AsyncIterator[byte
             error = APIError(503, event.message, None, "service_unavailable", "server_error")
             yield _sse(error.body())
             return
-        else:
+        elif isinstance(event, Finished):
             yield _sse(shape.chunk(None if shape.chat else "", event.reason, usage))
             if usage:
                 yield _sse(shape.usage_chunk(event))

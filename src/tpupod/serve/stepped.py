@@ -129,7 +129,7 @@ def prefill_batch(work: list[np.ndarray]) -> list[Request]:
     batch, at = [], 0
     for n, slot, t, p, seed in zip(lengths, slots, temperature, top_p, seeds, strict=True):
         params = SamplingParams(1, float(t), float(p), int(seed))
-        request = Request(tokens[at : at + n].tolist(), params, _nothing, None)  # type: ignore[arg-type]
+        request = Request(tokens[at : at + n].tolist(), params, _nothing)
         request.slot = int(slot)
         batch.append(request)
         at += int(n)
