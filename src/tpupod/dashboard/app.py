@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -123,7 +124,7 @@ def find_run(feed: Feed, launch_id: str) -> RunRecord:
 def overview(feed: Feed) -> dict[str, Any]:
     """Counts, and whatever is failing first."""
     pods = feed.sources["pods"].data or []
-    run_list = feed.sources["runs"].data or []
+    found = feed.sources["runs"].data or {"count": 0, "states": {}, "list": []}
     jobs = feed.sources["jobs"].data or {}
     failing = [
         {
@@ -142,14 +143,14 @@ def overview(feed: Feed) -> dict[str, Any]:
             else f"worker {r['first_failure']} failed first",
             "href": f"/runs/{r['id']}",
         }
-        for r in run_list[:20]
+        for r in found["list"][:20]
         if r["state"] in ("failed", "launcher gone")
-    ]
+    ]  # counts and the newest runs: the work does not grow with the history
     return {
         "pods": len(pods),
         "workers": sum(len(p["workers"]) for p in pods),
-        "runs": len(run_list),
-        "running": sum(r["state"] == "running" for r in run_list),
+        "runs": found["count"],
+        "running": found["states"].get("running", 0),
         "jobs": jobs,
         "failing": failing,
     }
@@ -232,9 +233,10 @@ def _run_page(feed: Feed, page: int) -> dict[str, Any]:
     found = feed.sources["runs"].data
     if found is None:
         return {"runs": None, "page": 1, "pages": 1}
-    pages = max(1, -(-len(found) // RUN_PAGE))
+    pages = max(1, -(-found["count"] // RUN_PAGE))
     page = min(max(page, 1), pages)
-    return {"runs": found[(page - 1) * RUN_PAGE : page * RUN_PAGE], "page": page, "pages": pages}
+    listed = found["list"][(page - 1) * RUN_PAGE : page * RUN_PAGE]
+    return {"runs": listed, "page": page, "pages": pages}
 
 
 def _api(app: FastAPI, feed: Feed) -> None:
@@ -358,12 +360,27 @@ async def _events(feed: Feed) -> AsyncIterator[str]:
 
 
 async def _follow_run(record: RunRecord) -> AsyncIterator[str]:
-    """Every worker's log lines as they are written, then ``end``."""
-    lines = runs.follow(record)
-    while True:
-        found = await asyncio.to_thread(next, lines, None)
-        if found is None:
-            yield "event: end\ndata: {}\n\n"
-            return
-        worker, line = found
-        yield f"event: line\ndata: {json.dumps({'worker': worker, 'line': line})}\n\n"
+    """Every worker's log lines as they are written, then ``end``. They are read in a thread
+    of this follow's own, which ends when the viewer leaves: a follow that held one of
+    asyncio's few executor threads polled on after its viewer left, until the run ended,
+    and the next viewers' follows waited for a thread (and the process's exit for them all)."""
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for found in runs.follow(record, stop):
+                loop.call_soon_threadsafe(lines.put_nowait, found)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop closed
+                loop.call_soon_threadsafe(lines.put_nowait, None)
+
+    threading.Thread(target=pump, name=f"follow {record.launch_id}", daemon=True).start()
+    try:
+        while (found := await lines.get()) is not None:
+            worker, line = found
+            yield f"event: line\ndata: {json.dumps({'worker': worker, 'line': line})}\n\n"
+        yield "event: end\ndata: {}\n\n"
+    finally:
+        stop.set()

@@ -51,10 +51,7 @@ class _Snapshot(Collector):
                 if b["requests_per_s"] is not None:
                     rate.add_metric([fleet["pod"], b["address"]], b["requests_per_s"])
         runs = GaugeMetricFamily("tpupod_runs", "runs by state", labels=["state"])
-        states: dict[str, int] = {}
-        for r in sources["runs"].data or ():
-            states[r["state"]] = states.get(r["state"], 0) + 1
-        for state, count in states.items():
+        for state, count in (sources["runs"].data or {"states": {}})["states"].items():
             runs.add_metric([state], count)
         yield from (up, load, memory, jobs, rate, runs)
 

@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,37 +28,83 @@ STOPPED_BY = re.compile(r"stopped after w(\d+) failed")
 LAUNCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-class RunCache:
-    """Every pod's runs as summaries; an ended run never changes, so its summary is made once
-    (a summary, not the record: a record of 256 workers is thousands of objects)."""
+class RunIndex:
+    """Every pod's runs as summaries, kept up to date at a cost that does not grow with the
+    history: a pod's runs folder is listed again only when its mtime changed (a run was added
+    or removed), an ended run is read once (a summary, not the record: a record of 256
+    workers is thousands of objects), and only the runs not ended are read again.
+
+    ``reads`` counts the run folders read, for the test that history costs nothing per take."""
 
     def __init__(self) -> None:
-        self.ended: dict[Path, dict[str, Any]] = {}
+        self.listed: dict[str, int] = {}  # pod -> its runs folder's mtime when last listed
+        self.ended: dict[str, dict[Path, dict[str, Any]]] = {}  # pod -> folder -> summary
+        self.live: dict[str, dict[Path, dict[str, Any] | None]] = {}  # None: not readable yet
+        self.made: dict[str, Any] | None = None
+        self.reads = 0
 
-    def summaries(self, state: StateDir) -> list[dict[str, Any]]:
-        """Every pod's runs, newest first."""
-        found = [run for name in state.names() for run in self._read(state, name)]
-        return sorted(found, key=lambda r: (r["started"], r["id"]), reverse=True)
+    def take(self, state: StateDir) -> dict[str, Any]:
+        """``{"count", "states": {state: n}, "list": summaries newest first}``: the same
+        object while nothing changed."""
+        names = state.names()
+        changed = set(self.listed) != set(names)
+        for gone in set(self.listed) - set(names):
+            del self.listed[gone], self.ended[gone], self.live[gone]
+        for name in names:
+            changed = self._pod(state, name) or changed
+        if changed or self.made is None:
+            found = [r for name in names for r in self._all(name)]
+            found.sort(key=lambda r: (r["started"], r["id"]), reverse=True)
+            states: dict[str, int] = {}
+            for r in found:
+                states[r["state"]] = states.get(r["state"], 0) + 1
+            self.made = {"count": len(found), "states": states, "list": found}
+        return self.made
 
-    def _read(self, state: StateDir, name: str) -> Iterator[dict[str, Any]]:
+    def _all(self, name: str) -> Iterator[dict[str, Any]]:
+        yield from self.ended[name].values()
+        yield from (r for r in self.live[name].values() if r is not None)
+
+    def _pod(self, state: StateDir, name: str) -> bool:
+        """Bring one pod's runs up to date; whether any summary changed."""
         folder = state.pod_dir(name) / RUNS_DIR
-        for path in folder.iterdir() if folder.is_dir() else ():
-            cached = self.ended.get(path)
-            if cached is not None:
-                yield cached
-                continue
-            recovery = find_recovery(state, name, path.name)
-            if recovery is not None:  # a --retries run: its attempts are runs of their own
-                yield recovery_summary(recovery)
-                continue
-            try:
-                record = run_record(path)
-            except StateError:  # a launch this instant: its record is not written yet
-                continue
-            made = summary(record, name)
-            if record.done:
-                self.ended[path] = made
-            yield made
+        try:
+            mtime = folder.stat().st_mtime_ns
+        except FileNotFoundError:
+            mtime = -1
+        ended = self.ended.setdefault(name, {})
+        live = self.live.setdefault(name, {})
+        changed = False
+        if self.listed.get(name) != mtime:  # listed after the stat: nothing added is missed
+            self.listed[name] = mtime
+            paths = set(folder.iterdir()) if mtime >= 0 else set()
+            for gone in (set(ended) | set(live)) - paths:
+                ended.pop(gone, None)
+                live.pop(gone, None)
+                changed = True
+            for path in paths - set(ended) - set(live):
+                live[path] = None
+        for path, before in list(live.items()):
+            made, done = self._read(state, name, path)
+            if done and made is not None:
+                del live[path]
+                ended[path] = made
+            else:
+                live[path] = made
+            changed = changed or made != before
+        return changed
+
+    def _read(self, state: StateDir, name: str, path: Path) -> tuple[dict[str, Any] | None, bool]:
+        """A run's summary (None: its record is not written yet) and whether it has ended."""
+        self.reads += 1
+        recovery = find_recovery(state, name, path.name)
+        if recovery is not None:  # a --retries run: its attempts are runs of their own
+            return recovery_summary(recovery), recovery.ended
+        try:
+            record = run_record(path)
+        except StateError:  # a launch this instant: its record is not written yet
+            return None, False
+        return summary(record, name), record.done
 
 
 def recovery_summary(record: RecoveryRecord) -> dict[str, Any]:
@@ -171,10 +218,10 @@ def pod_of(record: RunRecord) -> str:
     return record.folder.parent.parent.name
 
 
-def follow(record: RunRecord) -> Iterator[tuple[int, str]]:
-    """Every worker's lines as ``tpupod logs --follow`` reads them."""
+def follow(record: RunRecord, stop: threading.Event) -> Iterator[tuple[int, str]]:
+    """Every worker's lines as ``tpupod logs --follow`` reads them, until ``stop`` is set."""
     ids = [w.id for w in record.workers]
-    for brief, line in read_logs(record, ids, follow=True, poll_s=FOLLOW_POLL_S):
+    for brief, line in read_logs(record, ids, follow=True, poll_s=FOLLOW_POLL_S, stop=stop):
         yield brief.id, line
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from tpupod.dashboard.jobs import Jobs
 from tpupod.dashboard.probe import sample_pod
-from tpupod.dashboard.runs import RunCache
+from tpupod.dashboard.runs import RunIndex
 from tpupod.dashboard.serving import Serving
 from tpupod.providers import Connector, connect
 from tpupod.state import StateDir
@@ -45,7 +45,7 @@ class Sampler:
         self.last: dict[str, Any] = {}  # each source's last data sent
         self.limit = asyncio.Semaphore(concurrency)
         self.connectors: dict[str, Connector] = {}
-        self.run_cache = RunCache()
+        self.run_index = RunIndex()
         self.serving = Serving()
         self.stopping = threading.Event()
 
@@ -110,8 +110,8 @@ class Sampler:
             "reachable": sum(s.reachable for s in samples),
         }
 
-    def _runs(self) -> list[dict[str, Any]]:
-        return self.run_cache.summaries(self.state)
+    def _runs(self) -> dict[str, Any]:
+        return self.run_index.take(self.state)
 
     async def close(self) -> None:
         for connector in self.connectors.values():
