@@ -4,6 +4,8 @@ same protocol (tests/fakes/libtpu_metrics.py): no TPU here."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,3 +89,19 @@ def test_a_tpu_worker_shows_hbm_and_duty_cycle_while_a_program_holds_the_chips(
     wait_for(board, pod.name, "idle")  # the program let go of the chips
     device.unlink()
     wait_for(board, pod.name, "no TPU")
+
+
+def test_a_host_without_grpcio_says_so_as_a_state_not_an_error() -> None:
+    """The probe's Python on a TPU host that lacks grpcio (the ``tpu`` extra): one line the
+    pod page shows as a state with the install hint, exit 0, no traceback."""
+    hidden = "import sys; sys.modules['grpc'] = None; from tpupod.dashboard.libtpu import main; "
+    done = subprocess.run(
+        [sys.executable, "-c", hidden + "sys.exit(main(['127.0.0.1:1']))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "tpu missing grpcio\n", "")
+    shown = libtpu.summary(["load 0.1", *done.stdout.splitlines()])
+    assert shown == "no TPU metrics (grpcio missing: pip install 'tpupod[tpu]')"

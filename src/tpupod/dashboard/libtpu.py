@@ -11,7 +11,8 @@ here instead of generated code: no protoc at build time, no tpu-info on the host
 
 ``python -m tpupod.dashboard.libtpu [ADDR]`` is what the dashboard's probe runs on a worker
 that has TPU devices; it prints ``tpu idle`` or one ``tpu DEVICE USED TOTAL DUTY`` line per
-device (probe.py reads them)."""
+device (probe.py reads them); on a host without grpcio or protobuf (the ``tpu`` extra),
+``tpu missing PACKAGE``: the page says there are no TPU metrics and how to get them."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ SERVICE = "tpu.monitoring.runtime.RuntimeMetricService"
 USAGE = "tpu.runtime.hbm.memory.usage.bytes"
 TOTAL = "tpu.runtime.hbm.memory.total.bytes"
 DUTY = "tpu.runtime.tensorcore.dutycycle.percent"
+EXTRA = "tpupod[tpu]"  # grpcio and protobuf, on the TPU hosts (pyproject.toml)
 
 # message -> its fields: (name, number, type, label, message type); the proto's subset
 _STRING, _BOOL, _INT64, _DOUBLE, _MESSAGE = 9, 8, 3, 1, 11
@@ -151,6 +153,8 @@ def summary(found: list[str]) -> str | None:
         return None
     if chips == [["idle"]]:
         return "idle"
+    if chips[0][:1] == ["missing"]:  # a host without the extra: a state, not a failure
+        return f"no TPU metrics ({' '.join(chips[0][1:])} missing: pip install '{EXTRA}')"
     if chips[0][:1] == ["error"]:
         return f"TPU metrics: {' '.join(chips[0][1:])}"
     try:
@@ -165,9 +169,9 @@ def summary(found: list[str]) -> str | None:
 def main(argv: list[str]) -> int:
     try:
         chips = read(argv[0] if argv else ADDRESS)
-    except ImportError:
-        print("tpu error grpcio missing on the host")
-        return 1
+    except ImportError as exc:  # grpcio or protobuf: the host lacks the tpu extra
+        print(f"tpu missing {'grpcio' if (exc.name or '').startswith('grpc') else 'protobuf'}")
+        return 0
     except Exception as exc:  # one line for the dashboard, never a traceback
         print(f"tpu error {type(exc).__name__}")
         return 1
