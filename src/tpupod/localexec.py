@@ -86,7 +86,7 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None) -> _Child:
         for _ in range(3):
             fds.extend(os.pipe())
         if cwd:
-            back = os.open(".", os.O_RDONLY)
+            back = os.open(".", os.O_PATH | os.O_DIRECTORY)  # fchdir back, even unreadable
             os.chdir(cwd)
         pid = os.posix_spawn(
             argv[0],
