@@ -16,10 +16,12 @@ process (`tpupod dashboard --interval 5`). Chromium is Debian's, driven by playw
 * event: a job cancelled in the store until the jobs page shows it;
 * log line: a line appended to a running worker's log until the run page shows it;
 * process: CPU (share of one core) and RSS of the dashboard with 3 browser pages open: the
-  web process, and apart from it the sampling process (its own CPU, and its probes'
-  processes: a local pod's workers are processes here, on a real pod that work is on the
-  hosts);
-* history: the runs page and the overview with 10 and with 1,000 finished runs (p50).
+  dashboard is the web process and the sampling process it starts, counted together; apart
+  from them the sampler's probes (a local pod's workers are processes here, on a real pod
+  that work is on the hosts);
+* history: the overview and the runs page with 10 and with 1,000 finished runs, two
+  dashboards at once with their requests interleaved (medians of ``--history-requests``),
+  served from memory and made each time.
 
 ``--backends N`` also starts a serving fleet of N backends (the fleet tests' stub OpenAI
 server, 4 a worker, behind the router) for the serving page; without it the page is empty.
@@ -56,14 +58,14 @@ TPUPOD = str(Path(sys.executable).with_name("tpupod"))
 PORT = 8761
 
 
-def start(home: Path, interval: float) -> subprocess.Popen[bytes]:
+def start(home: Path, interval: float, port: int = PORT) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TPUPOD_HOME": str(home)}
-    argv = [TPUPOD, "dashboard", "--port", str(PORT), "--interval", str(interval), "--token", "t"]
+    argv = [TPUPOD, "dashboard", "--port", str(port), "--interval", str(interval), "--token", "t"]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300  # a first sample of 256 workers on a busy machine
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/api/pods").json()["state"] == "ok":
+            if httpx.get(f"http://127.0.0.1:{port}/api/pods").json()["state"] == "ok":
                 time.sleep(2 * interval)  # settled: its first rounds and imports are over
                 return proc
         except (httpx.TransportError, ValueError):
@@ -137,7 +139,9 @@ def browse(
             f.write("a new line\n")
         page.locator('#logs pre[data-worker="0"]', has_text="a new line").wait_for()
         out["log"] = time.perf_counter() - began
-        # three viewers for watch_s: the dashboard's CPU and RSS
+        # three viewers for watch_s: the dashboard's CPU and RSS (the page above closed:
+        # three pages open, not four)
+        page.close()
         pages = [chromium.new_page() for _ in range(3)]
         for viewer, path in zip(pages, ["/", "/pods/big", f"/runs/{running}"], strict=True):
             viewer.goto(base + path)
@@ -184,24 +188,36 @@ def run_cli(*args: str) -> None:
         raise SystemExit(f"tpupod {' '.join(args[:2])} failed: {done.stderr.strip()}")
 
 
-def history(few: Path, many: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    """The overview and the runs page with 10, then with ``args.runs`` finished runs; the
-    dashboard left running (the caller stops it)."""
-    paths = ["/favicon.ico", "/", "/runs"]  # the first: each run's anchor
-    proc = start(few, args.interval)
-    small = render_times(paths, args.requests)
-    stop(proc)
-    proc = start(many, args.interval)
-    large = render_times(paths, args.requests)
-    for path in paths[1:]:
-        ratio = large[path][0] / small[path][0]
-        anchored = (large[path][0] / large[paths[0]][0]) / (small[path][0] / small[paths[0]][0])
-        print(
-            f"history: `{path}` p50 {small[path][0]:.1f} ms with 10 runs, "
-            f"{large[path][0]:.1f} ms with {args.runs}: {ratio:.2f}x "
-            f"({anchored:.2f}x as multiples of each run's anchor)"
-        )
-    return proc
+def history(few: Path, many: Path, args: argparse.Namespace) -> None:
+    """The overview and the runs page with 10 and with ``args.runs`` finished runs: both
+    dashboards running at once, their requests interleaved one by one (each the other's
+    anchor at the same moment), medians of ``args.history_requests``. Served from memory
+    (quiet data: nothing changed since the page was made), and made each time (a query of
+    its own per request: what every request costs while the data changes)."""
+    boards = {10: start(few, args.interval, PORT + 1), args.runs: start(many, args.interval)}
+    ports = {10: PORT + 1, args.runs: PORT}
+    try:
+        clients = {n: httpx.Client(base_url=f"http://127.0.0.1:{ports[n]}") for n in boards}
+        for path in ("/", "/runs"):
+            for how in ("from memory", "made each time"):
+                times: dict[int, list[float]] = {n: [] for n in boards}
+                for i in range(args.history_requests):
+                    for n, client in clients.items():
+                        url = path if how == "from memory" else f"{path}?n={i}"
+                        began = time.perf_counter()
+                        client.get(url).raise_for_status()
+                        times[n].append((time.perf_counter() - began) * 1000)
+                few_ms, many_ms = (statistics.median(times[n]) for n in boards)
+                print(
+                    f"history: `{path}` {how}, p50 {few_ms:.2f} ms with 10 runs, "
+                    f"{many_ms:.2f} ms with {args.runs}: {many_ms / few_ms:.2f}x "
+                    f"({args.history_requests} interleaved requests each)"
+                )
+        for client in clients.values():
+            client.close()
+    finally:
+        for proc in boards.values():
+            stop(proc)
 
 
 def main() -> None:
@@ -213,6 +229,7 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--watch-s", type=float, default=60.0)
     parser.add_argument("--backends", type=int, default=0)
+    parser.add_argument("--history-requests", type=int, default=200)
     args = parser.parse_args()
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     home = Path(tempfile.mkdtemp(prefix="tpupod-dash-bench-"))
@@ -256,12 +273,13 @@ def main() -> None:
         seen = browsed["process"]
         print(
             f"dashboard, 3 pages open {args.watch_s:.0f} s, % of one core: "
-            f"web process {seen['web'] * 100:.1f}, sampling process {seen['sampler'] * 100:.1f}"
+            f"{(seen['web'] + seen['sampler']) * 100:.2f} (web process {seen['web'] * 100:.2f},"
+            f" sampling process {seen['sampler'] * 100:.2f})"
             f" (+ its probes {seen['probes'] * 100:.1f}); RSS web {seen['web_rss']:.0f} MiB,"
             f" sampler {seen['sampler_rss']:.0f} MiB"
         )
         stop(proc)
-        proc = history(few / "state", home / "state", args)
+        history(few / "state", home / "state", args)
     finally:
         stop(proc)
         if args.backends:
