@@ -177,13 +177,16 @@ def cli_in_process(state_home: Path) -> Callable[..., CliResult]:
     imports, for checks of what a command prints or refuses. End-to-end checks use ``cli``."""
     from typer.testing import CliRunner
 
-    from tpupod.cli import app, load_commands
+    from tpupod.cli import app_for, command_named, load_commands
 
     def run(*args: str, timeout: float = 30, env: dict[str, str] | None = None) -> CliResult:
         assert not any(list(args[: len(p)]) == p for p in FAST_PATHS), "use cli: a fast path"
         load_commands(list(args))
         started = time.monotonic()
-        result = CliRunner().invoke(app, list(args), env=env, prog_name="tpupod")
+        # the app as the console script has typer build it: the one command (the whole app,
+        # every module loaded by earlier tests, cost typer about 100 ms a call to build)
+        command = app_for(command_named(list(args)))
+        result = CliRunner().invoke(command, list(args), env=env, prog_name="tpupod")
         if result.exception is not None and not isinstance(result.exception, SystemExit):
             raise result.exception  # a bug, not an exit code: show its traceback
         seconds = time.monotonic() - started
