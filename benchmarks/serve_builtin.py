@@ -31,6 +31,8 @@ decode call (the host's share of a step).
     python benchmarks/serve_builtin.py                     # this CPU, 4 of 24 layers
     python benchmarks/serve_builtin.py --tiny              # the host's cost per step
     python benchmarks/serve_builtin.py --engine-only       # 4 layers: overlap on and off, no server
+    git worktree add /tmp/before HEAD~1                    # then, the server before and after:
+    python benchmarks/serve_builtin.py --tiny --baseline-src /tmp/before/src
     python benchmarks/serve_builtin.py --layers 24 --clients 64 --dtype bfloat16  # a GPU
     pip install torch==2.13.0 transformers; python benchmarks/serve_builtin.py --transformers
 """
@@ -125,7 +127,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(folder: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[str]:
+def start_server(
+    folder: Path, port: int, args: argparse.Namespace, src: Path | None = None
+) -> subprocess.Popen[str]:
+    """The server, from this checkout or (``src``: an earlier commit's ``src`` folder)
+    from other code."""
     argv = [
         sys.executable, "-m", "tpupod.serve.builtin", "--model", str(folder),
         "--host", "127.0.0.1", "--ports", str(port), "--dtype", args.dtype,
@@ -134,7 +140,10 @@ def start_server(folder: Path, port: int, args: argparse.Namespace) -> subproces
         *(["--decode-steps", str(args.decode_steps)] if args.decode_steps else []),
         *(["--prefill-tokens", str(args.prefill_tokens)] if args.prefill_tokens else []),
     ]  # fmt: skip
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    env = os.environ.copy()
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
 
 
 def wait_ready(proc: subprocess.Popen[str], port: int) -> None:
@@ -230,56 +239,69 @@ async def streaming_round(
     return wall, sum(n for _, n in results), [f for f, _ in results]
 
 
-def engine_round(
-    model: QwenModel, prompts: list[list[int]], args: argparse.Namespace, overlap: bool
-) -> dict[str, float]:
-    """The engine alone (no HTTP) on the same requests: tokens/s, and per decode call its
-    wall time and its thread's CPU time (the host's share; the device's threads apart)."""
-    import threading
+class EngineRounds:
+    """The engine alone (no HTTP) on the same requests, one warm engine per overlap
+    setting for every round (a round measures no compile): tokens/s, and per decode call
+    its wall time and its thread's CPU time (the host's share; the device's threads apart)."""
 
-    from tpupod.serve.engine import Engine
-    from tpupod.serve.events import Event, Finished, SamplingParams, Tokens
+    def __init__(self, model: QwenModel, args: argparse.Namespace) -> None:
+        import threading
 
-    class Timed(Engine):
-        cpu_s = 0.0
+        from tpupod.serve.engine import Engine
 
-        def _loop(self) -> None:
-            try:
-                super()._loop()
-            finally:
-                self.cpu_s = time.thread_time()
+        self.args = args
+        self.engines = {
+            on: Engine(model, max_batch=args.clients, max_length=args.max_length, overlap=on)
+            for on in (True, False)
+        }
+        self.done = threading.Semaphore(0)
+        for engine in self.engines.values():
+            engine.warmup()
+            engine.start()
 
-    engine = Timed(model, max_batch=args.clients, max_length=args.max_length, overlap=overlap)
-    engine.warmup()
-    done = threading.Semaphore(0)
-    counts: list[int] = []
+    def round(self, prompts: list[list[int]], overlap: bool) -> dict[str, float]:
+        from tpupod.serve.events import Event, Finished, SamplingParams, Tokens
 
-    def sink(event: Event) -> None:
-        if isinstance(event, Finished):
-            counts.append(event.completion_tokens)
-        if not isinstance(event, Tokens):  # its end (the engine sends token ids, no text)
-            done.release()
+        engine = self.engines[overlap]
+        counts: list[int] = []
 
-    engine.start()
-    started = time.perf_counter()
-    for prompt in prompts:
-        engine.submit(prompt, SamplingParams(max_tokens=args.new_tokens), sink)
-    for _ in prompts:
-        done.acquire()
-    wall = time.perf_counter() - started
-    steps = engine.steps
-    engine.shutdown()
-    return {
-        "tok_s": sum(counts) / wall,
-        "steps": steps,
-        "wall_ms_per_step": 1e3 * wall / steps,
-        "host_cpu_ms_per_step": 1e3 * engine.cpu_s / steps,
-    }
+        def sink(event: Event) -> None:
+            if isinstance(event, Finished):
+                counts.append(event.completion_tokens)
+            if not isinstance(event, Tokens):  # its end (the engine sends token ids, no text)
+                self.done.release()
+
+        steps = engine.steps
+        cpu = self._thread_cpu(engine)
+        started = time.perf_counter()
+        for prompt in prompts:
+            engine.submit(prompt, SamplingParams(max_tokens=self.args.new_tokens), sink)
+        for _ in prompts:
+            self.done.acquire()
+        wall = time.perf_counter() - started
+        steps = engine.steps - steps
+        cpu = self._thread_cpu(engine) - cpu
+        return {
+            "tok_s": sum(counts) / wall,
+            "steps": steps,
+            "wall_ms_per_step": 1e3 * wall / steps,
+            "host_cpu_ms_per_step": 1e3 * cpu / steps,
+        }
+
+    @staticmethod
+    def _thread_cpu(engine: Any) -> float:
+        """The engine thread's CPU seconds so far (its own clock, read from here)."""
+        return time.clock_gettime(time.pthread_getcpuclockid(engine._thread.ident))
+
+    def terminate(self) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()
 
 
-def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    import jax
-
+def prepared(
+    args: argparse.Namespace, folder: Path
+) -> tuple[QwenModel, list[str], list[list[int]]]:
+    """The random checkpoint written to ``folder`` and loaded; the questions, the prompts."""
     if args.tiny:
         cfg = TINY
         args.shape, args.layers = "tiny", cfg.num_layers
@@ -287,7 +309,6 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cfg = PRESETS[args.shape]()
         cfg = type(cfg)(**{**cfg.__dict__, "num_layers": args.layers})
     progress(f"{args.shape} cut to {args.layers} layers: writing a random checkpoint")
-    folder = work / "checkpoint"
     checkpoint(cfg, folder)
     model = load_model(folder, dtype=args.dtype)
     assert model.tokenizer is not None
@@ -298,7 +319,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         for q in questions
     ]
+    return model, questions, prompts
 
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import jax
+
+    folder = work / "checkpoint"
+    model, questions, prompts = prepared(args, folder)
     hand = by_hand(folder, prompts, args) if args.transformers else None
 
     def generate() -> tuple[float, int]:
@@ -306,37 +334,49 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out = model.generate(prompts, max_new_tokens=args.new_tokens)
         return time.perf_counter() - started, sum(len(t) for t in out.tokens)
 
-    port = free_port()
+    port, base_port = free_port(), free_port()
     progress("server: starting (loads and compiles); generate: compiling")
     started = time.perf_counter()
     # the two compile side by side
     server = None if args.engine_only else start_server(folder, port, args)
+    baseline = args.baseline_src and start_server(folder, base_port, args, args.baseline_src)
+    engines = None
     try:
         generate()
         if server is not None:
             wait_ready(server, port)
         startup = time.perf_counter() - started
+        if baseline:
+            wait_ready(baseline, base_port)
+        if args.tiny or args.engine_only:  # warm, so that no round measures a compile
+            engines = EngineRounds(model, args)
         gen: list[tuple[float, int]] = []
         srv: list[tuple[float, int]] = []
+        base: list[tuple[float, int]] = []
         tfs: list[tuple[float, int]] = []
         engine: dict[bool, list[dict[str, float]]] = {True: [], False: []}
         for r in range(args.rounds):
             progress(f"round {r + 1}: generate")
             gen.append(generate())
-            if server is not None:
-                progress(f"round {r + 1}: server")
-                srv.append(asyncio.run(clients_round(port, questions, args.new_tokens, args.tiny)))
-            if args.tiny or args.engine_only:
+            servers = [(srv, port)] if server is not None else []
+            servers += [(base, base_port)] if baseline else []
+            for rounds, on in servers[:: 1 if r % 2 else -1]:  # each goes first in turn
+                progress(f"round {r + 1}: server{' (baseline code)' if rounds is base else ''}")
+                rounds.append(asyncio.run(clients_round(on, questions, args.new_tokens, args.tiny)))
+            if engines is not None:
                 for overlap in (r % 2 == 0, r % 2 == 1):  # each goes first in turn
                     progress(f"round {r + 1}: the engine alone, overlap {overlap}")
-                    engine[overlap].append(engine_round(model, prompts, args, overlap))
+                    engine[overlap].append(engines.round(prompts, overlap))
             if hand is not None:
                 progress(f"round {r + 1}: transformers, one request at a time")
                 tfs.append(hand())
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait(30)
+        for proc in (server, baseline, engines):
+            if proc:
+                proc.terminate()
+        for proc in (server, baseline):
+            if proc:
+                proc.wait(30)
     gen_rate = statistics.median(n / s for s, n in gen)
     srv_rate = statistics.median(n / s for s, n in srv) if srv else float("nan")
     return {
@@ -353,6 +393,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "server_startup_s": startup,
         "generate": gen,
         "server": srv,
+        "baseline_src": str(args.baseline_src) if args.baseline_src else None,
+        "baseline": base,
+        "baseline_tok_s": statistics.median(n / s for s, n in base) if base else None,
         "generate_tok_s": gen_rate,
         "server_tok_s": srv_rate,
         "ratio": srv_rate / gen_rate,
@@ -414,6 +457,12 @@ def report(r: dict[str, Any]) -> None:
     label = f"builtin server, {r['clients']} {'streaming ' if r['streaming'] else ''}clients"
     if r["server"]:
         print(f"{label:36}{srv_s:>16.2f}{r['server_tok_s']:>10.0f}{r['ratio']:>8.2f}x")
+    if r["baseline"]:
+        base_s = statistics.median(s for s, _ in r["baseline"])
+        base_ratio = r["baseline_tok_s"] / r["generate_tok_s"]
+        label = "the same, baseline code"
+        print(f"{label:36}{base_s:>16.2f}{r['baseline_tok_s']:>10.0f}{base_ratio:>8.2f}x")
+        print(f"  (baseline: {r['baseline_src']})")
     if r["transformers_tok_s"]:
         tf_s = statistics.median(s for s, _ in r["transformers"])
         tf_ratio = r["transformers_tok_s"] / r["generate_tok_s"]
@@ -484,6 +533,13 @@ def main() -> None:
         action="store_true",
         help="a tiny random Qwen, 64 streaming clients of 64 tokens, the engine with "
         "overlap on and off (the host's cost per step)",
+    )
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="also serve from this src folder (e.g. a worktree of an earlier commit), "
+        "its rounds interleaved with this checkout's server",
     )
     parser.add_argument(
         "--engine-only",

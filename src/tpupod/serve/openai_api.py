@@ -26,6 +26,7 @@ the reason.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import threading
 import time
@@ -260,7 +261,8 @@ class _Call:
         self.endpoint = endpoint
         self.loop = asyncio.get_running_loop()
         self.thread = threading.get_ident()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.pending: collections.deque[Event] = collections.deque()
+        self.arrived = asyncio.Event()
         self.started = time.perf_counter()
         self.first: float | None = None
         self.request: Cancellable | None = None
@@ -273,13 +275,31 @@ class _Call:
 
     def sink(self, event: Event) -> None:
         if threading.get_ident() == self.thread:  # delivered on the loop (loop_dispatch)
-            self.queue.put_nowait(event)
+            self._put(event)
         else:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._put, event)
+
+    def _put(self, event: Event) -> None:
+        self.pending.append(event)
+        self.arrived.set()
+
+    async def _next(self) -> Event:
+        """The next event; the texts waiting (the client's side fell behind the engine's
+        turns) as one ``Delta``, so a late stream sends one chunk, not one per turn."""
+        while not self.pending:
+            self.arrived.clear()
+            await self.arrived.wait()
+        event = self.pending.popleft()
+        if isinstance(event, Delta) and self.pending and isinstance(self.pending[0], Delta):
+            texts = [event.text]
+            while self.pending and isinstance(self.pending[0], Delta):
+                texts.append(self.pending.popleft().text)  # type: ignore[union-attr]
+            event = Delta("".join(texts))
+        return event
 
     async def events(self) -> AsyncIterator[Event]:
         while True:
-            event = await self.queue.get()
+            event = await self._next()
             now = time.perf_counter()
             if self.first is None and not isinstance(event, Failed):
                 self.first = now
