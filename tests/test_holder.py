@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shlex
 import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import CliResult, sim_leftovers, tpupod_argv
-from tpupod.execflow import ExecArgs, parse_plain
+from tpupod.execflow import ExecArgs, parse_plain, plan_exec, run_held
 from tpupod.holder import socket_path
 from tpupod.pod import Pod
 from tpupod.sim import SimPod
@@ -199,3 +201,21 @@ def _eventually(check: Callable[[], bool], within_s: float = 15.0) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+def test_an_in_process_start_of_the_holder_leaves_no_running_popen_behind(
+    make_ssh_pod: Callable[..., Pod],
+) -> None:
+    """The holder outlives the process that starts it. In a long-lived process (a test's,
+    the dashboard's) its Popen used to be collected while the holder ran: a ResourceWarning
+    ("subprocess N is still running") that failed whichever test the collection fell in."""
+    pod = make_ssh_pod()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = parse_plain(["-q", "--pod", pod.name, "--", "true"])
+        assert args is not None
+        state = StateDir()
+        assert run_held(state, plan_exec(args, state), args).exit_code() == 0
+        assert holder_pid(pod) is not None
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []

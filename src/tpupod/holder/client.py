@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -196,12 +197,16 @@ def _connect_or_start(state: StateDir, name: str) -> socket.socket:
             stderr=out,
             start_new_session=True,
         )
+    # The holder outlives this call. A thread owns its Popen and reaps it when it ends:
+    # a long-lived caller (the dashboard, a test) then keeps no zombie, and no Popen is
+    # collected while the holder still runs ("subprocess N is still running").
+    threading.Thread(target=proc.wait, name=f"holder-{name}", daemon=True).start()
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
             return _connect(path)
         except (FileNotFoundError, ConnectionRefusedError):
-            if proc.poll() not in (None, 0):
+            if proc.returncode not in (None, 0):  # set by the reaping thread
                 break
             time.sleep(0.005)
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
