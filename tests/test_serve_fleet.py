@@ -833,3 +833,50 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
         assert wait_until_gone(pod) == []
     finally:
         run_cli(home, "down", "--pod", pod)
+
+
+@pytest.mark.local
+@pytest.mark.timeout(180)
+def test_two_one_worker_local_pods_serve_at_once(tmp_path: Path) -> None:
+    """A one-worker local pod's agent took the fixed agent port (9010) on this machine's
+    loopback, so a second one-worker local pod could not serve beside it (nor two test
+    runs at once). A local pod's agents take any free port."""
+    home = tmp_path / "state"
+    pods = [f"one{os.getpid()}a", f"one{os.getpid()}b"]
+    try:
+        for pod in pods:
+            assert run_cli(home, "up", "--name", pod, "--local", "1").returncode == 0
+            up = run_cli(
+                home, "serve", "up", "--pod", pod, "--model", "stub-model", "--backend",
+                "command", "--command", STUB_COMMAND, "--base-port", str(free_base_port()),
+                "--startup-timeout", "60", timeout=120,
+            )  # fmt: skip
+            assert up.returncode == 0, up.stderr
+        for pod in pods:
+            status = run_cli(home, "serve", "status", "--pod", pod)
+            assert status.returncode == 0, status.stderr
+    finally:
+        for pod in pods:
+            run_cli(home, "serve", "down", "--pod", pod)
+            run_cli(home, "down", "--pod", pod)
+
+
+@pytest.mark.local
+def test_an_agent_whose_port_is_taken_says_so_in_one_line(tmp_path: Path) -> None:
+    """`serve up` shows the agent's last lines when it does not start: a traceback's
+    fragments before, one line now."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "tpupod.serve.agent", "--state-dir", str(tmp_path)]
+        agent = subprocess.run(
+            [*argv, "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert agent.returncode == 1
+    assert agent.stderr.strip() == (
+        f"the agent cannot listen on 127.0.0.1:{port}: Address already in use"
+    )

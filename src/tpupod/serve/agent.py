@@ -141,7 +141,10 @@ def serve(state: Path, host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # one line for `serve up` to show, not a traceback
+        raise SystemExit(f"the agent cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(128)
     config = uvicorn.Config(make_app(state, token), log_level="warning", access_log=False)
     server = uvicorn.Server(config)

@@ -144,7 +144,9 @@ class RemoteFleet:
         return int(getattr(self.pod.spec, "devices_per_worker", 0) or 4)
 
     async def ensure_agent(self, worker: Worker, options: UpOptions) -> dict[str, Any]:
-        port = 0 if self.shared_addresses() else options.agent_port
+        # A local pod's workers share this machine's loopback with every other local pod
+        # (a one-worker pod too): its agents take any free port.
+        port = 0 if self.shared_addresses() or self.pod.on_this_machine else options.agent_port
         answer = (
             await self.ctl(
                 worker,
