@@ -42,13 +42,18 @@ SKIP_TIERS := $(if $(or $(ROOT),$(filter true 1 yes,$(CI))),,ssh)
 
 # Each run ends with its slowest tests, so a test that grows slow shows in the next CI log.
 DURATIONS := --durations=15 --durations-min=5
+# `make test` runs its tests in PYTEST_JOBS processes (pytest-xdist), a whole file to one
+# process, so a module's shared fixture (a server, a pod) is made once; most tests wait on
+# processes they started, so two of them share two cores well. PYTEST_JOBS=0: one process.
+PYTEST_JOBS ?= 2
+PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
 
 pytest: $(STAMP_TEST)
 ifneq ($(SKIP_TIERS),)
 	@echo "make test: skipping the ssh tier: simulated hosts (network namespaces running sshd) need root"
-	$(BIN)/pytest $(DURATIONS) -m "not ssh"
+	$(BIN)/pytest $(DURATIONS) $(PARALLEL) -m "not ssh"
 else
-	$(BIN)/pytest $(DURATIONS)
+	$(BIN)/pytest $(DURATIONS) $(PARALLEL)
 endif
 
 test: prereqs lint typecheck pytest

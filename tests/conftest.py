@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -360,6 +362,39 @@ def tier_of(item: pytest.Item) -> str:
     if node_key(item) in LOCAL_TESTS or is_slow(item):
         return "local"  # processes no fixture shows; a slow test is an end-to-end one
     return "local" if fixtures & {"cli", "make_pod"} or "local" in kinds else "unit"
+
+
+# One persistent JAX compilation cache for the run, shared by every process the tests
+# start (servers, extraction workers, `tpupod run`'s JAX programs) and, under xdist, by
+# every worker: they compile the same few tiny programs again and again, and on a CPU a
+# compile costs seconds where a cache hit costs milliseconds. A cached executable is the
+# one XLA would build, so no answer changes. The size limit turns on JAX's file lock,
+# without which a process could read an entry another is still writing.
+JAX_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": "",  # set per run in pytest_configure
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
+}
+JAX_CACHE_KEY = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The processes the tests start (hundreds of CLI runs) read and write bytecode: with
+    # PYTHONDONTWRITEBYTECODE set, as some shells set it, each compiled every tpupod module
+    # it imported (site-packages have theirs from pip).
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("TPUPOD_TESTS_NO_JAX_CACHE"):
+        return  # a worker under xdist (the controller set it), or a developer's own choice
+    cache = Path(tempfile.mkdtemp(prefix="tpupod-tests-jax-cache-"))
+    config.stash[JAX_CACHE_KEY] = cache
+    os.environ.update({**JAX_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR": str(cache)})
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    cache = config.stash.get(JAX_CACHE_KEY, None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by these marks
