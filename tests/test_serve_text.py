@@ -109,3 +109,22 @@ def test_a_failure_passes_through_and_nothing_follows_it() -> None:
     sink.cancel()  # the client left: the engine's later events are dropped
     sink(Tokens(tuple(ids)))
     assert seen[-1] == Failed("the engine went away")
+
+
+def test_a_stream_behind_the_engine_gets_the_texts_waiting_as_one_delta() -> None:
+    """Turns' texts that arrived while the stream was busy go out as one chunk."""
+    import asyncio
+
+    from tpupod.serve.openai_api import Metrics, _Call
+
+    class Served:
+        running = waiting = max_batch = 0
+
+    async def main() -> list[Event]:
+        call = _Call(Served(), Metrics(Served()), "chat")  # type: ignore[arg-type]
+        for text in ("a", "b", "c"):
+            call.sink(Delta(text))
+        call.sink(Finished("length", 3, 3))
+        return [event async for event in call.events()]
+
+    assert asyncio.run(main()) == [Delta("abc"), Finished("length", 3, 3)]
