@@ -322,6 +322,17 @@ def prepared(
     return model, questions, prompts
 
 
+def stop_all(*running: Any) -> None:
+    """Terminate the servers and engines that were started (None: not started), then
+    wait for the processes among them."""
+    started = [r for r in running if r]
+    for one in started:
+        one.terminate()
+    for one in started:
+        if isinstance(one, subprocess.Popen):
+            one.wait(30)
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import jax
 
@@ -371,12 +382,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 progress(f"round {r + 1}: transformers, one request at a time")
                 tfs.append(hand())
     finally:
-        for proc in (server, baseline, engines):
-            if proc:
-                proc.terminate()
-        for proc in (server, baseline):
-            if proc:
-                proc.wait(30)
+        stop_all(server, baseline, engines)
     gen_rate = statistics.median(n / s for s, n in gen)
     srv_rate = statistics.median(n / s for s, n in srv) if srv else float("nan")
     return {
