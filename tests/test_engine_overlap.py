@@ -28,7 +28,9 @@ from tpupod.serve.engine import Engine
 from tpupod.serve.events import Delta, Event, Finished, SamplingParams, Tokens
 from tpupod.serve.text import TextStream, submit
 
-pytestmark = pytest.mark.local
+# The module's first test also pays for its shared server or engines (loads and
+# compiles: ~10 s on a quiet machine, 94-187 s at load 13-19), past the 60 s default.
+pytestmark = [pytest.mark.local, pytest.mark.timeout(300)]
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen2-tiny"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [50, 51, 52, 53], [100, 7, 300, 12]]

@@ -40,7 +40,9 @@ from tpupod.serve.engine import Engine
 from tpupod.serve.events import Delta, Event, Failed, Finished, SamplingParams
 from tpupod.serve.text import TextStream, submit
 
-pytestmark = pytest.mark.local
+# The module's first test also pays for its shared server or engines (loads and
+# compiles: ~10 s on a quiet machine, 94-187 s at load 13-19), past the 60 s default.
+pytestmark = [pytest.mark.local, pytest.mark.timeout(300)]
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAME = "qwen2-tiny"
