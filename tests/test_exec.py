@@ -399,3 +399,22 @@ def test_a_pod_beyond_the_soft_open_files_limit_raises_it_itself(
     )
     assert "the hard limit on open files is 256" in low.stderr, low.stderr
     assert "Traceback" not in low.stderr
+
+
+def test_workers_get_sigint_as_the_full_cli_gives_it_when_tpupod_ignores_it(
+    make_pod: Callable[..., Pod],
+) -> None:
+    """A script's background job (`tpupod exec ... &`) starts with SIGINT ignored. The full
+    CLI handles SIGINT before it starts the workers, so theirs is at its default; the fast
+    path started them before its handler, so they ignored it (a CI run under xdist, whose
+    workers ignore SIGINT, saw `trap -- '' SIGINT` from the fast path alone)."""
+    pod = make_pod(1)
+    ignoring = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", sys.executable]
+    args = ["exec", "--pod", pod.name, "--", "trap -p"]
+    fast, full = (
+        subprocess.run([*ignoring, *how, *args], capture_output=True, text=True, timeout=60)
+        for how in (["-m", "tpupod"], ["-c", TYPER_ONLY])
+    )
+    assert fast.returncode == full.returncode == 0, (fast.stderr, full.stderr)
+    assert "SIGINT" not in full.stdout
+    assert shape(fast.stdout) == shape(full.stdout)

@@ -98,7 +98,10 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None) -> _Child:
                 (os.POSIX_SPAWN_DUP2, fds[5], 2),
             ],
             setsid=True,
-            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+            # Popen's resets, and the two signals tpupod handles: the full CLI handles them
+            # before it starts workers, so theirs are at their defaults even where tpupod
+            # was started ignoring them (a script's `tpupod exec ... &` ignores SIGINT)
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM),
         )
     except OSError:
         for fd in fds:
