@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -384,6 +385,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # PYTHONDONTWRITEBYTECODE set, as some shells set it, each compiled every tpupod module
     # it imported (site-packages have theirs from pip).
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    # A suite started in the background (`make test &`, nohup) inherits SIGINT ignored, and
+    # so would every command the tests start: the tests that press Ctrl-C on one need it
+    # handled, as a user's terminal has it (a handled signal is at its default after exec).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("TPUPOD_TESTS_NO_JAX_CACHE"):
         return  # a worker under xdist (the controller set it), or a developer's own choice
     cache = Path(tempfile.mkdtemp(prefix="tpupod-tests-jax-cache-"))

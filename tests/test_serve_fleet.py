@@ -643,15 +643,17 @@ def test_ctrl_c_during_serve_up_leaves_nothing_running(tmp_path: Path) -> None:
             "--command", "sleep 1000 # {port}", "--base-port", str(free_base_port()),
         )  # fmt: skip
         env = {**os.environ, "TPUPOD_HOME": str(home)}
-        up = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while not any("sleep" in p.cmdline() for p in pod_processes(pod)):
-            assert time.monotonic() < deadline and up.poll() is None
-            time.sleep(0.2)
-        up.send_signal(signal.SIGINT)
-        assert up.wait(30) == 130
-        assert up.stderr is not None and "Traceback" not in up.stderr.read()
-        up.stderr.close()
+        with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as up:
+            try:
+                deadline = time.monotonic() + 60
+                while not any("sleep" in p.cmdline() for p in pod_processes(pod)):
+                    assert time.monotonic() < deadline and up.poll() is None
+                    time.sleep(0.2)
+                up.send_signal(signal.SIGINT)
+                assert up.wait(30) == 130
+                assert up.stderr is not None and "Traceback" not in up.stderr.read()
+            finally:  # a failure here left it running, and its collection failed a later test
+                up.kill()
         assert wait_until_gone(pod, timeout=10) == []
 
 
