@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -61,6 +63,14 @@ def start(
             time.sleep(0.1)
     stop(board)  # no leftover dashboard (and sampler) when it was only slow
     raise AssertionError("the dashboard did not answer within 90 s")
+
+
+def start_run(pod: str, program: str, folder: Path) -> subprocess.Popen[bytes]:
+    """`tpupod run` of ``program`` (written to ``folder``, which it gets as its argument)
+    on every worker of ``pod``, as a user starts one; the caller ends it."""
+    (folder / "prog.py").write_text(program)
+    argv = ["run", "--pod", pod, "--", sys.executable, str(folder / "prog.py"), str(folder)]
+    return subprocess.Popen(tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def stop(board: Dashboard) -> None:

@@ -5,7 +5,6 @@ a job store of 1,000 jobs; no console errors; usable at 375 and 1,440 px."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from tests.dashboard_server import (  # noqa: F401 (fixtures)
     Dashboard,
     browser_fixture,
     dashboard_fixture,
+    start_run,
 )
 from tests.test_jobs import db_url, postgres  # noqa: F401 (fixtures: SQLite and PostgreSQL)
 from tpupod.jobs.models import JobRequest
@@ -82,17 +82,7 @@ def test_a_run_page_names_worker_2_first_and_follows_logs_live(
     tmp_path: Path,
 ) -> None:
     pod = make_pod(4)
-    (tmp_path / "prog.py").write_text(PROGRAM)
-    argv = [
-        "run",
-        "--pod",
-        pod.name,
-        "--",
-        sys.executable,
-        str(tmp_path / "prog.py"),
-        str(tmp_path),
-    ]
-    run = subprocess.Popen(tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run = start_run(pod.name, PROGRAM, tmp_path)
     try:
         board = dashboard(interval=1.0)
         seen = browser()

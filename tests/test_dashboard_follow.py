@@ -5,7 +5,6 @@ nothing behind that holds up the next viewer or the dashboard's exit."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import tpupod_argv
-from tests.dashboard_server import Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
+from tests.dashboard_server import Dashboard, dashboard_fixture, start_run  # noqa: F401 (a fixture)
 from tpupod.pod import Pod
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,17 +47,7 @@ def test_viewers_who_left_hold_up_neither_the_next_viewer_nor_the_exit(
     tmp_path: Path,
 ) -> None:
     pod = make_pod(2)
-    (tmp_path / "prog.py").write_text(PROGRAM)
-    argv = [
-        "run",
-        "--pod",
-        pod.name,
-        "--",
-        sys.executable,
-        str(tmp_path / "prog.py"),
-        str(tmp_path),
-    ]
-    run = subprocess.Popen(tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run = start_run(pod.name, PROGRAM, tmp_path)
     try:
         board = dashboard(interval=1.0)
         deadline = time.monotonic() + 60
