@@ -131,3 +131,43 @@ def test_a_stopped_server_returns_when_its_whole_group_is_gone(tmp_path: Path) -
     for line in server.log_path.read_text().splitlines():
         started.line(unstamped(line))
     _all_gone(started, mark)
+
+
+def test_a_stopped_server_leaves_no_readiness_poll_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stop`` returns when the server's readiness poll has ended too. The poll is cancelled
+    mid-request, and an HTTP request takes a few loop turns to unwind (anyio's connection
+    attempt is a task of its own). A stop that did not wait for it left the poll to the
+    event loop's shutdown, which cancelled the attempt before it ran: "coroutine
+    'connect_tcp.<locals>.try_connect' was never awaited" (a CI failure of a later test)."""
+    unwound: list[bool] = []
+
+    async def slow_to_unwind(self: ManagedServer) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            for _ in range(20):  # the request's own tasks ending, a turn each
+                await asyncio.sleep(0)
+            unwound.append(True)
+            raise
+
+    monkeypatch.setattr(ManagedServer, "_wait_ready", slow_to_unwind)
+    spec = ServerSpec(
+        name="s0", backend=Backend.COMMAND, host="127.0.0.1", ports=(1,), model="m",
+        command="sleep 60",
+    )  # fmt: skip
+    server = ManagedServer(spec, tmp_path / "logs", {"PATH": "/usr/bin:/bin"})
+
+    async def main() -> set[asyncio.Task[object]]:
+        spawned = asyncio.Event()
+        server.on_spawn = spawned.set
+        server.start()
+        await spawned.wait()
+        await asyncio.sleep(0.1)  # the poll is waiting on its request
+        await server.stop(GRACE_S)
+        return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+
+    left = asyncio.run(main())
+    assert left == set(), left
+    assert unwound == [True]

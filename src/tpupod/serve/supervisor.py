@@ -100,8 +100,10 @@ class ManagedServer:
             copying = await self._spawn()
             ready = asyncio.create_task(self._wait_ready())
             assert self._proc is not None
-            code = await self._proc.wait()
-            ready.cancel()
+            try:
+                code = await self._proc.wait()
+            finally:  # stop() cancels us here too: the poll ends before stop() returns
+                await cancelled(ready)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(copying), DRAIN_S)
             self.last_exit = code
@@ -199,6 +201,21 @@ class ManagedServer:
             "last_exit": self.last_exit,
             "log": tail(self.log_path, log_lines),
         }
+
+
+async def cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for its end, even when we are cancelled meanwhile (that cancel
+    is raised after). A task left to unwind later, such as an HTTP request whose connection
+    attempt is a task of its own, outlives its owner and is cut by the loop's shutdown."""
+    task.cancel()
+    interrupted = False
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError
 
 
 async def stop_group(pgid: int, grace: float, proc: asyncio.subprocess.Process | None) -> None:
