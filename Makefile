@@ -44,8 +44,9 @@ SKIP_TIERS := $(if $(or $(ROOT),$(filter true 1 yes,$(CI))),,ssh)
 DURATIONS := --durations=15 --durations-min=5
 # `make test` runs its tests in PYTEST_JOBS processes (pytest-xdist), a whole file to one
 # process, so a module's shared fixture (a server, a pod) is made once; most tests wait on
-# processes they started, so two of them share two cores well. PYTEST_JOBS=0: one process.
-PYTEST_JOBS ?= 2
+# processes they started, so three of them keep two cores busy (1.4 of 2 used; two used
+# 1.2, BENCHMARKS.md "Tests"). PYTEST_JOBS=0: one process.
+PYTEST_JOBS ?= 3
 PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
 
 pytest: $(STAMP_TEST)
