@@ -206,5 +206,6 @@ def take(variable: str) -> str | None:
 
 
 def use_uvloop() -> bool:
-    """``TPUPOD_NO_UVLOOP`` unset: the serving router runs on uvloop where it is installed."""
+    """``TPUPOD_NO_UVLOOP`` unset: the serving router and the builtin server's HTTP side run
+    on uvloop where it is installed (serve/eventloop.py)."""
     return not os.environ.get("TPUPOD_NO_UVLOOP")

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpupod import settings
 from tpupod.errors import CheckpointError, TpupodError, UsageError
+from tpupod.serve import eventloop
 
 if TYPE_CHECKING:
     from tpupod.serve.engine import Engine
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         return split.keep(args, sockets)
     engines = build_engines(args, len(ports))
     _warm(engines)
+    eventloop.use_uvloop()
     return asyncio.run(_serve(engines, sockets, ports, args.host, served_name(args)))
 
 

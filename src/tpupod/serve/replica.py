@@ -47,6 +47,7 @@ import tpupod
 from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
 from tpupod.names import new_launch_id
+from tpupod.serve import eventloop
 from tpupod.serve.lockstep import (
     DEFAULT_TIMEOUT_S,
     Follower,
@@ -211,6 +212,7 @@ def lead(args: argparse.Namespace, own: Hello) -> int:
     leader.set_failure_handler(lost)
     engine.channel = leader
     name = args.served_model_name or builtin.model_name(args.model)
+    eventloop.use_uvloop()
     code = asyncio.run(builtin._serve([engine], [http], [args.port], args.host, name))
     leader.close()
     return code

@@ -41,8 +41,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tpupod import settings
-from tpupod.serve import ctl, defaults, upstream
+from tpupod.serve import ctl, defaults, eventloop, upstream
 from tpupod.serve.openai_errors import error_body, path_error
 from tpupod.serve.registry import Backend, HealthPolicy, Registry
 
@@ -437,21 +436,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ready port={port}", flush=True)
 
     try:
-        _use_uvloop()
+        eventloop.use_uvloop()
         asyncio.run(run_router(router, args.host, args.port, listening))
     finally:
         ctl.remove_info(state, "router")
-
-
-def _use_uvloop() -> None:
-    """uvloop where installed (uvicorn[standard] brings it): about 2x requests/s here."""
-    if not settings.use_uvloop():
-        return
-    try:
-        import uvloop
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 if __name__ == "__main__":

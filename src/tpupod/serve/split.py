@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tpupod.serve import builtin
+from tpupod.serve import builtin, eventloop
 
 RESTART_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
@@ -215,6 +215,7 @@ def frontend_main(args: argparse.Namespace, ports: list[int]) -> int:
     """The front-end process: the ports' HTTP servers, each on its engine's link."""
     _die_with_parent()
     sockets = [socket.socket(fileno=int(fd)) for fd in args.fds.split(",")]
+    eventloop.use_uvloop()
     return asyncio.run(_front(sockets, ports, args.host, builtin.served_name(args), args.ipc))
 
 
