@@ -866,7 +866,7 @@ def test_two_one_worker_local_pods_serve_at_once(tmp_path: Path) -> None:
 @pytest.mark.local
 def test_an_agent_whose_port_is_taken_says_so_in_one_line(tmp_path: Path) -> None:
     """`serve up` shows the agent's last lines when it does not start: a traceback's
-    fragments before, one line now."""
+    fragments before, one line and what to do now."""
     import socket
 
     with socket.socket() as taken:
@@ -880,5 +880,6 @@ def test_an_agent_whose_port_is_taken_says_so_in_one_line(tmp_path: Path) -> Non
         )  # fmt: skip
     assert agent.returncode == 1
     assert agent.stderr.strip() == (
-        f"the agent cannot listen on 127.0.0.1:{port}: Address already in use"
+        f"the agent cannot listen on 127.0.0.1:{port}: Address already in use\n"
+        f"hint: another process on this worker holds port {port}; stop it"
     )

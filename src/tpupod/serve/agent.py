@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import secrets
@@ -143,8 +144,11 @@ def serve(state: Path, host: str, port: int) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:  # one line for `serve up` to show, not a traceback
-        raise SystemExit(f"the agent cannot listen on {host}:{port}: {e.strerror}") from None
+    except OSError as e:  # a line (and a hint) for `serve up` to show, not a traceback
+        said = f"the agent cannot listen on {host}:{port}: {e.strerror}"
+        if e.errno == errno.EADDRINUSE:
+            said += f"\nhint: another process on this worker holds port {port}; stop it"
+        raise SystemExit(said) from None
     sock.listen(128)
     config = uvicorn.Config(make_app(state, token), log_level="warning", access_log=False)
     server = uvicorn.Server(config)
