@@ -150,7 +150,7 @@ def test_run_preflight_names_a_silent_host(
     result = cli("run", "--pod", pod.name, "--", "echo started", timeout=60)
     assert result.code != 0
     assert "w1" in result.err and "started" not in result.out
-    assert result.seconds < 9
+    assert result.seconds < 20  # connect timeout 5 s (a SYN retried unbounded takes ~2 min)
 
 
 def test_sync_names_a_silent_host(
@@ -180,7 +180,9 @@ def test_sync_names_a_silent_host(
     )
     assert proc.returncode == 255, proc.stderr
     assert "unreachable" in next(line for line in proc.stderr.splitlines() if line[:2] == "w1")
-    assert time.monotonic() - started < 9
+    # connect timeout 5 s (a SYN retried unbounded takes ~2 min); 9 s was 9.2 s in CI's
+    # rehearsal with three test processes, the CLI's start slowed by the others
+    assert time.monotonic() - started < 20
 
 
 def serving(sim: SimPod, index: int) -> list[str]:
