@@ -32,6 +32,7 @@ import psutil
 import pytest
 
 from tests.conftest import (
+    described,
     free_base_port,
     openai_client,
     pod_processes,
@@ -646,7 +647,8 @@ def test_ctrl_c_during_serve_up_leaves_nothing_running(tmp_path: Path) -> None:
         with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as up:
             try:
                 deadline = time.monotonic() + 60
-                while not any("sleep" in p.cmdline() for p in pod_processes(pod)):
+                # described(): a process listed may end before its command line is read
+                while not any("sleep" in described(p) for p in pod_processes(pod)):
                     assert time.monotonic() < deadline and up.poll() is None
                     time.sleep(0.2)
                 up.send_signal(signal.SIGINT)
