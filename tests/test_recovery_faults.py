@@ -91,7 +91,7 @@ def test_a_failing_api_and_a_silent_worker_are_not_a_preemption(
     [w1] = [h.index for h in sim_hosts_up.hosts if h.address == _address(cli, "ok", 1)]
     run = start_run("ok", shared_dir, 60, "--retries", "2", "--notice-grace", "1")
     wait_until(running_attempt(state_home, "ok", 1, shared_dir), run, timeout=90)
-    spot_api.unavailable(60)  # every API call answers 503 for a minute
+    spot_api.unavailable(30)  # every API call answers 503 for 30 s, past the unplugging
     sim_hosts_up.unplug(w1)  # and worker 1's network is gone for 20 s
     time.sleep(20)
     sim_hosts_up.plug(w1)
@@ -102,6 +102,7 @@ def test_a_failing_api_and_a_silent_worker_are_not_a_preemption(
     assert causes[-1] == "ok" and "preempted" not in causes, err
     assert spot_api.calls.count(("POST", "nodes/")) == 1
     assert not [call for call in spot_api.calls if call[0] == "DELETE"]
+    assert spot_api.unavailable_answers, "the run never asked the failing API"
 
 
 def _address(cli: Callable[..., CliResult], pod: str, worker: int) -> str:

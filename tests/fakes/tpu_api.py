@@ -125,6 +125,7 @@ class TpuApiStandIn:
         self.generation: dict[str, int] = {}  # address -> how many times it was handed out
         self.preemptions = 0
         self.unavailable_until = 0.0
+        self.unavailable_answers = 0  # calls answered 503 by ``unavailable``
         self.no_capacity = 0  # polls a new queued resource stays WAITING_FOR_RESOURCES
         self.resources: dict[str, _Resource] = {}
         self.operations: dict[str, dict[str, Any]] = {}
@@ -247,6 +248,7 @@ class TpuApiStandIn:
         parent = f"projects/{match['project']}/locations/{match['zone']}"
         self.calls.append((method, f"{kind}/{name or ''}"))
         if time.monotonic() < self.unavailable_until:
+            self.unavailable_answers += 1
             raise Refused("UNAVAILABLE", "The service is currently unavailable.")
         for i, (f_method, f_kind, status, message) in enumerate(self.failures):
             if f_method == method and f_kind == kind:
