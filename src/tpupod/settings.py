@@ -194,6 +194,20 @@ def openai_api_key() -> str | None:
     return os.environ.get("OPENAI_API_KEY") or None
 
 
+# JAX's persistent compilation cache, as its own variables name it
+JAX_CACHE_VARIABLES = (
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+    "JAX_COMPILATION_CACHE_MAX_SIZE",
+)
+
+
+def jax_cache_env() -> dict[str, str]:
+    """The JAX compilation cache variables this process was given (none when unset)."""
+    return {name: os.environ[name] for name in JAX_CACHE_VARIABLES if os.environ.get(name)}
+
+
 def named(variable: str) -> str | None:
     """The variable a command was told to read by name (``serve ctl --token-env NAME``)."""
     return os.environ.get(variable) or None

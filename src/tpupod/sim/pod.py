@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from tpupod import procfs
+from tpupod import procfs, settings
 
 PREFIX = "tps"
 STATE_ROOT = Path("/run/tpupod-sim")
@@ -45,14 +45,6 @@ NETWORK = ipaddress.IPv4Network("198.18.0.0/15")
 POD_PREFIX = 23  # each simulated pod's subnet: 512 addresses
 FIRST_HOST_OFFSET = 10
 MAX_HOSTS = 500
-# The hosts run on this machine: a JAX compilation cache the starting process has
-# (the test suite gives its processes one) is theirs too, through sshd's SetEnv.
-SHARED_ENV = (
-    "JAX_COMPILATION_CACHE_DIR",
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
-    "JAX_COMPILATION_CACHE_MAX_SIZE",
-)
 READY_TIMEOUT_S = 20.0  # plus READY_PER_HOST_S a host: sshd starts slower on a busy machine
 READY_PER_HOST_S = 0.25
 BUILD_THREADS = 16  # hosts built at once: each is a handful of `ip` and `ssh-keygen` runs
@@ -348,10 +340,12 @@ class SimPod:
             (etc / "hostname").write_text(host.hostname + "\n")
 
     def _write_sshd_config(self) -> None:
+        # The hosts run on this machine: a JAX compilation cache the starting process has
+        # (the test suite gives its processes one) is theirs too.
         shared = [
-            f"{name}={os.environ[name]}"
-            for name in SHARED_ENV
-            if os.environ.get(name) and not any(c.isspace() for c in os.environ[name])
+            f"{name}={value}"
+            for name, value in settings.jax_cache_env().items()
+            if not any(c.isspace() for c in value)
         ]
         options = {
             "ListenAddress": "0.0.0.0",
