@@ -12,6 +12,7 @@ usage are those of a ``--no-split`` server and of ``generate``.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -242,3 +243,20 @@ def test_stop_strings_found_by_the_front_end_equal_no_split_and_generate(
         while httpx.get(srv.url("/health"), timeout=5).json()["running"]:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def test_the_front_end_takes_the_tokenizer_without_loading_jax(tmp_path: Path) -> None:
+    """The engine sends its tokenizer pickled; unpickling it must not import JAX and flax
+    (about a second of CPU and 150 MB more at every front-end start)."""
+    pickled = tmp_path / "tokenizer.pickle"
+    pickled.write_bytes(pickle.dumps(Tokenizer(FIXTURES / NAME)))
+    code = (
+        "import pickle, sys; "
+        f"t = pickle.loads(open({str(pickled)!r}, 'rb').read()); "
+        "print(t.decode(t.encode('hello world')), sorted({'jax', 'flax'} & set(sys.modules)))"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == "hello world []"
