@@ -43,12 +43,11 @@ SKIP_TIERS := $(if $(or $(ROOT),$(filter true 1 yes,$(CI))),,ssh)
 # Each run ends with its slowest tests, so a test that grows slow shows in the next CI log.
 DURATIONS := --durations=15 --durations-min=5
 # `make test` runs its tests in PYTEST_JOBS processes (pytest-xdist), a whole file to one
-# process, so a module's shared fixture (a server, a pod) is made once; most tests wait on
-# processes they started, so two of them share two cores well (1.2 of 2 used). Three are
-# 1.2-1.4x faster, but their load still finds tests with tight bounds or races (three of
-# five clean-clone runs failed one test each; BENCHMARKS.md "Tests"): PYTEST_JOBS=3 make
-# test. PYTEST_JOBS=0: one process.
-PYTEST_JOBS ?= 2
+# process, so a module's shared fixture (a server, a pod) is made once. Most tests wait on
+# processes they started, so three keep two cores busy (96 % over a quiet run) and are
+# 1.2-1.4x faster than two (BENCHMARKS.md "Tests"). PYTEST_JOBS=2 is gentler on a machine
+# busy with other work; PYTEST_JOBS=0: one process.
+PYTEST_JOBS ?= 3
 PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
 
 pytest: $(STAMP_TEST)
