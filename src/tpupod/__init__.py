@@ -23,6 +23,8 @@ from ``tpupod.latest_checkpoint(ckpt_dir)`` (the newest complete Orbax step, or 
 
 from __future__ import annotations
 
+from tpupod.lazy import attributes
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (mypy reads it as True)
 
 __version__ = "0.1.0"
@@ -91,10 +93,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tpupod' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+__getattr__ = attributes("tpupod", _LAZY)

@@ -11,8 +11,9 @@ Design notes: docs/model.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tpupod.lazy import attributes
 
 if TYPE_CHECKING:
     from tpupod.model.config import PRESETS, QwenConfig, qwen2_5_0_5b, qwen3_0_6b, qwen3_1_7b
@@ -20,30 +21,26 @@ if TYPE_CHECKING:
     from tpupod.model.sharding import make_mesh
     from tpupod.model.tokenizer import Tokenizer
 
-# Where each name lives: imported on first use, so a process that needs only the
-# tokenizer (the builtin server's front end unpickles one) does not load JAX and flax.
-_HOMES = {
-    "PRESETS": "config",
-    "QwenConfig": "config",
-    "qwen2_5_0_5b": "config",
-    "qwen3_0_6b": "config",
-    "qwen3_1_7b": "config",
-    "ForwardOutput": "qwen",
-    "Generation": "qwen",
-    "QwenModel": "qwen",
-    "load_model": "qwen",
-    "random_model": "qwen",
-    "make_mesh": "sharding",
-    "Tokenizer": "tokenizer",
-}
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:  # a submodule (``from tpupod.model import slots``) is imported as usual
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
-
+# Imported on first use: a process that needs only the tokenizer (the builtin server's
+# front end unpickles one) does not load JAX and flax.
+_CONFIG, _QWEN = "tpupod.model.config", "tpupod.model.qwen"
+__getattr__ = attributes(
+    __name__,
+    {
+        "PRESETS": _CONFIG,
+        "QwenConfig": _CONFIG,
+        "qwen2_5_0_5b": _CONFIG,
+        "qwen3_0_6b": _CONFIG,
+        "qwen3_1_7b": _CONFIG,
+        "ForwardOutput": _QWEN,
+        "Generation": _QWEN,
+        "QwenModel": _QWEN,
+        "load_model": _QWEN,
+        "random_model": _QWEN,
+        "make_mesh": "tpupod.model.sharding",
+        "Tokenizer": "tpupod.model.tokenizer",
+    },
+)
 
 __all__ = [
     "PRESETS",

@@ -1,0 +1,27 @@
+"""A package's names imported on first use (PEP 562's module ``__getattr__``).
+
+``import tpupod`` stays fast for the CLI and the fast paths, and a process that needs
+one part of ``tpupod.model`` (the builtin server's front end, unpickling a tokenizer)
+does not load JAX and flax. The packages name the same things under ``TYPE_CHECKING``
+for mypy.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (mypy reads it as True)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+def attributes(package: str, homes: dict[str, str]) -> Callable[[str], object]:
+    """A ``__getattr__`` for ``package``: each name in ``homes`` from the module named there."""
+
+    def getattr_(name: str) -> object:
+        home = homes.get(name)
+        if home is None:  # a submodule (``from package import part``) is then imported as usual
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        import importlib
+
+        return getattr(importlib.import_module(home), name)
+
+    return getattr_
