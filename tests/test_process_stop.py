@@ -171,3 +171,47 @@ def test_a_stopped_server_leaves_no_readiness_poll_running(
     left = asyncio.run(main())
     assert left == set(), left
     assert unwound == [True]
+
+
+def test_a_caller_cancelled_while_stop_waits_stays_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stop`` waits for the supervisor to end; a cancel of the caller that lands meanwhile
+    (an agent shutting down, say) is raised once that is done, not swallowed with the
+    supervisor's own, and the supervisor's poll still ends before ``stop`` does."""
+    unwound: list[bool] = []
+
+    async def slow_to_unwind(self: ManagedServer) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.5)  # a request that takes a while to unwind
+            unwound.append(True)
+            raise
+
+    monkeypatch.setattr(ManagedServer, "_wait_ready", slow_to_unwind)
+    spec = ServerSpec(
+        name="s0", backend=Backend.COMMAND, host="127.0.0.1", ports=(1,), model="m",
+        command="sleep 60",
+    )  # fmt: skip
+    server = ManagedServer(spec, tmp_path / "logs", {"PATH": "/usr/bin:/bin"})
+
+    async def main() -> tuple[bool, set[asyncio.Task[object]]]:
+        spawned = asyncio.Event()
+        server.on_spawn = spawned.set
+        server.start()
+        await spawned.wait()
+        await asyncio.sleep(0.1)
+        proc = server._proc
+        assert proc is not None
+        stopping = asyncio.create_task(server.stop(GRACE_S))
+        await proc.wait()  # the group is gone: stop now waits on the supervisor
+        await asyncio.sleep(0.05)
+        stopping.cancel()
+        await asyncio.wait({stopping})
+        return stopping.cancelled(), asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+
+    was_cancelled, left = asyncio.run(main())
+    assert was_cancelled
+    assert left == set(), left
+    assert unwound == [True]

@@ -181,12 +181,16 @@ class ManagedServer:
         proc = self._proc
         if proc is not None and proc.returncode is None:
             await stop_group(proc.pid, grace, proc)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self.state = ServerState.STOPPED
-        self.pid = None
+        try:
+            if self._task is not None:
+                # a cancel of our caller meanwhile is raised after, not swallowed with the
+                # supervisor's own; an error the supervisor ended with is raised here
+                await cancelled(self._task)
+                if not self._task.cancelled() and self._task.exception() is not None:
+                    raise self._task.exception()  # type: ignore[misc]
+        finally:
+            self.state = ServerState.STOPPED
+            self.pid = None
 
     def status(self, log_lines: int = 6) -> dict[str, object]:
         uptime = time.time() - self.started_at if self.started_at and self.pid else None
