@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tpupod import settings
 from tpupod.holder.client import stop_holder
 from tpupod.lifecycle import up
 from tpupod.pod import Pod
@@ -388,6 +389,8 @@ JAX_CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
 }
+# the same variables tpupod.sim hands on to simulated hosts (settings.jax_cache_env)
+assert tuple(JAX_CACHE_ENV) == settings.JAX_CACHE_VARIABLES
 JAX_CACHE_KEY = pytest.StashKey[Path]()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -133,22 +134,18 @@ def test_a_stopped_server_returns_when_its_whole_group_is_gone(tmp_path: Path) -
     _all_gone(started, mark)
 
 
-def test_a_stopped_server_leaves_no_readiness_poll_running(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``stop`` returns when the server's readiness poll has ended too. The poll is cancelled
-    mid-request, and an HTTP request takes a few loop turns to unwind (anyio's connection
-    attempt is a task of its own). A stop that did not wait for it left the poll to the
-    event loop's shutdown, which cancelled the attempt before it ran: "coroutine
-    'connect_tcp.<locals>.try_connect' was never awaited" (a CI failure of a later test)."""
+def _server_whose_poll_unwinds_slowly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unwind: Callable[[], Awaitable[None]]
+) -> tuple[ManagedServer, list[bool]]:
+    """A server (``sleep 60``) whose readiness poll, cancelled, awaits ``unwind`` before it
+    ends (as an HTTP request cancelled mid-flight does); the list records that it ended."""
     unwound: list[bool] = []
 
     async def slow_to_unwind(self: ManagedServer) -> None:
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
-            for _ in range(20):  # the request's own tasks ending, a turn each
-                await asyncio.sleep(0)
+            await unwind()
             unwound.append(True)
             raise
 
@@ -158,15 +155,41 @@ def test_a_stopped_server_leaves_no_readiness_poll_running(
         command="sleep 60",
     )  # fmt: skip
     server = ManagedServer(spec, tmp_path / "logs", {"PATH": "/usr/bin:/bin"})
+    return server, unwound
+
+
+async def _started(server: ManagedServer) -> None:
+    """Start ``server`` and return once its readiness poll waits on its request."""
+    spawned = asyncio.Event()
+    server.on_spawn = spawned.set
+    server.start()
+    await spawned.wait()
+    await asyncio.sleep(0.1)
+
+
+def _others() -> set[asyncio.Task[object]]:
+    return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+
+
+def test_a_stopped_server_leaves_no_readiness_poll_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stop`` returns when the server's readiness poll has ended too. The poll is cancelled
+    mid-request, and an HTTP request takes a few loop turns to unwind (anyio's connection
+    attempt is a task of its own). A stop that did not wait for it left the poll to the
+    event loop's shutdown, which cancelled the attempt before it ran: "coroutine
+    'connect_tcp.<locals>.try_connect' was never awaited" (a CI failure of a later test)."""
+
+    async def twenty_turns() -> None:  # the request's own tasks ending, a turn each
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    server, unwound = _server_whose_poll_unwinds_slowly(tmp_path, monkeypatch, twenty_turns)
 
     async def main() -> set[asyncio.Task[object]]:
-        spawned = asyncio.Event()
-        server.on_spawn = spawned.set
-        server.start()
-        await spawned.wait()
-        await asyncio.sleep(0.1)  # the poll is waiting on its request
+        await _started(server)
         await server.stop(GRACE_S)
-        return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+        return _others()
 
     left = asyncio.run(main())
     assert left == set(), left
@@ -179,29 +202,14 @@ def test_a_caller_cancelled_while_stop_waits_stays_cancelled(
     """``stop`` waits for the supervisor to end; a cancel of the caller that lands meanwhile
     (an agent shutting down, say) is raised once that is done, not swallowed with the
     supervisor's own, and the supervisor's poll still ends before ``stop`` does."""
-    unwound: list[bool] = []
 
-    async def slow_to_unwind(self: ManagedServer) -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            await asyncio.sleep(0.5)  # a request that takes a while to unwind
-            unwound.append(True)
-            raise
+    async def half_a_second() -> None:  # a request that takes a while to unwind
+        await asyncio.sleep(0.5)
 
-    monkeypatch.setattr(ManagedServer, "_wait_ready", slow_to_unwind)
-    spec = ServerSpec(
-        name="s0", backend=Backend.COMMAND, host="127.0.0.1", ports=(1,), model="m",
-        command="sleep 60",
-    )  # fmt: skip
-    server = ManagedServer(spec, tmp_path / "logs", {"PATH": "/usr/bin:/bin"})
+    server, unwound = _server_whose_poll_unwinds_slowly(tmp_path, monkeypatch, half_a_second)
 
     async def main() -> tuple[bool, set[asyncio.Task[object]]]:
-        spawned = asyncio.Event()
-        server.on_spawn = spawned.set
-        server.start()
-        await spawned.wait()
-        await asyncio.sleep(0.1)
+        await _started(server)
         proc = server._proc
         assert proc is not None
         stopping = asyncio.create_task(server.stop(GRACE_S))
@@ -209,7 +217,7 @@ def test_a_caller_cancelled_while_stop_waits_stays_cancelled(
         await asyncio.sleep(0.05)
         stopping.cancel()
         await asyncio.wait({stopping})
-        return stopping.cancelled(), asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+        return stopping.cancelled(), _others()
 
     was_cancelled, left = asyncio.run(main())
     assert was_cancelled

@@ -186,8 +186,9 @@ class ManagedServer:
                 # a cancel of our caller meanwhile is raised after, not swallowed with the
                 # supervisor's own; an error the supervisor ended with is raised here
                 await cancelled(self._task)
-                if not self._task.cancelled() and self._task.exception() is not None:
-                    raise self._task.exception()  # type: ignore[misc]
+                failed = None if self._task.cancelled() else self._task.exception()
+                if failed is not None:
+                    raise failed
         finally:
             self.state = ServerState.STOPPED
             self.pid = None
