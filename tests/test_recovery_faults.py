@@ -188,7 +188,12 @@ def test_preempted_during_setup_recovers_and_sets_up_the_new_tpu(
     script = tmp_path / "setup.sh"  # slow, and says on which host it ran (a fresh host: again)
     script.write_text(f'echo "$(hostname) begins" >> {shared_dir}/setup.log; sleep 4\n')
     run = start_run("su", shared_dir, 6, "--retries", "1", "--setup", str(script))
-    wait_until((shared_dir / "setup.log").exists, run, timeout=60)
+    log = shared_dir / "setup.log"
+
+    def both_began() -> bool:  # the first TPU's two hosts (a TERM before one begins: no line)
+        return log.exists() and len(log.read_text().splitlines()) >= 2
+
+    wait_until(both_began, run, timeout=60)
     spot_api.preempt_with_notice("su")
     _, err = run.communicate(timeout=200)
     assert run.returncode == 0, err
@@ -197,7 +202,7 @@ def test_preempted_during_setup_recovers_and_sets_up_the_new_tpu(
     assert [a["cause"] for a in record["attempts"]] == ["preempted", "ok"], err
     assert "during setup" in record["attempts"][0]["detail"]
     assert "setup" in record["attempts"][1]["phases"]  # the new TPU was set up
-    hosts = {line.split()[0] for line in (shared_dir / "setup.log").read_text().splitlines()}
+    hosts = {line.split()[0] for line in log.read_text().splitlines()}
     assert hosts == {"host-0", "host-1", "host-2", "host-3"}
 
 
