@@ -8,7 +8,8 @@ tokenizer and chat template are the tiny fixture's) serves both sides:
   prompts as one batch, greedy, ``--new-tokens`` each: one jitted program,
   the whole decode loop on the device. The best a server can hope for.
 - *builtin server*: ``python -m tpupod.serve.builtin`` (one engine) and
-  ``--clients`` concurrent ``/v1/chat/completions`` requests (httpx, async)
+  ``--clients`` concurrent ``/v1/chat/completions`` requests (httpx, async;
+  streamed with ``--tiny``, by aiohttp and by httpx in turn)
   for the same prompts, greedy, ``max_tokens`` = ``--new-tokens``: HTTP,
   chat template, tokenizing, continuous batching, a host round trip a step.
 
@@ -169,13 +170,14 @@ TINY = QwenConfig(
 
 
 async def clients_round(
-    port: int, conversations: list[str], new: int, stream: bool = False
+    port: int, conversations: list[str], new: int, stream: str | None = None
 ) -> tuple[float, int]:
-    """All requests at once; wall seconds and answer tokens."""
+    """All requests at once (streamed by the client ``stream`` names); wall seconds and
+    answer tokens."""
     import httpx
 
     if stream:
-        wall, tokens, _ = await streaming_round(port, conversations, new)
+        wall, tokens, _ = await streaming_round(port, conversations, new, stream)
         return wall, tokens
 
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -198,45 +200,77 @@ async def clients_round(
         return time.perf_counter() - started, sum(counts)
 
 
+STREAM_CLIENTS = ("aiohttp", "httpx")  # aiohttp first: the lighter (see --tiny's report)
+
+
+def _chunk_seen(line: str | bytes, sent: float, seen: dict[str, float]) -> None:
+    """One SSE line read by a streaming client: its first text's time, the usage's count."""
+    if not line.startswith(b"data: {" if isinstance(line, bytes) else "data: {"):
+        return
+    chunk = json.loads(line[6:])
+    choices = chunk.get("choices")
+    if "first" not in seen and choices and choices[0]["delta"].get("content"):
+        seen["first"] = time.perf_counter() - sent
+    if chunk.get("usage"):
+        seen["tokens"] = chunk["usage"]["completion_tokens"]
+
+
 async def streaming_round(
-    port: int, conversations: list[str], new: int
+    port: int, conversations: list[str], new: int, client: str = "aiohttp"
 ) -> tuple[float, int, list[float]]:
-    """All requests at once, each streamed (server-sent events, usage in the last): wall
-    seconds, answer tokens, and each request's seconds to its first text."""
-    import httpx
-
+    """All requests at once, each streamed (server-sent events, usage in the last), by
+    ``client`` (aiohttp or httpx): wall seconds, answer tokens, and each request's
+    seconds to its first text. Both clients read every line and parse every chunk's JSON;
+    on a shared CPU the client's own cost per token is part of what is measured (httpx
+    spends 2-3x aiohttp's, whose HTTP parser is C)."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    limits = httpx.Limits(max_connections=len(conversations) * 2)
-    async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
 
-        async def one(question: str) -> tuple[float, int]:
-            body = {
-                "model": "bench",
-                "messages": [{"role": "user", "content": question}],
-                "max_tokens": new,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            sent = time.perf_counter()
-            first, tokens = 0.0, 0
-            async with client.stream("POST", url, json=body) as response:
+    def body(question: str) -> dict[str, Any]:
+        return {
+            "model": "bench",
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": new,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    if client == "httpx":
+        import httpx
+
+        limits = httpx.Limits(max_connections=len(conversations) * 2)
+        session: Any = httpx.AsyncClient(timeout=600, limits=limits, trust_env=False)
+
+        async def one(question: str) -> dict[str, float]:
+            sent, seen = time.perf_counter(), {}
+            async with session.stream("POST", url, json=body(question)) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    choices = chunk.get("choices")
-                    if not first and choices and choices[0]["delta"].get("content"):
-                        first = time.perf_counter() - sent
-                    if chunk.get("usage"):
-                        tokens = int(chunk["usage"]["completion_tokens"])
-            return first, tokens
+                    _chunk_seen(line, sent, seen)
+            return seen
 
+    else:
+        import aiohttp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+        async def one(question: str) -> dict[str, float]:
+            sent, seen = time.perf_counter(), {}
+            async with session.post(url, json=body(question)) as response:
+                response.raise_for_status()
+                async for line in response.content:  # one line at a time
+                    _chunk_seen(line, sent, seen)
+            return seen
+
+    async with session:
         started = time.perf_counter()
         results = await asyncio.gather(*(one(q) for q in conversations))
         wall = time.perf_counter() - started
-    return wall, sum(n for _, n in results), [f for f, _ in results]
+    return (
+        wall,
+        sum(int(r.get("tokens", 0)) for r in results),
+        [r.get("first", 0.0) for r in results],
+    )
 
 
 class EngineRounds:
@@ -251,7 +285,13 @@ class EngineRounds:
 
         self.args = args
         self.engines = {
-            on: Engine(model, max_batch=args.clients, max_length=args.max_length, overlap=on)
+            on: Engine(
+                model,
+                max_batch=args.clients,
+                max_length=args.max_length,
+                overlap=on,
+                decode_steps=args.decode_steps or 1,  # the server's on a CPU
+            )
             for on in (True, False)
         }
         self.done = threading.Semaphore(0)
@@ -362,18 +402,21 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if args.tiny or args.engine_only:  # warm, so that no round measures a compile
             engines = EngineRounds(model, args)
         gen: list[tuple[float, int]] = []
-        srv: list[tuple[float, int]] = []
+        kinds = list(STREAM_CLIENTS) if args.stream_client == "both" else [args.stream_client]
+        by_client: dict[str, list[tuple[float, int]]] = {k: [] for k in kinds}
+        srv = by_client[kinds[0]]  # the ratio reported: the first client's
         base: list[tuple[float, int]] = []
         tfs: list[tuple[float, int]] = []
         engine: dict[bool, list[dict[str, float]]] = {True: [], False: []}
         for r in range(args.rounds):
             progress(f"round {r + 1}: generate")
             gen.append(generate())
-            servers = [(srv, port)] if server is not None else []
-            servers += [(base, base_port)] if baseline else []
-            for rounds, on in servers[:: 1 if r % 2 else -1]:  # each goes first in turn
+            servers = [(by_client[k], port, k) for k in kinds] if server is not None else []
+            servers += [(base, base_port, kinds[0])] if baseline else []
+            for rounds, on, kind in servers[:: 1 if r % 2 else -1]:  # each first in turn
                 progress(f"round {r + 1}: server{' (baseline code)' if rounds is base else ''}")
-                rounds.append(asyncio.run(clients_round(on, questions, args.new_tokens, args.tiny)))
+                stream = kind if args.tiny else None
+                rounds.append(asyncio.run(clients_round(on, questions, args.new_tokens, stream)))
             if engines is not None:
                 for overlap in (r % 2 == 0, r % 2 == 1):  # each goes first in turn
                     progress(f"round {r + 1}: the engine alone, overlap {overlap}")
@@ -408,6 +451,12 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "transformers": tfs,
         "transformers_tok_s": statistics.median(n / s for s, n in tfs) if tfs else None,
         "streaming": bool(args.tiny),
+        "stream_clients": kinds if args.tiny else [],
+        "server_by_client": {
+            k: statistics.median(n / s for s, n in rounds)
+            for k, rounds in by_client.items()
+            if rounds
+        },
         "engine": {
             ("overlap" if on else "no_overlap"): {
                 key: statistics.median(r[key] for r in rounds) for key in rounds[0]
@@ -461,7 +510,11 @@ def report(r: dict[str, Any]) -> None:
         f"{'QwenModel.generate, one batch':36}{gen_s:>16.2f}{r['generate_tok_s']:>10.0f}{1:>8.2f}x"
     )
     label = f"builtin server, {r['clients']} {'streaming ' if r['streaming'] else ''}clients"
-    if r["server"]:
+    if r["server"] and r["streaming"]:
+        for kind, rate in r["server_by_client"].items():
+            ratio = rate / r["generate_tok_s"]
+            print(f"{label:36}{'':>16}{rate:>10.0f}{ratio:>8.2f}x   (clients: {kind})")
+    elif r["server"]:
         print(f"{label:36}{srv_s:>16.2f}{r['server_tok_s']:>10.0f}{r['ratio']:>8.2f}x")
     if r["baseline"]:
         base_s = statistics.median(s for s, _ in r["baseline"])
@@ -551,6 +604,13 @@ def main() -> None:
         "--engine-only",
         action="store_true",
         help="no server: generate and the engine alone with overlap on and off",
+    )
+    parser.add_argument(
+        "--stream-client",
+        choices=[*STREAM_CLIENTS, "both"],
+        default="both",
+        help="--tiny's streaming clients: aiohttp, httpx, or both in turn (the default); "
+        "the ratio in the JSON is the first's",
     )
     args = parser.parse_args()
     if args.tiny:

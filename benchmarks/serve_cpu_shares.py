@@ -3,6 +3,7 @@ process), the builtin server's front end and its engine, in microseconds per str
 
     python benchmarks/serve_cpu_shares.py --rounds 5
     python benchmarks/serve_cpu_shares.py --rounds 4 --spy frontend,engine   # py-spy profiles
+    python benchmarks/serve_cpu_shares.py --client httpx      # the clients: aiohttp by default
 
 Wall-clock ratios against ``generate`` move 10-20 % between runs on 2 shared cores; the CPU
 each process spends per token is the steadier measure of a change to one of them.
@@ -47,10 +48,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spy", default="", help="py-spy record these roles: frontend,engine")
+    parser.add_argument("--client", choices=sb.STREAM_CLIENTS, default="aiohttp")
+    parser.add_argument("--decode-steps", type=int, default=None, help="the server's")
     options = parser.parse_args()
     args = argparse.Namespace(
         tiny=True, shape="tiny", layers=2, dtype="float32", clients=64, max_length=512,
-        decode_steps=None, prefill_tokens=None, new_tokens=64,
+        decode_steps=options.decode_steps, prefill_tokens=None, new_tokens=64,
     )  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="serve-cpu-shares-"))
     _, questions, _ = sb.prepared(args, work / "checkpoint")
@@ -59,7 +62,8 @@ def main() -> None:
     try:
         sb.wait_ready(server, port)
         procs = roles(psutil.Process(server.pid))
-        asyncio.run(sb.streaming_round(port, questions, args.new_tokens))  # warm
+        client = options.client
+        asyncio.run(sb.streaming_round(port, questions, args.new_tokens, client))  # warm
         spies = [
             spy(procs[role].pid, work / f"{role}.txt") for role in options.spy.split(",") if role
         ]
@@ -71,7 +75,7 @@ def main() -> None:
         before, client_before, started = cpu(), time.process_time(), time.perf_counter()
         tokens = 0
         for _ in range(options.rounds):
-            wall, n, _ = asyncio.run(sb.streaming_round(port, questions, args.new_tokens))
+            wall, n, _ = asyncio.run(sb.streaming_round(port, questions, args.new_tokens, client))
             tokens += n
             print(f"round: {wall:.3f} s, {n} tokens, {n / wall:,.0f} tok/s", flush=True)
         wall = time.perf_counter() - started
@@ -80,9 +84,9 @@ def main() -> None:
         print(f"{options.rounds} rounds in {wall:.2f} s; CPU per streamed token:")
         for role, seconds in spent.items():
             print(f"  {role:9} {1e6 * seconds / tokens:6.0f} us  ({seconds:.2f} s)")
-        for spy in spies:
-            spy.send_signal(2)
-            spy.wait()
+        for profiler in spies:
+            profiler.send_signal(2)
+            profiler.wait()
         if spies:
             print(f"profiles (py-spy raw format): {work}/<role>.txt")
     finally:

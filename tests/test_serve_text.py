@@ -128,3 +128,24 @@ def test_a_stream_behind_the_engine_gets_the_texts_waiting_as_one_delta() -> Non
         return [event async for event in call.events()]
 
     assert asyncio.run(main()) == [Delta("abc"), Finished("length", 3, 3)]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("usage", [True, False])
+def test_a_text_chunk_from_its_template_is_the_chunk_rendered_whole(
+    chat: bool, usage: bool
+) -> None:
+    """The streamed text chunk is made from one rendering per request (the text put in its
+    place): byte for byte the whole chunk's JSON, for any text and any model name."""
+    import json
+
+    from tpupod.serve.openai_api import _Shape, _sse
+
+    shape = _Shape("chatcmpl-0f", 'a "model"\x00 named é', chat)
+    frame = shape.text_frames(usage)
+    for text in [TEXT, "x", 'quotes " and \\ and \n', "\x00text\x00", "😀", " "]:
+        assert frame(text) == _sse(shape.chunk(text, None, usage))
+        chunk = json.loads(frame(text).decode()[len("data: ") :])
+        assert (
+            chunk["choices"][0]["delta"]["content"] if chat else chunk["choices"][0]["text"]
+        ) == text

@@ -577,6 +577,20 @@ class _Shape:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return self._object(kind, [], usage=self.usage(end))
 
+    def text_frames(self, usage: bool) -> Callable[[str], bytes]:
+        """What makes the SSE frame of one text chunk, ``_sse(chunk(text, None, usage))``,
+        from the chunk rendered once with a mark where the text goes: a streamed token
+        costs one string's JSON, not a dict and a whole dump."""
+        mark = _JSON_TEXT(_TEXT_MARK)
+        head, found, tail = _sse(self.chunk(_TEXT_MARK, None, usage)).decode().rpartition(mark)
+        assert found, "the text chunk has no place for its text"
+        head_bytes, tail_bytes = head.encode(), tail.encode()
+        return lambda text: head_bytes + _JSON_TEXT(text).encode() + tail_bytes
+
+
+_TEXT_MARK = "\x00text\x00"  # escaped as \u0000 in JSON: never in a rendered chunk otherwise
+_JSON_TEXT = json.JSONEncoder(ensure_ascii=False).encode  # a str: C's fast path
+
 
 def _sse(data: dict[str, Any] | str) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
@@ -595,10 +609,11 @@ async def _stream(call: _Call, shape: _Shape, usage: bool) -> AsyncIterator[byte
 async def _chunks(call: _Call, shape: _Shape, usage: bool) -> AsyncIterator[bytes]:
     if shape.chat:
         yield _sse(shape.chunk("", None, usage, role=True))
+    text_frame = shape.text_frames(usage)
     async for event in call.events():
         if isinstance(event, Delta):
             if event.text:
-                yield _sse(shape.chunk(event.text, None, usage))
+                yield text_frame(event.text)
         elif isinstance(event, Failed):
             error = APIError(503, event.message, None, "service_unavailable", "server_error")
             yield _sse(error.body())
