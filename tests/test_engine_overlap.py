@@ -4,7 +4,8 @@ With overlap the engine starts decode call k+1 before it reads call k's tokens,
 so a request that stops is found one call late and a newcomer joins while a
 call is in flight (docs/serving.md). Each case runs on three engines over two
 slots (so slots are reused after early stops): overlap on and off, and overlap
-on with three decode steps a call.
+on with three decode steps a call. Their decode calls attend over spans from 8
+positions up, so every answer crosses from one span's program to the next.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def reference(model: QwenModel) -> list[list[int]]:
 def engine(request: pytest.FixtureRequest, model: QwenModel) -> Iterator[Engine]:
     overlap = request.param != "no-overlap"
     steps = 3 if request.param.endswith("3-steps") else 1
-    eng = Engine(model, max_batch=2, max_length=64, decode_steps=steps, overlap=overlap)
+    eng = Engine(  # spans of 8, 16, 32 and 64 positions: the answers cross two
+        model, max_batch=2, max_length=64, decode_steps=steps, overlap=overlap, smallest_span=8
+    )
     eng.warmup()
     eng.start()
     yield eng
@@ -170,3 +173,17 @@ def test_the_engine_sends_token_ids_and_no_text(engine: Engine, reference: list[
     assert [t for e in seen if isinstance(e, Tokens) for t in e.ids] == reference[3]
     assert seen[-1] == Finished("length", len(PROMPTS[3]), NEW)
     assert all(isinstance(e, Tokens) for e in seen[:-1])
+
+
+def test_each_call_attends_over_the_smallest_span_holding_its_rows(
+    engine: Engine, reference: list[list[int]]
+) -> None:
+    """A 7-token prompt and 16 new tokens: its calls write positions 7 to 22 (and one call
+    more with overlap), so they run the 8-, 16- and 32-position programs, never the
+    whole cache; the answer is generate's across the changes of span."""
+    sink = Collect()
+    engine.span_calls.clear()
+    submit(engine, PROMPTS[0], SamplingParams(max_tokens=NEW), sink)
+    assert sink.finished().completion_tokens == NEW
+    assert {16, 32} <= set(engine.span_calls) <= {8, 16, 32}, engine.span_calls
+    assert engine.spans == [8, 16, 32, 64]

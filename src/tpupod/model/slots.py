@@ -145,23 +145,27 @@ def _attention_step(
     rope: tuple[Array, Array],
     cache: KVCache,  # each [B, K, L, H]
     positions: Array,  # [B]
-    mask: Array,  # [B, 1, L]
+    mask: Array,  # [B, 1, W]
 ) -> tuple[Array, KVCache]:
-    """``modeling.Attention`` for one new token per row, each written at its own position."""
+    """``modeling.Attention`` for one new token per row, each written at its own position;
+    the rows attend over the cache's first W positions (the mask's span)."""
     q, k, v = attn.project(x, rope)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
     rows = jnp.arange(x.shape[0])
     cache_k = cache[0].at[rows, :, positions].set(k[:, 0].astype(cache[0].dtype))
     cache_v = cache[1].at[rows, :, positions].set(v[:, 0].astype(cache[1].dtype))
-    grouped = _attend_block(q, cache_k, cache_v, mask, attn.groups)  # [B, K, G, 1, H]
+    span = mask.shape[-1]
+    grouped = _attend_block(  # [B, K, G, 1, H]
+        q, cache_k[:, :, :span], cache_v[:, :, :span], mask, attn.groups
+    )
     return attn.output(jnp.transpose(grouped, (0, 3, 1, 2, 4))), (cache_k, cache_v)
 
 
 def _step(
-    model: Qwen, caches: list[KVCache], tokens: Array, positions: Array
+    model: Qwen, caches: list[KVCache], tokens: Array, positions: Array, span: int
 ) -> tuple[list[KVCache], Array]:
-    """One token for every slot: the new caches and the logits [S, V]."""
-    length = caches[0][0].shape[2]
-    mask = (jnp.arange(length)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, L]
+    """One token for every slot, each row attending over the first ``span`` positions of
+    its slot: the new caches and the logits [S, V]."""
+    mask = (jnp.arange(span)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, W]
     x = jnp.take(model.embedding[...], tokens[:, None], axis=0)  # [S, 1, D]
     rope = model.rope(positions[:, None])
     new_caches: list[KVCache] = []
@@ -187,13 +191,19 @@ def _decode(  # noqa: PLR0917 (jit takes the arrays positionally)
     ints: Array,  # [5, S]: host tokens, use-the-host-token, positions, steps, seeds' bits
     floats: Array,  # [2, S]: temperature, top-p
     count: int,
+    span: int,
 ) -> tuple[list[KVCache], Array]:
     """``count`` decode steps, each token fed back on the device: the caches and the
     tokens [count, S]. A slot's first input is the previous call's last token
     (``fed[-1]``), or the host's token where the host says so (a newcomer's first
     token, from its prefill): the host never has to read a token back before the
     next call can start. A row that stops early computes on (in its own slot) until
-    the call ends; a position past the cache's end is dropped by the scatter."""
+    the call ends; a position past the cache's end is dropped by the scatter.
+
+    The rows attend over the first ``span`` positions of their slots only (a static
+    bucket, ``attention_spans``): the host picks the smallest that holds every running
+    row's last position of the call, so a short conversation does not read the whole
+    cache every step."""
     host_tokens, use_host, positions, steps, seed_bits = ints
     seeds = jax.lax.bitcast_convert_type(seed_bits, jnp.uint32)
     temperature, top_p = floats
@@ -201,12 +211,12 @@ def _decode(  # noqa: PLR0917 (jit takes the arrays positionally)
 
     def body(carry: Any, _: Any) -> tuple[Any, Array]:
         caches, tokens, positions, steps = carry
-        caches, logits = _step(model, caches, tokens, positions)
+        caches, logits = _step(model, caches, tokens, positions, span)
         nxt = choose(logits, steps, temperature, top_p, seeds)
         return (caches, nxt, positions + 1, steps + 1), nxt
 
     if count == 1:  # one step: no loop
-        caches, logits = _step(model, caches, tokens, positions)
+        caches, logits = _step(model, caches, tokens, positions, span)
         return caches, choose(logits, steps, temperature, top_p, seeds)[None]
     (caches, _, _, _), out = jax.lax.scan(
         body, (caches, tokens, positions, steps), None, length=count
@@ -222,7 +232,9 @@ class Programs:
     call that grew with the layer count (nnx's ``State`` is a Python pytree; the
     graphdef a static argument hashed each call). Here the weights are one list
     of arrays (``weights``), flattened once; the graphdef and the tree's
-    structure are closed over, and each program is jitted once per engine.
+    structure are closed over, and each program is jitted once per engine (the
+    decode once per attention span, each its own jitted function: no static
+    argument to hash a call).
     """
 
     def __init__(self, graphdef: nnx.GraphDef[Qwen], state: Any, decode_steps: int = 1) -> None:
@@ -237,15 +249,19 @@ class Programs:
         def head(weights: list[Array], ends: Array, count: int) -> Array:
             return _head(merge(weights), ends, count)
 
-        def decode(
-            weights: list[Array], caches: list[KVCache], fed: Array, ints: Array, floats: Array
-        ) -> Any:
-            return _decode(merge(weights), caches, fed, ints, floats, decode_steps)
+        def decoder(span: int) -> Any:
+            def decode(
+                weights: list[Array], caches: list[KVCache], fed: Array, ints: Array, floats: Array
+            ) -> Any:
+                return _decode(merge(weights), caches, fed, ints, floats, decode_steps, span)
+
+            return jax.jit(decode, donate_argnums=1)
 
         self.steps = decode_steps
         self._prefill = jax.jit(prefill, donate_argnums=1)
         self._head = jax.jit(head, static_argnums=2)
-        self._decode = jax.jit(decode, donate_argnums=1)
+        self._decoder = decoder
+        self._decodes: dict[int, Any] = {}  # span -> its jitted decode
 
     def prefill(self, caches: list[KVCache], *arrays: Array) -> tuple[list[KVCache], Array]:
         """``_prefill`` (see there) on these weights: the caches and the ends [P, D]."""
@@ -257,8 +273,26 @@ class Programs:
         return out
 
     def decode(
-        self, caches: list[KVCache], fed: Array, ints: Array, floats: Array
+        self, caches: list[KVCache], fed: Array, ints: Array, floats: Array, span: int | None = None
     ) -> tuple[list[KVCache], Array]:
-        """``_decode`` (see there) on these weights: the caches and the tokens [D, S]."""
-        out: tuple[list[KVCache], Array] = self._decode(self.weights, caches, fed, ints, floats)
+        """``_decode`` (see there) on these weights, the rows attending over the first
+        ``span`` positions (None: the whole cache): the caches and the tokens [D, S]."""
+        span = caches[0][0].shape[2] if span is None else span
+        program = self._decodes.get(span)
+        if program is None:
+            program = self._decodes[span] = self._decoder(span)
+        out: tuple[list[KVCache], Array] = program(self.weights, caches, fed, ints, floats)
         return out
+
+
+def attention_spans(length: int, smallest: int = 128) -> list[int]:
+    """The spans a decode call may attend over for slots of ``length`` positions: powers
+    of two from ``smallest``, then ``length`` itself. A call attends over the smallest
+    that holds its rows (a short conversation reads 128 positions of a 4,096 cache, not
+    all of them); each span is one program to compile, so the ladder doubles."""
+    spans = []
+    span = max(1, smallest)
+    while span < length:
+        spans.append(span)
+        span *= 2
+    return [*spans, length]

@@ -106,6 +106,7 @@ class Engine:
         decode_steps: int = 1,
         prefill_tokens: int | None = None,
         overlap: bool | None = None,
+        smallest_span: int = 128,
     ) -> None:
         if max_batch < 1 or max_length < 2 or decode_steps < 1:
             raise ModelError("max_batch and decode_steps must be >= 1 and max_length >= 2")
@@ -124,6 +125,10 @@ class Engine:
         # one packed prefill holds up to this many tokens (at least one whole prompt)
         self.prefill_tokens = max(prefill_tokens or PREFILL_TOKENS, self.max_length)
         self.buckets = length_buckets(self.prefill_tokens)
+        # the cache positions a decode call attends over: the smallest of these that holds
+        # every running row's last position of the call (slots.attention_spans)
+        self.spans = slots.attention_spans(self.max_length, smallest_span)
+        self.span_calls: collections.Counter[int] = collections.Counter()  # decode calls a span
         # how many newcomers' logits a prefill computes: powers of two, then every slot
         self.head_counts = [
             c for c in (1 << i for i in range(max_batch.bit_length())) if c < max_batch
@@ -226,17 +231,29 @@ class Engine:
         self.prefills += 1
         return self._fetch(slots.choose(logits, *sampling))[: len(batch)]
 
-    def _dispatch(self) -> Any:
+    def _span(self) -> int:
+        """The span the next decode call attends over: the smallest that holds the last
+        position it writes in any slot. From the slots' positions alone (a free slot's is
+        0), so a replica's followers, given the same positions, choose the same program."""
+        last = int(self._positions.max()) + self.decode_steps
+        return next((s for s in self.spans if s >= last), self.spans[-1])
+
+    def _dispatch(self, span: int | None = None) -> Any:
         """Start the next ``decode_steps`` tokens of every slot: [decode_steps, S] on the
         device (JAX returns at once; the host reads them with ``_fetch``). Each running
         slot's position and step move on by ``decode_steps`` here, so the call after it
-        can start before these tokens are read; its input tokens stay on the device."""
+        can start before these tokens are read; its input tokens stay on the device.
+        ``span``: the positions attended over (None: ``_span``; warmup names each)."""
+        span = self._span() if span is None else span
         ints = np.stack(
             [self._tokens, self._use_host, self._positions, self._steps, self._seeds.view(np.int32)]
         )
         floats = np.stack([self._temperature, self._top_p])
         ints_, floats_ = self._put(ints, floats)  # fresh arrays: the device may read them late
-        self._caches, self._fed = self.programs.decode(self._caches, self._fed, ints_, floats_)
+        self._caches, self._fed = self.programs.decode(
+            self._caches, self._fed, ints_, floats_, span
+        )
+        self.span_calls[span] += 1
         for slot in self._running:
             self._positions[slot] += self.decode_steps
             self._steps[slot] += self.decode_steps
@@ -246,7 +263,7 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile everything a request may run: the prefill per length bucket, the LM
-        head per newcomer count, sampling, and the decode call."""
+        head per newcomer count, sampling, and the decode call per attention span."""
         with self._precision():
             for t in self.buckets:
                 args = self._put(
@@ -262,7 +279,9 @@ class Engine:
             zeros = np.zeros(p, np.int32)
             sampling = self._put(zeros, np.ones(p, np.float32), np.ones(p, np.float32), zeros)
             slots.choose(logits, *sampling).block_until_ready()
-            self._fetch(self._dispatch())
+            for span in self.spans:
+                self._fetch(self._dispatch(span))
+            self.span_calls.clear()
             self._use_host[:] = 1
 
     # ---- requests ----------------------------------------------------------

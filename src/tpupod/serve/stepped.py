@@ -60,10 +60,10 @@ class LockstepEngine(Engine):
             self.channel.broadcast("prefill", prefill_work(batch))
         return super()._prefill(batch)
 
-    def _dispatch(self) -> Any:
-        if self.channel is not None:
+    def _dispatch(self, span: int | None = None) -> Any:
+        if self.channel is not None:  # the followers choose the span from the same positions
             self.channel.broadcast("decode", self._decode_state())
-        return super()._dispatch()
+        return super()._dispatch(span)
 
     def warmup(self) -> None:
         """Every member warms up alike; then, where reading a call's tokens is a
