@@ -187,3 +187,33 @@ def test_each_call_attends_over_the_smallest_span_holding_its_rows(
     assert sink.finished().completion_tokens == NEW
     assert {16, 32} <= set(engine.span_calls) <= {8, 16, 32}, engine.span_calls
     assert engine.spans == [8, 16, 32, 64]
+
+
+def test_nothing_compiles_after_warmup(model: QwenModel) -> None:
+    """Warmup compiles every program a request runs, with the dtypes requests use: a
+    request (a prefill, its sampling, decode calls across spans) compiles nothing. The
+    sampling program was warmed with int32 seeds where requests pass uint32 ones, so the
+    first request compiled it again (0.35 s on the tiny model). Three slots: shapes no
+    other engine of this process has compiled (``choose`` is shared by them all)."""
+    from tpupod.model import slots
+
+    engine = Engine(model, max_batch=3, max_length=64, smallest_span=8)
+    engine.warmup()
+    programs = engine.programs
+
+    def compiled() -> list[int]:
+        jitted = [slots.choose, programs._prefill, programs._head, *programs._decodes.values()]
+        return [fn._cache_size() for fn in jitted]
+
+    before = compiled()
+    engine.start()
+    try:
+        sinks = [Collect() for _ in PROMPTS]
+        params = SamplingParams(max_tokens=NEW, temperature=0.7, top_p=0.9, seed=3)
+        for prompt, sink in zip(PROMPTS, sinks, strict=True):
+            submit(engine, prompt, params, sink)
+        for sink in sinks:
+            sink.finished()
+    finally:
+        engine.shutdown()
+    assert len(engine.span_calls) >= 2 and compiled() == before

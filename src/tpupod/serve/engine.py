@@ -277,7 +277,8 @@ class Engine:
                 logits = self.programs.head(ends, count)
             p = self.max_batch
             zeros = np.zeros(p, np.int32)
-            sampling = self._put(zeros, np.ones(p, np.float32), np.ones(p, np.float32), zeros)
+            seeds = np.zeros(p, np.uint32)  # the dtypes _prefill passes: no compile later
+            sampling = self._put(zeros, np.ones(p, np.float32), np.ones(p, np.float32), seeds)
             slots.choose(logits, *sampling).block_until_ready()
             for span in self.spans:
                 self._fetch(self._dispatch(span))
