@@ -193,6 +193,36 @@ def test_the_circuit_opens_after_errors_in_a_row_and_half_opens_after_the_cooldo
     assert a.health is Health.DOWN and a not in registry.available()
 
 
+def test_a_caller_cancelled_while_the_registry_stops_stays_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The router's shutdown waits for the health checks to end; a cancel of the router's
+    own task meanwhile (a second Ctrl-C, the loop closing) is raised after, not swallowed
+    with the checks' cancel (it was: the caller went on as if not cancelled)."""
+    from tpupod.serve.registry import HealthPolicy, Registry
+
+    async def checks_that_unwind_slowly(self: Registry, session: Any) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.3)  # connections closing
+
+    monkeypatch.setattr(Registry, "run_checks", checks_that_unwind_slowly)
+
+    async def main() -> None:
+        registry = Registry(["a:1"], "m", HealthPolicy())
+        registry.start(None)  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        stopping = asyncio.create_task(registry.stop())
+        await asyncio.sleep(0.05)
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        assert registry._task is not None and registry._task.done()
+
+    asyncio.run(main())
+
+
 @pytest.mark.local
 @pytest.mark.timeout(60)
 def test_the_router_retries_5xx_elsewhere_and_passes_4xx_through(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The event loop under tpupod's HTTP servers: the router and the builtin server's front end.
+"""The event loop under tpupod's HTTP servers (the router, the builtin server's front end),
+and ``cancelled``, the one way a serving task stops another.
 
 uvloop where it is installed (the serve extra brings it; ``TPUPOD_NO_UVLOOP=1`` keeps
 asyncio's own). Measured on this project's 2-core VM (BENCHMARKS.md): the router serves
@@ -21,3 +22,18 @@ def use_uvloop() -> None:
     except ImportError:
         return
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for its end, even when we are cancelled meanwhile (that cancel
+    is raised after). A task left to unwind later, such as an HTTP request whose connection
+    attempt is a task of its own, outlives its owner and is cut by the loop's shutdown."""
+    task.cancel()
+    interrupted = False
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError

@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from tpupod.serve import defaults
+from tpupod.serve.eventloop import cancelled
 
 
 class Health(enum.StrEnum):
@@ -170,10 +171,9 @@ class Registry:
         self._task = asyncio.create_task(self.run_checks(session))
 
     async def stop(self) -> None:
+        """End the health checks; a cancel of our caller meanwhile is raised after."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancelled(self._task)
 
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tpupod.serve.backends import ServerSpec, render, render_env
+from tpupod.serve.eventloop import cancelled
 from tpupod.transport.local import kill_process_group
 
 MAX_BACKOFF_S = 30.0
@@ -206,21 +207,6 @@ class ManagedServer:
             "last_exit": self.last_exit,
             "log": tail(self.log_path, log_lines),
         }
-
-
-async def cancelled(task: asyncio.Task[None]) -> None:
-    """Cancel ``task`` and wait for its end, even when we are cancelled meanwhile (that cancel
-    is raised after). A task left to unwind later, such as an HTTP request whose connection
-    attempt is a task of its own, outlives its owner and is cut by the loop's shutdown."""
-    task.cancel()
-    interrupted = False
-    while not task.done():
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError:
-            interrupted = True
-    if interrupted:
-        raise asyncio.CancelledError
 
 
 async def stop_group(pgid: int, grace: float, proc: asyncio.subprocess.Process | None) -> None:
