@@ -344,3 +344,19 @@ def test_the_cli_rules_see_a_long_function_and_a_forbidden_import(tmp_path: Path
     module = tmp_path / "cmd.py"
     module.write_text(long + short + imports)
     assert [what for what, _ in cli_offences(module)] == ["f", "tpupod.transport", "asyncio"]
+
+
+def test_dir_of_the_lazy_packages_lists_their_names_before_first_use() -> None:
+    """``dir()`` (and so completion in a REPL) shows the names imported on first use
+    before that use, and listing them imports nothing (no JAX)."""
+
+    code = (
+        "import sys, tpupod, tpupod.model as m; "
+        "print(sorted(set(tpupod.__all__) - set(dir(tpupod))), "
+        "sorted(set(m.__all__) - set(dir(m))), 'jax' in sys.modules)"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == "[] [] False"

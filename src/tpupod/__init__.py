@@ -93,4 +93,4 @@ _LAZY = {
 }
 
 
-__getattr__ = attributes("tpupod", _LAZY)
+__getattr__, __dir__ = attributes("tpupod", _LAZY)

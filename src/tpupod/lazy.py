@@ -13,8 +13,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
-def attributes(package: str, homes: dict[str, str]) -> Callable[[str], object]:
-    """A ``__getattr__`` for ``package``: each name in ``homes`` from the module named there."""
+def attributes(
+    package: str, homes: dict[str, str]
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """A ``__getattr__`` for ``package`` (each name in ``homes`` from the module named
+    there) and its ``__dir__`` (the names imported already and those to come: ``dir()``
+    and completion show them before their first use)."""
 
     def getattr_(name: str) -> object:
         home = homes.get(name)
@@ -24,4 +28,9 @@ def attributes(package: str, homes: dict[str, str]) -> Callable[[str], object]:
 
         return getattr(importlib.import_module(home), name)
 
-    return getattr_
+    def dir_() -> list[str]:
+        import sys
+
+        return sorted({*vars(sys.modules[package]), *homes})
+
+    return getattr_, dir_

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # Imported on first use: a process that needs only the tokenizer (the builtin server's
 # front end unpickles one) does not load JAX and flax.
 _CONFIG, _QWEN = "tpupod.model.config", "tpupod.model.qwen"
-__getattr__ = attributes(
+__getattr__, __dir__ = attributes(
     __name__,
     {
         "PRESETS": _CONFIG,
