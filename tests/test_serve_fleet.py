@@ -769,13 +769,14 @@ def test_the_agent_outlives_the_ssh_session_that_started_it(
     up = run_cli(
         state_home, "serve", "up", "--pod", pod.name, "--model", "m", "--backend", "command",
         "--command", STUB_COMMAND, "--servers-per-worker", "2", "--worker-python", python,
-        "--health-interval", "0.5",
+        "--health-interval", "0.5", "--agent-port", "9321",
     )  # fmt: skip
     assert up.returncode == 0, up.stderr
     # serve up has ended: its SSH sessions are closed; the agents and servers live on
     for host in sim.hosts[:2]:
         running = " ".join(args for _, args in sim.processes(host.index))
         assert "tpupod.serve.agent" in running and "serve_stub.py" in running
+        assert f"--host {host.address} --port 9321" in running  # the port asked for
     fanout = run_cli(state_home, "fanout", "--pod", pod.name, "--prompt", "你是谁")
     assert fanout.returncode == 0, fanout.stdout + fanout.stderr
     assert fanout.stdout.count(" status=200 ") == 4

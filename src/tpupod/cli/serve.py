@@ -100,6 +100,13 @@ def up(
             show_default=False,
         ),
     ] = None,
+    agent_port: Annotated[
+        int,
+        typer.Option(
+            "--agent-port",
+            help="The serving agent's port on each worker (any free one on a local pod).",
+        ),
+    ] = defaults.AGENT_PORT,
     router: Annotated[
         str,
         typer.Option(
@@ -161,7 +168,7 @@ def up(
         base_port=base_port, dtype=dtype, served_model_name=served_model_name,
         command=command_template, extra_args=tuple(backend_args or ()),
         startup_timeout=startup_timeout, python=fleet.pod.worker_python(worker_python),
-        devices_per_worker=devices_per_worker, router_port=router_port,
+        devices_per_worker=devices_per_worker, agent_port=agent_port, router_port=router_port,
         health_interval=health_interval, restart_backoff=restart_backoff,
         hosts_per_replica=hosts_per_replica, mesh=mesh,
     )  # fmt: skip

@@ -273,11 +273,11 @@ class SimPod:
 
     def processes(self, index: int) -> list[tuple[int, str]]:
         """(pid, command line) of every process on host ``index`` but sshd's own and this check."""
-        out = self.run_on(index, "ps -eo pid=,args=").stdout
+        out = self.run_on(index, "ps -ww -eo pid=,args=").stdout  # -ww: whole command lines
         rows = []
         for line in out.splitlines():
             pid, _, args = line.strip().partition(" ")
-            if int(pid) != 1 and not args.startswith(("ps -eo", "/bin/sh -c ps -eo", "sshd:")):
+            if int(pid) != 1 and not args.startswith(("ps -ww", "/bin/sh -c ps -ww", "sshd:")):
                 rows.append((int(pid), args))
         return rows
 
