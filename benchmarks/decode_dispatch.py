@@ -62,7 +62,8 @@ def measure(layers: int, calls: int) -> tuple[float, float]:
     floats = jnp.ones((2, SLOTS), jnp.float32)
 
     def old_decode(graphdef: Any, state: Any, caches: Any, *arrays: Any) -> Any:
-        return slots._decode(nnx.merge(graphdef, state), caches, *arrays, 1)
+        span = caches[0][0].shape[2]  # the whole cache, as Programs.decode by default
+        return slots._decode(nnx.merge(graphdef, state), caches, *arrays, 1, span)
 
     before = jax.jit(old_decode, static_argnums=0, donate_argnums=2)
     programs = slots.Programs(model._graphdef, model._state)
