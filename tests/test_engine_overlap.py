@@ -4,8 +4,10 @@ With overlap the engine starts decode call k+1 before it reads call k's tokens,
 so a request that stops is found one call late and a newcomer joins while a
 call is in flight (docs/serving.md). Each case runs on three engines over two
 slots (so slots are reused after early stops): overlap on and off, and overlap
-on with three decode steps a call. Their decode calls attend over spans from 8
-positions up, so every answer crosses from one span's program to the next.
+on with three decode steps a call. Their decode calls attend over spans of 8, 16
+and 24 positions (the last the slots' whole length, not a power of two), so every
+answer crosses from one span's program to the next, and with three steps a call
+the last call's steps run past the slots' end (dropped).
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ def reference(model: QwenModel) -> list[list[int]]:
 def engine(request: pytest.FixtureRequest, model: QwenModel) -> Iterator[Engine]:
     overlap = request.param != "no-overlap"
     steps = 3 if request.param.endswith("3-steps") else 1
-    eng = Engine(  # spans of 8, 16, 32 and 64 positions: the answers cross two
-        model, max_batch=2, max_length=64, decode_steps=steps, overlap=overlap, smallest_span=8
+    eng = Engine(  # spans of 8, 16 and 24 positions: the answers cross them
+        model, max_batch=2, max_length=24, decode_steps=steps, overlap=overlap, smallest_span=8
     )
     eng.warmup()
     eng.start()
@@ -179,14 +181,16 @@ def test_each_call_attends_over_the_smallest_span_holding_its_rows(
     engine: Engine, reference: list[list[int]]
 ) -> None:
     """A 7-token prompt and 16 new tokens: its calls write positions 7 to 22 (and one call
-    more with overlap), so they run the 8-, 16- and 32-position programs, never the
-    whole cache; the answer is generate's across the changes of span."""
+    more with overlap), so they run the 16- and 24-position programs (and the 8 one, one
+    step a call); the answer is generate's across the changes of span."""
+    model: QwenModel = engine.model
     sink = Collect()
     engine.span_calls.clear()
     submit(engine, PROMPTS[0], SamplingParams(max_tokens=NEW), sink)
     assert sink.finished().completion_tokens == NEW
-    assert {16, 32} <= set(engine.span_calls) <= {8, 16, 32}, engine.span_calls
-    assert engine.spans == [8, 16, 32, 64]
+    assert sink.text == text(model, reference[0])
+    assert engine.spans == [8, 16, 24]
+    assert {16, 24} <= set(engine.span_calls) <= {8, 16, 24}, engine.span_calls
 
 
 def test_nothing_compiles_after_warmup(model: QwenModel) -> None:
