@@ -31,6 +31,7 @@ decode call (the host's share of a step).
 
     python benchmarks/serve_builtin.py                     # this CPU, 4 of 24 layers
     python benchmarks/serve_builtin.py --tiny              # the host's cost per step
+    python benchmarks/serve_builtin.py --tiny --stream-client httpx   # one client kind only
     python benchmarks/serve_builtin.py --engine-only       # 4 layers: overlap on and off, no server
     git worktree add /tmp/before HEAD~1                    # then, the server before and after:
     python benchmarks/serve_builtin.py --tiny --baseline-src /tmp/before/src
