@@ -571,3 +571,28 @@ def test_text_stream_never_sends_half_a_character(model: QwenModel) -> None:
     deltas.append(stream.flush())
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
+
+
+def test_smallest_span_reaches_the_engines_of_every_server_kind() -> None:
+    """``--smallest-span`` (the attention spans' first rung) goes from the command line to
+    the engines, to the split server's engine process and to a replica's members (part
+    of what they must agree on); at least ``--max-length``: one span, the whole slot."""
+    from tpupod.serve import builtin, replica, split
+
+    argv = ["--model", str(FIXTURES / NAME), "--ports", "1", "--max-length", "200"]
+    argv += ["--smallest-span", "64"]
+    args = builtin.parse_args(argv)
+    (engine,) = builtin.build_engines(args, 1)
+    assert engine.spans == [64, 128, 200]
+    assert builtin.parse_args(split._passed_on(args)).smallest_span == 64
+    one = builtin.build_engines(builtin.parse_args([*argv, "--smallest-span", "4096"]), 1)
+    assert one[0].spans == [200]
+    default = builtin.parse_args(argv[:6])
+    assert default.smallest_span == 128
+    member = ["--model", str(FIXTURES / NAME), "--host", "h", "--port", "1", "--rank", "0"]
+    member += ["--size", "2", "--leader", "h:2", "--coordinator-port", "3"]
+    digests = {
+        replica.config_digest(replica.parse_args([*member, "--smallest-span", str(n)]))
+        for n in (64, 128)
+    }
+    assert len(digests) == 2  # members that would run different programs do not meet

@@ -92,6 +92,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="decode steps per device call (default: 1 on a CPU, else 8)",
     )
     parser.add_argument(
+        "--smallest-span",
+        type=int,
+        default=128,
+        metavar="N",
+        help="decode attends over the smallest of N, 2N, 4N ... positions that holds its "
+        "rows, one program each compiled at start (at least --max-length: the whole slot, "
+        "one program)",
+    )
+    parser.add_argument(
         "--no-split",
         action="store_true",
         help="HTTP and engines in one process (the engine's thread shares the interpreter)",
@@ -208,6 +217,7 @@ def build_engines(args: argparse.Namespace, count: int) -> list[Engine]:
                 max_length=args.max_length,
                 decode_steps=decode_steps,
                 prefill_tokens=args.prefill_tokens,
+                smallest_span=args.smallest_span,
             )
         )
     return engines

@@ -3,6 +3,7 @@
     python -m tpupod.serve.replica --model PATH --host HOST --port P \\
         --rank R --size K --leader HOST:SIDE_PORT --coordinator-port C --worker W \\
         [--dtype D] [--mesh model=M] [--max-batch N] [--max-length L] [--decode-steps N]
+        [--smallest-span N]
         [--served-model-name NAME] [--lockstep-timeout S] [--rendezvous-timeout S]
 
 K processes, one per worker of a group, serve one model sharded over all the
@@ -81,6 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--decode-steps", type=int, default=None)
+    parser.add_argument("--smallest-span", type=int, default=128, metavar="N")  # as builtin's
     parser.add_argument("--lockstep-timeout", type=float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--rendezvous-timeout", type=float, default=120.0)
     return parser.parse_args(argv)
@@ -116,6 +118,7 @@ def config_digest(args: argparse.Namespace) -> str:
         "config": json.loads((folder / "config.json").read_text()),
         "options": [args.size, args.dtype, args.mesh, args.max_batch, args.max_length],
         "decode_steps": args.decode_steps,
+        "smallest_span": args.smallest_span,  # the same decode programs on every member
     }
     return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -170,6 +173,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         max_batch=args.max_batch,
         max_length=args.max_length,
         decode_steps=args.decode_steps or (1 if cpu else 8),
+        smallest_span=args.smallest_span,
     )
     engine.warmup()
     return engine

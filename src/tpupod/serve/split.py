@@ -172,6 +172,7 @@ def _passed_on(args: argparse.Namespace) -> list[str]:
     """The keeper's own options, for its children."""
     argv = ["--model", args.model, "--host", args.host, "--ports", args.ports]
     argv += ["--max-batch", str(args.max_batch), "--max-length", str(args.max_length)]
+    argv += ["--smallest-span", str(args.smallest_span)]
     for flag, value in (
         ("--dtype", args.dtype),
         ("--served-model-name", args.served_model_name),
