@@ -189,9 +189,13 @@ flag = pathlib.Path(sys.argv[1])
 if me == 1:
     from tpupod.launch.client import client
     client()
+    # fail once the others ignore TERM (a TERM before that ended one at once, unprinted)
+    while not all(flag.with_name(f"ignores-term-{w}").exists() for w in (0, 2)):
+        time.sleep(0.001)
     flag.write_text(str(os.getpid()))
     raise ValueError("bad shard 7")
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+flag.with_name(f"ignores-term-{me}").touch()
 print("step 1", flush=True)
 def alive(pid):
     try:
