@@ -596,3 +596,10 @@ def test_smallest_span_reaches_the_engines_of_every_server_kind() -> None:
         for n in (64, 128)
     }
     assert len(digests) == 2  # members that would run different programs do not meet
+    from tpupod.errors import ModelError, UsageError
+
+    with pytest.raises(UsageError, match="--smallest-span 0") as refused:
+        builtin.run(builtin.parse_args([*argv, "--smallest-span", "0"]))
+    assert refused.value.hint and "--max-length" in refused.value.hint
+    with pytest.raises(ModelError, match="smallest_span"):
+        Engine(engine.model, max_length=200, smallest_span=0)

@@ -285,13 +285,13 @@ class Programs:
         return out
 
 
-def attention_spans(length: int, smallest: int = 128) -> list[int]:
+def attention_spans(length: int, smallest: int) -> list[int]:
     """The spans a decode call may attend over for slots of ``length`` positions: powers
     of two from ``smallest``, then ``length`` itself. A call attends over the smallest
     that holds its rows (a short conversation reads 128 positions of a 4,096 cache, not
     all of them); each span is one program to compile, so the ladder doubles."""
     spans = []
-    span = max(1, smallest)
+    span = smallest
     while span < length:
         spans.append(span)
         span *= 2

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpupod import settings
 from tpupod.errors import CheckpointError, TpupodError, UsageError
-from tpupod.serve import eventloop
+from tpupod.serve import defaults, eventloop
 
 if TYPE_CHECKING:
     from tpupod.serve.engine import Engine
@@ -94,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--smallest-span",
         type=int,
-        default=128,
+        default=defaults.SMALLEST_SPAN,
         metavar="N",
         help="decode attends over the smallest of N, 2N, 4N ... positions that holds its "
         "rows, one program each compiled at start (at least --max-length: the whole slot, "
@@ -172,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
     ports = parse_ports(args.ports)
     if args.max_batch < 1 or args.max_length < 2 or (args.decode_steps or 1) < 1:
         raise UsageError("--max-batch and --decode-steps must be >= 1, --max-length >= 2")
+    if args.smallest_span < 1:
+        raise UsageError(
+            f"--smallest-span {args.smallest_span}: give a number of positions >= 1",
+            hint=f"the default is {defaults.SMALLEST_SPAN}; at least --max-length: one span",
+        )
     if args.role == "engine":
         return split.engine_main(args, ports)
     if args.role == "frontend":

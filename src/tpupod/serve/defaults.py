@@ -11,6 +11,7 @@ ROUTER = "builtin"  # or "sgl": sgl-router (the sglang-router package)
 SGL_POLICY = "cache_aware"  # sgl-router's own default: a prefix goes where it was cached
 ROUTER_RETRIES = 2  # another server, for a connect error or a 5xx before anything was sent
 RESTART_BACKOFF_S = 1.0  # the first wait before a server is restarted (it doubles)
+SMALLEST_SPAN = 128  # the builtin engine's first attention span (slots.attention_spans)
 
 # the registry's health checks
 HEALTH_INTERVAL_S = 2.0

@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpupod.errors import ModelError
 from tpupod.model import QwenModel, sharding, slots
 from tpupod.model.qwen import MIN_LENGTH_BUCKET
+from tpupod.serve import defaults
 from tpupod.serve.events import (  # the engine's vocabulary, re-exported for its callers
     EngineStopped,
     Event,
@@ -106,10 +107,12 @@ class Engine:
         decode_steps: int = 1,
         prefill_tokens: int | None = None,
         overlap: bool | None = None,
-        smallest_span: int = 128,
+        smallest_span: int = defaults.SMALLEST_SPAN,
     ) -> None:
-        if max_batch < 1 or max_length < 2 or decode_steps < 1:
-            raise ModelError("max_batch and decode_steps must be >= 1 and max_length >= 2")
+        if max_batch < 1 or max_length < 2 or decode_steps < 1 or smallest_span < 1:
+            raise ModelError(
+                "max_batch, decode_steps and smallest_span must be >= 1 and max_length >= 2"
+            )
         self.decode_steps = decode_steps
         # read a decode call's tokens only after the next call is started (docs/serving.md);
         # on by default, a CPU included: on a quiet 2-core machine the tiny model's engine

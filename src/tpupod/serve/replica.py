@@ -48,7 +48,7 @@ import tpupod
 from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
 from tpupod.names import new_launch_id
-from tpupod.serve import eventloop
+from tpupod.serve import defaults, eventloop
 from tpupod.serve.lockstep import (
     DEFAULT_TIMEOUT_S,
     Follower,
@@ -82,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--decode-steps", type=int, default=None)
-    parser.add_argument("--smallest-span", type=int, default=128, metavar="N")  # as builtin's
+    parser.add_argument("--smallest-span", type=int, default=defaults.SMALLEST_SPAN, metavar="N")
     parser.add_argument("--lockstep-timeout", type=float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--rendezvous-timeout", type=float, default=120.0)
     return parser.parse_args(argv)
