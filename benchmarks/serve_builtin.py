@@ -403,7 +403,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if args.tiny or args.engine_only:  # warm, so that no round measures a compile
             engines = EngineRounds(model, args)
         gen: list[tuple[float, int]] = []
-        kinds = list(STREAM_CLIENTS) if args.stream_client == "both" else [args.stream_client]
+        # without --tiny the clients do not stream: one kind of round, not two the same
+        kinds = [args.stream_client] if args.stream_client != "both" else list(STREAM_CLIENTS)
+        kinds = kinds if args.tiny else kinds[:1]
         by_client: dict[str, list[tuple[float, int]]] = {k: [] for k in kinds}
         srv = by_client[kinds[0]]  # the ratio reported: the first client's
         base: list[tuple[float, int]] = []
