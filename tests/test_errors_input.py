@@ -224,3 +224,26 @@ def test_a_bad_rendezvous_choice_exits_2_before_any_work(
     assert result.code == 2, result.err
     assert "bogus" in result.err and "tpupod:" not in result.err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--base-port", "65535", "--servers-per-worker", "2"], "--base-port 65535 with 2"),
+        (["--base-port", "0"], "--base-port 0"),
+        (["--router-port", "99999"], "--router-port 99999"),
+        (["--agent-port", "70000"], "--agent-port 70000"),
+    ],
+)
+def test_serve_up_refuses_a_port_out_of_range_at_once(
+    cli_in_process: Callable[..., CliResult], flags: list[str], said: str
+) -> None:
+    """A port past 65535 (or below 1) was tried: a command server sat 'starting' on :65536
+    until --startup-timeout ran out, and a local pod ignored --agent-port 70000."""
+    cli_in_process("up", "--name", "p", "--local", "2")
+    result = cli_in_process("serve", "up", "--model", "m", "--backend", "command",
+                            "--command", "true", *flags)  # fmt: skip
+    assert result.code == 2, result.err
+    assert f"error: {said}" in result.err
+    assert "hint: ports are 1 to 65535" in result.err
+    assert "agent started" not in result.err  # nothing was started

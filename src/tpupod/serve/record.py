@@ -108,7 +108,24 @@ def up_options(
         chosen = Backend(backend)
     except ValueError as exc:
         raise UsageError(str(exc), hint="see 'tpupod serve up --help'") from None
-    return UpOptions(backend=chosen, policy=policy, router=router, **given)
+    options = UpOptions(backend=chosen, policy=policy, router=router, **given)
+    _check_ports(options)
+    return options
+
+
+def _check_ports(options: UpOptions) -> None:
+    """Refuse a port no socket can have before anything starts (a server on :65536 sat
+    'starting' until --startup-timeout, and a local pod ignores --agent-port)."""
+    last = options.base_port + max(options.servers_per_worker, 1) - 1
+    given = [("--base-port", options.base_port, last), ("--agent-port", options.agent_port, 0)]
+    given += [("--router-port", options.router_port, 0)] if options.router_port is not None else []
+    for flag, port, end in given:
+        if not (1 <= port <= 65535 and end <= 65535):
+            reach = f" with {options.servers_per_worker} servers a worker reaches {end}"
+            raise UsageError(
+                f"{flag} {port}{reach if end > 65535 else ''}",
+                hint="ports are 1 to 65535",
+            )
 
 
 FLAGS = {"python": "--worker-python", "extra_args": "the arguments after --"}
