@@ -629,6 +629,23 @@ def test_a_server_that_exits_at_start_fails_serve_up_with_its_last_lines(tmp_pat
         assert wait_until_gone(pod) == []  # and left nothing, before any serve down
 
 
+@pytest.mark.local
+def test_a_server_that_is_not_openai_compatible_is_named_so_at_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """A command that serves HTTP but not /v1/models (a wrong --command) waited out
+    --startup-timeout as '(starting)', the same as a server still loading."""
+    with local_pod(tmp_path, "s4", 1) as (home, pod):
+        up = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+            "--command", "{python} -m http.server {port} --bind {host}",
+            "--base-port", str(free_base_port()), "--startup-timeout", "4",
+        )  # fmt: skip
+        assert up.returncode == 1
+        assert "(starting: GET /v1/models answers 404)" in up.stderr, up.stderr
+        assert wait_until_gone(pod) == []
+
+
 TINY = Path(__file__).parent / "fixtures" / "qwen2-tiny"
 
 

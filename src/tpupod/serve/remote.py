@@ -279,7 +279,9 @@ class RemoteFleet:
         if last.get("event") == "timeout":
             pending = last.get("pending", [])
             names = ", ".join(
-                f":{','.join(str(p) for p in s['ports'])} ({s['state']})" for s in pending
+                f":{','.join(str(p) for p in s['ports'])} ({s['state']}"
+                + (f": {s['answer']})" if s.get("answer") else ")")
+                for s in pending
             )
             logs = " | ".join(own_lines(pending[0].get("log", []))[-3:]) if pending else ""
             raise ServeError(
@@ -388,10 +390,9 @@ class RemoteFleet:
                 "(lockstep)"
             )
         else:
-            progress(
-                f"starting {len(servers)} servers ({options.backend.value}) "
-                f"on {len(workers)} workers"
-            )
+            many = {"server": len(servers), "worker": len(workers)}
+            server, worker = (f"{n} {w}{'s' if n != 1 else ''}" for w, n in many.items())
+            progress(f"starting {server} ({options.backend.value}) on {worker}")
         await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
         wanted = settings_of(options)  # as given: a router port kept below is not a setting
         token = old.token if old is not None else secrets.token_urlsafe(24)

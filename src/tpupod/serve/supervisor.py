@@ -83,6 +83,8 @@ class ManagedServer:
         self.pid: int | None = None
         self.started_at: float | None = None
         self.last_exit: int | None = None
+        # what the readiness poll last heard short of 200 (a 404: not an OpenAI server?)
+        self.answer: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -161,6 +163,7 @@ class ManagedServer:
 
         host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "") else self.spec.host
         waiting = set(self.spec.ports)
+        self.answer = None
         async with httpx.AsyncClient(timeout=2.0) as client:
             while waiting:
                 for port in sorted(waiting):
@@ -168,6 +171,8 @@ class ManagedServer:
                         r = await client.get(f"http://{host}:{port}/v1/models")
                         if r.status_code == 200:
                             waiting.discard(port)
+                        else:
+                            self.answer = f"GET /v1/models answers {r.status_code}"
                 if waiting:
                     await asyncio.sleep(READY_POLL_S)
         self.state = ServerState.READY
@@ -205,6 +210,7 @@ class ManagedServer:
             "restarts": self.restarts,
             "uptime_s": round(uptime, 1) if uptime is not None else None,
             "last_exit": self.last_exit,
+            "answer": self.answer if self.state is ServerState.STARTING else None,
             "log": tail(self.log_path, log_lines),
         }
 
