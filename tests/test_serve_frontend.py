@@ -167,6 +167,47 @@ def test_engine_killed_streams_end_with_an_error_503_until_it_is_back(server: Se
     assert child(server, "engine").pid != engine.pid
 
 
+STALL_S = 3
+
+
+@pytest.mark.timeout(RESTART_S + 120)
+def test_a_stalled_engine_is_restarted_and_its_streams_end_with_the_reason() -> None:
+    """An engine that stops making progress (here SIGSTOP; a hung device call is the
+    same to the front end) left every request hanging with /health saying ok."""
+    for srv in started("--stall-timeout", str(STALL_S)):
+        client = srv.client()
+        want = complete(client).choices[0].text
+        engine, front = child(srv, "engine"), child(srv, "frontend")
+        outcomes, threads = streams_in_flight(client, 2)
+        stopped = time.monotonic()
+        os.kill(engine.pid, signal.SIGSTOP)
+        for t in threads:
+            t.join(timeout=STALL_S + 30)
+            assert not t.is_alive()
+        ended = time.monotonic() - stopped
+        assert STALL_S - 0.5 < ended < STALL_S + 10, ended
+        reason = f"the engine made no progress for {STALL_S}s"
+        assert len(outcomes) == 2 and all(o.startswith(f"error: {reason}") for o in outcomes)
+        _, alive = psutil.wait_procs([engine], timeout=10)  # killed, not left stopped
+        assert not alive
+        assert httpx.get(srv.url("/health"), timeout=5).status_code == 503  # until it is back
+        wait_healthy(srv)
+        assert complete(client).choices[0].text == want
+        assert child(srv, "frontend").pid == front.pid
+        assert child(srv, "engine").pid != engine.pid
+
+
+def test_the_stall_timeout_is_checked() -> None:
+    from tpupod.errors import UsageError
+    from tpupod.serve.builtin import check_args, parse_args
+
+    with pytest.raises(UsageError, match="--stall-timeout -1"):
+        check_args(parse_args(["--model", "m", "--ports", "31000", "--stall-timeout", "-1"]))
+    given = parse_args(["--model", "m", "--ports", "31000", "--stall-timeout", "2.5"])
+    assert parse_args(split._passed_on(given)).stall_timeout == 2.5  # to the front end
+    assert parse_args(["--model", "m", "--ports", "31000"]).stall_timeout == 60
+
+
 def test_a_keeper_killed_with_9_leaves_no_socket_folder_behind_the_next_start() -> None:
     """A keeper's own cleanup does not run under ``kill -9``; the next keeper's start removes
     the folders of keepers that are gone, and only those."""

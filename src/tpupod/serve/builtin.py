@@ -101,6 +101,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "one program)",
     )
     parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=defaults.STALL_TIMEOUT_S,
+        metavar="S",
+        help="restart the engine process when requests are in flight and it has sent "
+        "nothing for S seconds: they end with the reason (0: never; not with --no-split)",
+    )
+    parser.add_argument(
         "--no-split",
         action="store_true",
         help="HTTP and engines in one process (the engine's thread shares the interpreter)",
@@ -166,9 +174,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(args: argparse.Namespace) -> int:
-    from tpupod.serve import split
-
+def check_args(args: argparse.Namespace) -> list[int]:
+    """The options' values checked before anything starts; the ports."""
     ports = parse_ports(args.ports)
     if args.max_batch < 1 or args.max_length < 2 or (args.decode_steps or 1) < 1:
         raise UsageError("--max-batch and --decode-steps must be >= 1, --max-length >= 2")
@@ -177,6 +184,18 @@ def run(args: argparse.Namespace) -> int:
             f"--smallest-span {args.smallest_span}: give a number of positions >= 1",
             hint=f"the default is {defaults.SMALLEST_SPAN}; at least --max-length: one span",
         )
+    if args.stall_timeout < 0:
+        raise UsageError(
+            f"--stall-timeout {args.stall_timeout:g}: give seconds >= 0",
+            hint=f"the default is {defaults.STALL_TIMEOUT_S:g}; 0 never restarts a silent engine",
+        )
+    return ports
+
+
+def run(args: argparse.Namespace) -> int:
+    from tpupod.serve import split
+
+    ports = check_args(args)
     if args.role == "engine":
         return split.engine_main(args, ports)
     if args.role == "frontend":

@@ -12,6 +12,9 @@ SGL_POLICY = "cache_aware"  # sgl-router's own default: a prefix goes where it w
 ROUTER_RETRIES = 2  # another server, for a connect error or a 5xx before anything was sent
 RESTART_BACKOFF_S = 1.0  # the first wait before a server is restarted (it doubles)
 SMALLEST_SPAN = 128  # the builtin engine's first attention span (slots.attention_spans)
+# the split builtin server restarts an engine that sends nothing this long with work in flight
+# (a turn is a decode call or a prefill chunk: well under a second to a few seconds)
+STALL_TIMEOUT_S = 60.0
 
 # the registry's health checks
 HEALTH_INTERVAL_S = 2.0

@@ -22,6 +22,12 @@ goes: the requests of that front end are cancelled, and the next front end
 to connect is served. The front end (:class:`RemoteEngine`) keeps its ports
 when the engine goes: every request in flight fails with the reason, and new
 ones get it (503) until an engine connects again.
+
+An engine that stays but stops making progress (a hung device call, a
+deadlock, a stopped process) is found by its silence: while requests are in
+flight a frame comes every turn, so after ``stall_s`` seconds without one the
+front end fails them with the reason and kills the engine process (its pid
+came in the first frame); the keeper restarts it as it does any killed child.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ import contextlib
 import itertools
 import os
 import pickle
+import signal
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,6 +185,7 @@ class EngineHost:
             "max_batch": engine.max_batch,
             "vocab_size": engine.model.config.vocab_size,
             "tokenizer": engine.tokenizer,
+            "pid": os.getpid(),  # for the front end to kill it when it stalls
         }
         # bound under a temporary name, then renamed: the path appears once it answers
         temporary = path.with_name(path.name + ".new")
@@ -236,8 +245,10 @@ class RemoteEngine:
     """The engine behind a link, as the OpenAI app uses it (``check``, ``submit``, limits,
     ``running``/``waiting``); ``down`` says why it takes nothing now (None: it does)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, stall_s: float = 0.0) -> None:
         self.path = path
+        self.stall_s = stall_s  # 0: never
+        self.heard = time.monotonic()  # the last frame, or the first submit after a quiet time
         self.down: str | None = "the engine is starting"
         self.tokenizer: Any = None
         self.max_length = self.max_batch = self.vocab_size = 0
@@ -257,6 +268,8 @@ class RemoteEngine:
         if self.down is not None or self._writer is None:
             raise EngineStopped(self.down or ENGINE_DOWN)
         rid = next(self._ids)
+        if not self._sinks:  # the engine owed nothing until now: its silence counts from here
+            self.heard = time.monotonic()
         self._sinks[rid] = sink
         self._writer.write(pack(("s", rid, list(map(int, prompt)), params)))
         return RemoteRequest(self, rid)
@@ -302,8 +315,31 @@ class RemoteEngine:
         self._writer = writer
         self.down = None
         self.connected.set()
+        watch = asyncio.create_task(self._watch(info["pid"])) if self.stall_s > 0 else None
+        try:
+            await self._events(reader)
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch(self, pid: int) -> None:
+        """Kill the engine once it owes events and has been silent for ``stall_s``."""
+        while True:
+            await asyncio.sleep(min(1.0, self.stall_s / 4))
+            if self._sinks and time.monotonic() - self.heard > self.stall_s:
+                self._fail(
+                    f"the engine made no progress for {self.stall_s:g}s with "
+                    f"{len(self._sinks)} requests in flight (stalled); it is being restarted: "
+                    "retry shortly"
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                return
+
+    async def _events(self, reader: asyncio.StreamReader) -> None:
         while True:
             _, self.running, self.waiting, items = await _read_async(reader)
+            self.heard = time.monotonic()
             for item in items:
                 rid, event = decode(item)
                 ends = not isinstance(event, Tokens)

@@ -172,7 +172,7 @@ def _passed_on(args: argparse.Namespace) -> list[str]:
     """The keeper's own options, for its children."""
     argv = ["--model", args.model, "--host", args.host, "--ports", args.ports]
     argv += ["--max-batch", str(args.max_batch), "--max-length", str(args.max_length)]
-    argv += ["--smallest-span", str(args.smallest_span)]
+    argv += ["--smallest-span", str(args.smallest_span), "--stall-timeout", str(args.stall_timeout)]
     for flag, value in (
         ("--dtype", args.dtype),
         ("--served-model-name", args.served_model_name),
@@ -217,16 +217,15 @@ def frontend_main(args: argparse.Namespace, ports: list[int]) -> int:
     _die_with_parent()
     sockets = [socket.socket(fileno=int(fd)) for fd in args.fds.split(",")]
     eventloop.use_uvloop()
-    return asyncio.run(_front(sockets, ports, args.host, builtin.served_name(args), args.ipc))
+    return asyncio.run(_front(sockets, ports, args))
 
 
-async def _front(
-    sockets: list[socket.socket], ports: list[int], host: str, name: str, ipc: str
-) -> int:
+async def _front(sockets: list[socket.socket], ports: list[int], args: argparse.Namespace) -> int:
     from tpupod.serve.enginelink import RemoteEngine, socket_path
     from tpupod.serve.openai_api import create_app
 
-    remotes = [RemoteEngine(socket_path(Path(ipc), port)) for port in ports]
+    ipc, name = Path(args.ipc), builtin.served_name(args)
+    remotes = [RemoteEngine(socket_path(ipc, port), args.stall_timeout) for port in ports]
     links = [asyncio.create_task(remote.run()) for remote in remotes]
     await asyncio.gather(*(remote.connected.wait() for remote in remotes))  # warm engines
 
@@ -235,7 +234,7 @@ async def _front(
             remote.shutdown(builtin.SHUTDOWN_MESSAGE)
 
     apps = [create_app(r, name, vocab_size=r.vocab_size) for r in remotes]
-    await builtin.serve_apps(apps, sockets, ports, host, stop)
+    await builtin.serve_apps(apps, sockets, ports, args.host, stop)
     for link in links:
         link.cancel()
     return 0
