@@ -445,3 +445,27 @@ def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     fs, _ = fsspec.core.url_to_fs("gs://bkt", skip_instance_cache=True)
     yield fs
     server.stop()
+
+
+def start_router(
+    state: Path, backends: list[str], *flags: str, timeout: float = 30
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m tpupod.serve.router`` in front of ``backends`` (host:port), once its
+    health checks count every one of them up; the process and its URL."""
+    import httpx
+
+    port = free_base_port(1)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(state),
+         "--port", str(port), "--backends", ",".join(backends), *flags],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if httpx.get(f"{url}/health").json().get("healthy") == len(backends):
+                return router, url
+        time.sleep(0.05)
+    router.kill()
+    raise AssertionError(f"the router did not count {backends} up in {timeout:g}s")

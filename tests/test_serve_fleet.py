@@ -38,6 +38,7 @@ from tests.conftest import (
     pod_processes,
     require,
     sim_leftovers,
+    start_router,
     tpupod_argv,
     wait_until_gone,
 )
@@ -231,35 +232,17 @@ def test_the_router_retries_5xx_elsewhere_and_passes_4xx_through(tmp_path: Path)
         subprocess.Popen([sys.executable, str(STUB), "--port", str(ports[0]), "--fail", "500"]),
         subprocess.Popen([sys.executable, str(STUB), "--port", str(ports[1])]),
     ]
-    router = free_base_port()
-    addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
-    procs.append(
-        subprocess.Popen(
-            [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(tmp_path),
-             "--port", str(router), "--backends", addresses, "--policy", "round_robin",
-             "--health-interval", "0.2"],
-            stdout=subprocess.DEVNULL,
-        )
-    )  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{router}"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            time.sleep(0.1)
+        # both stubs counted up before the first request, so the failing one's 500 has a
+        # live one to be retried on (a stub slower to start than the router's first health
+        # check is down until it has answered enough checks)
+        backends = [f"127.0.0.1:{p}" for p in ports]
+        router, url = start_router(
+            tmp_path, backends, "--policy", "round_robin", "--health-interval", "0.2", timeout=20
+        )
+        procs.append(router)
         token = (tmp_path / "router.token").read_text().strip()
-        # The router counts both stubs up before the first request, so the failing one's
-        # 500 has a live one to be retried on (a stub slower to start than the router's
-        # first health check is down until it has answered enough checks).
         auth = {"Authorization": f"Bearer {token}"}
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                listed = httpx.get(f"{url}/backends", headers=auth).json()["backends"]
-                if len(listed) == 2:
-                    break
-            time.sleep(0.05)
         client = openai_client(f"{url}/v1", token)
         messages: Any = [{"role": "user", "content": "hi"}]
         for _ in range(6):  # round robin sends some to the failing one: retried on the other

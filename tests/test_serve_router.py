@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_base_port, openai_client
+from tests.conftest import free_base_port, openai_client, start_router
 from tpupod.serve import upstream
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -250,21 +251,9 @@ def test_the_router_keeps_connections_alive_and_survives_a_backend_that_closes_t
     backend = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=backend.serve_forever, daemon=True)
     thread.start()
-    port = free_base_port(1)
-    router = subprocess.Popen(
-        [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(tmp_path),
-         "--port", str(port), "--backends", f"127.0.0.1:{backend.server_address[1]}",
-         "--model", "m", "--retries", "0"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    address = f"127.0.0.1:{backend.server_address[1]}"
+    router, url = start_router(tmp_path, [address], "--model", "m", "--retries", "0")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            time.sleep(0.1)
         token = (tmp_path / "router.token").read_text().strip()
         client = openai_client(f"{url}/v1", token)
         for _ in range(5):
@@ -280,3 +269,72 @@ def test_the_router_keeps_connections_alive_and_survives_a_backend_that_closes_t
         backend.shutdown()
         backend.server_close()
         thread.join(10)
+
+
+def chat_outcome(url: str, token: str, stream: bool) -> str:
+    """One chat request through the router: its status (whole), 'done' or the stream's end
+    (streamed), or the client's error."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    headers = {"Authorization": f"Bearer {token}"}
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", headers=headers, json=body,
+                          timeout=40) as r:  # fmt: skip
+            text = "".join(r.iter_text())
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+    if not stream:
+        return str(r.status_code)
+    return "done" if "[DONE]" in text else text[-300:]
+
+
+@pytest.mark.local
+@pytest.mark.timeout(90)
+def test_requests_in_flight_to_a_backend_that_goes_silent_are_retried_or_ended(
+    tmp_path: Path,
+) -> None:
+    """A backend that stops answering (SIGSTOP: no reset, no error; a hung host or an
+    unplugged link is the same) held its requests in the router until TCP gave up, long
+    after the health checks had taken it out. Once they do, a request not yet answered goes
+    to another backend, and a stream already begun ends with the reason."""
+    stub = Path(__file__).parent / "serve_stub.py"
+    ports = [free_base_port(1) for _ in range(2)]
+    stubs = [
+        subprocess.Popen([sys.executable, str(stub), "--port", str(p), "--model", "m",
+                          "--tokens", "40", "--token-delay", "0.05"])
+        for p in ports
+    ]  # fmt: skip
+    backends = [f"127.0.0.1:{p}" for p in ports]
+    flags = ["--model", "m", "--health-interval", "0.3", "--health-timeout", "0.5"]
+    router = None
+    try:
+        router, url = start_router(tmp_path, backends, *flags, "--fall", "2")
+        token = (tmp_path / "router.token").read_text().strip()
+        outcomes: dict[str, str] = {}
+
+        def ask(name: str, stream: bool) -> None:
+            outcomes[name] = chat_outcome(url, token, stream)
+
+        threads = [threading.Thread(target=ask, args=(f"whole-{i}", False)) for i in range(4)]
+        threads += [threading.Thread(target=ask, args=(f"stream-{i}", True)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # every request is at a backend: about half of them at the first
+        started = time.monotonic()
+        stubs[0].send_signal(signal.SIGSTOP)
+        for t in threads:
+            t.join(timeout=40)
+        took = time.monotonic() - started
+        assert not any(t.is_alive() for t in threads)
+        assert took < 12, (took, outcomes)  # 40 tokens take 2 s; the checks take it out in ~2 s
+        assert all(outcomes[f"whole-{i}"] == "200" for i in range(4)), outcomes
+        cut = [v for k, v in outcomes.items() if k.startswith("stream") and v != "done"]
+        assert cut, outcomes  # a stream at the silent backend cannot be retried: bytes went out
+        assert all("stopped answering its health checks" in v for v in cut), outcomes
+    finally:
+        stubs[0].send_signal(signal.SIGCONT)
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        for s in stubs:
+            s.terminate()
+            s.wait(10)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,8 @@ class Registry:
         self.model = model
         self.policy = policy
         self._task: asyncio.Task[None] | None = None
+        # called when a backend goes down (the router breaks what waits on it there)
+        self.on_down: Callable[[Backend, str], None] | None = None
 
     def available(self) -> list[Backend]:
         """Backends a request may go to: up, with the circuit closed (or a half-open trial)."""
@@ -125,6 +128,8 @@ class Registry:
         if backend.health is not health:
             backend.health = health
             backend.changed_at = time.time()
+            if health is Health.DOWN and self.on_down is not None:
+                self.on_down(backend, error or "")
         if error:
             backend.last_error = error
 

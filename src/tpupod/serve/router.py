@@ -13,7 +13,10 @@ waits on Nagle). Per request:
    times); a 4xx is passed through as it is and never retried;
 4. a stream is passed through chunk by chunk as it arrives; if its backend
    dies mid-stream the client gets an error event and the stream ends (it
-   never hangs, and it is never retried: bytes went out).
+   never hangs, and it is never retried: bytes went out);
+5. when the health checks take a backend out, the connections to it are
+   broken (``Pool.abort``): what waits on a backend that went silent (a hung
+   host, no reset) ends then, as a dropped connection does in 3 and 4.
 
 Also ``/v1/models``, seed 000's ``/backends`` and ``/health``, and Prometheus
 ``/metrics``.
@@ -107,6 +110,14 @@ class Router:
         self.session: aiohttp.ClientSession | None = None  # the registry's health checks
         self.pools: dict[str, upstream.Pool] = {}
         self._counted: dict[tuple[str, str], Any] = {}
+        registry.on_down = self.abandon
+
+    def abandon(self, backend: Backend, error: str) -> None:
+        """The health checks took ``backend`` out: what waits on it ends now (a request
+        not yet answered is retried on another backend; a begun stream ends with this)."""
+        pool = self.pools.get(backend.address)
+        if pool is not None:
+            pool.abort(f"backend {backend.address} stopped answering its health checks ({error})")
 
     # -- choosing ----------------------------------------------------------------------
     def choose(self, exclude: set[str]) -> Backend | None:

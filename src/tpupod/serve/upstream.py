@@ -41,13 +41,18 @@ class Dropped(UpstreamError):
 
 
 class Conn:
-    __slots__ = ("reader", "writer")
+    __slots__ = ("aborted", "reader", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.aborted: str | None = None  # why the pool broke it (Pool.abort)
 
     def close(self) -> None:
         self.writer.close()
+
+    def dropped(self, what: str) -> Dropped:
+        """The error for a read that broke off: the pool's reason when it broke it."""
+        return Dropped(self.aborted or what)
 
 
 class Answer:
@@ -72,7 +77,7 @@ class Answer:
             try:
                 data = await self.conn.reader.readexactly(self._length)
             except (asyncio.IncompleteReadError, OSError) as exc:
-                raise Dropped(f"the answer broke off: {exc}") from None
+                raise self.conn.dropped(f"the answer broke off: {exc}") from None
             self._done = True
             return data
         return b"".join([piece async for piece in self.chunks()])
@@ -103,10 +108,14 @@ class Answer:
                 while piece := await reader.read(65536):
                     yield piece
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError) as exc:
-            raise Dropped(f"the answer broke off: {type(exc).__name__} {exc}".strip()) from None
+            what = f"the answer broke off: {type(exc).__name__} {exc}".strip()
+            raise self.conn.dropped(what) from None
+        if self.conn.aborted:  # an answer framed by the close: the pool's abort ended it
+            raise self.conn.dropped("")
         self._done = True
 
     def release(self) -> None:
+        self.pool.busy.discard(self.conn)
         if self._done and self._keep:
             self.pool.put(self.conn)
         else:
@@ -121,6 +130,18 @@ class Pool:
         self.host, self.port = host.strip("[]"), int(port)
         self.host_header = address.encode()
         self.idle: list[Conn] = []
+        self.busy: set[Conn] = set()  # sent a request, its answer not yet released
+
+    def abort(self, reason: str) -> None:
+        """Break every connection, in use or idle: the backend stopped answering (its
+        health checks fail), so a request waiting on it ends now as ``Dropped(reason)``
+        (the router retries it elsewhere, or ends a begun stream) instead of when TCP
+        gives up."""
+        for conn in self.busy:
+            conn.aborted = reason
+            conn.writer.transport.abort()
+        self.busy.clear()
+        self.close()
 
     def put(self, conn: Conn) -> None:
         if len(self.idle) < IDLE_PER_BACKEND and not conn.reader.at_eof():
@@ -167,6 +188,15 @@ class Pool:
             raise Dropped("the backend closed the connection without answering") from None
 
     async def _exchange(self, conn: Conn, message: bytes) -> Answer:
+        """:meth:`_send` on a connection counted busy until its answer is released."""
+        self.busy.add(conn)
+        try:
+            return await self._send(conn, message)
+        except BaseException:
+            self.busy.discard(conn)
+            raise
+
+    async def _send(self, conn: Conn, message: bytes) -> Answer:
         """Send, read the status line and headers; on any failure the connection is closed."""
         try:
             conn.writer.write(message)
@@ -175,6 +205,8 @@ class Pool:
             return self._answer(conn, await conn.reader.readuntil(b"\r\n\r\n"))
         except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
             conn.close()
+            if conn.aborted:
+                raise conn.dropped("") from None
             if isinstance(exc, asyncio.IncompleteReadError) and exc.partial:
                 raise Dropped("the answer broke off in its headers") from None
             raise _Stale from None
