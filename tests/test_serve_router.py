@@ -121,6 +121,45 @@ def test_a_chunked_stream_is_passed_on_chunk_by_chunk_as_it_arrives() -> None:
 
 
 @pytest.mark.unit
+def test_abort_breaks_the_silent_requests_and_spares_the_streams_still_flowing() -> None:
+    """``Pool.abort`` (the backend failed its health checks): a request that has heard
+    nothing for ``silent_for`` ends with the reason; a stream still sending chunks (a busy
+    backend whose /health is slow, not a dead one) goes on."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await read_request(reader)
+        if b"/silent" in request:
+            await reader.read()  # never answers
+            return
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for _ in range(12):
+            writer.write(b"%x\r\ndata: 1\n\n\r\n" % 9)
+            await asyncio.sleep(0.05)
+        writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % 14)
+        await reader.read()
+
+    async def body(pool: upstream.Pool) -> tuple[str, int]:
+        silent = asyncio.create_task(pool.request("POST", "/silent", b"", b"{}"))
+        flowing = await pool.request("POST", "/flowing", b"", b"{}")
+        pieces = 0
+        async for _ in flowing.chunks():
+            pieces += 1
+            if pieces == 6:  # 0.3 s in: the silent one has heard nothing for that long
+                pool.abort("it stopped answering", silent_for=0.2)
+        flowing.release()
+        with pytest.raises(upstream.Dropped) as dropped:
+            await silent
+        return str(dropped.value), pieces
+
+    reason, pieces = asyncio.run(asyncio.wait_for(with_backend(serve, body), 10))
+    assert reason == "it stopped answering"
+    assert pieces == 13  # every chunk and [DONE]
+
+
+@pytest.mark.unit
 def test_a_long_body_reaches_the_backend_whole() -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = await read_request(reader)

@@ -14,9 +14,10 @@ waits on Nagle). Per request:
 4. a stream is passed through chunk by chunk as it arrives; if its backend
    dies mid-stream the client gets an error event and the stream ends (it
    never hangs, and it is never retried: bytes went out);
-5. when the health checks take a backend out, the connections to it are
-   broken (``Pool.abort``): what waits on a backend that went silent (a hung
-   host, no reset) ends then, as a dropped connection does in 3 and 4.
+5. when the health checks take a backend out, the connections to it that
+   heard nothing while the checks failed are broken (``Pool.abort``): what
+   waits on a backend that went silent (a hung host, no reset) ends then, as a
+   dropped connection does in 3 and 4; a stream still flowing goes on.
 
 Also ``/v1/models``, seed 000's ``/backends`` and ``/health``, and Prometheus
 ``/metrics``.
@@ -117,7 +118,11 @@ class Router:
         not yet answered is retried on another backend; a begun stream ends with this)."""
         pool = self.pools.get(backend.address)
         if pool is not None:
-            pool.abort(f"backend {backend.address} stopped answering its health checks ({error})")
+            # silent at least as long as the failed checks took: a stream still flowing
+            # comes from a backend that is busy, not gone
+            silent = self.registry.policy.fall * self.registry.policy.interval
+            reason = f"backend {backend.address} stopped answering its health checks ({error})"
+            pool.abort(reason, silent_for=silent)
 
     # -- choosing ----------------------------------------------------------------------
     def choose(self, exclude: set[str]) -> Backend | None:

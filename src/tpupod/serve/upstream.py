@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 
 CONNECT_TIMEOUT_S = 5.0
@@ -41,11 +42,12 @@ class Dropped(UpstreamError):
 
 
 class Conn:
-    __slots__ = ("aborted", "reader", "writer")
+    __slots__ = ("aborted", "heard", "reader", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.aborted: str | None = None  # why the pool broke it (Pool.abort)
+        self.heard = time.monotonic()  # the request sent, or the answer's last bytes
 
     def close(self) -> None:
         self.writer.close()
@@ -95,6 +97,7 @@ class Answer:
                             pass  # trailers
                         break
                     piece = await reader.readexactly(size + 2)
+                    self.conn.heard = time.monotonic()
                     yield piece[:-2]
             elif self._framing == "length":
                 left = self._length
@@ -103,9 +106,11 @@ class Answer:
                     if not piece:
                         raise asyncio.IncompleteReadError(b"", left)
                     left -= len(piece)
+                    self.conn.heard = time.monotonic()
                     yield piece
             else:
                 while piece := await reader.read(65536):
+                    self.conn.heard = time.monotonic()
                     yield piece
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError) as exc:
             what = f"the answer broke off: {type(exc).__name__} {exc}".strip()
@@ -132,15 +137,17 @@ class Pool:
         self.idle: list[Conn] = []
         self.busy: set[Conn] = set()  # sent a request, its answer not yet released
 
-    def abort(self, reason: str) -> None:
-        """Break every connection, in use or idle: the backend stopped answering (its
-        health checks fail), so a request waiting on it ends now as ``Dropped(reason)``
-        (the router retries it elsewhere, or ends a begun stream) instead of when TCP
-        gives up."""
-        for conn in self.busy:
+    def abort(self, reason: str, silent_for: float = 0.0) -> None:
+        """The backend stopped answering (its health checks fail): break the connections
+        that have heard nothing from it for ``silent_for`` s, and the idle ones. A request
+        waiting on one ends now as ``Dropped(reason)`` (the router retries it elsewhere, or
+        ends a begun stream) instead of when TCP gives up; a stream still receiving
+        chunks (a busy backend whose /health is slow) goes on."""
+        now = time.monotonic()
+        for conn in [c for c in self.busy if now - c.heard >= silent_for]:
             conn.aborted = reason
             conn.writer.transport.abort()
-        self.busy.clear()
+            self.busy.discard(conn)
         self.close()
 
     def put(self, conn: Conn) -> None:
@@ -189,6 +196,7 @@ class Pool:
 
     async def _exchange(self, conn: Conn, message: bytes) -> Answer:
         """:meth:`_send` on a connection counted busy until its answer is released."""
+        conn.heard = time.monotonic()
         self.busy.add(conn)
         try:
             return await self._send(conn, message)
