@@ -197,6 +197,27 @@ def test_a_stalled_engine_is_restarted_and_its_streams_end_with_the_reason() -> 
         assert child(srv, "engine").pid != engine.pid
 
 
+@pytest.mark.timeout(RESTART_S + 120)
+def test_a_hung_front_end_is_restarted_by_the_keeper() -> None:
+    """A front end that stops answering (SIGSTOP; a wedged event loop is the same) kept
+    its ports, and every connection waited in the backlog for good: the keeper only
+    restarted a child that died. It now asks the front end's /health and restarts one
+    that has answered before and then stays silent for --stall-timeout."""
+    for srv in started("--stall-timeout", str(STALL_S)):
+        client = srv.client()
+        want = complete(client).choices[0].text
+        engine, front = child(srv, "engine"), child(srv, "frontend")
+        stopped = time.monotonic()
+        os.kill(front.pid, signal.SIGSTOP)
+        _, alive = psutil.wait_procs([front], timeout=STALL_S + 30)
+        assert not alive
+        assert time.monotonic() - stopped > STALL_S - 0.5
+        wait_healthy(srv, timeout=60)  # a front end starts in seconds: no model, no compile
+        assert complete(client).choices[0].text == want
+        assert child(srv, "frontend").pid != front.pid
+        assert child(srv, "engine").pid == engine.pid  # the engine, warm, is the same
+
+
 def test_the_stall_timeout_is_checked() -> None:
     from tpupod.errors import UsageError
     from tpupod.serve.builtin import check_args, parse_args

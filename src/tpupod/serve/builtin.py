@@ -106,7 +106,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=defaults.STALL_TIMEOUT_S,
         metavar="S",
         help="restart the engine process when requests are in flight and it has sent "
-        "nothing for S seconds: they end with the reason (0: never; not with --no-split)",
+        "nothing for S seconds (they end with the reason), and the front end when its "
+        "/health has not answered for S seconds (0: never; not with --no-split)",
     )
     parser.add_argument(
         "--no-split",

@@ -19,6 +19,10 @@ Engine killed: the front end fails every request in flight (a stream ends
 with an ``error`` event) and answers 503 with the reason until the keeper's
 new engine is warm. A child that exits by itself (an error, a clean stop)
 ends the server with its exit code, and the fleet's supervisor takes over.
+A child that hangs is killed, then restarted as above: the front end kills an
+engine silent for ``--stall-timeout`` with requests in flight
+(``enginelink.py``), and the keeper a front end whose ``/health`` has not
+answered for as long after it first did (``_Probe``).
 SIGTERM stops both children (the front end first), then the keeper exits 0;
 the children die with the keeper (``PR_SET_PDEATHSIG``), and all three share
 the process group the fleet stops, so ``serve status``, ``serve restart`` and
@@ -39,6 +43,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +54,7 @@ MAX_BACKOFF_S = 10.0
 STABLE_S = 60.0
 STOP_GRACE_S = 8.0
 POLL_S = 0.05
+PROBE_S = 1.0  # the keeper asks its front end's /health this often
 FOLDER_PREFIX = "tpupod-builtin-"
 
 
@@ -86,6 +92,38 @@ class _Child:
             self.proc.send_signal(sig)
 
 
+class _Probe:
+    """Asks the front end's ``/health`` every ``PROBE_S`` s (a thread: the keeper's loop
+    never waits on it). Any HTTP answer counts, a 503 too: the front end is alive. A
+    front end still starting is not listening yet (refused), so silence counts only after
+    it first answered: :meth:`silent` is how long since its last answer, then."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = ("::1" if host == "::" else "127.0.0.1" if host in ("0.0.0.0", "") else host,
+                        port)  # fmt: skip
+        self.answered: float | None = None
+        threading.Thread(target=self._run, name="front-end-probe", daemon=True).start()
+
+    def reset(self) -> None:
+        """A new front end: it has not answered yet."""
+        self.answered = None
+
+    def silent(self) -> float:
+        return 0.0 if self.answered is None else time.monotonic() - self.answered
+
+    def _run(self) -> None:
+        request = b"GET /health HTTP/1.1\r\nHost: keeper\r\nConnection: close\r\n\r\n"
+        while True:
+            try:
+                with socket.create_connection(self.address, timeout=PROBE_S) as conn:
+                    conn.sendall(request)
+                    if conn.recv(12).startswith(b"HTTP/1."):
+                        self.answered = time.monotonic()
+            except OSError:
+                pass
+            time.sleep(PROBE_S)
+
+
 def _say(text: str) -> None:
     print(f"[tpupod builtin] {text}", file=sys.stderr, flush=True)
 
@@ -106,6 +144,7 @@ def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
     engine = _Child("engine", [*base, "--role", "engine"], ())
     front = _Child("front end", [*base, "--role", "frontend", "--fds", _join(fds)], fds)
     children = [front, engine]
+    probe = _Probe(args.host, builtin.parse_ports(args.ports)[0]) if args.stall_timeout else None
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stopping.append(signum))
@@ -124,6 +163,12 @@ def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
                     child.schedule_restart(code)
                 if child.due is not None and time.monotonic() >= child.due:
                     child.start()
+                    if child is front and probe is not None:
+                        probe.reset()
+            if probe is not None and probe.silent() > args.stall_timeout:
+                _say(f"the front end has not answered for {args.stall_timeout:g}s; killing it")
+                probe.reset()
+                front.signal(signal.SIGKILL)  # the loop above restarts it
         return 0
     finally:
         _stop(children)
