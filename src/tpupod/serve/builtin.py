@@ -188,7 +188,8 @@ def check_args(args: argparse.Namespace) -> list[int]:
     if args.stall_timeout < 0:
         raise UsageError(
             f"--stall-timeout {args.stall_timeout:g}: give seconds >= 0",
-            hint=f"the default is {defaults.STALL_TIMEOUT_S:g}; 0 never restarts a silent engine",
+            hint=f"the default is {defaults.STALL_TIMEOUT_S:g}; 0: a silent engine or front end "
+            "is never restarted",
         )
     return ports
 

@@ -160,6 +160,8 @@ def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
                     if child is engine:
                         for path in folder.glob("*.sock"):
                             path.unlink(missing_ok=True)
+                    elif probe is not None:  # its silence is the restart's, not a hang
+                        probe.reset()
                     child.schedule_restart(code)
                 if child.due is not None and time.monotonic() >= child.due:
                     child.start()
