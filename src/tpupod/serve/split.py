@@ -121,7 +121,9 @@ class _Probe:
                         self.answered = time.monotonic()
             except OSError:
                 pass
-            time.sleep(PROBE_S)
+            # until a first answer, often: a front end that hangs just after it starts
+            # serving is then seen too
+            time.sleep(PROBE_S if self.answered is not None else PROBE_S / 4)
 
 
 def _say(text: str) -> None:
