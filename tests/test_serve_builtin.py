@@ -9,6 +9,7 @@ slots reused, requests joining a running batch, per-row sampling.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -603,3 +604,75 @@ def test_smallest_span_reaches_the_engines_of_every_server_kind() -> None:
     assert refused.value.hint and "--max-length" in refused.value.hint
     with pytest.raises(ModelError, match="smallest_span"):
         Engine(engine.model, max_length=200, smallest_span=0)
+
+
+def test_no_split_a_stalled_engine_ends_its_requests_and_the_server_exits_4(
+    model: QwenModel,
+) -> None:
+    """A ``--no-split`` server whose engine thread stops making progress (here its read of
+    a device result blocks: a hung device call) left every request hanging and /health
+    said ok: only the split server watched its engine. The server now watches the
+    engine thread: after ``stall_s`` with work owed, the requests end with the reason
+    and the server stops with exit 4, for its agent to restart it. An idle time longer
+    than ``stall_s`` before the request does not count."""
+    from tpupod.serve import builtin
+
+    stall_s = 2.0
+    eng = Engine(model, max_batch=2, max_length=64)
+    eng.warmup()
+    hang, release = threading.Event(), threading.Event()
+    fetch = eng._fetch
+
+    def fetch_or_hang(array: Any) -> Any:
+        if hang.is_set():
+            release.wait()
+        return fetch(array)
+
+    eng._fetch = fetch_or_hang  # type: ignore[method-assign]
+    port = free_ports(1)[0]
+    sock = builtin.bind("127.0.0.1", port)
+    seen: dict[str, Any] = {}
+
+    def use() -> None:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=60
+        )
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        first = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4)
+        seen["first"] = first.choices[0].finish_reason
+        time.sleep(stall_s + 1)  # idle: no work owed, so not a stall
+        hang.set()
+        asked = time.monotonic()
+        try:
+            for _ in client.completions.create(
+                model=NAME, prompt=PROMPTS[1], max_tokens=20, stream=True
+            ):
+                pass
+            seen["second"] = "finished"
+        except openai.APIError as exc:
+            seen["second"] = exc.message
+        seen["after"] = time.monotonic() - asked
+
+    user = threading.Thread(target=use, daemon=True)
+    user.start()
+    try:
+        code = asyncio.run(
+            builtin._serve([eng], [sock], [port], "127.0.0.1", NAME, stall_s=stall_s)
+        )
+    finally:
+        release.set()  # the engine's thread ends (it was told to stop)
+        sock.close()
+    user.join(timeout=30)
+    assert eng._thread is not None
+    eng._thread.join(timeout=30)
+    assert not eng._thread.is_alive()
+    assert code == builtin.STALLED_EXIT == 4
+    assert seen["first"] == "length"
+    reason = "the engine made no progress for 2s with 1 request in flight (stalled)"
+    assert seen["second"].startswith(reason), seen
+    assert stall_s - 0.1 < seen["after"] < stall_s + 10, seen  # from the request, not the idle

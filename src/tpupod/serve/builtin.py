@@ -21,7 +21,9 @@ to the end of the call, and a newcomer waits for it.
 
 SIGTERM (or SIGINT): every request in flight or waiting gets an error at once
 (a stream ends with an ``error`` event), the ports close, the engines' threads
-end, the process exits 0.
+end, the process exits 0. With ``--no-split``, an engine that owes requests
+and finishes no turn for ``--stall-timeout`` s (a hung device call) fails
+them with the reason and the process exits 4, for its agent to restart it.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ from typing import TYPE_CHECKING, Any
 from tpupod import settings
 from tpupod.errors import CheckpointError, TpupodError, UsageError
 from tpupod.serve import defaults, eventloop
+from tpupod.serve.events import stalled_message
 
 if TYPE_CHECKING:
     from tpupod.serve.engine import Engine
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
+STALLED_EXIT = 4  # --no-split: an engine made no progress with work owed (its agent restarts it)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -107,7 +111,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="S",
         help="restart the engine process when requests are in flight and it has sent "
         "nothing for S seconds (they end with the reason), and the front end when its "
-        "/health has not answered for S seconds (0: never; not with --no-split)",
+        "/health has not answered for S seconds (--no-split: the process exits 4 and its "
+        "agent restarts it; 0: never)",
     )
     parser.add_argument(
         "--no-split",
@@ -214,7 +219,14 @@ def run(args: argparse.Namespace) -> int:
     engines = build_engines(args, len(ports))
     _warm(engines)
     eventloop.use_uvloop()
-    return asyncio.run(_serve(engines, sockets, ports, args.host, served_name(args)))
+    name = served_name(args)
+    serving = _serve(engines, sockets, ports, args.host, name, stall_s=args.stall_timeout)
+    code = asyncio.run(serving)
+    if code == STALLED_EXIT:  # a hung device call would hold the interpreter's exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -269,9 +281,18 @@ def _warm(engines: list[Engine]) -> None:
 
 
 async def _serve(
-    engines: list[Engine], sockets: list[socket.socket], ports: list[int], host: str, name: str
+    engines: list[Engine],
+    sockets: list[socket.socket],
+    ports: list[int],
+    host: str,
+    name: str,
+    *,
+    stall_s: float = 0.0,
 ) -> int:
-    """Serve ``engines`` in this process (``--no-split``, and a multi-host replica's leader)."""
+    """Serve ``engines`` in this process (``--no-split``, and a multi-host replica's leader,
+    without ``stall_s``). With ``stall_s``, an engine that owes requests and makes no
+    progress for that long fails them with the reason and the server stops, returning
+    :data:`STALLED_EXIT` (its agent restarts it), as the split server restarts its engine."""
     from tpupod.serve.openai_api import create_app, loop_dispatch
 
     loop = asyncio.get_running_loop()
@@ -283,11 +304,33 @@ async def _serve(
         for engine in engines:
             engine.shutdown(SHUTDOWN_MESSAGE, timeout=0)
 
+    stalled = asyncio.Event()
+    watch = asyncio.create_task(watch_progress(engines, stall_s, stalled)) if stall_s else None
     apps = [create_app(engine, name) for engine in engines]
-    await serve_apps(apps, sockets, ports, host, stop)
+    try:
+        await serve_apps(apps, sockets, ports, host, stop, stop_on=stalled)
+    finally:
+        if watch is not None:
+            watch.cancel()
+    if stalled.is_set():
+        return STALLED_EXIT  # the stalled engine's thread will not end: no join
     for engine in engines:
         engine.shutdown(SHUTDOWN_MESSAGE, timeout=10)
     return 0
+
+
+async def watch_progress(engines: list[Engine], stall_s: float, stalled: asyncio.Event) -> None:
+    """Fail an engine's requests and set ``stalled`` once it owes some and has finished no
+    turn for ``stall_s`` (a hung device call, a deadlock: its thread cannot be stopped)."""
+    while True:
+        await asyncio.sleep(min(1.0, stall_s / 4))
+        for engine in engines:
+            if engine.stalled(stall_s):
+                reason = stalled_message(stall_s, engine.running + engine.waiting)
+                print(f"error: {reason}", file=sys.stderr, flush=True)
+                engine.shutdown(reason, timeout=0)
+                stalled.set()
+                return
 
 
 async def serve_apps(
@@ -296,9 +339,11 @@ async def serve_apps(
     ports: list[int],
     host: str,
     on_stop: Callable[[], None],
+    *,
+    stop_on: asyncio.Event | None = None,
 ) -> None:
-    """Serve each app on its socket until SIGTERM/SIGINT (``on_stop`` first fails what is in
-    flight); print ``ready port=P`` once each answers /health."""
+    """Serve each app on its socket until SIGTERM/SIGINT or ``stop_on`` is set (``on_stop``
+    first fails what is in flight); print ``ready port=P`` once each answers /health."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -326,11 +371,20 @@ async def serve_apps(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+
+    async def stop_when_set() -> None:
+        await (stop_on or asyncio.Event()).wait()
+        stop()
+
+    stop_on_set = asyncio.create_task(stop_when_set())
     pairs = zip(servers, sockets, strict=True)
     tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, sock in pairs]
     probe = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    await asyncio.gather(*(_announce(t, probe, p) for t, p in zip(tasks, ports, strict=True)))
-    await asyncio.gather(*tasks)
+    try:
+        await asyncio.gather(*(_announce(t, probe, p) for t, p in zip(tasks, ports, strict=True)))
+        await asyncio.gather(*tasks)
+    finally:
+        stop_on_set.cancel()
 
 
 async def _announce(task: asyncio.Task[Any], host: str, port: int) -> None:

@@ -33,6 +33,7 @@ import collections
 import contextlib
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -172,6 +173,9 @@ class Engine:
         self.steps = 0  # decode steps run
         self.prefills = 0  # prefill programs run
         self.slot_history: list[tuple[int, int]] = []  # (slot, id of the request) per admission
+        # the end of the last turn, or the first submit after a quiet time: a silence past
+        # --stall-timeout with work owed is a hung device call (builtin.watch_progress)
+        self.progressed = time.monotonic()
 
     # ---- state seen from outside -------------------------------------------
 
@@ -182,6 +186,11 @@ class Engine:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    def stalled(self, stall_s: float) -> bool:
+        """Whether it owes requests and has finished no turn for ``stall_s`` seconds."""
+        owes = self._running or self._waiting
+        return bool(owes) and time.monotonic() - self.progressed > stall_s
 
     # ---- the device programs -----------------------------------------------
 
@@ -301,6 +310,8 @@ class Engine:
         with self._wake:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
+            if not (self._running or self._waiting or self._inflight):
+                self.progressed = time.monotonic()  # it owed nothing: silence counts from here
             self._waiting.append(request)
             self._wake.notify()
         return request
@@ -355,6 +366,7 @@ class Engine:
         with self._precision():
             while self._turn():
                 self._flush()
+                self.progressed = time.monotonic()
 
     def _turn(self) -> bool:
         """One turn: admit every newcomer a slot is free for (packed prefills), then

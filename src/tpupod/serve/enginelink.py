@@ -56,6 +56,7 @@ from tpupod.serve.events import (
     Sink,
     Tokens,
     check_request,
+    stalled_message,
 )
 
 if TYPE_CHECKING:  # the front end never imports the engine (JAX): only the engine side has one
@@ -327,11 +328,7 @@ class RemoteEngine:
         while True:
             await asyncio.sleep(min(1.0, self.stall_s / 4))
             if self._sinks and time.monotonic() - self.heard > self.stall_s:
-                self._fail(
-                    f"the engine made no progress for {self.stall_s:g}s with "
-                    f"{len(self._sinks)} requests in flight (stalled); it is being restarted: "
-                    "retry shortly"
-                )
+                self._fail(stalled_message(self.stall_s, len(self._sinks)))
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 return

@@ -76,6 +76,16 @@ def deliver(events: list[tuple[Sink, Event]]) -> None:
             sink(event)
 
 
+def stalled_message(stall_s: float, in_flight: int) -> str:
+    """What the requests of an engine that stopped making progress are told (the split
+    server's front end and a ``--no-split`` server say the same)."""
+    return (
+        f"the engine made no progress for {stall_s:g}s with {in_flight} "
+        f"request{'s' if in_flight != 1 else ''} in flight "
+        "(stalled); it is being restarted: retry shortly"
+    )
+
+
 def check_request(prompt: Sequence[int], max_tokens: int | None, max_length: int) -> int:
     """The ``max_tokens`` this prompt gets (the room left when not given), or a refusal."""
     n = len(prompt)
