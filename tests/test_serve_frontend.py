@@ -229,6 +229,13 @@ def test_the_stall_timeout_is_checked() -> None:
     given = parse_args(["--model", "m", "--ports", "31000", "--stall-timeout", "2.5"])
     assert parse_args(split._passed_on(given)).stall_timeout == 2.5  # to the front end
     assert parse_args(["--model", "m", "--ports", "31000"]).stall_timeout == 60
+    from tpupod.serve import replica
+
+    member = ["--model", "m", "--port", "1", "--rank", "0", "--size", "2", "--leader", "h:2"]
+    member += ["--coordinator-port", "3"]
+    assert replica.parse_args(member).stall_timeout == 60
+    with pytest.raises(UsageError, match="--stall-timeout -1"):
+        replica.run(replica.parse_args([*member, "--stall-timeout", "-1"]))
 
 
 def test_a_keeper_killed_with_9_leaves_no_socket_folder_behind_the_next_start() -> None:

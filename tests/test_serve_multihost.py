@@ -321,6 +321,36 @@ def test_a_stopped_follower_is_detected_within_the_lockstep_timeout() -> None:
         r.stop()
 
 
+@pytest.mark.timeout(240)
+def test_a_device_call_hung_on_every_member_ends_the_replica_after_the_stall_timeout() -> None:
+    """A step's collective that never finishes (here a follower stopped while the side
+    channel's limit is far off; a wedged interconnect is the same) blocked the leader's
+    engine with requests in flight for good, and /health said ok. The leader now ends
+    them with the reason after --stall-timeout and exits 4; the follower, woken, finds
+    its leader gone."""
+    r = Replica(2, 1, "--lockstep-timeout", "600", "--stall-timeout", "3")
+    try:
+        r.wait_ready(150)
+        client = r.client()
+        assert client.completions.create(model=NAME, prompt="abc", max_tokens=4).choices
+        r.procs[1].send_signal(signal.SIGSTOP)
+        asked = time.monotonic()
+        with pytest.raises(openai.APIError) as failed:
+            for _ in client.completions.create(
+                model=NAME, prompt="abc", max_tokens=20, stream=True
+            ):
+                pass
+        assert 2.5 < time.monotonic() - asked < 15
+        reason = "the engine made no progress for 3s with 1 request in flight (stalled)"
+        assert failed.value.message.startswith(reason), failed.value.message
+        assert r.procs[0].wait(15) == 4
+        r.procs[1].send_signal(signal.SIGCONT)
+        assert r.procs[1].wait(15) == 3
+        assert any("lost a member (the leader" in line for line in r.lines(1))
+    finally:
+        r.stop()
+
+
 @pytest.mark.local
 @pytest.mark.timeout(60)
 def test_a_code_or_config_mismatch_is_refused_naming_the_worker() -> None:

@@ -190,13 +190,18 @@ def check_args(args: argparse.Namespace) -> list[int]:
             f"--smallest-span {args.smallest_span}: give a number of positions >= 1",
             hint=f"the default is {defaults.SMALLEST_SPAN}; at least --max-length: one span",
         )
-    if args.stall_timeout < 0:
+    check_stall_timeout(args.stall_timeout)
+    return ports
+
+
+def check_stall_timeout(seconds: float) -> None:
+    """``--stall-timeout``, of a builtin server or a replica's member, checked."""
+    if seconds < 0:
         raise UsageError(
-            f"--stall-timeout {args.stall_timeout:g}: give seconds >= 0",
+            f"--stall-timeout {seconds:g}: give seconds >= 0",
             hint=f"the default is {defaults.STALL_TIMEOUT_S:g}; 0: a silent engine or front end "
             "is never restarted",
         )
-    return ports
 
 
 def run(args: argparse.Namespace) -> int:
@@ -289,10 +294,10 @@ async def _serve(
     *,
     stall_s: float = 0.0,
 ) -> int:
-    """Serve ``engines`` in this process (``--no-split``, and a multi-host replica's leader,
-    without ``stall_s``). With ``stall_s``, an engine that owes requests and makes no
-    progress for that long fails them with the reason and the server stops, returning
-    :data:`STALLED_EXIT` (its agent restarts it), as the split server restarts its engine."""
+    """Serve ``engines`` in this process (``--no-split``, and a multi-host replica's leader).
+    With ``stall_s``, an engine that owes requests and makes no progress for that long
+    fails them with the reason and the server stops, returning :data:`STALLED_EXIT` (its
+    agent restarts it), as the split server restarts its engine."""
     from tpupod.serve.openai_api import create_app, loop_dispatch
 
     loop = asyncio.get_running_loop()

@@ -5,6 +5,7 @@
         [--dtype D] [--mesh model=M] [--max-batch N] [--max-length L] [--decode-steps N]
         [--smallest-span N]
         [--served-model-name NAME] [--lockstep-timeout S] [--rendezvous-timeout S]
+        [--stall-timeout S]
 
 K processes, one per worker of a group, serve one model sharded over all the
 group's devices. The agent of each worker runs its member; the members meet as
@@ -28,7 +29,11 @@ A member that dies or stops takes the replica down: the others see it within
 ``--lockstep-timeout`` s (at once for a death), the leader fails every request
 in flight or waiting (a stream ends with an ``error`` event) and every member
 exits 3; each worker's agent restarts its member, and the group forms again
-under a new launch id.
+under a new launch id. A device call that hangs on every member while their
+processes and heartbeats go on is not seen by the side channel: the leader's
+engine then finishes no turn, and after ``--stall-timeout`` s with requests
+owed the leader fails them with the reason and exits 4 (the followers see it
+go at once).
 """
 
 from __future__ import annotations
@@ -84,6 +89,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=None)
     parser.add_argument("--smallest-span", type=int, default=defaults.SMALLEST_SPAN, metavar="N")
     parser.add_argument("--lockstep-timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=defaults.STALL_TIMEOUT_S,
+        metavar="S",
+        help="the leader ends the replica (exit 4; the agents restart it) when requests are "
+        "in flight and its engine has made no progress for S seconds: a device call that "
+        "hangs on every member, which the side channel cannot see (0: never)",
+    )
     parser.add_argument("--rendezvous-timeout", type=float, default=120.0)
     return parser.parse_args(argv)
 
@@ -217,7 +231,10 @@ def lead(args: argparse.Namespace, own: Hello) -> int:
     engine.channel = leader
     name = args.served_model_name or builtin.model_name(args.model)
     eventloop.use_uvloop()
-    code = asyncio.run(builtin._serve([engine], [http], [args.port], args.host, name))
+    serving = builtin._serve(
+        [engine], [http], [args.port], args.host, name, stall_s=args.stall_timeout
+    )
+    code = asyncio.run(serving)  # STALLED_EXIT: main's os._exit leaves the hung engine behind
     leader.close()
     return code
 
@@ -245,8 +262,11 @@ def follow(args: argparse.Namespace, own: Hello) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tpupod.serve.builtin import check_stall_timeout
+
     if args.size < 2 or not 0 <= args.rank < args.size:
         raise UsageError("--size must be >= 2 and --rank in 0..size-1")
+    check_stall_timeout(args.stall_timeout)
     own = Hello(args.rank, args.worker, code_digest(), config_digest(args))
     return lead(args, own) if args.rank == 0 else follow(args, own)
 
