@@ -730,6 +730,56 @@ def test_a_second_serve_up_changes_nothing_or_is_refused_and_replace_leaves_no_o
         assert logged == now  # the current fleet's lines only
 
 
+def router_processes(pod: str) -> list[psutil.Process]:
+    return [p for p in pod_processes(pod) if p.cmdline()[1:3] == ["-m", "tpupod.serve.router"]]
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_a_router_killed_with_9_is_started_again_on_its_port_and_no_server_restarts(
+    tmp_path: Path,
+) -> None:
+    """The router is one process in front of every server: killed (kill -9, the OOM
+    killer) it left the endpoint refusing every request until the next serve up, which
+    restarted the whole fleet. Its respawn parent now starts it again on the same port
+    (its first run chose it: --port 0); serve status says so meanwhile; serve down stops
+    both (local_pod checks that nothing of the pod is left)."""
+    with local_pod(tmp_path, "rk", 2) as (home, pod):
+        assert stub_up(home, pod).returncode == 0
+        exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
+        values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+        client = openai_client(values["OPENAI_BASE_URL"], values["OPENAI_API_KEY"], timeout=5)
+        assert client.models.list().data
+        servers = stub_pids(pod)
+        (router,) = router_processes(pod)
+        router.kill()
+        killed = time.monotonic()
+        router.wait(10)
+        said = run_cli(home, "serve", "status", "--pod", pod).stdout.splitlines()[-1]
+        assert "router: w0: the router ended and is being started again" in said or (
+            "2/2 backends healthy" in said  # the status came after the new one was up
+        ), said
+        while True:
+            try:
+                assert client.models.list().data
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() - killed < 20, "the router did not come back"
+                time.sleep(0.1)
+        (again,) = router_processes(pod)
+        assert again.pid != router.pid
+        assert stub_pids(pod) == servers  # the servers went on
+        wait_for_healthy = time.monotonic() + 10
+        while "2/2 backends healthy" not in (
+            status := run_cli(home, "serve", "status", "--pod", pod).stdout
+        ):
+            assert time.monotonic() < wait_for_healthy, status
+            time.sleep(0.2)
+        log = home / "pods" / pod / "workers" / "w0" / ".tpupod" / "serve" / "router.log"
+        said = "[tpupod respawn] the router ended (killed by SIGKILL); starting it again in 1s"
+        assert said in log.read_text()
+
+
 @pytest.mark.local
 @pytest.mark.timeout(120)
 def test_fanout_reports_backends_that_are_down_and_exits_non_zero(tmp_path: Path) -> None:

@@ -255,7 +255,7 @@ def test_a_backend_killed_under_load_fails_no_request_and_comes_back(
 
 def test_serve_down_leaves_no_router_process(tmp_path: Path) -> None:
     """Its own fleet: up with --router sgl, then down; /proc holds no router of the pod
-    (neither tpupod.serve.sglrouter nor its sgl-router child)."""
+    (neither the respawn parent, tpupod.serve.sglrouter nor its sgl-router child)."""
     home = tmp_path / "state"
     pod = f"sgd{os.getpid()}"
     with local_pod(home, pod):
@@ -264,7 +264,9 @@ def test_serve_down_leaves_no_router_process(tmp_path: Path) -> None:
         wrappers = router_processes(pod)
         groups = frozenset(int(line.split(":")[0]) for line in wrappers.values())
         running = router_processes(pod, groups)
-        assert len(wrappers) == 1 and len(running) == 2, running
+        # the respawn parent, the tpupod.serve.sglrouter wrapper, its child: one group
+        assert len(wrappers) == 2 and len(groups) == 1 and len(running) == 3, running
+        assert any("-m tpupod.serve.respawn" in line for line in running.values()), running
         assert any("sglang::router" in line for line in running.values()), running
         down = run_cli(home, "serve", "down", "--pod", pod)
         assert down.returncode == 0 and "w0 router stopped" in down.stderr, down.stderr

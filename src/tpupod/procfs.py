@@ -53,3 +53,12 @@ def environ(pid: int) -> list[bytes]:
             return f.read().split(b"\0")
     except OSError:
         return []
+
+
+def cmdline(pid: int) -> list[str]:
+    """The process's command line; empty when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []

@@ -36,6 +36,7 @@ from typing import Any
 
 from tpupod import procfs, settings
 from tpupod.files import write_atomic
+from tpupod.serve import respawn
 
 STATE_DIR = ".tpupod/serve"  # relative: each worker's home (SSH) or work folder (local)
 READY_TIMEOUT_S = 30.0
@@ -54,7 +55,8 @@ def read_info(state: Path, service: str) -> dict[str, Any] | None:
 
 def write_info(state: Path, service: str, host: str, port: int, **extra: object) -> None:
     """Called by the service itself once it listens."""
-    record = {"pid": os.getpid(), "host": host, "port": port, "started": time.time(), **extra}
+    record = {"pid": os.getpid(), "parent": os.getppid(), "host": host, "port": port}
+    record.update(started=time.time(), **extra)
     write_atomic(state / f"{service}.json", json.dumps(record) + "\n")
 
 
@@ -78,14 +80,31 @@ def token(state: Path, service: str, given: str | None = None) -> str:
     return given
 
 
+def keeper(state: Path, service: str) -> int | None:
+    """The pid of the service's live ``respawn`` parent (the router has one), or None (a
+    pid on file that is now another process's is not it)."""
+    try:
+        pid = int(respawn.keeper_path(state, service).read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if procfs.alive(pid) and respawn.__name__ in procfs.cmdline(pid) else None
+
+
 def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[str, Any]:
-    """Start the service detached unless it runs; its record once it listens."""
+    """Start the service detached unless it runs; its record once it listens. The router
+    runs under ``respawn``, which starts it again when it dies (the agent does not: a new
+    agent would not know its servers)."""
     running = read_info(state, service)
+    if running is None and (parent := keeper(state, service)) is not None:
+        running = _wait_record(state, service, parent, timeout)  # it is being started again
     if running is not None:
         return {**running, "started_now": False}
     state.mkdir(parents=True, exist_ok=True)
     if service == "agent":  # servers of an agent that was killed hard would hold their ports
         _kill_recorded_groups(state)
+    if service == "router":
+        keeping = ["-m", "tpupod.serve.respawn", "--state-dir", str(state), service, "--"]
+        argv = [sys.executable, *keeping, *argv]
     with open(state / f"{service}.log", "ab") as log:
         proc = subprocess.Popen(
             argv,
@@ -95,26 +114,43 @@ def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[s
             start_new_session=True,  # setsid: no SIGHUP when the SSH session ends
             close_fds=True,
         )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = read_info(state, service)
-        if info is not None and info["pid"] == proc.pid:
-            return {**info, "started_now": True}
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
+    info = _wait_record(state, service, proc.pid, timeout, proc)
+    if info is not None:
+        return {**info, "started_now": True}
     with contextlib.suppress(ProcessLookupError):
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # a respawn parent and its service with it
     lines = (state / f"{service}.log").read_text(errors="replace").splitlines()[-5:]
     return {"error": f"the {service} did not start (exit {proc.poll()})", "log": lines}
 
 
+def _wait_record(
+    state: Path,
+    service: str,
+    pid: int,
+    timeout: float,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> dict[str, Any] | None:
+    """The service's record once the process ``pid`` (or a child of it: the service under
+    its respawn parent) has written it; None past ``timeout`` or once ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = read_info(state, service)
+        if info is not None and pid in (info["pid"], info.get("parent")):
+            return info
+        if (proc is not None and proc.poll() is not None) or not procfs.alive(pid):
+            break
+        time.sleep(0.05)
+    return None
+
+
 def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
-    """TERM the service, KILL it after ``grace`` s; then KILL any server group it left."""
+    """TERM the service (its respawn parent, which passes it on), KILL it after ``grace`` s;
+    then KILL any server group it left."""
     info = read_info(state, service)
+    parent = keeper(state, service)
     stopped = False
-    if info is not None:
-        pid = info["pid"]
+    if parent is not None or info is not None:
+        pid = parent if parent is not None else info["pid"]  # type: ignore[index]
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -123,10 +159,14 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
         if procfs.alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if info is not None and procfs.alive(info["pid"]):  # its parent was killed first
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(info["pid"], signal.SIGKILL)
         stopped = True
     left = _kill_recorded_groups(state) if service == "agent" else 0
-    with contextlib.suppress(OSError):
-        (state / f"{service}.json").unlink()
+    for path in (state / f"{service}.json", respawn.keeper_path(state, service)):
+        with contextlib.suppress(OSError):
+            path.unlink()
     return {"stopped": stopped, "groups_killed": left}
 
 
@@ -151,6 +191,9 @@ def call(state: Path, service: str, method: str, path: str, body: str | None) ->
     import httpx
 
     info = read_info(state, service)
+    if info is None and keeper(state, service) is not None:
+        why = f"the {service} ended and is being started again (its log: {service}.log)"
+        return {"error": why, "status": None}
     if info is None:
         return {"error": f"no {service} runs here", "status": None}
     host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]

@@ -48,10 +48,10 @@ import time
 from pathlib import Path
 
 from tpupod.serve import builtin, eventloop
+from tpupod.serve.backoff import Backoff
 
 RESTART_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
-STABLE_S = 60.0
 STOP_GRACE_S = 8.0
 POLL_S = 0.05
 PROBE_S = 1.0  # the keeper asks its front end's /health this often
@@ -65,7 +65,7 @@ class _Child:
         self.role, self.argv, self.fds = role, argv, fds
         self.proc: subprocess.Popen[bytes] | None = None
         self.began = 0.0
-        self.backoff = RESTART_BACKOFF_S
+        self.backoff = Backoff(RESTART_BACKOFF_S, MAX_BACKOFF_S)
         self.due: float | None = None  # when a restart is due
 
     def start(self) -> None:
@@ -81,11 +81,8 @@ class _Child:
         return code
 
     def schedule_restart(self, code: int) -> None:
-        if time.monotonic() - self.began > STABLE_S:
-            self.backoff = RESTART_BACKOFF_S
         _say(f"the {self.role} process was killed ({_signal_name(code)}); restarting it")
-        self.due = time.monotonic() + self.backoff
-        self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
+        self.due = time.monotonic() + self.backoff.after(time.monotonic() - self.began)
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -2,8 +2,8 @@
 
 The agent holds one :class:`ManagedServer` per :class:`ServerSpec`. A server
 that exits while it should run is restarted after a wait that doubles from
-``restart_backoff_s`` up to :data:`MAX_BACKOFF_S` (reset once a run lasted
-:data:`STABLE_S`), and every restart is counted. Stopping sends TERM to the
+``restart_backoff_s`` up to 30 s (reset once a run lasted a minute: ``backoff.py``),
+and every restart is counted. Stopping sends TERM to the
 whole group, then KILL after a grace period (JAX ignores TERM). Output goes,
 line by line through a pipe the agent reads, to a log file per server, each
 line after its UTC time (``2026-01-31T12:00:00.123Z ``), so ``serve logs``
@@ -24,11 +24,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tpupod.serve.backends import ServerSpec, render, render_env
+from tpupod.serve.backoff import Backoff
 from tpupod.serve.eventloop import cancelled
 from tpupod.transport.local import kill_process_group
 
-MAX_BACKOFF_S = 30.0
-STABLE_S = 60.0
 READY_POLL_S = 0.2
 STOP_GRACE_S = 5.0
 DRAIN_S = 2.0  # after a server exits, how long its output may still come (a child holds it)
@@ -97,7 +96,7 @@ class ManagedServer:
         self._task = asyncio.create_task(self._supervise())
 
     async def _supervise(self) -> None:
-        backoff = self.spec.restart_backoff_s
+        backoff = Backoff(self.spec.restart_backoff_s)
         while not self._stopping:
             began = time.monotonic()
             copying = await self._spawn()
@@ -114,11 +113,9 @@ class ManagedServer:
             if self._stopping:
                 break
             self.state = ServerState.BACKOFF
-            if time.monotonic() - began > STABLE_S:
-                backoff = self.spec.restart_backoff_s
-            self._note(f"exited with {code}; restarting in {backoff:g}s")
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            wait = backoff.after(time.monotonic() - began)
+            self._note(f"exited with {code}; restarting in {wait:g}s")
+            await asyncio.sleep(wait)
             if not self._stopping:
                 self.restarts += 1
         self.state = ServerState.STOPPED

@@ -1,0 +1,129 @@
+"""``python -m tpupod.serve.respawn --state-dir D NAME -- ARGV``: a detached service, started
+again when it dies.
+
+The router is one process on worker 0 in front of every server: when it died (``kill
+-9``, the OOM killer, a crash) the endpoint refused every request until the next
+``serve up``, which restarted the whole fleet. ctl's ``ensure`` now starts it under
+this small parent, which starts it again after 1 s (doubling up to 30 s, back to 1 s
+after a run of 60 s) on the port its first run bound (``--port 0`` picks one once:
+the endpoint does not move), its output to the same log, with a line saying why.
+
+SIGTERM or SIGINT (ctl's ``stop``) is passed on to the service, which is waited for;
+then this exits 0. Its pid is in ``NAME.keeper`` beside the service's own record
+(``NAME.json``, written by the service, naming this process as its ``parent``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from tpupod.serve import defaults
+from tpupod.serve.backoff import Backoff
+
+STOP_GRACE_S = 8.0  # the service's own shutdown (the router drains for a few seconds)
+
+
+def keeper_path(state: Path, service: str) -> Path:
+    return state / f"{service}.keeper"
+
+
+def with_port(argv: list[str], port: int | None) -> list[str]:
+    """``argv`` with its ``--port`` value replaced by ``port`` (None: as it is)."""
+    if port is None or "--port" not in argv[:-1]:
+        return argv
+    i = argv.index("--port")
+    return [*argv[: i + 1], str(port), *argv[i + 2 :]]
+
+
+def _bound_port(state: Path, service: str, pid: int) -> int | None:
+    """The port the service's record says it listens on, once it has written it."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        record = json.loads((state / f"{service}.json").read_text())
+        if record["pid"] == pid:
+            return int(record["port"])
+    return None
+
+
+def _say(text: str) -> None:
+    print(f"[tpupod respawn] {text}", flush=True)
+
+
+def _exit_text(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+
+
+def keep(state: Path, service: str, argv: list[str]) -> int:
+    """Run ``argv`` until told to stop, starting it again whenever it ends."""
+    child: subprocess.Popen[bytes] | None = None
+    stopping = False
+
+    def stop(signum: int, _: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    keeper_path(state, service).write_text(f"{os.getpid()}\n")
+    port: int | None = None
+    backoff = Backoff(defaults.RESTART_BACKOFF_S)
+    try:
+        while not stopping:
+            began = time.monotonic()
+            child = subprocess.Popen(with_port(argv, port), stdin=subprocess.DEVNULL)
+            told = False
+            while child.poll() is None:
+                if stopping and not told:  # the stop came as it started
+                    child.terminate()
+                    told = True
+                if port is None:
+                    port = _bound_port(state, service, child.pid)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(0.2)
+            if stopping:
+                break
+            wait = backoff.after(time.monotonic() - began)
+            _say(
+                f"the {service} ended ({_exit_text(child.returncode)}); "
+                f"starting it again in {wait:g}s"
+            )
+            deadline = time.monotonic() + wait
+            while not stopping and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        if child is not None and child.poll() is None:
+            try:
+                child.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        with contextlib.suppress(OSError):
+            if keeper_path(state, service).read_text().strip() == str(os.getpid()):
+                keeper_path(state, service).unlink()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.respawn")
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("service")
+    parser.add_argument("argv", nargs=argparse.REMAINDER, help="-- the service's command line")
+    args = parser.parse_args(argv)
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        parser.error("give the service's command line after --")
+    return keep(Path(args.state_dir), args.service, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
