@@ -780,6 +780,57 @@ def test_a_router_killed_with_9_is_started_again_on_its_port_and_no_server_resta
         assert said in log.read_text()
 
 
+def by_worker(procs: list[psutil.Process]) -> dict[str, int]:
+    """Each process's worker (the local pod's worker folder it runs in): its pid."""
+    return {Path(p.cwd()).name: p.pid for p in procs}
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_serve_up_again_starts_only_what_is_lost(tmp_path: Path) -> None:
+    """A worker's agent killed with -9 (its server went on, unsupervised): a second serve
+    up with the same settings said only that worker was lost, then stopped and started
+    every server of the fleet. It now starts that worker's agent and server again and
+    touches nothing else: the other server, the router and the endpoint stay."""
+    base = free_base_port()
+    with local_pod(tmp_path, "rl", 2) as (home, pod):
+        assert stub_up(home, pod, base=base).returncode == 0
+        endpoint = run_cli(home, "serve", "endpoint", "--pod", pod).stdout
+        servers = by_worker([p for p in pod_processes(pod) if p.pid in stub_pids(pod)])
+        agents = by_worker([p for p in pod_processes(pod) if "tpupod.serve.agent" in p.cmdline()])
+        (router,) = router_processes(pod)
+        assert sorted(servers) == sorted(agents) == ["w0", "w1"]
+        lost = psutil.Process(agents["w1"])
+        lost.kill()
+        lost.wait(10)
+        again = stub_up(home, pod, base=base)
+        assert again.returncode == 0, again.stderr
+        assert "already serving with these settings, but not w1's " in again.stderr
+        assert "w0" not in again.stderr.split("starting it again", 1)[1], again.stderr
+        now = by_worker([p for p in pod_processes(pod) if p.pid in stub_pids(pod)])
+        assert now["w0"] == servers["w0"] and now["w1"] != servers["w1"], (servers, now)
+        assert [p.pid for p in router_processes(pod)] == [router.pid]
+        assert run_cli(home, "serve", "endpoint", "--pod", pod).stdout == endpoint
+        healthy_by = time.monotonic() + 15  # the router's checks see w1's new server
+        while "2/2 backends healthy" not in (
+            status := run_cli(home, "serve", "status", "--pod", pod).stdout
+        ):
+            assert time.monotonic() < healthy_by, status
+            time.sleep(0.2)
+        # the router and its respawn parent, both killed: the router alone starts again
+        for proc in pod_processes(pod):
+            if "tpupod.serve.respawn" in proc.cmdline():
+                proc.kill()
+        router.kill()
+        router.wait(10)
+        again = stub_up(home, pod, base=base)
+        assert again.returncode == 0, again.stderr
+        assert "but not the router: starting it again" in again.stderr, again.stderr
+        assert by_worker([p for p in pod_processes(pod) if p.pid in stub_pids(pod)]) == now
+        assert len(router_processes(pod)) == 1
+        assert run_cli(home, "serve", "endpoint", "--pod", pod).stdout == endpoint
+
+
 @pytest.mark.local
 @pytest.mark.timeout(120)
 def test_fanout_reports_backends_that_are_down_and_exits_non_zero(tmp_path: Path) -> None:

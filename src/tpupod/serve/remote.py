@@ -53,6 +53,16 @@ CTL_TIMEOUT_S = 60.0
 WAIT_MARGIN_S = 30.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    """What of a recorded fleet does not run: the workers whose servers (or replica
+    members) are gone or stopped, whether the router is, and the two said in words."""
+
+    workers: frozenset[int]
+    router: bool
+    text: str
+
+
 class RemoteFleet:
     """The fleet of one pod, asynchronously: ctl calls on its workers through the fan-out."""
 
@@ -336,10 +346,11 @@ class RemoteFleet:
                     "every server of it and start these",
                 )
             lost = await self.missing(old)
-            if not lost:
+            if not lost.text:
                 progress(f"already serving {old.model} with these settings at {old.base_url}")
                 return None
-            progress(f"already serving with these settings, but not {lost}: starting it again")
+            progress(f"already serving with these settings, but not {lost.text}: starting it again")
+            return await self.repair(old, options, lost, progress)
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}  # may refuse
         try:
             return await self.start(options, plans, old, progress)
@@ -354,16 +365,39 @@ class RemoteFleet:
         except ServeError:
             return None
 
-    async def missing(self, record: FleetRecord) -> str:
-        """What of the recorded fleet does not run ('' when all of it does)."""
+    async def missing(self, record: FleetRecord) -> Lost:
+        """What of the recorded fleet does not run (``text`` empty when all of it does)."""
         agents, router = await self.status()
         lost = [
-            f"w{w}'s {s.name}"
+            (w, s.name)
             for s in record.servers
             for w in (s.worker, *s.followers)
             if isinstance(m := member(agents, w, s.name), str) or m["state"] == "stopped"
         ]
-        return ", ".join(lost + (["the router"] if isinstance(router, str) else []))
+        router_lost = isinstance(router, str)
+        named = [f"w{w}'s {name}" for w, name in lost] + (["the router"] if router_lost else [])
+        return Lost(frozenset(w for w, _ in lost), router_lost, ", ".join(named))
+
+    async def repair(
+        self, old: FleetRecord, options: UpOptions, lost: Lost, progress: Progress
+    ) -> FleetRecord:
+        """Start again what of the fleet is lost, with its settings: the servers of the
+        workers named (a new agent, where the last one is gone, stops the servers it left),
+        the router on its port. The rest serves on untouched; a failure here stops nothing."""
+        workers = [w for w in self.pod.workers if w.id in lost.workers]
+        plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}
+        agents = await _gather(self.ensure_agent(w, options) for w in workers)
+        running = [w for w, a in zip(workers, agents, strict=True) if not a.get("started_now")]
+        await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
+        await _gather(self.start_servers(w, options, plans) for w in workers)
+        await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
+        if not lost.router:
+            return old
+        kept = dataclasses.replace(options, router_port=options.router_port or old.router_port)
+        port = await self.ensure_router(kept, old.servers, old.token)
+        record = old.model_copy(update={"router_port": port})
+        save_record(self.state, record)
+        return record
 
     async def start(
         self,
