@@ -383,18 +383,27 @@ class RemoteFleet:
     ) -> FleetRecord:
         """Start again what of the fleet is lost, with its settings: the servers of the
         workers named (a new agent, where the last one is gone, stops the servers it left),
-        the router on its port. The rest serves on untouched; a failure here stops nothing."""
+        the router on its port. The rest serves on untouched; a failure stops what this
+        started (the lost workers' agents, the router if it was lost) and nothing else."""
         workers = [w for w in self.pod.workers if w.id in lost.workers]
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}
-        agents = await _gather(self.ensure_agent(w, options) for w in workers)
-        running = [w for w, a in zip(workers, agents, strict=True) if not a.get("started_now")]
-        await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
-        await _gather(self.start_servers(w, options, plans) for w in workers)
-        await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
-        if not lost.router:
-            return old
-        kept = dataclasses.replace(options, router_port=options.router_port or old.router_port)
-        port = await self.ensure_router(kept, old.servers, old.token)
+        try:
+            agents = await _gather(self.ensure_agent(w, options) for w in workers)
+            running = [w for w, a in zip(workers, agents, strict=True) if not a["started_now"]]
+            await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
+            await _gather(self.start_servers(w, options, plans) for w in workers)
+            await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
+            if not lost.router:
+                return old
+            port = options.router_port or old.router_port
+            port = await self.ensure_router(
+                dataclasses.replace(options, router_port=port), old.servers, old.token
+            )
+        except BaseException:  # a failure, or Ctrl-C
+            stops = [self.ctl(w, "stop", "agent") for w in workers]
+            stops += [self.ctl(self.pod.workers[0], "stop", "router")] if lost.router else []
+            await asyncio.gather(*stops, return_exceptions=True)
+            raise
         record = old.model_copy(update={"router_port": port})
         save_record(self.state, record)
         return record
