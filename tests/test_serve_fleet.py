@@ -775,9 +775,10 @@ def test_a_router_killed_with_9_is_started_again_on_its_port_and_no_server_resta
         ):
             assert time.monotonic() < wait_for_healthy, status
             time.sleep(0.2)
-        log = home / "pods" / pod / "workers" / "w0" / ".tpupod" / "serve" / "router.log"
+        log = run_cli(home, "serve", "logs", "--pod", pod, "--router").stdout.splitlines()
         said = "[tpupod respawn] the router ended (killed by SIGKILL); starting it again in 1s"
-        assert said in log.read_text()
+        assert f"[w0] {said}" in log, log
+        assert sum("ready port=" in line for line in log) == 2, log  # the first run, the next
 
 
 def by_worker(procs: list[psutil.Process]) -> dict[str, int]:

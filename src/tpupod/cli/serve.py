@@ -231,13 +231,17 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing new lines.")
     ] = False,
+    router: Annotated[
+        bool,
+        typer.Option("--router", help="The router's log instead (on w0: its starts and ends)."),
+    ] = False,
 ) -> None:
     """The servers' log lines, prefixed by worker (tail -F with --follow)."""
     from tpupod.report import LinePrinter
 
     fleet = _fleet(pod)
     printer = LinePrinter(fleet.pod.select(workers), sys.stdout, sys.stderr)
-    fleet.logs(printer, workers=workers, port=port, lines=lines, follow=follow)
+    fleet.logs(printer, workers=workers, port=port, lines=lines, follow=follow, router=router)
 
 
 @serve_app.command("restart")

@@ -164,16 +164,20 @@ class Fleet:
                     port=record.router_port,
                 )  # fmt: skip
 
-    def logs_command(self, port: int | None = None, lines: int = 50, follow: bool = False) -> str:
-        """The bash line that prints (``tail``) each worker's own servers' logs: a log of
-        another fleet's server stays out."""
+    def logs_command(
+        self, port: int | None = None, lines: int = 50, follow: bool = False, router: bool = False
+    ) -> str:
+        """The bash line that prints (``tail``) each worker's own servers' logs (a log of
+        another fleet's server stays out), or with ``router`` worker 0's router log."""
+        if router and port is not None:
+            raise UsageError("--router and --port choose different logs: give one")
         chosen = [s for s in self.record().servers if port is None or s.port == port]
         if not chosen:
             raise UsageError(
                 f"no server listens on port {port}", hint="'tpupod serve status' lists them"
             )
-        arms = []
-        for w in self.pod.workers:
+        arms = [f"0) set -- {shlex.quote(f'{STATE_DIR}/router.log')};;"] if router else []
+        for w in [] if router else self.pod.workers:
             names = sorted({s.name for s in chosen if w.id in (s.worker, *s.followers)})
             files = " ".join(shlex.quote(f"{STATE_DIR}/logs/{name}.log") for name in names)
             if names:
@@ -188,11 +192,14 @@ class Fleet:
         on_line: LineHandler,
         workers: str | None = None,
         port: int | None = None,
+        *,
         lines: int = 50,
         follow: bool = False,
+        router: bool = False,
     ) -> FanoutResult:
-        """The servers' log lines, each to ``on_line`` (until interrupted, with ``follow``)."""
-        command = self.logs_command(port, lines, follow)
+        """The servers' (or the router's) log lines, each to ``on_line`` (until interrupted,
+        with ``follow``)."""
+        command = self.logs_command(port, lines, follow, router)
         return asyncio.run(execute_async(self.pod, command, workers=workers, on_line=on_line))
 
     def endpoint(self, direct: bool = False, progress: Progress = _quiet) -> Endpoint:
