@@ -277,7 +277,9 @@ def test_a_worker_python_without_sglang_router_is_one_line_with_the_install_hint
     tmp_path: Path,
 ) -> None:
     """Worker 0's Python cannot import sglang_router (a package on its path shadows it as
-    missing): serve up says so in one line with the hint, and leaves nothing running."""
+    missing): serve up says so in one line with the hint, and leaves nothing running. The
+    router's respawn parent does not start again a router that never listened: the
+    failure is told at once, not after ctl's 30 s wait for the router to listen."""
     shadow = tmp_path / "shadow" / "sglang_router"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'x'\")\n")
@@ -287,8 +289,11 @@ def test_a_worker_python_without_sglang_router_is_one_line_with_the_install_hint
     home = tmp_path / "state"
     pod = f"sgm{os.getpid()}"
     with local_pod(home, pod):
+        began = time.monotonic()
         up = serve_up(home, pod, "--worker-python", str(python))
+        took = time.monotonic() - began
         assert up.returncode != 0 and "Traceback" not in up.stderr, up.stderr
+        assert took < 25, took  # ctl waits 30 s for a router that keeps starting
         errors = [line for line in up.stderr.splitlines() if not line.startswith("tpupod: ")]
         assert errors == [
             f"error: w0: sglang_router is not installed for {python}: --router sgl runs "

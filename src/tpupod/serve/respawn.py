@@ -6,7 +6,9 @@ The router is one process on worker 0 in front of every server: when it died (``
 ``serve up``, which restarted the whole fleet. ctl's ``ensure`` now starts it under
 this small parent, which starts it again after 1 s (doubling up to 30 s, back to 1 s
 after a run of 60 s) on the port its first run bound (``--port 0`` picks one once:
-the endpoint does not move), its output to the same log, with a line saying why.
+the endpoint does not move), its output to the same log, with a line saying why. A
+first run that ends before it listens is not started again: this exits with its code,
+which ``ensure`` reports at once with the log's last lines.
 
 SIGTERM or SIGINT (ctl's ``stop``) is passed on to the service, which is waited for;
 then this exits 0. Its pid is in ``NAME.keeper`` beside the service's own record
@@ -92,6 +94,10 @@ def keep(state: Path, service: str, argv: list[str]) -> int:
                     child.wait(0.2)
             if stopping:
                 break
+            if port is None and (port := _bound_port(state, service, child.pid)) is None:
+                # it never listened (a bad option, a missing package): a restart would fail
+                # the same way, and ctl's ensure reports this exit with the log's last lines
+                return child.returncode or 1
             wait = backoff.after(time.monotonic() - began)
             _say(
                 f"the {service} ended ({_exit_text(child.returncode)}); "
