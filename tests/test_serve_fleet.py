@@ -155,6 +155,20 @@ def test_status_records_say_each_servers_state_and_why_a_worker_did_not_answer()
     assert fleet_status(record, agents, "w0: no router").router_error == "w0: no router"
 
 
+def test_restarts_wait_longer_each_time_and_a_router_keeps_its_port() -> None:
+    from tpupod.serve.backoff import Backoff
+    from tpupod.serve.respawn import with_port
+
+    backoff = Backoff(1.0)
+    waits = [backoff.after(0.1) for _ in range(7)]
+    assert waits == [1, 2, 4, 8, 16, 30, 30]
+    assert backoff.after(61) == 1  # a good run: the first wait again
+    argv = ["python", "-m", "tpupod.serve.router", "--port", "0", "--policy", "p"]
+    assert with_port(argv, 4321) == [*argv[:4], "4321", "--policy", "p"]
+    assert with_port(argv, None) == argv
+    assert with_port(["sgl", "--host", "h"], 4321) == ["sgl", "--host", "h"]
+
+
 def test_policies_choose_among_available_backends() -> None:
     from tpupod.serve.registry import HealthPolicy, Registry
     from tpupod.serve.router import Policy, Router

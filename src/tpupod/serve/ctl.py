@@ -97,6 +97,8 @@ def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[s
     running = read_info(state, service)
     if running is None and (parent := keeper(state, service)) is not None:
         running = _wait_record(state, service, parent, timeout)  # it is being started again
+        if running is None:  # another parent would only fight this one for the port
+            return _not_started(state, service, f"is being started again (pid {parent})")
     if running is not None:
         return {**running, "started_now": False}
     state.mkdir(parents=True, exist_ok=True)
@@ -119,8 +121,12 @@ def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[s
         return {**info, "started_now": True}
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # a respawn parent and its service with it
+    return _not_started(state, service, f"did not start (exit {proc.poll()})")
+
+
+def _not_started(state: Path, service: str, why: str) -> dict[str, Any]:
     lines = (state / f"{service}.log").read_text(errors="replace").splitlines()[-5:]
-    return {"error": f"the {service} did not start (exit {proc.poll()})", "log": lines}
+    return {"error": f"the {service} {why}", "log": lines}
 
 
 def _wait_record(
@@ -149,8 +155,8 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
     info = read_info(state, service)
     parent = keeper(state, service)
     stopped = False
-    if parent is not None or info is not None:
-        pid = parent if parent is not None else info["pid"]  # type: ignore[index]
+    pid = parent if parent is not None else None if info is None else info["pid"]
+    if pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
