@@ -38,7 +38,7 @@ import openai
 
 from tpupod.model import QwenModel, load_model
 from tpupod.serve.engine import Engine
-from tpupod.serve.events import Delta, Event, Failed, Finished, SamplingParams
+from tpupod.serve.events import Delta, Event, Failed, Finished, SamplingParams, deliver
 from tpupod.serve.text import TextStream, submit
 
 # The module's first test also pays for its shared server or engines (loads and
@@ -676,3 +676,44 @@ def test_no_split_a_stalled_engine_ends_its_requests_and_the_server_exits_4(
     reason = "the engine made no progress for 2s with 1 request in flight (stalled)"
     assert seen["second"].startswith(reason), seen
     assert stall_s - 0.1 < seen["after"] < stall_s + 10, seen  # from the request, not the idle
+
+
+def test_a_turn_of_many_prefills_longer_than_the_stall_timeout_is_progress(
+    model: QwenModel,
+) -> None:
+    """A turn admits every newcomer a slot is free for, a packed prefill after another:
+    on a slow host with long prompts it can outlast --stall-timeout, and both watches
+    (the in-process one and the split front end's, which hears frames) took a healthy
+    engine for a stalled one. Each prefill is now progress: the stamp, and an empty frame
+    (the counts) for a linked front end."""
+    eng = Engine(model, max_batch=4, max_length=64, prefill_tokens=64)
+    eng.warmup()
+    prefill, before = eng._prefill, eng.prefills
+
+    def slow_prefill(batch: Any) -> Any:
+        time.sleep(0.5)  # as a long prompt's prefill on a slow host
+        return prefill(batch)
+
+    eng._prefill = slow_prefill  # type: ignore[method-assign]
+    frames: list[int] = []
+
+    def dispatch(events: list[Any]) -> None:
+        frames.append(len(events))
+        deliver(events)
+
+    eng.dispatch = dispatch
+    eng.start()
+    try:
+        sinks = [Collect() for _ in range(4)]
+        prompt = list(range(10, 50))  # 40 tokens: one prompt a pack (packs hold 64)
+        for sink in sinks:
+            submit(eng, prompt, SamplingParams(max_tokens=2), sink)
+        seen_stalled = False
+        while not all(s.done.is_set() for s in sinks):
+            seen_stalled |= eng.stalled(1.2)  # four prefills: 2 s in the first turn
+            time.sleep(0.02)
+        assert not seen_stalled
+        assert all(isinstance(s.end, Finished) for s in sinks)
+        assert eng.prefills - before == 4 and frames.count(0) >= 4  # an empty frame each
+    finally:
+        eng.shutdown()

@@ -382,6 +382,7 @@ class Engine:
                 first = self._prefill(batch)
                 for request, token in zip(batch, first.tolist(), strict=True):
                     self._accept(request, token)
+                self._going_on()
             if self._running:
                 self._inflight.append((self._dispatch(), list(self._running.items())))
             # with overlap, the call just started runs on the device while the host
@@ -400,6 +401,13 @@ class Engine:
             self._inflight.clear()
             self._caches = self._fresh_caches()
         return True
+
+    def _going_on(self) -> None:
+        """A turn goes on: after each packed prefill, as a turn that admits many long
+        prompts can outlast ``--stall-timeout``: the stamp the in-process watch reads, and
+        an empty frame (the counts) for a linked front end's watch."""
+        self.progressed = time.monotonic()
+        self.dispatch([])
 
     def _collect(self, out: Any, ran: list[tuple[int, Request]]) -> None:
         """Read a decode call's tokens and hand them to the requests it ran for: a request

@@ -322,7 +322,8 @@ def loop_dispatch(loop: asyncio.AbstractEventLoop) -> Callable[[list[tuple[Sink,
     (one ``call_soon_threadsafe`` per turn, not one per token of every request)."""
 
     def dispatch(events: list[tuple[Sink, Event]]) -> None:
-        loop.call_soon_threadsafe(deliver, events)
+        if events:  # none: the engine's word that a turn goes on, for a linked front end
+            loop.call_soon_threadsafe(deliver, events)
 
     return dispatch
 
