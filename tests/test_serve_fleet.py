@@ -631,7 +631,9 @@ def test_a_server_that_is_not_openai_compatible_is_named_so_at_the_timeout(
     tmp_path: Path,
 ) -> None:
     """A command that serves HTTP but not /v1/models (a wrong --command) waited out
-    --startup-timeout as '(starting)', the same as a server still loading."""
+    --startup-timeout as '(starting)', the same as a server still loading, and said
+    nothing until then: the wait now says every so often (a quarter of the timeout, at
+    most 30 s) what still starts and what it answers."""
     with local_pod(tmp_path, "s4", 1) as (home, pod):
         up = run_cli(
             home, "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
@@ -640,6 +642,8 @@ def test_a_server_that_is_not_openai_compatible_is_named_so_at_the_timeout(
         )  # fmt: skip
         assert up.returncode == 1
         assert "(starting: GET /v1/models answers 404)" in up.stderr, up.stderr
+        notices = re.findall(r"w0 :\d+ still starting after \d+s \((.*)\)", up.stderr)
+        assert notices and set(notices) == {"GET /v1/models answers 404"}, up.stderr
         assert wait_until_gone(pod) == []
 
 

@@ -40,6 +40,7 @@ from tpupod.serve import respawn
 
 STATE_DIR = ".tpupod/serve"  # relative: each worker's home (SSH) or work folder (local)
 READY_TIMEOUT_S = 30.0
+NOTICE_EVERY_S = 30.0  # wait-ready says which servers still start, and their last answer
 STOP_GRACE_S = 8.0
 SERVICES = ("agent", "router")
 
@@ -243,6 +244,8 @@ def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:
     rather than waiting out restarts or ``timeout``.
     """
     deadline = time.monotonic() + timeout
+    every = min(NOTICE_EVERY_S, max(1.0, timeout / 4))  # "still starting", and why
+    notice = time.monotonic() + every
     seen: set[str] = set()
     missed = 0  # polls in a row without an agent: it was stopped (serve down, a Ctrl-C)
     while True:
@@ -261,10 +264,15 @@ def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:
                 return 1
         if answer.get("status") == 200 and len(seen) == len(servers):
             return 0
+        pending = [s for s in servers if s["name"] not in seen]
         if time.monotonic() > deadline:
-            pending = [s for s in servers if s["name"] not in seen]
             print(json.dumps({"event": "timeout", "pending": pending}), flush=True)
             return 1
+        if time.monotonic() > notice:
+            for s in pending:
+                waiting = {"event": "waiting", **{k: s.get(k) for k in ("ports", "answer")}}
+                print(json.dumps(waiting), flush=True)
+            notice += every
         time.sleep(poll)
 
 

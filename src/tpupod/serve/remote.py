@@ -266,6 +266,9 @@ class RemoteFleet:
             took = time.monotonic() - began
             if event["event"] == "ready":
                 progress(f"{worker.label} :{ports} ready ({took:.1f}s)")
+            elif event["event"] == "waiting":  # a slow load, or a server that answers wrong
+                why = f" ({event['answer']})" if event["answer"] else ""
+                progress(f"{worker.label} :{ports} still starting after {took:.0f}s{why}")
 
         answers = await self.ctl(
             worker, "wait-ready", "--timeout", str(timeout), on_line=seen,
