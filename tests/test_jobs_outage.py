@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,12 +17,13 @@ import pytest
 
 from tests.postgres import Postgres, new_database, postgres_cluster
 from tests.test_jobs import _wait_for, command_job, runner
+from tpupod.errors import JobStoreAway
 from tpupod.jobs import claims
 from tpupod.jobs.execute import LocalExecutor
 from tpupod.jobs.linebuffer import LineBuffer
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.runner import Runner
-from tpupod.jobs.store import Store
+from tpupod.jobs.store import CONNECT_TIMEOUT_S, Store
 from tpupod.pod import Pod
 
 pytestmark = pytest.mark.local  # a database server and runner processes
@@ -144,6 +147,86 @@ def test_lines_past_the_runners_buffer_are_dropped_and_the_log_says_how_many_and
     assert lines[:gap] == [f"line {i}" for i in range(1, gap + 1)]
     assert lines[marks[-1] + 1 :] == [f"line {i}" for i in range(gap + dropped + 1, 81)]
     store.close()
+
+
+def _refusing(url: str) -> str | None:
+    """Why a new connection to ``url`` is refused now, or None when one is made."""
+    import psycopg
+
+    try:
+        psycopg.connect(url, connect_timeout=5).close()
+    except psycopg.OperationalError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(150)  # a cluster of its own, a runner started in its restart
+def test_a_runner_started_while_postgres_restarts_waits_for_it_and_runs_the_queue(
+    pg: Postgres,
+) -> None:
+    """A clean clone's CI: a runner whose first connection came as PostgreSQL was shutting
+    down for a restart exited 1 at once ('the database system is shutting down'), its
+    jobs left to the other runner. It now waits (saying so once) through the shutdown and
+    the time the server is not listening, and runs the queue when the server is back."""
+    import psycopg
+
+    url = new_database(pg)
+    store = Store.open(url)
+    ids = [store.submit(command_job("echo ran $TPUPOD_JOB_ID")) for _ in range(3)]
+    store.close()
+    held = psycopg.connect(url)  # a smart shutdown waits for it: the server says so meanwhile
+    stopping = subprocess.Popen([*pg.pg_ctl, "-m", "smart", "stop"], stdout=subprocess.DEVNULL)
+    _wait_for(lambda: "shutting down" in (_refusing(url) or ""), timeout=30)
+    proc = runner(url, "--local", "--until-empty", "--lease", "4")
+    try:
+        time.sleep(3)
+        assert proc.poll() is None, proc.communicate()[1]  # waiting, not failed
+        held.close()
+        stopping.wait(timeout=30)
+        assert "refused" in (_refusing(url) or ""), "the server should be down now"
+        time.sleep(1.5)
+        assert proc.poll() is None, proc.communicate()[1]
+        pg.start()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    away = [line for line in err.splitlines() if "waiting up to" in line]
+    assert len(away) == 1 and "the database system is shutting down" in away[0], err
+    assert re.search(r"the job store is back after [\d.]+ s", err), err
+    store = Store.open(url)
+    assert [store.get(job).status for job in ids] == [JobStatus.COMPLETED] * 3
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_runner_whose_database_is_not_there_fails_at_once(pg: Postgres) -> None:
+    """Waiting is for a server that is away, not for one that refuses: a database name
+    that does not exist fails the runner at once, with the server's reason."""
+    url = new_database(pg).rsplit("/", 1)[0] + "/no_such_db"
+    began = time.monotonic()
+    proc = runner(url, "--local", "--until-empty")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    assert 'database "no_such_db" does not exist' in err and "waiting" not in err, err
+    assert time.monotonic() - began < 20  # the wait for a server that is away is 60 s
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_never_answers_is_given_up_on_in_seconds() -> None:
+    """A host that takes the connection and says nothing (a hung server; a dropped route
+    is the same wait) failed a store's open only after the kernel's own limits, or never:
+    libpq waits without one. ``connect_timeout`` bounds it, and it is a store away."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # the kernel completes the handshake; nobody ever answers
+        url = f"postgresql://postgres@127.0.0.1:{silent.getsockname()[1]}/jobs"
+        began = time.monotonic()
+        with pytest.raises(JobStoreAway, match="timeout expired"):
+            Store.open(url)
+        assert CONNECT_TIMEOUT_S - 1 <= time.monotonic() - began <= CONNECT_TIMEOUT_S + 10
 
 
 def test_a_write_retried_after_its_commit_adds_no_line_twice(tmp_path: Path) -> None:

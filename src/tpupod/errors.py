@@ -24,6 +24,7 @@ translated into these at the seam where they arise, chained with ``from``.
     ├── BenchError               exit 1   a checkpoint benchmark that failed or restored wrong data
     ├── JobError                 exit 1   the job service: a job failed, or the store refused
     │   ├── JobStoreError        exit 1   the database cannot be opened or reached
+    │   │   └── JobStoreAway     exit 1   ... because it is not answering now (down, restarting)
     │   ├── JobNotFound          exit 1   no job by that id
     │   └── LeaseLost            exit 1   a runner's write was fenced off (a newer attempt owns it)
     ├── ServeError               exit 1   the serving fleet: an agent, server or router failed
@@ -161,6 +162,12 @@ class JobError(TpupodError):
 
 class JobStoreError(JobError):
     """The job store's database cannot be opened or reached, or refused a query."""
+
+
+class JobStoreAway(JobStoreError):
+    """The job store's server is not answering now: not listening, starting up, shutting
+    down or full. Worth waiting for, unlike a server that refuses (no such database, role
+    or password) or a query it rejects."""
 
 
 class JobNotFound(JobError):

@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING, Any
 from tpupod.errors import PodNotFound, UsageError
 from tpupod.jobs.runner import DEFAULT_LEASE_S, Runner
 from tpupod.jobs.service import open_store
+from tpupod.jobs.store import Store
 
 if TYPE_CHECKING:
     from tpupod.jobs.attempt import Executor
     from tpupod.jobs.k8s_manifest import Target
     from tpupod.jobs.models import Job
     from tpupod.jobs.pool import Pool
-    from tpupod.jobs.store import Store
     from tpupod.pod import Pod
+
+STORE_WAIT_S = 60.0  # at start, for a job store that is away (a restart takes seconds)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def run_runner(options: RunnerOptions, on_event: Callable[[str], None] | None = 
     ``until_empty``); how many attempts it ran (a retry is one more). ``on_event`` hears
     a line per attempt."""
     options.check()
-    store = open_store(options.db, create=True)
+    # a runner started beside a database restart (or before its server) waits for it
+    store = Store.open_waiting(options.db, create=True, wait_s=STORE_WAIT_S, say=on_event)
     try:
         pool = None
         if options.local and options.pool:

@@ -9,15 +9,16 @@ never wait for writers. Database errors are translated into ``JobStoreError`` he
 from __future__ import annotations
 
 import contextlib
+import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, func, insert, select, update
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 
-from tpupod.errors import JobNotFound, JobStoreError, UsageError
+from tpupod.errors import JobNotFound, JobStoreAway, JobStoreError, UsageError
 from tpupod.jobs import schema
 from tpupod.jobs.models import FINISHED, AttemptLines, Job, JobRequest, JobStatus, LogLine
 from tpupod.jobs.quick import NOTIFY_CHANNEL, default_url, job_row
@@ -58,6 +59,7 @@ def _sqlite_engine(url: str, *, create: bool) -> Engine:
     return engine
 
 
+CONNECT_TIMEOUT_S = 10
 URL_HINT = "sqlite:///PATH or postgresql://USER@HOST:PORT/DB (--db or TPUPOD_JOBS_DB)"
 SCHEMES = ("sqlite", "postgresql", "postgres", "postgresql+psycopg")
 
@@ -76,11 +78,34 @@ def open_engine(url: str, *, create: bool = True) -> Engine:
     try:
         if url.startswith("sqlite:"):
             return _sqlite_engine(url, create=create)
-        return create_engine(_engine_url(url), pool_pre_ping=True, pool_size=2)
+        # a host that drops packets (unplugged, firewalled) fails a connect in seconds, not
+        # after the kernel's two minutes of retries; a URL's own connect_timeout wins
+        timeout = {} if "connect_timeout=" in url else {"connect_timeout": CONNECT_TIMEOUT_S}
+        return create_engine(
+            _engine_url(url), pool_pre_ping=True, pool_size=2, connect_args=timeout
+        )
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
         raise UsageError(
             f"cannot use the job store URL {redact(url)!r}: {exc}", hint=URL_HINT
         ) from exc
+
+
+OPEN_RETRY_S = 0.5
+# what PostgreSQL answers a connection it cannot take now (SQLSTATE 57P03, 53300)
+_NOT_NOW = re.compile(r"FATAL:\s+(the database system is|sorry, too many clients)")
+
+
+def _away(exc: DBAPIError) -> bool:
+    """The server is not answering now (``JobStoreAway``): a connection it broke, or one
+    that failed without the server's word (refused, reset, timed out) or with its word
+    that it cannot take one now. libpq gives a failed connect no SQLSTATE; a query the
+    server rejected has one."""
+    if exc.connection_invalidated:
+        return True
+    if not isinstance(exc, OperationalError) or getattr(exc.orig, "sqlstate", None):
+        return False
+    text = str(exc.orig)
+    return "FATAL:" not in text or _NOT_NOW.search(text) is not None
 
 
 def redact(url: str) -> str:
@@ -134,13 +159,43 @@ class Store:
         ):
             yield conn
 
+    @classmethod
+    def open_waiting(
+        cls,
+        url: str | None,
+        *,
+        create: bool,
+        wait_s: float,
+        say: Callable[[str], None] | None = None,
+    ) -> Store:
+        """``open``, waiting up to ``wait_s`` for a server that is away (``JobStoreAway``:
+        a restart, a server started after its runners), saying so once and when it is
+        back. A server that refuses (no such database, a password) fails at once."""
+        began = time.monotonic()
+        said = False
+        while True:
+            try:
+                store = cls.open(url, create=create)
+            except JobStoreAway as exc:
+                if time.monotonic() - began >= wait_s:
+                    raise
+                if say is not None and not said:
+                    say(f"{exc.message}; waiting up to {wait_s:.0f} s for it")
+                said = True
+                time.sleep(OPEN_RETRY_S)
+                continue
+            if said and say is not None:
+                say(f"the job store is back after {time.monotonic() - began:.1f} s")
+            return store
+
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:
         try:
             yield
         except DBAPIError as exc:
             reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
-            raise JobStoreError(
+            kind = JobStoreAway if self.postgres and _away(exc) else JobStoreError
+            raise kind(
                 f"job store {redact(self.url)}: {reason}",
                 hint="check that the database is up and reachable (--db or TPUPOD_JOBS_DB)",
             ) from exc
