@@ -38,7 +38,15 @@ import openai
 
 from tpupod.model import QwenModel, load_model
 from tpupod.serve.engine import Engine
-from tpupod.serve.events import Delta, Event, Failed, Finished, SamplingParams, deliver
+from tpupod.serve.events import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    RequestRejected,
+    SamplingParams,
+    deliver,
+)
 from tpupod.serve.text import TextStream, submit
 
 # The module's first test also pays for its shared server or engines (loads and
@@ -282,6 +290,47 @@ def test_seeded_sampling_is_kept_inside_a_shared_batch(server: Server) -> None:
     assert answers[1].choices[0].message.content == other_seed
 
 
+def test_any_64_bit_seed_is_taken_and_draws_with_its_low_32_bits(server: Server) -> None:
+    """OpenAI and vLLM take any 64-bit seed; a seed past 32 bits (-1, 2**40 + 7) failed its
+    request with 503 'generation failed: Python integer -1 out of bounds for uint32'."""
+    client = server.client()
+    sampled = {"temperature": 1.5, "max_tokens": 16}
+
+    def text(seed: int) -> str | None:
+        return ask(client, QUESTIONS[1], seed=seed, **sampled).choices[0].message.content
+
+    assert text(-1) == text(2**32 - 1)
+    assert text(2**40 + 7) == text(7)
+    assert text(2**64 - 1) == text(-1)
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        text(2**64)
+
+
+def test_half_a_surrogate_pair_is_a_400_not_a_500(server: Server) -> None:
+    """JSON may escape half a UTF-16 surrogate pair (\\ud800), which Python takes as a str
+    no encoder can take: the tokenizer raised and the client got a bare 500 (chat,
+    completions, a stop string, the model's name in the 404). Now a 400 that names it; a
+    whole pair escaped (what ensure_ascii JSON sends for an emoji) is a character."""
+    half = "\\ud800"
+    for path, body in (
+        (
+            "/v1/chat/completions",
+            f'{{"model": "{NAME}", "messages": [{{"role": "user", '
+            f'"content": "x{half}"}}], "max_tokens": 2}}',
+        ),
+        ("/v1/completions", f'{{"model": "{NAME}", "prompt": "x{half}y", "max_tokens": 2}}'),
+        ("/v1/completions", f'{{"model": "{NAME}", "prompt": "x", "stop": "{half}"}}'),
+        ("/v1/completions", f'{{"model": "{NAME}{half}", "prompt": "x"}}'),
+    ):
+        response = post(server, path, body.encode())
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "invalid_json" and "\\ud800" in error["message"], error
+    emoji = json.dumps({"model": NAME, "prompt": "x \U0001f600", "max_tokens": 2})
+    assert "\\ud83d\\ude00" in emoji
+    assert post(server, "/v1/completions", emoji.encode()).status_code == 200
+
+
 def post(server: Server, path: str, body: Any) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(server.url(path), content=content, timeout=30)
@@ -509,6 +558,16 @@ def test_slots_are_reused_and_answers_equal_generate(engine: Engine, model: Qwen
     used = [slot for slot, _ in engine.slot_history[admitted:]]
     assert len(used) == 4 and set(used) == {0, 1}  # four requests through two slots
     assert engine.running == 0 and engine.waiting == 0
+
+
+def test_a_seed_the_rows_cannot_hold_is_refused_at_submit(engine: Engine) -> None:
+    """A library caller's seed past 32 bits is refused where it is given, not failed
+    later on the engine's thread as 'generation failed'."""
+    for seed in (-1, 2**32):
+        with pytest.raises(RequestRejected, match=r"not in \[0, 2\*\*32\)") as caught:
+            engine.submit(PROMPTS[2], SamplingParams(max_tokens=2, seed=seed), Collect())
+        assert caught.value.param == "seed"
+    assert engine.waiting == 0
 
 
 def test_a_newcomer_joins_a_running_batch(engine: Engine, model: QwenModel) -> None:

@@ -52,6 +52,7 @@ from tpupod.serve.events import (  # the engine's vocabulary, re-exported for it
     Failed,
     Finished,
     FinishReason,
+    RequestRejected,
     SamplingParams,
     Sink,
     Tokens,
@@ -84,6 +85,9 @@ class Request:
         self.prompt = prompt
         self.params = params
         self.sink = sink
+        if params.seed is not None and not 0 <= params.seed < 2**32:
+            # the rows' seeds are uint32 on the device (the API passes a seed's low 32 bits)
+            raise RequestRejected(f"seed {params.seed} is not in [0, 2**32)", "seed")
         self.seed = params.seed if params.seed is not None else secrets.randbits(32)
         self.generated = 0
         self.slot: int | None = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import re
 import threading
 import time
 import uuid
@@ -115,7 +116,8 @@ class _Sampling(_Body):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    seed: int | None = None
+    # any 64-bit integer, as OpenAI and vLLM take; the engine draws with its low 32 bits
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -127,7 +129,7 @@ class _Sampling(_Body):
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed % 2**32,
             stop=tuple(stop),
         )
 
@@ -447,11 +449,24 @@ async def completions(request: Request) -> Response:
 async def _parse(served: Served, request: Request, kind: type[_Sampling], endpoint: str) -> Any:
     """The body, validated; every refusal counted as ``rejected``."""
     requests = served.metrics.requests
+    body = await request.body()
     try:
-        raw = json.loads(await request.body())
+        raw = json.loads(body)
+        if _ESCAPED_SURROGATE.search(body):  # rare: only then look at every string
+            json.dumps(raw, ensure_ascii=False).encode()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         requests.labels(endpoint, "rejected").inc()
         raise APIError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from exc
+    except UnicodeEncodeError as exc:  # a lone surrogate: no character, nothing can encode it
+        requests.labels(endpoint, "rejected").inc()
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+        raise APIError(
+            400,
+            f"the body is not valid JSON text: {bad} is half of a UTF-16 surrogate pair, "
+            "not a character; send whole characters (UTF-8, or both halves escaped)",
+            None,
+            "invalid_json",
+        ) from exc
     try:
         return _checked(served, raw, kind)
     except ValidationError as exc:
@@ -460,6 +475,11 @@ async def _parse(served: Served, request: Request, kind: type[_Sampling], endpoi
     except APIError:
         requests.labels(endpoint, "rejected").inc()
         raise
+
+
+# JSON's escape of half a surrogate pair (\\ud800-\\udfff): json.loads takes it, alone, as
+# a str that no encoder (the tokenizer's, UTF-8) can take
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _checked(served: Served, raw: Any, kind: type[_Sampling]) -> _Sampling:
