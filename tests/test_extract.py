@@ -153,6 +153,28 @@ def test_reads_text_and_messages_plain_and_gzip_and_names_bad_lines(tmp_path: Pa
     assert read_samples(str(tmp_path), on_skip=lambda line: None).digest != read.digest
 
 
+def test_half_a_surrogate_pair_is_a_bad_line_not_an_internal_error(tmp_path: Path) -> None:
+    """Web text holds JSON like "\\ud83d" (an emoji cut in half), which loads as a str no
+    tokenizer takes: 'tpupod extract' ended in 'internal error: TypeError: TextEncodeInput
+    must be ...'. Such a line is now skipped and named, as other bad lines are; a whole
+    pair escaped is a character."""
+    path = tmp_path / "web.jsonl"
+    path.write_text(
+        '{"id": 1, "text": "whole \\ud83d\\ude00 pair"}\n'
+        '{"id": 2, "text": "half \\ud83d of a pair"}\n'
+        '{"id": 3, "messages": [{"role": "user", "content": "x\\udc00"}]}\n'
+    )
+    skipped: list[str] = []
+    read = read_samples(str(path), on_skip=skipped.append)
+    assert [(s.id, s.text) for s in read.samples] == [("1", "whole \U0001f600 pair")]
+    assert [line.split(": ", 1)[0] for line in skipped] == [
+        f"skipped {path}:2",
+        f"skipped {path}:3",
+    ]
+    assert "\\ud83d is half of a UTF-16 surrogate pair" in skipped[0], skipped
+    assert "\\udc00 is half of a UTF-16 surrogate pair" in skipped[1], skipped
+
+
 def test_duplicate_ids_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(

@@ -358,6 +358,11 @@ def test_submit_prints_the_id_alone_and_wait_prints_the_result(
         (["--timeout", "-1", "--", "true"], "--timeout -1: must be more than 0 seconds"),
         (["--label", "novalue", "--", "true"], "bad --label 'novalue'"),
         (["missing.py"], "missing.py: no such file"),
+        (  # a byte that is not UTF-8 (the argv's \udcff): an internal error before
+            ["--", "echo", "\udcff"],
+            "\\udcff is half of a UTF-16 surrogate pair, not a character (from a command "
+            "line or a file name: the byte 0xff, not UTF-8): no database can store it",
+        ),
     ],
 )
 def test_bad_submissions_get_one_error_line_and_exit_2(

@@ -79,6 +79,32 @@ def test_bad_payloads_get_422_naming_the_field(api: httpx.Client) -> None:
     assert "exactly one of code and command" in both.json()["detail"][0]["msg"]
 
 
+def test_half_a_surrogate_pair_is_a_422_that_names_it(api: httpx.Client, store: Store) -> None:
+    """JSON may escape half a UTF-16 surrogate pair ("\\ud800"); the store's database
+    cannot hold it, and FastAPI's own 422 (which echoes the input) could not encode it:
+    each was a 500 and a dropped connection. Now a 422 saying what is wrong, in JSON."""
+    before = store.counts()
+
+    def post(body: bytes) -> httpx.Response:
+        return api.post("/jobs", content=body, headers={"content-type": "application/json"})
+
+    for body in (
+        b'{"command": "echo \\ud800"}',
+        b'{"command": "echo hi", "name": "n\\udfff"}',
+        b'{"command": "echo hi", "labels": {"team": "\\ud83d"}}',
+        b'{"command": "echo hi", "timeout": -1, "name": "\\ud800"}',  # FastAPI's own 422
+    ):
+        response = post(body)
+        assert response.status_code == 422, (body, response.text)
+        detail = response.json()["detail"]
+        assert detail and all("msg" in d for d in detail), detail
+    said = post(b'{"command": "echo \\ud800"}').json()["detail"][0]["msg"]
+    assert "\\ud800 is half of a UTF-16 surrogate pair" in said, said
+    assert store.counts() == before
+    whole = post(b'{"command": "echo \\ud83d\\ude00"}')  # one emoji
+    assert whole.status_code == 201, whole.text
+
+
 def test_submit_list_read_and_cancel(api: httpx.Client) -> None:
     seed = {"challenge_number": 1, "code": "result = 1", "timeout": 60, "status": "pending"}
     created = api.post("/jobs", json=seed)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod.errors import DataError
+from tpupod.jsontext import lone_surrogate
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz")
 
@@ -113,7 +114,10 @@ def _parse(name: str, raw: bytes, into: list[Sample]) -> list[tuple[str, str]]:
         if not line.strip():
             continue
         try:
-            into.append(_sample(json.loads(line)))
+            record = json.loads(line)
+            if (problem := lone_surrogate(record, line)) is not None:
+                raise ValueError(problem)  # the tokenizer's TypeError on a worker, else
+            into.append(_sample(record))
         except (ValueError, TypeError) as exc:
             problems.append((f"{name}:{number}", str(exc).splitlines()[0]))
     return problems

@@ -20,7 +20,9 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from tpupod.envargs import parse_pairs
@@ -50,6 +52,13 @@ def authorized(
 def create_app(store: Store, token: str) -> FastAPI:
     app = FastAPI(title="tpupod jobs", dependencies=[Depends(authorized)])
     app.state.token = token
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own handler echoes the input in UTF-8: half a surrogate pair in it
+        # (which JSON may escape) could not be encoded, and the 422 became a 500
+        body = json.dumps({"detail": jsonable_encoder(exc.errors())})  # ASCII: \ud800
+        return Response(body, status_code=422, media_type="application/json")
 
     @app.exception_handler(JobNotFound)
     async def _not_found(request: Request, exc: JobNotFound) -> JSONResponse:

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpupod.jobs.code import syntax_problem
+from tpupod.jsontext import lone_surrogate
 
 
 class JobStatus(enum.StrEnum):
@@ -64,6 +65,8 @@ class JobRequest(BaseModel):
             raise ValueError(
                 f"retries {self.retries} needs max_attempts of at least {self.retries + 1}"
             )
+        if (problem := lone_surrogate(self.model_dump())) is not None:
+            raise ValueError(f"{problem}: no database can store it")
         extra = dict(self.model_extra or {})
         for ignored in ("status", "created_at"):  # the seed's; the store owns these
             extra.pop(ignored, None)

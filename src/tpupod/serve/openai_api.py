@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import re
 import threading
 import time
 import uuid
@@ -50,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpupod.errors import ModelError
+from tpupod.jsontext import lone_surrogate
 from tpupod.serve.events import (
     Delta,
     EngineStopped,
@@ -452,21 +452,17 @@ async def _parse(served: Served, request: Request, kind: type[_Sampling], endpoi
     body = await request.body()
     try:
         raw = json.loads(body)
-        if _ESCAPED_SURROGATE.search(body):  # rare: only then look at every string
-            json.dumps(raw, ensure_ascii=False).encode()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         requests.labels(endpoint, "rejected").inc()
         raise APIError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from exc
-    except UnicodeEncodeError as exc:  # a lone surrogate: no character, nothing can encode it
+    if (problem := lone_surrogate(raw, body)) is not None:  # the tokenizer would fail on it
         requests.labels(endpoint, "rejected").inc()
-        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
         raise APIError(
             400,
-            f"the body is not valid JSON text: {bad} is half of a UTF-16 surrogate pair, "
-            "not a character; send whole characters (UTF-8, or both halves escaped)",
+            f"the body is not valid JSON text: {problem}; send whole characters",
             None,
             "invalid_json",
-        ) from exc
+        )
     try:
         return _checked(served, raw, kind)
     except ValidationError as exc:
@@ -475,11 +471,6 @@ async def _parse(served: Served, request: Request, kind: type[_Sampling], endpoi
     except APIError:
         requests.labels(endpoint, "rejected").inc()
         raise
-
-
-# JSON's escape of half a surrogate pair (\\ud800-\\udfff): json.loads takes it, alone, as
-# a str that no encoder (the tokenizer's, UTF-8) can take
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _checked(served: Served, raw: Any, kind: type[_Sampling]) -> _Sampling:
