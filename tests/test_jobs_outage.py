@@ -141,7 +141,7 @@ def test_lines_past_the_runners_buffer_are_dropped_and_the_log_says_how_many_and
     # one gap: one marker, or (a write that fitted nothing between) markers side by side
     assert marks and marks == list(range(marks[0], marks[-1] + 1)), lines
     gap = marks[0]
-    assert all("lines dropped here (" in lines[i] for i in marks), lines
+    assert all(re.search(r" lines? dropped here \(", lines[i]) for i in marks), lines
     dropped = sum(int(lines[i].split()[1]) for i in marks)
     assert dropped > 10, lines
     assert lines[:gap] == [f"line {i}" for i in range(1, gap + 1)]
@@ -284,6 +284,6 @@ def test_a_drop_marker_comes_before_the_next_line_kept() -> None:
     buffer.add(0, "f")
     written = [text for _, text in _drain(buffer)]
     assert written[0] == "d"
-    assert written[1].startswith("[tpupod] 1 lines dropped here")
+    assert written[1].startswith("[tpupod] 1 line dropped here (")
     assert written[2:] == ["f"]
     buffer.close()

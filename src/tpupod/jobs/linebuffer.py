@@ -111,7 +111,8 @@ class LineBuffer:
         since = time.strftime("%H:%M:%S", time.gmtime(self._dropped_from))
         until = time.strftime("%H:%M:%S", time.gmtime())
         marker = (
-            f"[tpupod] {self._dropped} lines dropped here ({since} to {until} UTC): the job "
+            f"[tpupod] {self._dropped} line{'s' if self._dropped != 1 else ''} dropped here "
+            f"({since} to {until} UTC): the job "
             f"store was away and the runner's buffer ({_size(self.memory_bytes)} in memory, "
             f"{_size(self.disk_bytes)} on disk) was full"
         )
