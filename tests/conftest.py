@@ -448,7 +448,7 @@ def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def start_router(
-    state: Path, backends: list[str], *flags: str, timeout: float = 30
+    state: Path, backends: list[str], *flags: str, timeout: float = 30, stderr: Any = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``python -m tpupod.serve.router`` in front of ``backends`` (host:port), once its
     health checks count every one of them up; the process and its URL."""
@@ -459,6 +459,7 @@ def start_router(
         [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(state),
          "--port", str(port), "--backends", ",".join(backends), *flags],
         stdout=subprocess.DEVNULL,
+        stderr=stderr,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

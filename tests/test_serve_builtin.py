@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.conftest import IN_CI, start_router
 
 if importlib.util.find_spec("flax") is None or importlib.util.find_spec("openai") is None:
     if IN_CI:
@@ -445,6 +446,63 @@ def test_metrics_count_requests_tokens_and_latency(server: Server) -> None:
     assert after["tpupod_serve_running_requests{}"] == 0
     assert after["tpupod_serve_waiting_requests{}"] == 0
     assert after["tpupod_serve_slots{}"] == MAX_BATCH
+
+
+def _running(server: Server, port: int) -> int:
+    return int(httpx.get(server.url("/health", port)).json()["running"])
+
+
+def test_a_client_that_leaves_frees_its_slot_streamed_or_not(
+    server: Server, tmp_path: Path
+) -> None:
+    """A client that hangs up (its timeout, a Ctrl-C) ends its request, on the server or
+    through the router: the slot is free and the request is counted 'cancelled'. A whole
+    (non-streamed) answer went on to its last token, a slot held for nothing (the openai
+    client retries a timeout twice: three answers made for one asked); the router kept
+    its own request to the server, and logged a traceback for a stream's client."""
+    port = server.ports[0]
+    body = {"model": NAME, "prompt": [7, 8, 9], "max_tokens": MAX_LENGTH - 3, "temperature": 0}
+    whole = post(server, "/v1/completions", body).json()
+    assert whole["choices"][0]["finish_reason"] == "length", whole  # runs to its end
+    log = tmp_path / "router.log"
+    with log.open("wb") as err:
+        router, url = start_router(tmp_path, [f"127.0.0.1:{port}"], "--no-auth", stderr=err)
+    try:
+        for target, stream in itertools.product((port, int(url.rsplit(":", 1)[1])), (False, True)):
+            before = scrape(server, port)
+            _hang_up_mid_answer(server, port, target, json.dumps({**body, "stream": stream}))
+            after = scrape(server, port)
+            grew = [
+                after.get(key, 0) - before.get(key, 0)
+                for key in (
+                    "tpupod_serve_requests_total"
+                    + json.dumps({"endpoint": "completions", "outcome": outcome}, sort_keys=True)
+                    for outcome in ("cancelled", "length")
+                )
+            ]
+            assert grew == [1, 0], (target, stream, after)
+        listed = httpx.get(f"{url}/backends").json()
+        assert [b["outstanding"] for b in listed["health"].values()] == [0], listed  # no leak
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def _hang_up_mid_answer(server: Server, port: int, target: int, data: str) -> None:
+    """POST ``data`` to ``target`` on a raw connection, close it once the server on
+    ``port`` runs the request, and wait for its slot to be free."""
+    with socket.create_connection(("127.0.0.1", target)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data.encode())
+        )
+        deadline = time.monotonic() + 30
+        while not _running(server, port):
+            assert time.monotonic() < deadline, "the request never ran"
+    deadline = time.monotonic() + 30
+    while _running(server, port):
+        assert time.monotonic() < deadline, "the slot was never freed"
 
 
 def test_one_engine_on_two_devices_then_sigterm_ends_streams_with_an_error() -> None:

@@ -216,7 +216,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "tpupod_serve_requests",
-            "Requests answered, by endpoint and outcome (stop, length, error, rejected)",
+            "Requests answered, by endpoint and outcome (stop, length, error, rejected, "
+            "cancelled: the client hung up first)",
             ["endpoint", "outcome"],
             registry=r,
         )
@@ -271,9 +272,26 @@ class _Call:
         self.ended = False
 
     def abandon(self) -> None:
-        """The client went away before the end: free the request's slot."""
+        """The client went away before the end: free the request's slot (counted
+        ``cancelled``); after the end, nothing."""
         if self.request is not None and not self.ended:
+            self.ended = True
             self.request.cancel()
+            self.metrics.requests.labels(self.endpoint, "cancelled").inc()
+
+    def watch_client(self, request: Request) -> asyncio.Future[None]:
+        """For a whole answer (a stream has Starlette's own watch): when the client hangs
+        up, abandon the request and wake the one collecting it. Cancel it at the end."""
+
+        async def watch() -> None:
+            # uvicorn's receive() after the body returns only when the connection ends
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            if not self.ended:
+                self.abandon()
+                self._put(Failed("the client went away"))
+
+        return asyncio.ensure_future(watch())
 
     def sink(self, event: Event) -> None:
         if threading.get_ident() == self.thread:  # delivered on the loop (loop_dispatch)
@@ -310,7 +328,7 @@ class _Call:
                 self.metrics.latency.observe(now - self.started)
                 self.metrics.generated_tokens.inc(event.completion_tokens)
                 self.metrics.requests.labels(self.endpoint, event.reason).inc()
-            elif isinstance(event, Failed):
+            elif isinstance(event, Failed) and not self.ended:  # ended: abandoned
                 self.metrics.requests.labels(self.endpoint, "error").inc()
             if not isinstance(event, Delta):
                 self.ended = True
@@ -423,7 +441,7 @@ async def chat(request: Request) -> Response:
         raise APIError(400, exc.message, "messages", "invalid_value") from exc
     call = _Call(served.engine, served.metrics, "chat")
     _submit(served, call, tokenizer.encode(text), body, "messages")
-    return await _respond(served, call, body, chat=True)
+    return await _respond(served, request, call, body, chat=True)
 
 
 async def completions(request: Request) -> Response:
@@ -443,7 +461,7 @@ async def completions(request: Request) -> Response:
             raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
     call = _Call(served.engine, served.metrics, "completions")
     _submit(served, call, ids, body, "prompt")
-    return await _respond(served, call, body, chat=False)
+    return await _respond(served, request, call, body, chat=False)
 
 
 async def _parse(served: Served, request: Request, kind: type[_Sampling], endpoint: str) -> Any:
@@ -511,7 +529,9 @@ def _submit(
     served.metrics.prompt_tokens.inc(len(prompt))
 
 
-async def _respond(served: Served, call: _Call, body: _Sampling, *, chat: bool) -> Response:
+async def _respond(
+    served: Served, request: Request, call: _Call, body: _Sampling, *, chat: bool
+) -> Response:
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = _Shape(ident, served.model_name, chat)
     if body.stream:
@@ -522,6 +542,7 @@ async def _respond(served: Served, call: _Call, body: _Sampling, *, chat: bool) 
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     text: list[str] = []
+    client = call.watch_client(request)
     try:
         async for event in call.events():
             if isinstance(event, Delta):
@@ -531,6 +552,7 @@ async def _respond(served: Served, call: _Call, body: _Sampling, *, chat: bool) 
             elif isinstance(event, Finished):
                 return JSONResponse(shape.whole("".join(text), event))
     finally:
+        client.cancel()
         call.abandon()
     raise _unavailable()  # not reached: events end with Finished or Failed
 

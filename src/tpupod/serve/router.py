@@ -233,8 +233,20 @@ class Router:
     async def attempt(
         self, request: web.Request, backend: Backend, body: bytes, headers: bytes
     ) -> web.StreamResponse:
-        """One try on one backend: a 5xx Response means 'try another'; else the answer."""
+        """One try on one backend: a 5xx Response means 'try another'; else the answer.
+
+        Every way out ends the backend's visit once (``registry.end``): the paths below
+        end it with no await after, and a cancel (the client hung up) ends it here."""
         self.registry.begin(backend)
+        try:
+            return await self._attempt(request, backend, body, headers)
+        except asyncio.CancelledError:
+            self.registry.end(backend, ok=True)  # the client left: not the backend's fault
+            raise
+
+    async def _attempt(
+        self, request: web.Request, backend: Backend, body: bytes, headers: bytes
+    ) -> web.StreamResponse:
         try:
             answer = await self.pool(backend).request(
                 request.method, request.path_qs, headers, body
@@ -299,16 +311,18 @@ class Router:
                 await out.write(chunk)
         except upstream.Dropped as exc:
             ok, error = False, str(exc)
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.registry.end(backend, ok=True)  # the client left: not the backend's fault
-            raise
+        except ConnectionResetError:  # the client left between two chunks
+            self.registry.end(backend, ok=True)
+            self.count(backend, "client_gone")
+            return out
         if not done:
             ok = False
             error = error or "the stream ended before [DONE]"
             await _write_quietly(out, sse_error(f"backend {backend.address} failed: {error}"))
+        with contextlib.suppress(ConnectionResetError):  # the client left after the last
+            await out.write_eof()
         self.registry.end(backend, ok=ok, error=error, tokens=tally.tokens)
         self.count(backend, "200" if ok else "stream_error")
-        await out.write_eof()
         return out
 
     # -- app -----------------------------------------------------------------------------
@@ -404,7 +418,11 @@ async def _write_quietly(out: web.StreamResponse, data: bytes) -> None:
 async def run_router(
     router: Router, host: str, port: int, on_listening: Callable[[int], None]
 ) -> None:
-    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
+    # a client that hangs up cancels its handler: the request to the backend is closed
+    # with it, and the backend frees the slot (aiohttp's default lets the handler run on)
+    runner = web.AppRunner(
+        router.app(), access_log=None, handle_signals=False, handler_cancellation=True
+    )
     await runner.setup()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
