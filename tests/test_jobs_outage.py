@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import tpupod_argv
 from tests.postgres import Postgres, new_database, postgres_cluster
 from tests.test_jobs import _wait_for, command_job, runner
 from tpupod.errors import JobStoreAway
@@ -38,12 +39,14 @@ def pg() -> Iterator[Postgres]:
         yield server
 
 
-def _outage(server: Postgres, store: Store, ready: Callable[[], bool]) -> float:
-    """Once ``ready()``, stop the server for ``OUTAGE_S``; returns how long it was down."""
+def _outage(
+    server: Postgres, store: Store, ready: Callable[[], bool], seconds: float = OUTAGE_S
+) -> float:
+    """Once ``ready()``, stop the server for ``seconds``; returns how long it was down."""
     _wait_for(ready, timeout=30)
     server.stop()
     stopped = time.monotonic()
-    time.sleep(OUTAGE_S)
+    time.sleep(seconds)
     server.start()
     return time.monotonic() - stopped
 
@@ -147,6 +150,45 @@ def test_lines_past_the_runners_buffer_are_dropped_and_the_log_says_how_many_and
     assert lines[:gap] == [f"line {i}" for i in range(1, gap + 1)]
     assert lines[marks[-1] + 1 :] == [f"line {i}" for i in range(gap + dropped + 1, 81)]
     store.close()
+
+
+@pytest.mark.timeout(150)  # a cluster of its own, a runner and two watchers, an outage
+def test_logs_follow_and_wait_ride_out_an_outage(
+    pg: Postgres, request: pytest.FixtureRequest
+) -> None:
+    """Someone following a job's log ('jobs logs -f') or waiting for it ('jobs wait')
+    across a database restart lost the view with 'connection failed' (exit 1) while the
+    job ran on. Both now wait for the store as the runner does, saying so once, and end
+    as they would have: every line once and in order, the result."""
+    url = new_database(pg)
+    store = Store.open(url)
+    request.addfinalizer(store.close)
+    job = store.submit(command_job("for i in $(seq 1 40); do echo line $i; sleep 0.1; done"))
+    work = runner(url, "--local", "--until-empty", "--lease", "4")
+    watchers = [
+        subprocess.Popen(
+            tpupod_argv("jobs", *args, str(job), "--db", url),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in (["logs", "-f"], ["wait"])
+    ]
+    try:
+        _outage(pg, store, lambda: len(store.logs(job)) >= 5, seconds=3)
+        (lines, err), (result, err_wait) = (w.communicate(timeout=60) for w in watchers)
+        assert work.communicate(timeout=60)[0] is None and work.returncode == 0
+    finally:
+        for proc in (*watchers, work):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert [w.returncode for w in watchers] == [0, 0], (err, err_wait)
+    assert lines.splitlines() == [f"line {i}" for i in range(1, 41)], err
+    for said in (err, err_wait):
+        assert said.count("retrying until it is back") == 1, said
+        assert said.count("the job store is back after") == 1, said
+    assert result == "" and store.get(job).status is JobStatus.COMPLETED  # a command: no result
 
 
 def _refusing(url: str) -> str | None:

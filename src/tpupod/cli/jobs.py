@@ -98,7 +98,7 @@ def submit(
     job_id = service.submit(request, db=db, remote_pod=remote_pod)
     print(job_id, flush=True)
     if wait:
-        _print_result(service.wait(service.open_store(db), job_id))
+        _print_result(service.wait(service.open_store(db), job_id, say=notice))
 
 
 @jobs_app.command("ls")
@@ -176,7 +176,7 @@ def logs(
     ident = service.job_id(job_id)
     store = service.open_store(db)
     pod = store.get(ident).pod
-    for page in service.log_pages(store, ident, after=offset, until_end=follow):
+    for page in service.log_pages(store, ident, after=offset, until_end=follow, say=notice):
         text = (f"[w{line.worker}] {line.line}" if pod else line.line for line in page)
         sys.stdout.write("\n".join(text) + "\n")
         sys.stdout.flush()
@@ -208,7 +208,7 @@ def wait(
     from tpupod.jobs.request import positive_seconds
 
     ident, limit = service.job_id(job_id), positive_seconds("--timeout", timeout)
-    _print_result(service.wait(service.open_store(db), ident, timeout=limit))
+    _print_result(service.wait(service.open_store(db), ident, timeout=limit, say=notice))
 
 
 def _print_result(job: Job) -> None:

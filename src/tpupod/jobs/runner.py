@@ -32,7 +32,7 @@ from tpupod.jobs.attempt import Executor, Hooks, Outcome
 from tpupod.jobs.claims import Ending
 from tpupod.jobs.linebuffer import LineBuffer
 from tpupod.jobs.models import Claim, JobStatus
-from tpupod.jobs.store import Store
+from tpupod.jobs.store import RETRY_S, Outage, Store
 from tpupod.jobs.wakeup import Wakeup
 
 DEFAULT_LEASE_S = 15.0
@@ -40,7 +40,6 @@ FLUSH_S = 0.2
 HEARTBEAT_MAX_S = 1.0
 UNTIL_EMPTY_POLL_S = 0.2
 END_TRIES = 30  # the database may be restarting: the lease covers a while
-RETRY_S = 0.5  # while the store is away
 WATCH_S = 1.0  # a pod runner checks that its pod is there
 WRITE_BATCH = 5000  # log lines per transaction
 
@@ -115,9 +114,8 @@ class Runner:
         self._active = 0  # attempts claimed and not yet ended
         self._changed = asyncio.Event()  # an attempt ended: a slot is free, an ending queued
         self._failures = 0  # store errors in a row
-        self._away_since: float | None = None  # the store has been away since (monotonic)
         self.gone: str | None = None  # why the pod this runner serves is gone
-        self._back_at = float("-inf")  # when the store came back (monotonic)
+        self.outage = Outage(self.say, prefix=f"runner {self.owner}: ")
 
     async def serve(self, *, until_empty: bool = False, max_jobs: int | None = None) -> int:
         """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``).
@@ -256,23 +254,17 @@ class Runner:
 
     def _store_away(self, exc: JobStoreError) -> None:
         """Say that the store is away once, when the outage starts; retry quietly."""
-        if self._away_since is None:
-            self._away_since = time.monotonic()
-            self.say(f"runner {self.owner}: {exc.message}; retrying until it is back")
+        self.outage.away(exc)
 
     def _just_back(self) -> bool:
         """The store is away, or came back less than a lease ago: leases that expired
         meanwhile are no sign of lost runners (none could renew), so reaping waits until
         they had a lease's time to renew (a reap must not be the first write to succeed)."""
-        away = self._away_since is not None
-        return away or time.monotonic() - self._back_at < self.lease_s
+        away = self.outage.since is not None
+        return away or time.monotonic() - self.outage.back_at < self.lease_s
 
     def _store_back(self) -> None:
-        if self._away_since is not None:
-            took = time.monotonic() - self._away_since
-            self._away_since = None
-            self._back_at = time.monotonic()
-            self.say(f"runner {self.owner}: the job store is back after {took:.1f} s")
+        self.outage.back()
 
     async def _anything_left(self) -> bool:
         try:
@@ -354,7 +346,7 @@ class Runner:
         """Every ``FLUSH_S``, write what the running attempts printed (and a pod job's start);
         while the store is away, try every ``RETRY_S``."""
         while True:
-            await asyncio.sleep(FLUSH_S if self._away_since is None else RETRY_S)
+            await asyncio.sleep(FLUSH_S if self.outage.since is None else RETRY_S)
             for attempt in list(self.held.values()):
                 if not await self._write_progress(attempt):
                     break  # the store is away: the others wait for the next try

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tpupod.errors import JobError, UsageError
+from tpupod.errors import JobError, JobStoreAway, UsageError
 from tpupod.jobs.models import AttemptLines, Job, JobRequest, JobStatus, LogLine
 from tpupod.jobs.quick import check_pod
-from tpupod.jobs.store import Store
+from tpupod.jobs.store import RETRY_S, Outage, Store
 
 POLL_S = 0.2  # a follower and a waiter read the store again after this long
 LOG_PAGE = 5000  # lines per read while following
@@ -113,13 +113,22 @@ async def follow(
     until_end: bool = True,
     page: int = LOG_PAGE,
     poll_s: float = POLL_S,
+    say: Callable[[str], None] | None = None,
 ) -> AsyncIterator[list[LogLine]]:
     """The job's lines after offset ``after``, in pages as they are written; it ends when
     the job has ended and every line is read (``until_end=False``: when every line written
-    so far is read). Pages already written are read back to back, without waiting."""
+    so far is read). Pages already written are read back to back, without waiting. While
+    the store is away it waits (``say`` hears when that starts and ends), as runners do."""
+    outage = Outage(say)
     while True:
-        ended = not until_end or (await asyncio.to_thread(store.get, ident)).status.finished
-        lines = await asyncio.to_thread(store.logs, ident, after=after, limit=page)
+        try:
+            ended = not until_end or (await asyncio.to_thread(store.get, ident)).status.finished
+            lines = await asyncio.to_thread(store.logs, ident, after=after, limit=page)
+        except JobStoreAway as exc:
+            outage.away(exc)
+            await asyncio.sleep(RETRY_S)
+            continue
+        outage.back()
         if lines:
             after = lines[-1].seq
             yield lines
@@ -131,10 +140,15 @@ async def follow(
 
 
 def log_pages(
-    store: Store, ident: int, *, after: int = 0, until_end: bool = False
+    store: Store,
+    ident: int,
+    *,
+    after: int = 0,
+    until_end: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> Iterator[list[LogLine]]:
     """``follow`` for a caller without an event loop (the CLI)."""
-    pages = follow(store, ident, after=after, until_end=until_end)
+    pages = follow(store, ident, after=after, until_end=until_end, say=say)
 
     async def step() -> list[LogLine] | None:
         return await anext(pages, None)
@@ -144,10 +158,17 @@ def log_pages(
             yield lines
 
 
-def wait(store: Store, ident: int, *, timeout: float | None = None) -> Job:
+def wait(
+    store: Store,
+    ident: int,
+    *,
+    timeout: float | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Job:
     """The job once it has ended; a ``JobError`` when it did not complete, or when it is
-    still going after ``timeout`` seconds."""
+    still going after ``timeout`` seconds. While the store is away it waits, as ``follow``."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    outage = Outage(say)
     job = store.get(ident)
     while not job.status.finished:
         if deadline is not None and time.monotonic() > deadline:
@@ -155,8 +176,13 @@ def wait(store: Store, ident: int, *, timeout: float | None = None) -> Job:
                 f"job {ident} is still {job.status.value} after {timeout:g} s",
                 hint=f"'tpupod jobs logs -f {ident}' follows it",
             )
-        time.sleep(POLL_S)
-        job = store.get(ident)
+        time.sleep(POLL_S if outage.since is None else RETRY_S)
+        try:
+            job = store.get(ident)
+        except JobStoreAway as exc:
+            outage.away(exc)
+            continue
+        outage.back()
     if job.status is not JobStatus.COMPLETED:
         raise JobError(
             f"job {job.id} {job.status.value}: {job.error}",

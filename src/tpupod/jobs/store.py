@@ -90,7 +90,29 @@ def open_engine(url: str, *, create: bool = True) -> Engine:
         ) from exc
 
 
-OPEN_RETRY_S = 0.5
+class Outage:
+    """The store's absence as a person hears of it: one line when it starts (``away``),
+    one when it ends with its length (``back``), nothing between the retries."""
+
+    def __init__(self, say: Callable[[str], None] | None, prefix: str = "") -> None:
+        self.say = say or (lambda text: None)
+        self.prefix = prefix
+        self.since: float | None = None  # away since (monotonic)
+        self.back_at = float("-inf")  # when it last came back (monotonic)
+
+    def away(self, exc: JobStoreError, then: str = "retrying until it is back") -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            self.say(f"{self.prefix}{exc.message}; {then}")
+
+    def back(self) -> None:
+        if self.since is not None:
+            took = time.monotonic() - self.since
+            self.since, self.back_at = None, time.monotonic()
+            self.say(f"{self.prefix}the job store is back after {took:.1f} s")
+
+
+RETRY_S = 0.5  # while the store is away
 # what PostgreSQL answers a connection it cannot take now (SQLSTATE 57P03, 53300)
 _NOT_NOW = re.compile(r"FATAL:\s+(the database system is|sorry, too many clients)")
 
@@ -172,20 +194,17 @@ class Store:
         a restart, a server started after its runners), saying so once and when it is
         back. A server that refuses (no such database, a password) fails at once."""
         began = time.monotonic()
-        said = False
+        outage = Outage(say)
         while True:
             try:
                 store = cls.open(url, create=create)
             except JobStoreAway as exc:
                 if time.monotonic() - began >= wait_s:
                     raise
-                if say is not None and not said:
-                    say(f"{exc.message}; waiting up to {wait_s:.0f} s for it")
-                said = True
-                time.sleep(OPEN_RETRY_S)
+                outage.away(exc, f"waiting up to {wait_s:.0f} s for it")
+                time.sleep(RETRY_S)
                 continue
-            if said and say is not None:
-                say(f"the job store is back after {time.monotonic() - began:.1f} s")
+            outage.back()
             return store
 
     @contextlib.contextmanager
