@@ -5,7 +5,9 @@ says when the outage started and when it ended, and nothing in between."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import os
 import re
 import socket
 import subprocess
@@ -13,9 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.conftest import tpupod_argv
+from tests.conftest import free_base_port, tpupod_argv
 from tests.postgres import Postgres, new_database, postgres_cluster
 from tests.test_jobs import _wait_for, command_job, runner
 from tpupod.errors import JobStoreAway
@@ -241,6 +244,37 @@ def test_a_runner_started_while_postgres_restarts_waits_for_it_and_runs_the_queu
     store = Store.open(url)
     assert [store.get(job).status for job in ids] == [JobStatus.COMPLETED] * 3
     store.close()
+
+
+@pytest.mark.timeout(90)
+def test_the_job_api_started_while_postgres_is_down_serves_once_it_is_up(
+    pg: Postgres, tmp_path: Path
+) -> None:
+    """'tpupod jobs serve' (a service, started by systemd beside its database) exited 1
+    when the database was not up yet; it waits for it, as a runner does."""
+    url = new_database(pg)
+    pg.stop()
+    port = free_base_port(1)
+    env = {**os.environ, "TPUPOD_JOBS_TOKEN": "t0ken", "TPUPOD_HOME": str(tmp_path)}
+    argv = tpupod_argv("jobs", "serve", "--db", url, "--port", str(port))
+    api = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)
+        assert api.poll() is None, api.communicate()[1]
+        pg.start()
+        headers = {"Authorization": "Bearer t0ken"}
+
+        def answers() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"http://127.0.0.1:{port}/jobs", headers=headers).is_success
+            return False
+
+        _wait_for(answers, timeout=30)
+    finally:
+        api.terminate()
+        err = api.communicate(timeout=30)[1]
+    assert err.count("waiting up to 60 s for it") == 1, err
+    assert "the job store is back after" in err, err
 
 
 @pytest.mark.timeout(60)

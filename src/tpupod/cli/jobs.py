@@ -350,6 +350,8 @@ def serve(
     Every request needs 'Authorization: Bearer TOKEN' ($TPUPOD_JOBS_TOKEN, else the
     token file in the state directory, which this prints the path of, never the token)."""
     from tpupod.jobs.api import serve_api
-    from tpupod.jobs.service import open_store
+    from tpupod.jobs.store import START_WAIT_S, Store
 
-    serve_api(open_store(db, create=True), host, port, on_ready=notice)
+    # a service started beside a database restart (or before its server) waits for it
+    store = Store.open_waiting(db, create=True, wait_s=START_WAIT_S, say=notice)
+    serve_api(store, host, port, on_ready=notice)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tpupod.errors import PodNotFound, UsageError
 from tpupod.jobs.runner import DEFAULT_LEASE_S, Runner
 from tpupod.jobs.service import open_store
-from tpupod.jobs.store import Store
+from tpupod.jobs.store import START_WAIT_S, Store
 
 if TYPE_CHECKING:
     from tpupod.jobs.attempt import Executor
@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from tpupod.jobs.models import Job
     from tpupod.jobs.pool import Pool
     from tpupod.pod import Pod
-
-STORE_WAIT_S = 60.0  # at start, for a job store that is away (a restart takes seconds)
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,7 @@ def run_runner(options: RunnerOptions, on_event: Callable[[str], None] | None = 
     a line per attempt."""
     options.check()
     # a runner started beside a database restart (or before its server) waits for it
-    store = Store.open_waiting(options.db, create=True, wait_s=STORE_WAIT_S, say=on_event)
+    store = Store.open_waiting(options.db, create=True, wait_s=START_WAIT_S, say=on_event)
     try:
         pool = None
         if options.local and options.pool:
