@@ -379,6 +379,20 @@ def test_bad_submissions_get_one_error_line_and_exit_2(
     assert "Traceback" not in result.err
 
 
+def test_a_state_directory_that_cannot_be_made_is_one_error_line(
+    cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """The default store's folder under a TPUPOD_HOME that cannot be made (a read-only
+    mount, a typo into /proc) was 'internal error: FileNotFoundError' (exit 70)."""
+    home = "/proc/tpupod-nowhere"
+    for args in (["submit", "--", "true"], ["worker", "--local", "--until-empty"]):
+        result = cli("jobs", *args, env={"TPUPOD_HOME": home})
+        assert result.code == 1, result.err
+        lines = result.err.splitlines()
+        assert lines[0].startswith(f"error: cannot make the job store's folder {home}:"), lines
+        assert "TPUPOD_HOME" in lines[1] and "--db" in lines[1], lines
+
+
 def test_submit_wait_and_logs_follow_with_a_runner_at_work(
     cli: Callable[..., CliResult], tmp_path: Path
 ) -> None:

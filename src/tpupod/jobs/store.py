@@ -39,7 +39,14 @@ def _sqlite_engine(url: str, *, create: bool) -> Engine:
                 f"no job store at {path} (no jobs were submitted to it)",
                 hint=f"check the path, or submit a job first; {URL_HINT}",
             )
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(path).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise JobStoreError(
+                f"cannot make the job store's folder {folder}: {exc.strerror or exc}",
+                hint="set TPUPOD_HOME to a writable directory, or --db to another store",
+            ) from exc
     engine = create_engine(url, connect_args={"timeout": 60})
 
     @event.listens_for(engine, "connect")
