@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -14,12 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import select, text
 from typer.testing import CliRunner
 
 import tpupod.cli.jobs  # noqa: F401  (registers `jobs` for CliRunner)
-from tests.conftest import CliResult
+from tests.conftest import CliResult, tpupod_argv
 from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
 from tests.test_jobs_api import serving
 from tpupod.cli import app
@@ -226,6 +228,26 @@ def test_serve_on_a_busy_port_is_one_error_line(cli: Cli, tmp_path: Path) -> Non
         f"error: cannot listen on 127.0.0.1:{port}: Address already in use",
         f"hint: something else listens there: pick another, --port {port + 1}",
     ], served.err
+
+
+@pytest.mark.parametrize(("args", "path"), [(["jobs", "serve"], "/jobs"), (["dashboard"], "/")])
+def test_port_0_is_a_free_port_and_the_line_says_which(
+    tmp_path: Path, state_home: Path, args: list[str], path: str
+) -> None:
+    """--port 0 (any free port: what a script asks for) printed 'http://127.0.0.1:0/',
+    a URL nobody can reach; the line now names the port the service listens on."""
+    argv = tpupod_argv(*args, "--db", _sqlite(tmp_path), "--port", "0")
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        found = re.search(r" on http://127\.0\.0\.1:(\d+)/? ", line)
+        assert found and found.group(1) != "0", line
+        answer = httpx.get(f"http://127.0.0.1:{found.group(1)}{path}", timeout=10)
+        assert answer.status_code in (200, 401), answer.text  # the API wants its token
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
 
 
 def test_a_runner_without_a_pod_is_offered_local(cli: Cli, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str
     check_bind(config.host, token)
     config = dataclasses.replace(config, token=token)
     listening = listen(config.host, config.port)  # a busy port is one error line
+    config = dataclasses.replace(config, port=listening.getsockname()[1])  # --port 0: which
     url = url_of(config)
     actions = "actions need the token" if token else "read-only (no --token)"
     on_ready(f"dashboard on {url} ({actions}); Ctrl-C stops it")

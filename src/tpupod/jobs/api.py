@@ -160,6 +160,7 @@ def serve_api(
     token, source = api_token()
     app = create_app(store, token)
     listening = listen(host, port)  # ours, so a busy port is one error line
+    port = listening.getsockname()[1]  # --port 0: the one picked
     if on_ready is not None:
         on_ready(f"job API on http://{host}:{port} (bearer token: {source})")
     config = uvicorn.Config(app, log_level="warning", access_log=False)
