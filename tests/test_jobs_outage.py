@@ -363,3 +363,30 @@ def test_a_drop_marker_comes_before_the_next_line_kept() -> None:
     assert written[1].startswith("[tpupod] 1 line dropped here (")
     assert written[2:] == ["f"]
     buffer.close()
+
+
+@pytest.mark.parametrize(
+    ("said", "away"),
+    [
+        ('connection to server at "h", port 5432 failed: Connection refused', True),
+        ('connection to server at "h", port 5432 failed: timeout expired', True),
+        ("server closed the connection unexpectedly", True),
+        ("FATAL:  the database system is starting up", True),
+        ("FATAL:  the database system is in recovery mode", True),
+        ("FATAL:  sorry, too many clients already", True),
+        ("FATAL:  remaining connection slots are reserved for roles with the SUPERUSER", True),
+        ('FATAL:  database "jobs" does not exist', False),
+        ('FATAL:  password authentication failed for user "u"', False),
+        ('FATAL:  no pg_hba.conf entry for host "10.0.0.2"', False),
+    ],
+)
+def test_what_counts_as_a_store_away(said: str, away: bool) -> None:
+    """libpq's words for a failed connect (it gives them no SQLSTATE): waited for when the
+    server is not there or cannot take one now, failed at once when it refuses us."""
+    import psycopg
+    from sqlalchemy.exc import OperationalError
+
+    from tpupod.jobs.store import _away
+
+    error = OperationalError(None, None, psycopg.OperationalError(f"connection failed: {said}"))
+    assert _away(error) is away

@@ -122,7 +122,9 @@ class Outage:
 RETRY_S = 0.5  # while the store is away
 START_WAIT_S = 60.0  # a service (runner, API) starting waits this long for a store away
 # what PostgreSQL answers a connection it cannot take now (SQLSTATE 57P03, 53300)
-_NOT_NOW = re.compile(r"FATAL:\s+(the database system is|sorry, too many clients)")
+_NOT_NOW = re.compile(
+    r"FATAL:\s+(the database system is|sorry, too many clients|remaining connection slots)"
+)
 
 
 def _away(exc: DBAPIError) -> bool:
