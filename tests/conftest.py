@@ -450,10 +450,21 @@ def gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def start_router(
     state: Path, backends: list[str], *flags: str, timeout: float = 30, stderr: Any = None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m tpupod.serve.router`` in front of ``backends`` (host:port), once its
-    health checks count every one of them up; the process and its URL."""
+    """``python -m tpupod.serve.router`` in front of ``backends`` (host:port), once each
+    backend answers its ``/health`` and the router counts every one of them up; the process
+    and its URL.
+
+    The router counts a backend up until a check says otherwise: one started before its
+    backends listen sees them refused, down until ``rise`` checks pass, while its own
+    ``/health`` said "all up" at once (requests sent then got 503 no_backend)."""
     import httpx
 
+    deadline = time.monotonic() + timeout
+    for backend in backends:
+        while not _answers_health(f"http://{backend}/health"):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"backend {backend} did not answer /health in {timeout:g}s")
+            time.sleep(0.05)
     port = free_base_port(1)
     router = subprocess.Popen(
         [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(state),
@@ -462,7 +473,6 @@ def start_router(
         stderr=stderr,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             if httpx.get(f"{url}/health").json().get("healthy") == len(backends):
@@ -470,3 +480,12 @@ def start_router(
         time.sleep(0.05)
     router.kill()
     raise AssertionError(f"the router did not count {backends} up in {timeout:g}s")
+
+
+def _answers_health(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -11,9 +11,11 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -52,6 +54,36 @@ def _outage(
     time.sleep(seconds)
     server.start()
     return time.monotonic() - stopped
+
+
+class StderrLines:
+    """A process's stderr read as it comes (a thread), so a test can wait for a line
+    before it acts: a fixed sleep raced a process slow to start on a loaded machine."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        self.proc, self.lines = proc, list[str]()
+        self.thread = threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def wait_for(self, phrase: str, timeout: float = 30) -> None:
+        _wait_for(lambda: phrase in self.text() or self.proc.poll() is not None, timeout)
+        assert phrase in self.text(), self.text()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def finish(self, timeout: float = 60) -> str:
+        """Everything it wrote, once it has exited."""
+        self.proc.wait(timeout)
+        self.thread.join(timeout)
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
+        return self.text()
 
 
 def _said_once(err: str, down_for: float) -> None:
@@ -223,20 +255,20 @@ def test_a_runner_started_while_postgres_restarts_waits_for_it_and_runs_the_queu
     stopping = subprocess.Popen([*pg.pg_ctl, "-m", "smart", "stop"], stdout=subprocess.DEVNULL)
     _wait_for(lambda: "shutting down" in (_refusing(url) or ""), timeout=30)
     proc = runner(url, "--local", "--until-empty", "--lease", "4")
+    said = StderrLines(proc)
     try:
-        time.sleep(3)
-        assert proc.poll() is None, proc.communicate()[1]  # waiting, not failed
+        said.wait_for("waiting up to 60 s for it")  # its first connect met the shutdown
         held.close()
         stopping.wait(timeout=30)
         assert "refused" in (_refusing(url) or ""), "the server should be down now"
         time.sleep(1.5)
-        assert proc.poll() is None, proc.communicate()[1]
+        assert proc.poll() is None, said.text()  # still waiting, not failed
         pg.start()
-        _, err = proc.communicate(timeout=60)
+        err = said.finish()
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            said.finish()
     assert proc.returncode == 0, err
     away = [line for line in err.splitlines() if "waiting up to" in line]
     assert len(away) == 1 and "the database system is shutting down" in away[0], err
@@ -258,9 +290,9 @@ def test_the_job_api_started_while_postgres_is_down_serves_once_it_is_up(
     env = {**os.environ, "TPUPOD_JOBS_TOKEN": "t0ken", "TPUPOD_HOME": str(tmp_path)}
     argv = tpupod_argv("jobs", "serve", "--db", url, "--port", str(port))
     api = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    said = StderrLines(api)
     try:
-        time.sleep(2)
-        assert api.poll() is None, api.communicate()[1]
+        said.wait_for("waiting up to 60 s for it")
         pg.start()
         headers = {"Authorization": "Bearer t0ken"}
 
@@ -272,7 +304,7 @@ def test_the_job_api_started_while_postgres_is_down_serves_once_it_is_up(
         _wait_for(answers, timeout=30)
     finally:
         api.terminate()
-        err = api.communicate(timeout=30)[1]
+        err = said.finish(timeout=30)
     assert err.count("waiting up to 60 s for it") == 1, err
     assert "the job store is back after" in err, err
 
