@@ -55,6 +55,34 @@ def test_stderr_lines_go_to_stderr_with_prefix(
     assert "[w0] err" in result.err and "[w1] err" in result.err
 
 
+BAR = "for i in $(seq 0 12); do printf '\\r%d/12' $i; sleep 0.25; done; echo; echo after"
+
+
+def test_a_progress_bar_streams_back_as_it_moves(
+    any_pod: Callable[..., Pod], state_home: Path
+) -> None:
+    """A bar drawn with \\r (tqdm, pip, a download) showed nothing until its newline, then
+    one line of every state whose \\r's wrote over the worker's label on a terminal. Now
+    its state comes as it moves, about once a second, and its end as a line."""
+    pod = any_pod(2)
+    proc = subprocess.Popen(
+        tpupod_argv("exec", "--pod", pod.name, "--", BAR), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    started, arrived = time.monotonic(), []
+    with proc.stdout:
+        for line in proc.stdout:
+            arrived.append((time.monotonic() - started, line.rstrip("\n")))
+    assert proc.wait(30) == 0
+    assert not [line for _, line in arrived if "\r" in line], arrived
+    for worker in range(2):
+        mine = [(t, line) for t, line in arrived if line.startswith(f"[w{worker}] ")]
+        states = [line.split(" ", 1)[1] for _, line in mine]
+        assert states[-2:] == ["12/12", "after"], arrived
+        assert 2 <= len(states) - 2 <= 6, arrived  # about one a second over 3 s, not 13
+        assert mine[-1][0] - mine[0][0] > 1.5, arrived  # the first state came long before the end
+
+
 def test_exit_codes_aggregate_to_the_first_failure(
     any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:

@@ -72,6 +72,57 @@ def test_endless_line_is_cut() -> None:
     assert splitter.finish() == ["a" * 5]
 
 
+def test_a_long_line_is_cut_at_a_characters_edge() -> None:
+    splitter = LineSplitter(max_line=10)
+    assert splitter.feed("aaaaaaaaa\u00e9bbb".encode()) == ["aaaaaaaaa"]  # é's 2 bytes kept whole
+    assert splitter.finish() == ["\u00e9bbb"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_progress_bar_streams_its_state_at_most_every_interval() -> None:
+    """A bar redraws its line after a bare \\r (tqdm, pip, downloads): each state was held
+    until the bar's newline and came as one line of every state, \\r and all."""
+    clock = Clock()
+    splitter = LineSplitter(progress_every=1.0, clock=clock)
+    assert splitter.feed(b"\r  0%|   | 0/3") == ["  0%|   | 0/3"]  # the first state at once
+    clock.now = 0.4
+    assert splitter.feed(b"\r 33%|#  | 1/3") == []  # within the interval: held back
+    clock.now = 1.2
+    assert splitter.feed(b"\r 66%|## | 2/3") == [" 66%|## | 2/3"]  # the latest, not 33%
+    clock.now = 1.5
+    assert splitter.feed(b"\r100%|###| 3/3") == []
+    assert splitter.feed(b"\n") == ["100%|###| 3/3"]  # the bar's end always shows
+    assert splitter.feed(b"done\r\n") == ["done"]
+    assert splitter.finish() == []
+
+
+def test_a_bar_state_is_shown_once_and_a_wipe_is_not_a_state() -> None:
+    clock = Clock()
+    splitter = LineSplitter(progress_every=1.0, clock=clock)
+    assert splitter.feed(b"\rstep 9/9") == ["step 9/9"]
+    clock.now = 5
+    assert splitter.feed(b"\n") == []  # its newline: shown already
+    assert splitter.feed(b"\rload 1\r      \r") == ["load 1"]  # the spaces wipe the line
+    clock.now = 10
+    assert splitter.feed(b"next\n") == ["next"]
+    assert splitter.feed(b"\rlast") == ["last"]
+    assert splitter.finish() == []  # ended without a newline: shown already
+
+
+def test_a_carriage_return_split_from_its_newline_is_one_line_end() -> None:
+    splitter = LineSplitter()
+    assert splitter.feed(b"one\r") == []  # \r\n or a redraw: the next byte says
+    assert splitter.feed(b"\ntwo\r") == ["one"]
+    assert splitter.finish() == ["two"]
+
+
 def test_exit_status() -> None:
     assert ExitStatus(0).ok and ExitStatus(0).describe() == "exit 0"
     assert ExitStatus(None, 15).describe() == "killed by SIGTERM"

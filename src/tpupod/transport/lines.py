@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from tpupod.plain import TYPE_CHECKING
 from tpupod.transport.base import OutputLine, Stream
 
 if TYPE_CHECKING:  # typing is not imported at run time: the local fast path imports this
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
     from typing import Protocol
 
     class ByteReader(Protocol):
@@ -16,48 +18,113 @@ if TYPE_CHECKING:  # typing is not imported at run time: the local fast path imp
 MAX_LINE_BYTES = 64 * 1024
 READ_CHUNK = 64 * 1024
 QUEUE_LINES = 1024
+PROGRESS_EVERY_S = 1.0  # a progress bar's state shown at most this often per stream
 
 
 class LineSplitter:
     """Feed bytes, get complete lines back (without the newline).
 
-    Bytes are decoded as UTF-8 with replacement, a trailing ``\\r`` is dropped,
-    and a line longer than ``MAX_LINE_BYTES`` is cut into pieces rather than
-    held forever, so a program that prints a progress bar without newlines
-    cannot make tpupod buffer without bound.
+    Bytes are decoded as UTF-8 with replacement and ``\r\n`` ends a line as
+    ``\n`` does. A line longer than ``MAX_LINE_BYTES`` is cut into pieces (at a
+    character's edge) rather than held forever.
+
+    A bare ``\r`` is how progress bars redraw their line (tqdm, pip, downloads):
+    the text after it is what a terminal shows now. That state is a line too, at
+    most every ``PROGRESS_EVERY_S`` (the first at once; states between are
+    skipped, a repeat is not shown twice), so a bar streams back as it moves
+    instead of arriving whole when its newline comes, as one line of every state.
+    A state held back by the interval gives way to the next one; a bar that stops
+    moving is shown as it was up to an interval before, and whole at its end.
     """
 
-    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+    def __init__(
+        self,
+        max_line: int = MAX_LINE_BYTES,
+        progress_every: float = PROGRESS_EVERY_S,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self._buffer = bytearray()
         self._max_line = max_line
+        self._every = progress_every
+        self._clock = clock or time.monotonic
+        self._redrawn = False  # the buffer's text came after a bare \r: a bar's state
+        self._state: bytes | None = None  # the latest complete state not yet shown
+        self._shown: bytes | None = None  # the state shown last (not again)
+        self._shown_at = float("-inf")
 
     def feed(self, data: bytes) -> list[str]:
         self._buffer += data
         lines: list[str] = []
+        buffer = self._buffer
+        start = 0
         while True:
-            cut = self._buffer.find(b"\n")
-            if cut < 0:
-                if len(self._buffer) < self._max_line:
-                    return lines
-                cut = self._max_line
-                piece, rest = self._buffer[:cut], self._buffer[cut:]
-            else:
-                piece, rest = self._buffer[:cut], self._buffer[cut + 1 :]
-            lines.append(_decode(piece))
-            self._buffer = rest
+            newline = buffer.find(b"\n", start)
+            cr = buffer.find(b"\r", start, newline if newline >= 0 else len(buffer))
+            if cr >= 0 and cr + 1 == len(buffer):
+                break  # \r\n or a redraw: the next byte says which
+            if cr >= 0 and buffer[cr + 1] != 0x0A:  # a redraw
+                self._redraw(bytes(buffer[start:cr]))
+                start = cr + 1
+                continue
+            if newline >= 0:
+                self._line(bytes(buffer[start : cr if cr >= 0 else newline]), lines)
+                start = newline + 1
+                continue
+            if len(buffer) - start >= self._max_line:
+                cut = _char_edge(buffer, start + self._max_line)
+                self._line(bytes(buffer[start:cut]), lines)
+                start = cut
+                continue
+            break
+        del buffer[:start]
+        if self._redrawn and buffer.strip() and buffer[-1:] != b"\r":
+            self._state = bytes(buffer)  # a bar mid-line: what the terminal shows now
+        self._show_if_due(lines)
+        return lines
 
     def finish(self) -> list[str]:
         """The last line, if the stream ended without a newline."""
-        if not self._buffer:
-            return []
-        last = _decode(self._buffer)
+        lines: list[str] = []
+        last = bytes(self._buffer).removesuffix(b"\r")
         self._buffer = bytearray()
-        return [last]
+        if last:
+            self._line(last, lines)
+        elif self._state is not None and self._state != self._shown:
+            lines.append(_decode(self._state))
+        self._state = None
+        return lines
+
+    def _redraw(self, state: bytes) -> None:
+        self._redrawn = True
+        if state.strip():  # not the empty text before a bar's first \r, nor a wipe
+            self._state = state
+
+    def _line(self, text: bytes, lines: list[str]) -> None:
+        """A line ended by a newline; the bar it ends was shown already if it was its state."""
+        if not (self._redrawn and text == self._shown):
+            lines.append(_decode(text))
+        self._redrawn, self._state, self._shown = False, None, None
+
+    def _show_if_due(self, lines: list[str]) -> None:
+        state = self._state
+        if state is None or state == self._shown:
+            return
+        now = self._clock()
+        if now - self._shown_at >= self._every:
+            lines.append(_decode(state))
+            self._shown, self._shown_at, self._state = state, now, None
+
+
+def _char_edge(buffer: bytearray, cut: int) -> int:
+    """``cut``, moved back to the start of the UTF-8 character it falls in."""
+    for back in range(3):
+        if buffer[cut - back] & 0xC0 != 0x80:
+            return cut - back
+    return cut
 
 
 def _decode(data: bytes | bytearray) -> str:
-    text = bytes(data).decode("utf-8", errors="replace")
-    return text[:-1] if text.endswith("\r") else text
+    return bytes(data).decode("utf-8", errors="replace")
 
 
 async def read_lines(streams: list[tuple[Stream, ByteReader]]) -> AsyncIterator[OutputLine]:
