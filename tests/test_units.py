@@ -116,6 +116,15 @@ def test_a_bar_state_is_shown_once_and_a_wipe_is_not_a_state() -> None:
     assert splitter.finish() == []  # ended without a newline: shown already
 
 
+def test_a_line_cut_exactly_at_the_buffers_end_is_cut() -> None:
+    """A line reaching the limit with the buffer's last byte read past the buffer."""
+    splitter = LineSplitter(max_line=4)
+    assert splitter.feed(b"abcd") == ["abcd"]
+    assert splitter.feed("ab\u00e9".encode()) == ["ab\u00e9"]
+    assert splitter.feed("abc\u00e9".encode()) == ["abc"]  # é would be split: kept for later
+    assert splitter.finish() == ["\u00e9"]
+
+
 def test_a_carriage_return_split_from_its_newline_is_one_line_end() -> None:
     splitter = LineSplitter()
     assert splitter.feed(b"one\r") == []  # \r\n or a redraw: the next byte says

@@ -57,14 +57,21 @@ class LineSplitter:
         lines: list[str] = []
         buffer = self._buffer
         start = 0
+        newline = buffer.find(b"\n")
         while True:
-            newline = buffer.find(b"\n", start)
-            cr = buffer.find(b"\r", start, newline if newline >= 0 else len(buffer))
+            if 0 <= newline < start:  # found once per line, not once per redraw
+                newline = buffer.find(b"\n", start)
+            limit = newline if newline >= 0 else len(buffer)
+            cr = buffer.find(b"\r", start, limit)
             if cr >= 0 and cr + 1 == len(buffer):
                 break  # \r\n or a redraw: the next byte says which
-            if cr >= 0 and buffer[cr + 1] != 0x0A:  # a redraw
-                self._redraw(bytes(buffer[start:cr]))
-                start = cr + 1
+            if cr >= 0 and buffer[cr + 1] != 0x0A:  # a redraw, and maybe more before the limit
+                last = buffer.rfind(b"\r", cr, limit)
+                if last == limit - 1:  # a \r\n's, or one that waits for its next byte
+                    last = buffer.rfind(b"\r", cr, last)
+                before = buffer.rfind(b"\r", start, last)  # states between: skipped unread
+                self._redraw(bytes(buffer[before + 1 if before >= 0 else start : last]))
+                start = last + 1
                 continue
             if newline >= 0:
                 self._line(bytes(buffer[start : cr if cr >= 0 else newline]), lines)
@@ -116,10 +123,12 @@ class LineSplitter:
 
 
 def _char_edge(buffer: bytearray, cut: int) -> int:
-    """``cut``, moved back to the start of the UTF-8 character it falls in."""
-    for back in range(3):
-        if buffer[cut - back] & 0xC0 != 0x80:
-            return cut - back
+    """``cut``, or the start of the UTF-8 character that a cut there would split."""
+    for back in range(1, 4):
+        byte = buffer[cut - back]
+        if byte & 0xC0 != 0x80:  # the first byte of the character before the cut
+            size = 1 if byte < 0x80 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return cut - back if back < size else cut
     return cut
 
 
