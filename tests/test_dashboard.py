@@ -86,6 +86,29 @@ def test_metrics_are_prometheus_text(
     assert "tpupod_jobs" in families
 
 
+def test_a_pod_whose_record_is_broken_is_named_and_the_others_are_sampled(
+    dashboard: Callable[..., Dashboard], make_pod: Callable[..., Pod], state_home: Path
+) -> None:
+    """One emptied pod record failed the whole pods source: the pages showed 'Could not
+    read pods' and nothing of the pods that were fine."""
+    good = make_pod(2)
+    broken = make_pod(1)
+    (state_home / "pods" / broken.name / "pod.json").write_text("")
+    board = dashboard()
+    deadline = time.monotonic() + 20
+    while board.get("/api/pods").json()["state"] == "loading" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    sampled = board.get("/api/pods").json()
+    assert sampled["state"] == "ok", sampled  # was: 'error', the record's message
+    pods = {p["name"]: p for p in sampled["data"]}
+    assert pods[good.name]["reachable"] == 2, pods
+    assert "is unreadable" in pods[broken.name]["error"], pods
+    page = board.get("/pods").text
+    assert f"the record of pod &#39;{broken.name}&#39; is unreadable" in page, page
+    assert f'href="/pods/{good.name}"' in page
+    assert "is unreadable" in board.get("/").text  # among what is failing
+
+
 def test_loading_is_not_empty_and_stale_data_says_its_age(state_home: Path) -> None:
     app = create_app(Config())  # no lifespan: the sampler has not run yet
     client = TestClient(app, base_url="http://127.0.0.1")

@@ -118,6 +118,22 @@ def test_corrupt_record_is_a_clear_error(state_home: Path, cli: Callable[..., Cl
         StateDir().load("dev")
 
 
+def test_a_broken_record_does_not_hide_the_other_pods(
+    state_home: Path, cli: Callable[..., CliResult]
+) -> None:
+    """'tpupod list' with one record broken (emptied) printed only the error: the other
+    pods were not listed. They are, the broken one is named, and it exits 1."""
+    up(LocalPodSpec(name="dev", workers=1), StateDir())
+    up(LocalPodSpec(name="big", workers=2), StateDir())
+    (state_home / "pods" / "big" / "pod.json").write_text("")
+    result = cli("list")
+    rows = [line.split()[:2] for line in result.out.splitlines()]
+    assert rows == [["NAME", "PROVIDER"], ["big", "?"], ["dev", "local"]], result.out
+    assert "1 local worker, 1 device each" in result.out  # not '1 local workers'
+    assert result.code == 1 and "the record of pod 'big' is unreadable" in result.err
+    assert cli("exec", "--pod", "dev", "--", "true").code == 0
+
+
 def test_python_api_errors(state_home: Path) -> None:
     state = StateDir()
     up(LocalPodSpec(name="dev", workers=1), state)

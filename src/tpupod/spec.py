@@ -91,8 +91,11 @@ class LocalPodSpec(_SpecBase):
     )
 
     def summary(self) -> str:
-        plural = "s" if self.devices_per_worker != 1 else ""
-        return f"{self.workers} local workers, {self.devices_per_worker} device{plural} each"
+        workers = "s" if self.workers != 1 else ""
+        devices = "s" if self.devices_per_worker != 1 else ""
+        return (
+            f"{self.workers} local worker{workers}, {self.devices_per_worker} device{devices} each"
+        )
 
 
 class SshHost(BaseModel):

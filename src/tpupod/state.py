@@ -142,8 +142,16 @@ class StateDir:
             n for n in found if not n.startswith(".") and os.path.isfile(self.record_path(n))
         )
 
-    def pods(self) -> list[Pod]:
-        return [self.load(name) for name in self.names()]
+    def pods(self) -> tuple[list[Pod], dict[str, StateError]]:
+        """Every pod whose record reads, and by name the error of each that does not:
+        one broken record does not hide the others."""
+        pods, broken = [], {}
+        for name in self.names():
+            try:
+                pods.append(self.load(name))
+            except StateError as exc:
+                broken[name] = exc
+        return pods, broken
 
     def resolve(self, name: str | None) -> Pod:
         """The pod named ``name``, or the only pod when no name is given."""

@@ -14,7 +14,7 @@ from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKin
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption
 from tpupod.errors import SpecError
-from tpupod.report import print_columns
+from tpupod.report import print_columns, print_error
 
 if TYPE_CHECKING:
     from tpupod.ops.status import PodStatus
@@ -291,14 +291,13 @@ def list_pods(
     """
     from tpupod.state import StateDir
 
-    pods = StateDir().pods()
+    pods, broken = StateDir().pods()
     if output is Format.JSON:
         print(json.dumps([json.loads(p.model_dump_json()) for p in pods], indent=2))
-    elif not pods:
+    elif not pods and not broken:
         print("no pods (create one with 'tpupod up --name dev --local 2')", file=sys.stderr)
     else:
-        rows = [("NAME", "PROVIDER", "WORKERS", "CREATED", "DETAILS")]
-        rows += [
+        rows = [
             (
                 p.name,
                 p.provider,
@@ -308,7 +307,12 @@ def list_pods(
             )
             for p in pods
         ]
-        _print_columns(rows)
+        rows += [(name, "?", "?", "?", "its record is unreadable (below)") for name in broken]
+        _print_columns([("NAME", "PROVIDER", "WORKERS", "CREATED", "DETAILS"), *sorted(rows)])
+    for exc in broken.values():
+        print_error(f"error: {exc.message}", exc.hint, sys.stderr)
+    if broken:
+        raise typer.Exit(next(iter(broken.values())).exit_code)
     if all_tpus:
         if not zone:
             raise SpecError(

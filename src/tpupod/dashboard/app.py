@@ -129,11 +129,11 @@ def overview(feed: Feed) -> dict[str, Any]:
     failing = [
         {
             "what": f"pod {p['name']}",
-            "why": f"{len(p['workers']) - p['reachable']} unreachable",
+            "why": p.get("error") or f"{len(p['workers']) - p['reachable']} unreachable",
             "href": f"/pods/{p['name']}",
         }
         for p in pods
-        if p["reachable"] < len(p["workers"])
+        if p.get("error") or p["reachable"] < len(p["workers"])
     ]
     failing += [
         {

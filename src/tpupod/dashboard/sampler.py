@@ -25,6 +25,7 @@ from tpupod.dashboard.jobs import Jobs
 from tpupod.dashboard.probe import sample_pod
 from tpupod.dashboard.runs import RunIndex
 from tpupod.dashboard.serving import Serving
+from tpupod.errors import StateError
 from tpupod.providers import Connector, connect
 from tpupod.state import StateDir
 
@@ -97,7 +98,13 @@ class Sampler:
         return list(await asyncio.gather(*(self._pod(name) for name in names)))
 
     async def _pod(self, name: str) -> dict[str, Any]:
-        pod = await asyncio.to_thread(self.state.load, name)
+        """One pod's sample; a pod whose record is broken is named with why, and the
+        others are sampled still (one broken record failed the whole source)."""
+        try:
+            pod = await asyncio.to_thread(self.state.load, name)
+        except StateError as exc:
+            return {"name": name, "provider": "?", "workers": [], "reachable": 0,
+                    "error": exc.message}  # fmt: skip
         connector = self.connectors.get(name)
         if connector is None:
             connector = self.connectors[name] = connect(pod, self.state)

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from typing import Any
 
-from tpupod.errors import ServeError
+from tpupod.errors import ServeError, StateError
 from tpupod.serve.fleet import Fleet
 from tpupod.serve.status import FleetStatus
 from tpupod.state import StateDir
@@ -31,11 +31,11 @@ class Serving:
 
     async def _one(self, state: StateDir, name: str) -> tuple[FleetStatus, float] | None:
         """The fleet's status and when it was answered (the rate's clock)."""
-        fleet = Fleet(state.load(name), state)
         try:
+            fleet = Fleet(state.load(name), state)
             fleet.record()
-        except ServeError:  # no fleet serves on this pod
-            return None
+        except (ServeError, StateError):  # no fleet serves here, or the pod's record is
+            return None  # broken (the pods page names it): the other pods' fleets go on
         status = await asyncio.to_thread(fleet.status)
         return status, time.time()
 
