@@ -57,6 +57,11 @@ def write_atomic(
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if exc.filename is None and exc.errno is not None:  # a failed write (a full disk)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc  # names the file
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -48,6 +48,11 @@ class Pod(BaseModel):
     def provider(self) -> str:
         return self.spec.provider
 
+    def listing(self) -> tuple[str, str, str, str, str]:
+        """Its row in 'tpupod list': name, provider, workers, created, details."""
+        created = self.created_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+        return self.name, self.provider, str(len(self.workers)), created, self.spec.summary()
+
     @property
     def on_this_machine(self) -> bool:
         """The workers are processes here (a local pod): they share this machine's files,

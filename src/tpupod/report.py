@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 
@@ -237,6 +238,10 @@ def print_error(message: str, hint: str | None, file: TextIO) -> None:
     file.flush()
 
 
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+DISK_FULL_HINT = "free space on that disk ('df -h' names it), or point TPUPOD_HOME elsewhere"
+
+
 def report_failure(exc: Exception) -> int:
     """A command's exception the tpupod way, on stderr; its exit code.
 
@@ -252,6 +257,10 @@ def report_failure(exc: Exception) -> int:
     if isinstance(exc, TpupodError):
         print_error(f"error: {exc.message}", exc.hint, sys.stderr)
         return exc.exit_code
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL:  # the machine's state, not a bug
+        where = f": {exc.filename}" if exc.filename else ""
+        print_error(f"error: {exc.strerror}{where}", DISK_FULL_HINT, sys.stderr)
+        return 1
     print_error(
         f"internal error: {type(exc).__name__}: {exc}",
         "rerun with --debug for the traceback, and please report it",

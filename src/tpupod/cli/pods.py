@@ -297,16 +297,7 @@ def list_pods(
     elif not pods and not broken:
         print("no pods (create one with 'tpupod up --name dev --local 2')", file=sys.stderr)
     else:
-        rows = [
-            (
-                p.name,
-                p.provider,
-                str(len(p.workers)),
-                p.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
-                p.spec.summary(),
-            )
-            for p in pods
-        ]
+        rows = [p.listing() for p in pods]
         rows += [(name, "?", "?", "?", "its record is unreadable (below)") for name in broken]
         _print_columns([("NAME", "PROVIDER", "WORKERS", "CREATED", "DETAILS"), *sorted(rows)])
     for exc in broken.values():

@@ -50,7 +50,13 @@ def show_logs(
 
 
 def standing(record: RunRecord) -> str:
-    """One line on how a run stands: its exit code, a launcher that died, or still running."""
+    """One line on how a run stands: its exit code, a launcher that died, or still running;
+    and whether its logs stop early."""
+    said = _standing(record)
+    return f"{said} (its logs stop early: {record.logs_cut})" if record.logs_cut else said
+
+
+def _standing(record: RunRecord) -> str:
     if record.done:
         return f"run {record.launch_id} ended with exit code {record.exit_code}"
     if record.launcher_gone():

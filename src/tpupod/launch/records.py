@@ -53,6 +53,7 @@ class RunRecord:
     exit_code: int | None = None
     results: tuple[RunOutcome, ...] = ()
     launcher_pid: int | None = None
+    logs_cut: str | None = None  # why its logs stopped early (a full disk), if they did
 
     @property
     def done(self) -> bool:
@@ -121,6 +122,7 @@ def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
             for r in data.get("results") or ()
         ),
         launcher_pid=None if pid is None else int(pid),
+        logs_cut=None if data.get("logs_cut") is None else str(data["logs_cut"]),
     )
 
 

@@ -12,6 +12,7 @@ pod's state folder, with ``run.json`` describing the run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -26,9 +27,9 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from tpupod import settings
-from tpupod.errors import PreflightError, TpupodError
+from tpupod.errors import PreflightError, StateError, TpupodError
 from tpupod.fanout import Interrupt, NoticeHandler, Supervision, execute_async
-from tpupod.files import write_atomic
+from tpupod.files import remove_path, write_atomic
 from tpupod.image.containerize import (
     Container,
     check_workers,
@@ -46,6 +47,7 @@ from tpupod.ops.free_tpu import free_tpu_script
 from tpupod.ops.sync import shell_path, sync_local
 from tpupod.pod import Pod, Worker
 from tpupod.providers import Connector, provider_for
+from tpupod.report import DISK_FULL, DISK_FULL_HINT
 from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 from tpupod.spec import GcpPodSpec
 from tpupod.state import StateDir
@@ -233,7 +235,8 @@ async def run(
         run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
         # Once one fails and the others are stopped, their fall stays in the logs.
         collateral = collateral_in_logs_only and OnFail(on_fail) is OnFail.KILL
-        with _RunLog(launch, command, selected, supervision if collateral else None) as log:
+        log_to = _RunLog(launch, command, selected, supervision if collateral else None, notice)
+        with log_to as log:
             try:
                 result = await execute_async(
                     sub_pod,
@@ -500,10 +503,13 @@ class _RunLog:
         command: str,
         workers: Sequence[Worker],
         supervision: Supervision | None = None,
+        notice: Callable[[str], None] = lambda text: None,
     ) -> None:
         self.launch = launch
         self.supervision = supervision  # to keep collateral output off the terminal
+        self.notice = notice
         self.held: dict[int, int] = {}  # collateral lines kept off it, per worker
+        self.cut: str | None = None  # why the logs stopped being written (a full disk)
         self.record: dict[str, Any] = {
             "launch_id": launch.launch_id,
             "command": command,
@@ -517,18 +523,30 @@ class _RunLog:
         self.lock: IO[bytes] | None = None
 
     def __enter__(self) -> _RunLog:
-        self.launch.run_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = (self.launch.run_dir / LAUNCHER_LOCK).open("wb")  # not inherited (PEP 446)
-        fcntl.flock(self.lock, fcntl.LOCK_EX)
-        for worker in self.record["workers"]:
-            path = self.launch.run_dir / f"w{worker['id']}.log"
-            self.files[worker["id"]] = path.open("a", encoding="utf-8")
-        self._save()
+        """The logs and the record opened; a run that could not keep them does not start."""
+        try:
+            self.launch.run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = (self.launch.run_dir / LAUNCHER_LOCK).open("wb")  # not inherited
+            fcntl.flock(self.lock, fcntl.LOCK_EX)
+            for worker in self.record["workers"]:
+                path = self.launch.run_dir / f"w{worker['id']}.log"
+                self.files[worker["id"]] = path.open("a", encoding="utf-8")
+            self._save()
+        except OSError as exc:
+            self.__exit__()
+            remove_path(self.launch.run_dir)
+            raise StateError(
+                f"cannot keep the run's logs in {self.launch.run_dir}: {exc.strerror}",
+                hint=DISK_FULL_HINT
+                if exc.errno in DISK_FULL
+                else "check that TPUPOD_HOME is writable",
+            ) from exc
         return self
 
     def __exit__(self, *exc: object) -> None:
         for file in self.files.values():
-            file.close()
+            with contextlib.suppress(OSError):  # what a full disk left in its buffer
+                file.close()
         if self.lock is not None:
             self.lock.close()  # after finish() wrote the end: the lock's release says "ended"
 
@@ -557,9 +575,13 @@ class _RunLog:
         hide = {worker: Chatter() for worker in self.files}
 
         def handle(worker: Worker, line: OutputLine) -> None:
-            file = self.files[worker.id]
-            file.write(line.text + "\n")
-            file.flush()
+            if self.cut is None:
+                try:
+                    file = self.files[worker.id]
+                    file.write(line.text + "\n")
+                    file.flush()
+                except OSError as exc:
+                    self._stop_keeping(exc)
             if on_line is None:
                 return
             shown = line.text if show_chatter else hide[worker.id](line.text)
@@ -572,14 +594,32 @@ class _RunLog:
 
         return handle
 
+    def _stop_keeping(self, exc: OSError) -> None:
+        """A log write failed (a full disk): the run goes on, its output still shown; the
+        logs stop here, and the record says why (if it can still be written)."""
+        self.cut = exc.strerror or str(exc)
+        self.record["logs_cut"] = self.cut
+        self.notice(
+            f"cannot write the run's logs in {self.launch.run_dir} ({self.cut}): the run "
+            "goes on and its output is still shown here, but from now on not kept"
+        )
+
     def finish(self, result: FanoutResult) -> None:
+        """The run's end in its record; a record that cannot be written is said, not raised
+        (the run is over: its result still reaches the caller)."""
         self.record["finished"] = time.time()
         self.record["exit_code"] = result.exit_code()
         self.record["results"] = [
             {"worker": r.worker.id, "outcome": r.outcome_text(), "last_line": r.last_line}
             for r in result.workers
         ]
-        self._save()
+        try:
+            self._save()
+        except OSError as exc:
+            self.notice(
+                f"cannot write the run's end to {self.launch.run_dir / RUN_FILE} "
+                f"({exc.strerror}): 'tpupod logs' will call its launcher gone"
+            )
 
     def _save(self) -> None:
         write_atomic(self.launch.run_dir / RUN_FILE, json.dumps(self.record, indent=2) + "\n")

@@ -1,0 +1,101 @@
+"""A full disk under the state directory (a real tmpfs of a few MB): plain errors where
+nothing can start, and a run already going on that goes on.
+
+A full home is common on a shared development box; it was an 'internal error:
+OSError', and a disk that filled during 'tpupod run' killed the launcher (and with
+it the workers) over its own log files.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult, require, tpupod_argv
+from tpupod.pod import Pod
+
+pytestmark = pytest.mark.local  # mounts a tmpfs: root
+
+
+SIZE_MB = 4
+DD = ["dd", "if=/dev/zero", "bs=1M", f"count={SIZE_MB}"]  # bounded: never past the tmpfs
+
+
+@pytest.fixture
+def small_home(state_home: Path) -> Iterator[Path]:
+    """The state directory on a 4 MB tmpfs of its own."""
+    require(os.geteuid() == 0, "mounting a tmpfs needs root")
+    state_home.mkdir(parents=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SIZE_MB}m", "tmpfs", str(state_home)], check=True
+    )
+    try:
+        yield state_home
+    finally:
+        subprocess.run(["umount", "-l", str(state_home)], check=False)
+
+
+def fill(home: Path) -> Path:
+    """Every free byte of ``home``'s disk taken by one file."""
+    filler = home / "filler"
+    subprocess.run([*DD, f"of={filler}"], capture_output=True)
+    return filler
+
+
+def test_nothing_starts_on_a_full_disk_and_it_is_said_plainly(
+    small_home: Path, cli: Callable[..., CliResult], make_pod: Callable[..., Pod]
+) -> None:
+    pod = make_pod(2)
+    fill(small_home)
+    made = cli("up", "--name", "more", "--local", "1")
+    assert made.code == 1, made.err
+    assert "error: No space left on device: " in made.err and "internal error" not in made.err
+    assert "df -h" in made.err
+    ran = cli("run", "--pod", pod.name, "--", "echo hi")
+    assert ran.code == 1 and "cannot keep the run's logs in " in ran.err, ran.err
+    assert "internal error" not in ran.err and "[w0] hi" not in ran.out
+    assert not list((small_home / "pods" / pod.name / "runs").iterdir())  # no half run left
+
+
+def test_a_run_whose_disk_fills_goes_on_and_its_record_says_the_logs_stop(
+    small_home: Path, make_pod: Callable[..., Pod]
+) -> None:
+    """Worker 0 fills the disk mid-run and prints 2,000 lines; once the launcher has said
+    it cannot keep them, the test frees the disk and the worker ends."""
+    pod = make_pod(2)
+    filler = small_home / "filler"  # a run starts in the launcher's folder: name the disk
+    program = (
+        f'if [ "$TPUPOD_WORKER_ID" = 0 ]; then echo before; {" ".join(DD)} of={filler} '
+        "2>/dev/null; for i in $(seq 2000); do echo line $i of a log that no longer fits; "
+        f"done; for i in $(seq 300); do [ -e {filler} ] && sleep 0.1; done; fi; echo end"
+    )
+    proc = subprocess.Popen(
+        tpupod_argv("run", "--pod", pod.name, "--", program),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:  # the launcher's notices, as they come
+        said.append(line)
+        if "cannot write the run's logs in " in line:
+            filler.unlink()
+            break
+    out, err = proc.communicate(timeout=60)
+    err = "".join(said) + err
+    assert proc.returncode == 0, err
+    assert "not kept" in err and "internal error" not in err and "Traceback" not in err
+    shown = out.splitlines()
+    assert "[w0] line 2000 of a log that no longer fits" in shown and "[w0] end" in shown
+    assert "[w1] end" in shown
+    logs = subprocess.run(
+        tpupod_argv("logs", "--pod", pod.name), capture_output=True, text=True, timeout=30
+    )
+    assert "(its logs stop early: No space left on device)" in logs.stderr, logs.stderr
+    assert "ended with exit code 0" in logs.stderr
+    assert "[w0] before" in logs.stdout and "[w0] line 2000" not in logs.stdout
