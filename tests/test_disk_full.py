@@ -99,3 +99,18 @@ def test_a_run_whose_disk_fills_goes_on_and_its_record_says_the_logs_stop(
     assert "(its logs stop early: No space left on device)" in logs.stderr, logs.stderr
     assert "ended with exit code 0" in logs.stderr
     assert "[w0] before" in logs.stdout and "[w0] line 2000" not in logs.stdout
+
+
+def test_a_job_submitted_to_a_full_disk_names_the_file_and_the_store_stays_whole(
+    small_home: Path, cli: Callable[..., CliResult]
+) -> None:
+    """The SQLite store's error said 'check that the database is up and reachable', a
+    server's hint, for a file on a full disk."""
+    assert cli("jobs", "submit", "--", "echo first").code == 0
+    filler = fill(small_home)
+    refused = cli("jobs", "submit", "--", "echo " + "x" * 5000)
+    assert refused.code == 1 and "internal error" not in refused.err, refused.err
+    assert f"it is the file {small_home / 'jobs.db'}: check the disk it is on" in refused.err
+    filler.unlink()
+    listed = cli("jobs", "ls")
+    assert listed.code == 0 and len(listed.out.splitlines()) == 2, listed.out  # header, first

@@ -224,10 +224,15 @@ class Store:
         except DBAPIError as exc:
             reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
             kind = JobStoreAway if self.postgres and _away(exc) else JobStoreError
-            raise kind(
-                f"job store {redact(self.url)}: {reason}",
-                hint="check that the database is up and reachable (--db or TPUPOD_JOBS_DB)",
-            ) from exc
+            raise kind(f"job store {redact(self.url)}: {reason}", hint=self._hint()) from exc
+
+    def _hint(self) -> str:
+        if self.postgres:
+            return "check that the database is up and reachable (--db or TPUPOD_JOBS_DB)"
+        return (  # a file here: no server to be down, but a disk that is full or read-only
+            f"it is the file {self.engine.url.database}: check the disk it is on ('df -h' "
+            "names it; full? read-only?), or use another store (--db or TPUPOD_JOBS_DB)"
+        )
 
     # -- the queries people make --------------------------------------------------
 
