@@ -628,14 +628,30 @@ def test_a_seed_the_rows_cannot_hold_is_refused_at_submit(engine: Engine) -> Non
     assert engine.waiting == 0
 
 
+class HeldAtFirstText(Collect):
+    """Holds the engine's thread in the request's first text until released: the request
+    is running and nothing moves while the test acts (a test thread polling the step count
+    was starved on a loaded machine until the first request had ended)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, event: Event) -> None:
+        super().__call__(event)
+        if isinstance(event, Delta) and not self.running.is_set():
+            self.running.set()
+            self.release.wait(20)
+
+
 def test_a_newcomer_joins_a_running_batch(engine: Engine, model: QwenModel) -> None:
     want = model.generate(PROMPTS[:2], max_new_tokens=40).texts
-    first, second = Collect(), Collect()
+    first, second = HeldAtFirstText(), Collect()
     steps = engine.steps
     submit(engine, PROMPTS[0], SamplingParams(max_tokens=40), first)
-    while engine.steps < steps + 5:  # the first is decoding alone
-        time.sleep(0.001)
+    assert first.running.wait(20)  # decoding alone, held
     submit(engine, PROMPTS[1], SamplingParams(max_tokens=40), second)
+    first.release.set()
     assert first.done.wait(20) and second.done.wait(20)
     assert [first.text, second.text] == want
     # they overlapped: together they took fewer steps than one after the other
