@@ -83,6 +83,28 @@ def test_a_progress_bar_streams_back_as_it_moves(
         assert mine[-1][0] - mine[0][0] > 1.5, arrived  # the first state came long before the end
 
 
+STUCK = "printf '\\r1/3'; sleep 0.3; printf '\\r2/3'; sleep 3; echo; echo after"
+
+
+@pytest.mark.parametrize("how", ["exec", "run"])
+def test_a_bar_that_stops_moving_shows_where_it_stands(
+    how: str, any_pod: Callable[..., Pod], state_home: Path
+) -> None:
+    """A bar that stops (a stuck download) showed the state a second before it stopped
+    until its next output came: here 1/3 for 3 s while it stood at 2/3."""
+    pod = any_pod(1)
+    argv = tpupod_argv(how, "--pod", pod.name, "--", STUCK)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    started, arrived = time.monotonic(), {}
+    with proc.stdout:
+        for line in proc.stdout:
+            arrived.setdefault(line.rstrip("\n"), time.monotonic() - started)
+    assert proc.wait(30) == 0
+    assert list(arrived)[:3] == ["[w0] 1/3", "[w0] 2/3", "[w0] after"], arrived
+    assert arrived["[w0] after"] - arrived["[w0] 2/3"] > 1.2, arrived  # not at the end
+
+
 def test_exit_codes_aggregate_to_the_first_failure(
     any_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:

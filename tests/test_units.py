@@ -125,6 +125,22 @@ def test_a_line_cut_exactly_at_the_buffers_end_is_cut() -> None:
     assert splitter.finish() == ["\u00e9"]
 
 
+def test_a_bar_that_stops_moving_is_shown_where_it_stands_once_due() -> None:
+    clock = Clock()
+    splitter = LineSplitter(progress_every=1.0, clock=clock)
+    assert splitter.due_in() is None and splitter.due() == []
+    assert splitter.feed(b"\r 1/3") == [" 1/3"]
+    assert splitter.due_in() is None  # nothing held back
+    clock.now = 0.3
+    assert splitter.feed(b"\r 2/3") == []  # held back: then the bar stops
+    assert splitter.due_in() == pytest.approx(0.7)
+    assert splitter.due() == []
+    clock.now = 1.0
+    assert splitter.due_in() == 0.0 and splitter.due() == [" 2/3"]
+    assert splitter.due_in() is None and splitter.due() == []  # once
+    assert splitter.feed(b"\n") == []  # its end: shown already
+
+
 def test_a_carriage_return_split_from_its_newline_is_one_line_end() -> None:
     splitter = LineSplitter()
     assert splitter.feed(b"one\r") == []  # \r\n or a redraw: the next byte says

@@ -234,6 +234,7 @@ def _pump(
     while any(run.ended is None or run.pipes_open for run in runs):
         for key, _ in selector.select(POLL_S):
             _read(selector, key, printer)
+        _show_due(selector, printer)
         now = time.monotonic()
         for run in runs:
             if run.check_exit(now) and run.status is not None and not run.status.ok:
@@ -258,12 +259,23 @@ def _read(
     """What one pipe has now, as lines; at its end, the last line and the pipe closed."""
     run, stream, splitter = key.data
     data = os.read(key.fd, 65536)
-    for text in splitter.feed(data) if data else splitter.finish():
+    _show(run, stream, splitter.feed(data) if data else splitter.finish(), printer)
+    if not data:
+        _close(selector, run, key.fd)
+
+
+def _show_due(selector: selectors.BaseSelector, printer: LinePrinter | None) -> None:
+    """Each bar state held back whose interval is up (a bar that stopped moving)."""
+    for key in list(selector.get_map().values()):
+        run, stream, splitter = key.data
+        _show(run, stream, splitter.due(), printer)
+
+
+def _show(run: _Run, stream: Stream, lines: list[str], printer: LinePrinter | None) -> None:
+    for text in lines:
         run.take(text)
         if printer is not None:
             printer(run.worker, OutputLine(stream, text))
-    if not data:
-        _close(selector, run, key.fd)
 
 
 def _close(selector: selectors.BaseSelector, run: _Run, fd: int) -> None:

@@ -16,7 +16,6 @@ and a child process a job left in the background lives until its pool process en
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from tpupod.jobs.attempt import GRACE_S, Hooks, Marks, Outcome, describe_exit
 from tpupod.jobs.code import END, TAKEN
 from tpupod.jobs.models import Job, JobStatus
-from tpupod.transport.lines import READ_CHUNK, LineSplitter
+from tpupod.transport.lines import split_lines
 from tpupod.transport.local import kill_process_group
 
 
@@ -42,12 +41,7 @@ class PoolProcess:
     async def _pump(self) -> None:
         """Lines to the running job's marks; the end marker or the process's death ends it."""
         assert self.proc.stdout is not None
-        splitter = LineSplitter()
-        with contextlib.suppress(OSError):
-            while chunk := await self.proc.stdout.read(READ_CHUNK):
-                for text in splitter.feed(chunk):
-                    self._line(text)
-        for text in splitter.finish():
+        async for text in split_lines(self.proc.stdout):
             self._line(text)
         code = await self.proc.wait()
         self.alive = False

@@ -33,8 +33,9 @@ class LineSplitter:
     most every ``PROGRESS_EVERY_S`` (the first at once; states between are
     skipped, a repeat is not shown twice), so a bar streams back as it moves
     instead of arriving whole when its newline comes, as one line of every state.
-    A state held back by the interval gives way to the next one; a bar that stops
-    moving is shown as it was up to an interval before, and whole at its end.
+    A state held back by the interval gives way to the next one; one that stands
+    (the bar stopped moving) is shown by :meth:`due` once its interval is up, so a
+    reader that calls it when :meth:`due_in` says shows where a stuck bar stands.
     """
 
     def __init__(
@@ -86,6 +87,18 @@ class LineSplitter:
         del buffer[:start]
         if self._redrawn and buffer.strip() and buffer[-1:] != b"\r":
             self._state = bytes(buffer)  # a bar mid-line: what the terminal shows now
+        self._show_if_due(lines)
+        return lines
+
+    def due_in(self) -> float | None:
+        """Seconds until a held-back state is due (0: now); None when none is held."""
+        if self._state is None or self._state == self._shown:
+            return None
+        return max(0.0, self._shown_at + self._every - self._clock())
+
+    def due(self) -> list[str]:
+        """A held-back bar state whose interval is up (the bar stopped moving), if any."""
+        lines: list[str] = []
         self._show_if_due(lines)
         return lines
 
@@ -148,15 +161,7 @@ async def read_lines(streams: list[tuple[Stream, ByteReader]]) -> AsyncIterator[
     queue: asyncio.Queue[OutputLine | None] = asyncio.Queue(maxsize=QUEUE_LINES)
 
     async def pump(stream: Stream, reader: ByteReader) -> None:
-        splitter = LineSplitter()
-        try:
-            while chunk := await reader.read(READ_CHUNK):
-                for text in splitter.feed(chunk):
-                    await queue.put(OutputLine(stream, text))
-                await asyncio.sleep(0)  # let other workers' output through between chunks
-        except OSError:
-            pass
-        for text in splitter.finish():
+        async for text in split_lines(reader):
             await queue.put(OutputLine(stream, text))
         await queue.put(None)
 
@@ -172,3 +177,29 @@ async def read_lines(streams: list[tuple[Stream, ByteReader]]) -> AsyncIterator[
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def split_lines(reader: ByteReader) -> AsyncIterator[str]:
+    """The lines of one stream as its chunks arrive, and a stuck bar's state once it is
+    due (the read waits no longer than that). A read that fails with OSError ends it."""
+    import asyncio
+
+    splitter = LineSplitter()
+    try:
+        while True:
+            wait = splitter.due_in()
+            try:
+                chunk = await asyncio.wait_for(reader.read(READ_CHUNK), wait)
+            except TimeoutError:  # a bar stopped moving: where it stands
+                for text in splitter.due():
+                    yield text
+                continue
+            if not chunk:
+                break
+            for text in splitter.feed(chunk):
+                yield text
+            await asyncio.sleep(0)  # let other workers' output through between chunks
+    except OSError:
+        pass
+    for text in splitter.finish():
+        yield text

@@ -525,6 +525,7 @@ class _CommandSession(asyncssh.SSHClientSession[bytes]):
         self._splitters = {Stream.STDOUT: LineSplitter(), Stream.STDERR: LineSplitter()}
         self._chan: asyncssh.SSHClientChannel[bytes] | None = None
         self._paused = False
+        self._due: dict[Stream, asyncio.TimerHandle] = {}  # a held-back bar state's show
 
     def connection_made(self, chan: asyncssh.SSHClientChannel[bytes]) -> None:
         self._chan = chan
@@ -540,6 +541,7 @@ class _CommandSession(asyncssh.SSHClientSession[bytes]):
             else:  # bash or /proc missing: the first line is output, not the marker
                 self.group.set_result(None)
         self._put(stream, lines)
+        self._show_when_due(stream)
         if self.queue.qsize() > QUEUE_HIGH and self._chan is not None and not self._paused:
             self._paused = True
             self._chan.pause_reading()
@@ -556,7 +558,20 @@ class _CommandSession(asyncssh.SSHClientSession[bytes]):
         number = getattr(_signal, f"SIG{signal}", None)
         self._exit(ExitStatus(None, int(number)) if number is not None else ExitStatus(255))
 
+    def _show_when_due(self, stream: Stream) -> None:
+        """A bar state held back now is shown once due, unless the next data shows it."""
+        wait = self._splitters[stream].due_in()
+        if wait is not None and stream not in self._due:
+            self._due[stream] = asyncio.get_running_loop().call_later(wait, self._show_due, stream)
+
+    def _show_due(self, stream: Stream) -> None:
+        del self._due[stream]
+        self._put(stream, self._splitters[stream].due())
+        self._show_when_due(stream)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        for timer in self._due.values():
+            timer.cancel()
         for stream, splitter in self._splitters.items():
             self._put(stream, splitter.finish())
         self.queue.put_nowait(None)
