@@ -345,8 +345,14 @@ def test_a_device_call_hung_on_every_member_ends_the_replica_after_the_stall_tim
         assert failed.value.message.startswith(reason), failed.value.message
         assert r.procs[0].wait(15) == 4
         r.procs[1].send_signal(signal.SIGCONT)
-        assert r.procs[1].wait(15) == 3
-        assert any("lost a member (the leader" in line for line in r.lines(1))
+        # Woken, the follower hears its leader gone twice at once: its side channel's end
+        # (exit 3, saying so) and JAX's coordination client, whose coordinator was the
+        # leader (it aborts the process: SIGABRT). Which is first is the scheduler's (a
+        # clean clone's CI saw the abort); either way it ends at once, never hangs.
+        code = r.procs[1].wait(15)
+        assert code in (3, -signal.SIGABRT), code
+        if code == 3:
+            assert any("lost a member (the leader" in line for line in r.lines(1))
     finally:
         r.stop()
 
