@@ -16,6 +16,7 @@ packages+=(postgresql) # tests/test_jobs.py starts its own PostgreSQL cluster on
 # and a busybox-static rootfs imported as the base image (no image registry is reachable)
 packages+=(podman runc catatonit busybox-static)
 packages+=(chromium) # tests/test_dashboard_browser.py: playwright drives this browser (no download)
+packages+=(zsh fish) # tests/test_ssh_shells.py: SSH users whose login shell is not bash
 # tests/test_image.py: the docker CLI against a socket nobody serves (no daemon is started)
 command -v docker >/dev/null 2>&1 || packages+=(docker.io)
 python=${PYTHON:-python3}

@@ -41,6 +41,7 @@ def test_round_trip(cli: Callable[..., CliResult], state_home: Path) -> None:
         "external_address",
         "ssh",
         "slice",
+        "login_shell",
     }
 
     status = cli("status", "--pod", "dev")

@@ -27,6 +27,9 @@ class Worker(BaseModel):
     ssh: SshHost | None = Field(
         default=None, description="how to log in, for workers reached over SSH"
     )
+    login_shell: str | None = Field(
+        default=None, description="the shell an SSH login lands in (commands reach bash via it)"
+    )
 
     @property
     def label(self) -> str:

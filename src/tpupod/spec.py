@@ -149,7 +149,8 @@ class SshPodSpec(_SpecBase, _SshOptions):
         return len(self.hosts)
 
     def summary(self) -> str:
-        return f"{len(self.hosts)} hosts over SSH, host keys {self.host_keys.value}"
+        hosts = f"{len(self.hosts)} host{'s' if len(self.hosts) != 1 else ''}"
+        return f"{hosts} over SSH, host keys {self.host_keys.value}"
 
     def repeated_hosts(self) -> list[str]:
         """A line for each host named more than once (same address and port)."""

@@ -449,11 +449,12 @@ async def _workers(
         await pool.close()
     workers = []
     for i, ((slice_id, endpoint, target), answer) in enumerate(zip(targets, answers, strict=True)):
+        shell = None  # not known: taken as bash, a TPU VM's
         if isinstance(answer, BaseException):
             progress(f"w{i} ({target.host}) does not answer over SSH yet: {answer}")
             hostname = f"{spec.name}-s{slice_id}-w{i}"
         else:
-            hostname = answer[0]
+            hostname, shell = answer.hostname, answer.login_shell
         workers.append(
             Worker(
                 id=i,
@@ -462,6 +463,7 @@ async def _workers(
                 external_address=endpoint.access_config.external_ip or None,
                 ssh=target,
                 slice=slice_id,
+                login_shell=shell,
             )
         )
     return workers

@@ -47,8 +47,14 @@ class SshProvider:
             failures = [a for a in answers if isinstance(a, BaseException)]
             raise _unreachable_hosts(failures, len(targets))
         workers = [
-            Worker(id=i, hostname=hostname, internal_address=address, ssh=target)
-            for i, (target, (hostname, address)) in enumerate(zip(targets, found, strict=True))
+            Worker(
+                id=i,
+                hostname=host.hostname,
+                internal_address=host.address,
+                ssh=target,
+                login_shell=host.login_shell,
+            )
+            for i, (target, host) in enumerate(zip(targets, found, strict=True))
         ]
         return Pod(name=spec.name, spec=spec, workers=tuple(workers))
 

@@ -83,6 +83,32 @@ GROUP_ALIVE = (
 GUARD_POLL_S = 0.05
 
 
+# Bytes a bash double-quoted string and a single-quoted word of every common login shell
+# (sh, zsh, fish, csh) take as they are; any other is written \xHH for printf %b.
+_AS_IS = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 #%&()*+,-./:;<=>?@[]^_{|}~"
+)
+
+
+def for_login_shell(script: str, shell: str | None) -> str:
+    """``script`` (bash) as the command line to give an SSH server whose user logs in to
+    ``shell``.
+
+    sshd runs a command with the user's login shell: a bash login takes the script as it
+    is; any other shell parses it first (fish refused it whole, and 'tpupod exec' said
+    the command succeeded; zsh ran the user's command as zsh, not bash). For those, the
+    line execs bash with the script in a form none of them alters: one single-quoted word
+    of characters they all take literally, which bash decodes with a builtin (no extra
+    process). ``shell`` None (not known: a pod recorded before it was) is taken as bash.
+    """
+    if shell is None or shell.rsplit("/", 1)[-1] == "bash":
+        return script
+    encoded = "".join(
+        c if c in _AS_IS else "".join(f"\\x{b:02x}" for b in c.encode()) for c in script
+    )
+    return f'exec /bin/bash -c \'printf -v tpupod_script %b "{encoded}"; eval "$tpupod_script"\''
+
+
 def command_script(command: str, *, guard: bool = False, grace: float = GUARD_GRACE_S) -> str:
     """The bash script that runs ``command`` on a worker (local or SSH), in its own group.
 

@@ -37,7 +37,13 @@ from tpupod.files import put_target, remove_path, replace, staging_name
 from tpupod.pod import Worker
 from tpupod.spec import SshHost
 from tpupod.transport import tarstream
-from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
+from tpupod.transport.base import (
+    ExitStatus,
+    OutputLine,
+    Stream,
+    command_script,
+    for_login_shell,
+)
 from tpupod.transport.lines import LineSplitter
 
 PGID_MARKER = b"\x1etpupod-pgid "
@@ -236,6 +242,10 @@ class SshTransport:
         self.target = worker.ssh
         self.pool = pool
 
+    def remote(self, script: str) -> str:
+        """``script`` as this worker's login shell must be given it (bash runs it)."""
+        return for_login_shell(script, self.worker.login_shell)
+
     async def start(
         self, command: str, env: Mapping[str, str], *, guard: bool = False
     ) -> SshProcess:
@@ -247,7 +257,9 @@ class SshTransport:
             async with asyncio.timeout(answer_s):
                 chan, session = await conn.create_session(
                     _CommandSession,
-                    wrap_command(command_script(command, guard=guard), env, self.worker.workdir),
+                    self.remote(
+                        wrap_command(command_script(command, guard=guard), env, self.worker.workdir)
+                    ),
                     encoding=None,
                 )
                 if not guard:
@@ -297,12 +309,12 @@ class SshTransport:
             if (
                 folder
                 and conn not in _NO_TAR
-                and await _by_tar(conn, tarstream.put(conn, local, target, staged))
+                and await _by_tar(conn, tarstream.put(conn, local, target, staged, self.remote))
             ):
                 return
             sftp = await _open_sftp(conn)
             if sftp is None:
-                await tarstream.put(conn, local, target, staged)
+                await tarstream.put(conn, local, target, staged, self.remote)
                 return
             async with sftp:
                 parent = posixpath.dirname(target)
@@ -325,7 +337,7 @@ class SshTransport:
                 else tarstream.cleanup_command(staged)
             )
             with contextlib.suppress(asyncssh.Error, OSError):
-                await conn.run(cleanup, check=False)
+                await conn.run(self.remote(cleanup), check=False)
             raise _failure(
                 self.target, self.worker.id, f"put {local} -> {target}: {_reason(exc)}"
             ) from exc
@@ -338,11 +350,13 @@ class SshTransport:
         try:
             sftp = await _open_sftp(conn)
             if sftp is None:
-                await tarstream.get(conn, path, staged)
+                await tarstream.get(conn, path, staged, self.remote)
             else:
                 async with sftp:
                     folder = conn not in _NO_TAR and await sftp.isdir(path)
-                    if not folder or not await _by_tar(conn, tarstream.get(conn, path, staged)):
+                    if not folder or not await _by_tar(
+                        conn, tarstream.get(conn, path, staged, self.remote)
+                    ):
                         await sftp.get(path, str(staged), preserve=True, recurse=True)
             await asyncio.to_thread(replace, staged, local)
         except tarstream.TarStreamError as exc:
@@ -445,16 +459,28 @@ class SshConnector:
         await self.pool.close()
 
 
-async def probe(pool: SshPool, target: SshHost, worker: int) -> tuple[str, str]:
-    """Connect to a host and return (its hostname, the address we reached it at)."""
+@dataclass(frozen=True)
+class Probed:
+    """What ``probe`` learns of a host."""
+
+    hostname: str
+    address: str  # the address we reached it at
+    login_shell: str | None  # what its logins run (sshd's $SHELL); None if it did not say
+
+
+async def probe(pool: SshPool, target: SshHost, worker: int) -> Probed:
+    """Connect to a host: its hostname, the address we reached it at, and its login shell
+    (a line every common shell runs the same: bash, sh, zsh, fish, csh)."""
     conn = await pool.connection(target, worker)
     try:
-        result = await conn.run("hostname", check=False, timeout=30)
+        result = await conn.run('hostname; echo "$SHELL"', check=False, timeout=30)
     except (asyncssh.Error, OSError, TimeoutError) as exc:
         raise _failure(target, worker, f"'hostname' failed: {_reason(exc)}") from exc
     peer = conn.get_extra_info("peername")
-    hostname = str(result.stdout or "").strip() or target.host
-    return hostname, str(peer[0]) if peer else target.host
+    said = [line.strip() for line in str(result.stdout or "").splitlines()]
+    hostname = said[0] if said and said[0] else target.host
+    shell = said[1] if len(said) > 1 and said[1].startswith("/") else None
+    return Probed(hostname, str(peer[0]) if peer else target.host, shell)
 
 
 class SshProcess:
@@ -499,7 +525,9 @@ class SshProcess:
             return
         with contextlib.suppress(asyncssh.Error, OSError, TimeoutError):
             async with asyncio.timeout(KILL_ANSWER_S):
-                killer = await self._conn.create_process(kill_script(self.pgid, grace))
+                killer = await self._conn.create_process(
+                    self._transport.remote(kill_script(self.pgid, grace))
+                )
                 await killer.stdout.readline()  # TERM was sent (or the group was gone)
             async with asyncio.timeout(grace + KILL_ANSWER_S):
                 await killer.wait()

@@ -34,6 +34,8 @@ import asyncssh
 from tpupod.files import staging_name
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from _typeshed import StrOrBytesPath
 
 CHUNK = 1 << 20  # bytes per hand-over between the tar thread and the event loop
@@ -260,10 +262,14 @@ def unpack(source: _Source, top: str, dest: Path) -> None:
 # -- the two directions ----------------------------------------------------------------------
 
 
-async def put(conn: asyncssh.SSHClientConnection, local: Path, target: str, staged: str) -> None:
-    """Upload ``local`` to ``target``, staged at ``staged`` (a hidden sibling)."""
+async def put(
+    conn: asyncssh.SSHClientConnection, local: Path, target: str, staged: str,
+    remote: Callable[[str], str] = str,
+) -> None:  # fmt: skip
+    """Upload ``local`` to ``target``, staged at ``staged`` (a hidden sibling). ``remote``:
+    the script as the host's login shell must be given it."""
     script = put_script(target, staged, staging_name(target))
-    proc = await conn.create_process(script, encoding=None)
+    proc = await conn.create_process(remote(script), encoding=None)
     errors = asyncio.ensure_future(proc.stderr.read())
     output = asyncio.ensure_future(proc.stdout.read())  # nothing expected; read so it never blocks
     local_error: Exception | None = None
@@ -286,10 +292,13 @@ async def put(conn: asyncssh.SSHClientConnection, local: Path, target: str, stag
         raise _why(status, stderr, local_error)
 
 
-async def get(conn: asyncssh.SSHClientConnection, path: str, dest: Path) -> None:
-    """Download ``path`` into the local path ``dest`` (which must not exist yet)."""
+async def get(
+    conn: asyncssh.SSHClientConnection, path: str, dest: Path, remote: Callable[[str], str] = str
+) -> None:
+    """Download ``path`` into the local path ``dest`` (which must not exist yet); ``remote``
+    as for :func:`put`."""
     _parent, name = _split(path)
-    proc = await conn.create_process(get_script(path), encoding=None)
+    proc = await conn.create_process(remote(get_script(path)), encoding=None)
     errors = asyncio.ensure_future(proc.stderr.read())
     local_error: Exception | None = None
     try:
