@@ -48,6 +48,12 @@ from tpupod.transport.lines import LineSplitter
 
 PGID_MARKER = b"\x1etpupod-pgid "
 PGID_TEXT = PGID_MARKER.decode()
+# The command's first line on stdout, as the group id is on stderr: what comes before either
+# is the login's own (a ~/.bashrc that prints a banner), not the command's.
+BEGIN_TEXT = "\x1etpupod-begin"
+PROBE_MARK = "tpupod-probe"
+PROBE = f'echo {PROBE_MARK}; hostname; echo "$SHELL"'  # the same in bash, zsh, fish, csh
+HELD_LINES = 200  # the login's lines kept, in case the command never begins (they say why)
 QUEUE_HIGH = 1024
 KILL_POLL_S = 0.05
 KILL_ANSWER_S = 1.0  # a kill that gets no answer within this (and its grace) is given up
@@ -384,7 +390,8 @@ _NO_TAR: weakref.WeakSet[asyncssh.SSHClientConnection] = weakref.WeakSet()
 
 
 async def _open_sftp(conn: asyncssh.SSHClientConnection) -> asyncssh.SFTPClient | None:
-    """An SFTP session, or None when the host has no SFTP subsystem.
+    """An SFTP session, or None when the host has no SFTP subsystem (or one a login's
+    banner garbles).
 
     sshd without ``Subsystem sftp`` refuses the request (asyncssh: ChannelOpenError,
     "Session request failed"); one whose sftp-server is missing closes the channel
@@ -394,6 +401,12 @@ async def _open_sftp(conn: asyncssh.SSHClientConnection) -> asyncssh.SFTPClient 
         return None
     try:
         return await conn.start_sftp_client()
+    except asyncssh.SFTPBadMessage:
+        # sshd starts an sftp-server through the login shell; a ~/.bashrc that prints
+        # garbles its first packet ('Max packet size exceeded'): the tar streams, which
+        # skip a login's banner, do the transfer instead
+        _NO_SFTP.add(conn)
+        return None
     except (asyncssh.ChannelOpenError, asyncssh.SFTPConnectionLost) as exc:
         refused = not isinstance(exc, asyncssh.ChannelOpenError) or (
             exc.code == asyncssh.OPEN_REQUEST_SESSION_FAILED
@@ -473,11 +486,12 @@ async def probe(pool: SshPool, target: SshHost, worker: int) -> Probed:
     (a line every common shell runs the same: bash, sh, zsh, fish, csh)."""
     conn = await pool.connection(target, worker)
     try:
-        result = await conn.run('hostname; echo "$SHELL"', check=False, timeout=30)
+        result = await conn.run(PROBE, check=False, timeout=30)
     except (asyncssh.Error, OSError, TimeoutError) as exc:
         raise _failure(target, worker, f"'hostname' failed: {_reason(exc)}") from exc
     peer = conn.get_extra_info("peername")
     said = [line.strip() for line in str(result.stdout or "").splitlines()]
+    said = said[said.index(PROBE_MARK) + 1 :] if PROBE_MARK in said else said  # after a banner
     hostname = said[0] if said and said[0] else target.host
     shell = said[1] if len(said) > 1 and said[1].startswith("/") else None
     return Probed(hostname, str(peer[0]) if peer else target.host, shell)
@@ -528,7 +542,8 @@ class SshProcess:
                 killer = await self._conn.create_process(
                     self._transport.remote(kill_script(self.pgid, grace))
                 )
-                await killer.stdout.readline()  # TERM was sent (or the group was gone)
+                while (said := await killer.stdout.readline()) and said.strip() != "sent":
+                    pass  # a login's banner: TERM is sent when 'sent' comes (or the end)
             async with asyncio.timeout(grace + KILL_ANSWER_S):
                 await killer.wait()
 
@@ -554,6 +569,8 @@ class _CommandSession(asyncssh.SSHClientSession[bytes]):
         self._chan: asyncssh.SSHClientChannel[bytes] | None = None
         self._paused = False
         self._due: dict[Stream, asyncio.TimerHandle] = {}  # a held-back bar state's show
+        # per stream, the lines before its marker (the login's, until the command begins)
+        self._before: dict[Stream, list[str] | None] = {Stream.STDOUT: [], Stream.STDERR: []}
 
     def connection_made(self, chan: asyncssh.SSHClientChannel[bytes]) -> None:
         self._chan = chan
@@ -561,18 +578,30 @@ class _CommandSession(asyncssh.SSHClientSession[bytes]):
     def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:
         stream = Stream.STDERR if datatype == asyncssh.EXTENDED_DATA_STDERR else Stream.STDOUT
         lines = self._splitters[stream].feed(data)
-        if stream is Stream.STDERR and lines and not self.group.done():
-            first = lines[0]
-            if first.startswith(PGID_TEXT):
-                lines = lines[1:]
-                self.group.set_result(int(first[len(PGID_TEXT) :]))
-            else:  # bash or /proc missing: the first line is output, not the marker
-                self.group.set_result(None)
+        if self._before[stream] is not None:
+            lines = self._begun(stream, lines)
         self._put(stream, lines)
         self._show_when_due(stream)
         if self.queue.qsize() > QUEUE_HIGH and self._chan is not None and not self._paused:
             self._paused = True
             self._chan.pause_reading()
+
+    def _begun(self, stream: Stream, lines: list[str]) -> list[str]:
+        """The command's lines among ``lines``: those after its marker on ``stream``. The
+        lines before are the login's (a banner, a shell rc's warning) and are dropped; the
+        group id comes with stderr's marker."""
+        held = self._before[stream]
+        assert held is not None
+        marker = PGID_TEXT if stream is Stream.STDERR else BEGIN_TEXT
+        for i, line in enumerate(lines):
+            if line.startswith(marker):
+                self._before[stream] = None
+                if stream is Stream.STDERR and not self.group.done():
+                    self.group.set_result(int(line[len(marker) :]))
+                return lines[i + 1 :]
+        held.extend(lines)
+        del held[:-HELD_LINES]
+        return []
 
     def drained(self) -> None:
         if self._paused and self.queue.qsize() < QUEUE_HIGH // 2 and self._chan is not None:
@@ -601,7 +630,13 @@ class _CommandSession(asyncssh.SSHClientSession[bytes]):
         for timer in self._due.values():
             timer.cancel()
         for stream, splitter in self._splitters.items():
-            self._put(stream, splitter.finish())
+            lines = splitter.finish()
+            if self._before[stream] is not None:
+                lines = self._begun(stream, lines)
+            held = self._before[stream]
+            if held is not None:  # it never began: what the login said is why
+                lines, self._before[stream] = held, None
+            self._put(stream, lines)
         self.queue.put_nowait(None)
         if not self.group.done():
             self.group.set_result(None)
@@ -630,7 +665,7 @@ def wrap_command(script: str, env: Mapping[str, str], workdir: str | None) -> st
     ``setsid``. ``script`` is :func:`~tpupod.transport.base.command_script`'s,
     which reports a command killed by a signal as killed by that signal.
     """
-    lines = [f"printf '{PGID_MARKER.decode()}%s\\n' \"$$\" >&2"]
+    lines = [f"printf '{PGID_MARKER.decode()}%s\\n' \"$$\" >&2; printf '{BEGIN_TEXT}\\n'"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     if workdir:
         lines.append(f"cd {shlex.quote(workdir)} || exit 1")

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from _typeshed import StrOrBytesPath
 
 CHUNK = 1 << 20  # bytes per hand-over between the tar thread and the event loop
+# A script's first line on stderr, and a get's on stdout right before the archive: what comes
+# before is the login's own (a ~/.bashrc that prints a banner), not the host's answer.
+BEGIN = "\x1etpupod-tar"
 NO_TAR = "tpupod-no-tar"
 MISSING = "tpupod-missing"
 CUT_SHORT = "tpupod-cut-short"
@@ -80,6 +83,7 @@ def put_script(target: str, staged: str, old: str) -> str:
     q = shlex.quote
     return "\n".join(
         [
+            f"printf '{BEGIN}\\n' >&2",
             f"command -v tar >/dev/null 2>&1 || {{ echo {NO_TAR} >&2; exit 127; }}",
             f"stage={q(staged)} target={q(target)} old={q(old)}",
             'trap \'rm -rf -- "$stage" "$stage.done"\' EXIT',
@@ -103,9 +107,11 @@ def get_script(path: str) -> str:
     q = shlex.quote
     return "\n".join(
         [
+            f"printf '{BEGIN}\\n' >&2",
             f"command -v tar >/dev/null 2>&1 || {{ echo {NO_TAR} >&2; exit 127; }}",
             f"if [ ! -e {q(path)} ] && [ ! -L {q(path)} ]; then echo {MISSING} >&2; exit 2; fi",
             f"cd -- {q(parent)} || exit 1",
+            f"printf '{BEGIN}\\n'",
             f"LC_ALL=C exec tar -cf - {q('./' + name)}",
         ]
     )
@@ -301,10 +307,14 @@ async def get(
     proc = await conn.create_process(remote(get_script(path)), encoding=None)
     errors = asyncio.ensure_future(proc.stderr.read())
     local_error: Exception | None = None
+    began = False
     try:
         source = _Source(asyncio.get_running_loop(), proc.stdout)
         try:
-            await asyncio.to_thread(unpack, source, name, dest)
+            with contextlib.suppress(asyncio.IncompleteReadError):  # ended first: stderr says
+                await proc.stdout.readuntil(BEGIN.encode() + b"\n")  # why; a banner before
+                began = True
+                await asyncio.to_thread(unpack, source, name, dest)
             await proc.stdout.read()  # the padding after the archive's end
         except (OSError, tarfile.TarError, asyncssh.Error, TarStreamError, _ChannelClosed) as exc:
             local_error = exc
@@ -315,6 +325,8 @@ async def get(
         proc.close()
         errors.cancel()
     status = proc.exit_status
+    if not began and local_error is None and status == 0:
+        local_error = TarStreamError("the host sent no archive")
     if local_error is None and (status == 0 or (status == 1 and _only_changed(stderr))):
         return
     raise _why(status, stderr, local_error)
@@ -322,7 +334,8 @@ async def get(
 
 def _why(status: int | None, stderr: bytes, local: Exception | None) -> TarStreamError:
     """One line for a failed transfer: the host's known failures, ours, then the host's words."""
-    lines = [line.strip() for line in stderr.decode(errors="replace").splitlines()]
+    said = stderr.decode(errors="replace").split(BEGIN + "\n", 1)[-1]  # not a login's banner
+    lines = [line.strip() for line in said.splitlines()]
     lines = [line for line in lines if line]
     if NO_TAR in lines:
         return TarStreamError("no tar on the host", hint=NO_TAR_HINT, no_tar=True)
