@@ -623,7 +623,10 @@ class _CommandSession(asyncssh.SSHClientSession[bytes]):
 
     def _show_due(self, stream: Stream) -> None:
         del self._due[stream]
-        self._put(stream, self._splitters[stream].due())
+        lines = self._splitters[stream].due()
+        if self._before[stream] is not None:  # still the login's (a bar in a start-up file)
+            lines = self._begun(stream, lines)
+        self._put(stream, lines)
         self._show_when_due(stream)
 
     def connection_lost(self, exc: Exception | None) -> None:
