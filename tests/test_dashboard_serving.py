@@ -3,6 +3,7 @@ the stub OpenAI servers of the fleet's tests) under a load generator of a fixed 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import statistics
@@ -88,6 +89,54 @@ def stub_fleet(cli: Callable[..., CliResult], state_home: Path) -> Iterator[tupl
 def page_rate(seen: Browser) -> float:
     cells = seen.page.locator("table.backends td.rps").all_inner_texts()
     return sum(float(c) for c in cells if c not in (NONE, ""))
+
+
+def test_a_rate_is_timed_by_when_the_router_read_its_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rate's clock was the end of the fleet's whole status, which waits on every
+    agent: on a loaded machine that moved by seconds from one round to the next and put
+    the rate 10-30 % off (a clean clone's CI: 26.0 shown for 20 sent). It is the moment
+    the router read its counts (its /backends says when)."""
+    from tpupod.dashboard import serving as dashboard_serving
+    from tpupod.serve.backends import Backend
+    from tpupod.serve.record import FleetRecord, ServerRecord
+    from tpupod.serve.status import fleet_status
+
+    record = FleetRecord(
+        pod="p", model="m", backend=Backend.COMMAND, python="python3",
+        servers=[ServerRecord(worker=0, host="127.0.0.1", port=9, name="s0")],
+        router_host="127.0.0.1", router_port=8, token="t", started=0.0,
+    )  # fmt: skip
+    # the router read 0 then 20 requests a second apart; each status took 1 s to 4 s more
+    rounds = iter([(0, 1000.0, 1.0), (20, 1001.0, 4.0)])
+
+    class Fleet:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def record(self) -> FleetRecord:
+            return record
+
+        def status(self) -> object:
+            count, at, took = next(rounds)
+            time.sleep(took / 100)  # the status's own time, scaled down
+            health = {"127.0.0.1:9": {"state": "up", "requests": count}}
+            router = {"backends": ["127.0.0.1:9"], "health": health, "at": at}
+            return fleet_status(record, [{"servers": []}], router)
+
+    class State:
+        def names(self) -> list[str]:
+            return ["p"]
+
+        def load(self, name: str) -> None:
+            return None
+
+    monkeypatch.setattr(dashboard_serving, "Fleet", Fleet)
+    watcher = dashboard_serving.Serving()
+    for _ in range(2):
+        rows = asyncio.run(watcher.sample(State()))  # type: ignore[arg-type]
+    assert rows[0]["backends"][0]["requests_per_s"] == pytest.approx(20.0)
 
 
 @pytest.mark.timeout(240)

@@ -186,6 +186,7 @@ class Registry:
         return {
             "ok": bool(healthy),
             "model": self.model,
+            "at": time.time(),  # when these counts were read: a rate's clock (the dashboard's)
             "backends": healthy,
             "health": {
                 b.address: {

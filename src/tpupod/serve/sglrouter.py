@@ -155,6 +155,7 @@ def view(info: dict[str, Any], token: str) -> dict[str, Any]:
         }
     body = {
         "kind": "sgl",
+        "at": time.time(),  # when the counts were read (a rate's clock)
         "router_health": f"HTTP {health.status_code} {health.text.strip()}"[:80],
         "backends": [a for a, s in seen.items() if s["state"] == "up" and s["circuit"] != "open"],
         "health": seen,

@@ -42,6 +42,7 @@ class FleetStatus:
     router_error: str | None = None  # why the router did not answer (None: it did)
     router_health: str | None = None  # sgl-router's own /health answer
     circuits: tuple[str, ...] = ()  # sgl-router: backends whose circuit is not closed
+    router_at: float | None = None  # when the router read its counts (its host's clock)
 
     @property
     def router_kind(self) -> str:
@@ -65,7 +66,11 @@ def fleet_status(
         f"{a}: {h['circuit']}" for a, h in health.items() if h.get("circuit", "closed") != "closed"
     )
     healthy = len(router.get("backends", []))
-    return FleetStatus(record, servers, healthy, None, router.get("router_health"), circuits)
+    at = router.get("at")
+    return FleetStatus(
+        record, servers, healthy, None, router.get("router_health"), circuits,
+        float(at) if isinstance(at, int | float) else None,
+    )  # fmt: skip
 
 
 def _server(
