@@ -60,8 +60,11 @@ def shell_host() -> Iterator[SimPod]:
         for name, shell in SHELLS.items():
             user = f"tpupod-{name}"
             if subprocess.run(["id", user], capture_output=True).returncode != 0:
-                subprocess.run(["useradd", "-m", "-s", shell, user], check=True)
-                made.append(user)
+                added = subprocess.run(["useradd", "-m", "-s", shell, user], capture_output=True)
+                if added.returncode == 0:
+                    made.append(user)  # (this file's tests share one process: --dist loadfile)
+                elif added.returncode != 9:  # 9: made meanwhile by another test process
+                    raise AssertionError(f"useradd {user}: {added.stderr.decode()}")
             subprocess.run(["usermod", "-p", "*", user], check=True)  # not locked: keys only
             name_, text = STARTUP[name]
             startup = Path("/home", user, name_)

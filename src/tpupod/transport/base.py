@@ -83,6 +83,10 @@ GROUP_ALIVE = (
 GUARD_POLL_S = 0.05
 
 
+# A remote script's first line (on stdout, and on stderr where nothing else marks it): what
+# comes before is the login's own (a ~/.bashrc that prints a banner), not the script's.
+BEGIN_MARK = "\x1etpupod-begin"
+
 # Bytes a bash double-quoted string and a single-quoted word of every common login shell
 # (sh, zsh, fish, csh) take as they are; any other is written \xHH for printf %b.
 _AS_IS = frozenset(

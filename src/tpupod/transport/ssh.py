@@ -38,6 +38,7 @@ from tpupod.pod import Worker
 from tpupod.spec import SshHost
 from tpupod.transport import tarstream
 from tpupod.transport.base import (
+    BEGIN_MARK,
     ExitStatus,
     OutputLine,
     Stream,
@@ -48,9 +49,6 @@ from tpupod.transport.lines import LineSplitter
 
 PGID_MARKER = b"\x1etpupod-pgid "
 PGID_TEXT = PGID_MARKER.decode()
-# The command's first line on stdout, as the group id is on stderr: what comes before either
-# is the login's own (a ~/.bashrc that prints a banner), not the command's.
-BEGIN_TEXT = "\x1etpupod-begin"
 PROBE_MARK = "tpupod-probe"
 PROBE = f'echo {PROBE_MARK}; hostname; echo "$SHELL"'  # the same in bash, zsh, fish, csh
 HELD_LINES = 200  # the login's lines kept, in case the command never begins (they say why)
@@ -592,7 +590,7 @@ class _CommandSession(asyncssh.SSHClientSession[bytes]):
         group id comes with stderr's marker."""
         held = self._before[stream]
         assert held is not None
-        marker = PGID_TEXT if stream is Stream.STDERR else BEGIN_TEXT
+        marker = PGID_TEXT if stream is Stream.STDERR else BEGIN_MARK
         for i, line in enumerate(lines):
             if line.startswith(marker):
                 self._before[stream] = None
@@ -668,7 +666,7 @@ def wrap_command(script: str, env: Mapping[str, str], workdir: str | None) -> st
     ``setsid``. ``script`` is :func:`~tpupod.transport.base.command_script`'s,
     which reports a command killed by a signal as killed by that signal.
     """
-    lines = [f"printf '{PGID_MARKER.decode()}%s\\n' \"$$\" >&2; printf '{BEGIN_TEXT}\\n'"]
+    lines = [f"printf '{PGID_MARKER.decode()}%s\\n' \"$$\" >&2; printf '{BEGIN_MARK}\\n'"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     if workdir:
         lines.append(f"cd {shlex.quote(workdir)} || exit 1")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import asyncssh
 
 from tpupod.files import staging_name
+from tpupod.transport.base import BEGIN_MARK
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,9 +40,6 @@ if TYPE_CHECKING:
     from _typeshed import StrOrBytesPath
 
 CHUNK = 1 << 20  # bytes per hand-over between the tar thread and the event loop
-# A script's first line on stderr, and a get's on stdout right before the archive: what comes
-# before is the login's own (a ~/.bashrc that prints a banner), not the host's answer.
-BEGIN = "\x1etpupod-tar"
 NO_TAR = "tpupod-no-tar"
 MISSING = "tpupod-missing"
 CUT_SHORT = "tpupod-cut-short"
@@ -83,7 +81,7 @@ def put_script(target: str, staged: str, old: str) -> str:
     q = shlex.quote
     return "\n".join(
         [
-            f"printf '{BEGIN}\\n' >&2",
+            f"printf '{BEGIN_MARK}\\n' >&2",
             f"command -v tar >/dev/null 2>&1 || {{ echo {NO_TAR} >&2; exit 127; }}",
             f"stage={q(staged)} target={q(target)} old={q(old)}",
             'trap \'rm -rf -- "$stage" "$stage.done"\' EXIT',
@@ -107,11 +105,11 @@ def get_script(path: str) -> str:
     q = shlex.quote
     return "\n".join(
         [
-            f"printf '{BEGIN}\\n' >&2",
+            f"printf '{BEGIN_MARK}\\n' >&2",
             f"command -v tar >/dev/null 2>&1 || {{ echo {NO_TAR} >&2; exit 127; }}",
             f"if [ ! -e {q(path)} ] && [ ! -L {q(path)} ]; then echo {MISSING} >&2; exit 2; fi",
             f"cd -- {q(parent)} || exit 1",
-            f"printf '{BEGIN}\\n'",
+            f"printf '{BEGIN_MARK}\\n'",
             f"LC_ALL=C exec tar -cf - {q('./' + name)}",
         ]
     )
@@ -312,7 +310,7 @@ async def get(
         source = _Source(asyncio.get_running_loop(), proc.stdout)
         try:
             with contextlib.suppress(asyncio.IncompleteReadError):  # ended first: stderr says
-                await proc.stdout.readuntil(BEGIN.encode() + b"\n")  # why; a banner before
+                await proc.stdout.readuntil(BEGIN_MARK.encode() + b"\n")  # why; a banner before
                 began = True
                 await asyncio.to_thread(unpack, source, name, dest)
             await proc.stdout.read()  # the padding after the archive's end
@@ -334,7 +332,7 @@ async def get(
 
 def _why(status: int | None, stderr: bytes, local: Exception | None) -> TarStreamError:
     """One line for a failed transfer: the host's known failures, ours, then the host's words."""
-    said = stderr.decode(errors="replace").split(BEGIN + "\n", 1)[-1]  # not a login's banner
+    said = stderr.decode(errors="replace").split(BEGIN_MARK + "\n", 1)[-1]  # not a login's banner
     lines = [line.strip() for line in said.splitlines()]
     lines = [line for line in lines if line]
     if NO_TAR in lines:
