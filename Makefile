@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP_CORE := $(VENV)/.stamp-core
+STAMP_DEMO := $(VENV)/.stamp-demo
 STAMP_TEST := $(VENV)/.stamp-test
 
 .PHONY: demo test test-fast test-local test-ssh test-reference lint typecheck pytest prereqs bench clean
@@ -17,15 +17,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(STAMP_CORE): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[jax]'
+# what the demo runs: JAX, the model and the serve extras, and the openai client
+$(STAMP_DEMO): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[demo]'
 	touch $@
 
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
-	touch $@ $(STAMP_CORE)
+	touch $@ $(STAMP_DEMO)
 
-demo: prereqs $(STAMP_CORE)
+demo: prereqs $(STAMP_DEMO)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
 lint: $(STAMP_TEST)

@@ -37,11 +37,17 @@ BENCH = "Checkpoint benchmarks: `tpupod bench checkpoint`"
 EXTRACT = "Activation extraction: `tpupod extract`"
 SERVE = "Serving a model: `tpupod serve`, `tpupod fanout`"
 TOP = "tpupod"  # the block under the title
+INSTALL = "Install"
 
 NEEDS_CLOUD = "needs a TPU in Google Cloud, which cannot be reached from here"
 NOT_RUN = {
     (TOP, "make test"): "runs this suite, which runs this test",
     (TOP, "make test-fast"): "runs this suite's unit tier",
+    (INSTALL, "pip install -e ."): (
+        "would change the venv running this test; scripts/newcomer.sh (CI, before make test)"
+        " installs it into a fresh venv and runs its commands"
+    ),
+    (INSTALL, "pip install -e '.[all]'"): "what this suite's venv holds (.[test] includes it)",
     (SSH, "tpupod sync --repo-url https://github.com/google/orbax --pr 123"): (
         "fetches from GitHub; the tests reach no network (sync from a server is tested"
         " against a local repository in test_ops.py)"

@@ -64,7 +64,8 @@ def test_launch_templates_render_the_seeds_command_lines() -> None:
     common: dict[str, Any] = {"host": "10.0.0.2", "model": "/m", "devices": 4, "python": "py"}
     (builtin,) = plan(Backend.BUILTIN, ports=[31000, 31001], dtype="bfloat16", **common)
     assert render(builtin) == [
-        "py", "-m", "tpupod.serve.builtin", "--model", "/m", "--host", "10.0.0.2",
+        "py", "-m", "tpupod.extras", "serve,model",  # the worker checks its extras first
+        "tpupod.serve.builtin", "--model", "/m", "--host", "10.0.0.2",
         "--ports", "31000,31001", "--dtype", "bfloat16",
     ]  # fmt: skip
     assert builtin.device_ids == ((0, 1), (2, 3))

@@ -11,6 +11,7 @@ translated into these at the seam where they arise, chained with ``from``.
     │   ├── BenchConfigError     exit 2   a checkpoint benchmark config that does not validate
     │   └── ExtractError         exit 2   extraction input or output that cannot be used
     │       └── DataError        exit 2   a data file: malformed lines (--strict), duplicate ids
+    ├── MissingExtra             exit 1   a command's optional packages are not installed
     ├── StateError               exit 1   the state directory: unknown pod, exists, corrupt
     │   ├── PodNotFound
     │   └── PodExists
@@ -80,6 +81,21 @@ class BenchConfigError(UsageError):
             return cls(f"{source}: {problems[0]}", hint)
         listed = "\n".join(f"  - {p}" for p in problems)
         return cls(f"{source}: {len(problems)} problems\n{listed}", hint)
+
+
+class MissingExtra(TpupodError):
+    """A command needs an extra (``tpupod[serve]``, ...) whose packages are not installed.
+
+    ``subject``: what needs it (``'tpupod serve up'``, ``a Cloud TPU pod``); ``where``:
+    said after it when the check ran on a worker."""
+
+    def __init__(self, subject: str, extra: str, modules: list[str], *, where: str = "") -> None:
+        super().__init__(
+            f"{subject} needs the {extra} extra{where} (not installed: {', '.join(modules)})",
+            hint=f"pip install 'tpupod[{extra}]'",
+        )
+        self.extra = extra
+        self.modules = modules
 
 
 class StateError(TpupodError):

@@ -8,6 +8,7 @@ import sys
 
 from tpupod import settings
 from tpupod.errors import TpupodError
+from tpupod.extras import for_missing_module
 from tpupod.plain import TYPE_CHECKING
 from tpupod.results import Outcome
 from tpupod.transport import OutputLine, Stream
@@ -242,16 +243,18 @@ DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 DISK_FULL_HINT = "free space on that disk ('df -h' names it), or point TPUPOD_HOME elsewhere"
 
 
-def report_failure(exc: Exception) -> int:
+def report_failure(exc: Exception, subject: str = "this command") -> int:
     """A command's exception the tpupod way, on stderr; its exit code.
 
-    A TpupodError is its ``error:`` and ``hint:`` lines; anything else is a bug: one
-    ``internal error:`` line. The traceback is shown only with ``--debug``.
+    A TpupodError is its ``error:`` and ``hint:`` lines, and so is an import of an extra's
+    package that is not installed (the extra ``subject`` needs, named); anything else is a
+    bug: one ``internal error:`` line. The traceback is shown only with ``--debug``.
     """
     if debug_requested():
         import traceback
 
         traceback.print_exception(exc)
+    exc = for_missing_module(exc, subject) or exc
     if isinstance(exc, BrokenPipeError):
         return 141  # as a process killed by SIGPIPE
     if isinstance(exc, TpupodError):

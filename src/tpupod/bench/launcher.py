@@ -22,6 +22,7 @@ from tpupod.bench.plots import write_plots
 from tpupod.bench.results import Results
 from tpupod.bench.wire import Collector, Plan
 from tpupod.errors import BenchError, UsageError
+from tpupod.extras import worker_argv
 from tpupod.fanout import Interrupt, NoticeHandler
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
@@ -113,7 +114,7 @@ async def run_bench(
 
     result = await launch_run(
         pod,
-        f"{shlex.quote(worker_python)} -m {WORKER_MODULE}",
+        shlex.join(worker_argv(worker_python, "checkpoint-bench", WORKER_MODULE)),
         workers=workers,
         env={"TPUPOD_BENCH_PLAN": text},
         timeout=timeout,

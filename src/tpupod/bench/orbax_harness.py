@@ -28,7 +28,7 @@ import types
 import typing
 from typing import Any
 
-from tpupod.errors import UsageError
+from tpupod.extras import require
 
 HARNESS = "orbax.checkpoint._src.testing.benchmarks"
 PYTREE = f"{HARNESS}.pytree_checkpoint_benchmark.PyTreeCheckpointBenchmark"
@@ -111,13 +111,8 @@ def _module(name: str) -> Any:
     except ImportError:
         sys.modules.setdefault("clu", types.ModuleType("clu"))
         sys.modules["clu.metric_writers"] = _Unavailable("clu.metric_writers")
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        raise UsageError(
-            f"Orbax's benchmark harness cannot be imported: {exc}",
-            hint=f"pip install 'tpupod[checkpoint-bench]' (orbax-checkpoint=={TESTED_ORBAX})",
-        ) from exc
+    require("'tpupod bench checkpoint'", "checkpoint-bench")
+    return importlib.import_module(name)
 
 
 def resolve(generator: str) -> str | None:

@@ -18,6 +18,7 @@ import typer
 from typer.models import CommandInfo, TyperInfo
 
 from tpupod import __version__
+from tpupod.extras import require
 from tpupod.report import report_failure
 
 P = ParamSpec("P")
@@ -53,26 +54,40 @@ def _root(
     """
 
 
-def reporting_errors(func: Callable[P, R]) -> Callable[P, R]:
-    """Turn a command's TpupodError into 'error:' and 'hint:' lines and its exit code."""
+def reporting_errors(
+    func: Callable[P, R], *, label: str = "tpupod", needs: tuple[str, ...] = ()
+) -> Callable[P, R]:
+    """Turn a command's TpupodError into 'error:' and 'hint:' lines and its exit code,
+    after checking, before any work, that the extras it ``needs`` are installed."""
 
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
+            require(f"'{label}'", *needs)
             return func(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:  # a bug too: one line, the traceback only with --debug
-            raise typer.Exit(report_failure(exc)) from exc
+            raise typer.Exit(report_failure(exc, f"'{label}'")) from exc
 
     return wrapper
 
 
-def command(name: str, **settings: object) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Register a CLI command whose errors are reported the tpupod way."""
+def command(
+    name: str,
+    *,
+    group: typer.Typer | None = None,
+    needs: tuple[str, ...] = (),
+    **settings: object,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Register a CLI command (of ``group``, else of the app) whose errors are reported the
+    tpupod way and which first checks the extras it ``needs`` (``tpupod.extras``)."""
+    owner = group or app
+    label = " ".join(["tpupod", *([str(group.info.name)] if group else []), name])
 
     def register(func: Callable[P, R]) -> Callable[P, R]:
-        app.command(name, **settings)(reporting_errors(func))  # type: ignore[arg-type]
+        checked = reporting_errors(func, label=label, needs=needs)
+        owner.command(name, **settings)(checked)  # type: ignore[arg-type]
         return func
 
     return register

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from tpupod.cli import app, reporting_errors
+from tpupod.cli import app, command
 from tpupod.cli.exec import QuietOption, TimeoutOption
 from tpupod.cli.options import PodOption
 from tpupod.errors import BenchError
@@ -42,8 +42,7 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 
-@bench_app.command("checkpoint")
-@reporting_errors
+@command("checkpoint", group=bench_app, needs=("checkpoint-bench",))
 def checkpoint(
     config: Annotated[
         Path,

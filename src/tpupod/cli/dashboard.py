@@ -10,7 +10,7 @@ from tpupod.cli import command
 from tpupod.report import notice
 
 
-@command("dashboard")
+@command("dashboard", needs=("dashboard",))
 def dashboard(
     port: Annotated[int, typer.Option("--port", help="The port to listen on.")] = 8750,
     host: Annotated[

@@ -12,6 +12,7 @@ import typer
 from tpupod.cli import command
 from tpupod.cli.options import PodOption
 from tpupod.errors import ExtractError
+from tpupod.extras import require
 
 if TYPE_CHECKING:
     from tpupod.extract.runner import ExtractOptions
@@ -129,6 +130,7 @@ def extract(
     if args and args[0] == "convert-arc":
         _convert_arc(args[1:])
         return
+    require("'tpupod extract'", "model")  # here, and on every worker (they run this command)
     from tpupod.extract.runner import ExtractOptions
 
     model, data, layers, out = _required(model=model, data=data, layers=layers, out=out)

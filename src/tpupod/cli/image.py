@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tpupod.cli import app, reporting_errors
+from tpupod.cli import app, command
 from tpupod.cli.options import PodOption
 
 image_app = typer.Typer(
@@ -58,8 +58,7 @@ PrivilegedOption = Annotated[
 ]
 
 
-@image_app.command("build")
-@reporting_errors
+@command("build", group=image_app)
 def build(
     context: Annotated[
         Path, typer.Argument(metavar="CONTEXT", help="The build context (a folder).")
@@ -112,8 +111,7 @@ def build(
         print(f"  {row.worker.label:<4} {row.worker.hostname:<16} {how}")
 
 
-@image_app.command("ls")
-@reporting_errors
+@command("ls", group=image_app)
 def ls(pod: PodOption = None, engine: EngineOption = None) -> None:
     """List the images on every worker: each tag, its id, the workers that have it.
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from tpupod.cli import app, reporting_errors
+from tpupod.cli import app, command
 from tpupod.cli.options import PodOption
 from tpupod.report import notice
 
@@ -44,8 +44,7 @@ DbOption = Annotated[
 JobId = Annotated[str, typer.Argument(metavar="ID", help="The job's id.", show_default=False)]
 
 
-@jobs_app.command("submit")
-@reporting_errors
+@command("submit", group=jobs_app, needs=("jobs",))
 def submit(
     what: Annotated[
         list[str],
@@ -101,8 +100,7 @@ def submit(
         _print_result(service.wait(service.open_store(db), job_id, say=notice))
 
 
-@jobs_app.command("ls")
-@reporting_errors
+@command("ls", group=jobs_app, needs=("jobs",))
 def ls(
     db: DbOption = None,
     status: Annotated[
@@ -137,8 +135,7 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.0f}h"
 
 
-@jobs_app.command("show")
-@reporting_errors
+@command("show", group=jobs_app, needs=("jobs",))
 def show(
     job_id: JobId,
     db: DbOption = None,
@@ -162,8 +159,7 @@ def show(
         print(f"  error     {job.error}")
 
 
-@jobs_app.command("logs")
-@reporting_errors
+@command("logs", group=jobs_app, needs=("jobs",))
 def logs(
     job_id: JobId,
     db: DbOption = None,
@@ -182,8 +178,7 @@ def logs(
         sys.stdout.flush()
 
 
-@jobs_app.command("cancel")
-@reporting_errors
+@command("cancel", group=jobs_app, needs=("jobs",))
 def cancel(job_id: JobId, db: DbOption = None) -> None:
     """Cancel a job: a pending one at once, a running one on every worker."""
     from tpupod.jobs import service
@@ -194,8 +189,7 @@ def cancel(job_id: JobId, db: DbOption = None) -> None:
     print(f"job {job.id}: {state}")
 
 
-@jobs_app.command("wait")
-@reporting_errors
+@command("wait", group=jobs_app, needs=("jobs",))
 def wait(
     job_id: JobId,
     db: DbOption = None,
@@ -218,8 +212,7 @@ def _print_result(job: Job) -> None:
         print(result_text(job.result))
 
 
-@jobs_app.command("worker")
-@reporting_errors
+@command("worker", group=jobs_app, needs=("jobs",))
 def worker(
     db: DbOption = None,
     pod: PodOption = None,
@@ -336,8 +329,7 @@ def _print_jobset(job: Job, body: dict[str, object]) -> None:
     typer.echo(yaml.safe_dump(body, sort_keys=False), nl=False)
 
 
-@jobs_app.command("serve")
-@reporting_errors
+@command("serve", group=jobs_app, needs=("jobs",))
 def serve(
     db: DbOption = None,
     host: Annotated[

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from tpupod import settings
-from tpupod.cli import app, command, reporting_errors
+from tpupod.cli import app, command
 from tpupod.cli.options import PodOption
 from tpupod.report import notice, print_columns
 from tpupod.serve import defaults
@@ -53,8 +53,7 @@ def _fleet(pod: str | None) -> Fleet:
     return Fleet.open(pod)
 
 
-@serve_app.command("up")
-@reporting_errors
+@command("up", group=serve_app, needs=("serve",))
 def up(
     model: Annotated[str, typer.Option("--model", help="A checkpoint folder or gs:// URL.")],
     pod: PodOption = None,
@@ -180,8 +179,7 @@ def up(
     print(f"endpoint: {endpoint}  ('eval \"$(tpupod serve endpoint)\"' to use it)")
 
 
-@serve_app.command("status")
-@reporting_errors
+@command("status", group=serve_app)
 def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> None:
     """A table: worker, server, backend, state, restarts, requests, tokens/s."""
     found = _fleet(pod).status()
@@ -221,8 +219,7 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-@serve_app.command("logs")
-@reporting_errors
+@command("logs", group=serve_app)
 def logs(
     pod: PodOption = None,
     workers: WorkersOption = None,
@@ -244,8 +241,7 @@ def logs(
     fleet.logs(printer, workers=workers, port=port, lines=lines, follow=follow, router=router)
 
 
-@serve_app.command("restart")
-@reporting_errors
+@command("restart", group=serve_app)
 def restart(
     pod: PodOption = None,
     workers: WorkersOption = None,
@@ -257,15 +253,13 @@ def restart(
     notice(f"restarted {len(done)}: {', '.join(done)}")
 
 
-@serve_app.command("down")
-@reporting_errors
+@command("down", group=serve_app)
 def down(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> None:
     """Stop the router, every agent and every server: nothing is left running."""
     _fleet(pod).down(notice, worker_python)
 
 
-@serve_app.command("endpoint")
-@reporting_errors
+@command("endpoint", group=serve_app)
 def endpoint(
     pod: PodOption = None,
     direct: Annotated[
@@ -288,7 +282,7 @@ def endpoint(
     print(f"export OPENAI_API_KEY={shlex.quote(found.token)}")
 
 
-@command("agent")
+@command("agent", needs=("serve",))
 def agent(
     host: Annotated[str, typer.Option("--host", help="The worker's internal address.")] = (
         "127.0.0.1"
@@ -304,7 +298,7 @@ def agent(
     serve_agent(Path(state_dir).expanduser().absolute(), host, port)
 
 
-@command("fanout")
+@command("fanout", needs=("serve",))
 def fanout(
     prompt: Annotated[str, typer.Option("--prompt", help="The user message.")],
     pod: PodOption = None,

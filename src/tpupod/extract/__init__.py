@@ -12,6 +12,14 @@ a pod), ``progress``, ``reader`` (``open``).
 Design notes: docs/extract.md.
 """
 
-from tpupod.extract.reader import Dataset, open
+from tpupod.lazy import attributes
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from tpupod.extract.reader import Dataset, open
+
+# Imported on first use: the command's light parts (convert-arc) need no numpy.
+__getattr__, __dir__ = attributes(
+    __name__, {"Dataset": "tpupod.extract.reader", "open": "tpupod.extract.reader"}
+)
 __all__ = ["Dataset", "open"]

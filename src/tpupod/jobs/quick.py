@@ -24,6 +24,7 @@ from typing import Any
 from tpupod import settings
 from tpupod.envargs import parse_pairs
 from tpupod.errors import JobStoreError, PodNotFound, UsageError
+from tpupod.extras import missing
 from tpupod.jobs.code import syntax_problem
 from tpupod.plainargs import OptionTable, scan
 
@@ -102,6 +103,8 @@ def check_pod(pod: str | None, remote: bool) -> None:
 
 def fast_submit(argv: list[str]) -> int | None:
     """Submit and print the id (exit 0); None when the typer command should do it."""
+    if missing("jobs"):
+        return None  # the typer command checks the extra and says what is missing
     scanned = scan(argv, SUBMIT_OPTIONS)
     if scanned is None:
         return None

@@ -25,6 +25,7 @@ from typing import Any
 
 from tpupod import settings
 from tpupod.errors import GcpError, UsageError
+from tpupod.extras import require
 from tpupod.pod import Pod, Worker
 from tpupod.providers.gcp_api import API_ROOT, check_api_choice, create_request, parent
 from tpupod.providers.ssh import check_key_file, connect_options
@@ -313,13 +314,8 @@ def list_tpus(
 
 def _library(name: str) -> Any:
     """A module of the Cloud TPU client library (the ``gcp`` extra), or a clear error."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise GcpError(
-            "the Cloud TPU client library is not installed",
-            hint="pip install 'tpupod[gcp]' (the gcp extra: google-cloud-tpu)",
-        ) from exc
+    require("talking to Cloud TPUs", "gcp")
+    return importlib.import_module(name)
 
 
 def _exceptions() -> Any:

@@ -16,6 +16,7 @@ import shlex
 from pydantic import BaseModel, ConfigDict, Field
 
 from tpupod.errors import UsageError
+from tpupod.extras import worker_argv
 from tpupod.serve import defaults
 
 
@@ -129,7 +130,8 @@ def render(spec: ServerSpec) -> list[str]:
     port = spec.ports[0]
     name_args = ["--served-model-name", spec.served_model_name] if spec.served_model_name else []
     if spec.backend is Backend.BUILTIN:
-        argv = [spec.python, "-m", "tpupod.serve.builtin", "--model", spec.model]
+        module = "tpupod.serve.builtin"
+        argv = worker_argv(spec.python, "serve,model", module, "--model", spec.model)
         argv += ["--host", spec.host, "--ports", ",".join(str(p) for p in spec.ports)]
         argv += ["--dtype", spec.dtype] if spec.dtype else []
         return [*argv, *name_args, *spec.extra_args]
@@ -226,7 +228,7 @@ def plan_replicas(
 
 def render_member(spec: ServerSpec, group: GroupSpec) -> list[str]:
     """The argv of one member of a multi-host replica (``python -m tpupod.serve.replica``)."""
-    argv = [spec.python, "-m", "tpupod.serve.replica", "--model", spec.model]
+    argv = worker_argv(spec.python, "serve,model", "tpupod.serve.replica", "--model", spec.model)
     argv += ["--host", spec.host, "--port", str(group.http_port)]
     argv += ["--rank", str(group.rank), "--size", str(group.size), "--leader", group.leader]
     argv += ["--coordinator-port", str(group.coordinator_port), "--worker", str(group.worker)]

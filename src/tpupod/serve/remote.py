@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpupod.errors import ServeError, WorkerError
+from tpupod.extras import worker_argv
 from tpupod.fanout import execute_async
 from tpupod.pod import Pod, Worker
 from tpupod.providers import Connector, provider_for
@@ -163,13 +164,8 @@ class RemoteFleet:
                 "ensure",
                 "agent",
                 "--",
-                self.python,
-                "-m",
-                "tpupod.serve.agent",
-                "--host",
-                worker.internal_address,
-                "--port",
-                str(port),
+                *worker_argv(self.python, "serve", "tpupod.serve.agent"),
+                *("--host", worker.internal_address, "--port", str(port)),
             )
         )[-1]
         if "error" in answer:
