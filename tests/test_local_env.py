@@ -28,7 +28,7 @@ print(json.dumps({"devices": len(jax.devices()), "platform": jax.default_backend
 def test_identity_variables(make_pod: Callable[..., Pod]) -> None:
     pod = make_pod(3, devices=2)
     env_names = (
-        "TPUPOD_POD TPUPOD_WORKER_ID TPUPOD_NUM_WORKERS TPUPOD_WORKER_HOSTNAMES TPU_WORKER_ID "
+        "TPUPOD_POD TPUPOD_POD_UID TPUPOD_WORKER_ID TPUPOD_NUM_WORKERS TPUPOD_WORKER_HOSTNAMES TPU_WORKER_ID "
         "TPU_WORKER_HOSTNAMES JAX_PLATFORMS JAX_NUM_CPU_DEVICES"
     )
     command = f'for v in {env_names}; do printf "%s=%s;" $v "${{!v}}"; done; echo; pwd'
@@ -37,6 +37,7 @@ def test_identity_variables(make_pod: Callable[..., Pod]) -> None:
         values = dict(item.split("=", 1) for item in r.tail[0].strip(";").split(";"))
         assert values == {
             "TPUPOD_POD": pod.name,
+            "TPUPOD_POD_UID": pod.uid,
             "TPUPOD_WORKER_ID": str(r.worker.id),
             "TPUPOD_NUM_WORKERS": "3",
             "TPUPOD_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1,127.0.0.1",

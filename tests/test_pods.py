@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, pod_processes, wait_until_gone
+from tests.conftest import CliResult, pod_processes, tpupod_argv, wait_until_gone
 from tpupod.errors import PodExists, PodNotFound, StateError
 from tpupod.lifecycle import up
 from tpupod.pod import Pod
@@ -108,6 +110,38 @@ def test_down_kills_what_a_local_pod_left_running(cli: Callable[..., CliResult])
     assert len(pod_processes("bg")) == 2
     assert cli("down", "--pod", "bg").code == 0
     assert wait_until_gone("bg") == []
+
+
+def test_down_leaves_a_same_named_pod_of_another_state_directory_alone(
+    tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    """Two users of one machine (or a test suite beside a user) each have a pod 'p': a
+    'tpupod down --pod p' in one state directory killed the other's run 5.5 s in (down
+    matched TPUPOD_POD=p on every process of the machine)."""
+    home_a, home_b = {"TPUPOD_HOME": str(tmp_path / "a")}, {"TPUPOD_HOME": str(tmp_path / "b")}
+    assert cli("up", "--name", "p", "--local", "2", env=home_a).code == 0
+    run = subprocess.Popen(
+        tpupod_argv("run", "--pod", "p", "--", "sleep 60"),
+        env={**os.environ, **home_a},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(sleeping := [p for p in pod_processes("p") if "sleep" in p.name()]) < 2:
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr
+            time.sleep(0.05)
+        assert cli("up", "--name", "p", "--local", "1", env=home_b).code == 0
+        assert cli("down", "--pod", "p", env=home_b).code == 0
+        time.sleep(0.5)  # down waits for what it signalled; anything it hit is dying now
+        assert run.poll() is None and all(p.is_running() for p in sleeping)
+        assert cli("down", "--pod", "p", env=home_a).code == 0
+        assert run.wait(timeout=30) != 0  # its own pod's down ends it
+    finally:
+        run.kill()
+        run.wait()
+        run.stderr.close()  # type: ignore[union-attr]
 
 
 def test_corrupt_record_is_a_clear_error(state_home: Path, cli: Callable[..., CliResult]) -> None:

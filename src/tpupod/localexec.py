@@ -50,7 +50,9 @@ def local_env(record: dict[str, Any], index: int, extra: dict[str, str]) -> dict
     workers, spec = record["workers"], record["spec"]
     addresses = [str(w["internal_address"]) for w in workers]
     return {
-        **identity_env(str(record["name"]), int(workers[index]["id"]), addresses),
+        **identity_env(
+            str(record["name"]), str(record.get("uid", "")), int(workers[index]["id"]), addresses
+        ),
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": str(spec["devices_per_worker"]),
         **{str(k): str(v) for k, v in spec.get("env", {}).items()},

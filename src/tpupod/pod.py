@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sys
 from datetime import UTC, datetime
 
@@ -46,6 +47,11 @@ class Pod(BaseModel):
     spec: PodSpec
     workers: tuple[Worker, ...]
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    uid: str = Field(
+        default_factory=lambda: secrets.token_hex(8),
+        description="this pod, of this state directory, made at this time: what its processes "
+        "carry (TPUPOD_POD_UID), so that 'down' finds them and no other's ('' in older records)",
+    )
 
     @property
     def provider(self) -> str:
@@ -76,4 +82,5 @@ class Pod(BaseModel):
         ``tpupod.workerenv``, which the local fast path shares)."""
         from tpupod.workerenv import identity_env
 
-        return identity_env(self.name, worker.id, [w.internal_address for w in self.workers])
+        addresses = [w.internal_address for w in self.workers]
+        return identity_env(self.name, self.uid, worker.id, addresses)

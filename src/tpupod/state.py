@@ -100,6 +100,8 @@ class StateDir:
         from tpupod.pod import Pod
 
         data = self.read_record(name)
+        if isinstance(data, dict):
+            data.setdefault("uid", "")  # a record from before uids: not a new one each load
         try:
             return Pod.model_validate(data)
         except ValidationError as exc:

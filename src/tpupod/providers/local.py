@@ -39,7 +39,7 @@ class LocalProvider:
 
     async def destroy(self, pod: Pod, state: StateDir) -> None:
         """A local host going down takes its processes with it: kill what the pod left running."""
-        await asyncio.to_thread(stop_processes, find_pod_processes(pod.name), DOWN_GRACE_S)
+        await asyncio.to_thread(stop_processes, find_pod_processes(pod), DOWN_GRACE_S)
 
     async def live_state(self, pod: Pod) -> str | None:
         return None
@@ -56,9 +56,10 @@ class LocalProvider:
         }
 
 
-def find_pod_processes(pod_name: str) -> list[int]:
-    """Pids of live processes started on a local pod (they carry ``TPUPOD_POD=<name>``)."""
-    marker = f"TPUPOD_POD={pod_name}".encode()
+def find_pod_processes(pod: Pod) -> list[int]:
+    """Pids of live processes started on this local pod: they carry its uid, which no
+    same-named pod of another state directory (or earlier pod of this one) has."""
+    marker = f"TPUPOD_POD_UID={pod.uid or pod.name}".encode()
     me = os.getpid()
     return [pid for pid in procfs.pids() if pid != me and marker in procfs.environ(pid)]
 
