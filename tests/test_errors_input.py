@@ -202,7 +202,7 @@ def test_logs_of_an_unknown_pod_says_there_is_no_such_pod(
     make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
 ) -> None:
     make_pod(1)
-    error = one_error(cli("logs", "--pod", "nope"), code=1)
+    error = one_error(cli("logs", "--pod", "nope"), code=2)
     assert "no pod named 'nope'" in error
 
 

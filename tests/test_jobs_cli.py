@@ -125,7 +125,7 @@ def test_a_store_of_schema_1_gains_retries_on_open(db_url: str) -> None:  # noqa
 def test_submit_refuses_a_pod_no_runner_would_serve(cli: Cli, tmp_path: Path) -> None:
     db = _sqlite(tmp_path)
     refused = cli("jobs", "submit", "--db", db, "--pod", "nosuch", "--", "true")
-    _one_error(refused, 1, "no pod named 'nosuch': no runner would take the job")
+    _one_error(refused, 2, "no pod named 'nosuch': no runner would take the job")
     assert "--remote-pod" in refused.err and refused.out == ""
     elsewhere = cli("jobs", "submit", "--db", db, "--pod", "nosuch", "--remote-pod", "--", "true")
     assert elsewhere.code == 0, elsewhere.err
@@ -206,6 +206,15 @@ def test_bad_input_gets_a_plain_message(
     _one_error(run("jobs", *args), code, message)
 
 
+def test_a_job_that_does_not_exist_is_bad_input(cli_in_process: Cli, tmp_path: Path) -> None:
+    """'jobs wait 999' exited 1 where the README says bad input exits 2."""
+    db = _sqlite(tmp_path)
+    Store.open(db).close()  # a store with no jobs
+    for args in (["wait", "999"], ["show", "999"], ["cancel", "999"], ["logs", "999"]):
+        result = cli_in_process("jobs", *args, "--db", db)
+        assert result.code == 2 and "no job 999" in result.err.splitlines()[0], (args, result)
+
+
 def test_a_read_of_a_store_that_is_not_there_makes_no_folders(
     cli_in_process: Cli, tmp_path: Path
 ) -> None:
@@ -252,7 +261,7 @@ def test_port_0_is_a_free_port_and_the_line_says_which(
 
 def test_a_runner_without_a_pod_is_offered_local(cli: Cli, tmp_path: Path) -> None:
     started = cli("jobs", "worker", "--db", _sqlite(tmp_path))
-    assert started.code == 1 and started.err.startswith("error: no pods yet"), started.err
+    assert started.code == 2 and started.err.startswith("error: no pods yet"), started.err
     assert "'tpupod jobs worker --local'" in started.err.splitlines()[1]
 
 

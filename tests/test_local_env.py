@@ -28,8 +28,8 @@ print(json.dumps({"devices": len(jax.devices()), "platform": jax.default_backend
 def test_identity_variables(make_pod: Callable[..., Pod]) -> None:
     pod = make_pod(3, devices=2)
     env_names = (
-        "TPUPOD_POD TPUPOD_POD_UID TPUPOD_WORKER_ID TPUPOD_NUM_WORKERS TPUPOD_WORKER_HOSTNAMES TPU_WORKER_ID "
-        "TPU_WORKER_HOSTNAMES JAX_PLATFORMS JAX_NUM_CPU_DEVICES"
+        "TPUPOD_POD TPUPOD_POD_UID TPUPOD_WORKER_ID TPUPOD_NUM_WORKERS TPUPOD_WORKER_HOSTNAMES "
+        "TPU_WORKER_ID TPU_WORKER_HOSTNAMES JAX_PLATFORMS JAX_NUM_CPU_DEVICES"
     )
     command = f'for v in {env_names}; do printf "%s=%s;" $v "${{!v}}"; done; echo; pwd'
     result = execute(pod, command)

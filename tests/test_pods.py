@@ -89,18 +89,22 @@ def test_up_from_the_default_spec_file(
 
 
 def test_unknown_pod_and_ambiguous_default(cli: Callable[..., CliResult]) -> None:
+    """Bad input exits 2, as the README says: a pod that does not exist, none at all, or
+    several and none named (they exited 1), on the fast paths (exec, run) as on the rest."""
     none_yet = cli("hosts")
     assert (
-        none_yet.code == 1 and "no pods yet" in none_yet.err and "hint: create one" in none_yet.err
+        none_yet.code == 2 and "no pods yet" in none_yet.err and "hint: create one" in none_yet.err
     )
     cli("up", "--name", "a", "--local", "1")
     cli("up", "--name", "b", "--local", "1")
-    ambiguous = cli("exec", "--", "true")
-    assert ambiguous.code == 1 and "2 pods exist (a, b); say which one" in ambiguous.err
-    unknown = cli("status", "--pod", "nope")
-    assert unknown.code == 1
-    assert "no pod named 'nope'" in unknown.err and "known pods: a, b" in unknown.err
-    assert cli("down", "--pod", "nope").code == 1
+    for command in (["exec", "--", "true"], ["run", "--", "true"], ["hosts"]):
+        ambiguous = cli(*command)
+        assert ambiguous.code == 2, (command, ambiguous.err)
+        assert "2 pods exist (a, b); say which one" in ambiguous.err
+    for command in ("exec", "status", "run", "down"):
+        unknown = cli(command, "--pod", "nope", *(["--", "true"] if command in "exec run" else []))
+        assert unknown.code == 2, (command, unknown.err)
+        assert "no pod named 'nope'" in unknown.err and "known pods: a, b" in unknown.err
 
 
 def test_down_kills_what_a_local_pod_left_running(cli: Callable[..., CliResult]) -> None:

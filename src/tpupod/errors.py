@@ -12,8 +12,8 @@ translated into these at the seam where they arise, chained with ``from``.
     │   └── ExtractError         exit 2   extraction input or output that cannot be used
     │       └── DataError        exit 2   a data file: malformed lines (--strict), duplicate ids
     ├── MissingExtra             exit 1   a command's optional packages are not installed
-    ├── StateError               exit 1   the state directory: unknown pod, exists, corrupt
-    │   ├── PodNotFound
+    ├── StateError               exit 1   the state directory: a pod exists, a record is corrupt
+    │   ├── PodNotFound          exit 2   no pod by that name, no pod at all, or which one?
     │   └── PodExists
     ├── WorkerError              exit 1   one worker: could not start or reach it
     ├── IdentityError            exit 1   a worker's identity cannot be told for sure
@@ -26,7 +26,7 @@ translated into these at the seam where they arise, chained with ``from``.
     ├── JobError                 exit 1   the job service: a job failed, or the store refused
     │   ├── JobStoreError        exit 1   the database cannot be opened or reached
     │   │   └── JobStoreAway     exit 1   ... because it is not answering now (down, restarting)
-    │   ├── JobNotFound          exit 1   no job by that id
+    │   ├── JobNotFound          exit 2   no job by that id
     │   └── LeaseLost            exit 1   a runner's write was fenced off (a newer attempt owns it)
     ├── ServeError               exit 1   the serving fleet: an agent, server or router failed
     └── FanoutFailed             exit N   a fan-out where some worker did not succeed
@@ -103,7 +103,9 @@ class StateError(TpupodError):
 
 
 class PodNotFound(StateError):
-    """No pod by that name, or no pod at all."""
+    """No pod by that name, no pod at all, or several and none named: bad input (exit 2)."""
+
+    exit_code = 2
 
 
 class PodExists(StateError):
@@ -187,7 +189,9 @@ class JobStoreAway(JobStoreError):
 
 
 class JobNotFound(JobError):
-    """No job by that id in the store."""
+    """No job by that id in the store: bad input (exit 2)."""
+
+    exit_code = 2
 
 
 class LeaseLost(JobError):
