@@ -29,6 +29,10 @@ from tpupod.spec import LocalPodSpec, spec_from_mapping
 from tpupod.state import StateDir
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Every process this test process starts inherits this mark (each xdist worker sets its own):
+# what pod_processes() tells this process's pods by from same-named ones of anyone else.
+TEST_RUN = "TPUPOD_TEST_RUN"
+os.environ[TEST_RUN] = f"{os.getpid()}-{time.time_ns()}"
 SIM_HOSTS = 4
 
 
@@ -72,13 +76,17 @@ def make_pod(state_home: Path) -> Iterator[Callable[..., Pod]]:
 
 
 def pod_processes(pod_name: str) -> list[psutil.Process]:
-    """Live processes (zombies excluded) started on a local pod: they carry TPUPOD_POD=<name>."""
+    """Live processes (zombies excluded) started on a local pod by this test process: they
+    carry TPUPOD_POD=<name> and this process's TEST_RUN mark. A same-named pod of another
+    test process, of another checkout's suite or of a user is not this one's to count or
+    kill (a test beside them killed their 'dev' pods' servers)."""
     found = []
     for proc in psutil.process_iter():
         try:
             if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if proc.environ().get("TPUPOD_POD") == pod_name:
+            env = proc.environ()
+            if env.get("TPUPOD_POD") == pod_name and env.get(TEST_RUN) == os.environ[TEST_RUN]:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -38,6 +38,7 @@ EXTRACT = "Activation extraction: `tpupod extract`"
 SERVE = "Serving a model: `tpupod serve`, `tpupod fanout`"
 TOP = "tpupod"  # the block under the title
 INSTALL = "Install"
+MODEL = "The model: Qwen2 / Qwen2.5 / Qwen3 in JAX"
 
 NEEDS_CLOUD = "needs a TPU in Google Cloud, which cannot be reached from here"
 NOT_RUN = {
@@ -107,11 +108,12 @@ def readme_blocks(text: str) -> Iterator[Block]:
             heading = line.lstrip("#").strip()
         elif line.strip() in ("```console", "```"):
             console = line.strip() == "```console"
+            indent = len(line) - len(line.lstrip())  # a block inside a list item
             body = []
             for inner in lines:
                 if inner.strip() == "```":
                     break
-                body.append(inner)
+                body.append(inner[indent:])
             yield Block(heading, console_commands(body) if console else bare_commands(body))
         elif line.startswith("```"):  # ```yaml, ```python: not commands
             for inner in lines:
@@ -236,12 +238,39 @@ def take_down(env: dict[str, str], *pods: str) -> None:
 
 
 def test_every_command_is_run_or_listed_with_a_reason() -> None:
-    known = {TOP, TOUR, SSH, GCP, RUN, BENCH, JOBS, EXTRACT, SERVE}
+    known = {TOP, INSTALL, TOUR, SSH, GCP, RUN, BENCH, JOBS, EXTRACT, SERVE}
     found = blocks()
     assert set(found) <= known, f"README blocks this test does not run: {set(found) - known}"
     listed = {(heading, command.key) for heading, cmds in found.items() for command in cmds}
     stale = set(NOT_RUN) - listed
     assert not stale, f"NOT_RUN names commands the README no longer has: {stale}"
+
+
+# Commands that need no pod, or name theirs in an argument of their own.
+NO_POD = (
+    *("tpupod list", "tpupod up", "tpupod extract convert-arc", "tpupod dashboard"),
+    *("tpupod jobs wait", "tpupod jobs logs", "tpupod jobs show", "tpupod down --pod"),
+)
+
+
+def test_reading_top_to_bottom_never_meets_another_pods_spec_or_two_unnamed_pods() -> None:
+    """A reader who runs every command in order, in one state directory: each section's
+    'up --name dev' had another shape, so the second met "pod 'dev' exists with a different
+    spec", and a command without --pod met "2 pods exist, say which one"."""
+    up: dict[str, str] = {}
+    for block in readme_blocks(README.read_text()):
+        for command in block.commands:
+            words = command.key.split()
+            if words[:3] == ["tpupod", "up", "--name"] and "--dry-run" not in words:
+                name, shape = words[3], " ".join(words[4:])
+                assert up.get(name, shape) == shape, f"{block.heading}: {command.key}: {up}"
+                up[name] = shape
+            elif words[:2] == ["tpupod", "down"]:
+                up.pop(words[3] if "--pod" in words else next(iter(up)), None)
+            elif command.key.startswith("tpupod ") and not command.key.startswith(NO_POD):
+                named = "--pod" in words or "--db" in words
+                assert named or len(up) <= 1, f"{block.heading}: {command.key}: pods {list(up)}"
+    assert up == {}, f"the README leaves pods up: {up}"
 
 
 def test_the_output_matcher() -> None:
@@ -276,7 +305,7 @@ def test_the_tour(state_home: Path, tmp_path: Path) -> None:
 def test_lockstep_run_and_logs(state_home: Path) -> None:
     env = environment()
     try:
-        *_, logs = run_block(RUN, Setting(REPO, env))
+        *_, logs, _down = run_block(RUN, Setting(REPO, env))
     finally:
         take_down(env, "dev")
     assert "[w1]" in logs.stdout and "[w0]" not in logs.stdout
@@ -289,7 +318,7 @@ def test_serving(state_home: Path) -> None:
     try:
         run_block(SERVE, Setting(REPO, env, timeout=300))
     finally:
-        take_down(env, "dev")
+        take_down(env, "dev", "four")
 
 
 @pytest.mark.local
@@ -313,6 +342,31 @@ def test_checkpoint_benchmark(state_home: Path, tmp_path: Path) -> None:
     finally:
         take_down(env, "dev")
     assert list(tmp_path.glob("bench-results/small-pytree-sweep/*/results.json"))
+
+
+def python_blocks(heading: str) -> list[str]:
+    """The ```python blocks under ``heading``, as written."""
+    found, current, lines = [], "", iter(README.read_text().splitlines())
+    for line in lines:
+        if line.startswith("#"):
+            current = line.lstrip("#").strip()
+        elif line.strip() == "```python" and current == heading:
+            found.append("\n".join(iter(lambda: next(lines), "```")))
+    return found
+
+
+@pytest.mark.local
+@pytest.mark.timeout(300)
+def test_the_model_section_runs_on_the_shipped_checkpoint() -> None:
+    """It named a checkpoint the repository does not ship (/tmp/model/qwen2.5-0.5b)."""
+    (code,) = python_blocks(MODEL)
+    env = environment(JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr
+    shape, texts, chat = proc.stdout.splitlines()
+    assert shape == "(2, 8, 64)" and texts.startswith("[") and chat.startswith("[")
 
 
 @pytest.mark.local
