@@ -161,7 +161,8 @@ def test_a_baseline_of_another_config_is_compared_like_with_like(
 
 
 def measured(config: dict[str, Any], workers: int = 2, seconds: float = 1.0) -> Results:
-    """Results of a config as a run writes them, every combination's save taking ``seconds``."""
+    """Results of a config as a run writes them, every combination's save taking ``seconds``
+    in each of 5 repeats (enough to tell a change from noise)."""
     plan = parse_config(config)
     combos = [
         CombinationResult(
@@ -173,7 +174,7 @@ def measured(config: dict[str, Any], workers: int = 2, seconds: float = 1.0) -> 
             mesh=c.mesh,
             checkpoint=c.checkpoint,
             status=Status.OK,
-            repeats={"save_total_s": RepeatStats(mean=seconds, std=0.0)},
+            repeats={"save_total_s": RepeatStats.of([seconds] * 5)},
         )
         for c in plan.combinations
     ]
@@ -214,7 +215,7 @@ def test_like_combinations_are_compared_by_what_they_are_not_their_place() -> No
     # The same two combinations, swept in the other order: each is compared with its like.
     before = measured(small(), seconds=1.0)
     now = measured(small(benchmarks__0__options={"use_zarr3": [False, True]}), seconds=1.0)
-    now.combinations[1].repeats["save_total_s"].mean = 5.0  # use_zarr3=True, now second
+    now.combinations[1].repeats["save_total_s"] = RepeatStats.of([5.0] * 5)  # use_zarr3=True
     comparison = baseline.compare(now, before, "b.json")
     assert [(c.label, c.regressed) for c in comparison.changes] == [
         ("PyTreeCheckpointBenchmark use_zarr3=False", False),
