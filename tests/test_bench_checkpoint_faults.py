@@ -56,8 +56,9 @@ def test_a_mesh_larger_than_the_pod_is_refused_before_anything_starts(
 
     assert run.code == 2, run.out + run.err
     lines = run.err.strip().splitlines()
+    line = config.read_text().splitlines().index("mesh_config:") + 1  # issue 36: its place
     assert lines == [
-        "error: " + f"{config}: mesh_config: needs 8 devices (data 4 x model 2), the pod has 4",
+        f"error: {config}:{line}:1: mesh_config: needs 8 devices (data 4 x model 2), the pod has 4",
         "hint: give a mesh whose ICI x DCN parallelism multiplies to the pod's 4 devices "
         "(workers x devices per worker)",
     ]
