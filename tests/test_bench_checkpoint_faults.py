@@ -265,3 +265,15 @@ def test_a_hand_edited_baseline_matches_nothing_rather_than_crashing() -> None:
     comparison = baseline.compare(measured(small()), before, "b.json")
     assert comparison.changes == []
     assert comparison.skipped[0][1].startswith("the baseline's differs: mesh.mesh_axes null -> [")
+
+
+def test_a_negative_threshold_is_refused_before_anything_runs(
+    cli_in_process: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    # -1 made 1 / (1 + threshold) divide by zero once a whole run had compared its metrics
+    config = write_config(tmp_path, small())
+    args = ("bench", "checkpoint", "-c", str(config), "-o", str(tmp_path / "out"))
+    run = cli_in_process(*args, "--baseline", "latest", "--threshold", "-1")
+    assert run.code == 2, run.out + run.err
+    assert "Invalid value for '--threshold'" in run.err and "Traceback" not in run.err
+    assert not (tmp_path / "out").exists()

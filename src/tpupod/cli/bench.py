@@ -78,6 +78,7 @@ def checkpoint(
         float,
         typer.Option(
             "--threshold",
+            min=0.0,
             help="The smallest change called: a metric regresses when its median is worse than "
             "the baseline's by more than this and the repeats tell it from noise.",
         ),
