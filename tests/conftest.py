@@ -333,7 +333,7 @@ LOCAL_TESTS: set[str] = set()
 SLOW = {
     "test_bench_checkpoint.py::test_an_existing_checkpoint_with_orbax_sharding_config",
     "test_bench_checkpoint.py::test_results_to_gs_and_latest_from_there",
-    "test_bench_checkpoint.py::test_sweep_runs_on_every_worker_and_flags_a_regression",
+    "test_bench_checkpoint.py::test_sweep_runs_on_every_worker_and_the_same_again_is_no_regression",
     "test_extract.py::test_a_global_mesh_over_two_processes_matches_one_process",
     "test_extract.py::test_a_tokenizer_that_pads_and_truncates_gives_each_sample_its_own_tokens",
     "test_extract.py::test_gs_input_and_output_through_a_gcs_emulator_killed_mid_upload",

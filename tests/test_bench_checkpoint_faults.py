@@ -56,8 +56,9 @@ def test_a_mesh_larger_than_the_pod_is_refused_before_anything_starts(
 
     assert run.code == 2, run.out + run.err
     lines = run.err.strip().splitlines()
+    line = config.read_text().splitlines().index("mesh_config:") + 1  # issue 36: its place
     assert lines == [
-        "error: " + f"{config}: mesh_config: needs 8 devices (data 4 x model 2), the pod has 4",
+        f"error: {config}:{line}:1: mesh_config: needs 8 devices (data 4 x model 2), the pod has 4",
         "hint: give a mesh whose ICI x DCN parallelism multiplies to the pod's 4 devices "
         "(workers x devices per worker)",
     ]
@@ -161,7 +162,8 @@ def test_a_baseline_of_another_config_is_compared_like_with_like(
 
 
 def measured(config: dict[str, Any], workers: int = 2, seconds: float = 1.0) -> Results:
-    """Results of a config as a run writes them, every combination's save taking ``seconds``."""
+    """Results of a config as a run writes them, every combination's save taking ``seconds``
+    in each of 5 repeats (enough to tell a change from noise)."""
     plan = parse_config(config)
     combos = [
         CombinationResult(
@@ -173,7 +175,7 @@ def measured(config: dict[str, Any], workers: int = 2, seconds: float = 1.0) -> 
             mesh=c.mesh,
             checkpoint=c.checkpoint,
             status=Status.OK,
-            repeats={"save_total_s": RepeatStats(mean=seconds, std=0.0)},
+            repeats={"save_total_s": RepeatStats.of([seconds] * 5)},
         )
         for c in plan.combinations
     ]
@@ -214,7 +216,7 @@ def test_like_combinations_are_compared_by_what_they_are_not_their_place() -> No
     # The same two combinations, swept in the other order: each is compared with its like.
     before = measured(small(), seconds=1.0)
     now = measured(small(benchmarks__0__options={"use_zarr3": [False, True]}), seconds=1.0)
-    now.combinations[1].repeats["save_total_s"].mean = 5.0  # use_zarr3=True, now second
+    now.combinations[1].repeats["save_total_s"] = RepeatStats.of([5.0] * 5)  # use_zarr3=True
     comparison = baseline.compare(now, before, "b.json")
     assert [(c.label, c.regressed) for c in comparison.changes] == [
         ("PyTreeCheckpointBenchmark use_zarr3=False", False),
@@ -263,3 +265,15 @@ def test_a_hand_edited_baseline_matches_nothing_rather_than_crashing() -> None:
     comparison = baseline.compare(measured(small()), before, "b.json")
     assert comparison.changes == []
     assert comparison.skipped[0][1].startswith("the baseline's differs: mesh.mesh_axes null -> [")
+
+
+def test_a_negative_threshold_is_refused_before_anything_runs(
+    cli_in_process: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    # -1 made 1 / (1 + threshold) divide by zero once a whole run had compared its metrics
+    config = write_config(tmp_path, small())
+    args = ("bench", "checkpoint", "-c", str(config), "-o", str(tmp_path / "out"))
+    run = cli_in_process(*args, "--baseline", "latest", "--threshold", "-1")
+    assert run.code == 2, run.out + run.err
+    assert "Invalid value for '--threshold'" in run.err and "Traceback" not in run.err
+    assert not (tmp_path / "out").exists()

@@ -75,11 +75,16 @@ class BenchConfigError(UsageError):
     """A ``tpupod bench checkpoint`` config with problems, every one named by its key."""
 
     @classmethod
-    def of(cls, source: str, problems: list[str]) -> BenchConfigError:
+    def of(
+        cls, source: str, problems: list[str], places: list[str | None] | None = None
+    ) -> BenchConfigError:
+        """One error of every problem; each with its ``LINE:COLUMN`` in ``source`` where
+        ``places`` has one (``bench.yaml:12:7: benchmarks[0].options.use_zarr3: ...``)."""
         hint = "the format is Orbax's benchmark YAML; see 'tpupod bench checkpoint --help'"
+        at = [f"{source}:{place}: " if place else "" for place in places or [None] * len(problems)]
         if len(problems) == 1:
-            return cls(f"{source}: {problems[0]}", hint)
-        listed = "\n".join(f"  - {p}" for p in problems)
+            return cls(f"{at[0] or f'{source}: '}{problems[0]}", hint)
+        listed = "\n".join(f"  - {a}{p}" for a, p in zip(at, problems, strict=True))
         return cls(f"{source}: {len(problems)} problems\n{listed}", hint)
 
 

@@ -4,9 +4,9 @@ config.py         the YAML (Orbax's harness format) -> a checked BenchConfig and
 orbax_harness.py  the one module that imports Orbax's private benchmark harness
 verify.py         restored arrays against the saved ones: values and sharding
 worker.py         what runs on every worker (``python -m tpupod.bench.worker``)
-results.py        typed samples and results, aggregation across hosts and repeats
+results.py        typed samples and results, across hosts and repeats; two runs' noise band
 wire.py           worker 0's results as output lines, and back
-baseline.py       an earlier results file (or the latest of the suite) and regressions
+baseline.py       an earlier results file (or the latest of the suite), each metric's verdict
 plots.py          one PNG per benchmark (matplotlib)
 launcher.py       the launcher's side: the plan, ``tpupod run``, the results on disk
 (results are written through tpupod.storage: a local folder, or gs:// through fsspec)

@@ -6,18 +6,29 @@ the pod's worker count, so a run of another config under the same suite name
 is compared only where a combination is truly the same, and the rest is named
 with what differs. A comparison that compares nothing fails. The metrics
 compared are save and restore times and GB/s, or, for a generator that does not
-save and restore the tree, the seconds of every operation Orbax timed. A metric
-regresses when the pod's mean over repeats is worse than the baseline's by
-more than the threshold (slower for times, fewer GB/s for throughput). Memory
-growth is reported but never flagged: RSS deltas of a few MB are noise.
+save and restore the tree, the seconds of every operation Orbax timed.
+
+A metric regresses when two things hold: its median over the repeats is worse
+than the baseline's by more than the threshold (slower by that fraction for a
+time; a throughput divided by 1 + threshold), and the repeats tell the change
+from noise: the noise band of the ratio (``results.noise_band``, the Mann-Whitney
+test's interval) lies wholly on the worse side of 1. The test's 5 % is split among the
+metrics compared (Bonferroni; a GB/s is its time's repeats inverted, so it counts
+with its time), so two identical runs are called different in 1 comparison in 20
+at most, however many metrics they have. A change beyond the threshold with too
+few repeats for a band is inconclusive, never a regression. Memory growth is
+reported but never compared: RSS deltas of a few MB are noise.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -25,7 +36,18 @@ from pydantic_core import to_jsonable_python
 
 from tpupod import storage
 from tpupod.bench.config import BenchConfig, as_written
-from tpupod.bench.results import OP, Results, Status, larger_is_better
+from tpupod.bench.results import (
+    ALPHA,
+    OP,
+    TIMES,
+    Band,
+    CombinationResult,
+    Results,
+    Status,
+    larger_is_better,
+    noise_band,
+    ratio_of,
+)
 from tpupod.errors import UsageError
 
 RESULTS_FILE = "results.json"
@@ -33,17 +55,40 @@ COMPARED = ("save_blocking_s", "save_total_s", "restore_s", "save_gbps", "restor
 DEFAULT_THRESHOLD = 0.10
 
 
+class Verdict(StrEnum):
+    REGRESSION = "REGRESSION"  # worse beyond the threshold, and beyond the noise
+    IMPROVED = "improved"  # better beyond both
+    SAME = "ok"  # within the threshold (whatever the noise)
+    NOISE = "ok, within noise"  # beyond the threshold, inside the noise band
+    INCONCLUSIVE = "inconclusive"  # beyond the threshold; too few repeats for a band
+
+
 @dataclass(frozen=True)
 class Change:
+    """One metric of one combination, now against the baseline: every repeat's value."""
+
     label: str
     metric: str
-    baseline: float
-    current: float
-    regressed: bool
+    before: list[float]
+    now: list[float]
+    band: Band | None  # the ratios now/before the repeats allow; None: too few
+    verdict: Verdict
+
+    @property
+    def baseline(self) -> float:
+        return statistics.median(self.before)
+
+    @property
+    def current(self) -> float:
+        return statistics.median(self.now)
 
     @property
     def ratio(self) -> float:
-        return self.current / self.baseline if self.baseline else float("inf")
+        return ratio_of(self.current, self.baseline)
+
+    @property
+    def regressed(self) -> bool:
+        return self.verdict == Verdict.REGRESSION
 
 
 @dataclass(frozen=True)
@@ -53,10 +98,21 @@ class Comparison:
     baseline_path: str
     changes: list[Change]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (label, why not compared)
+    threshold: float = DEFAULT_THRESHOLD
+    tests: int = 1  # how many metrics the test's 5 % is split among
+
+    @property
+    def alpha(self) -> float:
+        """Each metric's level (a side): the comparison's over its metrics (Bonferroni)."""
+        return ALPHA / self.tests
 
     @property
     def regressions(self) -> list[Change]:
         return [c for c in self.changes if c.regressed]
+
+    @property
+    def inconclusive(self) -> list[Change]:
+        return [c for c in self.changes if c.verdict == Verdict.INCONCLUSIVE]
 
 
 def suite_dir(output: str, suite_name: str) -> str:
@@ -191,29 +247,76 @@ def check_like(config: BenchConfig, workers: int, baseline: Results, path: str) 
 def compare(
     current: Results, baseline: Results, path: str, threshold: float = DEFAULT_THRESHOLD
 ) -> Comparison:
+    """Every like combination's metrics, each with its noise band and verdict."""
     before_setups = _setups(baseline)
     before = {_key(p): c for (_, p), c in zip(before_setups, baseline.combinations, strict=True)}
-    changes: list[Change] = []
+    pairs: list[tuple[str, str, list[float], list[float]]] = []  # label, metric, before, now
     skipped: list[tuple[str, str]] = []
     for combo, (label, parts) in zip(current.combinations, _setups(current), strict=True):
         old = before.get(_key(parts))
         if old is None:
             skipped.append((label, _unlike(label, parts, before_setups)))
-            continue
-        if combo.status != Status.OK or not combo.repeats:
+        elif combo.status != Status.OK or not combo.repeats:
             skipped.append((label, f"{combo.status.value} now"))
-            continue
-        if old.status != Status.OK or not old.repeats:
+        elif old.status != Status.OK or not old.repeats:
             skipped.append((label, f"{old.status.value} in the baseline"))
-            continue
-        shared = [m for m in combo.repeats if m in old.repeats]
-        # save and restore where the generator has them, else every operation Orbax timed
-        metrics = [m for m in COMPARED if m in shared] or [m for m in shared if m.startswith(OP)]
-        if not metrics:
-            skipped.append((label, "no metric in common with the baseline"))
-        for metric in metrics:
-            was, now = old.repeats[metric].mean, combo.repeats[metric].mean
-            better = larger_is_better(metric)
-            worse = now < was * (1 - threshold) if better else now > was * (1 + threshold)
-            changes.append(Change(label, metric, was, now, worse))
-    return Comparison(baseline.commit, current.commit, path, changes, skipped)
+        else:
+            metrics = _compared(combo, old)
+            if not metrics:
+                skipped.append((label, "no metric in common with the baseline"))
+            pairs += [(label, m, old.values(m), combo.values(m)) for m in metrics]
+    tests = max(1, _tests([(label, m) for label, m, _, _ in pairs]))
+    changes = [
+        _change(label, metric, was, now, threshold=threshold, alpha=ALPHA / tests)
+        for label, metric, was, now in pairs
+    ]
+    return Comparison(
+        baseline.commit, current.commit, path, changes, skipped, threshold=threshold, tests=tests
+    )
+
+
+def _compared(combo: CombinationResult, old: CombinationResult) -> list[str]:
+    """Save and restore where the generator has them, else every operation Orbax timed."""
+    shared = [m for m in combo.repeats if m in old.repeats]
+    return [m for m in COMPARED if m in shared] or [m for m in shared if m.startswith(OP)]
+
+
+def _tests(metrics: list[tuple[str, str]]) -> int:
+    """How many tests the (combination, metric) pairs are: a GB/s is its time's repeats
+    inverted (the same ranks, the same verdict), so it counts only without its time."""
+    compared = set(metrics)
+    return sum(1 for label, m in metrics if m not in TIMES or (label, TIMES[m]) not in compared)
+
+
+def _change(
+    label: str,
+    metric: str,
+    before: list[float],
+    now: list[float],
+    *,
+    threshold: float,
+    alpha: float,
+) -> Change:
+    band = noise_band(before, now, alpha)
+    slower, slower_band = ratio_of(statistics.median(now), statistics.median(before)), band
+    if larger_is_better(metric):  # a throughput: worse is smaller, so turn it upside down
+        slower = _inverse(slower)
+        slower_band = None if band is None else Band(_inverse(band.high), _inverse(band.low))
+    return Change(label, metric, before, now, band, _verdict(slower, slower_band, threshold))
+
+
+def _inverse(ratio: float) -> float:
+    return 1 / ratio if ratio else math.inf
+
+
+def _verdict(slower: float, band: Band | None, threshold: float) -> Verdict:
+    """From how many times slower now is (its medians) and the band of that ratio."""
+    if 1 / (1 + threshold) <= slower <= 1 + threshold:
+        return Verdict.SAME
+    if band is None:
+        return Verdict.INCONCLUSIVE
+    if slower > 1 + threshold and band.low > 1:
+        return Verdict.REGRESSION
+    if slower < 1 / (1 + threshold) and band.high < 1:
+        return Verdict.IMPROVED
+    return Verdict.NOISE

@@ -7,12 +7,14 @@ of named arrays with dtype, shape and sharding), ``mesh_config`` or
 and ``benchmarks``, each a ``generator`` (Orbax's class path, or ``pytree``)
 with ``options`` whose list values are swept as a cartesian product. Every
 problem is found before anything runs and named by its key, with what is
-allowed; they are reported together.
+allowed; they are reported together, each at its line and column in the file
+(``Marks``).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,127 @@ ARRAY_KEYS = ("dtype", "shape", "sharding")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8")
 
 
+# -- the file -----------------------------------------------------------------------------
+# A config file's YAML, with the line and column of every key, so a problem names its place.
+#
+# Problems are named by key path (``benchmarks[0].options.use_zarr3``, as the checks
+# below write them); ``Marks.place`` finds the line and column of that path, or of the
+# nearest mapping or list above it (a missing key: the mapping it is missing from).
+# PyYAML's nodes carry those marks; the document is composed, walked, then built
+# from the same nodes. A key given twice, which PyYAML would settle silently by
+# keeping the last, is a problem here (a merge key's ``<<: *defaults`` overridden
+# is not).
+
+MERGE = "tag:yaml.org,2002:merge"
+# the last step of a key path: ".name" or "[index]"
+LAST_STEP = re.compile(r"(?:\.[^.\[\]]+|\[\d+\])$")
+
+
+@dataclass
+class Marks:
+    """Where each key path of a config is in its file (1-based line and column)."""
+
+    places: dict[str, tuple[int, int]] = field(default_factory=dict)
+    duplicates: list[str] = field(default_factory=list)  # problems: keys given twice
+
+    def place(self, problem: str) -> str | None:
+        """``LINE:COLUMN`` of the key a problem names (its text up to the first ': '), or of
+        the nearest mapping or list above it; None where there is none (a top-level key)."""
+        path = problem.split(": ", 1)[0]
+        while path:
+            if path in self.places:
+                line, column = self.places[path]
+                return f"{line}:{column}"
+            shorter = LAST_STEP.sub("", path)
+            if shorter == path:
+                return None
+            path = shorter
+        return None
+
+
+def _read(path: Path) -> tuple[object, Marks]:
+    """The file's YAML and its marks; a file that cannot be read or parsed is one error."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise BenchConfigError(f"{path}: {exc.strerror}", hint="check the path") from exc
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        before = raw[: exc.start]
+        line, column = before.count(b"\n") + 1, exc.start - before.rfind(b"\n")
+        raise BenchConfigError(
+            f"{path}:{line}:{column}: not UTF-8 text (byte 0x{raw[exc.start]:02x})",
+            hint="save the config as UTF-8",
+        ) from exc
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        marks = Marks()
+        if node is not None:
+            _walk(loader, node, "", marks, ())
+        data = None if node is None else loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        raise BenchConfigError(
+            f"{path}:{_yaml_problem(exc)}",
+            hint="fix the YAML there; the format is Orbax's benchmark YAML, see "
+            "'tpupod bench checkpoint --help'",
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise BenchConfigError(
+            f"{path}: not valid YAML: {exc}",
+            hint="the format is Orbax's benchmark YAML; see 'tpupod bench checkpoint --help'",
+        ) from exc
+    finally:
+        loader.dispose()
+    return data, marks
+
+
+def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:
+    """``LINE:COLUMN: not valid YAML: PROBLEM (CONTEXT at line L, column C)``."""
+    mark = exc.problem_mark or exc.context_mark
+    where = f"{mark.line + 1}:{mark.column + 1}: " if mark is not None else " "
+    said = f"{where}not valid YAML: {exc.problem or exc.context}"
+    at = exc.context_mark
+    if exc.problem and exc.context and at is not None:  # where the construct began
+        said += f" ({exc.context} at line {at.line + 1}, column {at.column + 1})"
+    return said
+
+
+def _walk(
+    loader: yaml.SafeLoader,
+    node: yaml.Node,
+    where: str,
+    marks: Marks,
+    above: tuple[int, ...],
+) -> None:
+    """Record the marks of every key and list item under ``node`` (at key path ``where``)."""
+    if id(node) in above:  # an alias of a node that holds it: YAML allows such cycles
+        return
+    above = (*above, id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[object, int] = {}
+        for key_node, value in node.value:
+            if key_node.tag == MERGE or not isinstance(key_node, yaml.ScalarNode):
+                continue  # a merge (its keys are the anchor's), or a key no config has
+            key = loader.construct_object(key_node)
+            path = f"{where}.{key}" if where else str(key)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                marks.duplicates.append(f"{path}: given twice (first on line {first[key]})")
+            first.setdefault(key, line)
+            marks.places[path] = (line, key_node.start_mark.column + 1)
+            _walk(loader, value, path, marks, above)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = f"{where}[{i}]"
+            marks.places[path] = (item.start_mark.line + 1, item.start_mark.column + 1)
+            _walk(loader, item, path, marks, above)
+
+
+# -- the config ---------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Combination:
     """One benchmark to run: a generator's options (one point of the sweep) on one mesh."""
@@ -85,24 +208,23 @@ class BenchConfig:
     meshes: list[dict[str, Any]]
     combinations: list[Combination]
     raw: dict[str, Any] = field(repr=False)
+    marks: Marks = field(default_factory=Marks, repr=False)  # where its keys are in its file
 
 
 def load_config(path: Path) -> BenchConfig:
-    """Read and check a config file; every problem at once, as a BenchConfigError."""
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise BenchConfigError(f"{path}: {exc.strerror}", hint="check the path") from exc
-    except yaml.YAMLError as exc:
-        raise BenchConfigError(f"{path}: not YAML: {str(exc).splitlines()[0]}") from exc
-    return parse_config(raw, str(path))
+    """Read and check a config file; every problem at once, each at its line and column,
+    as a BenchConfigError."""
+    data, marks = _read(path)
+    return parse_config(data, str(path), marks)
 
 
-def parse_config(raw: object, source: str = "config") -> BenchConfig:
-    """Check a config mapping (from YAML, or sent to a worker) and build its sweep."""
+def parse_config(raw: object, source: str = "config", marks: Marks | None = None) -> BenchConfig:
+    """Check a config mapping (from YAML, or sent to a worker) and build its sweep; ``marks``:
+    where its keys are in its file, for the errors."""
+    marks = marks or Marks()
     if not isinstance(raw, dict):
-        raise BenchConfigError(f"{source}: a mapping with suite_name and benchmarks, please")
-    problems = _unknown(raw, TOP_KEYS, "")
+        raise BenchConfigError.of(source, ["a mapping with suite_name and benchmarks, please"])
+    problems = [*marks.duplicates, *_unknown(raw, TOP_KEYS, "")]
     meshes = _meshes(raw, problems)
     checkpoints = _checkpoints(raw, meshes, problems)
     benchmarks = _benchmarks(raw.get("benchmarks"), problems)
@@ -113,7 +235,7 @@ def parse_config(raw: object, source: str = "config") -> BenchConfig:
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         problems.append(f"num_repeats: {repeats!r}; allowed: a whole number from 1")
     if problems:
-        raise BenchConfigError.of(source, problems)
+        raise BenchConfigError.of(source, problems, [marks.place(p) for p in problems])
     assert isinstance(suite, str) and isinstance(repeats, int)
     return BenchConfig(
         suite_name=suite,
@@ -122,6 +244,7 @@ def parse_config(raw: object, source: str = "config") -> BenchConfig:
         meshes=meshes,
         combinations=_combinations(benchmarks, len(meshes), len(checkpoints)),
         raw=raw,
+        marks=marks,
     )
 
 
@@ -377,7 +500,7 @@ def check_fits(config: BenchConfig, devices: int, source: str) -> None:
     """``fit_problems`` as one BenchConfigError."""
     problems = fit_problems(config, devices)
     if problems:
-        error = BenchConfigError.of(source, problems)
+        error = BenchConfigError.of(source, problems, [config.marks.place(p) for p in problems])
         error.hint = (
             f"give a mesh whose ICI x DCN parallelism multiplies to the pod's {devices} devices "
             "(workers x devices per worker)"

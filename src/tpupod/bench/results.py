@@ -6,19 +6,26 @@ every operation Orbax timed (``op:NAME``, step numbers folded into ``#`` and
 summed, so twenty ``save_<step>`` are one ``op:save_#``). Across hosts (each
 host's mean over repeats): max, min, mean, p50, p99. Across repeats (the
 pod's value in each: the slowest host's time, the bytes over that time):
-mean and std. One ``Results`` is one run, written as one JSON file.
+every value, their median, mean and std. One ``Results`` is one run, written
+as one JSON file. Last, the noise band of two runs' ratio, from their repeats,
+which ``baseline`` decides regressions by.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-SCHEMA = 1
+# 2: each metric's repeats keep their values and median; a file of schema 1 has mean and std
+# only, and its values are taken from its samples (``CombinationResult.values``).
+SCHEMA = 2
 # The metrics tpupod reports, and whether a larger value is better.
 METRICS = {
     "save_blocking_s": False,
@@ -88,8 +95,22 @@ class HostStats(BaseModel):
 
 
 class RepeatStats(BaseModel):
+    """A metric across repeats: the pod's value in each repeat, in repeat order."""
+
     mean: float
     std: float
+    median: float | None = None  # None in a file of schema 1
+    values: list[float] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, values: list[float]) -> RepeatStats:
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        return cls(
+            mean=statistics.fmean(values),
+            std=std,
+            median=statistics.median(values),
+            values=values,
+        )
 
 
 class Status(StrEnum):
@@ -125,7 +146,15 @@ class CombinationResult(BaseModel):
             m for m in self.samples[0].metrics() if all(m in s.metrics() for s in self.samples)
         ]
         self.hosts = {m: _host_stats(self.samples, m) for m in metrics}
-        self.repeats = {m: _repeat_stats(self.samples, m) for m in metrics}
+        self.repeats = {m: RepeatStats.of(repeat_values(self.samples, m)) for m in metrics}
+
+    def values(self, metric: str) -> list[float]:
+        """The pod's value of a metric in each repeat: as written, else (a results file of
+        schema 1) from the samples, else (a file with neither) its mean, as one repeat."""
+        stats = self.repeats[metric]
+        if stats.values:
+            return stats.values
+        return repeat_values(self.samples, metric) or [stats.mean]
 
 
 class Results(BaseModel):
@@ -193,10 +222,90 @@ def _value(sample: Sample, metric: str) -> float:
     return found
 
 
-def _repeat_stats(samples: list[Sample], metric: str) -> RepeatStats:
+def repeat_values(samples: list[Sample], metric: str) -> list[float]:
+    """The pod's value in each repeat, in repeat order (empty where no sample has it)."""
     per_repeat: dict[int, list[Sample]] = {}
     for s in samples:
-        per_repeat.setdefault(s.repeat, []).append(s)
-    values = [pod_value(group, metric) for group in per_repeat.values()]
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return RepeatStats(mean=statistics.fmean(values), std=std)
+        if s.value(metric) is not None:
+            per_repeat.setdefault(s.repeat, []).append(s)
+    return [pod_value(per_repeat[r], metric) for r in sorted(per_repeat)]
+
+
+# -- the noise band ------------------------------------------------------------------------
+# Whether two runs' repeats tell a change from noise: a band for the ratio of two runs.
+#
+# A run repeats each benchmark; how far the repeats spread is the noise. The band of
+# the ratio now/before is the confidence interval that goes with the one-sided
+# Mann-Whitney U test (Hodges-Lehmann's, on the ratios): of the n x m ratios of a
+# current repeat to a baseline repeat, sorted, it leaves out the k - 1 lowest and the
+# k - 1 highest, k from the test's exact distribution. It lies wholly above 1 exactly
+# where the test finds the current repeats larger at that level, and wholly below 1
+# where it finds them smaller. With 3 repeats each at 5 % it is the lowest to the
+# highest ratio: the two runs' ranges must not overlap. With fewer repeats than the
+# test needs (2 and 2: the most extreme ordering has a chance of 1 in 6) there is no
+# band at all, and nothing can be told. No distribution is assumed, only that a run's
+# repeats are exchangeable with another run's when nothing changed.
+
+ALPHA = 0.05  # the chance, over a whole comparison, of calling noise a change (per side)
+
+
+@dataclass(frozen=True)
+class Band:
+    """The ratios now/before that the repeats cannot rule out."""
+
+    low: float
+    high: float
+
+
+def noise_band(before: Sequence[float], now: Sequence[float], alpha: float) -> Band | None:
+    """The band at level ``alpha`` on each side; None where the repeats are too few for it."""
+    k = _critical(len(before), len(now), alpha)
+    if k is None:
+        return None
+    ratios = sorted(ratio_of(b, a) for a in before for b in now)
+    return Band(low=ratios[len(ratios) - k], high=ratios[k - 1])
+
+
+def ratio_of(now: float, before: float) -> float:
+    if before > 0:
+        return now / before
+    return math.inf if now > 0 else 1.0
+
+
+def repeats_needed(alpha: float) -> int:
+    """The fewest repeats, the same in both runs, that give a band at level ``alpha``."""
+    repeats = 1
+    while 1 / math.comb(2 * repeats, repeats) > alpha:
+        repeats += 1
+    return repeats
+
+
+def _critical(n: int, m: int, alpha: float) -> int | None:
+    """The smallest u with P(U >= u) <= alpha where nothing changed (None: even U = n*m,
+    every current repeat above every baseline one, is likelier than alpha)."""
+    if n == 0 or m == 0:
+        return None
+    counts = _u_counts(n, m)
+    allowed = alpha * math.comb(n + m, n)
+    tail = 0
+    for u in range(n * m, -1, -1):
+        tail += counts[u]
+        if tail > allowed:
+            return u + 1 if u < n * m else None
+    return 0
+
+
+def _u_counts(n: int, m: int) -> list[int]:
+    """How many of the C(n + m, n) equally likely orderings of two runs' repeats give each
+    U: the coefficients of the Gaussian binomial [n + m choose n], the product over i of
+    (1 - q^(m+i)) / (1 - q^i), computed as power series cut at degree n*m (exact, since
+    the result is a polynomial of that degree)."""
+    n, m = sorted((n, m))
+    size = n * m + 1
+    counts = [1] + [0] * (size - 1)
+    for i in range(1, n + 1):
+        for u in range(size - 1, m + i - 1, -1):  # times (1 - q^(m+i))
+            counts[u] -= counts[u - m - i]
+        for u in range(i, size):  # over (1 - q^i)
+            counts[u] += counts[u - i]
+    return counts

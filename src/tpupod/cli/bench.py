@@ -16,7 +16,7 @@ from tpupod.errors import BenchError
 from tpupod.live import Live, run_live
 
 if TYPE_CHECKING:
-    from tpupod.bench.baseline import Comparison
+    from tpupod.bench.baseline import Change, Comparison
     from tpupod.bench.launcher import BenchRun
     from tpupod.bench.results import CombinationResult, RepeatStats, Results
 
@@ -76,7 +76,10 @@ def checkpoint(
     threshold: Annotated[
         float,
         typer.Option(
-            "--threshold", help="A metric worse than the baseline by more than this regresses."
+            "--threshold",
+            min=0.0,
+            help="The smallest change called: a metric regresses when its median is worse than "
+            "the baseline's by more than this and the repeats tell it from noise.",
         ),
     ] = 0.10,
     ramfs_dir: Annotated[
@@ -116,10 +119,13 @@ def checkpoint(
     all workers at once (Orbax's own benchmark code, through 'tpupod run');
     each worker checks that what it restored equals what it saved, sharding
     included. Worker 0 aggregates across hosts and repeats; the launcher
-    writes results.json and plots, prints a table, and with --baseline flags
-    every metric worse by more than --threshold (exit 1). Only like is
-    compared with like (generator, options, mesh, arrays, workers); what
-    differs is named, and a comparison of nothing fails.
+    writes results.json and plots, prints a table, and with --baseline
+    compares every metric's median over the repeats: a regression (exit 1)
+    is worse by more than --threshold and beyond the noise the two runs'
+    repeats measure (Mann-Whitney); with too few repeats to tell, a change
+    is called inconclusive. Only like is compared with like (generator,
+    options, mesh, arrays, workers); what differs is named, and a
+    comparison of nothing fails.
 
     Examples:
 
@@ -192,7 +198,7 @@ def checkpoint(
         print(f"plot: {plot}", file=sys.stderr)
     raise_for_failures(done.results)
     if before is not None and earlier is not None:
-        _check_baseline(baselines.compare(done.results, before, earlier, threshold), threshold)
+        _check_baseline(baselines.compare(done.results, before, earlier, threshold))
 
 
 def _baseline_path(baseline: str | None, output: str, suite: str) -> str | None:
@@ -269,22 +275,10 @@ def _ops(combo: CombinationResult) -> str:
     return ", ".join(f"{m[len(OP) :]} {v:.3f}s" for m, v in ops[:3])
 
 
-def _check_baseline(comparison: Comparison, threshold: float) -> None:
-    print(
-        f"baseline: {comparison.baseline_path} (commit {comparison.baseline_commit[:12]}) "
-        f"-> now (commit {comparison.current_commit[:12]})"
-    )
-    # one combination's label, then a short line per metric: each fits 100 columns
-    for label, changes in itertools.groupby(comparison.changes, key=lambda c: c.label):
-        print(f"  {label}")
-        for change in changes:
-            flag = "REGRESSION" if change.regressed else "ok"
-            print(
-                f"    {change.metric}: {change.baseline:.4g} -> {change.current:.4g} "
-                f"({change.ratio:.2f}x) {flag}"
-            )
-    for label, why in comparison.skipped:
-        print(f"  not compared: {label}\n    {why}")
+def _check_baseline(comparison: Comparison) -> None:
+    """Print the comparison; exit 1 on a regression, or where nothing was compared."""
+    threshold = f"{comparison.threshold * 100:g}%"
+    _print_comparison(comparison, threshold)
     if not comparison.changes:
         label, why = comparison.skipped[0] if comparison.skipped else ("every one", "none ran")
         raise BenchError(
@@ -295,8 +289,59 @@ def _check_baseline(comparison: Comparison, threshold: float) -> None:
     if worse:
         first = worse[0]
         raise BenchError(
-            f"{len(worse)} regression{'s' if len(worse) > 1 else ''} beyond {threshold:.0%} "
-            f"against commit {comparison.baseline_commit[:12]}: {first.label} {first.metric} "
-            f"{first.baseline:.4g} -> {first.current:.4g}",
-            hint="the lines above list every metric; rerun to rule out noise",
+            f"{len(worse)} regression{'s' if len(worse) > 1 else ''} beyond {threshold} and the "
+            f"repeats' noise against commit {comparison.baseline_commit[:12]}: "
+            f"{first.label} {_change_line(first, threshold)}",
+            hint="the lines above give every metric's medians, ratio and noise band",
         )
+
+
+def _print_comparison(comparison: Comparison, threshold: str) -> None:
+    """Per metric: the two medians, their ratio, the noise band, the verdict, under a header
+    that says how it is decided. Every line but the paths' fits 100 columns."""
+    from tpupod.bench.results import ALPHA, repeats_needed
+
+    tests = f"{comparison.tests} metric{'s' if comparison.tests > 1 else ''}"
+    print(
+        f"baseline: {comparison.baseline_path} (commit {comparison.baseline_commit[:12]}) "
+        f"-> now (commit {comparison.current_commit[:12]})\n"
+        f"  per metric: medians of the repeats, before -> now (ratio, noise band: the ratios\n"
+        f"  the repeats allow, Mann-Whitney, {ALPHA:.0%} over {tests}); a regression is worse "
+        f"by more\n  than {threshold} and beyond the band"
+    )
+    for label, changes in itertools.groupby(comparison.changes, key=lambda c: c.label):
+        print(f"  {label}")
+        for change in changes:
+            print(f"    {_change_line(change, threshold)}")
+    for label, why in comparison.skipped:
+        print(f"  not compared: {label}\n    {why}")
+    unsure = comparison.inconclusive
+    if unsure:
+        print(
+            f"note: {len(unsure)} change{'s' if len(unsure) > 1 else ''} beyond {threshold} "
+            f"inconclusive: {_repeats(unsure[0])} repeats cannot tell them from noise\n"
+            f"  (num_repeats: {repeats_needed(comparison.alpha)} in both runs can)"
+        )
+
+
+def _change_line(change: Change, threshold: str) -> str:
+    """``save_total_s: 0.1981 -> 0.3052 (1.54x, noise 1.31x-1.78x): REGRESSION``."""
+    from tpupod.bench.baseline import Verdict
+
+    band = change.band
+    verdict = change.verdict.value
+    if change.verdict == Verdict.SAME:
+        verdict = f"ok, within {threshold}"
+    noise = (
+        f"noise {band.low:.2f}x-{band.high:.2f}x"
+        if band is not None
+        else f"{_repeats(change)} repeats: no band"
+    )
+    return (
+        f"{change.metric}: {change.baseline:.4g} -> {change.current:.4g} "
+        f"({change.ratio:.2f}x, {noise}): {verdict}"
+    )
+
+
+def _repeats(change: Change) -> str:
+    return f"{len(change.before)}+{len(change.now)}"
