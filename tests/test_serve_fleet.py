@@ -707,6 +707,106 @@ def test_ctrl_c_during_serve_up_leaves_nothing_running(tmp_path: Path) -> None:
         assert wait_until_gone(pod, timeout=10) == []
 
 
+NEVER_READY = "sleep 1000 # {port}"  # a server that runs and never answers
+
+
+@contextlib.contextmanager
+def starting_up(home: Path, pod: str, workers: int) -> Iterator[subprocess.Popen[str]]:
+    """``serve up`` (a process) whose servers run and never get ready, once each of the
+    ``workers`` runs its server; killed at the end if it still runs."""
+    argv = tpupod_argv(
+        "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+        "--command", NEVER_READY, "--base-port", str(free_base_port()),
+    )  # fmt: skip
+    env = {**os.environ, "TPUPOD_HOME": str(home)}
+    with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as up:
+        try:
+            deadline = time.monotonic() + 60
+            while sum("sleep" in described(p) for p in pod_processes(pod)) < workers:
+                assert time.monotonic() < deadline and up.poll() is None
+                time.sleep(0.2)
+            yield up
+        finally:
+            up.kill()
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_sigterm_or_sighup_during_serve_up_leaves_nothing_and_status_saw_it_start(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """SIGTERM (a supervisor, kill) or SIGHUP (the terminal closed) while the servers
+    started left the agents (reparented to init), their restarting servers and ctl
+    wait-ready running, and 'serve status' said no fleet was serving. Now both stop the
+    fleet as Ctrl-C does, the exit is 128+N, and status shows the fleet while it starts."""
+    with local_pod(tmp_path, "st", 2) as (home, pod), starting_up(home, pod, 2) as up:
+        status = run_cli(home, "serve", "status", "--pod", pod)
+        assert status.returncode == 0, status.stderr
+        rows = [line.split() for line in status.stdout.splitlines() if line.startswith("w")]
+        assert [(r[0], r[3]) for r in rows] == [("w0", "starting"), ("w1", "starting")], rows
+        assert f"serve up (pid {up.pid}) is starting this fleet" in status.stdout
+        early = run_cli(home, "serve", "endpoint", "--pod", pod)
+        assert early.returncode == 1 and "is still starting" in early.stderr
+        up.send_signal(stop)
+        assert up.wait(60) == 128 + stop
+        assert up.stderr is not None
+        said = up.stderr.read()
+        assert f"error: serve up was stopped ({stop.name}); it stopped what it had started" in (
+            said
+        )
+        assert "Traceback" not in said
+        assert wait_until_gone(pod, timeout=10) == []
+        gone = run_cli(home, "serve", "status", "--pod", pod)
+        assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_a_serve_up_killed_hard_leaves_a_fleet_that_status_shows_and_down_stops(
+    tmp_path: Path,
+) -> None:
+    """kill -9 cannot be caught: what serve up started runs on. Status said no fleet was
+    serving; it now shows the servers and that their serve up is gone, and the next serve
+    up or serve down takes them over."""
+    with local_pod(tmp_path, "sk", 2) as (home, pod):
+        with starting_up(home, pod, 2) as up:
+            up.kill()
+            up.wait(10)
+        status = run_cli(home, "serve", "status", "--pod", pod)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.count(" starting ") == 2, status.stdout
+        assert f"serve up (pid {up.pid}) ended before this fleet was ready" in status.stdout
+        assert "'tpupod serve down' stops what it started" in status.stdout
+        restart = run_cli(home, "serve", "restart", "--pod", pod)
+        assert restart.returncode == 1 and "ended before the fleet" in restart.stderr
+        down = run_cli(home, "serve", "down", "--pod", pod)
+        assert down.returncode == 0, down.stderr
+        assert wait_until_gone(pod) == []
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_serve_down_stops_a_serve_up_that_is_starting_and_a_second_serve_up_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Two serve ups of one pod at once stopped each other's servers; serve down during a
+    serve up left that one going on to start the router and write its record."""
+    with local_pod(tmp_path, "sd", 1) as (home, pod), starting_up(home, pod, 1) as up:
+        second = run_cli(home, "serve", "up", "--pod", pod, "--model", "m", "--backend",
+                         "command", "--command", NEVER_READY)  # fmt: skip
+        assert second.returncode == 1
+        assert f"tpupod serve up (pid {up.pid}, since" in second.stderr
+        assert "is starting a fleet on pod" in second.stderr
+        down = run_cli(home, "serve", "down", "--pod", pod)
+        assert down.returncode == 0, down.stderr
+        assert f"stopping tpupod serve up (pid {up.pid}" in down.stderr
+        assert up.wait(10) == 128 + signal.SIGTERM
+        assert wait_until_gone(pod) == []
+        gone = run_cli(home, "serve", "status", "--pod", pod)
+        assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
+
+
 def stub_pids(pod: str) -> set[int]:
     return {p.pid for p in pod_processes(pod) if str(STUB) in p.cmdline()}
 

@@ -189,6 +189,8 @@ def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> N
     kind = "" if found.record.router == "builtin" else f" ({found.router_kind})"
     if found.router_error is not None:
         print(f"router{kind}: {found.router_error}")
+        if found.starting is not None:
+            print(found.starting)
         return
     seen = [f"{found.healthy}/{len(found.servers)} backends healthy"]
     seen += [f"its /health: {found.router_health}"] if found.router_health else []

@@ -16,12 +16,14 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import secrets
 import shlex
 import time
 from collections.abc import Callable
 from typing import Any
 
+from tpupod import podusers
 from tpupod.errors import ServeError, WorkerError
 from tpupod.fanout import execute_async
 from tpupod.pod import Pod, Worker
@@ -51,6 +53,9 @@ Progress = Callable[[str], None]
 CTL_TIMEOUT_S = 60.0
 # wait-ready's own --timeout is the servers'; the call gets this much more.
 WAIT_MARGIN_S = 30.0
+# How a starting 'serve up' names itself among the pod's users (podusers): 'tpupod down'
+# waits for it, 'serve down' stops it first, status tells whether it still runs.
+SERVE_UP = "tpupod serve up"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,47 +220,9 @@ class RemoteFleet:
             restart_backoff_s=options.restart_backoff,
         )
 
-    async def start_servers(
-        self, worker: Worker, options: UpOptions, plans: dict[int, list[ServerSpec]]
-    ) -> list[ServerRecord]:
-        if options.hosts_per_replica > 1:
-            return await self.start_members(worker, plans)
-        specs = plans[worker.id]
-        for spec in specs:
+    async def start_servers(self, worker: Worker, plans: dict[int, list[ServerSpec]]) -> None:
+        for spec in plans[worker.id]:
             await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
-        return [
-            ServerRecord(worker=worker.id, host=worker.internal_address, port=p, name=s.name)
-            for s in specs
-            for p in s.ports
-        ]
-
-    async def start_members(
-        self, worker: Worker, every: dict[int, list[ServerSpec]]
-    ) -> list[ServerRecord]:
-        """Start this worker's members of multi-host replicas; a record per replica it leads."""
-        records = []
-        for spec in every[worker.id]:
-            await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
-            group = spec.group
-            if group is not None and group.rank == 0:
-                followers = [
-                    w
-                    for w, specs in every.items()
-                    for other in specs
-                    if other.group is not None
-                    and other.group.leader == group.leader
-                    and other.group.rank > 0
-                ]
-                records.append(
-                    ServerRecord(
-                        worker=worker.id,
-                        host=worker.internal_address,
-                        port=group.http_port,
-                        name=spec.name,
-                        followers=followers,
-                    )
-                )
-        return records
 
     async def wait_ready(self, worker: Worker, timeout: float, progress: Progress) -> None:
         began = time.monotonic()
@@ -335,11 +302,43 @@ class RemoteFleet:
         """Start the fleet; None when the same one already serves (nothing is touched).
 
         Another fleet on the pod is refused unless ``replace``; then every server of
-        every agent is stopped before the new ones start. When anything fails, every
-        agent, server and router is stopped: a failed ``serve up`` leaves nothing.
+        every agent is stopped before the new ones start. When anything fails, or the
+        caller is cancelled (Ctrl-C, SIGTERM: ``Fleet.up``), every agent,
+        server and router is stopped: a failed ``serve up`` leaves nothing. While it
+        starts, this process is one of the pod's users (``SERVE_UP``), and one other
+        ``serve up`` of the pod at a time is refused.
         """
+        with podusers.using(self.state, self.pod.name, SERVE_UP):
+            self.refuse_another_start()
+            return await self._up(options, progress, replace)
+
+    def starters(self) -> list[podusers.PodUser]:
+        """The live ``serve up`` processes of this pod, the earliest first."""
+        found = [u for u in podusers.users(self.state, self.pod.name) if u.what == SERVE_UP]
+        return sorted(found, key=lambda u: (u.since, u.pid))
+
+    def refuse_another_start(self) -> None:
+        """Two ``serve up`` of one pod at once would stop each other's servers: the later
+        one (each sees both) is refused."""
+        starters = self.starters()
+        if starters and starters[0].pid != os.getpid():
+            first = starters[0]
+            raise ServeError(
+                f"{first.describe()} is starting a fleet on pod {self.pod.name!r}",
+                hint=f"wait for it, or stop it (kill {first.pid}: it stops what it started)",
+            )
+
+    async def _up(
+        self, options: UpOptions, progress: Progress, replace: bool
+    ) -> FleetRecord | None:
         wanted = settings_of(options)
         old = self.existing()
+        if old is not None and old.starting is not None:  # its serve up is gone (refused above)
+            progress(
+                f"a serve up before (pid {old.starting}) ended before its fleet was ready: "
+                "starting anew"
+            )
+            old = None
         if old is not None and not replace:
             if old.options != wanted:
                 raise ServeError(
@@ -355,8 +354,10 @@ class RemoteFleet:
             progress(f"already serving with these settings, but not {lost.text}: starting it again")
             return await self.repair(old, options, lost, progress)
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}  # may refuse
+        if old is not None and options.router_port is None:  # the endpoint stays where it was
+            options = dataclasses.replace(options, router_port=old.router_port)
         try:
-            return await self.start(options, plans, old, progress)
+            return await self.start(options, wanted, plans, old, progress)
         except BaseException:  # a failure, or Ctrl-C (the task is cancelled): stop it all
             with contextlib.suppress(Exception):
                 await self.down(lambda _: None)
@@ -390,18 +391,16 @@ class RemoteFleet:
         started (the lost workers' agents, the router if it was lost) and nothing else."""
         workers = [w for w in self.pod.workers if w.id in lost.workers]
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}
+        options = dataclasses.replace(options, router_port=options.router_port or old.router_port)
         try:
             agents = await _gather(self.ensure_agent(w, options) for w in workers)
             running = [w for w, a in zip(workers, agents, strict=True) if not a["started_now"]]
             await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
-            await _gather(self.start_servers(w, options, plans) for w in workers)
+            await _gather(self.start_servers(w, plans) for w in workers)
             await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
             if not lost.router:
                 return old
-            port = options.router_port or old.router_port
-            port = await self.ensure_router(
-                dataclasses.replace(options, router_port=port), old.servers, old.token
-            )
+            port = await self.ensure_router(options, old.servers, old.token)
         except BaseException:  # a failure, or Ctrl-C
             stops = [self.ctl(w, "stop", "agent") for w in workers]
             stops += [self.ctl(self.pod.workers[0], "stop", "router")] if lost.router else []
@@ -414,11 +413,31 @@ class RemoteFleet:
     async def start(
         self,
         options: UpOptions,
+        wanted: dict[str, Any],
         plans: dict[int, list[ServerSpec]],
         old: FleetRecord | None,
         progress: Progress,
     ) -> FleetRecord:
+        """Start the fleet: agents, servers, the router; ``wanted``: the settings recorded.
+        The record is written first, marked ``starting`` with this process's pid, so that
+        status, logs and down see the fleet while (or if this process dies before) it is up."""
         workers = list(self.pod.workers)
+        servers = server_records(self.pod, plans)
+        record = FleetRecord(
+            pod=self.pod.name,
+            model=options.served_model_name or options.model,
+            backend=options.backend,
+            python=self.python,
+            servers=servers,
+            router_host=self.pod.workers[0].internal_address,
+            router_port=options.router_port or 0,
+            token=old.token if old is not None else secrets.token_urlsafe(24),
+            started=time.time(),
+            settings=wanted,
+            router=options.router,
+            starting=os.getpid(),
+        )
+        save_record(self.state, record)
         agents = await _gather(self.ensure_agent(w, options) for w in workers)
         for w, a in zip(workers, agents, strict=True):
             state = "started" if a.get("started_now") else "running"
@@ -428,8 +447,7 @@ class RemoteFleet:
         stopped = await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
         if count := sum(len(answer["stopped"]) for answer in stopped):
             progress(f"stopped {count} servers of the fleet before")
-        per_worker = await _gather(self.start_servers(w, options, plans) for w in workers)
-        servers = [s for group in per_worker for s in group]
+        await _gather(self.start_servers(w, plans) for w in workers)
         if options.hosts_per_replica > 1:
             progress(
                 f"starting {len(servers)} replicas of {options.hosts_per_replica} workers each "
@@ -440,24 +458,8 @@ class RemoteFleet:
             server, worker = (f"{n} {w}{'s' if n != 1 else ''}" for w, n in many.items())
             progress(f"starting {server} ({options.backend.value}) on {worker}")
         await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
-        wanted = settings_of(options)  # as given: a router port kept below is not a setting
-        token = old.token if old is not None else secrets.token_urlsafe(24)
-        if old is not None and options.router_port is None:  # the endpoint stays where it was
-            options = dataclasses.replace(options, router_port=old.router_port)
-        port = await self.ensure_router(options, servers, token)
-        record = FleetRecord(
-            pod=self.pod.name,
-            model=options.served_model_name or options.model,
-            backend=options.backend,
-            python=self.python,
-            servers=servers,
-            router_host=self.pod.workers[0].internal_address,
-            router_port=port,
-            token=token,
-            started=time.time(),
-            settings=wanted,
-            router=options.router,
-        )
+        port = await self.ensure_router(options, servers, record.token)
+        record = record.model_copy(update={"router_port": port, "starting": None})
         save_record(self.state, record)
         kind = "sgl-router" if options.router == "sgl" else "router"
         progress(f"{kind} on w0 at {record.base_url} over {len(servers)} servers")
@@ -507,6 +509,33 @@ class RemoteFleet:
         router = await asyncio.gather(stop_router(), return_exceptions=True)
         _raise_first([*agents, *router])
         record_path(self.state, self.pod.name).unlink(missing_ok=True)
+
+
+def server_records(pod: Pod, plans: dict[int, list[ServerSpec]]) -> list[ServerRecord]:
+    """The fleet's servers as its record lists them: one a port, or one a replica across
+    workers (its leader's, with its followers' workers)."""
+    records = []
+    for w in pod.workers:
+        for spec in plans[w.id]:
+            group = spec.group
+            if group is None:
+                records += [
+                    ServerRecord(worker=w.id, host=w.internal_address, port=p, name=spec.name)
+                    for p in spec.ports
+                ]
+            elif group.rank == 0:
+                followers = [f for f, specs in plans.items() for o in specs if _follows(o, spec)]
+                leader = ServerRecord(
+                    worker=w.id, host=w.internal_address, port=group.http_port,
+                    name=spec.name, followers=followers,
+                )  # fmt: skip
+                records.append(leader)
+    return records
+
+
+def _follows(member: ServerSpec, leader: ServerSpec) -> bool:
+    g, lead = member.group, leader.group
+    return g is not None and lead is not None and g.leader == lead.leader and g.rank > 0
 
 
 def own_lines(log: list[str]) -> list[str]:
