@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpupod import podusers
-from tpupod.errors import ServeError, WorkerError
+from tpupod.errors import PreflightError, ServeError, UsageError, WorkerError
 from tpupod.fanout import execute_async
 from tpupod.pod import Pod, Worker
 from tpupod.providers import Connector, provider_for
@@ -56,6 +56,9 @@ WAIT_MARGIN_S = 30.0
 # How a starting 'serve up' names itself among the pod's users (podusers): 'tpupod down'
 # waits for it, 'serve down' stops it first, status tells whether it still runs.
 SERVE_UP = "tpupod serve up"
+# preflight suggests a --base-port this many ports on (or a multiple, up to SHIFTS of them)
+SHIFT_STEP = 100
+SHIFTS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +161,19 @@ class RemoteFleet:
             return options.devices_per_worker
         return int(getattr(self.pod.spec, "devices_per_worker", 0) or 4)
 
+    def agent_port(self, options: UpOptions) -> int:
+        """The agents' port; 0 (any free one) on a local pod, whose workers share this
+        machine's loopback with every other local pod (a one-worker pod's too)."""
+        return 0 if self.shared_addresses() or self.pod.on_this_machine else options.agent_port
+
+    def router_port(self, options: UpOptions) -> int:
+        """The router's port on worker 0; 0 (any free one) on a local pod."""
+        if options.router_port is not None:
+            return options.router_port
+        return 0 if self.pod.on_this_machine else defaults.ROUTER_PORT
+
     async def ensure_agent(self, worker: Worker, options: UpOptions) -> dict[str, Any]:
-        # A local pod's workers share this machine's loopback with every other local pod
-        # (a one-worker pod too): its agents take any free port.
-        port = 0 if self.shared_addresses() or self.pod.on_this_machine else options.agent_port
+        port = self.agent_port(options)
         answer = (
             await self.ctl(
                 worker,
@@ -220,6 +232,82 @@ class RemoteFleet:
             restart_backoff_s=options.restart_backoff,
         )
 
+    async def preflight(
+        self,
+        workers: list[Worker],
+        options: UpOptions,
+        plans: dict[int, list[ServerSpec]],
+        router: bool = True,
+    ) -> None:
+        """Before anything starts: ask each worker (``ctl preflight``) whether the backend
+        can serve the model there and whether the ports the fleet binds there are free;
+        a wrong model is a UsageError, a port another process holds a PreflightError
+        naming the process and a --base-port free on every worker."""
+        if not workers:
+            return
+        every = [p for specs in plans.values() for spec in specs for p in spec.bound_ports]
+        top = max(every, default=options.base_port)
+        step = SHIFT_STEP * -(-(top - options.base_port + 1) // SHIFT_STEP)
+        shifts = [k * step for k in range(1, SHIFTS + 1) if top + k * step <= 65535]
+        fixed = {"--agent-port": self.agent_port(options)}
+
+        def args(w: Worker) -> list[str]:
+            ports = ",".join(str(p) for spec in plans[w.id] for p in spec.bound_ports)
+            extra = {**fixed, "--router-port": self.router_port(options)} if w.id == 0 else fixed
+            wanted = [f"--fixed={flag}={port}" for flag, port in extra.items() if port]
+            if w.id == 0 and not router:
+                wanted = [f for f in wanted if not f.startswith("--fixed=--router-port")]
+            return [
+                "preflight", f"--host={w.internal_address}", f"--backend={options.backend.value}",
+                f"--model={options.model}", f"--ports={ports}", *wanted,
+                f"--shifts={','.join(map(str, shifts))}",
+            ]  # fmt: skip
+
+        answers = await _gather(self.ctl(w, *args(w)) for w in workers)
+        found = [(w, a[-1]) for w, a in zip(workers, answers, strict=True)]
+        self.refuse_model(found)
+        self.refuse_taken(found, options.base_port)
+
+    def refuse_model(self, found: list[tuple[Worker, dict[str, Any]]]) -> None:
+        """The model's problem as the workers said it: one line (the same on every worker of
+        a local pod: they share this machine)."""
+        bad = [(w, a["model"]) for w, a in found if a.get("model")]
+        if not bad:
+            return
+        first = bad[0][1]
+        alike = [w for w, m in bad if m["error"] == first["error"]]
+        here = self.pod.on_this_machine and len(alike) == len(found)
+        where = "" if here else f"{', '.join(w.label for w in alike)}: "
+        raise UsageError(f"{where}{first['error']}", hint=first.get("hint"))
+
+    def refuse_taken(self, found: list[tuple[Worker, dict[str, Any]]], base: int) -> None:
+        """Ports other processes hold, each with its holder; the hint a --base-port free on
+        every worker (serve up does not move the fleet's ports by itself: docs/serving.md)."""
+        taken = [(w, t) for w, a in found for t in a.get("taken", [])]
+        if self.shared_addresses():  # one host: a port may be another worker's server's
+            ours = {g for _, a in found for g in a.get("groups", [])}
+            taken = [(w, t) for w, t in taken if not _ours(t, ours)]
+        if not taken:
+            return
+        said = [
+            f"{w.label} :{t['port']} ({t['flag']}) by "
+            + (", ".join(h["text"] for h in t["holders"]) or "a connection (nothing listens)")
+            for w, t in taken
+        ]
+        flags = sorted({t["flag"] for _, t in taken})
+        free = set.intersection(*(set(a.get("free_shifts", [])) for _, a in found))
+        fixes = [
+            f"--base-port {base + min(free)}" if flag == "--base-port" and free else
+            f"another {flag}"
+            for flag in flags
+        ]  # fmt: skip
+        on_every = " (free on every worker)" if "--base-port" in flags and free else ""
+        raise PreflightError(
+            f"port{'s' if len(taken) > 1 else ''} in use: {'; '.join(said)}",
+            hint=f"stop {'them' if len(taken) > 1 else 'it'}, or give {' and '.join(fixes)}"
+            f"{on_every}",
+        )
+
     async def start_servers(self, worker: Worker, plans: dict[int, list[ServerSpec]]) -> None:
         for spec in plans[worker.id]:
             await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
@@ -274,9 +362,7 @@ class RemoteFleet:
         self, options: UpOptions, servers: list[ServerRecord], token: str
     ) -> int:
         head = self.pod.workers[0]
-        port = options.router_port
-        if port is None:
-            port = 0 if self.pod.on_this_machine else defaults.ROUTER_PORT
+        port = self.router_port(options)
         module = "tpupod.serve.sglrouter" if options.router == "sgl" else "tpupod.serve.router"
         argv = [self.python, "-m", module, "--host", head.internal_address, "--port", str(port)]
         # without --served-model-name, the router asks the servers what they call the model
@@ -302,8 +388,9 @@ class RemoteFleet:
         """Start the fleet; None when the same one already serves (nothing is touched).
 
         Another fleet on the pod is refused unless ``replace``; then every server of
-        every agent is stopped before the new ones start. When anything fails, or the
-        caller is cancelled (Ctrl-C, SIGTERM: ``Fleet.up``), every agent,
+        every agent is stopped before the new ones start. The model and the ports are
+        checked on every worker before anything starts (``preflight``). When anything
+        fails, or the caller is cancelled (Ctrl-C, SIGTERM: ``Fleet.up``), every agent,
         server and router is stopped: a failed ``serve up`` leaves nothing. While it
         starts, this process is one of the pod's users (``SERVE_UP``), and one other
         ``serve up`` of the pod at a time is refused.
@@ -356,6 +443,7 @@ class RemoteFleet:
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}  # may refuse
         if old is not None and options.router_port is None:  # the endpoint stays where it was
             options = dataclasses.replace(options, router_port=old.router_port)
+        await self.preflight(list(self.pod.workers), options, plans)
         try:
             return await self.start(options, wanted, plans, old, progress)
         except BaseException:  # a failure, or Ctrl-C (the task is cancelled): stop it all
@@ -392,6 +480,8 @@ class RemoteFleet:
         workers = [w for w in self.pod.workers if w.id in lost.workers]
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}
         options = dataclasses.replace(options, router_port=options.router_port or old.router_port)
+        checked = workers or ([self.pod.workers[0]] if lost.router else [])
+        await self.preflight(checked, options, plans, router=lost.router)
         try:
             agents = await _gather(self.ensure_agent(w, options) for w in workers)
             running = [w for w, a in zip(workers, agents, strict=True) if not a["started_now"]]
@@ -549,6 +639,12 @@ async def _gather(awaitables: Any) -> list[Any]:
     results = await asyncio.gather(*awaitables, return_exceptions=True)
     _raise_first(results)
     return results
+
+
+def _ours(taken: dict[str, Any], groups: set[int]) -> bool:
+    """Whether every process holding a taken port is in one of the fleet's groups."""
+    holders = taken["holders"]
+    return bool(holders) and all({h["pid"], h["group"]} & groups for h in holders)
 
 
 def _raise_first(results: list[Any]) -> None:
