@@ -921,6 +921,42 @@ def test_ports_in_use_are_named_with_their_holder_and_a_base_port_free_everywher
         holder.wait()
 
 
+@pytest.mark.local
+def test_eval_of_serve_endpoint_fails_loudly_when_it_cannot_say_the_endpoint(
+    tmp_path: Path,
+) -> None:
+    """With two pods, eval "$(tpupod serve endpoint)" evaluated nothing and succeeded:
+    a script went on without OPENAI_BASE_URL (the openai client then calls api.openai.com
+    with whatever key is set). Now the eval fails too ('set -e' stops, '&&' does not go
+    on) and says the variables were left as they were, beside tpupod's error."""
+    home = tmp_path / "state"
+    pods = [f"ea{os.getpid()}", f"eb{os.getpid()}"]
+    env = {**os.environ, "TPUPOD_HOME": str(home)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    try:
+        for pod in pods:
+            assert run_cli(home, "up", "--name", pod, "--local", "1").returncode == 0
+        script = 'eval "$(tpupod serve endpoint)" && echo went on; echo "eval: $?"'
+        shell = subprocess.run(
+            ["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert shell.stdout == "eval: 1\n"
+        assert shell.stderr.splitlines() == [
+            f"error: 2 pods exist ({', '.join(sorted(pods))}); say which one",
+            f"hint: add --pod {sorted(pods)[0]}, for example",
+            "tpupod serve endpoint failed (see its error above): OPENAI_BASE_URL and "
+            "OPENAI_API_KEY are left as they were",
+        ]
+        strict = subprocess.run(
+            ["bash", "-c", 'set -e; eval "$(tpupod serve endpoint)"; echo went on'],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert strict.returncode == 1 and "went on" not in strict.stdout
+    finally:
+        for pod in pods:
+            run_cli(home, "down", "--pod", pod)
+
+
 def stub_pids(pod: str) -> set[int]:
     return {p.pid for p in pod_processes(pod) if str(STUB) in p.cmdline()}
 
