@@ -42,6 +42,11 @@ class GroupSpec(BaseModel):
     mesh: str | None = Field(default=None, description="model=M; default: every device")
 
     @property
+    def leader_host(self) -> str:
+        """The leader's address (where its side channel, endpoint and coordinator listen)."""
+        return self.leader.rpartition(":")[0].strip("[]")
+
+    @property
     def side_port(self) -> int:
         return int(self.leader.rpartition(":")[2])
 

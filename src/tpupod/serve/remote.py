@@ -312,18 +312,25 @@ class RemoteFleet:
         for spec in plans[worker.id]:
             await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
 
-    async def wait_ready(self, worker: Worker, timeout: float, progress: Progress) -> None:
+    async def wait_ready(
+        self, worker: Worker, timeout: float, progress: Progress, labels: dict[str, str]
+    ) -> None:
+        """Say each of the worker's servers as it becomes ready (``labels``: what each is,
+        by name: ``:31000``, or a replica's member); fail at its first exit or the timeout."""
         began = time.monotonic()
+
+        def label(event: dict[str, Any]) -> str:
+            ports = ",".join(str(p) for p in event.get("ports", []))
+            return labels.get(event.get("name", ""), f":{ports}")
 
         def seen(text: str) -> None:
             event = json.loads(text)
-            ports = ",".join(str(p) for p in event.get("ports", []))
             took = time.monotonic() - began
             if event["event"] == "ready":
-                progress(f"{worker.label} :{ports} ready ({took:.1f}s)")
+                progress(f"{worker.label} {label(event)} ready ({took:.1f}s)")
             elif event["event"] == "waiting":  # a slow load, or a server that answers wrong
                 why = f" ({event['answer']})" if event["answer"] else ""
-                progress(f"{worker.label} :{ports} still starting after {took:.0f}s{why}")
+                progress(f"{worker.label} {label(event)} still starting after {took:.0f}s{why}")
 
         answers = await self.ctl(
             worker, "wait-ready", "--timeout", str(timeout), on_line=seen,
@@ -331,11 +338,12 @@ class RemoteFleet:
         )  # fmt: skip
         last = answers[-1]
         if last.get("event") == "failing":
-            ports = ",".join(str(p) for p in last.get("ports", []))
+            what = label(last)
+            what = f"server on {what}" if what.startswith(":") else what
             logs = " | ".join(own_lines(last.get("log", []))[-3:])
             raise ServeError(
-                f"{worker.label}: the server {f'on :{ports}' if ports else last['name']} exited "
-                f"before it answered (exit {last.get('last_exit')})",
+                f"{worker.label}: the {what} exited before it answered "
+                f"(exit {last.get('last_exit')})",
                 hint=(f"its last lines: {logs}" if logs else "see its log in the agent's folder")
                 + "; serve up stopped what it had started",
             )
@@ -347,8 +355,7 @@ class RemoteFleet:
         if last.get("event") == "timeout":
             pending = last.get("pending", [])
             names = ", ".join(
-                f":{','.join(str(p) for p in s['ports'])} ({s['state']}"
-                + (f": {s['answer']})" if s.get("answer") else ")")
+                f"{label(s)} ({s['state']}" + (f": {s['answer']})" if s.get("answer") else ")")
                 for s in pending
             )
             logs = " | ".join(own_lines(pending[0].get("log", []))[-3:]) if pending else ""
@@ -451,6 +458,20 @@ class RemoteFleet:
                 await self.down(lambda _: None)
             raise
 
+    async def wait_all_ready(
+        self,
+        workers: list[Worker],
+        options: UpOptions,
+        plans: dict[int, list[ServerSpec]],
+        progress: Progress,
+    ) -> None:
+        """Every server of ``workers`` ready; the first failure (a server's exit, a worker's
+        timeout) ends the wait on every worker at once."""
+        labels = server_labels(plans)
+        await _first_failure(
+            self.wait_ready(w, options.startup_timeout, progress, labels[w.id]) for w in workers
+        )
+
     def existing(self) -> FleetRecord | None:
         try:
             return load_record(self.state, self.pod.name)
@@ -487,7 +508,7 @@ class RemoteFleet:
             running = [w for w, a in zip(workers, agents, strict=True) if not a["started_now"]]
             await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
             await _gather(self.start_servers(w, plans) for w in workers)
-            await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
+            await self.wait_all_ready(workers, options, plans, progress)
             if not lost.router:
                 return old
             port = await self.ensure_router(options, old.servers, old.token)
@@ -547,7 +568,7 @@ class RemoteFleet:
             many = {"server": len(servers), "worker": len(workers)}
             server, worker = (f"{n} {w}{'s' if n != 1 else ''}" for w, n in many.items())
             progress(f"starting {server} ({options.backend.value}) on {worker}")
-        await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
+        await self.wait_all_ready(workers, options, plans, progress)
         port = await self.ensure_router(options, servers, record.token)
         record = record.model_copy(update={"router_port": port, "starting": None})
         save_record(self.state, record)
@@ -628,6 +649,30 @@ def _follows(member: ServerSpec, leader: ServerSpec) -> bool:
     return g is not None and lead is not None and g.leader == lead.leader and g.rank > 0
 
 
+def server_labels(plans: dict[int, list[ServerSpec]]) -> dict[int, dict[str, str]]:
+    """What serve up calls each server in its lines, by worker and name: ``:31000``; a
+    replica's leader ``:31000 (replica 0)``, its follower ``follower of replica 0 (leader
+    w0 :31000)`` (a follower has no port of its own)."""
+    leaders = sorted(
+        (w, s) for w, specs in plans.items() for s in specs if s.group and not s.group.rank
+    )  # by worker: replica g is the g-th group of workers
+    replica = {s.group.leader: (g, w) for g, (w, s) in enumerate(leaders) if s.group}
+    labels: dict[int, dict[str, str]] = {}
+    for w, specs in plans.items():
+        for s in specs:
+            text = f":{','.join(str(p) for p in s.ports)}"
+            if s.group is not None:
+                g, head = replica[s.group.leader]
+                port = s.group.http_port
+                text = (
+                    f":{port} (replica {g})"
+                    if s.group.rank == 0
+                    else f"follower of replica {g} (leader w{head} :{port})"
+                )
+            labels.setdefault(w, {})[s.name] = text
+    return labels
+
+
 def own_lines(log: list[str]) -> list[str]:
     """A server's log lines without their times and the agent's notes about it."""
     lines = [unstamped(line) for line in log]
@@ -645,6 +690,22 @@ def _ours(taken: dict[str, Any], groups: set[int]) -> bool:
     """Whether every process holding a taken port is in one of the fleet's groups."""
     holders = taken["holders"]
     return bool(holders) and all({h["pid"], h["group"]} & groups for h in holders)
+
+
+async def _first_failure(awaitables: Any) -> list[Any]:
+    """Gather; at the first failure, cancel the rest (their remote calls are stopped), wait
+    for them to end, and raise it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # our own cancellation (Ctrl-C, SIGTERM) too
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    _raise_first([t.exception() for t in tasks if t.done() and not t.cancelled()])
+    return [t.result() for t in tasks]
 
 
 def _raise_first(results: list[Any]) -> None:
