@@ -42,7 +42,8 @@ from tests.conftest import (
     tpupod_argv,
     wait_until_gone,
 )
-from tpupod.serve.backends import Backend, ServerSpec, device_slices, plan, render
+from tpupod.errors import UsageError
+from tpupod.serve.backends import Backend, ServerSpec, check_model, device_slices, plan, render
 from tpupod.serve.router import StreamTally, check_body
 
 STUB = Path(__file__).parent / "serve_stub.py"
@@ -58,6 +59,40 @@ def run_cli(home: Path, *args: str, timeout: float = 60) -> subprocess.Completed
 
 
 # -- unit: launch templates and request checks ------------------------------------------
+
+
+@pytest.mark.unit
+def test_each_backend_says_which_models_it_accepts(tmp_path: Path) -> None:
+    """serve up's model check (run on each worker by ctl preflight): a path is a folder
+    there; a Hugging Face id or a URL is left to the server that downloads it."""
+    checkpoint = Path(__file__).parent / "fixtures" / "qwen2-tiny"
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    accepted = {
+        Backend.BUILTIN: [str(checkpoint), "gs://bucket/qwen", f"file://{checkpoint}"],
+        Backend.SGLANG_JAX: [str(checkpoint), str(bare), "Qwen/Qwen2.5-7B-Instruct"],
+        Backend.VLLM: [str(bare), "Qwen/Qwen2.5-7B-Instruct", "gpt2", "s3://b/m", "gs://b/m"],
+        Backend.COMMAND: ["anything at all", "/no/such"],
+    }
+    for backend, models in accepted.items():
+        for model in models:
+            check_model(backend, model)
+    refused = [
+        (Backend.BUILTIN, "Qwen/Qwen2.5-7B-Instruct", "no such folder"),
+        (Backend.BUILTIN, str(bare), "no *.safetensors weights in that folder"),
+        (Backend.BUILTIN, str(checkpoint / "config.json"), "not a folder"),
+        (Backend.BUILTIN, "gs://", "no path after gs://"),
+        (Backend.SGLANG_JAX, "gs://b/m", "the sglang-jax backend does not load gs:// URLs"),
+        (Backend.SGLANG_JAX, "./no/such", "no such folder, and not a Hugging Face id"),
+        (Backend.VLLM, str(tmp_path), "no config.json in that folder"),
+        (Backend.VLLM, "hf://x/y", "the vllm backend does not load hf:// URLs"),
+    ]
+    for backend, model, said in refused:
+        with pytest.raises(UsageError) as refusal:
+            check_model(backend, model)
+        assert refusal.value.message == f"--model {model}: {said}"
+        assert refusal.value.hint
 
 
 def test_launch_templates_render_the_seeds_command_lines() -> None:
@@ -655,7 +690,8 @@ TINY = Path(__file__).parent / "fixtures" / "qwen2-tiny"
 @pytest.mark.timeout(150)
 def test_a_failed_serve_up_ends_at_once_and_leaves_nothing_running(tmp_path: Path) -> None:
     """A wrong model path took 17-23 s (three restarts) and left the agent running; a port
-    in use got the hint 'choose other --ports', an option serve up does not have."""
+    in use got the hint 'choose other --ports', an option serve up does not have. Both are
+    now found before anything starts (issue 36: the model first, the port's holder named)."""
     base = free_base_port()
     with local_pod(tmp_path, "sw", 1) as (home, pod):
         missing = tmp_path / "no-such-model"
@@ -663,10 +699,10 @@ def test_a_failed_serve_up_ends_at_once_and_leaves_nothing_running(tmp_path: Pat
             home, "serve", "up", "--pod", pod, "--model", str(missing), "--base-port", str(base),
             timeout=120,
         )  # fmt: skip
-        assert bad.returncode == 1, bad.stderr
-        assert "exited before it answered" in bad.stderr and str(missing) in bad.stderr
-        assert "restart" not in bad.stderr
-        assert wait_until_gone(pod) == []  # no agent, no server: serve up stopped them
+        assert bad.returncode == 2, bad.stderr  # checked before anything started
+        assert f"error: --model {missing}: no such folder" in bad.stderr
+        assert "agent" not in bad.stderr and "restart" not in bad.stderr
+        assert wait_until_gone(pod) == []
         with socket.socket() as busy:
             busy.bind(("127.0.0.1", base))
             busy.listen()
@@ -675,7 +711,8 @@ def test_a_failed_serve_up_ends_at_once_and_leaves_nothing_running(tmp_path: Pat
                 "--base-port", str(base), timeout=120,
             )  # fmt: skip
         assert taken.returncode == 1, taken.stderr
-        assert f"{base}" in taken.stderr and "in use" in taken.stderr
+        assert f"w0 :{base} (--base-port) by pid {os.getpid()} (" in taken.stderr  # this test
+        assert "in use" in taken.stderr and "agent" not in taken.stderr
         assert "--base-port" in taken.stderr and "--ports" not in taken.stderr
         assert "Traceback" not in taken.stderr
         assert wait_until_gone(pod) == []
@@ -706,6 +743,219 @@ def test_ctrl_c_during_serve_up_leaves_nothing_running(tmp_path: Path) -> None:
             finally:  # a failure here left it running, and its collection failed a later test
                 up.kill()
         assert wait_until_gone(pod, timeout=10) == []
+
+
+NEVER_READY = "sleep 1000 # {port}"  # a server that runs and never answers
+
+
+@contextlib.contextmanager
+def starting_up(home: Path, pod: str, workers: int) -> Iterator[subprocess.Popen[str]]:
+    """``serve up`` (a process) whose servers run and never get ready, once each of the
+    ``workers`` runs its server; killed at the end if it still runs."""
+    argv = tpupod_argv(
+        "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+        "--command", NEVER_READY, "--base-port", str(free_base_port()),
+    )  # fmt: skip
+    env = {**os.environ, "TPUPOD_HOME": str(home)}
+    with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as up:
+        try:
+            deadline = time.monotonic() + 60
+            while sum("sleep" in described(p) for p in pod_processes(pod)) < workers:
+                assert time.monotonic() < deadline and up.poll() is None
+                time.sleep(0.2)
+            yield up
+        finally:
+            up.kill()
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_sigterm_or_sighup_during_serve_up_leaves_nothing_and_status_saw_it_start(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """SIGTERM (a supervisor, kill) or SIGHUP (the terminal closed) while the servers
+    started left the agents (reparented to init), their restarting servers and ctl
+    wait-ready running, and 'serve status' said no fleet was serving. Now both stop the
+    fleet as Ctrl-C does, the exit is 128+N, and status shows the fleet while it starts."""
+    with local_pod(tmp_path, "st", 2) as (home, pod), starting_up(home, pod, 2) as up:
+        status = run_cli(home, "serve", "status", "--pod", pod)
+        assert status.returncode == 0, status.stderr
+        rows = [line.split() for line in status.stdout.splitlines() if line.startswith("w")]
+        assert [(r[0], r[3]) for r in rows] == [("w0", "starting"), ("w1", "starting")], rows
+        assert f"serve up (pid {up.pid}) is starting this fleet" in status.stdout
+        early = run_cli(home, "serve", "endpoint", "--pod", pod)
+        assert early.returncode == 1 and "is still starting" in early.stderr
+        up.send_signal(stop)
+        assert up.wait(60) == 128 + stop
+        assert up.stderr is not None
+        said = up.stderr.read()
+        assert f"error: serve up was stopped ({stop.name}); it stopped what it had started" in (
+            said
+        )
+        assert "Traceback" not in said
+        assert wait_until_gone(pod, timeout=10) == []
+        gone = run_cli(home, "serve", "status", "--pod", pod)
+        assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_a_serve_up_killed_hard_leaves_a_fleet_that_status_shows_and_down_stops(
+    tmp_path: Path,
+) -> None:
+    """kill -9 cannot be caught: what serve up started runs on. Status said no fleet was
+    serving; it now shows the servers and that their serve up is gone, and the next serve
+    up or serve down takes them over."""
+    with local_pod(tmp_path, "sk", 2) as (home, pod):
+        with starting_up(home, pod, 2) as up:
+            up.kill()
+            up.wait(10)
+        status = run_cli(home, "serve", "status", "--pod", pod)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.count(" starting ") == 2, status.stdout
+        assert f"serve up (pid {up.pid}) ended before this fleet was ready" in status.stdout
+        assert "'tpupod serve down' stops what it started" in status.stdout
+        restart = run_cli(home, "serve", "restart", "--pod", pod)
+        assert restart.returncode == 1 and "ended before the fleet" in restart.stderr
+        down = run_cli(home, "serve", "down", "--pod", pod)
+        assert down.returncode == 0, down.stderr
+        assert wait_until_gone(pod) == []
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_serve_down_stops_a_serve_up_that_is_starting_and_a_second_serve_up_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Two serve ups of one pod at once stopped each other's servers; serve down during a
+    serve up left that one going on to start the router and write its record."""
+    with local_pod(tmp_path, "sd", 1) as (home, pod), starting_up(home, pod, 1) as up:
+        second = run_cli(home, "serve", "up", "--pod", pod, "--model", "m", "--backend",
+                         "command", "--command", NEVER_READY)  # fmt: skip
+        assert second.returncode == 1
+        assert f"tpupod serve up (pid {up.pid}, since" in second.stderr
+        assert "is starting a fleet on pod" in second.stderr
+        down = run_cli(home, "serve", "down", "--pod", pod)
+        assert down.returncode == 0, down.stderr
+        assert f"stopping tpupod serve up (pid {up.pid}" in down.stderr
+        assert up.wait(10) == 128 + signal.SIGTERM
+        assert wait_until_gone(pod) == []
+        gone = run_cli(home, "serve", "status", "--pod", pod)
+        assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_serve_up_checks_the_model_on_the_workers_before_it_starts_anything(
+    tmp_path: Path,
+) -> None:
+    """A wrong --model showed 3-10 s later, inside a hint of the server's last lines (or
+    behind a port clash). serve up now asks each worker first what the backend accepts:
+    the builtin backend a checkpoint folder or a gs:// URL, vllm and sglang-jax also a
+    Hugging Face id; the default options, as a user types them."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    with local_pod(tmp_path, "sm", 2) as (home, pod):
+        for model, said in [
+            (tmp_path / "no-such", f"--model {tmp_path / 'no-such'}: no such folder"),
+            (notes, f"--model {notes}: no config.json in that folder"),
+        ]:
+            began = time.monotonic()
+            bad = run_cli(home, "serve", "up", "--pod", pod, "--model", str(model))
+            assert bad.returncode == 2, bad.stderr
+            assert bad.stderr.splitlines() == [
+                f"error: {said}",
+                "hint: give a checkpoint folder (config.json, *.safetensors) or a gs:// URL",
+            ]
+            assert time.monotonic() - began < 10  # a ctl call per worker: ~1-2 s here
+            assert pod_processes(pod) == []  # no agent was ever started
+        vllm = run_cli(home, "serve", "up", "--pod", pod, "--model", "/no/such/model",
+                       "--backend", "vllm")  # fmt: skip
+        assert vllm.returncode == 2
+        assert "/no/such/model: no such folder, and not a Hugging Face id" in vllm.stderr
+        assert "Qwen/Qwen2.5-7B-Instruct" in vllm.stderr
+
+
+def listens(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_ports_in_use_are_named_with_their_holder_and_a_base_port_free_everywhere(
+    tmp_path: Path,
+) -> None:
+    """A taken port showed as a server's exit (or hid a wrong model), naming no process.
+    serve up now names the process holding it (as ss -ltnp would) and a --base-port free
+    on every worker, which then serves. It holds the fleet to the ports it was given
+    rather than move it by itself (docs/serving.md says why)."""
+    base = free_base_port()
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(base + 1), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with local_pod(tmp_path, "sp", 2) as (home, pod):
+            deadline = time.monotonic() + 30
+            while not listens(base + 1):
+                assert time.monotonic() < deadline and holder.poll() is None
+                time.sleep(0.1)
+            taken = stub_up(home, pod, base=base)
+            assert taken.returncode == 1, taken.stderr
+            first, hint = taken.stderr.splitlines()
+            python = Path(sys.executable).name
+            assert first == (
+                f"error: port in use: w1 :{base + 1} (--base-port) by pid {holder.pid} "
+                f"({python} -m http.server {base + 1} --bind 127.0.0.1)"
+            )
+            found = re.fullmatch(
+                r"hint: stop it, or give --base-port (\d+) \(free on every worker\)", hint
+            )
+            assert found, hint
+            assert pod_processes(pod) == []  # nothing started
+            moved = stub_up(home, pod, base=int(found.group(1)))
+            assert moved.returncode == 0, moved.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.local
+def test_eval_of_serve_endpoint_fails_loudly_when_it_cannot_say_the_endpoint(
+    tmp_path: Path,
+) -> None:
+    """With two pods, eval "$(tpupod serve endpoint)" evaluated nothing and succeeded:
+    a script went on without OPENAI_BASE_URL (the openai client then calls api.openai.com
+    with whatever key is set). Now the eval fails too ('set -e' stops, '&&' does not go
+    on) and says the variables were left as they were, beside tpupod's error."""
+    home = tmp_path / "state"
+    pods = [f"ea{os.getpid()}", f"eb{os.getpid()}"]
+    env = {**os.environ, "TPUPOD_HOME": str(home)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    try:
+        for pod in pods:
+            assert run_cli(home, "up", "--name", pod, "--local", "1").returncode == 0
+        script = 'eval "$(tpupod serve endpoint)" && echo went on; echo "eval: $?"'
+        shell = subprocess.run(
+            ["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert shell.stdout == "eval: 1\n"
+        assert shell.stderr.splitlines() == [
+            f"error: 2 pods exist ({', '.join(sorted(pods))}); say which one",
+            f"hint: add --pod {sorted(pods)[0]}, for example",
+            "tpupod serve endpoint failed (see its error above): OPENAI_BASE_URL and "
+            "OPENAI_API_KEY are left as they were",
+        ]
+        strict = subprocess.run(
+            ["bash", "-c", 'set -e; eval "$(tpupod serve endpoint)"; echo went on'],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert strict.returncode == 1 and "went on" not in strict.stdout
+    finally:
+        for pod in pods:
+            run_cli(home, "down", "--pod", pod)
 
 
 def stub_pids(pod: str) -> set[int]:

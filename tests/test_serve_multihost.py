@@ -456,10 +456,68 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         )  # fmt: skip
         assert up.returncode == 0, up.stderr
         assert "2 replicas ready" in up.stderr
+        base = int(up.stderr.split("w0 :", 1)[1].split()[0])
+        for leader, follower, g in [(0, 1, 0), (2, 3, 1)]:  # a follower has no port
+            port = base + 3 * g
+            assert f"w{leader} :{port} (replica {g}) ready (" in up.stderr, up.stderr
+            said = f"w{follower} follower of replica {g} (leader w{leader} :{port}) ready ("
+            assert said in up.stderr, up.stderr
         exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
         values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
         yield Fleet(home, pod, values["OPENAI_BASE_URL"], values["OPENAI_API_KEY"])
     finally:
+        run_cli(home, "serve", "down", "--pod", pod)
+        run_cli(home, "down", "--pod", pod)
+        for proc in pod_processes(pod):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+@pytest.mark.local
+@pytest.mark.timeout(180)
+def test_a_follower_is_not_ready_before_its_replica_and_says_which_it_follows(
+    tmp_path: Path,
+) -> None:
+    """A follower has no port: serve up printed 'w1 : ready' as soon as its process ran,
+    long before the replica could answer, and status called it ready. A follower is now
+    ready when its leader's endpoint answers (the leader answers once every member has
+    joined, loaded and compiled); here the leader is stopped (SIGSTOP) as soon as it runs,
+    so the replica never gets ready, and the follower must not say it is."""
+    home = tmp_path / "state"
+    pod = f"fr{os.getpid()}"
+    assert run_cli(home, "up", "--name", pod, "--local", "2").returncode == 0
+    argv = tpupod_argv(
+        "serve", "up", "--pod", pod, "--model", str(MODEL), "--hosts-per-replica", "2",
+        "--dtype", "float32", "--base-port", str(free_base_port()), "--", *OPTIONS,
+    )  # fmt: skip
+    env = {**os.environ, "TPUPOD_HOME": str(home)}
+    leader: int | None = None
+    try:
+        with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as up:
+            try:
+                wait_for(lambda: member_pid(pod, 0) is not None, 60, "no leader started")
+                leader = member_pid(pod, 0)
+                assert leader is not None
+                os.kill(leader, signal.SIGSTOP)
+                wait_for(lambda: member_pid(pod, 1) is not None, 60, "no follower started")
+                time.sleep(1.0)  # the agent looks every 0.2 s: a follower said ready by now
+                status = run_cli(home, "serve", "status", "--pod", pod)
+                assert status.returncode == 0, status.stderr
+                (row,) = [line for line in status.stdout.splitlines() if line.startswith("w0")]
+                assert "starting, w1: starting" in row, status.stdout
+                os.kill(leader, signal.SIGCONT)
+                up.send_signal(signal.SIGTERM)
+                assert up.wait(60) == 128 + signal.SIGTERM
+                assert up.stderr is not None
+                said = up.stderr.read()
+                assert "tpupod: w1 agent started" in said
+                assert not [ln for ln in said.splitlines() if "w1" in ln and "ready" in ln], said
+            finally:
+                up.kill()
+    finally:
+        if leader is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(leader, signal.SIGCONT)
         run_cli(home, "serve", "down", "--pod", pod)
         run_cli(home, "down", "--pod", pod)
         for proc in pod_processes(pod):

@@ -47,6 +47,15 @@ PortOption = Annotated[
 ]
 
 
+# What 'serve endpoint' prints on stdout when it fails and stdout is not a terminal: eval
+# "$(tpupod serve endpoint)" then fails (status 1: 'set -e' stops, '&&' does not go on),
+# and says the variables were left as they were, beside tpupod's own error on stderr.
+EVAL_FAILS = (
+    "echo 'tpupod serve endpoint failed (see its error above): OPENAI_BASE_URL and "
+    "OPENAI_API_KEY are left as they were' >&2; false"
+)
+
+
 def _fleet(pod: str | None) -> Fleet:
     from tpupod.serve.fleet import Fleet
 
@@ -187,6 +196,8 @@ def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> N
     kind = "" if found.record.router == "builtin" else f" ({found.router_kind})"
     if found.router_error is not None:
         print(f"router{kind}: {found.router_error}")
+        if found.starting is not None:
+            print(found.starting)
         return
     seen = [f"{found.healthy}/{len(found.servers)} backends healthy"]
     seen += [f"its /health: {found.router_health}"] if found.router_health else []
@@ -277,7 +288,12 @@ def endpoint(
     forwards a local port to it over the pod's own SSH connection (held by the pod's
     connection holder until 'tpupod serve down') and points the clients there.
     """
-    found = _fleet(pod).endpoint(direct, notice)
+    try:
+        found = _fleet(pod).endpoint(direct, notice)
+    except Exception:
+        if not sys.stdout.isatty():  # eval "$(...)": make the eval fail too, and say so
+            print(EVAL_FAILS)
+        raise
     print(f"export OPENAI_BASE_URL={shlex.quote(found.url)}")
     print(f"export OPENAI_API_KEY={shlex.quote(found.token)}")
 

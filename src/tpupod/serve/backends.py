@@ -11,7 +11,9 @@ port. :func:`plan` turns ``serve up``'s options into the specs of one worker,
 from __future__ import annotations
 
 import enum
+import re
 import shlex
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,6 +42,15 @@ class GroupSpec(BaseModel):
     coordinator_port: int = Field(description="JAX's coordinator, on the leader's host")
     mesh: str | None = Field(default=None, description="model=M; default: every device")
 
+    @property
+    def leader_host(self) -> str:
+        """The leader's address (where its side channel, endpoint and coordinator listen)."""
+        return self.leader.rpartition(":")[0].strip("[]")
+
+    @property
+    def side_port(self) -> int:
+        return int(self.leader.rpartition(":")[2])
+
 
 class ServerSpec(BaseModel):
     """One server process: what it runs, where it listens, which devices it may use."""
@@ -64,6 +75,69 @@ class ServerSpec(BaseModel):
         default=defaults.RESTART_BACKOFF_S, gt=0, description="first wait before a restart"
     )
     group: GroupSpec | None = Field(default=None, description="a member of a multi-host replica")
+
+    @property
+    def bound_ports(self) -> list[int]:
+        """The ports this process binds on its host: its own; a replica's leader also its
+        side channel and JAX's coordinator; a follower none (it connects to its leader)."""
+        group = self.group
+        if group is None:
+            return list(self.ports)
+        if group.rank > 0:
+            return []
+        return [group.http_port, group.side_port, group.coordinator_port]
+
+
+# A Hugging Face model id: ``name`` or ``namespace/name`` (letters, digits, - _ .)
+HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+MODEL_HINTS = {
+    Backend.BUILTIN: "give a checkpoint folder (config.json, *.safetensors) or a gs:// URL",
+    Backend.SGLANG_JAX: "give a checkpoint folder (with config.json) or a Hugging Face id "
+    "such as Qwen/Qwen2.5-7B-Instruct",
+    Backend.VLLM: "give a checkpoint folder (with config.json), a Hugging Face id such as "
+    "Qwen/Qwen2.5-7B-Instruct, or an s3:// or gs:// URL",
+}
+
+
+def check_model(backend: Backend, model: str) -> None:
+    """Refuse a ``--model`` the backend cannot serve, before anything starts (run on each
+    worker by ``ctl preflight``: a path names a folder there).
+
+    builtin: a local checkpoint folder (config.json and *.safetensors) or a remote URL
+    (``gs://...``: fetched by the server). sglang-jax, vllm: a folder with config.json, or
+    a Hugging Face id (downloaded by the server; vllm also takes s3:// and gs:// URLs).
+    command: anything, as its template decides what ``{model}`` means.
+    """
+    if backend is Backend.COMMAND:
+        return
+    hint = MODEL_HINTS[backend]
+    scheme, sep, rest = model.partition("://")
+    if sep and scheme != "file":
+        remote = backend is Backend.BUILTIN or (backend is Backend.VLLM and scheme in ("s3", "gs"))
+        if not remote:
+            raise UsageError(
+                f"--model {model}: the {backend.value} backend does not load {scheme}:// URLs",
+                hint=hint,
+            )
+        if not rest.strip("/"):
+            raise UsageError(f"--model {model}: no path after {scheme}://", hint=hint)
+        return
+    folder = Path(model.removeprefix("file://")).expanduser()
+    local = backend is Backend.BUILTIN or folder.exists() or not HF_ID.fullmatch(model)
+    if local:
+        _check_folder(folder, model, backend, hint)
+
+
+def _check_folder(folder: Path, model: str, backend: Backend, hint: str) -> None:
+    if not folder.exists():
+        id_too = "" if backend is Backend.BUILTIN else ", and not a Hugging Face id"
+        raise UsageError(f"--model {model}: no such folder{id_too}", hint=hint)
+    if not folder.is_dir():
+        raise UsageError(f"--model {model}: not a folder", hint=hint)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"--model {model}: no config.json in that folder", hint=hint)
+    if backend is Backend.BUILTIN and not any(folder.glob("*.safetensors")):
+        raise UsageError(f"--model {model}: no *.safetensors weights in that folder", hint=hint)
 
 
 def device_slices(devices: int, servers: int) -> tuple[tuple[int, ...], ...]:

@@ -17,7 +17,9 @@ token from ``NAME.token`` (mode 0600), both in the state folder::
 
 The router is the builtin one (``tpupod.serve.router``) or sgl-router
 (``tpupod.serve.sglrouter`` records ``kind: sgl`` in router.json); ``view`` asks
-either for its backends.
+either for its backends. ``preflight`` is ``serve up``'s look before it starts
+anything: whether the backend can serve the model here, and which process (from
+/proc) holds a port the fleet would bind.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +46,8 @@ READY_TIMEOUT_S = 30.0
 NOTICE_EVERY_S = 30.0  # wait-ready says which servers still start, and their last answer
 STOP_GRACE_S = 8.0
 SERVICES = ("agent", "router")
+LISTEN = "0A"  # a socket's state in /proc/net/tcp
+SHOWN_CHARS = 80  # of a port holder's command line
 
 
 def read_info(state: Path, service: str) -> dict[str, Any] | None:
@@ -276,6 +281,134 @@ def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:
         time.sleep(poll)
 
 
+def preflight(
+    state: Path,
+    host: str,
+    *,
+    backend: str,
+    model: str,
+    ports: list[int],
+    fixed: list[tuple[str, int]],
+    shifts: list[int],
+) -> dict[str, Any]:
+    """``serve up``'s checks on this worker before anything starts: whether the backend
+    can serve ``model`` (``backends.check_model``), and whether the ports the fleet binds
+    here are free: the servers' ``ports`` and the ``fixed`` ones (``(flag, port)``: the
+    agent's, the router's). A port held by this worker's own fleet (its agent, router or
+    servers, which ``serve up`` stops or keeps) is not in the way; ``groups`` lists that
+    fleet's process groups, for a launcher whose workers share one host (a local pod: a
+    port may be held by another worker's server). ``free_shifts``: the ``shifts`` that
+    would move all the servers' ports to free ones (a --base-port to suggest)."""
+    from tpupod.errors import UsageError
+    from tpupod.serve.backends import Backend, check_model
+
+    answer: dict[str, Any] = {"model": None, "taken": [], "free_shifts": []}
+    try:
+        check_model(Backend(backend), model)
+    except (UsageError, ValueError) as exc:
+        answer["model"] = {"error": str(exc), "hint": getattr(exc, "hint", None)}
+    ours = _own_groups(state)
+    answer["groups"] = sorted(ours)
+    for flag, port in [("--base-port", p) for p in ports] + fixed:
+        if port_free(host, port):
+            continue
+        holders = [_holding(pid) for pid in listeners(port)]
+        others = [h for h in holders if not {h["pid"], h["group"]} & ours]
+        if holders and not others:
+            continue
+        answer["taken"].append({"port": port, "flag": flag, "holders": others})
+    free = [s for s in shifts if all(port_free(host, p + s) for p in ports)]
+    answer["free_shifts"] = free
+    return answer
+
+
+def _holding(pid: int) -> dict[str, Any]:
+    st = procfs.stat(pid)
+    return {"pid": pid, "group": st.pgrp if st else None, "text": holder(pid)}
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now (as the servers do: SO_REUSEADDR, so
+    a connection closing in TIME_WAIT does not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def listeners(port: int) -> list[int]:
+    """The pids of the processes with a socket listening on ``port`` (any address)."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return []
+    found = []
+    for pid in procfs.pids():
+        with contextlib.suppress(OSError):
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(_link(pid, fd) in inodes for fd in fds):
+                found.append(pid)
+    return found
+
+
+def _listening_inodes(port: int) -> set[str]:
+    wanted = f":{port:04X}"
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[1].endswith(wanted) and fields[3] == LISTEN:
+                    inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def _link(pid: int, fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def holder(pid: int) -> str:
+    """``pid 123 (python3 -m http.server 31000)``, with the pod it serves when tpupod
+    started it on a pod's worker (its TPUPOD_POD)."""
+    argv = procfs.cmdline(pid)
+    line = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else "?"
+    if len(line) > SHOWN_CHARS:
+        line = line[: SHOWN_CHARS - 3] + "..."
+    pods = [v for v in procfs.environ(pid) if v.startswith(b"TPUPOD_POD=")]
+    pod = f", pod {pods[0].decode(errors='replace').partition('=')[2]!r}" if pods else ""
+    return f"pid {pid} ({line}{pod})"
+
+
+def _own_groups(state: Path) -> set[int]:
+    """The process groups of this worker's fleet: its agent's servers (recorded, even by
+    an agent killed hard), the agent, the router and its respawn parent."""
+    try:
+        groups = set(json.loads((state / "servers.json").read_text()).get("groups", []))
+    except (OSError, ValueError):
+        groups = set()
+    for service in SERVICES:
+        if (info := read_info(state, service)) is not None:
+            groups.add(info["pid"])
+    if (parent := keeper(state, "router")) is not None:
+        groups.add(parent)
+    return groups
+
+
+def _numbers(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n]
+
+
+def _flag_port(text: str) -> tuple[str, int]:
+    flag, _, port = text.rpartition("=")
+    return flag, int(port)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tpupod.serve.ctl")
     parser.add_argument("--state-dir", default=STATE_DIR)
@@ -295,6 +428,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("path")
     c.add_argument("--body", default=None)
     sub.add_parser("view", help="the router's view of its backends (either router)")
+    p = sub.add_parser("preflight", help="serve up's checks: the model, the ports")
+    p.add_argument("--host", required=True, help="the address the fleet binds here")
+    p.add_argument("--backend", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--ports", default="", help="the servers' ports here: P,P,...")
+    p.add_argument("--fixed", action="append", default=[], help="FLAG=PORT: another port")
+    p.add_argument("--shifts", default="", help="S,S,...: moves of the servers' ports to try")
     w = sub.add_parser("wait-ready", help="report servers as they become ready")
     w.add_argument("--timeout", type=float, default=600.0)
     return parser
@@ -315,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         answer = call(state, args.service, args.method, args.path, args.body)
     elif args.action == "view":
         answer = view(state)
+    elif args.action == "preflight":
+        fixed = [_flag_port(f) for f in args.fixed]
+        answer = preflight(
+            state, args.host, backend=args.backend, model=args.model,
+            ports=_numbers(args.ports), fixed=fixed, shifts=_numbers(args.shifts),
+        )  # fmt: skip
     else:
         return wait_ready(state, args.timeout)
     print(json.dumps(answer), flush=True)

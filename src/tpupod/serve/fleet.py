@@ -16,27 +16,36 @@ record is ``record.py``'s; ``status()`` returns ``status.py``'s typed records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
 import shlex
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from tpupod import settings
+from tpupod import podusers, settings
 from tpupod.errors import ServeError, UsageError
 from tpupod.fanout import execute_async
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult
 from tpupod.serve.ctl import STATE_DIR
 from tpupod.serve.record import FleetRecord, ServerRecord, UpOptions, load_record
-from tpupod.serve.remote import Progress, RemoteFleet
+from tpupod.serve.remote import SERVE_UP, Progress, RemoteFleet
 from tpupod.serve.status import FleetStatus, fleet_status
 from tpupod.state import StateDir
 from tpupod.workerrun import LineHandler
 
 T = TypeVar("T")
+
+# Signals that stop a 'serve up' as Ctrl-C does: what it started is stopped, then it exits
+# 128+N. SIGHUP: the terminal it ran in was closed.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# How long 'serve down' waits for a 'serve up' it stopped to stop what that one started.
+STARTER_WAIT_S = 90.0
 
 
 def _quiet(_: str) -> None:
@@ -72,8 +81,40 @@ class Fleet:
         return cls(state.resolve(pod), state)
 
     def record(self) -> FleetRecord:
-        """The fleet's record; a ServeError when no fleet serves on the pod."""
-        return load_record(self.state, self.pod.name)
+        """The record of the fleet serving on the pod; a ServeError when none serves (or
+        its ``serve up`` has not finished, or ended before the fleet was ready)."""
+        record = load_record(self.state, self.pod.name)
+        if record.starting is None:
+            return record
+        if self._starting_alive(record):
+            raise ServeError(
+                f"the fleet on pod {self.pod.name!r} is still starting "
+                f"(serve up, pid {record.starting})",
+                hint="wait for 'tpupod serve up' to finish; 'tpupod serve status' shows its "
+                "servers meanwhile",
+            )
+        raise ServeError(
+            f"serve up (pid {record.starting}) ended before the fleet on pod "
+            f"{self.pod.name!r} was ready",
+            hint="'tpupod serve down' stops what it started; then 'tpupod serve up' again",
+        )
+
+    def _starting_alive(self, record: FleetRecord) -> bool:
+        """Whether the ``serve up`` that started the record still runs (it holds its lock
+        among the pod's users: a pid reused since does not count)."""
+        users = podusers.users(self.state, self.pod.name)
+        return any(u.pid == record.starting and u.what == SERVE_UP for u in users)
+
+    def starting(self, record: FleetRecord) -> str | None:
+        """What a record marked ``starting`` means now, in words (None: the fleet is up)."""
+        if record.starting is None:
+            return None
+        if self._starting_alive(record):
+            return f"serve up (pid {record.starting}) is starting this fleet"
+        return (
+            f"serve up (pid {record.starting}) ended before this fleet was ready: "
+            "'tpupod serve down' stops what it started"
+        )
 
     def _remote(self, python: str, use: Callable[[RemoteFleet], Awaitable[T]]) -> T:
         return asyncio.run(self._using(python, use))
@@ -95,13 +136,66 @@ class Fleet:
     def up(
         self, options: UpOptions, progress: Progress = _quiet, replace: bool = False
     ) -> UpResult:
-        """Start agents and servers on every worker, then the router (see ``RemoteFleet.up``)."""
+        """Start agents and servers on every worker, then the router (see ``RemoteFleet.up``).
+        SIGTERM and SIGHUP stop it as Ctrl-C does: what it started is stopped, and the
+        ServeError it then raises exits 128+N."""
         options = dataclasses.replace(options, model=self.local_model(options.model))
         began = time.monotonic()
-        record = self._remote(options.python, lambda f: f.up(options, progress, replace))
+        use = self._stoppable(options.python, lambda f: f.up(options, progress, replace))
+        record = asyncio.run(use)
         if record is None:
             return UpResult(self.record(), False, time.monotonic() - began)
         return UpResult(record, True, time.monotonic() - began)
+
+    async def _stoppable(self, python: str, use: Callable[[RemoteFleet], Awaitable[T]]) -> T:
+        """``_using`` where SIGTERM and SIGHUP stop the work as Ctrl-C does: its task is
+        cancelled, so ``RemoteFleet.up`` stops what it started; then a ServeError exits
+        128+N. A second signal while it stops is ignored: the stop is bounded (ctl's
+        timeouts). Only the main thread can take signals: elsewhere this is ``_using``."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        caught: list[int] = []
+
+        def stop(signum: int) -> None:
+            if not caught:
+                caught.append(signum)
+                task.cancel()
+
+        installed = []
+        for signum in STOP_SIGNALS:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(signum, stop, signum)
+                installed.append(signum)
+        try:
+            return await self._using(python, use)
+        except asyncio.CancelledError:
+            if not caught or task.uncancel() > 0:
+                raise
+            raise self._stopped_by(caught[0]) from None
+        finally:
+            for signum in installed:
+                loop.remove_signal_handler(signum)
+
+    def _stopped_by(self, signum: int) -> ServeError:
+        """The error a ``serve up`` stopped by a signal ends with (its exit: 128+N)."""
+        name = signal.Signals(signum).name
+        try:  # a record still marked starting: its down did not finish
+            left = load_record(self.state, self.pod.name).starting is not None
+        except ServeError:
+            left = False
+        if left:
+            stopped = ServeError(
+                f"serve up was stopped ({name}) and could not stop all it had started",
+                hint="'tpupod serve status' shows what runs; 'tpupod serve down' stops it",
+            )
+        else:
+            stopped = ServeError(
+                f"serve up was stopped ({name}); it stopped what it had started",
+                hint="'tpupod serve up' again to start the fleet",
+            )
+        stopped.exit_code = 128 + signum
+        return stopped
 
     def status(self) -> FleetStatus:
         """Every server's state as its agent and the router see it (a worker that does not
@@ -110,9 +204,9 @@ class Fleet:
 
     async def status_async(self) -> FleetStatus:
         """``status()`` for a caller with an event loop running (the dashboard)."""
-        record = self.record()
+        record = load_record(self.state, self.pod.name)  # a fleet starting too
         agents, router = await self._using(record.python, lambda f: f.status())
-        return fleet_status(record, agents, router)
+        return fleet_status(record, agents, router, self.starting(record))
 
     def restart(self, workers: str | None = None, port: int | None = None) -> list[str]:
         """Restart servers: all, those of some workers, or the one on ``port`` (every member
@@ -147,9 +241,12 @@ class Fleet:
 
     def down(self, progress: Progress = _quiet, python: str | None = None) -> None:
         """Stop the router, every agent and every server; with no record, whatever runs.
-        The endpoint's forward (an SSH or cloud pod's) is closed too."""
+        A ``serve up`` still starting the fleet is stopped first (SIGTERM: it stops what it
+        started), so it cannot start more afterwards. The endpoint's forward (an SSH or
+        cloud pod's) is closed too."""
+        self._stop_starters(progress)
         try:
-            record: FleetRecord | None = self.record()
+            record: FleetRecord | None = load_record(self.state, self.pod.name)
         except ServeError:
             record = None
         chosen = python or (record.python if record is not None else self.pod.worker_python())
@@ -164,6 +261,22 @@ class Fleet:
                     port=record.router_port,
                 )  # fmt: skip
 
+    def _stop_starters(self, progress: Progress) -> None:
+        """TERM every ``serve up`` of this pod, and wait (bounded) until each has stopped."""
+
+        def starters() -> list[podusers.PodUser]:
+            users = podusers.users(self.state, self.pod.name)
+            return [u for u in users if u.what == SERVE_UP and u.pid != os.getpid()]
+
+        found = starters()
+        for user in found:
+            progress(f"stopping {user.describe()} first; it stops what it started")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(user.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STARTER_WAIT_S
+        while found and (found := starters()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def logs_command(
         self, port: int | None = None, lines: int = 50, follow: bool = False, router: bool = False
     ) -> str:
@@ -171,7 +284,8 @@ class Fleet:
         another fleet's server stays out), or with ``router`` worker 0's router log."""
         if router and port is not None:
             raise UsageError("--router and --port choose different logs: give one")
-        chosen = [s for s in self.record().servers if port is None or s.port == port]
+        record = load_record(self.state, self.pod.name)  # a fleet starting too
+        chosen = [s for s in record.servers if port is None or s.port == port]
         if not chosen:
             raise UsageError(
                 f"no server listens on port {port}", hint="'tpupod serve status' lists them"

@@ -50,6 +50,9 @@ class FleetRecord(BaseModel):
     started: float
     settings: dict[str, Any] | None = None  # serve up's options: a second one compares them
     router: str = defaults.ROUTER  # builtin or sgl (sgl-router)
+    # the pid of the 'serve up' that is starting this fleet (None once it serves): written
+    # before anything starts, so status, logs and down see a fleet that is not up yet
+    starting: int | None = None
 
     @property
     def options(self) -> dict[str, Any] | None:

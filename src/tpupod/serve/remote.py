@@ -16,13 +16,15 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import secrets
 import shlex
 import time
 from collections.abc import Callable
 from typing import Any
 
-from tpupod.errors import ServeError, WorkerError
+from tpupod import podusers
+from tpupod.errors import PreflightError, ServeError, UsageError, WorkerError
 from tpupod.extras import worker_argv
 from tpupod.fanout import execute_async
 from tpupod.pod import Pod, Worker
@@ -52,6 +54,12 @@ Progress = Callable[[str], None]
 CTL_TIMEOUT_S = 60.0
 # wait-ready's own --timeout is the servers'; the call gets this much more.
 WAIT_MARGIN_S = 30.0
+# How a starting 'serve up' names itself among the pod's users (podusers): 'tpupod down'
+# waits for it, 'serve down' stops it first, status tells whether it still runs.
+SERVE_UP = "tpupod serve up"
+# preflight suggests a --base-port this many ports on (or a multiple, up to SHIFTS of them)
+SHIFT_STEP = 100
+SHIFTS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +162,19 @@ class RemoteFleet:
             return options.devices_per_worker
         return int(getattr(self.pod.spec, "devices_per_worker", 0) or 4)
 
+    def agent_port(self, options: UpOptions) -> int:
+        """The agents' port; 0 (any free one) on a local pod, whose workers share this
+        machine's loopback with every other local pod (a one-worker pod's too)."""
+        return 0 if self.shared_addresses() or self.pod.on_this_machine else options.agent_port
+
+    def router_port(self, options: UpOptions) -> int:
+        """The router's port on worker 0; 0 (any free one) on a local pod."""
+        if options.router_port is not None:
+            return options.router_port
+        return 0 if self.pod.on_this_machine else defaults.ROUTER_PORT
+
     async def ensure_agent(self, worker: Worker, options: UpOptions) -> dict[str, Any]:
-        # A local pod's workers share this machine's loopback with every other local pod
-        # (a one-worker pod too): its agents take any free port.
-        port = 0 if self.shared_addresses() or self.pod.on_this_machine else options.agent_port
+        port = self.agent_port(options)
         answer = (
             await self.ctl(
                 worker,
@@ -211,60 +228,105 @@ class RemoteFleet:
             restart_backoff_s=options.restart_backoff,
         )
 
-    async def start_servers(
-        self, worker: Worker, options: UpOptions, plans: dict[int, list[ServerSpec]]
-    ) -> list[ServerRecord]:
-        if options.hosts_per_replica > 1:
-            return await self.start_members(worker, plans)
-        specs = plans[worker.id]
-        for spec in specs:
-            await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
-        return [
-            ServerRecord(worker=worker.id, host=worker.internal_address, port=p, name=s.name)
-            for s in specs
-            for p in s.ports
+    async def preflight(
+        self,
+        workers: list[Worker],
+        options: UpOptions,
+        plans: dict[int, list[ServerSpec]],
+        router: bool = True,
+    ) -> None:
+        """Before anything starts: ask each worker (``ctl preflight``) whether the backend
+        can serve the model there and whether the ports the fleet binds there are free;
+        a wrong model is a UsageError, a port another process holds a PreflightError
+        naming the process and a --base-port free on every worker."""
+        if not workers:
+            return
+        every = [p for specs in plans.values() for spec in specs for p in spec.bound_ports]
+        top = max(every, default=options.base_port)
+        step = SHIFT_STEP * -(-(top - options.base_port + 1) // SHIFT_STEP)
+        shifts = [k * step for k in range(1, SHIFTS + 1) if top + k * step <= 65535]
+        fixed = {"--agent-port": self.agent_port(options)}
+
+        def args(w: Worker) -> list[str]:
+            ports = ",".join(str(p) for spec in plans[w.id] for p in spec.bound_ports)
+            extra = {**fixed, "--router-port": self.router_port(options)} if w.id == 0 else fixed
+            wanted = [f"--fixed={flag}={port}" for flag, port in extra.items() if port]
+            if w.id == 0 and not router:
+                wanted = [f for f in wanted if not f.startswith("--fixed=--router-port")]
+            return [
+                "preflight", f"--host={w.internal_address}", f"--backend={options.backend.value}",
+                f"--model={options.model}", f"--ports={ports}", *wanted,
+                f"--shifts={','.join(map(str, shifts))}",
+            ]  # fmt: skip
+
+        answers = await _gather(self.ctl(w, *args(w)) for w in workers)
+        found = [(w, a[-1]) for w, a in zip(workers, answers, strict=True)]
+        self.refuse_model(found)
+        self.refuse_taken(found, options.base_port)
+
+    def refuse_model(self, found: list[tuple[Worker, dict[str, Any]]]) -> None:
+        """The model's problem as the workers said it: one line (the same on every worker of
+        a local pod: they share this machine)."""
+        bad = [(w, a["model"]) for w, a in found if a.get("model")]
+        if not bad:
+            return
+        first = bad[0][1]
+        alike = [w for w, m in bad if m["error"] == first["error"]]
+        here = self.pod.on_this_machine and len(alike) == len(found)
+        where = "" if here else f"{', '.join(w.label for w in alike)}: "
+        raise UsageError(f"{where}{first['error']}", hint=first.get("hint"))
+
+    def refuse_taken(self, found: list[tuple[Worker, dict[str, Any]]], base: int) -> None:
+        """Ports other processes hold, each with its holder; the hint a --base-port free on
+        every worker (serve up does not move the fleet's ports by itself: docs/serving.md)."""
+        taken = [(w, t) for w, a in found for t in a.get("taken", [])]
+        if self.shared_addresses():  # one host: a port may be another worker's server's
+            ours = {g for _, a in found for g in a.get("groups", [])}
+            taken = [(w, t) for w, t in taken if not _ours(t, ours)]
+        if not taken:
+            return
+        said = [
+            f"{w.label} :{t['port']} ({t['flag']}) by "
+            + (", ".join(h["text"] for h in t["holders"]) or "a connection (nothing listens)")
+            for w, t in taken
         ]
+        flags = sorted({t["flag"] for _, t in taken})
+        free = set.intersection(*(set(a.get("free_shifts", [])) for _, a in found))
+        fixes = [
+            f"--base-port {base + min(free)}" if flag == "--base-port" and free else
+            f"another {flag}"
+            for flag in flags
+        ]  # fmt: skip
+        on_every = " (free on every worker)" if "--base-port" in flags and free else ""
+        raise PreflightError(
+            f"port{'s' if len(taken) > 1 else ''} in use: {'; '.join(said)}",
+            hint=f"stop {'them' if len(taken) > 1 else 'it'}, or give {' and '.join(fixes)}"
+            f"{on_every}",
+        )
 
-    async def start_members(
-        self, worker: Worker, every: dict[int, list[ServerSpec]]
-    ) -> list[ServerRecord]:
-        """Start this worker's members of multi-host replicas; a record per replica it leads."""
-        records = []
-        for spec in every[worker.id]:
+    async def start_servers(self, worker: Worker, plans: dict[int, list[ServerSpec]]) -> None:
+        for spec in plans[worker.id]:
             await self.call(worker, "agent", "POST", "/admin/start", spec.model_dump(mode="json"))
-            group = spec.group
-            if group is not None and group.rank == 0:
-                followers = [
-                    w
-                    for w, specs in every.items()
-                    for other in specs
-                    if other.group is not None
-                    and other.group.leader == group.leader
-                    and other.group.rank > 0
-                ]
-                records.append(
-                    ServerRecord(
-                        worker=worker.id,
-                        host=worker.internal_address,
-                        port=group.http_port,
-                        name=spec.name,
-                        followers=followers,
-                    )
-                )
-        return records
 
-    async def wait_ready(self, worker: Worker, timeout: float, progress: Progress) -> None:
+    async def wait_ready(
+        self, worker: Worker, timeout: float, progress: Progress, labels: dict[str, str]
+    ) -> None:
+        """Say each of the worker's servers as it becomes ready (``labels``: what each is,
+        by name: ``:31000``, or a replica's member); fail at its first exit or the timeout."""
         began = time.monotonic()
+
+        def label(event: dict[str, Any]) -> str:
+            ports = ",".join(str(p) for p in event.get("ports", []))
+            return labels.get(event.get("name", ""), f":{ports}")
 
         def seen(text: str) -> None:
             event = json.loads(text)
-            ports = ",".join(str(p) for p in event.get("ports", []))
             took = time.monotonic() - began
             if event["event"] == "ready":
-                progress(f"{worker.label} :{ports} ready ({took:.1f}s)")
+                progress(f"{worker.label} {label(event)} ready ({took:.1f}s)")
             elif event["event"] == "waiting":  # a slow load, or a server that answers wrong
                 why = f" ({event['answer']})" if event["answer"] else ""
-                progress(f"{worker.label} :{ports} still starting after {took:.0f}s{why}")
+                progress(f"{worker.label} {label(event)} still starting after {took:.0f}s{why}")
 
         answers = await self.ctl(
             worker, "wait-ready", "--timeout", str(timeout), on_line=seen,
@@ -272,11 +334,12 @@ class RemoteFleet:
         )  # fmt: skip
         last = answers[-1]
         if last.get("event") == "failing":
-            ports = ",".join(str(p) for p in last.get("ports", []))
+            what = label(last)
+            what = f"server on {what}" if what.startswith(":") else what
             logs = " | ".join(own_lines(last.get("log", []))[-3:])
             raise ServeError(
-                f"{worker.label}: the server {f'on :{ports}' if ports else last['name']} exited "
-                f"before it answered (exit {last.get('last_exit')})",
+                f"{worker.label}: the {what} exited before it answered "
+                f"(exit {last.get('last_exit')})",
                 hint=(f"its last lines: {logs}" if logs else "see its log in the agent's folder")
                 + "; serve up stopped what it had started",
             )
@@ -288,8 +351,7 @@ class RemoteFleet:
         if last.get("event") == "timeout":
             pending = last.get("pending", [])
             names = ", ".join(
-                f":{','.join(str(p) for p in s['ports'])} ({s['state']}"
-                + (f": {s['answer']})" if s.get("answer") else ")")
+                f"{label(s)} ({s['state']}" + (f": {s['answer']})" if s.get("answer") else ")")
                 for s in pending
             )
             logs = " | ".join(own_lines(pending[0].get("log", []))[-3:]) if pending else ""
@@ -303,9 +365,7 @@ class RemoteFleet:
         self, options: UpOptions, servers: list[ServerRecord], token: str
     ) -> int:
         head = self.pod.workers[0]
-        port = options.router_port
-        if port is None:
-            port = 0 if self.pod.on_this_machine else defaults.ROUTER_PORT
+        port = self.router_port(options)
         module = "tpupod.serve.sglrouter" if options.router == "sgl" else "tpupod.serve.router"
         argv = [self.python, "-m", module, "--host", head.internal_address, "--port", str(port)]
         # without --served-model-name, the router asks the servers what they call the model
@@ -331,11 +391,44 @@ class RemoteFleet:
         """Start the fleet; None when the same one already serves (nothing is touched).
 
         Another fleet on the pod is refused unless ``replace``; then every server of
-        every agent is stopped before the new ones start. When anything fails, every
-        agent, server and router is stopped: a failed ``serve up`` leaves nothing.
+        every agent is stopped before the new ones start. The model and the ports are
+        checked on every worker before anything starts (``preflight``). When anything
+        fails, or the caller is cancelled (Ctrl-C, SIGTERM: ``Fleet.up``), every agent,
+        server and router is stopped: a failed ``serve up`` leaves nothing. While it
+        starts, this process is one of the pod's users (``SERVE_UP``), and one other
+        ``serve up`` of the pod at a time is refused.
         """
+        with podusers.using(self.state, self.pod.name, SERVE_UP):
+            self.refuse_another_start()
+            return await self._up(options, progress, replace)
+
+    def starters(self) -> list[podusers.PodUser]:
+        """The live ``serve up`` processes of this pod, the earliest first."""
+        found = [u for u in podusers.users(self.state, self.pod.name) if u.what == SERVE_UP]
+        return sorted(found, key=lambda u: (u.since, u.pid))
+
+    def refuse_another_start(self) -> None:
+        """Two ``serve up`` of one pod at once would stop each other's servers: the later
+        one (each sees both) is refused."""
+        starters = self.starters()
+        if starters and starters[0].pid != os.getpid():
+            first = starters[0]
+            raise ServeError(
+                f"{first.describe()} is starting a fleet on pod {self.pod.name!r}",
+                hint=f"wait for it, or stop it (kill {first.pid}: it stops what it started)",
+            )
+
+    async def _up(
+        self, options: UpOptions, progress: Progress, replace: bool
+    ) -> FleetRecord | None:
         wanted = settings_of(options)
         old = self.existing()
+        if old is not None and old.starting is not None:  # its serve up is gone (refused above)
+            progress(
+                f"a serve up before (pid {old.starting}) ended before its fleet was ready: "
+                "starting anew"
+            )
+            old = None
         if old is not None and not replace:
             if old.options != wanted:
                 raise ServeError(
@@ -351,12 +444,29 @@ class RemoteFleet:
             progress(f"already serving with these settings, but not {lost.text}: starting it again")
             return await self.repair(old, options, lost, progress)
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}  # may refuse
+        if old is not None and options.router_port is None:  # the endpoint stays where it was
+            options = dataclasses.replace(options, router_port=old.router_port)
+        await self.preflight(list(self.pod.workers), options, plans)
         try:
-            return await self.start(options, plans, old, progress)
+            return await self.start(options, wanted, plans, old, progress)
         except BaseException:  # a failure, or Ctrl-C (the task is cancelled): stop it all
             with contextlib.suppress(Exception):
                 await self.down(lambda _: None)
             raise
+
+    async def wait_all_ready(
+        self,
+        workers: list[Worker],
+        options: UpOptions,
+        plans: dict[int, list[ServerSpec]],
+        progress: Progress,
+    ) -> None:
+        """Every server of ``workers`` ready; the first failure (a server's exit, a worker's
+        timeout) ends the wait on every worker at once."""
+        labels = server_labels(plans)
+        await _first_failure(
+            self.wait_ready(w, options.startup_timeout, progress, labels[w.id]) for w in workers
+        )
 
     def existing(self) -> FleetRecord | None:
         try:
@@ -386,18 +496,18 @@ class RemoteFleet:
         started (the lost workers' agents, the router if it was lost) and nothing else."""
         workers = [w for w in self.pod.workers if w.id in lost.workers]
         plans = {w.id: self.plan_worker(w, options) for w in self.pod.workers}
+        options = dataclasses.replace(options, router_port=options.router_port or old.router_port)
+        checked = workers or ([self.pod.workers[0]] if lost.router else [])
+        await self.preflight(checked, options, plans, router=lost.router)
         try:
             agents = await _gather(self.ensure_agent(w, options) for w in workers)
             running = [w for w, a in zip(workers, agents, strict=True) if not a["started_now"]]
             await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
-            await _gather(self.start_servers(w, options, plans) for w in workers)
-            await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
+            await _gather(self.start_servers(w, plans) for w in workers)
+            await self.wait_all_ready(workers, options, plans, progress)
             if not lost.router:
                 return old
-            port = options.router_port or old.router_port
-            port = await self.ensure_router(
-                dataclasses.replace(options, router_port=port), old.servers, old.token
-            )
+            port = await self.ensure_router(options, old.servers, old.token)
         except BaseException:  # a failure, or Ctrl-C
             stops = [self.ctl(w, "stop", "agent") for w in workers]
             stops += [self.ctl(self.pod.workers[0], "stop", "router")] if lost.router else []
@@ -410,11 +520,31 @@ class RemoteFleet:
     async def start(
         self,
         options: UpOptions,
+        wanted: dict[str, Any],
         plans: dict[int, list[ServerSpec]],
         old: FleetRecord | None,
         progress: Progress,
     ) -> FleetRecord:
+        """Start the fleet: agents, servers, the router; ``wanted``: the settings recorded.
+        The record is written first, marked ``starting`` with this process's pid, so that
+        status, logs and down see the fleet while (or if this process dies before) it is up."""
         workers = list(self.pod.workers)
+        servers = server_records(self.pod, plans)
+        record = FleetRecord(
+            pod=self.pod.name,
+            model=options.served_model_name or options.model,
+            backend=options.backend,
+            python=self.python,
+            servers=servers,
+            router_host=self.pod.workers[0].internal_address,
+            router_port=options.router_port or 0,
+            token=old.token if old is not None else secrets.token_urlsafe(24),
+            started=time.time(),
+            settings=wanted,
+            router=options.router,
+            starting=os.getpid(),
+        )
+        save_record(self.state, record)
         agents = await _gather(self.ensure_agent(w, options) for w in workers)
         for w, a in zip(workers, agents, strict=True):
             state = "started" if a.get("started_now") else "running"
@@ -424,8 +554,7 @@ class RemoteFleet:
         stopped = await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
         if count := sum(len(answer["stopped"]) for answer in stopped):
             progress(f"stopped {count} servers of the fleet before")
-        per_worker = await _gather(self.start_servers(w, options, plans) for w in workers)
-        servers = [s for group in per_worker for s in group]
+        await _gather(self.start_servers(w, plans) for w in workers)
         if options.hosts_per_replica > 1:
             progress(
                 f"starting {len(servers)} replicas of {options.hosts_per_replica} workers each "
@@ -435,25 +564,9 @@ class RemoteFleet:
             many = {"server": len(servers), "worker": len(workers)}
             server, worker = (f"{n} {w}{'s' if n != 1 else ''}" for w, n in many.items())
             progress(f"starting {server} ({options.backend.value}) on {worker}")
-        await _gather(self.wait_ready(w, options.startup_timeout, progress) for w in workers)
-        wanted = settings_of(options)  # as given: a router port kept below is not a setting
-        token = old.token if old is not None else secrets.token_urlsafe(24)
-        if old is not None and options.router_port is None:  # the endpoint stays where it was
-            options = dataclasses.replace(options, router_port=old.router_port)
-        port = await self.ensure_router(options, servers, token)
-        record = FleetRecord(
-            pod=self.pod.name,
-            model=options.served_model_name or options.model,
-            backend=options.backend,
-            python=self.python,
-            servers=servers,
-            router_host=self.pod.workers[0].internal_address,
-            router_port=port,
-            token=token,
-            started=time.time(),
-            settings=wanted,
-            router=options.router,
-        )
+        await self.wait_all_ready(workers, options, plans, progress)
+        port = await self.ensure_router(options, servers, record.token)
+        record = record.model_copy(update={"router_port": port, "starting": None})
         save_record(self.state, record)
         kind = "sgl-router" if options.router == "sgl" else "router"
         progress(f"{kind} on w0 at {record.base_url} over {len(servers)} servers")
@@ -505,6 +618,57 @@ class RemoteFleet:
         record_path(self.state, self.pod.name).unlink(missing_ok=True)
 
 
+def server_records(pod: Pod, plans: dict[int, list[ServerSpec]]) -> list[ServerRecord]:
+    """The fleet's servers as its record lists them: one a port, or one a replica across
+    workers (its leader's, with its followers' workers)."""
+    records = []
+    for w in pod.workers:
+        for spec in plans[w.id]:
+            group = spec.group
+            if group is None:
+                records += [
+                    ServerRecord(worker=w.id, host=w.internal_address, port=p, name=spec.name)
+                    for p in spec.ports
+                ]
+            elif group.rank == 0:
+                followers = [f for f, specs in plans.items() for o in specs if _follows(o, spec)]
+                leader = ServerRecord(
+                    worker=w.id, host=w.internal_address, port=group.http_port,
+                    name=spec.name, followers=followers,
+                )  # fmt: skip
+                records.append(leader)
+    return records
+
+
+def _follows(member: ServerSpec, leader: ServerSpec) -> bool:
+    g, lead = member.group, leader.group
+    return g is not None and lead is not None and g.leader == lead.leader and g.rank > 0
+
+
+def server_labels(plans: dict[int, list[ServerSpec]]) -> dict[int, dict[str, str]]:
+    """What serve up calls each server in its lines, by worker and name: ``:31000``; a
+    replica's leader ``:31000 (replica 0)``, its follower ``follower of replica 0 (leader
+    w0 :31000)`` (a follower has no port of its own)."""
+    leaders = sorted(
+        (w, s) for w, specs in plans.items() for s in specs if s.group and not s.group.rank
+    )  # by worker: replica g is the g-th group of workers
+    replica = {s.group.leader: (g, w) for g, (w, s) in enumerate(leaders) if s.group}
+    labels: dict[int, dict[str, str]] = {}
+    for w, specs in plans.items():
+        for s in specs:
+            text = f":{','.join(str(p) for p in s.ports)}"
+            if s.group is not None:
+                g, head = replica[s.group.leader]
+                port = s.group.http_port
+                text = (
+                    f":{port} (replica {g})"
+                    if s.group.rank == 0
+                    else f"follower of replica {g} (leader w{head} :{port})"
+                )
+            labels.setdefault(w, {})[s.name] = text
+    return labels
+
+
 def own_lines(log: list[str]) -> list[str]:
     """A server's log lines without their times and the agent's notes about it."""
     lines = [unstamped(line) for line in log]
@@ -516,6 +680,28 @@ async def _gather(awaitables: Any) -> list[Any]:
     results = await asyncio.gather(*awaitables, return_exceptions=True)
     _raise_first(results)
     return results
+
+
+def _ours(taken: dict[str, Any], groups: set[int]) -> bool:
+    """Whether every process holding a taken port is in one of the fleet's groups."""
+    holders = taken["holders"]
+    return bool(holders) and all({h["pid"], h["group"]} & groups for h in holders)
+
+
+async def _first_failure(awaitables: Any) -> list[Any]:
+    """Gather; at the first failure, cancel the rest (their remote calls are stopped), wait
+    for them to end, and raise it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # our own cancellation (Ctrl-C, SIGTERM) too
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    _raise_first([t.exception() for t in tasks if t.done() and not t.cancelled()])
+    return [t.result() for t in tasks]
 
 
 def _raise_first(results: list[Any]) -> None:

@@ -43,6 +43,7 @@ class FleetStatus:
     router_health: str | None = None  # sgl-router's own /health answer
     circuits: tuple[str, ...] = ()  # sgl-router: backends whose circuit is not closed
     router_at: float | None = None  # when the router read its counts (its host's clock)
+    starting: str | None = None  # the fleet's serve up has not finished: whether it runs
 
     @property
     def router_kind(self) -> str:
@@ -55,13 +56,17 @@ class FleetStatus:
 
 
 def fleet_status(
-    record: FleetRecord, agents: list[AgentAnswer], router: AgentAnswer
+    record: FleetRecord,
+    agents: list[AgentAnswer],
+    router: AgentAnswer,
+    starting: str | None = None,
 ) -> FleetStatus:
-    """The fleet's status from every agent's answer (in worker order) and the router's."""
+    """The fleet's status from every agent's answer (in worker order) and the router's;
+    ``starting``: what its unfinished serve up is doing, in words."""
     health = router.get("health", {}) if isinstance(router, dict) else {}
     servers = [_server(record, s, agents, health.get(s.address, {})) for s in record.servers]
     if isinstance(router, str):
-        return FleetStatus(record, servers, 0, router)
+        return FleetStatus(record, servers, 0, router, starting=starting)
     circuits = tuple(
         f"{a}: {h['circuit']}" for a, h in health.items() if h.get("circuit", "closed") != "closed"
     )
@@ -69,7 +74,7 @@ def fleet_status(
     at = router.get("at")
     return FleetStatus(
         record, servers, healthy, None, router.get("router_health"), circuits,
-        float(at) if isinstance(at, int | float) else None,
+        float(at) if isinstance(at, int | float) else None, starting,
     )  # fmt: skip
 
 

@@ -154,22 +154,38 @@ class ManagedServer:
             if partial:
                 log.write(stamp() + partial + b"\n")
 
+    @property
+    def follows(self) -> bool:
+        """A follower of a replica across workers (no endpoint of its own)."""
+        return self.spec.group is not None and self.spec.group.rank > 0
+
+    def ready_when(self) -> list[str]:
+        """The URLs that must answer ``GET /v1/models`` for this server to be ready: its
+        own ports'; a replica's follower serves none, and is ready when its replica is,
+        once the leader's endpoint answers (the leader answers only after every member
+        joined, loaded and compiled)."""
+        group = self.spec.group
+        if group is not None and self.follows:
+            return [f"http://{_url_host(group.leader_host)}:{group.http_port}/v1/models"]
+        host = _url_host("127.0.0.1" if self.spec.host in ("0.0.0.0", "") else self.spec.host)
+        return [f"http://{host}:{port}/v1/models" for port in self.spec.ports]
+
     async def _wait_ready(self) -> None:
-        """Mark the server ready once every one of its ports answers ``GET /v1/models``."""
+        """Mark the server ready once every URL of ``ready_when`` answers 200."""
         import httpx  # the serve extra; ``unstamped`` above serves the launcher without it
 
-        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "") else self.spec.host
-        waiting = set(self.spec.ports)
+        waiting = self.ready_when()
         self.answer = None
         async with httpx.AsyncClient(timeout=2.0) as client:
             while waiting:
-                for port in sorted(waiting):
+                for url in list(waiting):
                     with contextlib.suppress(httpx.HTTPError):
-                        r = await client.get(f"http://{host}:{port}/v1/models")
+                        r = await client.get(url)
                         if r.status_code == 200:
-                            waiting.discard(port)
+                            waiting.remove(url)
                         else:
-                            self.answer = f"GET /v1/models answers {r.status_code}"
+                            whose = "its leader's " if self.follows else ""
+                            self.answer = f"{whose}GET /v1/models answers {r.status_code}"
                 if waiting:
                     await asyncio.sleep(READY_POLL_S)
         self.state = ServerState.READY
@@ -210,6 +226,10 @@ class ManagedServer:
             "answer": self.answer if self.state is ServerState.STARTING else None,
             "log": tail(self.log_path, log_lines),
         }
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 async def stop_group(pgid: int, grace: float, proc: asyncio.subprocess.Process | None) -> None:
