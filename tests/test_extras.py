@@ -169,3 +169,32 @@ def test_a_worker_process_checks_its_extras_before_it_runs(
     ]
     shown = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "usage: python -m tpupod.serve.builtin" in shown.stdout
+
+
+@pytest.mark.local
+def test_serve_up_names_the_workers_whose_python_lacks_an_extra(
+    state_home: Path,
+    hiding: Callable[..., dict[str, str]],
+    make_pod: Callable[..., object],
+    tmp_path: Path,
+) -> None:
+    """The launcher has every extra; the workers' Python (--worker-python, as an SSH host's
+    python3 would) lacks the model extra: serve up says so before it starts anything."""
+    pod = make_pod(workers=2)
+    name = pod.name  # type: ignore[attr-defined]
+    env = hiding("safetensors")
+    python = tmp_path / "python"
+    python.write_text(
+        f"#!/bin/sh\nPYTHONPATH={env['PYTHONPATH']} TPUPOD_TEST_HIDE=safetensors "
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    args = ["serve", "up", "--pod", name, "--model", str(TINY), "--worker-python", str(python)]
+    result = run(dict(os.environ), *args)
+    assert result.code == 1, result
+    assert (
+        "error: 'tpupod serve up' needs the model extra on w0, w1 (not installed: safetensors)"
+        in result.err
+    )
+    assert "hint: pip install 'tpupod[model]'" in result.err
+    assert [p for p in pod_processes(name) if "tpupod.serve" in " ".join(p.cmdline())] == []

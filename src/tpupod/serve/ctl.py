@@ -300,9 +300,14 @@ def preflight(
     port may be held by another worker's server). ``free_shifts``: the ``shifts`` that
     would move all the servers' ports to free ones (a --base-port to suggest)."""
     from tpupod.errors import UsageError
+    from tpupod.extras import missing
     from tpupod.serve.backends import Backend, check_model
 
-    answer: dict[str, Any] = {"model": None, "taken": [], "free_shifts": []}
+    answer: dict[str, Any] = {"model": None, "taken": [], "free_shifts": [], "extra": None}
+    for extra in ("serve", "model") if backend == Backend.BUILTIN.value else ("serve",):
+        if absent := missing(extra):  # the agent and the servers would fail to start
+            answer["extra"] = {"extra": extra, "modules": absent}
+            return answer
     try:
         check_model(Backend(backend), model)
     except (UsageError, ValueError) as exc:

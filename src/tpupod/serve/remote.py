@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpupod import podusers
-from tpupod.errors import PreflightError, ServeError, UsageError, WorkerError
+from tpupod.errors import MissingExtra, PreflightError, ServeError, UsageError, WorkerError
 from tpupod.extras import worker_argv
 from tpupod.fanout import execute_async
 from tpupod.pod import Pod, Worker
@@ -261,8 +261,18 @@ class RemoteFleet:
 
         answers = await _gather(self.ctl(w, *args(w)) for w in workers)
         found = [(w, a[-1]) for w, a in zip(workers, answers, strict=True)]
+        self.refuse_missing_extra(found)
         self.refuse_model(found)
         self.refuse_taken(found, options.base_port)
+
+    def refuse_missing_extra(self, found: list[tuple[Worker, dict[str, Any]]]) -> None:
+        """An extra the workers' Python lacks (the serve extra; the model extra for the
+        builtin server), named with the workers that lack it."""
+        bad = [(w, a["extra"]) for w, a in found if a.get("extra")]
+        if bad:
+            first = bad[0][1]
+            where = f" on {', '.join(w.label for w, e in bad if e == first)}"
+            raise MissingExtra("'tpupod serve up'", first["extra"], first["modules"], where=where)
 
     def refuse_model(self, found: list[tuple[Worker, dict[str, Any]]]) -> None:
         """The model's problem as the workers said it: one line (the same on every worker of
