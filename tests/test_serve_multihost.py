@@ -62,7 +62,13 @@ def test_replicas_are_planned_as_groups_of_k_workers() -> None:
     assert [s.ports for s in leaders] == [(31000,), (31003,)]
     assert [s.group.rank if s.group else None for w in range(4) for s in specs[w]] == [0, 1] * 2
     assert specs[1][0].ports == ()  # a follower has no endpoint
-    assert render(specs[3][0])[:3] == ["py", "-m", "tpupod.serve.replica"]
+    assert render(specs[3][0])[:5] == [
+        "py",
+        "-m",
+        "tpupod.extras",
+        "serve,model",
+        "tpupod.serve.replica",
+    ]
     assert "--leader" in render(specs[3][0]) and "127.0.0.1:31004" in render(specs[3][0])
     with pytest.raises(UsageError, match="does not divide the pod's 4 workers"):
         plan_replicas(workers, 3, model="/m", base_port=31000, shared_addresses=True)

@@ -310,15 +310,21 @@ def test_the_router_keeps_connections_alive_and_survives_a_backend_that_closes_t
         thread.join(10)
 
 
-def chat_outcome(url: str, token: str, stream: bool) -> str:
+def chat_outcome(
+    url: str, token: str, stream: bool, on_text: Callable[[str], None] | None = None
+) -> str:
     """One chat request through the router: its status (whole), 'done' or the stream's end
-    (streamed), or the client's error."""
+    (streamed), or the client's error. ``on_text``: what has come so far, as it comes."""
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     headers = {"Authorization": f"Bearer {token}"}
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", headers=headers, json=body,
                           timeout=40) as r:  # fmt: skip
-            text = "".join(r.iter_text())
+            text = ""
+            for piece in r.iter_text():
+                text += piece
+                if on_text is not None:
+                    on_text(text)
     except httpx.HTTPError as exc:
         return type(exc).__name__
     if not stream:
@@ -349,15 +355,24 @@ def test_requests_in_flight_to_a_backend_that_goes_silent_are_retried_or_ended(
         router, url = start_router(tmp_path, backends, *flags, "--fall", "2")
         token = (tmp_path / "router.token").read_text().strip()
         outcomes: dict[str, str] = {}
+        streaming_at_first = threading.Event()
+
+        def seen(text: str) -> None:
+            if f"stub{ports[0]}" in text:  # a stream's first word names its backend
+                streaming_at_first.set()
 
         def ask(name: str, stream: bool) -> None:
-            outcomes[name] = chat_outcome(url, token, stream)
+            outcomes[name] = chat_outcome(url, token, stream, seen if stream else None)
 
         threads = [threading.Thread(target=ask, args=(f"whole-{i}", False)) for i in range(4)]
         threads += [threading.Thread(target=ask, args=(f"stream-{i}", True)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.5)  # every request is at a backend: about half of them at the first
+        # Every request at a backend (about half at the first), one stream there begun: a
+        # fixed 0.5 s was not always enough on a loaded machine, and the streams then went
+        # to the other backend untouched.
+        assert streaming_at_first.wait(20), outcomes
+        time.sleep(0.2)
         started = time.monotonic()
         stubs[0].send_signal(signal.SIGSTOP)
         for t in threads:
