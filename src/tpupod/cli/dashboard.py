@@ -59,4 +59,4 @@ def dashboard(
 
     names = tuple(allow_host or ())
     config = Config(host, port, token, names, interval, db, bench)
-    serve(config, open_browser=open_browser, on_ready=notice)
+    raise typer.Exit(serve(config, open_browser=open_browser, on_ready=notice))

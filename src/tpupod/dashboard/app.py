@@ -22,6 +22,7 @@ from tpupod.dashboard import checkpoints, metrics, runs, serving
 from tpupod.dashboard.charts import line_chart
 from tpupod.dashboard.feed import Feed
 from tpupod.dashboard.guard import allowed_hosts, guard_middleware
+from tpupod.dashboard.streams import Closing, sse
 from tpupod.errors import JobNotFound, StateError, TpupodError, UsageError
 from tpupod.launch.records import RunRecord
 
@@ -46,16 +47,19 @@ class Config:
 
 def create_app(config: Config) -> FastAPI:
     feed = Feed(config.interval, config.jobs_url)
+    closing = Closing()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        closing.bind()
         thread = feed.start()
         yield
         await asyncio.to_thread(feed.stop)
-        await asyncio.to_thread(thread.join, 10)
+        await asyncio.to_thread(thread.join, 5)
 
     app = FastAPI(title="tpupod dashboard", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.feed = feed
+    app.state.closing = closing
     app.state.pages = {}  # cached(): made pages by address, with their sources' versions
     app.state.templates = Jinja2Templates(directory=HERE / "templates")
     app.middleware("http")(guard_middleware(allowed_hosts(config.host, config.names), config.token))
@@ -63,7 +67,7 @@ def create_app(config: Config) -> FastAPI:
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     app.exception_handler(TpupodError)(_error)
     _pages(app, feed)
-    _api(app, feed)
+    _api(app, feed, closing)
     _checkpoints(app, config.bench)
     return app
 
@@ -239,7 +243,7 @@ def _run_page(feed: Feed, page: int) -> dict[str, Any]:
     return {"runs": listed, "page": page, "pages": pages}
 
 
-def _api(app: FastAPI, feed: Feed) -> None:
+def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
     def sourced(topic: str, data: Any) -> Response:
         """The data with its source's state and age (plain JSON: no model to validate)."""
         return JSONResponse({**feed.sources[topic].to_json(time.time()), "data": data})
@@ -263,7 +267,7 @@ def _api(app: FastAPI, feed: Feed) -> None:
 
     @app.get("/api/runs/{launch_id}/follow")
     def api_run_follow(launch_id: str) -> StreamingResponse:
-        return _sse(_follow_run(find_run(feed, launch_id)))
+        return sse(_follow_run(find_run(feed, launch_id)), closing)
 
     @app.post("/api/runs/{launch_id}/stop")
     def api_run_stop(launch_id: str) -> dict[str, Any]:
@@ -281,7 +285,7 @@ def _api(app: FastAPI, feed: Feed) -> None:
     @app.get("/api/jobs/{job_id}/follow")
     def api_job_follow(job_id: int, after: int = 0) -> StreamingResponse:
         feed.jobs.one(job_id)  # 404 before the stream starts
-        return _sse(feed.jobs.follow(job_id, after))
+        return sse(feed.jobs.follow(job_id, after), closing)
 
     @app.post("/api/jobs/{job_id}/cancel")
     def api_job_cancel(job_id: int) -> dict[str, Any]:
@@ -301,7 +305,7 @@ def _api(app: FastAPI, feed: Feed) -> None:
 
     @app.get("/api/events")
     def api_events() -> StreamingResponse:
-        return _sse(_events(feed))
+        return sse(_events(feed), closing)
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -338,16 +342,10 @@ def _checkpoints(app: FastAPI, output: str | None) -> None:
         return checkpoints.detail(output, suite, launch_id)
 
 
-def _sse(stream: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-
-
 async def _events(feed: Feed) -> AsyncIterator[str]:
     """A topic's name whenever its data changes; a comment every 15 s keeps proxies open."""
     queue = feed.listen()
     try:
-        yield "retry: 2000\n\n"
         while True:
             try:
                 topic = await asyncio.wait_for(queue.get(), timeout=15)

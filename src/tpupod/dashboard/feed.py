@@ -27,6 +27,7 @@ from tpupod.state import StateDir
 HISTORY_S = 24 * 3600
 TOPICS = ("pods", "runs", "jobs", "serving")
 RESTART_S = 1.0  # wait before starting a sampler that ended again
+STOP_S = 1.0  # a sampler told to stop (its stdin closed) is killed after this long
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Feed:
             with contextlib.suppress(OSError):
                 process.stdin.close()  # type: ignore[union-attr]  # it ends at EOF
             try:
-                process.wait(timeout=5)
+                process.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

@@ -6,10 +6,14 @@ from __future__ import annotations
 import dataclasses
 import webbrowser
 from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
 
 from tpupod import settings
 from tpupod.dashboard.app import Config
 from tpupod.dashboard.guard import check_bind
+from tpupod.dashboard.streams import Closing
 
 TOKEN_ENV = "TPUPOD_DASHBOARD_TOKEN"
 
@@ -19,12 +23,28 @@ def url_of(config: Config) -> str:
     return f"http://{host}:{config.port}/"
 
 
-def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str], None]) -> None:
-    """Serve the dashboard on ``config``'s address until interrupted. ``on_ready`` hears
-    where (never the token); with ``open_browser`` the token travels in the URL's fragment,
-    which browsers do not send to the server."""
-    import uvicorn
+class _Server(uvicorn.Server):
+    """uvicorn's server, which also tells the app's open streams that it stops (they held
+    its graceful shutdown until every browser left), and ends quietly: uvicorn raised the
+    signal again inside its loop, and a second Ctrl-C skipped the app's shutdown, which
+    each logged the lifespan's cancel as a traceback. The stop is bounded (the streams end
+    at once, the sampler is given a second), so a second signal changes nothing."""
 
+    def __init__(self, config: uvicorn.Config, closing: Closing) -> None:
+        super().__init__(config)
+        self.closing = closing
+        self.stopped_by: int | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.closing.set()
+        self.stopped_by = self.stopped_by or sig
+        self.should_exit = True
+
+
+def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str], None]) -> int:
+    """Serve the dashboard on ``config``'s address until interrupted; the exit code (130
+    after Ctrl-C). ``on_ready`` hears where (never the token); with ``open_browser`` the
+    token travels in the URL's fragment, which browsers do not send to the server."""
     from tpupod.dashboard.app import create_app
     from tpupod.jobs.api import listen
 
@@ -40,5 +60,9 @@ def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str
         webbrowser.open(url + (f"#token={token}" if token else ""))
     app = create_app(config)
     # asyncio's own loop: the local transport's subprocesses need it (uvloop's differ)
-    served = uvicorn.Config(app, loop="asyncio", log_level="warning", access_log=False)
-    uvicorn.Server(served).run(sockets=[listening])
+    served = uvicorn.Config(
+        app, loop="asyncio", log_level="warning", access_log=False, timeout_graceful_shutdown=1
+    )
+    server = _Server(served, app.state.closing)
+    server.run(sockets=[listening])
+    return 0 if server.stopped_by is None else 128 + server.stopped_by
