@@ -3,6 +3,9 @@ and the loading / empty / stale states of a page."""
 
 from __future__ import annotations
 
+import html
+import re
+import shlex
 import socket
 import time
 from collections.abc import Callable
@@ -10,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import event
@@ -221,3 +225,53 @@ def test_accepted_connections_send_at_once(state_home: Path) -> None:
         accepted, _ = listening.accept()
         with accepted:
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+TOKEN_HINT = "hint: make one with: python3 -c 'import secrets; print(secrets.token_urlsafe())'"
+BENCH_HINT = "hint: tpupod bench checkpoint --config examples/bench_checkpoint.yaml --output"
+PORT_HINT = "hint: a port is 1 to 65535, or 0 for any free one"
+INTERVAL_HINT = "hint: sample at most 5 times a second: --interval 0.2 or more"
+SPACE = "has a space or a control character"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["--port", "99999"], {}, ["error: --port 99999 is not a port", PORT_HINT]),
+        (["--port", "-1"], {}, ["error: --port -1 is not a port", PORT_HINT]),
+        (["--interval", "0.01"], {}, ["error: --interval 0.01 is too short", INTERVAL_HINT]),
+        (["--token", " "], {}, ["error: --token is blank", TOKEN_HINT]),
+        (["--token", "two words"], {}, [f"error: --token {SPACE}", TOKEN_HINT]),
+        (["--token", "t\N{EURO SIGN}"], {}, ["error: --token has a character outside ASCII",
+                                             TOKEN_HINT]),
+        ([], {"TPUPOD_DASHBOARD_TOKEN": "  "}, ["error: $TPUPOD_DASHBOARD_TOKEN is blank",
+                                                TOKEN_HINT]),
+        (["--bench", "nowhere"], {}, ["error: --bench nowhere: no such folder",
+                                      f"{BENCH_HINT} nowhere"]),
+    ],
+)  # fmt: skip
+def test_bad_input_at_start_is_one_error_line_and_one_hint(
+    cli: Callable[..., CliResult], args: list[str], env: dict[str, str], said: list[str]
+) -> None:
+    """--port 99999 was an internal error (bind's OverflowError), --interval 0.01 click's
+    three lines, and a blank or unusable token was taken: every action then failed 401."""
+    result = cli("dashboard", *args, env=env)
+    assert result.code == 2, result.err
+    assert result.err.splitlines() == said
+
+
+def test_an_empty_bench_folder_shows_a_command_that_works(
+    dashboard: Callable[..., Dashboard], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """The hint was 'tpupod bench checkpoint SUITE.yaml --output DIR': no such argument."""
+    output = tmp_path / "bench"
+    output.mkdir()
+    board = dashboard(extra=("--bench", str(output)))
+    page = board.get("/checkpoints").text
+    found = re.search(r"<code>(tpupod bench checkpoint [^<]*)</code>", page)
+    assert found, page
+    shown = shlex.split(html.unescape(found.group(1)))
+    assert shown == ["tpupod", "bench", "checkpoint", "--config", "examples/bench_checkpoint.yaml",
+                     "--output", str(output)]  # fmt: skip
+    tried = cli(*shown[1:])  # the suite loads and the options parse: it stops at the pod
+    assert tried.err.startswith("error: no pods yet"), tried.err

@@ -31,7 +31,7 @@ def dashboard(
         typer.Option("--allow-host", metavar="NAME", help="Another name the page is reached by."),
     ] = None,
     interval: Annotated[
-        float, typer.Option("--interval", min=0.2, help="Seconds between samples of the workers.")
+        float, typer.Option("--interval", help="Seconds between samples of the workers.")
     ] = 5.0,
     db: Annotated[
         str | None,

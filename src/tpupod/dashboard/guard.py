@@ -41,6 +41,20 @@ def check_bind(host: str, token: str | None) -> None:
     )
 
 
+TOKEN_HINT = "make one with: python3 -c 'import secrets; print(secrets.token_urlsafe())'"
+
+
+def check_token(token: str, source: str) -> None:
+    """Refuse a token no browser or header can carry as given (``source`` names where it
+    came from): a blank one was taken, and every action then failed 401."""
+    if not token.strip():
+        raise UsageError(f"{source} is blank", hint=TOKEN_HINT)
+    if not token.isascii():
+        raise UsageError(f"{source} has a character outside ASCII", hint=TOKEN_HINT)
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise UsageError(f"{source} has a space or a control character", hint=TOKEN_HINT)
+
+
 def allowed_hosts(host: str, names: Iterable[str]) -> frozenset[str]:
     """The names a request's Host header may carry (its port aside)."""
     served = {host.strip("[]"), *names}

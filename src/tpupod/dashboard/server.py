@@ -6,16 +6,49 @@ from __future__ import annotations
 import dataclasses
 import webbrowser
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
-from tpupod import settings
+from tpupod import settings, storage
 from tpupod.dashboard.app import Config
-from tpupod.dashboard.guard import check_bind
+from tpupod.dashboard.guard import check_bind, check_token
 from tpupod.dashboard.streams import Closing
+from tpupod.errors import UsageError
 
 TOKEN_ENV = "TPUPOD_DASHBOARD_TOKEN"
+MIN_INTERVAL_S = 0.2
+BENCH_SUITE = "examples/bench_checkpoint.yaml"  # the README's suite
+
+
+def check_options(config: Config) -> Config:
+    """Bad options as one error line with a hint, before anything listens; the config with
+    its token (``--token``, else the environment's)."""
+    if not 0 <= config.port <= 65535:
+        raise UsageError(
+            f"--port {config.port} is not a port",
+            hint="a port is 1 to 65535, or 0 for any free one",
+        )
+    if config.interval < MIN_INTERVAL_S:
+        raise UsageError(
+            f"--interval {config.interval:g} is too short",
+            hint=f"sample at most 5 times a second: --interval {MIN_INTERVAL_S:g} or more",
+        )
+    bench = config.bench
+    local = bench is not None and not storage.is_remote(bench)  # a bucket's prefix: once used
+    if local and bench is not None and not Path(bench).is_dir():
+        raise UsageError(
+            f"--bench {bench}: no such folder",
+            hint=f"tpupod bench checkpoint --config {BENCH_SUITE} --output {bench}",
+        )
+    token, source = config.token, "--token"
+    if token is None:
+        token, source = settings.named(TOKEN_ENV), f"${TOKEN_ENV}"
+    if token is not None:
+        check_token(token, source)
+    check_bind(config.host, token)
+    return dataclasses.replace(config, token=token)
 
 
 def url_of(config: Config) -> str:
@@ -48,9 +81,8 @@ def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str
     from tpupod.dashboard.app import create_app
     from tpupod.jobs.api import listen
 
-    token = config.token or settings.named(TOKEN_ENV)
-    check_bind(config.host, token)
-    config = dataclasses.replace(config, token=token)
+    config = check_options(config)
+    token = config.token
     listening = listen(config.host, config.port)  # a busy port is one error line
     config = dataclasses.replace(config, port=listening.getsockname()[1])  # --port 0: which
     url = url_of(config)
