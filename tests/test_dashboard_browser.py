@@ -306,3 +306,57 @@ def test_checkpoint_results_with_their_plots(
     page.wait_for_function("() => document.querySelector('figure.plot img').naturalWidth > 0")
     assert board.get(f"/checkpoints/{folder.parent.name}/{folder.name}/../x.png").status_code == 404
     assert not seen.errors, seen.errors
+
+
+def test_open_signs_in_with_a_base64_token_beyond_loopback(
+    dashboard: Callable[..., Dashboard], browser: Callable[[], Browser], tmp_path: Path
+) -> None:
+    """--open put the token in the URL unquoted and the page read a base64 token's '+' as a
+    space: every action failed 401. Bound beyond loopback the page itself needs the token:
+    the fragment signs the browser in (a cookie), and other pages and actions follow."""
+    token = "Ab+Cd/Ef+gh/IJ=="
+    opened = tmp_path / "opened"
+    fake_browser = tmp_path / "browser.sh"  # what webbrowser runs when $BROWSER names it
+    fake_browser.write_text(
+        f'#!/bin/sh\nprintf "%s" "$1" > {opened}.part && mv {opened}.part {opened}\n'
+    )
+    fake_browser.chmod(0o755)
+    store = Store.open()
+    job = store.submit(JobRequest(command="sleep 60", name="to cancel"))
+    try:
+        board = dashboard(
+            token=token, extra=("--host", "0.0.0.0", "--open"), env={"BROWSER": str(fake_browser)}
+        )
+        url = opened.read_text()
+        assert url.startswith(f"http://127.0.0.1:{board.port}/#token="), url
+        seen = browser()
+        page = seen.page
+        page.on("dialog", lambda dialog: dialog.accept())
+        page.goto(url)
+        page.locator("main h1", has_text="Overview").wait_for(timeout=20_000)
+        assert "token" not in page.url  # the fragment is gone from the address bar
+        page.goto(f"{board.url}/jobs")  # the session goes on
+        page.locator(f'#job-list tr[data-job="{job}"] button').click()
+        page.locator("#action-result", has_text="done").wait_for(timeout=10_000)
+        assert store.get(job).status.value == "cancelled"
+    finally:
+        store.close()
+    # the first load of the page is the sign-in page, served with 401 (Chromium logs that)
+    assert [e for e in seen.errors if "401" not in e] == [], seen.errors
+
+
+def test_a_wrong_token_on_the_sign_in_page_says_so(
+    dashboard: Callable[..., Dashboard], browser: Callable[[], Browser]
+) -> None:
+    board = dashboard(extra=("--host", "0.0.0.0"))
+    seen = browser()
+    page = seen.page
+    page.goto(f"{board.url}/runs")
+    page.fill("#signin-token", "not the token")
+    page.locator("#signin button").click()
+    page.locator("#action-result", has_text="wrong token").wait_for(timeout=10_000)
+    page.fill("#signin-token", TOKEN)
+    page.locator("#signin button").click()
+    page.locator("main h1", has_text="Runs").wait_for(timeout=10_000)
+    assert page.url == f"{board.url}/runs"
+    assert [e for e in seen.errors if "401" not in e] == []  # the refused sign-in is logged

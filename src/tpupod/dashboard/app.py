@@ -17,11 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpupod.dashboard import checkpoints, metrics, runs, serving
 from tpupod.dashboard.charts import line_chart
 from tpupod.dashboard.feed import Feed
-from tpupod.dashboard.guard import allowed_hosts, guard_middleware
+from tpupod.dashboard.guard import Access, Guard, set_session
 from tpupod.dashboard.streams import Closing, sse
 from tpupod.errors import JobNotFound, StateError, TpupodError, UsageError
 from tpupod.launch.records import RunRecord
@@ -61,9 +63,10 @@ def create_app(config: Config) -> FastAPI:
     app.state.feed = feed
     app.state.closing = closing
     app.state.pages = {}  # cached(): made pages by address, with their sources' versions
-    app.state.templates = Jinja2Templates(directory=HERE / "templates")
-    app.middleware("http")(guard_middleware(allowed_hosts(config.host, config.names), config.token))
-    app.middleware("http")(_headers)
+    templates = app.state.templates = Jinja2Templates(directory=HERE / "templates")
+    access = app.state.access = Access.of(config.host, config.names, config.token, config.port)
+    app.add_middleware(Guard, access=access, sign_in=lambda why: _sign_in(templates, why))
+    app.add_middleware(_Headers)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     app.exception_handler(TpupodError)(_error)
     _pages(app, feed)
@@ -72,10 +75,31 @@ def create_app(config: Config) -> FastAPI:
     return app
 
 
-async def _headers(request: Request, call_next: Any) -> Response:
-    response: Response = await call_next(request)
-    response.headers.update(HEADERS)
-    return response
+class _Headers:
+    """ASGI middleware: ``HEADERS`` on every answer (a plain ASGI one: Starlette's
+    ``BaseHTTPMiddleware`` copies each chunk of a stream through a queue of its own)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).update(HEADERS)
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def _sign_in(templates: Jinja2Templates, why: str) -> str:
+    """The page a browser gets instead of a page it may not read yet: a token field (its
+    script also takes the token from ``--open``'s URL fragment)."""
+    page = templates.get_template("signin.html")
+    return page.render(topics="", sources=[], fragment=False, why=why)
 
 
 async def _error(request: Request, exc: Exception) -> Response:
@@ -302,6 +326,13 @@ def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
         restarted = serving.restart(feed.state, pod, worker, port)
         feed.publish("serving")
         return {"restarted": restarted}
+
+    @app.post("/api/session", status_code=204)
+    def api_session(request: Request) -> Response:
+        """The session cookie for the token this request carries (the guard checked it)."""
+        response = Response(status_code=204)
+        set_session(response, request.app.state.access)
+        return response
 
     @app.get("/api/events")
     def api_events() -> StreamingResponse:

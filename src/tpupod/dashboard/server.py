@@ -4,16 +4,18 @@ interrupted."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 import webbrowser
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from urllib.parse import quote
 
 import uvicorn
 
 from tpupod import settings, storage
 from tpupod.dashboard.app import Config
-from tpupod.dashboard.guard import check_bind, check_token
+from tpupod.dashboard.guard import check_bind, check_token, is_loopback, is_wildcard
 from tpupod.dashboard.streams import Closing
 from tpupod.errors import UsageError
 
@@ -51,9 +53,21 @@ def check_options(config: Config) -> Config:
     return dataclasses.replace(config, token=token)
 
 
-def url_of(config: Config) -> str:
-    host = f"[{config.host}]" if ":" in config.host else config.host
+def url_of(config: Config, *, here: bool = False) -> str:
+    """Where the dashboard is reached: bound to every address, by this machine's name (no
+    browser goes to 0.0.0.0), or from ``here`` by loopback."""
+    host = config.host
+    if is_wildcard(host):
+        host = "127.0.0.1" if here else socket.gethostname()
+    host = f"[{host}]" if ":" in host else host
     return f"http://{host}:{config.port}/"
+
+
+def open_url(config: Config) -> str:
+    """The URL ``--open`` gives the browser: the token in its fragment (browsers do not send
+    it), quoted (a base64 token's ``+`` and ``/`` came through as a space)."""
+    url = url_of(config, here=True)
+    return url + (f"#token={quote(config.token, safe='')}" if config.token else "")
 
 
 class _Server(uvicorn.Server):
@@ -86,10 +100,12 @@ def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str
     listening = listen(config.host, config.port)  # a busy port is one error line
     config = dataclasses.replace(config, port=listening.getsockname()[1])  # --port 0: which
     url = url_of(config)
-    actions = "actions need the token" if token else "read-only (no --token)"
+    actions = "read-only (no --token)"
+    if token:
+        actions = "actions need the token" if is_loopback(config.host) else "pages need the token"
     on_ready(f"dashboard on {url} ({actions}); Ctrl-C stops it")
     if open_browser:
-        webbrowser.open(url + (f"#token={token}" if token else ""))
+        webbrowser.open(open_url(config))
     app = create_app(config)
     # asyncio's own loop: the local transport's subprocesses need it (uvloop's differ)
     served = uvicorn.Config(

@@ -2,14 +2,40 @@
 "use strict";
 (() => {
   const KEY = "tpupod-dashboard-token";
-  const hash = new URLSearchParams(location.hash.slice(1));
-  if (hash.get("token")) {  // `tpupod dashboard --open` passes it here, never to the server
-    sessionStorage.setItem(KEY, hash.get("token"));
-    history.replaceState(null, "", location.pathname + location.search);
+  const say = (text) => { document.getElementById("action-result").textContent = text; };
+  // `tpupod dashboard --open` passes the token in the fragment, which never reaches the
+  // server; quoted there (URLSearchParams would read a base64 token's "+" as a space)
+  function fragmentToken() {
+    for (const part of location.hash.slice(1).split("&")) {
+      if (!part.startsWith("token=")) continue;
+      try { return decodeURIComponent(part.slice(6)); } catch (e) { return part.slice(6); }
+    }
+    return null;
   }
+  // the token for a session cookie: every read of a dashboard bound beyond loopback needs
+  // one (event streams cannot send a header), and actions from any tab can use it
+  async function signIn(token) {
+    sessionStorage.setItem(KEY, token);
+    const r = await fetch("/api/session", { method: "POST", headers: { Authorization: "Bearer " + token } });
+    return r.status;
+  }
+  const given = fragmentToken();
+  if (given !== null) history.replaceState(null, "", location.pathname + location.search);
+  const signin = document.getElementById("signin");
+  if (signin) {  // a page that needs the token: trade it for the cookie, then load the page
+    const attempt = async (token) => {
+      const status = await signIn(token);
+      if (status === 204) location.reload();
+      else say(status === 401 ? "wrong token" : "could not sign in: " + status);
+    };
+    signin.addEventListener("submit", (e) => { e.preventDefault(); attempt(document.getElementById("signin-token").value); });
+    if (given !== null) attempt(given);
+    return;
+  }
+  if (given !== null) signIn(given);
   const tokenInput = document.getElementById("token");
   tokenInput.value = sessionStorage.getItem(KEY) || "";
-  tokenInput.addEventListener("change", () => sessionStorage.setItem(KEY, tokenInput.value));
+  tokenInput.addEventListener("change", () => { if (tokenInput.value) signIn(tokenInput.value); });
   document.getElementById("token-form").addEventListener("submit", (e) => e.preventDefault());
 
   const content = document.getElementById("content");
@@ -30,13 +56,13 @@
     events.onmessage = (e) => { if (topics.includes(e.data)) refresh(); };
   }
 
-  const say = (text) => { document.getElementById("action-result").textContent = text; };
   document.addEventListener("submit", async (e) => {
     const form = e.target;
     if (!form.hasAttribute("data-action")) return;
     e.preventDefault();
     const token = sessionStorage.getItem(KEY) || tokenInput.value;
-    const r = await fetch(form.action, { method: "POST", headers: { Authorization: "Bearer " + token } });
+    const headers = token ? { Authorization: "Bearer " + token } : {};  // else the cookie, if any
+    const r = await fetch(form.action, { method: "POST", headers });
     const body = await r.json().catch(() => ({}));
     say(r.ok ? "done: " + form.action.split("/api/")[1] : r.status + ": " + (body.detail || r.statusText));
     if (r.ok) refresh();
