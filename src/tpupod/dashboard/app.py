@@ -23,7 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tpupod.dashboard import checkpoints, metrics, runs, serving
 from tpupod.dashboard.charts import line_chart
 from tpupod.dashboard.feed import Feed
+from tpupod.dashboard.formats import FILTERS
 from tpupod.dashboard.guard import Access, Guard, set_session
+from tpupod.dashboard.runs import FAILING
 from tpupod.dashboard.streams import Closing, sse
 from tpupod.errors import JobNotFound, StateError, TpupodError, UsageError
 from tpupod.launch.records import RunRecord
@@ -64,6 +66,7 @@ def create_app(config: Config) -> FastAPI:
     app.state.closing = closing
     app.state.pages = {}  # cached(): made pages by address, with their sources' versions
     templates = app.state.templates = Jinja2Templates(directory=HERE / "templates")
+    templates.env.filters.update(FILTERS)
     access = app.state.access = Access.of(config.host, config.names, config.token, config.port)
     app.add_middleware(Guard, access=access, sign_in=lambda why: _sign_in(templates, why))
     app.add_middleware(_Headers)
@@ -149,12 +152,20 @@ def find_run(feed: Feed, launch_id: str) -> RunRecord:
     return runs.find(feed.state, launch_id)
 
 
+EMPTY_RUNS: dict[str, Any] = {
+    "count": 0, "states": {}, "list": [], "failing": [], "failing_count": 0
+}  # fmt: skip
+EMPTY_JOBS: dict[str, Any] = {"counts": {}, "failed": []}
+
+
 def overview(feed: Feed) -> dict[str, Any]:
-    """Counts, and whatever is failing first."""
+    """Counts, and whatever is failing: every pod that is, the newest failing runs and
+    failed jobs with why, and how many more of each (the sampler keeps them: the work does
+    not grow with the history)."""
     pods = feed.sources["pods"].data or []
-    found = feed.sources["runs"].data or {"count": 0, "states": {}, "list": []}
-    jobs = feed.sources["jobs"].data or {}
-    failing = [
+    found = feed.sources["runs"].data or EMPTY_RUNS
+    jobs = feed.sources["jobs"].data or EMPTY_JOBS
+    failing_pods = [
         {
             "what": f"pod {p['name']}",
             "why": p.get("error") or f"{len(p['workers']) - p['reachable']} unreachable",
@@ -163,24 +174,27 @@ def overview(feed: Feed) -> dict[str, Any]:
         for p in pods
         if p.get("error") or p["reachable"] < len(p["workers"])
     ]
-    failing += [
-        {
-            "what": f"run {r['id']}",
-            "why": r["state"]
-            if r["first_failure"] is None
-            else f"worker {r['first_failure']} failed first",
-            "href": f"/runs/{r['id']}",
-        }
-        for r in found["list"][:20]
-        if r["state"] in ("failed", "launcher gone")
-    ]  # counts and the newest runs: the work does not grow with the history
+    failing_runs = [
+        {"what": f"run {r['id']}", "why": r["why"] or r["state"], "href": f"/runs/{r['id']}",
+         "when": r["finished"] or r["started"]}
+        for r in found["failing"]
+    ]  # fmt: skip
+    failed_jobs = [
+        {"what": f"job {j['id']} ({j['name']})", "why": j["error"] or "failed",
+         "href": f"/jobs/{j['id']}", "when": j["completed_at"]}
+        for j in jobs["failed"]
+    ]  # fmt: skip
     return {
         "pods": len(pods),
         "workers": sum(len(p["workers"]) for p in pods),
         "runs": found["count"],
         "running": found["states"].get("running", 0),
-        "jobs": jobs,
-        "failing": failing,
+        "jobs": jobs["counts"],
+        "failing": failing_pods,
+        "failing_runs": failing_runs,
+        "more_runs": found["failing_count"] - len(failing_runs),
+        "failed_jobs": failed_jobs,
+        "more_jobs": jobs["counts"].get("failed", 0) - len(failed_jobs),
     }
 
 
@@ -210,8 +224,12 @@ def _pages(app: FastAPI, feed: Feed) -> None:
         return cached(request, ("pods",), make)
 
     @app.get("/runs", response_class=HTMLResponse)
-    def run_list(request: Request, page: int = 1) -> Response:
-        make = lambda: render(request, "runs.html", ("runs",), **_run_page(feed, page))  # noqa: E731
+    def run_list(
+        request: Request, page: int = 1, state: str | None = None, pod: str | None = None
+    ) -> Response:
+        def make() -> Response:
+            return render(request, "runs.html", ("runs",), **_run_page(feed, page, state, pod))
+
         return cached(request, ("runs",), make)
 
     @app.get("/runs/{launch_id}", response_class=HTMLResponse)
@@ -226,7 +244,7 @@ def _pages(app: FastAPI, feed: Feed) -> None:
     @app.get("/jobs", response_class=HTMLResponse)
     def jobs(request: Request, status: str | None = None, before: int | None = None) -> Response:
         listing = feed.jobs.page(status or None, before)
-        counts = feed.sources["jobs"].data
+        counts = (feed.sources["jobs"].data or {}).get("counts")
         return render(request, "jobs.html", ("jobs",), listing=listing, counts=counts)
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
@@ -257,14 +275,25 @@ def _pod(feed: Feed, name: str) -> dict[str, Any] | None:
 RUN_PAGE = 50
 
 
-def _run_page(feed: Feed, page: int) -> dict[str, Any]:
+def _run_page(
+    feed: Feed, page: int, state: str | None = None, pod: str | None = None
+) -> dict[str, Any]:
+    """A page of runs, newest first; ``state`` (``failing``: failed or launcher gone) and
+    ``pod`` filter."""
     found = feed.sources["runs"].data
+    query = "&".join(f"{k}={v}" for k, v in (("state", state), ("pod", pod)) if v)
     if found is None:
-        return {"runs": None, "page": 1, "pages": 1}
-    pages = max(1, -(-found["count"] // RUN_PAGE))
+        return {"runs": None, "page": 1, "pages": 1, "state": state, "pod": pod, "query": query}
+    listed = found["list"]
+    if state:
+        wanted = FAILING if state == "failing" else (state,)
+        listed = [r for r in listed if r["state"] in wanted]
+    if pod:
+        listed = [r for r in listed if r["pod"] == pod]
+    pages = max(1, -(-len(listed) // RUN_PAGE))
     page = min(max(page, 1), pages)
-    listed = found["list"][(page - 1) * RUN_PAGE : page * RUN_PAGE]
-    return {"runs": listed, "page": page, "pages": pages}
+    shown = listed[(page - 1) * RUN_PAGE : page * RUN_PAGE]
+    return {"runs": shown, "page": page, "pages": pages, "state": state, "pod": pod, "query": query}
 
 
 def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
@@ -281,8 +310,8 @@ def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
         return sourced("pods", _pod(feed, name))
 
     @app.get("/api/runs")
-    def api_runs(page: int = 1) -> Response:
-        return sourced("runs", _run_page(feed, page))
+    def api_runs(page: int = 1, state: str | None = None, pod: str | None = None) -> Response:
+        return sourced("runs", _run_page(feed, page, state, pod))
 
     @app.get("/api/runs/{launch_id}")
     def api_run(launch_id: str) -> dict[str, Any]:

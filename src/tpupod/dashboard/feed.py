@@ -150,7 +150,7 @@ class Feed:
             self.history.add(f"reachable:{pod['name']}", now, pod["reachable"])
             self.history.add(f"load:{pod['name']}", now, _mean(loads))
             self.history.add(f"memory:{pod['name']}", now, _mean(memory))
-        for status, count in (self.sources["jobs"].data or {}).items():
+        for status, count in (self.sources["jobs"].data or {"counts": {}})["counts"].items():
             self.history.add(f"jobs:{status}", now, count)
         for fleet in self.sources["serving"].data or ():
             rates = [b["requests_per_s"] or 0.0 for b in fleet["backends"]]

@@ -19,6 +19,7 @@ from tpupod.jobs.wakeup import file_state
 
 PAGE = 50
 RECOUNT_S = 5.0  # count again at least this often (a change a file's stat cannot show)
+FAILED_SHOWN = 10  # the newest failed jobs the overview lists (and says how many more)
 
 
 class Jobs:
@@ -30,6 +31,7 @@ class Jobs:
         self.seen: tuple[tuple[int, int, int] | None, ...] | None = None
         self.counted_at = 0.0
         self.last_counts: dict[str, int] = {}
+        self.last_failed: list[dict[str, Any]] = []
         self.opening = threading.Lock()  # the pages (threads of the web server) open it
 
     def open(self) -> Store | None:
@@ -52,10 +54,17 @@ class Jobs:
             raise JobStoreError("there is no job store yet", hint="submit a job first")
         return store
 
+    def summary(self) -> dict[str, Any]:
+        """What the sampler sends: ``{"counts": jobs per status, "failed": the newest
+        failed jobs}``."""
+        counts = self.counts()
+        return {"counts": counts, "failed": self.last_failed}
+
     def counts(self) -> dict[str, int]:
-        """Jobs per status. On SQLite the count is taken again only when the database's
-        files changed (any commit changes one) or ``RECOUNT_S`` passed: the sampler asks
-        four times a second, and a grouped count of 10,000 jobs costs milliseconds."""
+        """Jobs per status (and the newest failed jobs, kept for ``summary``). On SQLite
+        the store is read again only when the database's files changed (any commit changes
+        one) or ``RECOUNT_S`` passed: the sampler asks four times a second, and a grouped
+        count of 10,000 jobs costs milliseconds."""
         store = self.open()
         if store is None:
             return {s.value: 0 for s in JobStatus}
@@ -63,6 +72,11 @@ class Jobs:
         now = time.monotonic()
         if files is None or files != self.seen or now - self.counted_at > RECOUNT_S:
             self.last_counts = {s.value: n for s, n in service.status_counts(store).items()}
+            if self.last_counts.get(JobStatus.FAILED.value):
+                failed = service.list_jobs(store, statuses=[JobStatus.FAILED], limit=FAILED_SHOWN)
+                self.last_failed = [_row(job) for job in failed.jobs]
+            else:
+                self.last_failed = []
             self.seen, self.counted_at = files, now
         return self.last_counts
 

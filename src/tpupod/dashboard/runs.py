@@ -9,6 +9,8 @@ import shlex
 import signal
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +46,8 @@ class RunIndex:
         self.reads = 0
 
     def take(self, state: StateDir) -> dict[str, Any]:
-        """``{"count", "states": {state: n}, "list": summaries newest first}``: the same
-        object while nothing changed."""
+        """``{"count", "states": {state: n}, "list": summaries newest first, "failing":
+        the newest failing, "failing_count"}``: the same object while nothing changed."""
         names = state.names()
         changed = set(self.listed) != set(names)
         for gone in set(self.listed) - set(names):
@@ -58,7 +60,14 @@ class RunIndex:
             states: dict[str, int] = {}
             for r in found:
                 states[r["state"]] = states.get(r["state"], 0) + 1
-            self.made = {"count": len(found), "states": states, "list": found}
+            failing = [r for r in found if r["state"] in FAILING]
+            self.made = {
+                "count": len(found),
+                "states": states,
+                "list": found,
+                "failing": failing[:FAILING_SHOWN],
+                "failing_count": len(failing),
+            }
         return self.made
 
     def _all(self, name: str) -> Iterator[dict[str, Any]]:
@@ -109,17 +118,38 @@ class RunIndex:
 
 def recovery_summary(record: RecoveryRecord) -> dict[str, Any]:
     """A ``run --retries`` run: its state and attempts (preemptions among their causes)."""
+    last = record.attempts[-1] if record.attempts else None
+    finished = last.ended if record.ended and last is not None else None
+    why = None
+    if record.state == "failed" and last is not None:
+        why = f"attempt {last.attempt}: {last.cause or 'failed'}" + (
+            f": {last.detail}" if last.detail else ""
+        )
     return {
         "id": record.run_id,
         "pod": record.pod,
         "command": shlex.join(record.command),
         "state": record.state,
+        "why": why,
         "exit_code": record.exit_code,
         "started": record.started,
-        "seconds": None,
+        "finished": finished,
+        "seconds": None if finished is None else round(finished - record.started, 3),
         "workers": None,
         "first_failure": None,
+        "job": None,
         "attempts": record.lines(),
+        "attempt_rows": [
+            {
+                "attempt": a.attempt,
+                "cause": a.cause,
+                "exit_code": a.exit_code,
+                "launch_id": a.launch_id,
+                "started": a.started,
+                "finished": a.ended,
+            }
+            for a in record.attempts
+        ],
         "launches": [a.launch_id for a in record.attempts if a.launch_id],
     }
 
@@ -148,9 +178,69 @@ def ok(outcome: str) -> bool:
     return outcome in ("exit 0", "ok")
 
 
-def first_failure(record: RunRecord) -> int | None:
-    """The worker that failed first: the one the others were stopped for, else the first
-    whose program did not end well."""
+class RunState(StrEnum):
+    RUNNING = "running"
+    LAUNCHER_GONE = "launcher gone"
+    OK = "ok"
+    FAILED = "failed"
+    STOPPED = "stopped"  # on purpose: Ctrl-C, a stop from the dashboard, a job's cancel
+
+
+FAILING = (RunState.FAILED, RunState.LAUNCHER_GONE, "failed")  # "failed": a --retries run's
+FAILING_SHOWN = 10  # the newest failing runs the overview lists (and says how many more)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a run stands or ended, in the dashboard's words."""
+
+    state: RunState
+    first_failure: int | None = None  # the worker that failed first in time
+    why: str | None = None  # what the summary's last line says: who, how, its last line
+
+
+def verdict(record: RunRecord) -> Verdict:
+    """How ``record``'s run stands: the one place that reads a run's outcome from its
+    record (``first_failure``, ``interrupted``, ``timed_out``; records written before
+    those fields are read as their outcome texts allow). A run stopped on purpose (Ctrl-C,
+    a stop from this page, a job's cancel) is stopped, not failed."""
+    if not record.done:
+        if record.launcher_gone():
+            gone = "its launcher ended without writing the run's end (killed?)"
+            return Verdict(RunState.LAUNCHER_GONE, why=gone)
+        return Verdict(RunState.RUNNING)
+    if record.exit_code == 0:
+        return Verdict(RunState.OK)
+    if record.interrupted is not None:
+        return Verdict(RunState.STOPPED, why=f"stopped by {record.interrupted}")
+    first = record.first_failure
+    if first is None:  # a record older than these fields: what its outcomes say
+        if _interrupted(record):
+            return Verdict(RunState.STOPPED, why="stopped by a signal")
+        first = _old_first(record)
+    return Verdict(RunState.FAILED, first, _failure(record, first))
+
+
+def _failure(record: RunRecord, first: int | None) -> str:
+    """Why a run failed, as its summary's last line says: who failed first and how."""
+    if record.timed_out:
+        late = [f"w{r.worker}" for r in record.results if r.outcome.startswith("timed out")]
+        return f"timed out: {', '.join(late)} did not finish in time"
+    found = next((r for r in record.results if r.worker == first), None)
+    if found is None:
+        return f"exit {record.exit_code}"
+    return f"w{first} {found.outcome}" + (f": {found.last_line}" if found.last_line else "")
+
+
+def _interrupted(record: RunRecord) -> bool:
+    """Whether every worker that did not end well was interrupted (none failed by itself)."""
+    outcomes = [r.outcome for r in record.results if not ok(r.outcome)]
+    return bool(outcomes) and all(o.startswith("interrupted") for o in outcomes)
+
+
+def _old_first(record: RunRecord) -> int | None:
+    """A record without ``first_failure``: the worker the others were stopped for, else the
+    first (in worker order) whose program did not end well."""
     for r in record.results:
         match = STOPPED_BY.search(r.outcome)
         if match:
@@ -158,25 +248,22 @@ def first_failure(record: RunRecord) -> int | None:
     return next((r.worker for r in record.results if not ok(r.outcome)), None)
 
 
-def state(record: RunRecord) -> str:
-    """ok, failed, running or launcher gone."""
-    if record.done:
-        return "ok" if record.exit_code == 0 else "failed"
-    return record.state()
-
-
 def summary(record: RunRecord, pod: str) -> dict[str, Any]:
     end = record.finished
+    judged = verdict(record)
     return {
         "id": record.launch_id,
         "pod": pod,
         "command": record.command,
-        "state": state(record),
+        "state": judged.state,
+        "why": judged.why,
         "exit_code": record.exit_code,
         "started": record.started,
+        "finished": end,
         "seconds": None if end is None else round(end - record.started, 3),
         "workers": len(record.workers),
-        "first_failure": first_failure(record),
+        "first_failure": judged.first_failure,
+        "job": None if record.job is None else {"id": record.job[0], "attempt": record.job[1]},
     }
 
 
@@ -195,8 +282,8 @@ def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
 def detail(record: RunRecord, pod: str) -> dict[str, Any]:
     """The run with every worker's state and exit, the first failure first."""
     outcomes = {r.worker: r for r in record.results}
-    failed = first_failure(record)
-    overall = state(record)  # once: it looks at the launcher (a lock file) each time
+    shown = summary(record, pod)  # once: it looks at the launcher (a lock file) each time
+    failed, overall = shown["first_failure"], shown["state"]
     workers = []
     for w in record.workers:
         r = outcomes.get(w.id)
@@ -211,7 +298,7 @@ def detail(record: RunRecord, pod: str) -> dict[str, Any]:
             }
         )
     workers.sort(key=lambda w: (w["worker"] != failed, w["worker"]))
-    return {**summary(record, pod), "finished": record.finished, "worker_list": workers}
+    return {**shown, "worker_list": workers}
 
 
 def pod_of(record: RunRecord) -> str:

@@ -74,7 +74,7 @@ class Sampler:
         """Take the named sources once (a round of the workers also marks the history)."""
         steps: dict[str, Callable[[], Awaitable[Any]]] = {
             "runs": lambda: asyncio.to_thread(self._runs),
-            "jobs": lambda: asyncio.to_thread(self.jobs.counts),
+            "jobs": lambda: asyncio.to_thread(self.jobs.summary),
             "pods": self._pods,
             "serving": lambda: self.serving.sample(self.state),
         }
