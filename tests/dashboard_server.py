@@ -47,11 +47,12 @@ def start(
     extra: tuple[str, ...] = (),
     new_session: bool = False,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Dashboard:
     """Start the dashboard (the CLI, as a user would) and wait until it answers; with
     ``new_session``, as the leader of a process group of its own (a terminal's Ctrl-C
     reaches the whole group)."""
-    port = free_base_port(1)
+    port = port or free_base_port(1)
     argv = ["dashboard", "--port", str(port), "--interval", str(interval), *extra]
     if token:
         argv += ["--token", token]

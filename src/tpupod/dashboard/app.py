@@ -11,22 +11,27 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    Response,
+    StreamingResponse,
+)
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpupod.dashboard import checkpoints, metrics, runs, serving
-from tpupod.dashboard.charts import line_chart
-from tpupod.dashboard.feed import Feed
-from tpupod.dashboard.formats import FILTERS
+from tpupod.dashboard.charts import FILTERS, line_chart
+from tpupod.dashboard.feed import Closing, Feed, sse
 from tpupod.dashboard.guard import Access, Guard, set_session
+from tpupod.dashboard.logs import Batch, RunLogs
 from tpupod.dashboard.runs import FAILING
-from tpupod.dashboard.streams import Closing, sse
 from tpupod.errors import JobNotFound, StateError, TpupodError, UsageError
 from tpupod.launch.records import RunRecord
 
@@ -249,7 +254,8 @@ def _pages(app: FastAPI, feed: Feed) -> None:
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job(request: Request, job_id: int) -> Response:
-        return render(request, "job.html", ("jobs",), job=feed.jobs.one(job_id))
+        job = feed.jobs.one(job_id, _job_runs(feed, job_id))
+        return render(request, "job.html", ("jobs", "runs"), job=job)
 
     @app.get("/serving", response_class=HTMLResponse)
     def serving_page(request: Request) -> Response:
@@ -264,6 +270,12 @@ def _pages(app: FastAPI, feed: Feed) -> None:
             line_chart(feed.history.since(key, start), key) for key in sorted(feed.history.series)
         ]
         return render(request, "charts.html", (), charts=drawn, hours=hours)
+
+
+def _job_runs(feed: Feed, job_id: int) -> list[dict[str, Any]]:
+    """The runs a job runner launched for job ``job_id`` (its record names the job)."""
+    found = feed.sources["runs"].data or EMPTY_RUNS
+    return [r for r in found["list"] if r.get("job") and r["job"]["id"] == job_id]
 
 
 def _pod(feed: Feed, name: str) -> dict[str, Any] | None:
@@ -319,8 +331,21 @@ def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
         return runs.detail(record, runs.pod_of(record))
 
     @app.get("/api/runs/{launch_id}/follow")
-    def api_run_follow(launch_id: str) -> StreamingResponse:
-        return sse(_follow_run(find_run(feed, launch_id)), closing)
+    def api_run_follow(
+        launch_id: str, last_event_id: Annotated[str | None, Header()] = None
+    ) -> StreamingResponse:
+        """Every worker's log: its tail, then what is written; from the batch after
+        ``Last-Event-ID`` when a browser reconnects."""
+        return sse(_follow_run(find_run(feed, launch_id), last_event_id), closing)
+
+    @app.get("/api/runs/{launch_id}/logs/{worker}")
+    def api_run_log(launch_id: str, worker: int) -> FileResponse:
+        """A worker's whole log, as a file to keep."""
+        record = find_run(feed, launch_id)
+        if worker not in {w.id for w in record.workers}:
+            raise StateError(f"run {launch_id} has no worker {worker}", hint="w0 to w{N-1}")
+        name = f"{launch_id}-w{worker}.log"
+        return FileResponse(record.log_file(worker), media_type="text/plain", filename=name)
 
     @app.post("/api/runs/{launch_id}/stop")
     def api_run_stop(launch_id: str) -> dict[str, Any]:
@@ -333,12 +358,29 @@ def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
 
     @app.get("/api/jobs/{job_id}")
     def api_job(job_id: int) -> dict[str, Any]:
-        return feed.jobs.one(job_id)
+        return feed.jobs.one(job_id, _job_runs(feed, job_id))
 
     @app.get("/api/jobs/{job_id}/follow")
-    def api_job_follow(job_id: int, after: int = 0) -> StreamingResponse:
+    def api_job_follow(
+        job_id: int,
+        after: int | None = None,
+        last_event_id: Annotated[str | None, Header()] = None,
+    ) -> StreamingResponse:
+        """The job's log: its tail (or the lines after offset ``after``), then what is
+        written; after ``Last-Event-ID`` (an offset) when a browser reconnects."""
         feed.jobs.one(job_id)  # 404 before the stream starts
+        if last_event_id is not None and last_event_id.isdigit():
+            after = int(last_event_id)
         return sse(feed.jobs.follow(job_id, after), closing)
+
+    @app.get("/api/jobs/{job_id}/log")
+    def api_job_log(job_id: int) -> StreamingResponse:
+        """The job's whole log, as a file to keep (``[wN]`` labels on a pod's job)."""
+        feed.jobs.one(job_id)
+        headers = {"Content-Disposition": f'attachment; filename="job-{job_id}.log"'}
+        return StreamingResponse(
+            feed.jobs.text(job_id), media_type="text/plain; charset=utf-8", headers=headers
+        )
 
     @app.post("/api/jobs/{job_id}/cancel")
     def api_job_cancel(job_id: int) -> dict[str, Any]:
@@ -417,28 +459,31 @@ async def _events(feed: Feed) -> AsyncIterator[str]:
         feed.forget(queue)
 
 
-async def _follow_run(record: RunRecord) -> AsyncIterator[str]:
-    """Every worker's log lines as they are written, then ``end``. They are read in a thread
-    of this follow's own, which ends when the viewer leaves: a follow that held one of
-    asyncio's few executor threads polled on after its viewer left, until the run ended,
-    and the next viewers' follows waited for a thread (and the process's exit for them all)."""
+async def _follow_run(record: RunRecord, cursor: str | None) -> AsyncIterator[str]:
+    """Every worker's log as batches of lines (``logs.RunLogs``: the tail first, or on
+    from ``cursor``, the id of the last batch a reconnecting browser got), then ``end``.
+    They are read in a thread of this follow's own, which ends when the viewer leaves: a
+    follow that held one of asyncio's few executor threads polled on after its viewer
+    left, until the run ended, and the next viewers' follows waited for a thread (and the
+    process's exit for them all)."""
     loop = asyncio.get_running_loop()
-    lines: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+    batches: asyncio.Queue[Batch | None] = asyncio.Queue()
     stop = threading.Event()
+    found = RunLogs(record, cursor)
 
     def pump() -> None:
         try:
-            for found in runs.follow(record, stop):
-                loop.call_soon_threadsafe(lines.put_nowait, found)
+            for batch in found.batches(stop):
+                loop.call_soon_threadsafe(batches.put_nowait, batch)
         finally:
             with contextlib.suppress(RuntimeError):  # the loop closed
-                loop.call_soon_threadsafe(lines.put_nowait, None)
+                loop.call_soon_threadsafe(batches.put_nowait, None)
 
     threading.Thread(target=pump, name=f"follow {record.launch_id}", daemon=True).start()
     try:
-        while (found := await lines.get()) is not None:
-            worker, line = found
-            yield f"event: line\ndata: {json.dumps({'worker': worker, 'line': line})}\n\n"
+        while (batch := await batches.get()) is not None:
+            data = json.dumps({"lines": batch.lines, "reset": batch.reset})
+            yield f"id: {batch.cursor}\nevent: lines\ndata: {data}\n\n"
         yield "event: end\ndata: {}\n\n"
     finally:
         stop.set()

@@ -7,18 +7,19 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from tpupod.errors import JobStoreError
 from tpupod.jobs import service
-from tpupod.jobs.models import Job, JobStatus
+from tpupod.jobs.models import Job, JobStatus, LogLine
 from tpupod.jobs.store import Store
 from tpupod.jobs.wakeup import file_state
 
 PAGE = 50
 RECOUNT_S = 5.0  # count again at least this often (a change a file's stat cannot show)
+TAIL_LINES = 500  # a job page opens with the log's last lines (the download has all)
 FAILED_SHOWN = 10  # the newest failed jobs the overview lists (and says how many more)
 
 
@@ -94,22 +95,60 @@ class Jobs:
             "before": before,
         }
 
-    def one(self, job_id: int) -> dict[str, Any]:
+    def one(self, job_id: int, runs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+        """The job, its attempts, and the runs it was launched as (``runs``: run summaries
+        whose ``job`` is this one): each attempt's run, start and end where known (a
+        pod's job from its run; the last attempt from the job's own times)."""
         detail = service.job_detail(self.need(), job_id)
-        return {**_row(detail.job), "attempts": [asdict(a) for a in detail.attempts]}
+        job = detail.job
+        row = {**_row(job), "attempts": [asdict(a) for a in detail.attempts]}
+        row["result_text"] = None if job.result is None else service.result_text(job.result)
+        by_attempt = {r["job"]["attempt"]: r for r in runs}
+        attempts = []
+        for a in detail.attempts:
+            run = by_attempt.get(a.attempt)
+            times = (run["started"], run["finished"]) if run else (None, None)
+            if run is None and a.attempt == job.attempt:
+                times = (job.started_at, job.completed_at)
+            attempts.append({
+                **asdict(a), "run": run["id"] if run else None,
+                "state": run["state"] if run else None,
+                "started": times[0], "finished": times[1],
+            })  # fmt: skip
+        row["attempt_rows"] = attempts
+        row["runs"] = [r["id"] for r in runs]
+        return row
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         return _row(self.need().cancel(job_id))
 
-    async def follow(self, job_id: int, after: int) -> AsyncIterator[str]:
-        """The job's lines after offset ``after`` as server-sent events (ids are the
-        offsets, as the job API's), then ``end`` with its status."""
+    async def follow(self, job_id: int, after: int | None) -> AsyncIterator[str]:
+        """The job's lines after offset ``after`` (None: its last ``TAIL_LINES``) as
+        server-sent events, a page an event whose id is its last offset (as the job API's),
+        then ``end`` with its status. A pod's job's lines are labelled ``[wN]``, as
+        ``tpupod jobs logs`` shows them."""
         store = self.need()
+        labelled = store.get(job_id).pod is not None
+        if after is None:
+            last = max((a.last_seq or 0 for a in store.attempts(job_id)), default=0)
+            after = max(0, last - TAIL_LINES)
         async for lines in service.follow(store, job_id, after=after):
-            for line in lines:
-                yield f"id: {line.seq}\nevent: line\ndata: {json.dumps(asdict(line))}\n\n"
+            shown = [[line.worker, _label(line, labelled)] for line in lines]
+            data = json.dumps({"lines": shown, "reset": []})
+            yield f"id: {lines[-1].seq}\nevent: lines\ndata: {data}\n\n"
         status = store.get(job_id).status.value
         yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
+
+    async def text(self, job_id: int) -> AsyncIterator[str]:
+        """The job's whole log as text, a page at a time."""
+        store = self.need()
+        labelled = store.get(job_id).pod is not None
+        async for lines in service.follow(store, job_id, until_end=False):
+            yield "".join(_label(line, labelled) + "\n" for line in lines)
+
+
+def _label(line: LogLine, labelled: bool) -> str:
+    return f"[w{line.worker}] {line.line}" if labelled else line.line
 
 
 def _files(store: Store) -> tuple[tuple[int, int, int] | None, ...] | None:

@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 import signal
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -15,17 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from tpupod.errors import StateError, UsageError
-from tpupod.launch.records import RunRecord, read_logs, run_record
+from tpupod.launch.records import RunRecord, run_record
 from tpupod.launch.run import RUNS_DIR
 from tpupod.recovery.record import RecoveryRecord, find_recovery
 from tpupod.state import StateDir
 
 TAIL_LINES = 10
 TAIL_BYTES = 16_384
-# a followed run's logs are read again this often: a pass over 256 workers' logs costs
-# about 5 ms of CPU, so 0.1 s took 5 % of a core per open run page; a line still shows
-# within a second
-FOLLOW_POLL_S = 0.25
 STOPPED_BY = re.compile(r"stopped after w(\d+) failed")
 LAUNCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -303,13 +298,6 @@ def detail(record: RunRecord, pod: str) -> dict[str, Any]:
 
 def pod_of(record: RunRecord) -> str:
     return record.folder.parent.parent.name
-
-
-def follow(record: RunRecord, stop: threading.Event) -> Iterator[tuple[int, str]]:
-    """Every worker's lines as ``tpupod logs --follow`` reads them, until ``stop`` is set."""
-    ids = [w.id for w in record.workers]
-    for brief, line in read_logs(record, ids, follow=True, poll_s=FOLLOW_POLL_S, stop=stop):
-        yield brief.id, line
 
 
 def stop(record: RunRecord) -> None:

@@ -15,8 +15,8 @@ import uvicorn
 
 from tpupod import settings, storage
 from tpupod.dashboard.app import Config
+from tpupod.dashboard.feed import Closing
 from tpupod.dashboard.guard import check_bind, check_token, is_loopback, is_wildcard
-from tpupod.dashboard.streams import Closing
 from tpupod.errors import UsageError
 
 TOKEN_ENV = "TPUPOD_DASHBOARD_TOKEN"

@@ -196,7 +196,7 @@ def read_logs(
     briefs = [w for w in record.workers if w.id in workers]
     paths = {b.id: record.log_file(b.id) for b in briefs}
     offsets = dict.fromkeys(workers, 0)
-    ended = _EndWatch(record)
+    ended = EndWatch(record)
     while True:
         # Ended before this pass: the pass reads all there is, and it is the last.
         last = not follow or ended()
@@ -212,7 +212,7 @@ def read_logs(
             time.sleep(poll_s)
 
 
-class _EndWatch:
+class EndWatch:
     """``record.ended()``, with ``run.json`` read again only when the file changed (the
     launcher replaces it when the run ends)."""
 
