@@ -30,8 +30,7 @@ from tpupod.dashboard import checkpoints, metrics, runs, serving
 from tpupod.dashboard.charts import FILTERS, line_chart
 from tpupod.dashboard.feed import Closing, Feed, sse
 from tpupod.dashboard.guard import Access, Guard, set_session
-from tpupod.dashboard.logs import Batch, RunLogs
-from tpupod.dashboard.runs import FAILING
+from tpupod.dashboard.runs import FAILING, Batch, RunLogs
 from tpupod.errors import JobNotFound, StateError, TpupodError, UsageError
 from tpupod.launch.records import RunRecord
 
