@@ -149,6 +149,8 @@ def test_a_run_with_retries_lists_its_attempts_and_preemptions(
     page = board.get(f"/runs/{record.run_id}").text
     assert "attempt 1: preempted" in page and "attempt 2: ok" in page
     assert 'href="/runs/20261127-080000-aaaaaa"' in page
+    attempts = page.split('id="attempt-list"')[1].split("</table>")[0]
+    assert attempts.count("<time datetime=") == 2  # each attempt's start
 
 
 def sampling_process(board: Dashboard) -> psutil.Process:

@@ -158,6 +158,7 @@ def see_a_thousand_jobs(store: Store, board: Dashboard, seen: Browser) -> None:
     assert page.locator("nav.pager a[rel=next]").count() == 0  # 30: one page
 
     page.goto(f"{board.url}/jobs")
+    page.on("dialog", lambda dialog: dialog.accept())  # "Cancel job N (name)?"
     target = ids[-1]
     row = page.locator(f'#job-list tr[data-job="{target}"]')
     row.locator("button").click()
@@ -445,4 +446,32 @@ def test_logs_follow_the_end_unless_scrolled_up_search_and_download(
         page.locator("#logs a.download").first.click()
     assert Path(download.value.path()).read_bytes() == log.read_bytes()
     assert download.value.suggested_filename == f"{running}-w0.log"
+    assert not seen.errors, seen.errors
+
+
+def test_a_cancel_asks_first_and_a_no_does_nothing(
+    dashboard: Callable[..., Dashboard], browser: Callable[[], Browser]
+) -> None:
+    """Stop, cancel and restart acted on one click."""
+    store = Store.open()
+    job = store.submit(JobRequest(command="sleep 60", name="keep me"))
+    try:
+        board = dashboard()
+        seen = browser()
+        page = seen.page
+        page.goto(f"{board.url}/jobs/{job}")
+        page.fill("#token", TOKEN)
+        page.dispatch_event("#token", "change")
+        asked: list[str] = []
+        page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+        page.locator("form[data-action] button", has_text="cancel").click()
+        assert asked == [f"Cancel job {job} (keep me)?"]
+        assert page.locator("#action-result").inner_text() == ""  # nothing was sent
+        assert store.get(job).status.value == "pending"
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.locator("form[data-action] button", has_text="cancel").click()
+        page.locator("#action-result", has_text="done").wait_for(timeout=10_000)
+        assert store.get(job).status.value == "cancelled"
+    finally:
+        store.close()
     assert not seen.errors, seen.errors

@@ -27,7 +27,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpupod.dashboard import checkpoints, metrics, runs, serving
-from tpupod.dashboard.charts import FILTERS, line_chart
+from tpupod.dashboard.charts import FILTERS, line_chart, title_of
 from tpupod.dashboard.feed import Closing, Feed, sse
 from tpupod.dashboard.guard import Access, Guard, set_session
 from tpupod.dashboard.runs import FAILING, Batch, RunLogs
@@ -219,13 +219,16 @@ def _pages(app: FastAPI, feed: Feed) -> None:
         found = _pod(feed, name)
 
         def make() -> Response:  # the charts' history grows with each round of the pods
+            start = time.time() - 3600
             charts = [
-                line_chart(feed.history.since(f"{k}:{name}", time.time() - 3600), t, u)
-                for k, t, u in (("load", "load per core", ""), ("memory", "memory", ""))
+                line_chart(feed.history.since(key, start), *title_of(key))
+                for key in (f"reachable:{name}", f"load:{name}", f"memory:{name}")
             ]
-            return render(request, "pod.html", ("pods",), name=name, pod=found, charts=charts)
+            topics = ("pods", "runs")
+            return render(request, "pod.html", topics, name=name, pod=found, charts=charts,
+                          pod_runs=_pod_runs(feed, name))  # fmt: skip
 
-        return cached(request, ("pods",), make)
+        return cached(request, ("pods", "runs"), make)
 
     @app.get("/runs", response_class=HTMLResponse)
     def run_list(
@@ -262,13 +265,39 @@ def _pages(app: FastAPI, feed: Feed) -> None:
         make = lambda: render(request, "serving.html", ("serving",), fleets=fleets)  # noqa: E731
         return cached(request, ("serving",), make)
 
+    @app.get("/serving/{pod}/log", response_class=HTMLResponse)
+    def backend_log(request: Request, pod: str, worker: int, port: int) -> Response:
+        lines = serving.log_tail(feed.state, pod, worker, port)
+        return render(
+            request, "backendlog.html", (), pod=pod, worker=worker, port=port, lines=lines
+        )
+
     @app.get("/charts", response_class=HTMLResponse)
     def charts(request: Request, hours: float = 1.0) -> Response:
         start = time.time() - hours * 3600
         drawn = [
-            line_chart(feed.history.since(key, start), key) for key in sorted(feed.history.series)
+            line_chart(feed.history.since(key, start), *title_of(key))
+            for key in sorted(feed.history.keys())
         ]
         return render(request, "charts.html", (), charts=drawn, hours=hours)
+
+    @app.get("/api/charts")
+    def api_charts(hours: float = 1.0) -> dict[str, Any]:
+        """Every series of the last ``hours``: (time, value) points."""
+        start = time.time() - hours * 3600
+        return {"series": {k: feed.history.since(k, start) for k in sorted(feed.history.keys())}}
+
+
+POD_RUNS = 10  # a pod's page lists its newest runs
+
+
+def _pod_runs(feed: Feed, name: str) -> dict[str, Any] | None:
+    """The pod's newest runs and how many it has (None while the runs load)."""
+    found = feed.sources["runs"].data
+    if found is None:
+        return None
+    mine = [r for r in found["list"] if r["pod"] == name]
+    return {"runs": mine[:POD_RUNS], "count": len(mine)}
 
 
 def _job_runs(feed: Feed, job_id: int) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import subprocess
 import sys
@@ -25,15 +26,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 from fastapi.responses import StreamingResponse
 
 from tpupod.dashboard.jobs import Jobs
+from tpupod.files import write_atomic
 from tpupod.state import StateDir
 
 HISTORY_S = 24 * 3600
+HISTORY_FILE = "dashboard/history.jsonl"  # in the state directory
 TOPICS = ("pods", "runs", "jobs", "serving")
 RESTART_S = 1.0  # wait before starting a sampler that ended again
 STOP_S = 1.0  # a sampler told to stop (its stdin closed) is killed after this long
@@ -61,19 +65,96 @@ class Source:
         return {"source": self.name, "state": self.state, "age_s": age, "error": self.error}
 
 
-@dataclass
 class History:
-    """Per-pod and overall series: (time, value) rings of a fixed length."""
+    """Per-pod and overall series: (time, value) rings of a fixed length, kept in the state
+    directory (``dashboard/history.jsonl``, a line per round) so that a restarted dashboard
+    still has its charts. One dashboard of a state directory writes it (a lock); others
+    only read it at start. The file is written again, with only what the rings hold, once
+    it has grown by a ring's length."""
 
-    length: int
-    series: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.series: dict[str, deque[tuple[float, float]]] = {}
+        self.guard = threading.Lock()  # pages read while the feed's thread adds
+        self.file: IO[str] | None = None
+        self.path: Path | None = None
+        self.lock: IO[bytes] | None = None
+        self.written = 0
 
-    def add(self, key: str, at: float, value: float | None) -> None:
-        if value is not None:
-            self.series.setdefault(key, deque(maxlen=self.length)).append((at, value))
+    def keep(self, path: Path, since: float) -> None:
+        """Load the rounds at ``path`` from ``since`` on, and add each new one there (if
+        no other dashboard of this state directory does)."""
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = path.with_name(path.name + ".lock").open("ab")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                self._load(path, since)
+                return
+            self.lock, self.path = lock, path
+            self._load(path, since)
+            self._rewrite()
+
+    def add_round(self, at: float, values: dict[str, float | None]) -> None:
+        kept = {k: v for k, v in values.items() if v is not None}
+        with self.guard:
+            for key, value in kept.items():
+                self.series.setdefault(key, deque(maxlen=self.length)).append((at, value))
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps({"t": at, "v": kept}) + "\n")
+            self.file.flush()
+        except OSError:  # a full disk: the charts go on in memory
+            self.file = None
+            return
+        self.written += 1
+        if self.written >= self.length:
+            self._rewrite()
+
+    def keys(self) -> list[str]:
+        with self.guard:
+            return list(self.series)
 
     def since(self, key: str, start: float) -> list[tuple[float, float]]:
-        return [p for p in self.series.get(key, ()) if p[0] >= start]
+        with self.guard:
+            return [p for p in self.series.get(key, ()) if p[0] >= start]
+
+    def _load(self, path: Path, since: float) -> None:
+        with contextlib.suppress(FileNotFoundError), path.open(encoding="utf-8") as file:
+            for line in file:
+                with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                    found = json.loads(line)
+                    if found["t"] >= since:
+                        for key, value in found["v"].items():
+                            ring = self.series.setdefault(key, deque(maxlen=self.length))
+                            ring.append((float(found["t"]), float(value)))
+
+    def _rewrite(self) -> None:
+        """The file again with only what the rings hold (atomically), then appended to."""
+        assert self.path is not None
+        rounds: dict[float, dict[str, float]] = {}
+        with self.guard:
+            for key, ring in self.series.items():
+                for at, value in ring:
+                    rounds.setdefault(at, {})[key] = value
+        text = "".join(json.dumps({"t": t, "v": v}) + "\n" for t, v in sorted(rounds.items()))
+        if self.file is not None:
+            self.file.close()
+        try:
+            write_atomic(self.path, text)
+            self.file = self.path.open("a", encoding="utf-8")
+        except OSError:
+            self.file = None
+        self.written = 0
+
+    def close(self) -> None:
+        for handle in (self.file, self.lock):
+            if handle is not None:
+                handle.close()
+        self.file = self.lock = None
 
 
 class Feed:
@@ -110,6 +191,14 @@ class Feed:
                 process.wait()
 
     def _keep_sampling(self) -> None:
+        # the charts' history first (this thread adds to it: no round is lost or doubled)
+        self.history.keep(self.state.root / HISTORY_FILE, time.time() - HISTORY_S)
+        try:
+            self._sample()
+        finally:
+            self.history.close()
+
+    def _sample(self) -> None:
         while not self.stopping.is_set():
             argv = [sys.executable, "-m", "tpupod.dashboard.sampler"]
             argv += ["--interval", str(self.interval)]
@@ -152,18 +241,20 @@ class Feed:
         self.publish(source.name)
 
     def _record_history(self, now: float) -> None:
+        values: dict[str, float | None] = {}
         for pod in self.sources["pods"].data or ():
             workers: list[dict[str, Any]] = pod["workers"]
             loads = [w["load"] for w in workers if w["load"] is not None]
             memory = [w["memory"] for w in workers if w["memory"] is not None]
-            self.history.add(f"reachable:{pod['name']}", now, pod["reachable"])
-            self.history.add(f"load:{pod['name']}", now, _mean(loads))
-            self.history.add(f"memory:{pod['name']}", now, _mean(memory))
+            values[f"reachable:{pod['name']}"] = pod["reachable"]
+            values[f"load:{pod['name']}"] = _mean(loads)
+            values[f"memory:{pod['name']}"] = _mean(memory)
         for status, count in (self.sources["jobs"].data or {"counts": {}})["counts"].items():
-            self.history.add(f"jobs:{status}", now, count)
+            values[f"jobs:{status}"] = count
         for fleet in self.sources["serving"].data or ():
             rates = [b["requests_per_s"] or 0.0 for b in fleet["backends"]]
-            self.history.add(f"requests_per_s:{fleet['pod']}", now, sum(rates))
+            values[f"requests_per_s:{fleet['pod']}"] = sum(rates)
+        self.history.add_round(now, values)
 
     # -- viewers ----------------------------------------------------------------------------
 
