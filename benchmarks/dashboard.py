@@ -23,6 +23,12 @@ process (`tpupod dashboard --interval 5`). Chromium is Debian's, driven by playw
   dashboards at once with their requests interleaved (medians of ``--history-requests``),
   served from memory and made each time.
 
+``--big-log LINES`` measures one thing instead: a finished run of 4 workers whose logs hold
+LINES lines each (100,000: 21 MB), opened in Chromium until every worker's last line is
+shown (the page keeps 500 a worker), 5 times (the first bounded by ``--big-log-timeout``),
+with the web process's CPU per open; ``--before SRC`` runs the same against another
+checkout's ``src/`` (PYTHONPATH) in the same run, the anchor.
+
 ``--backends N`` also starts a serving fleet of N backends (the fleet tests' stub OpenAI
 server, 4 a worker, behind the router) for the serving page; without it the page is empty.
 """
@@ -30,6 +36,7 @@ server, 4 a worker, behind the router) for the serving page; without it the page
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -58,8 +65,12 @@ TPUPOD = str(Path(sys.executable).with_name("tpupod"))
 PORT = 8761
 
 
-def start(home: Path, interval: float, port: int = PORT) -> subprocess.Popen[bytes]:
+def start(
+    home: Path, interval: float, port: int = PORT, src: str | None = None
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TPUPOD_HOME": str(home)}
+    if src is not None:  # another checkout's code (the sampler inherits it)
+        env["PYTHONPATH"] = src
     argv = [TPUPOD, "dashboard", "--port", str(port), "--interval", str(interval), "--token", "t"]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300  # a first sample of 256 workers on a busy machine
@@ -220,7 +231,109 @@ def history(few: Path, many: Path, args: argparse.Namespace) -> None:
             stop(proc)
 
 
-def main() -> None:
+BIG_WORKERS = 4
+
+
+def write_big_run(state: StateDir, lines: int) -> str:
+    """A finished run of ``BIG_WORKERS`` workers, each log ``lines`` lines of about 52 bytes
+    (100,000 lines: 21 MB in all); its launch id."""
+    launch = "20260101-000000-biglog"
+    folder = state.pod_dir("big") / "runs" / launch
+    folder.mkdir(parents=True)
+    workers = [{"id": w, "hostname": f"vm{w}"} for w in range(BIG_WORKERS)]
+    now = time.time()
+    record = {
+        "launch_id": launch, "command": "python train.py", "workers": workers,
+        "coordinator": "127.0.0.1:8476", "started": now - 600, "finished": now, "exit_code": 0,
+        "results": [{"worker": w, "outcome": "exit 0", "last_line": "done"} for w in range(4)],
+    }  # fmt: skip
+    (folder / "run.json").write_text(json.dumps(record))
+    for w in range(BIG_WORKERS):
+        line = "w{w} step {i:07d} loss {loss:.9f} lr 3.0e-04 gn 0.25\n"
+        body = "".join(line.format(w=w, i=i, loss=1 / (i + 1)) for i in range(lines))
+        (folder / f"w{w}.log").write_text(body)
+    return launch
+
+
+def big_log(args: argparse.Namespace) -> None:
+    """How long a run page with big logs takes to show every worker's last line."""
+    from playwright.sync_api import sync_playwright
+
+    home = Path(tempfile.mkdtemp(prefix="tpupod-dash-biglog-"))
+    os.environ["TPUPOD_HOME"] = str(home / "state")
+    state = StateDir()
+    up(LocalPodSpec(name="big", workers=BIG_WORKERS), state)
+    launch = write_big_run(state, args.big_log)
+    size = sum(f.stat().st_size for f in (state.pod_dir("big") / "runs" / launch).glob("*.log"))
+    print(f"run {launch}: {BIG_WORKERS} workers x {args.big_log} lines, {size / 1e6:.1f} MB")
+    last = [f"w{w} step {args.big_log - 1:07d}" for w in range(BIG_WORKERS)]
+    shown = (
+        "(lines) => [...document.querySelectorAll('#logs pre')].filter((p, i) => "
+        "p.textContent.includes(lines[i])).length === lines.length"
+    )
+    codes = {"after": None, "before": args.before} if args.before else {"after": None}
+    try:
+        with sync_playwright() as pw:
+            chromium = pw.chromium.launch(
+                executable_path=shutil.which("chromium"), args=["--no-sandbox"]
+            )
+            for name, src in codes.items():
+                proc = start(home / "state", args.interval, src=src)
+                web = psutil.Process(proc.pid)
+                try:
+                    times, cpus = [], []
+                    for _ in range(5):
+                        page = chromium.new_page()
+                        cpu0 = sum(web.cpu_times()[:2])
+                        began = time.perf_counter()
+                        page.goto(f"http://127.0.0.1:{PORT}/runs/{launch}")
+                        try:
+                            page.wait_for_function(
+                                shown,
+                                arg=last,
+                                timeout=args.big_log_timeout * 1000,
+                                polling=100,
+                            )
+                        except Exception:  # playwright's TimeoutError
+                            times.append(None)
+                        else:
+                            times.append((time.perf_counter() - began) * 1000)
+                        cpus.append(sum(web.cpu_times()[:2]) - cpu0)
+                        page.close()
+                        if times[-1] is None:
+                            break  # one that never finished says enough
+                    done = [t for t in times if t is not None]
+                    text = (
+                        f"median {statistics.median(done):.0f} ms of {len(done)}"
+                        if done
+                        else f"incomplete after {args.big_log_timeout:.0f} s"
+                    )
+                    print(
+                        f"{name}: every worker's last line shown: {text} "
+                        f"(each: {', '.join('-' if t is None else f'{t:.0f}' for t in times)} ms); "
+                        f"web process CPU per open: "
+                        f"{', '.join(f'{c:.2f}' for c in cpus)} s"
+                    )
+                finally:
+                    stop_killing(proc)
+            chromium.close()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def stop_killing(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a dashboard that may not end on SIGTERM (the code before the shutdown fix)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+
+
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=256)
     parser.add_argument("--runs", type=int, default=1000)
@@ -230,8 +343,18 @@ def main() -> None:
     parser.add_argument("--watch-s", type=float, default=60.0)
     parser.add_argument("--backends", type=int, default=0)
     parser.add_argument("--history-requests", type=int, default=200)
-    args = parser.parse_args()
+    parser.add_argument("--big-log", type=int, default=0, metavar="LINES")
+    parser.add_argument("--big-log-timeout", type=float, default=120.0)
+    parser.add_argument("--before", metavar="SRC", default=None)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    if args.big_log:
+        big_log(args)
+        return
     home = Path(tempfile.mkdtemp(prefix="tpupod-dash-bench-"))
     os.environ["TPUPOD_HOME"] = str(home / "state")
     state = StateDir()

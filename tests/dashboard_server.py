@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -40,15 +41,28 @@ class Dashboard:
 
 
 def start(
-    *, interval: float = 1.0, token: str | None = TOKEN, extra: tuple[str, ...] = ()
+    *,
+    interval: float = 1.0,
+    token: str | None = TOKEN,
+    extra: tuple[str, ...] = (),
+    new_session: bool = False,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Dashboard:
-    """Start the dashboard (the CLI, as a user would) and wait until it answers."""
-    port = free_base_port(1)
+    """Start the dashboard (the CLI, as a user would) and wait until it answers; with
+    ``new_session``, as the leader of a process group of its own (a terminal's Ctrl-C
+    reaches the whole group)."""
+    port = port or free_base_port(1)
     argv = ["dashboard", "--port", str(port), "--interval", str(interval), *extra]
     if token:
         argv += ["--token", token]
     proc = subprocess.Popen(
-        tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        tpupod_argv(*argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=new_session,
+        env={**os.environ, **(env or {})},
     )
     board = Dashboard(proc, port, interval, token)
     deadline = time.monotonic() + 90  # two processes' imports on a loaded machine
@@ -57,7 +71,8 @@ def start(
             raise AssertionError(f"the dashboard ended: {proc.communicate()}")
         try:
             # answering, and the sampling process has read the run records once
-            if board.get("/api/runs").json().get("state") not in (None, "loading"):
+            auth = {"Authorization": f"Bearer {token}"} if token else {}
+            if board.get("/api/runs", headers=auth).json().get("state") not in (None, "loading"):
                 return board
         except httpx.TransportError:
             time.sleep(0.1)
@@ -74,6 +89,11 @@ def start_run(pod: str, program: str, folder: Path) -> subprocess.Popen[bytes]:
 
 
 def stop(board: Dashboard) -> None:
+    if board.proc.returncode is not None:  # a test ended it
+        for pipe in (board.proc.stdout, board.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        return
     board.proc.terminate()
     try:
         board.proc.communicate(timeout=10)

@@ -3,19 +3,25 @@ and the loading / empty / stale states of a page."""
 
 from __future__ import annotations
 
+import html
+import re
+import shlex
 import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import event
 
 from tests.conftest import CliResult
 from tests.dashboard_server import TOKEN, Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
+from tests.fakes.runs import write_runs
 from tpupod.dashboard.app import Config, create_app
 from tpupod.dashboard.jobs import Jobs
 from tpupod.jobs.api import listen
@@ -50,7 +56,7 @@ def test_actions_need_the_token_and_the_same_origin(
     cancel = f"/api/jobs/{first}/cancel"
     assert board.post(cancel).status_code == 401
     wrong = board.post(cancel, headers={"Authorization": "Bearer nope"})
-    assert wrong.status_code == 401
+    assert wrong.status_code == 401 and wrong.json()["detail"] == "wrong token"
     foreign = {"Authorization": f"Bearer {TOKEN}", "Origin": "http://evil.example"}
     assert board.post(cancel, headers=foreign).status_code == 403
     assert store.get(first).status.value == "pending"  # nothing was done
@@ -143,6 +149,8 @@ def test_a_run_with_retries_lists_its_attempts_and_preemptions(
     page = board.get(f"/runs/{record.run_id}").text
     assert "attempt 1: preempted" in page and "attempt 2: ok" in page
     assert 'href="/runs/20261127-080000-aaaaaa"' in page
+    attempts = page.split('id="attempt-list"')[1].split("</table>")[0]
+    assert attempts.count("<time datetime=") == 2  # each attempt's start
 
 
 def sampling_process(board: Dashboard) -> psutil.Process:
@@ -221,3 +229,116 @@ def test_accepted_connections_send_at_once(state_home: Path) -> None:
         accepted, _ = listening.accept()
         with accepted:
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+TOKEN_HINT = "hint: make one with: python3 -c 'import secrets; print(secrets.token_urlsafe())'"
+BENCH_HINT = "hint: tpupod bench checkpoint --config examples/bench_checkpoint.yaml --output"
+PORT_HINT = "hint: a port is 1 to 65535, or 0 for any free one"
+INTERVAL_HINT = "hint: sample at most 5 times a second: --interval 0.2 or more"
+SPACE = "has a space or a control character"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["--port", "99999"], {}, ["error: --port 99999 is not a port", PORT_HINT]),
+        (["--port", "-1"], {}, ["error: --port -1 is not a port", PORT_HINT]),
+        (["--interval", "0.01"], {}, ["error: --interval 0.01 is too short", INTERVAL_HINT]),
+        (["--token", " "], {}, ["error: --token is blank", TOKEN_HINT]),
+        (["--token", "two words"], {}, [f"error: --token {SPACE}", TOKEN_HINT]),
+        (["--token", "t\N{EURO SIGN}"], {}, ["error: --token has a character outside ASCII",
+                                             TOKEN_HINT]),
+        ([], {"TPUPOD_DASHBOARD_TOKEN": "  "}, ["error: $TPUPOD_DASHBOARD_TOKEN is blank",
+                                                TOKEN_HINT]),
+        (["--bench", "nowhere"], {}, ["error: --bench nowhere: no such folder",
+                                      f"{BENCH_HINT} nowhere"]),
+    ],
+)  # fmt: skip
+def test_bad_input_at_start_is_one_error_line_and_one_hint(
+    cli: Callable[..., CliResult], args: list[str], env: dict[str, str], said: list[str]
+) -> None:
+    """--port 99999 was an internal error (bind's OverflowError), --interval 0.01 click's
+    three lines, and a blank or unusable token was taken: every action then failed 401."""
+    result = cli("dashboard", *args, env=env)
+    assert result.code == 2, result.err
+    assert result.err.splitlines() == said
+
+
+def test_an_empty_bench_folder_shows_a_command_that_works(
+    dashboard: Callable[..., Dashboard], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """The hint was 'tpupod bench checkpoint SUITE.yaml --output DIR': no such argument."""
+    output = tmp_path / "bench"
+    output.mkdir()
+    board = dashboard(extra=("--bench", str(output)))
+    page = board.get("/checkpoints").text
+    found = re.search(r"<code>(tpupod bench checkpoint [^<]*)</code>", page)
+    assert found, page
+    shown = shlex.split(html.unescape(found.group(1)))
+    assert shown == ["tpupod", "bench", "checkpoint", "--config", "examples/bench_checkpoint.yaml",
+                     "--output", str(output)]  # fmt: skip
+    tried = cli(*shown[1:])  # the suite loads and the options parse: it stops at the pod
+    assert tried.err.startswith("error: no pods yet"), tried.err
+
+
+def auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def this_machines_address() -> str | None:
+    """An address of this machine other than loopback, if it has one."""
+    for addresses in psutil.net_if_addrs().values():
+        for found in addresses:
+            if found.family == socket.AF_INET and not found.address.startswith("127."):
+                return str(found.address)
+    return None
+
+
+def test_beyond_loopback_every_request_needs_the_token(
+    dashboard: Callable[..., Dashboard], make_pod: Callable[..., Pod], state_home: Path
+) -> None:
+    """Bound beyond loopback, a job's full command and a run's logs were open to anyone who
+    could reach the port; only POSTs needed the token."""
+    pod = make_pod(1)
+    running = write_runs(StateDir(), pod.name, 1, 0)
+    store = Store.open()
+    job = store.submit(JobRequest(command="train --password hunter2"))
+    store.close()
+    board = dashboard(extra=("--host", "0.0.0.0"))
+    reads = ["/", "/runs", f"/jobs/{job}", f"/api/jobs/{job}", f"/api/jobs/{job}/follow",
+             f"/api/runs/{running}/follow", "/api/events", "/metrics"]  # fmt: skip
+    for path in reads:
+        with httpx.stream("GET", board.url + path, timeout=10) as answer:
+            body = answer.read().decode()
+        assert answer.status_code == 401, (path, answer.status_code)
+        assert "hunter2" not in body and "w0 line" not in body, path
+    missing = board.get(f"/api/jobs/{job}").json()["detail"]
+    assert missing.startswith("a token is required"), missing
+    wrong = board.get(f"/api/jobs/{job}", headers=auth("nope"))
+    assert (wrong.status_code, wrong.json()["detail"]) == (401, "wrong token")
+    assert board.get(f"/api/jobs/{job}", headers=auth()).json()["command"].endswith("hunter2")
+    page = board.get("/")
+    assert 'id="signin"' in page.text and page.headers["content-type"].startswith("text/html")
+    assert board.get("/static/dashboard.js").status_code == 200  # the sign-in page's script
+    # the page's script trades the token for a cookie, which the browser sends with each read
+    signed = board.post("/api/session", headers={**auth(), "Origin": board.url})
+    assert signed.status_code == 204, signed.text
+    cookies = dict(signed.cookies)
+    assert board.get(f"/api/jobs/{job}", cookies=cookies).status_code == 200
+    with httpx.stream("GET", f"{board.url}/api/runs/{running}/follow", cookies=cookies) as s:
+        assert s.status_code == 200
+    assert board.get("/", cookies={name: "forged" for name in cookies}).status_code == 401
+
+
+def test_a_wildcard_bind_answers_to_the_machines_names_and_addresses(
+    dashboard: Callable[..., Dashboard],
+) -> None:
+    """--host 0.0.0.0 accepted only 'Host: 0.0.0.0', which no browser sends."""
+    board = dashboard(extra=("--host", "0.0.0.0"))
+    names = ["127.0.0.1", "localhost", socket.gethostname(), this_machines_address()]
+    for name in filter(None, names):
+        answer = board.get("/api/pods", headers={**auth(), "Host": f"{name}:{board.port}"})
+        assert answer.status_code == 200, (name, answer.text)
+    for foreign in ("evil.example", "10.255.255.254"):
+        rebound = board.get("/api/pods", headers={**auth(), "Host": f"{foreign}:{board.port}"})
+        assert rebound.status_code == 400, foreign

@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,13 +19,17 @@ from tests.dashboard_server import (  # noqa: F401 (fixtures)
     Dashboard,
     browser_fixture,
     dashboard_fixture,
+    start,
     start_run,
+    stop,
 )
+from tests.fakes.runs import write_runs
 from tests.test_jobs import db_url, postgres  # noqa: F401 (fixtures: SQLite and PostgreSQL)
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
 from tpupod.pod import Pod
 from tpupod.sim import SimPod
+from tpupod.state import StateDir
 
 # a real browser and a real dashboard process: generous under load, bounded
 pytestmark = pytest.mark.timeout(180)
@@ -153,6 +158,7 @@ def see_a_thousand_jobs(store: Store, board: Dashboard, seen: Browser) -> None:
     assert page.locator("nav.pager a[rel=next]").count() == 0  # 30: one page
 
     page.goto(f"{board.url}/jobs")
+    page.on("dialog", lambda dialog: dialog.accept())  # "Cancel job N (name)?"
     target = ids[-1]
     row = page.locator(f'#job-list tr[data-job="{target}"]')
     row.locator("button").click()
@@ -249,11 +255,12 @@ def test_stop_a_run_from_its_page_with_the_token(
         page.locator('#logs pre[data-worker="1"]', has_text="up").wait_for(timeout=30_000)
         page.fill("#token", TOKEN)
         page.dispatch_event("#token", "change")
+        page.on("dialog", lambda dialog: dialog.accept())  # "Stop run ID on every worker?"
         page.locator("form[data-action] button", has_text="stop the run").click()
         page.locator("#action-result", has_text="done").wait_for(timeout=10_000)
         _, err = run.communicate(timeout=30)
         assert "interrupted" in err.decode()
-        page.locator("#run-state", has_text="failed").wait_for(timeout=10_000)
+        page.locator("#run-state", has_text="stopped").wait_for(timeout=10_000)  # not failed
     finally:
         if run.poll() is None:
             run.kill()
@@ -305,4 +312,166 @@ def test_checkpoint_results_with_their_plots(
     image.wait_for()
     page.wait_for_function("() => document.querySelector('figure.plot img').naturalWidth > 0")
     assert board.get(f"/checkpoints/{folder.parent.name}/{folder.name}/../x.png").status_code == 404
+    assert not seen.errors, seen.errors
+
+
+def test_open_signs_in_with_a_base64_token_beyond_loopback(
+    dashboard: Callable[..., Dashboard], browser: Callable[[], Browser], tmp_path: Path
+) -> None:
+    """--open put the token in the URL unquoted and the page read a base64 token's '+' as a
+    space: every action failed 401. Bound beyond loopback the page itself needs the token:
+    the fragment signs the browser in (a cookie), and other pages and actions follow."""
+    token = "Ab+Cd/Ef+gh/IJ=="
+    opened = tmp_path / "opened"
+    fake_browser = tmp_path / "browser.sh"  # what webbrowser runs when $BROWSER names it
+    fake_browser.write_text(
+        f'#!/bin/sh\nprintf "%s" "$1" > {opened}.part && mv {opened}.part {opened}\n'
+    )
+    fake_browser.chmod(0o755)
+    store = Store.open()
+    job = store.submit(JobRequest(command="sleep 60", name="to cancel"))
+    try:
+        board = dashboard(
+            token=token, extra=("--host", "0.0.0.0", "--open"), env={"BROWSER": str(fake_browser)}
+        )
+        url = opened.read_text()
+        assert url.startswith(f"http://127.0.0.1:{board.port}/#token="), url
+        seen = browser()
+        page = seen.page
+        page.on("dialog", lambda dialog: dialog.accept())
+        page.goto(url)
+        page.locator("main h1", has_text="Overview").wait_for(timeout=20_000)
+        assert "token" not in page.url  # the fragment is gone from the address bar
+        page.goto(f"{board.url}/jobs")  # the session goes on
+        page.locator(f'#job-list tr[data-job="{job}"] button').click()
+        page.locator("#action-result", has_text="done").wait_for(timeout=10_000)
+        assert store.get(job).status.value == "cancelled"
+    finally:
+        store.close()
+    # the first load of the page is the sign-in page, served with 401 (Chromium logs that)
+    assert [e for e in seen.errors if "401" not in e] == [], seen.errors
+
+
+def test_a_wrong_token_on_the_sign_in_page_says_so(
+    dashboard: Callable[..., Dashboard], browser: Callable[[], Browser]
+) -> None:
+    board = dashboard(extra=("--host", "0.0.0.0"))
+    seen = browser()
+    page = seen.page
+    page.goto(f"{board.url}/runs")
+    page.fill("#signin-token", "not the token")
+    page.locator("#signin button").click()
+    page.locator("#action-result", has_text="wrong token").wait_for(timeout=10_000)
+    page.fill("#signin-token", TOKEN)
+    page.locator("#signin button").click()
+    page.locator("main h1", has_text="Runs").wait_for(timeout=10_000)
+    assert page.url == f"{board.url}/runs"
+    assert [e for e in seen.errors if "401" not in e] == []  # the refused sign-in is logged
+
+
+def pane_lines(page: Any, worker: int) -> list[str]:
+    text: str = page.locator(f'#logs pre[data-worker="{worker}"]').inner_text()
+    return text.splitlines()
+
+
+def test_a_reconnected_page_repeats_no_line_and_says_while_it_is_away(
+    make_pod: Callable[..., Pod], browser: Callable[[], Browser], state_home: Path
+) -> None:
+    """After a reconnect the page appended the whole log again (141 lines twice), and
+    nothing said it had been disconnected."""
+    pod = make_pod(2)
+    running = write_runs(StateDir(), pod.name, 2, 0)  # 20 lines a worker; stays running
+    log = StateDir().pod_dir(pod.name) / "runs" / running / "w0.log"
+    first = start()
+    try:
+        seen = browser()
+        page = seen.page
+        page.goto(f"{first.url}/runs/{running}")
+        page.locator('#logs pre[data-worker="0"]', has_text="w0 line 19").wait_for(timeout=30_000)
+        assert page.locator("#connection").is_hidden()
+    finally:
+        stop(first)  # the dashboard goes away
+    page.locator("#connection").wait_for(state="visible", timeout=10_000)
+    with log.open("a") as file:
+        file.write("written while it was away\n")
+    second = start(port=first.port)  # and comes back on the same address
+    try:
+        pane = page.locator('#logs pre[data-worker="0"]', has_text="written while it was away")
+        pane.wait_for(timeout=30_000)
+        page.locator("#connection").wait_for(state="hidden", timeout=10_000)
+        lines = pane_lines(page, 0)
+        assert lines == [*(f"w0 line {k}" for k in range(20)), "written while it was away"]
+    finally:
+        stop(second)
+    # what the browser logs of the gap: the streams' failed reconnects while it was away
+    assert [e for e in seen.errors if "ERR_CONNECTION_REFUSED" not in e] == [], seen.errors
+
+
+def test_logs_follow_the_end_unless_scrolled_up_search_and_download(
+    make_pod: Callable[..., Pod],
+    dashboard: Callable[..., Dashboard],
+    browser: Callable[[], Browser],
+) -> None:
+    pod = make_pod(1)
+    running = write_runs(StateDir(), pod.name, 1, 0)
+    log = StateDir().pod_dir(pod.name) / "runs" / running / "w0.log"
+    with log.open("a") as file:
+        file.write("".join(f"step {k} loss {k / 10}\n" for k in range(200)))
+    board = dashboard()
+    seen = browser()
+    page = seen.page
+    page.goto(f"{board.url}/runs/{running}")
+    pane = page.locator('#logs pre[data-worker="0"]')
+    pane.filter(has_text="step 199 loss").wait_for(timeout=30_000)
+    at_end = "p => p.scrollTop + p.clientHeight >= p.scrollHeight - 4"
+    assert pane.evaluate("p => p.scrollHeight > p.clientHeight")  # it scrolls
+    assert pane.evaluate(at_end)  # opened at the end
+    with log.open("a") as file:
+        file.write("step 200 loss 20\n")
+    pane.filter(has_text="step 200 loss").wait_for(timeout=10_000)
+    assert pane.evaluate(at_end)  # and kept there while following
+    pane.evaluate("p => { p.scrollTop = 0; p.dispatchEvent(new Event('scroll')); }")
+    with log.open("a") as file:
+        file.write("step 201 loss 20.1\n")
+    pane.filter(has_text="step 201 loss").wait_for(timeout=10_000)
+    assert pane.evaluate("p => p.scrollTop") == 0  # the user's place is kept
+    page.fill("#log-search", "LOSS 1")  # any case
+    kept = log.read_text().splitlines()
+    wanted = [line for line in kept if "loss 1" in line]
+    assert pane_lines(page, 0) == wanted and len(wanted) == 110
+    assert page.locator("#log-matches").inner_text() == "110 matching lines shown"
+    page.fill("#log-search", "")
+    assert len(pane_lines(page, 0)) == 222  # 20 + 202: the whole tail again
+    with page.expect_download() as download:
+        page.locator("#logs a.download").first.click()
+    assert Path(download.value.path()).read_bytes() == log.read_bytes()
+    assert download.value.suggested_filename == f"{running}-w0.log"
+    assert not seen.errors, seen.errors
+
+
+def test_a_cancel_asks_first_and_a_no_does_nothing(
+    dashboard: Callable[..., Dashboard], browser: Callable[[], Browser]
+) -> None:
+    """Stop, cancel and restart acted on one click."""
+    store = Store.open()
+    job = store.submit(JobRequest(command="sleep 60", name="keep me"))
+    try:
+        board = dashboard()
+        seen = browser()
+        page = seen.page
+        page.goto(f"{board.url}/jobs/{job}")
+        page.fill("#token", TOKEN)
+        page.dispatch_event("#token", "change")
+        asked: list[str] = []
+        page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+        page.locator("form[data-action] button", has_text="cancel").click()
+        assert asked == [f"Cancel job {job} (keep me)?"]
+        assert page.locator("#action-result").inner_text() == ""  # nothing was sent
+        assert store.get(job).status.value == "pending"
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.locator("form[data-action] button", has_text="cancel").click()
+        page.locator("#action-result", has_text="done").wait_for(timeout=10_000)
+        assert store.get(job).status.value == "cancelled"
+    finally:
+        store.close()
     assert not seen.errors, seen.errors

@@ -176,13 +176,21 @@ def test_requests_per_second_match_the_generator_and_a_killed_backend_is_counted
         os.kill(stub_pid(int(address.rsplit(":", 1)[1])), signal.SIGKILL)
         row.locator("td.restarts", has_text="1").wait_for(timeout=30_000)
 
+        assert row.locator("td.user-restarts").inner_text() == "0"
+
         other = page.locator("table.backends tbody tr").nth(1)  # restarted by hand, with the token
         assert other.locator("td.restarts").inner_text() == "0"
         page.fill("#token", TOKEN)
         page.dispatch_event("#token", "change")
+        page.on("dialog", lambda dialog: dialog.accept())  # "Restart the server on ...?"
         other.locator("button", has_text="restart").click()
         page.locator("#action-result", has_text="done").wait_for(timeout=30_000)
-        other.locator("td.restarts", has_text="1").wait_for(timeout=30_000)
+        # a restart asked for is counted apart, not as a crash (it was: restarts 1)
+        other.locator("td.user-restarts", has_text="1").wait_for(timeout=30_000)
+        assert other.locator("td.restarts").inner_text() == "0"
+
+        other.locator("a.backend-log").click()  # its log, as 'tpupod serve logs' prints it
+        page.locator("#backend-log", has_text="stub pid").wait_for(timeout=30_000)
     finally:
         load.close()
     assert not seen.errors, seen.errors

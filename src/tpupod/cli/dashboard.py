@@ -31,7 +31,7 @@ def dashboard(
         typer.Option("--allow-host", metavar="NAME", help="Another name the page is reached by."),
     ] = None,
     interval: Annotated[
-        float, typer.Option("--interval", min=0.2, help="Seconds between samples of the workers.")
+        float, typer.Option("--interval", help="Seconds between samples of the workers.")
     ] = 5.0,
     db: Annotated[
         str | None,
@@ -59,4 +59,4 @@ def dashboard(
 
     names = tuple(allow_host or ())
     config = Config(host, port, token, names, interval, db, bench)
-    serve(config, open_browser=open_browser, on_ready=notice)
+    raise typer.Exit(serve(config, open_browser=open_browser, on_ready=notice))

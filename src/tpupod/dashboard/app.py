@@ -11,17 +11,26 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    Response,
+    StreamingResponse,
+)
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpupod.dashboard import checkpoints, metrics, runs, serving
-from tpupod.dashboard.charts import line_chart
-from tpupod.dashboard.feed import Feed
-from tpupod.dashboard.guard import allowed_hosts, guard_middleware
+from tpupod.dashboard.charts import FILTERS, line_chart, title_of
+from tpupod.dashboard.feed import Closing, Feed, sse
+from tpupod.dashboard.guard import Access, Guard, set_session
+from tpupod.dashboard.runs import FAILING, Batch, RunLogs
 from tpupod.errors import JobNotFound, StateError, TpupodError, UsageError
 from tpupod.launch.records import RunRecord
 
@@ -46,32 +55,58 @@ class Config:
 
 def create_app(config: Config) -> FastAPI:
     feed = Feed(config.interval, config.jobs_url)
+    closing = Closing()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        closing.bind()
         thread = feed.start()
         yield
         await asyncio.to_thread(feed.stop)
-        await asyncio.to_thread(thread.join, 10)
+        await asyncio.to_thread(thread.join, 5)
 
     app = FastAPI(title="tpupod dashboard", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.feed = feed
+    app.state.closing = closing
     app.state.pages = {}  # cached(): made pages by address, with their sources' versions
-    app.state.templates = Jinja2Templates(directory=HERE / "templates")
-    app.middleware("http")(guard_middleware(allowed_hosts(config.host, config.names), config.token))
-    app.middleware("http")(_headers)
+    templates = app.state.templates = Jinja2Templates(directory=HERE / "templates")
+    templates.env.filters.update(FILTERS)
+    access = app.state.access = Access.of(config.host, config.names, config.token, config.port)
+    app.add_middleware(Guard, access=access, sign_in=lambda why: _sign_in(templates, why))
+    app.add_middleware(_Headers)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     app.exception_handler(TpupodError)(_error)
     _pages(app, feed)
-    _api(app, feed)
+    _api(app, feed, closing)
     _checkpoints(app, config.bench)
     return app
 
 
-async def _headers(request: Request, call_next: Any) -> Response:
-    response: Response = await call_next(request)
-    response.headers.update(HEADERS)
-    return response
+class _Headers:
+    """ASGI middleware: ``HEADERS`` on every answer (a plain ASGI one: Starlette's
+    ``BaseHTTPMiddleware`` copies each chunk of a stream through a queue of its own)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).update(HEADERS)
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def _sign_in(templates: Jinja2Templates, why: str) -> str:
+    """The page a browser gets instead of a page it may not read yet: a token field (its
+    script also takes the token from ``--open``'s URL fragment)."""
+    page = templates.get_template("signin.html")
+    return page.render(topics="", sources=[], fragment=False, why=why)
 
 
 async def _error(request: Request, exc: Exception) -> Response:
@@ -121,12 +156,20 @@ def find_run(feed: Feed, launch_id: str) -> RunRecord:
     return runs.find(feed.state, launch_id)
 
 
+EMPTY_RUNS: dict[str, Any] = {
+    "count": 0, "states": {}, "list": [], "failing": [], "failing_count": 0
+}  # fmt: skip
+EMPTY_JOBS: dict[str, Any] = {"counts": {}, "failed": []}
+
+
 def overview(feed: Feed) -> dict[str, Any]:
-    """Counts, and whatever is failing first."""
+    """Counts, and whatever is failing: every pod that is, the newest failing runs and
+    failed jobs with why, and how many more of each (the sampler keeps them: the work does
+    not grow with the history)."""
     pods = feed.sources["pods"].data or []
-    found = feed.sources["runs"].data or {"count": 0, "states": {}, "list": []}
-    jobs = feed.sources["jobs"].data or {}
-    failing = [
+    found = feed.sources["runs"].data or EMPTY_RUNS
+    jobs = feed.sources["jobs"].data or EMPTY_JOBS
+    failing_pods = [
         {
             "what": f"pod {p['name']}",
             "why": p.get("error") or f"{len(p['workers']) - p['reachable']} unreachable",
@@ -135,24 +178,27 @@ def overview(feed: Feed) -> dict[str, Any]:
         for p in pods
         if p.get("error") or p["reachable"] < len(p["workers"])
     ]
-    failing += [
-        {
-            "what": f"run {r['id']}",
-            "why": r["state"]
-            if r["first_failure"] is None
-            else f"worker {r['first_failure']} failed first",
-            "href": f"/runs/{r['id']}",
-        }
-        for r in found["list"][:20]
-        if r["state"] in ("failed", "launcher gone")
-    ]  # counts and the newest runs: the work does not grow with the history
+    failing_runs = [
+        {"what": f"run {r['id']}", "why": r["why"] or r["state"], "href": f"/runs/{r['id']}",
+         "when": r["finished"] or r["started"]}
+        for r in found["failing"]
+    ]  # fmt: skip
+    failed_jobs = [
+        {"what": f"job {j['id']} ({j['name']})", "why": j["error"] or "failed",
+         "href": f"/jobs/{j['id']}", "when": j["completed_at"]}
+        for j in jobs["failed"]
+    ]  # fmt: skip
     return {
         "pods": len(pods),
         "workers": sum(len(p["workers"]) for p in pods),
         "runs": found["count"],
         "running": found["states"].get("running", 0),
-        "jobs": jobs,
-        "failing": failing,
+        "jobs": jobs["counts"],
+        "failing": failing_pods,
+        "failing_runs": failing_runs,
+        "more_runs": found["failing_count"] - len(failing_runs),
+        "failed_jobs": failed_jobs,
+        "more_jobs": jobs["counts"].get("failed", 0) - len(failed_jobs),
     }
 
 
@@ -173,17 +219,24 @@ def _pages(app: FastAPI, feed: Feed) -> None:
         found = _pod(feed, name)
 
         def make() -> Response:  # the charts' history grows with each round of the pods
+            start = time.time() - 3600
             charts = [
-                line_chart(feed.history.since(f"{k}:{name}", time.time() - 3600), t, u)
-                for k, t, u in (("load", "load per core", ""), ("memory", "memory", ""))
+                line_chart(feed.history.since(key, start), *title_of(key))
+                for key in (f"reachable:{name}", f"load:{name}", f"memory:{name}")
             ]
-            return render(request, "pod.html", ("pods",), name=name, pod=found, charts=charts)
+            topics = ("pods", "runs")
+            return render(request, "pod.html", topics, name=name, pod=found, charts=charts,
+                          pod_runs=_pod_runs(feed, name))  # fmt: skip
 
-        return cached(request, ("pods",), make)
+        return cached(request, ("pods", "runs"), make)
 
     @app.get("/runs", response_class=HTMLResponse)
-    def run_list(request: Request, page: int = 1) -> Response:
-        make = lambda: render(request, "runs.html", ("runs",), **_run_page(feed, page))  # noqa: E731
+    def run_list(
+        request: Request, page: int = 1, state: str | None = None, pod: str | None = None
+    ) -> Response:
+        def make() -> Response:
+            return render(request, "runs.html", ("runs",), **_run_page(feed, page, state, pod))
+
         return cached(request, ("runs",), make)
 
     @app.get("/runs/{launch_id}", response_class=HTMLResponse)
@@ -198,12 +251,13 @@ def _pages(app: FastAPI, feed: Feed) -> None:
     @app.get("/jobs", response_class=HTMLResponse)
     def jobs(request: Request, status: str | None = None, before: int | None = None) -> Response:
         listing = feed.jobs.page(status or None, before)
-        counts = feed.sources["jobs"].data
+        counts = (feed.sources["jobs"].data or {}).get("counts")
         return render(request, "jobs.html", ("jobs",), listing=listing, counts=counts)
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job(request: Request, job_id: int) -> Response:
-        return render(request, "job.html", ("jobs",), job=feed.jobs.one(job_id))
+        job = feed.jobs.one(job_id, _job_runs(feed, job_id))
+        return render(request, "job.html", ("jobs", "runs"), job=job)
 
     @app.get("/serving", response_class=HTMLResponse)
     def serving_page(request: Request) -> Response:
@@ -211,13 +265,45 @@ def _pages(app: FastAPI, feed: Feed) -> None:
         make = lambda: render(request, "serving.html", ("serving",), fleets=fleets)  # noqa: E731
         return cached(request, ("serving",), make)
 
+    @app.get("/serving/{pod}/log", response_class=HTMLResponse)
+    def backend_log(request: Request, pod: str, worker: int, port: int) -> Response:
+        lines = serving.log_tail(feed.state, pod, worker, port)
+        return render(
+            request, "backendlog.html", (), pod=pod, worker=worker, port=port, lines=lines
+        )
+
     @app.get("/charts", response_class=HTMLResponse)
     def charts(request: Request, hours: float = 1.0) -> Response:
         start = time.time() - hours * 3600
         drawn = [
-            line_chart(feed.history.since(key, start), key) for key in sorted(feed.history.series)
+            line_chart(feed.history.since(key, start), *title_of(key))
+            for key in sorted(feed.history.keys())
         ]
         return render(request, "charts.html", (), charts=drawn, hours=hours)
+
+    @app.get("/api/charts")
+    def api_charts(hours: float = 1.0) -> dict[str, Any]:
+        """Every series of the last ``hours``: (time, value) points."""
+        start = time.time() - hours * 3600
+        return {"series": {k: feed.history.since(k, start) for k in sorted(feed.history.keys())}}
+
+
+POD_RUNS = 10  # a pod's page lists its newest runs
+
+
+def _pod_runs(feed: Feed, name: str) -> dict[str, Any] | None:
+    """The pod's newest runs and how many it has (None while the runs load)."""
+    found = feed.sources["runs"].data
+    if found is None:
+        return None
+    mine = [r for r in found["list"] if r["pod"] == name]
+    return {"runs": mine[:POD_RUNS], "count": len(mine)}
+
+
+def _job_runs(feed: Feed, job_id: int) -> list[dict[str, Any]]:
+    """The runs a job runner launched for job ``job_id`` (its record names the job)."""
+    found = feed.sources["runs"].data or EMPTY_RUNS
+    return [r for r in found["list"] if r.get("job") and r["job"]["id"] == job_id]
 
 
 def _pod(feed: Feed, name: str) -> dict[str, Any] | None:
@@ -229,17 +315,28 @@ def _pod(feed: Feed, name: str) -> dict[str, Any] | None:
 RUN_PAGE = 50
 
 
-def _run_page(feed: Feed, page: int) -> dict[str, Any]:
+def _run_page(
+    feed: Feed, page: int, state: str | None = None, pod: str | None = None
+) -> dict[str, Any]:
+    """A page of runs, newest first; ``state`` (``failing``: failed or launcher gone) and
+    ``pod`` filter."""
     found = feed.sources["runs"].data
+    query = "&".join(f"{k}={v}" for k, v in (("state", state), ("pod", pod)) if v)
     if found is None:
-        return {"runs": None, "page": 1, "pages": 1}
-    pages = max(1, -(-found["count"] // RUN_PAGE))
+        return {"runs": None, "page": 1, "pages": 1, "state": state, "pod": pod, "query": query}
+    listed = found["list"]
+    if state:
+        wanted = FAILING if state == "failing" else (state,)
+        listed = [r for r in listed if r["state"] in wanted]
+    if pod:
+        listed = [r for r in listed if r["pod"] == pod]
+    pages = max(1, -(-len(listed) // RUN_PAGE))
     page = min(max(page, 1), pages)
-    listed = found["list"][(page - 1) * RUN_PAGE : page * RUN_PAGE]
-    return {"runs": listed, "page": page, "pages": pages}
+    shown = listed[(page - 1) * RUN_PAGE : page * RUN_PAGE]
+    return {"runs": shown, "page": page, "pages": pages, "state": state, "pod": pod, "query": query}
 
 
-def _api(app: FastAPI, feed: Feed) -> None:
+def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
     def sourced(topic: str, data: Any) -> Response:
         """The data with its source's state and age (plain JSON: no model to validate)."""
         return JSONResponse({**feed.sources[topic].to_json(time.time()), "data": data})
@@ -253,8 +350,8 @@ def _api(app: FastAPI, feed: Feed) -> None:
         return sourced("pods", _pod(feed, name))
 
     @app.get("/api/runs")
-    def api_runs(page: int = 1) -> Response:
-        return sourced("runs", _run_page(feed, page))
+    def api_runs(page: int = 1, state: str | None = None, pod: str | None = None) -> Response:
+        return sourced("runs", _run_page(feed, page, state, pod))
 
     @app.get("/api/runs/{launch_id}")
     def api_run(launch_id: str) -> dict[str, Any]:
@@ -262,8 +359,21 @@ def _api(app: FastAPI, feed: Feed) -> None:
         return runs.detail(record, runs.pod_of(record))
 
     @app.get("/api/runs/{launch_id}/follow")
-    def api_run_follow(launch_id: str) -> StreamingResponse:
-        return _sse(_follow_run(find_run(feed, launch_id)))
+    def api_run_follow(
+        launch_id: str, last_event_id: Annotated[str | None, Header()] = None
+    ) -> StreamingResponse:
+        """Every worker's log: its tail, then what is written; from the batch after
+        ``Last-Event-ID`` when a browser reconnects."""
+        return sse(_follow_run(find_run(feed, launch_id), last_event_id), closing)
+
+    @app.get("/api/runs/{launch_id}/logs/{worker}")
+    def api_run_log(launch_id: str, worker: int) -> FileResponse:
+        """A worker's whole log, as a file to keep."""
+        record = find_run(feed, launch_id)
+        if worker not in {w.id for w in record.workers}:
+            raise StateError(f"run {launch_id} has no worker {worker}", hint="w0 to w{N-1}")
+        name = f"{launch_id}-w{worker}.log"
+        return FileResponse(record.log_file(worker), media_type="text/plain", filename=name)
 
     @app.post("/api/runs/{launch_id}/stop")
     def api_run_stop(launch_id: str) -> dict[str, Any]:
@@ -276,12 +386,29 @@ def _api(app: FastAPI, feed: Feed) -> None:
 
     @app.get("/api/jobs/{job_id}")
     def api_job(job_id: int) -> dict[str, Any]:
-        return feed.jobs.one(job_id)
+        return feed.jobs.one(job_id, _job_runs(feed, job_id))
 
     @app.get("/api/jobs/{job_id}/follow")
-    def api_job_follow(job_id: int, after: int = 0) -> StreamingResponse:
+    def api_job_follow(
+        job_id: int,
+        after: int | None = None,
+        last_event_id: Annotated[str | None, Header()] = None,
+    ) -> StreamingResponse:
+        """The job's log: its tail (or the lines after offset ``after``), then what is
+        written; after ``Last-Event-ID`` (an offset) when a browser reconnects."""
         feed.jobs.one(job_id)  # 404 before the stream starts
-        return _sse(feed.jobs.follow(job_id, after))
+        if last_event_id is not None and last_event_id.isdigit():
+            after = int(last_event_id)
+        return sse(feed.jobs.follow(job_id, after), closing)
+
+    @app.get("/api/jobs/{job_id}/log")
+    def api_job_log(job_id: int) -> StreamingResponse:
+        """The job's whole log, as a file to keep (``[wN]`` labels on a pod's job)."""
+        feed.jobs.one(job_id)
+        headers = {"Content-Disposition": f'attachment; filename="job-{job_id}.log"'}
+        return StreamingResponse(
+            feed.jobs.text(job_id), media_type="text/plain; charset=utf-8", headers=headers
+        )
 
     @app.post("/api/jobs/{job_id}/cancel")
     def api_job_cancel(job_id: int) -> dict[str, Any]:
@@ -299,9 +426,16 @@ def _api(app: FastAPI, feed: Feed) -> None:
         feed.publish("serving")
         return {"restarted": restarted}
 
+    @app.post("/api/session", status_code=204)
+    def api_session(request: Request) -> Response:
+        """The session cookie for the token this request carries (the guard checked it)."""
+        response = Response(status_code=204)
+        set_session(response, request.app.state.access)
+        return response
+
     @app.get("/api/events")
     def api_events() -> StreamingResponse:
-        return _sse(_events(feed))
+        return sse(_events(feed), closing)
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -338,16 +472,10 @@ def _checkpoints(app: FastAPI, output: str | None) -> None:
         return checkpoints.detail(output, suite, launch_id)
 
 
-def _sse(stream: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-
-
 async def _events(feed: Feed) -> AsyncIterator[str]:
     """A topic's name whenever its data changes; a comment every 15 s keeps proxies open."""
     queue = feed.listen()
     try:
-        yield "retry: 2000\n\n"
         while True:
             try:
                 topic = await asyncio.wait_for(queue.get(), timeout=15)
@@ -359,28 +487,31 @@ async def _events(feed: Feed) -> AsyncIterator[str]:
         feed.forget(queue)
 
 
-async def _follow_run(record: RunRecord) -> AsyncIterator[str]:
-    """Every worker's log lines as they are written, then ``end``. They are read in a thread
-    of this follow's own, which ends when the viewer leaves: a follow that held one of
-    asyncio's few executor threads polled on after its viewer left, until the run ended,
-    and the next viewers' follows waited for a thread (and the process's exit for them all)."""
+async def _follow_run(record: RunRecord, cursor: str | None) -> AsyncIterator[str]:
+    """Every worker's log as batches of lines (``logs.RunLogs``: the tail first, or on
+    from ``cursor``, the id of the last batch a reconnecting browser got), then ``end``.
+    They are read in a thread of this follow's own, which ends when the viewer leaves: a
+    follow that held one of asyncio's few executor threads polled on after its viewer
+    left, until the run ended, and the next viewers' follows waited for a thread (and the
+    process's exit for them all)."""
     loop = asyncio.get_running_loop()
-    lines: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+    batches: asyncio.Queue[Batch | None] = asyncio.Queue()
     stop = threading.Event()
+    found = RunLogs(record, cursor)
 
     def pump() -> None:
         try:
-            for found in runs.follow(record, stop):
-                loop.call_soon_threadsafe(lines.put_nowait, found)
+            for batch in found.batches(stop):
+                loop.call_soon_threadsafe(batches.put_nowait, batch)
         finally:
             with contextlib.suppress(RuntimeError):  # the loop closed
-                loop.call_soon_threadsafe(lines.put_nowait, None)
+                loop.call_soon_threadsafe(batches.put_nowait, None)
 
     threading.Thread(target=pump, name=f"follow {record.launch_id}", daemon=True).start()
     try:
-        while (found := await lines.get()) is not None:
-            worker, line = found
-            yield f"event: line\ndata: {json.dumps({'worker': worker, 'line': line})}\n\n"
+        while (batch := await batches.get()) is not None:
+            data = json.dumps({"lines": batch.lines, "reset": batch.reset})
+            yield f"id: {batch.cursor}\nevent: lines\ndata: {data}\n\n"
         yield "event: end\ndata: {}\n\n"
     finally:
         stop.set()

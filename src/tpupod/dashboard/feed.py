@@ -6,27 +6,41 @@ subprocesses or SSH sessions) that, in a thread of the web process, held the GIL
 every render (pages took 10-30x an empty answer). It writes one JSON line per change; this
 side keeps the last of each and tells viewers at once. A sampler that dies is started again;
 meanwhile every source says it failed and keeps its last data.
+
+Every stream a viewer holds (``sse``) ends when the server begins to stop (``Closing``,
+set from the signal: server.py): an open stream kept uvicorn's graceful shutdown waiting
+until the browser left, so Ctrl-C did nothing and a second one cut the streams with
+tracebacks. The browser reconnects to the next dashboard with the id of the last event it
+got (``Last-Event-ID``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
+from fastapi.responses import StreamingResponse
+
 from tpupod.dashboard.jobs import Jobs
+from tpupod.files import write_atomic
 from tpupod.state import StateDir
 
 HISTORY_S = 24 * 3600
+HISTORY_FILE = "dashboard/history.jsonl"  # in the state directory
 TOPICS = ("pods", "runs", "jobs", "serving")
 RESTART_S = 1.0  # wait before starting a sampler that ended again
+STOP_S = 1.0  # a sampler told to stop (its stdin closed) is killed after this long
 
 
 @dataclass
@@ -51,19 +65,96 @@ class Source:
         return {"source": self.name, "state": self.state, "age_s": age, "error": self.error}
 
 
-@dataclass
 class History:
-    """Per-pod and overall series: (time, value) rings of a fixed length."""
+    """Per-pod and overall series: (time, value) rings of a fixed length, kept in the state
+    directory (``dashboard/history.jsonl``, a line per round) so that a restarted dashboard
+    still has its charts. One dashboard of a state directory writes it (a lock); others
+    only read it at start. The file is written again, with only what the rings hold, once
+    it has grown by a ring's length."""
 
-    length: int
-    series: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.series: dict[str, deque[tuple[float, float]]] = {}
+        self.guard = threading.Lock()  # pages read while the feed's thread adds
+        self.file: IO[str] | None = None
+        self.path: Path | None = None
+        self.lock: IO[bytes] | None = None
+        self.written = 0
 
-    def add(self, key: str, at: float, value: float | None) -> None:
-        if value is not None:
-            self.series.setdefault(key, deque(maxlen=self.length)).append((at, value))
+    def keep(self, path: Path, since: float) -> None:
+        """Load the rounds at ``path`` from ``since`` on, and add each new one there (if
+        no other dashboard of this state directory does)."""
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = path.with_name(path.name + ".lock").open("ab")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                self._load(path, since)
+                return
+            self.lock, self.path = lock, path
+            self._load(path, since)
+            self._rewrite()
+
+    def add_round(self, at: float, values: dict[str, float | None]) -> None:
+        kept = {k: v for k, v in values.items() if v is not None}
+        with self.guard:
+            for key, value in kept.items():
+                self.series.setdefault(key, deque(maxlen=self.length)).append((at, value))
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps({"t": at, "v": kept}) + "\n")
+            self.file.flush()
+        except OSError:  # a full disk: the charts go on in memory
+            self.file = None
+            return
+        self.written += 1
+        if self.written >= self.length:
+            self._rewrite()
+
+    def keys(self) -> list[str]:
+        with self.guard:
+            return list(self.series)
 
     def since(self, key: str, start: float) -> list[tuple[float, float]]:
-        return [p for p in self.series.get(key, ()) if p[0] >= start]
+        with self.guard:
+            return [p for p in self.series.get(key, ()) if p[0] >= start]
+
+    def _load(self, path: Path, since: float) -> None:
+        with contextlib.suppress(FileNotFoundError), path.open(encoding="utf-8") as file:
+            for line in file:
+                with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                    found = json.loads(line)
+                    if found["t"] >= since:
+                        for key, value in found["v"].items():
+                            ring = self.series.setdefault(key, deque(maxlen=self.length))
+                            ring.append((float(found["t"]), float(value)))
+
+    def _rewrite(self) -> None:
+        """The file again with only what the rings hold (atomically), then appended to."""
+        assert self.path is not None
+        rounds: dict[float, dict[str, float]] = {}
+        with self.guard:
+            for key, ring in self.series.items():
+                for at, value in ring:
+                    rounds.setdefault(at, {})[key] = value
+        text = "".join(json.dumps({"t": t, "v": v}) + "\n" for t, v in sorted(rounds.items()))
+        if self.file is not None:
+            self.file.close()
+        try:
+            write_atomic(self.path, text)
+            self.file = self.path.open("a", encoding="utf-8")
+        except OSError:
+            self.file = None
+        self.written = 0
+
+    def close(self) -> None:
+        for handle in (self.file, self.lock):
+            if handle is not None:
+                handle.close()
+        self.file = self.lock = None
 
 
 class Feed:
@@ -94,12 +185,20 @@ class Feed:
             with contextlib.suppress(OSError):
                 process.stdin.close()  # type: ignore[union-attr]  # it ends at EOF
             try:
-                process.wait(timeout=5)
+                process.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
 
     def _keep_sampling(self) -> None:
+        # the charts' history first (this thread adds to it: no round is lost or doubled)
+        self.history.keep(self.state.root / HISTORY_FILE, time.time() - HISTORY_S)
+        try:
+            self._sample()
+        finally:
+            self.history.close()
+
+    def _sample(self) -> None:
         while not self.stopping.is_set():
             argv = [sys.executable, "-m", "tpupod.dashboard.sampler"]
             argv += ["--interval", str(self.interval)]
@@ -142,18 +241,20 @@ class Feed:
         self.publish(source.name)
 
     def _record_history(self, now: float) -> None:
+        values: dict[str, float | None] = {}
         for pod in self.sources["pods"].data or ():
             workers: list[dict[str, Any]] = pod["workers"]
             loads = [w["load"] for w in workers if w["load"] is not None]
             memory = [w["memory"] for w in workers if w["memory"] is not None]
-            self.history.add(f"reachable:{pod['name']}", now, pod["reachable"])
-            self.history.add(f"load:{pod['name']}", now, _mean(loads))
-            self.history.add(f"memory:{pod['name']}", now, _mean(memory))
-        for status, count in (self.sources["jobs"].data or {}).items():
-            self.history.add(f"jobs:{status}", now, count)
+            values[f"reachable:{pod['name']}"] = pod["reachable"]
+            values[f"load:{pod['name']}"] = _mean(loads)
+            values[f"memory:{pod['name']}"] = _mean(memory)
+        for status, count in (self.sources["jobs"].data or {"counts": {}})["counts"].items():
+            values[f"jobs:{status}"] = count
         for fleet in self.sources["serving"].data or ():
             rates = [b["requests_per_s"] or 0.0 for b in fleet["backends"]]
-            self.history.add(f"requests_per_s:{fleet['pod']}", now, sum(rates))
+            values[f"requests_per_s:{fleet['pod']}"] = sum(rates)
+        self.history.add_round(now, values)
 
     # -- viewers ----------------------------------------------------------------------------
 
@@ -180,3 +281,74 @@ def _offer(queue: asyncio.Queue[str], topic: str) -> None:
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+# -- event streams that end as the server stops --------------------------------------------
+
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+RETRY_MS = 2000  # how long a browser waits before it reconnects
+
+
+class Closing:
+    """Set once the server begins to stop: safe to set from a signal handler or a thread."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.event: asyncio.Event | None = None
+        self.early = False  # set before the loop ran (a signal during start)
+
+    def bind(self) -> None:
+        """Called on the server's loop as it starts (the app's lifespan)."""
+        self.loop = asyncio.get_running_loop()
+        self.event = asyncio.Event()
+        if self.early:
+            self.event.set()
+
+    def set(self) -> None:
+        if self.loop is None or self.event is None:
+            self.early = True
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed already
+            self.loop.call_soon_threadsafe(self.event.set)
+
+    async def wait(self) -> None:
+        if self.event is None:  # a test's app without a lifespan: never closing
+            await asyncio.Future()
+        assert self.event is not None
+        await self.event.wait()
+
+
+def sse(stream: AsyncIterator[str], closing: Closing) -> StreamingResponse:
+    """``stream``'s events as a response that ends when the server begins to stop."""
+    return StreamingResponse(
+        until_closing(stream, closing), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def until_closing(stream: AsyncIterator[str], closing: Closing) -> AsyncIterator[str]:
+    """``stream``'s items until it ends or ``closing`` is set; ``stream`` is closed either
+    way (its ``finally`` runs: a follow's thread stops)."""
+    closed = asyncio.ensure_future(closing.wait())
+    step: asyncio.Future[str] | None = None
+    try:
+        yield f"retry: {RETRY_MS}\n\n"
+        while True:
+            step = asyncio.ensure_future(anext(stream))
+            await asyncio.wait({step, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
+    finally:
+        closed.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -39,7 +39,7 @@ class _Snapshot(Collector):
                 if w["memory"] is not None:
                     memory.add_metric(ids, w["memory"])
         jobs = GaugeMetricFamily("tpupod_jobs", "jobs by status", labels=["status"])
-        for status, count in (sources["jobs"].data or {}).items():
+        for status, count in (sources["jobs"].data or {"counts": {}})["counts"].items():
             jobs.add_metric([status], count)
         rate = GaugeMetricFamily(
             "tpupod_backend_requests_per_second",

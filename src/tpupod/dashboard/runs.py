@@ -9,21 +9,19 @@ import shlex
 import signal
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from tpupod.errors import StateError, UsageError
-from tpupod.launch.records import RunRecord, read_logs, run_record
+from tpupod.launch.records import EndWatch, RunRecord, run_record
 from tpupod.launch.run import RUNS_DIR
 from tpupod.recovery.record import RecoveryRecord, find_recovery
 from tpupod.state import StateDir
 
 TAIL_LINES = 10
 TAIL_BYTES = 16_384
-# a followed run's logs are read again this often: a pass over 256 workers' logs costs
-# about 5 ms of CPU, so 0.1 s took 5 % of a core per open run page; a line still shows
-# within a second
-FOLLOW_POLL_S = 0.25
 STOPPED_BY = re.compile(r"stopped after w(\d+) failed")
 LAUNCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -44,8 +42,8 @@ class RunIndex:
         self.reads = 0
 
     def take(self, state: StateDir) -> dict[str, Any]:
-        """``{"count", "states": {state: n}, "list": summaries newest first}``: the same
-        object while nothing changed."""
+        """``{"count", "states": {state: n}, "list": summaries newest first, "failing":
+        the newest failing, "failing_count"}``: the same object while nothing changed."""
         names = state.names()
         changed = set(self.listed) != set(names)
         for gone in set(self.listed) - set(names):
@@ -58,7 +56,14 @@ class RunIndex:
             states: dict[str, int] = {}
             for r in found:
                 states[r["state"]] = states.get(r["state"], 0) + 1
-            self.made = {"count": len(found), "states": states, "list": found}
+            failing = [r for r in found if r["state"] in FAILING]
+            self.made = {
+                "count": len(found),
+                "states": states,
+                "list": found,
+                "failing": failing[:FAILING_SHOWN],
+                "failing_count": len(failing),
+            }
         return self.made
 
     def _all(self, name: str) -> Iterator[dict[str, Any]]:
@@ -109,17 +114,38 @@ class RunIndex:
 
 def recovery_summary(record: RecoveryRecord) -> dict[str, Any]:
     """A ``run --retries`` run: its state and attempts (preemptions among their causes)."""
+    last = record.attempts[-1] if record.attempts else None
+    finished = last.ended if record.ended and last is not None else None
+    why = None
+    if record.state == "failed" and last is not None:
+        why = f"attempt {last.attempt}: {last.cause or 'failed'}" + (
+            f": {last.detail}" if last.detail else ""
+        )
     return {
         "id": record.run_id,
         "pod": record.pod,
         "command": shlex.join(record.command),
         "state": record.state,
+        "why": why,
         "exit_code": record.exit_code,
         "started": record.started,
-        "seconds": None,
+        "finished": finished,
+        "seconds": None if finished is None else round(finished - record.started, 3),
         "workers": None,
         "first_failure": None,
+        "job": None,
         "attempts": record.lines(),
+        "attempt_rows": [
+            {
+                "attempt": a.attempt,
+                "cause": a.cause,
+                "exit_code": a.exit_code,
+                "launch_id": a.launch_id,
+                "started": a.started,
+                "finished": a.ended,
+            }
+            for a in record.attempts
+        ],
         "launches": [a.launch_id for a in record.attempts if a.launch_id],
     }
 
@@ -148,9 +174,69 @@ def ok(outcome: str) -> bool:
     return outcome in ("exit 0", "ok")
 
 
-def first_failure(record: RunRecord) -> int | None:
-    """The worker that failed first: the one the others were stopped for, else the first
-    whose program did not end well."""
+class RunState(StrEnum):
+    RUNNING = "running"
+    LAUNCHER_GONE = "launcher gone"
+    OK = "ok"
+    FAILED = "failed"
+    STOPPED = "stopped"  # on purpose: Ctrl-C, a stop from the dashboard, a job's cancel
+
+
+FAILING = (RunState.FAILED, RunState.LAUNCHER_GONE, "failed")  # "failed": a --retries run's
+FAILING_SHOWN = 10  # the newest failing runs the overview lists (and says how many more)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a run stands or ended, in the dashboard's words."""
+
+    state: RunState
+    first_failure: int | None = None  # the worker that failed first in time
+    why: str | None = None  # what the summary's last line says: who, how, its last line
+
+
+def verdict(record: RunRecord) -> Verdict:
+    """How ``record``'s run stands: the one place that reads a run's outcome from its
+    record (``first_failure``, ``interrupted``, ``timed_out``; records written before
+    those fields are read as their outcome texts allow). A run stopped on purpose (Ctrl-C,
+    a stop from this page, a job's cancel) is stopped, not failed."""
+    if not record.done:
+        if record.launcher_gone():
+            gone = "its launcher ended without writing the run's end (killed?)"
+            return Verdict(RunState.LAUNCHER_GONE, why=gone)
+        return Verdict(RunState.RUNNING)
+    if record.exit_code == 0:
+        return Verdict(RunState.OK)
+    if record.interrupted is not None:
+        return Verdict(RunState.STOPPED, why=f"stopped by {record.interrupted}")
+    first = record.first_failure
+    if first is None:  # a record older than these fields: what its outcomes say
+        if _interrupted(record):
+            return Verdict(RunState.STOPPED, why="stopped by a signal")
+        first = _old_first(record)
+    return Verdict(RunState.FAILED, first, _failure(record, first))
+
+
+def _failure(record: RunRecord, first: int | None) -> str:
+    """Why a run failed, as its summary's last line says: who failed first and how."""
+    if record.timed_out:
+        late = [f"w{r.worker}" for r in record.results if r.outcome.startswith("timed out")]
+        return f"timed out: {', '.join(late)} did not finish in time"
+    found = next((r for r in record.results if r.worker == first), None)
+    if found is None:
+        return f"exit {record.exit_code}"
+    return f"w{first} {found.outcome}" + (f": {found.last_line}" if found.last_line else "")
+
+
+def _interrupted(record: RunRecord) -> bool:
+    """Whether every worker that did not end well was interrupted (none failed by itself)."""
+    outcomes = [r.outcome for r in record.results if not ok(r.outcome)]
+    return bool(outcomes) and all(o.startswith("interrupted") for o in outcomes)
+
+
+def _old_first(record: RunRecord) -> int | None:
+    """A record without ``first_failure``: the worker the others were stopped for, else the
+    first (in worker order) whose program did not end well."""
     for r in record.results:
         match = STOPPED_BY.search(r.outcome)
         if match:
@@ -158,25 +244,22 @@ def first_failure(record: RunRecord) -> int | None:
     return next((r.worker for r in record.results if not ok(r.outcome)), None)
 
 
-def state(record: RunRecord) -> str:
-    """ok, failed, running or launcher gone."""
-    if record.done:
-        return "ok" if record.exit_code == 0 else "failed"
-    return record.state()
-
-
 def summary(record: RunRecord, pod: str) -> dict[str, Any]:
     end = record.finished
+    judged = verdict(record)
     return {
         "id": record.launch_id,
         "pod": pod,
         "command": record.command,
-        "state": state(record),
+        "state": judged.state,
+        "why": judged.why,
         "exit_code": record.exit_code,
         "started": record.started,
+        "finished": end,
         "seconds": None if end is None else round(end - record.started, 3),
         "workers": len(record.workers),
-        "first_failure": first_failure(record),
+        "first_failure": judged.first_failure,
+        "job": None if record.job is None else {"id": record.job[0], "attempt": record.job[1]},
     }
 
 
@@ -195,8 +278,8 @@ def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
 def detail(record: RunRecord, pod: str) -> dict[str, Any]:
     """The run with every worker's state and exit, the first failure first."""
     outcomes = {r.worker: r for r in record.results}
-    failed = first_failure(record)
-    overall = state(record)  # once: it looks at the launcher (a lock file) each time
+    shown = summary(record, pod)  # once: it looks at the launcher (a lock file) each time
+    failed, overall = shown["first_failure"], shown["state"]
     workers = []
     for w in record.workers:
         r = outcomes.get(w.id)
@@ -211,18 +294,11 @@ def detail(record: RunRecord, pod: str) -> dict[str, Any]:
             }
         )
     workers.sort(key=lambda w: (w["worker"] != failed, w["worker"]))
-    return {**summary(record, pod), "finished": record.finished, "worker_list": workers}
+    return {**shown, "worker_list": workers}
 
 
 def pod_of(record: RunRecord) -> str:
     return record.folder.parent.parent.name
-
-
-def follow(record: RunRecord, stop: threading.Event) -> Iterator[tuple[int, str]]:
-    """Every worker's lines as ``tpupod logs --follow`` reads them, until ``stop`` is set."""
-    ids = [w.id for w in record.workers]
-    for brief, line in read_logs(record, ids, follow=True, poll_s=FOLLOW_POLL_S, stop=stop):
-        yield brief.id, line
 
 
 def stop(record: RunRecord) -> None:
@@ -236,3 +312,130 @@ def stop(record: RunRecord) -> None:
         raise UsageError(
             f"run {record.launch_id}'s launcher is gone", hint="nothing to stop"
         ) from None
+
+
+# -- a run's logs for its page ------------------------------------------------------------
+# Each worker's tail first, read back from the end of its file, then what is written, a
+# batch per pass; a batch's id (every worker's offset) lets a reconnecting browser go on
+# where it was. A page used to get every line from the start, one event each: a run of 4
+# workers x 100,000 lines (21 MB) was incomplete after 120 s and cost the dashboard 57 s of
+# CPU per viewer, though the page keeps 500 lines a worker. `tpupod logs` and the download
+# have them all.
+
+PANE_LINES = 500  # what a page keeps of each worker's log
+TAIL_TOTAL = 50_000  # and of all of them: 256 workers get 195 lines each
+TAIL_READ = 1 << 20  # read back at most this much of a log for its tail
+CATCH_UP_BYTES = 1 << 20  # a browser further behind than this starts again at the tail
+# a followed run's logs are read again this often: a pass over 256 workers' logs costs
+# about 5 ms of CPU, so 0.1 s took 5 % of a core per open run page; a line still shows
+# within a second
+POLL_S = 0.25
+
+
+@dataclass
+class Batch:
+    """What one pass found: (worker, line) pairs in order; the workers whose pane starts
+    over (the browser was too far behind: their tail follows); the id to resume after."""
+
+    lines: list[tuple[int, str]] = field(default_factory=list)
+    reset: list[int] = field(default_factory=list)
+    cursor: str = ""
+
+
+def tail_lines(workers: int) -> int:
+    return max(1, min(PANE_LINES, TAIL_TOTAL // max(1, workers)))
+
+
+def tail_start(path: Path, lines: int) -> int:
+    """The offset of the first of the last ``lines`` whole lines of ``path`` (read back
+    from its end, ``TAIL_READ`` at most: a line cut there is left out)."""
+    try:
+        with path.open("rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            start = max(0, size - TAIL_READ)
+            file.seek(start)
+            data = file.read(size - start)
+    except FileNotFoundError:
+        return 0
+    end = data.rfind(b"\n") + 1  # the last whole line's end (a line being written waits)
+    cut = end - 1  # the newline before the tail's first line, found from the end
+    for _ in range(lines):
+        cut = data.rfind(b"\n", 0, cut)
+        if cut < 0:
+            break
+    if cut < 0:  # fewer lines than asked: all of them, but for one cut by TAIL_READ
+        return start if start == 0 else start + data.find(b"\n") + 1
+    return start + cut + 1
+
+
+def encode(offsets: dict[int, int]) -> str:
+    return ".".join(str(offsets[w]) for w in sorted(offsets))
+
+
+def decode(cursor: str | None, workers: list[int]) -> dict[int, int] | None:
+    """A batch's id back into offsets; None for none, or one not of this run."""
+    if not cursor:
+        return None
+    parts = cursor.split(".")
+    if len(parts) != len(workers) or not all(p.isdigit() for p in parts):
+        return None
+    return dict(zip(workers, map(int, parts), strict=True))
+
+
+class RunLogs:
+    """Every worker's log of a run from its tail (or from ``cursor``), until the run has
+    ended and all is read, or ``stop`` is set (the viewer left)."""
+
+    def __init__(self, record: RunRecord, cursor: str | None = None) -> None:
+        self.record = record
+        self.workers = [w.id for w in record.workers]
+        self.paths = {w: record.log_file(w) for w in self.workers}
+        self.keep = tail_lines(len(self.workers))
+        resumed = decode(cursor, self.workers)
+        self.offsets = resumed or {w: tail_start(p, self.keep) for w, p in self.paths.items()}
+        self.resumed = resumed is not None
+
+    def batches(self, stop: threading.Event, poll_s: float = POLL_S) -> Iterator[Batch]:
+        ended = EndWatch(self.record)
+        first = True
+        while True:
+            last = ended()  # ended before this pass: it reads all there is, and it is the last
+            batch = self._pass(last=last, first=first)
+            if batch.lines or batch.reset or first:
+                yield batch
+            first = False
+            if last or stop.wait(poll_s):
+                return
+
+    def _pass(self, *, last: bool, first: bool) -> Batch:
+        batch = Batch()
+        for worker, path in self.paths.items():
+            size = _size(path)
+            offset = self.offsets[worker]
+            if size is None or (size == offset and not last):
+                continue
+            if size < offset or size - offset > CATCH_UP_BYTES:  # replaced, or far behind
+                offset = tail_start(path, self.keep)
+                if self.resumed or not first:
+                    batch.reset.append(worker)
+            lines, self.offsets[worker] = _read(path, offset, last)
+            batch.lines += ((worker, line) for line in lines)
+        batch.cursor = encode(self.offsets)
+        return batch
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def _read(path: Path, offset: int, last: bool) -> tuple[list[str], int]:
+    """Whole lines from ``offset`` (and, on the ``last`` pass, a final partial one); the
+    offset after them."""
+    with path.open("rb") as file:
+        file.seek(offset)
+        data = file.read(CATCH_UP_BYTES + TAIL_READ)
+    end = len(data) if last else data.rfind(b"\n") + 1
+    return data[:end].decode("utf-8", errors="replace").splitlines(), offset + end

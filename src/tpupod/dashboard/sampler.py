@@ -15,6 +15,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -72,7 +74,7 @@ class Sampler:
         """Take the named sources once (a round of the workers also marks the history)."""
         steps: dict[str, Callable[[], Awaitable[Any]]] = {
             "runs": lambda: asyncio.to_thread(self._runs),
-            "jobs": lambda: asyncio.to_thread(self.jobs.counts),
+            "jobs": lambda: asyncio.to_thread(self.jobs.summary),
             "pods": self._pods,
             "serving": lambda: self.serving.sample(self.state),
         }
@@ -138,21 +140,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--db", default=None)
     args = parser.parse_args(argv)
+    # A terminal's Ctrl-C reaches the whole process group: the dashboard stops us (it closes
+    # our stdin); a SIGINT here killed us mid-write and the dashboard started another
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = sys.stdout
 
     def report(message: dict[str, Any]) -> None:
         out.write(json.dumps(message, default=str) + "\n")
         out.flush()
 
-    sampler = Sampler(args.interval, args.db, report)
+    with contextlib.suppress(BrokenPipeError):
+        asyncio.run(until_eof(Sampler(args.interval, args.db, report)))
 
-    def until_eof() -> None:  # the dashboard closed our stdin, or died
-        sys.stdin.buffer.read()
+
+async def until_eof(sampler: Sampler) -> None:
+    """Sample until stdin ends (the dashboard closed it, or died), then stop at once: a
+    probe or a sleep in progress is cancelled, not waited out."""
+    loop = asyncio.get_running_loop()
+    eof = asyncio.Event()
+
+    def read_to_eof() -> None:  # os.read: no buffered reader's lock left held at exit
+        while os.read(0, 4096):
+            pass
         sampler.stopping.set()
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            loop.call_soon_threadsafe(eof.set)
 
-    threading.Thread(target=until_eof, daemon=True).start()
-    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-        asyncio.run(sampler.run())
+    threading.Thread(target=read_to_eof, daemon=True).start()
+    work = asyncio.create_task(sampler.run())
+    ended = asyncio.create_task(eof.wait())
+    await asyncio.wait({work, ended}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (work, ended):
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    await sampler.close()
 
 
 if __name__ == "__main__":

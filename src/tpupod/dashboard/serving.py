@@ -68,3 +68,15 @@ def restart(state: StateDir, pod: str, worker: int, port: int) -> list[str]:
     """Restart the server on ``port`` of ``worker`` as ``tpupod serve restart -w W --port P``
     does; what was restarted (``w0:NAME``)."""
     return Fleet(state.load(pod), state).restart(workers=str(worker), port=port)
+
+
+LOG_LINES = 200  # of a backend's log on its page
+
+
+def log_tail(state: StateDir, pod: str, worker: int, port: int) -> list[str]:
+    """The last lines of the log of the server on ``port`` of ``worker``, as
+    ``tpupod serve logs -w W --port P`` prints them."""
+    found: list[str] = []
+    fleet = Fleet(state.load(pod), state)
+    fleet.logs(lambda w, line: found.append(line.text), str(worker), port, lines=LOG_LINES)
+    return found

@@ -54,6 +54,13 @@ class RunRecord:
     results: tuple[RunOutcome, ...] = ()
     launcher_pid: int | None = None
     logs_cut: str | None = None  # why its logs stopped early (a full disk), if they did
+    # how it ended (None, False in records older than these fields): the worker that failed
+    # first in time, the signal that stopped it (SIGINT: Ctrl-C or a stop; SIGTERM: a job's
+    # cancel), whether its timeout did
+    first_failure: int | None = None
+    interrupted: str | None = None
+    timed_out: bool = False
+    job: tuple[int, int] | None = None  # (job id, attempt) when a job runner launched it
 
     @property
     def done(self) -> bool:
@@ -123,7 +130,15 @@ def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
         ),
         launcher_pid=None if pid is None else int(pid),
         logs_cut=None if data.get("logs_cut") is None else str(data["logs_cut"]),
+        first_failure=_int_or_none(data.get("first_failure")),
+        interrupted=None if data.get("interrupted") is None else str(data["interrupted"]),
+        timed_out=bool(data.get("timed_out", False)),
+        job=None if not data.get("job") else (int(data["job"]["id"]), int(data["job"]["attempt"])),
     )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def runs(pod_name: str, state: StateDir | None = None) -> list[RunRecord]:
@@ -181,7 +196,7 @@ def read_logs(
     briefs = [w for w in record.workers if w.id in workers]
     paths = {b.id: record.log_file(b.id) for b in briefs}
     offsets = dict.fromkeys(workers, 0)
-    ended = _EndWatch(record)
+    ended = EndWatch(record)
     while True:
         # Ended before this pass: the pass reads all there is, and it is the last.
         last = not follow or ended()
@@ -197,7 +212,7 @@ def read_logs(
             time.sleep(poll_s)
 
 
-class _EndWatch:
+class EndWatch:
     """``record.ended()``, with ``run.json`` read again only when the file changed (the
     launcher replaces it when the run ends)."""
 

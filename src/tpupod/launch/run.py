@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -236,6 +237,7 @@ async def run(
         # Once one fails and the others are stopped, their fall stays in the logs.
         collateral = collateral_in_logs_only and OnFail(on_fail) is OnFail.KILL
         log_to = _RunLog(launch, command, selected, supervision if collateral else None, notice)
+        log_to.record["job"] = _job_of(env or {})
         with log_to as log:
             try:
                 result = await execute_async(
@@ -265,6 +267,15 @@ async def run(
         return RunResult(launch, explain(result) if container is not None else result)
     finally:
         await connector.close()
+
+
+def _job_of(env: dict[str, str]) -> dict[str, int] | None:
+    """The job a job runner launched this run for (its environment names it), for the
+    record: the dashboard links a job to its runs."""
+    try:
+        return {"id": int(env["TPUPOD_JOB_ID"]), "attempt": int(env["TPUPOD_JOB_ATTEMPT"])}
+    except (KeyError, ValueError):
+        return None
 
 
 def _in_workdir(command: str, workdir: str, container: Container | None, launch_id: str) -> str:
@@ -613,6 +624,13 @@ class _RunLog:
             {"worker": r.worker.id, "outcome": r.outcome_text(), "last_line": r.last_line}
             for r in result.workers
         ]
+        # how it ended as the summary says it: who failed first (in time, not worker order),
+        # or that it was stopped (a signal: Ctrl-C, a stop, a job's cancel) or timed out
+        first = result.first_failure
+        self.record["first_failure"] = None if first is None else first.worker.id
+        stop = result.interrupt_signal
+        self.record["interrupted"] = None if stop is None else signal.Signals(stop).name
+        self.record["timed_out"] = result.timed_out
         try:
             self._save()
         except OSError as exc:

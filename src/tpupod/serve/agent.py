@@ -84,7 +84,9 @@ class Agent:
         chosen = self.pick(name)
         for s in chosen:
             restarted = await self.start(s.spec, fresh=False)
-            restarted.restarts = s.restarts + 1
+            # a restart asked for is no crash: ``restarts`` counts the agent's own, after exits
+            restarted.restarts = s.restarts
+            restarted.user_restarts = s.user_restarts + 1
         return [s.spec.name for s in chosen]
 
 

@@ -30,6 +30,7 @@ class ServerStatus:
     tokens_per_s: float | None
     followers: tuple[int, ...] = ()  # a replica's other members' workers
     follower_restarts: tuple[int | None, ...] = ()
+    user_restarts: int | None = None  # restarts asked for (``restarts``: after a crash)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ def _server(
         tokens_per_s=seen.get("tokens_per_s"),
         followers=tuple(s.followers),
         follower_restarts=tuple(member_restarts(agents, f, s.name) for f in s.followers),
+        user_restarts=managed.get("user_restarts") if managed else None,
     )
 
 

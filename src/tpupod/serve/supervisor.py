@@ -78,7 +78,8 @@ class ManagedServer:
         self.log_path = log_dir / f"{spec.name}.log"
         self.base_env = base_env
         self.state = ServerState.STARTING
-        self.restarts = 0
+        self.restarts = 0  # after the server exited by itself
+        self.user_restarts = 0  # asked for (tpupod serve restart, the dashboard)
         self.pid: int | None = None
         self.started_at: float | None = None
         self.last_exit: int | None = None
@@ -221,6 +222,7 @@ class ManagedServer:
             "pid": self.pid,
             "state": self.state.value,
             "restarts": self.restarts,
+            "user_restarts": self.user_restarts,
             "uptime_s": round(uptime, 1) if uptime is not None else None,
             "last_exit": self.last_exit,
             "answer": self.answer if self.state is ServerState.STARTING else None,
