@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -32,6 +32,7 @@ import psutil
 import pytest
 
 from tests.conftest import (
+    CliResult,
     described,
     free_base_port,
     openai_client,
@@ -43,6 +44,7 @@ from tests.conftest import (
     wait_until_gone,
 )
 from tpupod.errors import UsageError
+from tpupod.pod import Pod
 from tpupod.serve.backends import Backend, ServerSpec, check_model, device_slices, plan, render
 from tpupod.serve.router import StreamTally, check_body
 
@@ -1287,3 +1289,15 @@ def test_an_agent_whose_port_is_taken_says_so_in_one_line(tmp_path: Path) -> Non
         f"the agent cannot listen on 127.0.0.1:{port}: Address already in use\n"
         f"hint: another process on this worker holds port {port}; stop it"
     )
+
+
+def test_a_worker_python_that_answers_nothing_is_named_plainly(
+    cli: Callable[..., CliResult], make_pod: Callable[..., Pod]
+) -> None:
+    """Its error showed a bound method's repr (a WorkerResult of 600 characters)."""
+    pod = make_pod(workers=1)
+    result = cli(
+        "serve", "up", "--pod", pod.name, "--model", str(TINY), "--worker-python", "/bin/false"
+    )
+    assert result.code == 1, result
+    assert result.err.splitlines()[-2] == "error: w0: tpupod.serve.ctl gave no answer (exit 1)"

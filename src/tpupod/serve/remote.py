@@ -125,7 +125,7 @@ class RemoteFleet:
         if result.outcome in (Outcome.UNREACHABLE, Outcome.TIMED_OUT):
             raise unanswered(worker, result, args[0], timeout)
         if not answers:
-            last = other[-1] if other else result.outcome_text
+            last = other[-1] if other else result.outcome_text()
             raise ServeError(
                 f"{worker.label}: tpupod.serve.ctl gave no answer ({last})",
                 hint=f"is tpupod installed for {self.python} on the worker? "
