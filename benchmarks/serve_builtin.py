@@ -282,7 +282,7 @@ class EngineRounds:
     def __init__(self, model: QwenModel, args: argparse.Namespace) -> None:
         import threading
 
-        from tpupod.serve.engine import Engine
+        from tpupod.serve.builtin.engine import Engine
 
         self.args = args
         self.engines = {
@@ -301,7 +301,7 @@ class EngineRounds:
             engine.start()
 
     def round(self, prompts: list[list[int]], overlap: bool) -> dict[str, float]:
-        from tpupod.serve.events import Event, Finished, SamplingParams, Tokens
+        from tpupod.serve.builtin.events import Event, Finished, SamplingParams, Tokens
 
         engine = self.engines[overlap]
         counts: list[int] = []

@@ -108,7 +108,7 @@ def broadcast_cost(slots: int, steps: int = 2000) -> float:
 
     import numpy as np
 
-    from tpupod.serve.lockstep import Follower, Hello, Leader
+    from tpupod.serve.replica.lockstep import Follower, Hello, Leader
 
     listener = socket.create_server(("127.0.0.1", 0))
     leader = Leader(listener, 1, timeout=30)

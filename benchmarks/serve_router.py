@@ -186,7 +186,7 @@ def main() -> None:
         type=Path,
         default=None,
         help="another router.py to measure beside, e.g. the code before a change: "
-        "git show HEAD~1:src/tpupod/serve/router.py > /tmp/router_before.py",
+        "git show HEAD~1:src/tpupod/serve/router/server.py > /tmp/router_before.py",
     )
     args = parser.parse_args()
     try:

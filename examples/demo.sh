@@ -52,7 +52,7 @@ run tpupod logs --pod "$POD" --worker 1
 
 say "Serve a model: 2 servers per worker, an agent on each worker, one router in front"
 tiny="$(cd "$(dirname "$0")/.." && pwd)/tests/fixtures/qwen2-tiny"
-if python -c 'import tpupod.serve.builtin' 2>/dev/null; then
+if python -c 'import tpupod.serve.builtin.server' 2>/dev/null; then
   run tpupod serve up --pod "$POD" --model "$tiny" --servers-per-worker 2 --dtype float32 \
     --startup-timeout 300 -- --max-batch 4 --max-length 128
 else  # the builtin server is not in this tree yet: a stub OpenAI server stands in

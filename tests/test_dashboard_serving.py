@@ -100,8 +100,8 @@ def test_a_rate_is_timed_by_when_the_router_read_its_counts(
     the router read its counts (its /backends says when)."""
     from tpupod.dashboard import serving as dashboard_serving
     from tpupod.serve.backends import Backend
-    from tpupod.serve.record import FleetRecord, ServerRecord
-    from tpupod.serve.status import fleet_status
+    from tpupod.serve.fleet.record import FleetRecord, ServerRecord
+    from tpupod.serve.fleet.status import fleet_status
 
     record = FleetRecord(
         pod="p", model="m", backend=Backend.COMMAND, python="python3",

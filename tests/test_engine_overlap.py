@@ -27,9 +27,9 @@ if importlib.util.find_spec("flax") is None:
     pytest.skip("needs the model extra", allow_module_level=True)
 
 from tpupod.model import QwenModel, load_model
-from tpupod.serve.engine import Engine
-from tpupod.serve.events import Delta, Event, Finished, SamplingParams, Tokens
-from tpupod.serve.text import TextStream, submit
+from tpupod.serve.builtin.engine import Engine
+from tpupod.serve.builtin.events import Delta, Event, Finished, SamplingParams, Tokens
+from tpupod.serve.builtin.text import TextStream, submit
 
 # The module's first test also pays for its shared server or engines (loads and
 # compiles: ~10 s on a quiet machine, 94-187 s at load 13-19), past the 60 s default.

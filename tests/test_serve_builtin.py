@@ -38,8 +38,8 @@ import httpx
 import openai
 
 from tpupod.model import QwenModel, load_model
-from tpupod.serve.engine import Engine
-from tpupod.serve.events import (
+from tpupod.serve.builtin.engine import Engine
+from tpupod.serve.builtin.events import (
     Delta,
     Event,
     Failed,
@@ -48,7 +48,7 @@ from tpupod.serve.events import (
     SamplingParams,
     deliver,
 )
-from tpupod.serve.text import TextStream, submit
+from tpupod.serve.builtin.text import TextStream, submit
 
 # The module's first test also pays for its shared server or engines (loads and
 # compiles: ~10 s on a quiet machine, 94-187 s at load 13-19), past the 60 s default.
@@ -724,7 +724,10 @@ def test_smallest_span_reaches_the_engines_of_every_server_kind() -> None:
     """``--smallest-span`` (the attention spans' first rung) goes from the command line to
     the engines, to the split server's engine process and to a replica's members (part
     of what they must agree on); at least ``--max-length``: one span, the whole slot."""
-    from tpupod.serve import builtin, replica, split
+    from tpupod.serve.builtin import __main__ as builtin_main
+    from tpupod.serve.builtin import server as builtin
+    from tpupod.serve.builtin import split
+    from tpupod.serve.replica import member as replica
 
     argv = ["--model", str(FIXTURES / NAME), "--ports", "1", "--max-length", "200"]
     argv += ["--smallest-span", "64"]
@@ -746,7 +749,7 @@ def test_smallest_span_reaches_the_engines_of_every_server_kind() -> None:
     from tpupod.errors import ModelError, UsageError
 
     with pytest.raises(UsageError, match="--smallest-span 0") as refused:
-        builtin.run(builtin.parse_args([*argv, "--smallest-span", "0"]))
+        builtin_main.run(builtin.parse_args([*argv, "--smallest-span", "0"]))
     assert refused.value.hint and "--max-length" in refused.value.hint
     with pytest.raises(ModelError, match="smallest_span"):
         Engine(engine.model, max_length=200, smallest_span=0)
@@ -761,7 +764,7 @@ def test_no_split_a_stalled_engine_ends_its_requests_and_the_server_exits_4(
     engine thread: after ``stall_s`` with work owed, the requests end with the reason
     and the server stops with exit 4, for its agent to restart it. An idle time longer
     than ``stall_s`` before the request does not count."""
-    from tpupod.serve import builtin
+    from tpupod.serve.builtin import server as builtin
 
     stall_s = 2.0
     eng = Engine(model, max_batch=2, max_length=64)
@@ -808,7 +811,7 @@ def test_no_split_a_stalled_engine_ends_its_requests_and_the_server_exits_4(
     user.start()
     try:
         code = asyncio.run(
-            builtin._serve([eng], [sock], [port], "127.0.0.1", NAME, stall_s=stall_s)
+            builtin.serve_engines([eng], [sock], [port], "127.0.0.1", NAME, stall_s=stall_s)
         )
     finally:
         release.set()  # the engine's thread ends (it was told to stop)

@@ -46,7 +46,7 @@ from tests.conftest import (
 from tpupod.errors import UsageError
 from tpupod.pod import Pod
 from tpupod.serve.backends import Backend, ServerSpec, check_model, device_slices, plan, render
-from tpupod.serve.router import StreamTally, check_body
+from tpupod.serve.router.server import StreamTally, check_body
 
 STUB = Path(__file__).parent / "serve_stub.py"
 STUB_COMMAND = f"{{python}} {STUB} --host {{host}} --port {{port}} --tokens 400 --token-delay 0.01"
@@ -172,8 +172,8 @@ def test_a_stream_is_counted_by_its_events_or_its_usage() -> None:
 
 def test_status_records_say_each_servers_state_and_why_a_worker_did_not_answer() -> None:
     """Fleet.status()'s records (what serve status prints and the dashboard reads)."""
-    from tpupod.serve.record import FleetRecord, ServerRecord
-    from tpupod.serve.status import ServerStatus, fleet_status
+    from tpupod.serve.fleet.record import FleetRecord, ServerRecord
+    from tpupod.serve.fleet.status import ServerStatus, fleet_status
 
     servers = [ServerRecord(worker=w, host=f"h{w}", port=1, name="a") for w in (0, 1)]
     record = FleetRecord(
@@ -194,8 +194,8 @@ def test_status_records_say_each_servers_state_and_why_a_worker_did_not_answer()
 
 
 def test_restarts_wait_longer_each_time_and_a_router_keeps_its_port() -> None:
+    from tpupod.serve.agent.respawn import with_port
     from tpupod.serve.backoff import Backoff
-    from tpupod.serve.respawn import with_port
 
     backoff = Backoff(1.0)
     waits = [backoff.after(0.1) for _ in range(7)]
@@ -208,8 +208,8 @@ def test_restarts_wait_longer_each_time_and_a_router_keeps_its_port() -> None:
 
 
 def test_policies_choose_among_available_backends() -> None:
-    from tpupod.serve.registry import HealthPolicy, Registry
-    from tpupod.serve.router import Policy, Router
+    from tpupod.serve.router.registry import HealthPolicy, Registry
+    from tpupod.serve.router.server import Policy, Router
 
     registry = Registry(["a:1", "b:1", "c:1"], "m", HealthPolicy())
     rr = Router(registry, None, Policy.ROUND_ROBIN)
@@ -225,7 +225,7 @@ def test_policies_choose_among_available_backends() -> None:
 
 
 def test_the_circuit_opens_after_errors_in_a_row_and_half_opens_after_the_cooldown() -> None:
-    from tpupod.serve.registry import Health, HealthPolicy, Registry
+    from tpupod.serve.router.registry import Health, HealthPolicy, Registry
 
     registry = Registry(["a:1", "b:1"], "m", HealthPolicy(eject_after=3, cooldown=0.2))
     a = registry.backends["a:1"]
@@ -252,7 +252,7 @@ def test_a_caller_cancelled_while_the_registry_stops_stays_cancelled(
     """The router's shutdown waits for the health checks to end; a cancel of the router's
     own task meanwhile (a second Ctrl-C, the loop closing) is raised after, not swallowed
     with the checks' cancel (it was: the caller went on as if not cancelled)."""
-    from tpupod.serve.registry import HealthPolicy, Registry
+    from tpupod.serve.router.registry import HealthPolicy, Registry
 
     async def checks_that_unwind_slowly(self: Registry, session: Any) -> None:
         try:
@@ -1091,7 +1091,7 @@ def test_serve_up_again_starts_only_what_is_lost(tmp_path: Path) -> None:
             time.sleep(0.2)
         # the router and its respawn parent, both killed: the router alone starts again
         for proc in pod_processes(pod):
-            if "tpupod.serve.respawn" in proc.cmdline():
+            if "tpupod.serve.agent.respawn" in proc.cmdline():
                 proc.kill()
         router.kill()
         router.wait(10)
@@ -1300,4 +1300,6 @@ def test_a_worker_python_that_answers_nothing_is_named_plainly(
         "serve", "up", "--pod", pod.name, "--model", str(TINY), "--worker-python", "/bin/false"
     )
     assert result.code == 1, result
-    assert result.err.splitlines()[-2] == "error: w0: tpupod.serve.ctl gave no answer (exit 1)"
+    assert (
+        result.err.splitlines()[-2] == "error: w0: tpupod.serve.agent.ctl gave no answer (exit 1)"
+    )

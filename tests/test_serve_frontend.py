@@ -1,4 +1,5 @@
-"""The builtin server's front end apart from its engine (``serve/split.py``): real processes.
+"""The builtin server's front end apart from its engine (``serve/builtin/split.py``): real
+processes.
 
 One server (qwen2-tiny, one port) for the module: ``kill -9`` of its front
 end, then of its engine, each while streams are in flight, with the real
@@ -30,7 +31,7 @@ import pytest
 
 from tests.test_serve_builtin import FIXTURES, NAME, Server, free_ports
 from tpupod.model import Tokenizer, load_model
-from tpupod.serve import split
+from tpupod.serve.builtin import split
 
 pytestmark = pytest.mark.local
 
@@ -222,14 +223,14 @@ def test_a_hung_front_end_is_restarted_by_the_keeper() -> None:
 
 def test_the_stall_timeout_is_checked() -> None:
     from tpupod.errors import UsageError
-    from tpupod.serve.builtin import check_args, parse_args
+    from tpupod.serve.builtin.server import check_args, parse_args
 
     with pytest.raises(UsageError, match="--stall-timeout -1"):
         check_args(parse_args(["--model", "m", "--ports", "31000", "--stall-timeout", "-1"]))
     given = parse_args(["--model", "m", "--ports", "31000", "--stall-timeout", "2.5"])
     assert parse_args(split._passed_on(given)).stall_timeout == 2.5  # to the front end
     assert parse_args(["--model", "m", "--ports", "31000"]).stall_timeout == 60
-    from tpupod.serve import replica
+    from tpupod.serve.replica import member as replica
 
     member = ["--model", "m", "--port", "1", "--rank", "0", "--size", "2", "--leader", "h:2"]
     member += ["--coordinator-port", "3"]

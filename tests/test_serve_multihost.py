@@ -34,7 +34,7 @@ from tests.test_serve_builtin import chat_ids, reference
 from tpupod.errors import UsageError
 from tpupod.model import QwenModel, load_model
 from tpupod.serve.backends import plan_replicas, render
-from tpupod.serve.replica import model_axis
+from tpupod.serve.replica.member import model_axis
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAME = "qwen2-tiny"
@@ -245,8 +245,8 @@ def test_a_failed_step_waits_for_the_side_channel_to_say_who_left(
     """A killed follower breaks the step's collective (gloo) a moment before the side
     channel sees it go (seen in 1 of 4 runs of the kill -9 test): the requests must
     still hear that the replica lost a member, not gloo's words."""
-    from tpupod.serve import stepped
-    from tpupod.serve.lockstep import Leader
+    from tpupod.serve.replica import stepped
+    from tpupod.serve.replica.lockstep import Leader
 
     gloo = RuntimeError("Gloo all-reduce failed: Connection closed by peer [127.0.0.1]:55473")
     with socket.socket() as listener:
@@ -266,7 +266,7 @@ def test_a_follower_killed_with_steps_unread_went_away() -> None:
     """kill -9 of a follower that is behind (steps unread in its buffer, as under CPU
     load) closes its connection with a reset, not an EOF: the leader must still say
     it went away (seen as "connection failed: [Errno 104]" in a loaded run)."""
-    from tpupod.serve.lockstep import Hello, Leader
+    from tpupod.serve.replica.lockstep import Hello, Leader
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         follower = socket.create_connection(listener.getsockname())

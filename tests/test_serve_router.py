@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_base_port, openai_client, start_router
-from tpupod.serve import upstream
+from tpupod.serve.router import upstream
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -25,8 +25,8 @@ import pytest
 from tests.conftest import free_base_port, openai_client, pod_processes, tpupod_argv
 from tpupod.errors import UsageError
 from tpupod.serve.backends import Backend
-from tpupod.serve.record import up_options
-from tpupod.serve.sglrouter import RETRIES, sgl_argv
+from tpupod.serve.fleet.record import up_options
+from tpupod.serve.router.sgl import RETRIES, sgl_argv
 
 STUB = Path(__file__).parent / "serve_stub.py"
 STUB_COMMAND = f"{{python}} {STUB} --host {{host}} --port {{port}} --tokens 8"
@@ -41,7 +41,7 @@ def run_cli(home: Path, *args: str, timeout: float = 90) -> subprocess.Completed
 
 def router_processes(pod: str, groups: frozenset[int] = frozenset()) -> dict[int, str]:
     """Live router processes of the local pod, read from /proc (pid: process group, command
-    line): the ``tpupod.serve.sglrouter`` process carries TPUPOD_POD=<pod>; its sgl-router
+    line): the ``tpupod.serve.router.sgl`` process carries TPUPOD_POD=<pod>; its sgl-router
     child renames itself ``sglang::router`` over its command line and environment, so it is
     found in the groups of those (``groups``: ones seen before)."""
     found = {}
@@ -92,7 +92,7 @@ def test_sgl_routers_command_line_retries_and_binds_metrics_to_the_internal_addr
 def test_a_fleet_recorded_before_router_existed_reads_as_the_builtin_router() -> None:
     """A record written before --router: the same serve up is the same fleet, and one with
     --router sgl names the difference."""
-    from tpupod.serve.record import FleetRecord, differences, settings_of
+    from tpupod.serve.fleet.record import FleetRecord, differences, settings_of
 
     options = up_options("command", None, model="m", command="c")
     old = settings_of(options)
@@ -255,7 +255,7 @@ def test_a_backend_killed_under_load_fails_no_request_and_comes_back(
 
 def test_serve_down_leaves_no_router_process(tmp_path: Path) -> None:
     """Its own fleet: up with --router sgl, then down; /proc holds no router of the pod
-    (neither the respawn parent, tpupod.serve.sglrouter nor its sgl-router child)."""
+    (neither the respawn parent, tpupod.serve.router.sgl nor its sgl-router child)."""
     home = tmp_path / "state"
     pod = f"sgd{os.getpid()}"
     with local_pod(home, pod):
@@ -264,9 +264,9 @@ def test_serve_down_leaves_no_router_process(tmp_path: Path) -> None:
         wrappers = router_processes(pod)
         groups = frozenset(int(line.split(":")[0]) for line in wrappers.values())
         running = router_processes(pod, groups)
-        # the respawn parent, the tpupod.serve.sglrouter wrapper, its child: one group
+        # the respawn parent, the tpupod.serve.router.sgl wrapper, its child: one group
         assert len(wrappers) == 2 and len(groups) == 1 and len(running) == 3, running
-        assert any("-m tpupod.serve.respawn" in line for line in running.values()), running
+        assert any("-m tpupod.serve.agent.respawn" in line for line in running.values()), running
         assert any("sglang::router" in line for line in running.values()), running
         down = run_cli(home, "serve", "down", "--pod", pod)
         assert down.returncode == 0 and "w0 router stopped" in down.stderr, down.stderr

@@ -1,4 +1,4 @@
-"""The front end's text side (``serve/text.py``) on the real tokenizer: token ids in the
+"""The front end's text side (``serve/builtin/text.py``) on the real tokenizer: token ids in the
 frames the engine sends, text and stop strings out.
 
 The engine sends a turn's tokens of a request as one ``Tokens`` event and goes on
@@ -22,8 +22,8 @@ if importlib.util.find_spec("tokenizers") is None:
     pytest.skip("needs the model extra", allow_module_level=True)
 
 from tpupod.model.tokenizer import Tokenizer
-from tpupod.serve.events import Delta, Event, Failed, Finished, SamplingParams, Sink, Tokens
-from tpupod.serve.text import TextSink, submit
+from tpupod.serve.builtin.events import Delta, Event, Failed, Finished, SamplingParams, Sink, Tokens
+from tpupod.serve.builtin.text import TextSink, submit
 
 pytestmark = pytest.mark.local
 
@@ -115,7 +115,7 @@ def test_a_stream_behind_the_engine_gets_the_texts_waiting_as_one_delta() -> Non
     """Turns' texts that arrived while the stream was busy go out as one chunk."""
     import asyncio
 
-    from tpupod.serve.openai_api import Metrics, _Call
+    from tpupod.serve.builtin.openai_api import Metrics, _Call
 
     class Served:
         running = waiting = max_batch = 0
@@ -139,7 +139,7 @@ def test_a_text_chunk_from_its_template_is_the_chunk_rendered_whole(
     place): byte for byte the whole chunk's JSON, for any text and any model name."""
     import json
 
-    from tpupod.serve.openai_api import _Shape, _sse
+    from tpupod.serve.builtin.openai_api import _Shape, _sse
 
     shape = _Shape("chatcmpl-0f", 'a "model"\x00 named é', chat)
     frame = shape.text_frames(usage)

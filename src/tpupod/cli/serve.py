@@ -17,8 +17,8 @@ from tpupod.report import notice, print_columns
 from tpupod.serve import defaults
 
 if TYPE_CHECKING:
-    from tpupod.serve.fleet import Fleet
-    from tpupod.serve.status import FleetStatus
+    from tpupod.serve.fleet.control import Fleet
+    from tpupod.serve.fleet.status import FleetStatus
 
 serve_app = typer.Typer(
     name="serve",
@@ -57,7 +57,7 @@ EVAL_FAILS = (
 
 
 def _fleet(pod: str | None) -> Fleet:
-    from tpupod.serve.fleet import Fleet
+    from tpupod.serve.fleet.control import Fleet
 
     return Fleet.open(pod)
 
@@ -168,7 +168,7 @@ def up(
     ] = None,
 ) -> None:
     """Start agents and servers on every worker, then the router; print the endpoint."""
-    from tpupod.serve.record import up_options
+    from tpupod.serve.fleet.record import up_options
 
     fleet = _fleet(pod)
     options = up_options(
@@ -309,7 +309,7 @@ def agent(
     ] = ".tpupod/serve",
 ) -> None:
     """The worker agent in the foreground ('tpupod serve up' starts it detached)."""
-    from tpupod.serve.agent import serve as serve_agent
+    from tpupod.serve.agent.server import serve as serve_agent
 
     serve_agent(Path(state_dir).expanduser().absolute(), host, port)
 
@@ -337,7 +337,7 @@ def fanout(
     ] = None,
 ) -> None:
     """One chat request to every backend at once: a RESP line each, then DONE."""
-    from tpupod.serve.broadcast import broadcast
+    from tpupod.serve.fleet.broadcast import broadcast
 
     if registry_url is None:
         record = _fleet(pod).record()

@@ -10,8 +10,8 @@ from collections import deque
 from typing import Any
 
 from tpupod.errors import ServeError, StateError
-from tpupod.serve.fleet import Fleet
-from tpupod.serve.status import FleetStatus
+from tpupod.serve.fleet.control import Fleet
+from tpupod.serve.fleet.status import FleetStatus
 from tpupod.state import StateDir
 
 WINDOW = 3  # sampling intervals a backend's requests/s is taken over

@@ -1,4 +1,5 @@
-"""``python -m tpupod.serve.ctl``: the worker side of ``tpupod serve``, run through the transport.
+"""``python -m tpupod.serve.agent.ctl``: the worker side of ``tpupod serve``, run through
+the transport.
 
 The launcher never talks to an agent over the network: it runs this module on
 the worker (a local subprocess, or an SSH command), which reads the worker's
@@ -16,7 +17,7 @@ token from ``NAME.token`` (mode 0600), both in the state folder::
     .tpupod/serve/router.json router.token router.log
 
 The router is the builtin one (``tpupod.serve.router``) or sgl-router
-(``tpupod.serve.sglrouter`` records ``kind: sgl`` in router.json); ``view`` asks
+(``tpupod.serve.router.sgl`` records ``kind: sgl`` in router.json); ``view`` asks
 either for its backends. ``preflight`` is ``serve up``'s look before it starts
 anything: whether the backend can serve the model here, and which process (from
 /proc) holds a port the fleet would bind.
@@ -28,7 +29,6 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -38,52 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from tpupod import procfs, settings
-from tpupod.files import write_atomic
-from tpupod.serve import respawn
+from tpupod.serve.agent import respawn
+from tpupod.serve.services import STATE_DIR, read_info, token
 
-STATE_DIR = ".tpupod/serve"  # relative: each worker's home (SSH) or work folder (local)
 READY_TIMEOUT_S = 30.0
 NOTICE_EVERY_S = 30.0  # wait-ready says which servers still start, and their last answer
 STOP_GRACE_S = 8.0
 SERVICES = ("agent", "router")
 LISTEN = "0A"  # a socket's state in /proc/net/tcp
 SHOWN_CHARS = 80  # of a port holder's command line
-
-
-def read_info(state: Path, service: str) -> dict[str, Any] | None:
-    """The service's record, when it exists and its process is alive."""
-    try:
-        info: dict[str, Any] = json.loads((state / f"{service}.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info.get("pid"), int) and procfs.alive(info["pid"]) else None
-
-
-def write_info(state: Path, service: str, host: str, port: int, **extra: object) -> None:
-    """Called by the service itself once it listens."""
-    record = {"pid": os.getpid(), "parent": os.getppid(), "host": host, "port": port}
-    record.update(started=time.time(), **extra)
-    write_atomic(state / f"{service}.json", json.dumps(record) + "\n")
-
-
-def remove_info(state: Path, service: str) -> None:
-    path = state / f"{service}.json"
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(path.read_text()).get("pid") == os.getpid():
-            path.unlink()
-
-
-def token(state: Path, service: str, given: str | None = None) -> str:
-    """The service's token: ``given`` (written down), else the one on file, else a new one."""
-    path = state / f"{service}.token"
-    if given is None:
-        with contextlib.suppress(OSError):
-            existing = path.read_text().strip()
-            if existing:
-                return existing
-        given = secrets.token_urlsafe(24)
-    write_atomic(path, given + "\n")
-    return given
 
 
 def keeper(state: Path, service: str) -> int | None:
@@ -111,7 +74,7 @@ def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[s
     if service == "agent":  # servers of an agent that was killed hard would hold their ports
         _kill_recorded_groups(state)
     if service == "router":
-        keeping = ["-m", "tpupod.serve.respawn", "--state-dir", str(state), service, "--"]
+        keeping = ["-m", "tpupod.serve.agent.respawn", "--state-dir", str(state), service, "--"]
         argv = [sys.executable, *keeping, *argv]
     with open(state / f"{service}.log", "ab") as log:
         proc = subprocess.Popen(
@@ -234,7 +197,7 @@ def view(state: Path) -> dict[str, Any]:
     ``/backends``, or sgl-router's workers, health and circuits (``sglrouter.view``)."""
     info = read_info(state, "router")
     if info is not None and info.get("kind") == "sgl":
-        from tpupod.serve.sglrouter import view as sgl_view
+        from tpupod.serve.router.sgl import view as sgl_view
 
         return sgl_view(info, token(state, "router"))
     return call(state, "router", "GET", "/backends", None)
@@ -415,7 +378,7 @@ def _flag_port(text: str) -> tuple[str, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.ctl")
+    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.agent.ctl")
     parser.add_argument("--state-dir", default=STATE_DIR)
     sub = parser.add_subparsers(dest="action", required=True)
     e = sub.add_parser("ensure", help="start a service detached unless it runs")

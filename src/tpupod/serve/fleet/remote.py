@@ -1,7 +1,7 @@
 """``tpupod serve``'s remote side: a fleet of model servers on a pod, one router in front.
 
 Everything reaches the workers through the fan-out (``fanout.execute_async``, so its
-bounds on a silent host hold), by running ``python -m tpupod.serve.ctl`` there (see
+bounds on a silent host hold), by running ``python -m tpupod.serve.agent.ctl`` there (see
 ``ctl.py``): ensure an agent (detached), hand it the server specs, stream readiness, then
 ensure the router on worker 0, which can reach every worker's internal address. The
 fleet's record is ``record.py``'s; ``fleet.py`` is the blocking face the CLI drives.
@@ -31,8 +31,9 @@ from tpupod.pod import Pod, Worker
 from tpupod.providers import Connector, provider_for
 from tpupod.results import Outcome, WorkerResult
 from tpupod.serve import defaults
+from tpupod.serve.agent.supervisor import unstamped
 from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
-from tpupod.serve.record import (
+from tpupod.serve.fleet.record import (
     FleetRecord,
     ServerRecord,
     UpOptions,
@@ -42,9 +43,8 @@ from tpupod.serve.record import (
     save_record,
     settings_of,
 )
-from tpupod.serve.sglrouter import MISSING
-from tpupod.serve.status import AgentAnswer, member
-from tpupod.serve.supervisor import unstamped
+from tpupod.serve.fleet.status import AgentAnswer, member
+from tpupod.serve.router.sgl import MISSING
 from tpupod.state import StateDir
 from tpupod.transport import OutputLine
 
@@ -96,13 +96,13 @@ class RemoteFleet:
         on_line: Callable[[str], None] | None = None,
         timeout: float = CTL_TIMEOUT_S,
     ) -> list[dict[str, Any]]:
-        """Run ``python -m tpupod.serve.ctl ARGS`` on the worker; its JSON lines.
+        """Run ``python -m tpupod.serve.agent.ctl ARGS`` on the worker; its JSON lines.
 
         It runs through the fan-out (``fanout.execute_async``), so its bounds hold: a host
         that does not answer a new command within the connect timeout, or goes silent
         mid-call, or a call past ``timeout`` seconds, is given up and named.
         """
-        command = shlex.join([self.python, "-m", "tpupod.serve.ctl", *args])
+        command = shlex.join([self.python, "-m", "tpupod.serve.agent.ctl", *args])
         answers: list[dict[str, Any]] = []
         other: list[str] = []
 
@@ -127,7 +127,7 @@ class RemoteFleet:
         if not answers:
             last = other[-1] if other else result.outcome_text()
             raise ServeError(
-                f"{worker.label}: tpupod.serve.ctl gave no answer ({last})",
+                f"{worker.label}: tpupod.serve.agent.ctl gave no answer ({last})",
                 hint=f"is tpupod installed for {self.python} on the worker? "
                 "(--worker-python names another Python)",
             )
@@ -376,7 +376,7 @@ class RemoteFleet:
     ) -> int:
         head = self.pod.workers[0]
         port = self.router_port(options)
-        module = "tpupod.serve.sglrouter" if options.router == "sgl" else "tpupod.serve.router"
+        module = "tpupod.serve.router.sgl" if options.router == "sgl" else "tpupod.serve.router"
         argv = [self.python, "-m", module, "--host", head.internal_address, "--port", str(port)]
         # without --served-model-name, the router asks the servers what they call the model
         if options.served_model_name and options.router == "builtin":
@@ -723,7 +723,7 @@ def _raise_first(results: list[Any]) -> None:
 def unanswered(worker: Worker, result: WorkerResult, call: str, timeout: float) -> WorkerError:
     """The error of a ctl call the worker did not answer: its host is unreachable or silent."""
     if result.outcome is Outcome.TIMED_OUT:
-        reason = f"tpupod.serve.ctl {call} gave no answer in {timeout:g}s"
+        reason = f"tpupod.serve.agent.ctl {call} gave no answer in {timeout:g}s"
     else:
         reason = f"unreachable: {result.error}"
     return WorkerError(

@@ -46,7 +46,7 @@ from tpupod.errors import ModelError
 from tpupod.model import QwenModel, sharding, slots
 from tpupod.model.qwen import MIN_LENGTH_BUCKET
 from tpupod.serve import defaults
-from tpupod.serve.events import (  # the engine's vocabulary, re-exported for its callers
+from tpupod.serve.builtin.events import (  # the engine's vocabulary, re-exported for its callers
     EngineStopped,
     Event,
     Failed,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tpupod.serve.record import FleetRecord, ServerRecord
+from tpupod.serve.fleet.record import FleetRecord, ServerRecord
 
 # An agent's /admin/status body, or why it gave none (the worker's error, one line).
 AgentAnswer = dict[str, Any] | str

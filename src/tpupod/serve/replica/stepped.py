@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from tpupod.model import sharding
-from tpupod.serve.engine import Engine, Request
-from tpupod.serve.events import SamplingParams
-from tpupod.serve.lockstep import Follower, Leader
+from tpupod.serve.builtin.engine import Engine, Request
+from tpupod.serve.builtin.events import SamplingParams
+from tpupod.serve.replica.lockstep import Follower, Leader
 
 # How long a failed step waits for the side channel to report a lost member.
 LOST_WAIT_S = 2.0

@@ -1,6 +1,6 @@
 """sgl-router (the ``sglang-router`` package) as the fleet's router: ``serve up --router sgl``.
 
-``python -m tpupod.serve.sglrouter --host H --port P --backends h:p,... --policy P`` is what
+``python -m tpupod.serve.router.sgl --host H --port P --backends h:p,... --policy P`` is what
 ctl's ``ensure router`` starts on worker 0 in place of ``tpupod.serve.router``. It runs
 sgl-router as its child and records ``router.json`` (``kind: sgl``, the metrics port) once
 sgl-router listens, so ``ctl stop router`` (``serve down``), ``ctl call router`` and
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod import settings
-from tpupod.serve import ctl, defaults
+from tpupod.serve import defaults, services
 
 KEY_ENV = "TPUPOD_SGL_API_KEY"
 MISSING = "sglang_router is not installed for"
@@ -92,20 +92,20 @@ def run(state: Path, args: argparse.Namespace) -> int:
         args.host, port, metrics_port=metrics, backends=args.backends.split(","),
         policy=args.policy, health_interval=args.health_interval,
     )  # fmt: skip
-    env = {**os.environ, KEY_ENV: ctl.token(state, "router")}
-    command = [sys.executable, "-m", "tpupod.serve.sglrouter", "--child", *argv]
+    env = {**os.environ, KEY_ENV: services.token(state, "router")}
+    command = [sys.executable, "-m", "tpupod.serve.router.sgl", "--child", *argv]
     child = subprocess.Popen(command, env=env)
     signal.signal(signal.SIGTERM, lambda *_: child.terminate())
     signal.signal(signal.SIGINT, lambda *_: child.terminate())
     while child.poll() is None and not _listening(args.host, port):
         time.sleep(0.05)
     if child.poll() is None:
-        ctl.write_info(state, "router", args.host, port, kind="sgl", metrics_port=metrics,
+        services.write_info(state, "router", args.host, port, kind="sgl", metrics_port=metrics,
                        child=child.pid)  # fmt: skip
     try:
         return child.wait()
     finally:
-        ctl.remove_info(state, "router")
+        services.remove_info(state, "router")
 
 
 def child(argv: list[str]) -> None:
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if given[:1] == ["--child"]:
         child(given[1:])
         return 0
-    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.sglrouter")
-    parser.add_argument("--state-dir", default=ctl.STATE_DIR)
+    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.router.sgl")
+    parser.add_argument("--state-dir", default=services.STATE_DIR)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
     parser.add_argument("--backends", required=True, help="host:port,host:port,...")

@@ -95,8 +95,8 @@ def up_options(
 ) -> UpOptions:
     """``serve up``'s options from flag values: the backend, router and policy named as
     strings (no policy: the router's default)."""
-    from tpupod.serve.router import Policy
-    from tpupod.serve.sglrouter import POLICIES
+    from tpupod.serve.router.server import Policy
+    from tpupod.serve.router.sgl import POLICIES
 
     policies = {"builtin": [p.value for p in Policy], "sgl": list(POLICIES)}
     if router not in policies:

@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpupod.errors import ModelError
 from tpupod.jsontext import lone_surrogate
-from tpupod.serve.events import (
+from tpupod.serve.builtin.events import (
     Delta,
     EngineStopped,
     Event,
@@ -61,9 +61,9 @@ from tpupod.serve.events import (
     Sink,
     deliver,
 )
+from tpupod.serve.builtin.text import Cancellable
+from tpupod.serve.builtin.text import submit as submit_text
 from tpupod.serve.openai_errors import error_body, path_error
-from tpupod.serve.text import Cancellable
-from tpupod.serve.text import submit as submit_text
 
 
 class ServedEngine(Protocol):
@@ -370,7 +370,7 @@ def create_app(
     """The FastAPI app serving ``engine`` under the name ``model_name`` (``vocab_size``:
     the model's, by default read from a local :class:`Engine`)."""
     if vocab_size is None:
-        from tpupod.serve.engine import Engine  # a local engine: JAX is loaded already
+        from tpupod.serve.builtin.engine import Engine  # a local engine: JAX is loaded already
 
         assert isinstance(engine, Engine)
         vocab_size = engine.model.config.vocab_size

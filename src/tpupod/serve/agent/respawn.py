@@ -1,4 +1,4 @@
-"""``python -m tpupod.serve.respawn --state-dir D NAME -- ARGV``: a detached service, started
+"""``python -m tpupod.serve.agent.respawn --state-dir D NAME -- ARGV``: a detached service, started
 again when it dies.
 
 The router is one process on worker 0 in front of every server: when it died (``kill
@@ -120,7 +120,7 @@ def keep(state: Path, service: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.respawn")
+    parser = argparse.ArgumentParser(prog="python -m tpupod.serve.agent.respawn")
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("service")
     parser.add_argument("argv", nargs=argparse.REMAINDER, help="-- the service's command line")

@@ -32,10 +32,10 @@ from tpupod.errors import ServeError, UsageError
 from tpupod.fanout import execute_async
 from tpupod.pod import Pod, Worker
 from tpupod.results import FanoutResult
-from tpupod.serve.ctl import STATE_DIR
-from tpupod.serve.record import FleetRecord, ServerRecord, UpOptions, load_record
-from tpupod.serve.remote import SERVE_UP, Progress, RemoteFleet
-from tpupod.serve.status import FleetStatus, fleet_status
+from tpupod.serve.fleet.record import FleetRecord, ServerRecord, UpOptions, load_record
+from tpupod.serve.fleet.remote import SERVE_UP, Progress, RemoteFleet
+from tpupod.serve.fleet.status import FleetStatus, fleet_status
+from tpupod.serve.services import STATE_DIR
 from tpupod.state import StateDir
 from tpupod.workerrun import LineHandler
 

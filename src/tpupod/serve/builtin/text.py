@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tpupod.serve.events import Delta, Event, Finished, SamplingParams, Sink, Tokens
+from tpupod.serve.builtin.events import Delta, Event, Finished, SamplingParams, Sink, Tokens
 
 
 class Cancellable(Protocol):

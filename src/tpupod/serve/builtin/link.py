@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpupod.serve.events import (
+from tpupod.serve.builtin.events import (
     EngineStopped,
     Event,
     Failed,
@@ -60,8 +60,8 @@ from tpupod.serve.events import (
 )
 
 if TYPE_CHECKING:  # the front end never imports the engine (JAX): only the engine side has one
-    from tpupod.serve.engine import Engine
-    from tpupod.serve.engine import Request as EngineRequest
+    from tpupod.serve.builtin.engine import Engine
+    from tpupod.serve.builtin.engine import Request as EngineRequest
 
 HEADER = struct.Struct("!I")
 ENGINE_DOWN = "the engine process is not running (it exited); it is being restarted: retry shortly"

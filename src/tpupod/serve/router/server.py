@@ -45,9 +45,10 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tpupod.serve import ctl, defaults, eventloop, upstream
+from tpupod.serve import defaults, eventloop, services
 from tpupod.serve.openai_errors import error_body, path_error
-from tpupod.serve.registry import Backend, HealthPolicy, Registry
+from tpupod.serve.router import upstream
+from tpupod.serve.router.registry import Backend, HealthPolicy, Registry
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Not passed on to a backend: hop-by-hop, framing (the router frames its own request),
@@ -441,7 +442,7 @@ async def run_router(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tpupod.serve.router")
-    parser.add_argument("--state-dir", default=ctl.STATE_DIR)
+    parser.add_argument("--state-dir", default=services.STATE_DIR)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=defaults.ROUTER_PORT, help="0: any free port")
     parser.add_argument("--backends", required=True, help="host:port,host:port,...")
@@ -462,19 +463,15 @@ def main(argv: list[str] | None = None) -> None:
         args.eject_after, args.cooldown,
     )  # fmt: skip
     registry = Registry([a for a in args.backends.split(",") if a], args.model, policy)
-    token = None if args.no_auth else ctl.token(state, "router")
+    token = None if args.no_auth else services.token(state, "router")
     router = Router(registry, token, Policy(args.policy), args.retries)
 
     def listening(port: int) -> None:
-        ctl.write_info(state, "router", args.host, port, backends=list(registry.backends))
+        services.write_info(state, "router", args.host, port, backends=list(registry.backends))
         print(f"ready port={port}", flush=True)
 
     try:
         eventloop.use_uvloop()
         asyncio.run(run_router(router, args.host, args.port, listening))
     finally:
-        ctl.remove_info(state, "router")
-
-
-if __name__ == "__main__":
-    main()
+        services.remove_info(state, "router")

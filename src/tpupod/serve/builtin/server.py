@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpupod import settings
-from tpupod.errors import CheckpointError, TpupodError, UsageError
+from tpupod.errors import CheckpointError, UsageError
 from tpupod.serve import defaults, eventloop
-from tpupod.serve.events import stalled_message
+from tpupod.serve.builtin.events import stalled_message
 
 if TYPE_CHECKING:
-    from tpupod.serve.engine import Engine
+    from tpupod.serve.builtin.engine import Engine
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
 STALLED_EXIT = 4  # --no-split: an engine made no progress with work owed (its agent restarts it)
@@ -204,34 +204,28 @@ def check_stall_timeout(seconds: float) -> None:
         )
 
 
-def run(args: argparse.Namespace) -> int:
-    from tpupod.serve import split
-
-    ports = check_args(args)
-    if args.role == "engine":
-        return split.engine_main(args, ports)
-    if args.role == "frontend":
-        return split.frontend_main(args, ports)
-    sockets = [bind(args.host, p) for p in ports]
-    if "://" not in args.model and not Path(args.model).expanduser().is_dir():
-        # before JAX loads (seconds on a busy host): a wrong path fails at once
-        raise CheckpointError(
-            f"--model {args.model}: no such folder",
-            hint="give a checkpoint folder (config.json, *.safetensors) or a gs:// URL",
-        )
-    if not args.no_split:
-        return split.keep(args, sockets)
+def serve_here(args: argparse.Namespace, sockets: list[socket.socket], ports: list[int]) -> int:
+    """Every engine in this process (``--no-split``): load, warm, serve until stopped."""
     engines = build_engines(args, len(ports))
-    _warm(engines)
+    warm(engines)
     eventloop.use_uvloop()
     name = served_name(args)
-    serving = _serve(engines, sockets, ports, args.host, name, stall_s=args.stall_timeout)
+    serving = serve_engines(engines, sockets, ports, args.host, name, stall_s=args.stall_timeout)
     code = asyncio.run(serving)
     if code == STALLED_EXIT:  # a hung device call would hold the interpreter's exit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def check_model_folder(model: str) -> None:
+    """Before JAX loads (seconds on a busy host): a wrong path fails at once."""
+    if "://" not in model and not Path(model).expanduser().is_dir():
+        raise CheckpointError(
+            f"--model {model}: no such folder",
+            hint="give a checkpoint folder (config.json, *.safetensors) or a gs:// URL",
+        )
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -243,7 +237,7 @@ def build_engines(args: argparse.Namespace, count: int) -> list[Engine]:
     import jax
 
     from tpupod.model import load_model, make_mesh
-    from tpupod.serve.engine import Engine
+    from tpupod.serve.builtin.engine import Engine
 
     slices = device_slices(jax.local_devices(), count)
     cpu = jax.default_backend() == "cpu"
@@ -266,7 +260,7 @@ def build_engines(args: argparse.Namespace, count: int) -> list[Engine]:
     return engines
 
 
-def _warm(engines: list[Engine]) -> None:
+def warm(engines: list[Engine]) -> None:
     """Compile every engine's programs, the engines side by side."""
     errors: list[BaseException] = []
 
@@ -285,7 +279,7 @@ def _warm(engines: list[Engine]) -> None:
         raise errors[0]
 
 
-async def _serve(
+async def serve_engines(
     engines: list[Engine],
     sockets: list[socket.socket],
     ports: list[int],
@@ -298,7 +292,7 @@ async def _serve(
     With ``stall_s``, an engine that owes requests and makes no progress for that long
     fails them with the reason and the server stops, returning :data:`STALLED_EXIT` (its
     agent restarts it), as the split server restarts its engine."""
-    from tpupod.serve.openai_api import create_app, loop_dispatch
+    from tpupod.serve.builtin.openai_api import create_app, loop_dispatch
 
     loop = asyncio.get_running_loop()
     for engine, port in zip(engines, ports, strict=True):
@@ -404,25 +398,3 @@ async def _announce(task: asyncio.Task[Any], host: str, port: int) -> None:
                     print(f"ready port={port}", flush=True)
                     return
             await asyncio.sleep(0.05)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except TpupodError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:  # Ctrl-C while loading or compiling (later, a clean stop)
-        return 130
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The engines' threads have ended; skip the interpreter's teardown, where
-    # XLA's CPU client takes seconds to let go of its devices.
-    os._exit(code)

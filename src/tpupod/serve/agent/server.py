@@ -34,9 +34,9 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
 from tpupod.files import write_atomic
-from tpupod.serve import ctl, defaults
+from tpupod.serve import defaults, services
+from tpupod.serve.agent.supervisor import ManagedServer, tail
 from tpupod.serve.backends import ServerSpec
-from tpupod.serve.supervisor import ManagedServer, tail
 
 
 class NameRequest(BaseModel):
@@ -140,7 +140,7 @@ def serve(state: Path, host: str, port: int) -> None:
     """Listen on ``host:port`` (0: any free port), record it, serve until SIGTERM."""
     import uvicorn
 
-    token = ctl.token(state, "agent")
+    token = services.token(state, "agent")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -161,23 +161,19 @@ def serve(state: Path, host: str, port: int) -> None:
         while not server.started and not serving.done():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         if server.started:
-            ctl.write_info(state, "agent", host, sock.getsockname()[1])
+            services.write_info(state, "agent", host, sock.getsockname()[1])
         await serving
 
     try:
         asyncio.run(run())
     finally:
-        ctl.remove_info(state, "agent")
+        services.remove_info(state, "agent")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tpupod.serve.agent")
-    parser.add_argument("--state-dir", default=ctl.STATE_DIR)
+    parser.add_argument("--state-dir", default=services.STATE_DIR)
     parser.add_argument("--host", default="127.0.0.1", help="the worker's internal address")
     parser.add_argument("--port", type=int, default=defaults.AGENT_PORT, help="0: any free port")
     args = parser.parse_args(argv)
     serve(Path(args.state_dir).expanduser().absolute(), args.host, args.port)
-
-
-if __name__ == "__main__":
-    main()

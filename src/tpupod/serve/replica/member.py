@@ -54,7 +54,7 @@ from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
 from tpupod.names import new_launch_id
 from tpupod.serve import defaults, eventloop
-from tpupod.serve.lockstep import (
+from tpupod.serve.replica.lockstep import (
     DEFAULT_TIMEOUT_S,
     Follower,
     Hello,
@@ -168,7 +168,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     import jax
 
     from tpupod.model import load_model, make_mesh
-    from tpupod.serve.stepped import LockstepEngine
+    from tpupod.serve.replica.stepped import LockstepEngine
 
     devices = jax.devices()
     width = model_axis(args.mesh, len(devices))
@@ -194,7 +194,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 
 
 def lead(args: argparse.Namespace, own: Hello) -> int:
-    from tpupod.serve import builtin
+    from tpupod.serve.builtin import server as builtin
 
     http = builtin.bind(args.host, args.port)
     side_host, side_port = split_address(args.leader)
@@ -231,7 +231,7 @@ def lead(args: argparse.Namespace, own: Hello) -> int:
     engine.channel = leader
     name = args.served_model_name or builtin.model_name(args.model)
     eventloop.use_uvloop()
-    serving = builtin._serve(
+    serving = builtin.serve_engines(
         [engine], [http], [args.port], args.host, name, stall_s=args.stall_timeout
     )
     code = asyncio.run(serving)  # STALLED_EXIT: main's os._exit leaves the hung engine behind
@@ -240,7 +240,7 @@ def lead(args: argparse.Namespace, own: Hello) -> int:
 
 
 def follow(args: argparse.Namespace, own: Hello) -> int:
-    from tpupod.serve.stepped import follow_steps
+    from tpupod.serve.replica.stepped import follow_steps
 
     follower = Follower(args.lockstep_timeout, args.rendezvous_timeout)
     welcome = follower.join(split_address(args.leader), own, args.rendezvous_timeout)
@@ -262,7 +262,7 @@ def follow(args: argparse.Namespace, own: Hello) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tpupod.serve.builtin import check_stall_timeout
+    from tpupod.serve.builtin.server import check_stall_timeout
 
     if args.size < 2 or not 0 <= args.rank < args.size:
         raise UsageError("--size must be >= 2 and --rank in 0..size-1")
@@ -280,12 +280,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr, flush=True)
         return REFUSED_EXIT if isinstance(exc, LockstepError) else exc.exit_code
-
-
-if __name__ == "__main__":
-    import os
-
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # JAX's distributed shutdown would wait on the other members

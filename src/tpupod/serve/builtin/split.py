@@ -47,8 +47,9 @@ import threading
 import time
 from pathlib import Path
 
-from tpupod.serve import builtin, eventloop
+from tpupod.serve import eventloop
 from tpupod.serve.backoff import Backoff
+from tpupod.serve.builtin import server
 
 RESTART_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
@@ -143,7 +144,7 @@ def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
     engine = _Child("engine", [*base, "--role", "engine"], ())
     front = _Child("front end", [*base, "--role", "frontend", "--fds", _join(fds)], fds)
     children = [front, engine]
-    probe = _Probe(args.host, builtin.parse_ports(args.ports)[0]) if args.stall_timeout else None
+    probe = _Probe(args.host, server.parse_ports(args.ports)[0]) if args.stall_timeout else None
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stopping.append(signum))
@@ -241,11 +242,11 @@ def _die_with_parent() -> None:
 
 def engine_main(args: argparse.Namespace, ports: list[int]) -> int:
     """The engine process: every port's engine, warm, each behind its link."""
-    from tpupod.serve.enginelink import EngineHost, socket_path
+    from tpupod.serve.builtin.link import EngineHost, socket_path
 
     _die_with_parent()
-    engines = builtin.build_engines(args, len(ports))
-    builtin._warm(engines)
+    engines = server.build_engines(args, len(ports))
+    server.warm(engines)
     # from here a stop waits for the engines to fail what they hold (threads inherit the mask)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     for engine, port in zip(engines, ports, strict=True):
@@ -254,7 +255,7 @@ def engine_main(args: argparse.Namespace, ports: list[int]) -> int:
         host.start(f"engine-{port}")
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     for engine in engines:
-        engine.shutdown(builtin.SHUTDOWN_MESSAGE, timeout=10)
+        engine.shutdown(server.SHUTDOWN_MESSAGE, timeout=10)
     return 0
 
 
@@ -267,20 +268,20 @@ def frontend_main(args: argparse.Namespace, ports: list[int]) -> int:
 
 
 async def _front(sockets: list[socket.socket], ports: list[int], args: argparse.Namespace) -> int:
-    from tpupod.serve.enginelink import RemoteEngine, socket_path
-    from tpupod.serve.openai_api import create_app
+    from tpupod.serve.builtin.link import RemoteEngine, socket_path
+    from tpupod.serve.builtin.openai_api import create_app
 
-    ipc, name = Path(args.ipc), builtin.served_name(args)
+    ipc, name = Path(args.ipc), server.served_name(args)
     remotes = [RemoteEngine(socket_path(ipc, port), args.stall_timeout) for port in ports]
     links = [asyncio.create_task(remote.run()) for remote in remotes]
     await asyncio.gather(*(remote.connected.wait() for remote in remotes))  # warm engines
 
     def stop() -> None:
         for remote in remotes:
-            remote.shutdown(builtin.SHUTDOWN_MESSAGE)
+            remote.shutdown(server.SHUTDOWN_MESSAGE)
 
     apps = [create_app(r, name, vocab_size=r.vocab_size) for r in remotes]
-    await builtin.serve_apps(apps, sockets, ports, args.host, stop)
+    await server.serve_apps(apps, sockets, ports, args.host, stop)
     for link in links:
         link.cancel()
     return 0
