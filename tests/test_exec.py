@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, require, tpupod_argv
+from tests.conftest import CliResult, require, tpupod_argv, wait_until_gone
 from tpupod.pod import Pod
 
 PREFIX = re.compile(r"^\[w(\d+)\]\s+(.*)$")
@@ -468,3 +469,28 @@ def test_workers_get_sigint_as_the_full_cli_gives_it_when_tpupod_ignores_it(
     assert fast.returncode == full.returncode == 0, (fast.stderr, full.stderr)
     assert "SIGINT" not in full.stdout
     assert shape(fast.stdout) == shape(full.stdout)
+
+
+@pytest.mark.parametrize("on_fail", ["wait", "kill"])
+def test_a_reader_that_goes_away_stops_every_worker(
+    make_pod: Callable[..., Pod], on_fail: str
+) -> None:
+    """``tpupod exec -- LOOP | head -1`` with default options (the local fast path) ran
+    until something killed it after head had gone; the full path stopped at once."""
+    pod = make_pod(2)
+    loop = "while true; do echo x; sleep 0.1; done"
+    argv = tpupod_argv("exec", "--pod", pod.name, "--on-fail", on_fail, "--", loop)
+    started = time.monotonic()
+    shell = subprocess.run(
+        ["bash", "-c", f"{' '.join(map(shlex.quote, argv))} | head -1; echo ${{PIPESTATUS[0]}}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert time.monotonic() - started < 10, shell.stderr
+    assert shell.stdout.splitlines() == ["[w0] x", "141"] or shell.stdout.splitlines() == [
+        "[w1] x",
+        "141",
+    ], shell
+    assert "stopped by SIGPIPE" in shell.stderr
+    assert wait_until_gone(pod.name) == []

@@ -171,7 +171,15 @@ class _Run:
 def run_local(record: dict[str, Any], plan: ExecPlan, args: ExecArgs) -> FanoutResult:
     """Run the plan on the local pod's workers, output printed as it arrives."""
     workers = [plan.brief.workers[i] for i in plan.ids]
-    printer = None if args.quiet else LinePrinter(workers, sys.stdout, sys.stderr)
+    interrupted: list[int] = []  # the signals that stop the workers, first one first
+    printer = None
+    if not args.quiet:  # our reader gone (``| head``): stop them all, as SIGPIPE would
+        printer = LinePrinter(
+            workers,
+            sys.stdout,
+            sys.stderr,
+            on_broken_pipe=lambda: interrupted.append(signal.SIGPIPE),
+        )
     script = command_script(plan.line, guard=True)
     short = limits.open_files(4 * len(workers))  # three pipes and the guard's stdin a worker
     if short:
@@ -179,7 +187,6 @@ def run_local(record: dict[str, Any], plan: ExecPlan, args: ExecArgs) -> FanoutR
     started = time.monotonic()
     inherited_fds_closed()
     runs = [_start(record, plan, i, script) for i in plan.ids]
-    interrupted: list[int] = []
     previous = {
         signum: signal.signal(signum, lambda signum, frame: interrupted.append(signum))
         for signum in (signal.SIGINT, signal.SIGTERM)
