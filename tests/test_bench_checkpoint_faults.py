@@ -5,15 +5,18 @@ baseline is compared only like with like, and a comparison of nothing fails."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import CliResult
+from tests.conftest import CliResult, tpupod_argv, wait_until_gone
 from tests.test_bench_checkpoint import SMALL, results_of, write_config
 from tpupod.bench import baseline
 from tpupod.bench.config import parse_config
@@ -277,3 +280,39 @@ def test_a_negative_threshold_is_refused_before_anything_runs(
     assert run.code == 2, run.out + run.err
     assert "Invalid value for '--threshold'" in run.err and "Traceback" not in run.err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(300)  # two runs on a pod, on a busy machine
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_or_killed_benchmark_leaves_no_checkpoints_behind(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path, how: int
+) -> None:
+    """A stopped (TERM) or killed (-9) benchmark left its scratch checkpoints in
+    OUTPUT/checkpoints/LAUNCH for good, and later runs did not clear them: with real
+    checkpoints, gigabytes per interrupted run. A stopped run removes its own; the next
+    run removes what a killed one left."""
+    pod = make_pod(workers=2, devices=2)
+    config = write_config(tmp_path, small(num_repeats=60))
+    out = tmp_path / "out"
+    scratch = out / "checkpoints"
+    argv = ["bench", "checkpoint", "--pod", pod.name, "-c", str(config), "-o", str(out)]
+    proc = subprocess.Popen(tpupod_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(scratch.glob("*/*")):  # a launch's checkpoints are being written
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(how)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    if how == signal.SIGTERM:
+        assert list(scratch.iterdir()) == []
+        return
+    wait_until_gone(pod.name, timeout=15)
+    assert list(scratch.iterdir()) != []  # kill -9: nothing ran after
+    again = bench(cli, pod, write_config(tmp_path, small()), out)
+    assert again.code == 0, again.err
+    assert list(scratch.iterdir()) == []

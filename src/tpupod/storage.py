@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import posixpath
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,16 @@ def remove(location: str) -> None:
     fs, path = filesystem(location)
     with contextlib.suppress(FileNotFoundError):
         fs.rm_file(path)
+
+
+def remove_tree(location: str) -> None:
+    """Remove a folder and all it holds, if it is there."""
+    if not is_remote(location):
+        shutil.rmtree(location, ignore_errors=True)
+        return
+    fs, path = filesystem(location)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(path, recursive=True)
 
 
 def local_path(location: str) -> Path | None:

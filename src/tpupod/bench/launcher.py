@@ -112,16 +112,20 @@ async def run_bench(
             return
         on_line(worker, line)
 
-    result = await launch_run(
-        pod,
-        shlex.join(worker_argv(worker_python, "checkpoint-bench", WORKER_MODULE)),
-        workers=workers,
-        env={"TPUPOD_BENCH_PLAN": text},
-        timeout=timeout,
-        on_line=take,
-        on_notice=on_notice,
-        interrupt=interrupt,
-    )
+    await remove_scratch(pod, checkpoints, _ended_launches(pod))  # what a killed run left
+    try:
+        result = await launch_run(
+            pod,
+            shlex.join(worker_argv(worker_python, "checkpoint-bench", WORKER_MODULE)),
+            workers=workers,
+            env={"TPUPOD_BENCH_PLAN": text},
+            timeout=timeout,
+            on_line=take,
+            on_notice=on_notice,
+            interrupt=interrupt,
+        )
+    finally:  # stopped, failed or done: this launch's checkpoints are scratch
+        await remove_scratch(pod, checkpoints, _ended_launches(pod))
     results = collector.results()
     if results is None or not any(c.samples for c in results.combinations):
         # nothing measured is no result: a later --baseline latest must not compare with it
@@ -129,6 +133,34 @@ async def run_bench(
     folder = storage.join(suite_dir(output, results.suite_name), results.launch_id)
     storage.write(storage.join(folder, RESULTS_FILE), results.model_dump_json(indent=1) + "\n")
     return BenchRun(result, results, folder, write_plots(results, folder))
+
+
+def _ended_launches(pod: Pod) -> list[str]:
+    """This pod's benchmark launches that are over (ended, or their launcher is gone):
+    their scratch checkpoints, where left, are nobody's."""
+    from tpupod.launch.records import runs
+
+    return [
+        r.launch_id
+        for r in runs(pod.name)
+        if WORKER_MODULE in r.command and (r.done or r.launcher_gone())
+    ]
+
+
+async def remove_scratch(pod: Pod, checkpoints: str, launches: list[str]) -> None:
+    """Remove ``checkpoints/LAUNCH`` of each launch: here (a local pod, a gs:// URL) or on
+    every worker (a host's folder). The workers remove their own when a run ends well; a
+    run that was stopped or killed leaves them, gigabytes with real checkpoints."""
+    if not launches:
+        return
+    if storage.is_remote(checkpoints) or pod.on_this_machine:
+        for launch in set(launches) & set(storage.names(checkpoints)):
+            storage.remove_tree(storage.join(checkpoints, launch))
+        return
+    from tpupod.fanout import execute_async
+
+    folders = [f"{checkpoints}/{launch}" for launch in launches]
+    await execute_async(pod, shlex.join(["rm", "-rf", "--", *folders]), timeout=60)
 
 
 def raise_for_failures(results: Results) -> None:
