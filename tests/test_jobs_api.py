@@ -79,6 +79,21 @@ def test_bad_payloads_get_422_naming_the_field(api: httpx.Client) -> None:
     assert "exactly one of code and command" in both.json()["detail"][0]["msg"]
 
 
+def test_a_job_for_a_pod_no_runner_would_serve_is_refused(
+    api: httpx.Client, store: Store, state_home: Path
+) -> None:
+    """POST /jobs with a pod that does not exist got 201, and the job waited forever;
+    'tpupod jobs submit --pod nope' refuses it unless the pod's runner is elsewhere."""
+    refused = api.post("/jobs", json={"command": "echo hi", "pod": "nope"})
+    assert refused.status_code == 422, refused.text
+    assert "no pod named 'nope': no runner would take the job" in refused.json()["detail"]
+    assert store.find(statuses=[], labels={}, since=None, limit=10) == []
+    elsewhere = api.post("/jobs?remote_pod=true", json={"command": "echo hi", "pod": "nope"})
+    assert elsewhere.status_code == 201 and store.get(elsewhere.json()["id"]).pod == "nope"
+    anywhere = api.post("/jobs", json={"command": "echo hi"})
+    assert anywhere.status_code == 201
+
+
 def test_half_a_surrogate_pair_is_a_422_that_names_it(api: httpx.Client, store: Store) -> None:
     """JSON may escape half a UTF-16 surrogate pair ("\\ud800"); the store's database
     cannot hold it, and FastAPI's own 422 (which echoes the input) could not encode it:

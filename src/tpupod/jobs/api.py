@@ -26,8 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from tpupod.envargs import parse_pairs
-from tpupod.errors import JobNotFound, JobStoreError, UsageError
+from tpupod.errors import JobNotFound, JobStoreError, PodNotFound, UsageError
 from tpupod.jobs.models import JobRequest, JobStatus, LogLine
+from tpupod.jobs.quick import check_pod
 from tpupod.jobs.service import follow
 from tpupod.jobs.store import Store
 
@@ -69,7 +70,13 @@ def create_app(store: Store, token: str) -> FastAPI:
         return JSONResponse({"detail": exc.message}, status_code=503)
 
     @app.post("/jobs", status_code=201)
-    def submit(body: JobRequest) -> dict[str, int]:
+    def submit(body: JobRequest, remote_pod: bool = False) -> dict[str, int]:
+        """Queue a job; for a pod this machine does not know only with ``remote_pod`` (its
+        runner is elsewhere), as 'tpupod jobs submit --remote-pod'."""
+        try:
+            check_pod(body.pod, remote_pod, how="POST /jobs?remote_pod=true")
+        except PodNotFound as exc:
+            raise HTTPException(422, f"{exc.message}; {exc.hint}") from exc
         return {"id": store.submit(body)}
 
     @app.get("/jobs")

@@ -83,9 +83,9 @@ def attempts_for(retries: int) -> int:
     return max(3, retries + 1)
 
 
-def check_pod(pod: str | None, remote: bool) -> None:
+def check_pod(pod: str | None, remote: bool, how: str = "add --remote-pod") -> None:
     """A job for a pod this machine does not know would wait for a runner that never
-    comes: refused, unless its runner is elsewhere (``--remote-pod``)."""
+    comes: refused, unless its runner is elsewhere (``--remote-pod``; ``how`` says so)."""
     if pod is None or remote:
         return
     from tpupod.state import StateDir
@@ -97,7 +97,7 @@ def check_pod(pod: str | None, remote: bool) -> None:
     where = f"the pods here: {known}" if known else "no pods here yet ('tpupod up')"
     raise PodNotFound(
         f"no pod named {pod!r}: no runner would take the job",
-        hint=f"{where}; a pod whose runner is on another machine: add --remote-pod",
+        hint=f"{where}; a pod whose runner is on another machine: {how}",
     )
 
 
