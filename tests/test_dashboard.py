@@ -24,6 +24,7 @@ from tests.dashboard_server import TOKEN, Dashboard, dashboard_fixture  # noqa: 
 from tests.fakes.runs import write_runs
 from tpupod.dashboard.app import Config, create_app
 from tpupod.dashboard.jobs import Jobs
+from tpupod.errors import JobStoreError
 from tpupod.jobs.api import listen
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
@@ -216,6 +217,21 @@ def test_job_counts_follow_each_commit_and_skip_the_query_when_nothing_changed(
     assert [q.split()[0] for q in queries if q != "BEGIN"] == ["SELECT"]
     store.close()
     jobs.store.close()
+
+
+def test_a_job_store_named_that_is_not_there_is_an_error_not_an_empty_queue(
+    state_home: Path, tmp_path: Path
+) -> None:
+    """'dashboard --db sqlite:////nonexistent/dir/x.db' showed "No jobs" where 'tpupod jobs
+    ls --db' with the same URL says there is no store there (a typo, most likely). The
+    default store, not made until the first job, is still an empty queue."""
+    typo = f"sqlite:///{tmp_path / 'nonexistent' / 'x.db'}"
+    with pytest.raises(JobStoreError, match="no job store at"):
+        Jobs(typo).page(None, None)
+    with pytest.raises(JobStoreError, match="no job store at"):
+        Jobs(typo).counts()
+    assert not (tmp_path / "nonexistent").exists()
+    assert Jobs(None).page(None, None)["jobs"] == []
 
 
 def test_accepted_connections_send_at_once(state_home: Path) -> None:

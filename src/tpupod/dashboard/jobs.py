@@ -24,7 +24,8 @@ FAILED_SHOWN = 10  # the newest failed jobs the overview lists (and says how man
 
 
 class Jobs:
-    """The store at ``url``, opened on first use; a store not made yet has no jobs."""
+    """The store at ``url``, opened on first use; the default store not made yet has no
+    jobs (one named with ``--db`` that is not there is an error, as ``jobs ls`` says)."""
 
     def __init__(self, url: str | None) -> None:
         self.url = url
@@ -44,9 +45,9 @@ class Jobs:
             try:
                 self.store = service.open_store(self.url)
             except JobStoreError as exc:
-                if "no job store at" in exc.message:
-                    return None
-                raise
+                if "no job store at" in exc.message and self.url is None:
+                    return None  # the default store, made by the first job: none yet
+                raise  # one named with --db that is not there: a typo, as 'jobs ls' says
         return self.store
 
     def need(self) -> Store:
