@@ -236,16 +236,16 @@ class StateDir:
         return holder if pid != os.getpid() and procfs.alive(pid) else None
 
     def _held_by(self, name: str, holder: dict[str, Any] | None) -> UsageError:
+        one = "one run with --retries or 'up --recreate' at a time on a pod"
         if holder is None:
             return UsageError(
-                f"pod {name!r} is held by another process that may delete and create its TPU",
-                hint=f"one at a time: wait for it (the holder is in {self.pod_dir(name)})",
+                f"pod {name!r} is held by another process (a recovery, or up --recreate)",
+                hint=f"{one}: wait for it ({self.pod_dir(name) / HOLDER_LOCK} is its lock)",
             )
         return UsageError(
-            f"pod {name!r} is in the hands of {holder.get('what')} (pid {holder['pid']}), "
-            "which may delete and create its TPU",
-            hint="one run with --retries or 'up --recreate' at a time on a pod: wait for it, "
-            f"or stop it: '{holder.get('stop')}'",
+            f"pod {name!r} is held by {holder.get('what')}, pid {holder['pid']}: it may "
+            "delete and create the pod's TPU, or stop what holds its accelerator",
+            hint=f"{one}: wait for it, or stop it: '{holder.get('stop')}'",
         )
 
     def remove(self, name: str) -> None:
