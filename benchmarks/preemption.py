@@ -15,6 +15,13 @@ Reported per run: notice -> attempt ended (the grace included), and confirmed ->
 first step after restore, broken into delete, create, setup, sync, launch and
 restore (program start -> its first step), with the steps lost. Targets (issue 23):
 <= 30 s and <= 60 s.
+
+With ``--outages 0,15,60`` (issue 37) each run is ``--retries 2`` and the Cloud TPU API
+answers every call with 503 for that many seconds from the preemption on; reported per
+outage: notice -> first step after restore, the recoveries it cost, and how the run
+ended. The 0 s row is the anchor, measured beside the others in the same run:
+
+    .venv/bin/python benchmarks/preemption.py --outages 0,15,60 --runs 3
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ def code_repo(where: Path) -> Path:
     return repo
 
 
-def one_run(sim: SimPod, home: Path, n: int) -> dict[str, float]:
+def one_run(sim: SimPod, home: Path, n: int, outage_s: float | None = None) -> dict[str, float]:
+    """One preempted run; with ``outage_s``, the API answers 503 that long from the notice."""
     api = on_sim_hosts(sim, NOTICE_S, steps=1)  # no provisioning delay
     env = {
         **os.environ,
@@ -76,8 +84,9 @@ def one_run(sim: SimPod, home: Path, n: int) -> dict[str, float]:
               "--api", "tpu-vm"]  # fmt: skip
         subprocess.run(up, env=env, check=True, capture_output=True)
         repo = code_repo(Path(tempfile.mkdtemp()))
+        retries = "1" if outage_s is None else "2"
         run = subprocess.Popen(
-            [TPUPOD, "run", "--pod", name, "--retries", "1", "--setup", "setup.sh",
+            [TPUPOD, "run", "--pod", name, "--retries", retries, "--setup", "setup.sh",
              "--sync", "~/code", "--rendezvous-on", "launcher", "--",
              "python3", "train.py", str(ckpt), str(STEPS), str(STEP_S)],
             cwd=repo, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -91,8 +100,12 @@ def one_run(sim: SimPod, home: Path, n: int) -> dict[str, float]:
             time.sleep(0.05)
         notice = time.time()
         api.preempt_with_notice(name)
+        if outage_s:
+            api.unavailable(outage_s)
         run.wait(timeout=600)
         reader.join()
+        if outage_s is not None:
+            return outage_measure(home, name, ckpt, notice, run.returncode)
         if run.returncode != 0:
             raise SystemExit("".join(line for _, line in lines))
         return measure(home, name, ckpt, notice, lines)
@@ -127,10 +140,56 @@ def measure(
     }
 
 
+def outage_measure(home: Path, name: str, ckpt: Path, notice: float, code: int) -> dict[str, float]:
+    """What a preemption plus an outage cost: time to the first step after restore (NaN
+    when the run failed), recoveries, the exit code."""
+    [path] = (home / "pods" / name / "runs").glob("*/recovery.json")
+    record = json.loads(path.read_text())
+    last = len(record["attempts"])
+    started = ckpt / f"started-{last}"
+    restored = float("nan")
+    if code == 0 and started.exists():
+        first = ckpt / f"{int(started.read_text())}.ckpt"
+        restored = first.stat().st_mtime - notice
+    return {
+        "notice -> first step after restore": restored,
+        "recoveries": float(record["counters"].get("recoveries", 0)),
+        "exit code": float(code),
+    }
+
+
+def outages(sizes: list[float], runs: int) -> None:
+    """Each outage size ``runs`` times, interleaved (a load change hits every size)."""
+    results: dict[float, list[dict[str, float]]] = {size: [] for size in sizes}
+    with SimPod(8) as sim, tempfile.TemporaryDirectory() as home:
+        for n in range(runs):
+            for size in sizes:
+                found = one_run(sim, Path(home), n * len(sizes) + sizes.index(size), size)
+                results[size].append(found)
+                shown = ", ".join(f"{k} {v:.2f}" for k, v in found.items())
+                print(f"run {n + 1}, outage {size:.0f}s: {shown}", flush=True)
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"| API outage | notice -> first step after restore, s (median of {runs}) | "
+        "recoveries | exit codes |\n| ---: | ---: | --- | --- |"
+    )
+    for size, found in results.items():
+        done = [r["notice -> first step after restore"] for r in found if r["exit code"] == 0]
+        seconds = f"{statistics.median(done):.1f}" if done else "- (never restored)"
+        recoveries = " / ".join(f"{r['recoveries']:.0f}" for r in found)
+        codes = " / ".join(f"{r['exit code']:.0f}" for r in found)
+        print(f"| {size:.0f} s | {seconds} | {recoveries} | {codes} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--outages", help="seconds of API outage from the notice, e.g. 0,15,60")
     args = parser.parse_args()
+    if args.outages:
+        outages([float(x) for x in args.outages.split(",")], args.runs)
+        return
     results: list[dict[str, float]] = []
     with SimPod(8) as sim, tempfile.TemporaryDirectory() as home:
         for n in range(args.runs):

@@ -640,3 +640,66 @@ def test_adopt_a_reserved_queued_resource_reads_it_as_one(
     assert adopted.code == 0, adopted.err
     assert "(reserved)" in adopted.out
     assert "cloud state ACTIVE" in cli("status", "--pod", "rq").out  # the queued resource's
+
+
+def test_recreate_checks_before_it_changes_anything_and_keeps_the_history(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    """Issue 37: `up --recreate` of a pod whose TPU is ACTIVE removed the pod's folder and
+    then failed: the TPU orphaned, the key, run logs and recovery records gone. It is
+    refused before anything changes; a recreate that is due keeps the pod's history."""
+    sp = (*UP, "--name", "sp", "--tpu-type", "v4-16", "--spot")
+    assert cli(*sp).code == 0
+    ran = cli("run", "--pod", "sp", "--rendezvous-on", "launcher", "--retries", "1", "--", "uname")
+    assert ran.code == 0, ran.err
+    folder = state_home / "pods" / "sp"
+    [record] = folder.glob("runs/*/recovery.json")
+    run_id = record.parent.name
+    files = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    refused = cli(*sp, "--recreate")
+    assert refused.code == 1, refused.err
+    lines = refused.err.strip().splitlines()
+    assert lines[-2] == "error: TPU 'sp' is ACTIVE: --recreate replaces a preempted or failed one"
+    assert lines[-1].startswith("hint: ") and "tpupod down --pod sp" in lines[-1]
+    assert {p: p.read_bytes() for p in files if p.is_file()} == files  # nothing changed
+    assert not [call for call in tpu_api.calls if call[0] in ("POST", "DELETE")][1:]
+    assert cli("exec", "--pod", "sp", "--", "true").code == 0
+    tpu_api.preempt("sp")
+    recreated = cli("up", "--recreate", "--name", "sp")  # the pod's recorded flags
+    assert recreated.code == 0, recreated.err
+    assert ("DELETE", "queuedResources/sp") in tpu_api.calls
+    assert record.is_file() and (folder / "id_ed25519").read_bytes() == files[folder / "id_ed25519"]
+    shown = cli("logs", "--pod", "sp", run_id)
+    assert shown.code == 0 and "Linux" in shown.out, shown.err  # the run's logs are kept
+    assert cli("exec", "--pod", "sp", "--", "true").code == 0  # the new TPU takes the key
+    assert cli("down", "--pod", "sp").code == 0 and not tpu_api.resources
+
+
+def test_up_and_down_wait_out_an_api_that_fails_for_a_while(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    """Issue 37: an API call that fails for a passing reason (no answer at all, a 503) is
+    tried again with backoff for the probe budget (120 s), in every phase: up's first
+    call, its polls of a TPU being made, down's delete. Other errors are not retried."""
+    tpu_api.steps = 20  # a TPU that takes a few seconds of polls to be made
+    tpu_api.unanswered(3)  # up's first call (the zone's types) gets no answer for 3 s
+    up = subprocess.Popen(
+        tpupod_argv(*UP, "--name", "fl", "--tpu-type", "v4-16"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ},
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while ("POST", "nodes/") not in tpu_api.calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    tpu_api.unavailable(3)  # then its polls get 503s for 3 s
+    _, err = up.communicate(timeout=60)
+    assert up.returncode == 0, err
+    assert tpu_api.dropped and tpu_api.unavailable_answers, err
+    assert err.count("retrying for up to 120s") == 2 and "answers again" in err, err
+    assert cli("exec", "--pod", "fl", "--", "true").code == 0
+    tpu_api.unavailable(3)
+    down = cli("down", "--pod", "fl")
+    assert down.code == 0 and "answers again" in down.err, down.err
+    assert not tpu_api.resources
+    tpu_api.fail("POST", "nodes", "PERMISSION_DENIED", "Permission 'tpu.nodes.create' denied")
+    refused = cli(*UP, "--name", "fl", "--tpu-type", "v4-16")
+    assert refused.code == 1 and "retrying" not in refused.err  # not a passing failure

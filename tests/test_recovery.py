@@ -148,4 +148,4 @@ def test_the_probe_budget_has_one_default(monkeypatch: pytest.MonkeyPatch) -> No
     from tpupod.recovery.policy import RetryPolicy
 
     policy = RetryPolicy()
-    assert settings.recovery_probe() == (policy.probe_s, policy.probe_tries) == (120.0, 8)
+    assert settings.recovery_probe() == (policy.probe_s, policy.probe_tries) == (120.0, 0)

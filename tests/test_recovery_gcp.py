@@ -191,3 +191,131 @@ def test_a_preempted_jax_run_ends_bit_for_bit_as_an_uninterrupted_one(
         if "from step" in line and "attempt 2" in line
     }
     assert saved == {resumed - 1}, f"attempt 1:\n{logs}\nthe run:\n{out}\n{err}"
+
+
+# -- issue 37: the cloud around a recovery ---------------------------------------------------
+
+
+def runs_of(state_home: Path, name: str) -> list[dict[str, Any]]:
+    """Every --retries run's record of the pod, oldest first."""
+    paths = sorted((state_home / "pods" / name / "runs").glob("*/recovery.json"))
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def wait_until(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"not reached:\n{out}\n{err}")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(400)  # a minute of outage inside a recovery, on a busy machine
+def test_an_api_outage_after_a_preemption_costs_one_recovery(
+    spot_api: TpuApiStandIn,
+    cli: Callable[..., CliResult],
+    shared_dir: Path,
+    state_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 37: a preemption, then 60 s of 503s. The default budget (120 s) is spent on
+    time, not on a count of tries; every API call of the recovery (the delete, its
+    operation, the create, the polls) waits the outage out; one preemption, one recovery."""
+    monkeypatch.delenv("TPUPOD_RECOVERY_PROBE_S")  # the user's default budget
+    assert cli(*UP, "--name", "ou", "--tpu-type", "v4-16", "--spot").code == 0
+    run = start_run("ou", shared_dir, 16, "--retries", "2")
+    wait_for(shared_dir / "3.ckpt", run, timeout=60)
+    spot_api.preempt_with_notice("ou")
+    spot_api.unavailable(60)
+    began = time.monotonic()
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert time.monotonic() - began >= 55  # it waited the outage out
+    assert (shared_dir / "final").read_text() == str(expected_value(16))
+    [record] = runs_of(state_home, "ou")
+    assert [a["cause"] for a in record["attempts"]] == ["preempted", "ok"], err
+    assert record["counters"]["recoveries"] == 1 and "1 recoveries" in err
+    assert spot_api.unavailable_answers > 10, "the recovery never met the outage"
+    assert spot_api.calls.count(("POST", "queuedResources/")) == 2  # up's, the recovery's
+    assert set(spot_api.alive()) == {"ou"}
+    assert "retrying" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+def test_a_second_recovering_run_on_a_pod_is_refused_and_the_first_recovers(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    """Issue 37: two --retries runs on one pod both recreated its TPU after a preemption, and
+    the second's create overwrote the pod's key. Started at once, one is refused (naming
+    the other), before it records anything; the other recovers, with the pod's own key."""
+    assert cli(*UP, "--name", "two", "--tpu-type", "v4-16", "--spot").code == 0
+    key = (state_home / "pods" / "two" / "id_ed25519").read_bytes()
+    runs = [start_run("two", shared_dir / tag, 12, "--retries", "2") for tag in ("a", "b")]
+    deadline = time.monotonic() + 60
+    while all(r.poll() is None for r in runs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [refused] = [r for r in runs if r.poll() is not None]
+    [first] = [r for r in runs if r is not refused]
+    _, refusal = refused.communicate()
+    assert refused.returncode == 2, refusal
+    [record] = runs_of(state_home, "two")  # the refused run left no record
+    lines = refusal.strip().splitlines()
+    assert lines[-2].startswith("error: ") and record["run_id"] in lines[-2], refusal
+    stop = f"tpupod cancel --pod two {record['run_id']}"
+    assert lines[-1].startswith("hint: ") and stop in lines[-1], refusal
+    ckpt = shared_dir / ("a" if first is runs[0] else "b")
+    wait_for(ckpt / "3.ckpt", first, timeout=60)
+    spot_api.preempt_with_notice("two")
+    _, err = first.communicate(timeout=200)
+    assert first.returncode == 0, err
+    assert (ckpt / "final").read_text() == str(expected_value(12))
+    assert [a["cause"] for a in runs_of(state_home, "two")[0]["attempts"]] == ["preempted", "ok"]
+    assert (state_home / "pods" / "two" / "id_ed25519").read_bytes() == key
+    assert spot_api.calls.count(("POST", "queuedResources/")) == 2  # up's, one recovery's
+    assert cli("exec", "--pod", "two", "--", "true").code == 0  # the new TPU takes the key
+
+
+@pytest.mark.timeout(300)
+def test_a_tpu_that_is_gone_is_a_state_and_a_new_run_creates_it_again(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    """Issue 37: after `cancel` deleted the TPU a recovery was making, `status` raised
+    NotFound and a new --retries run probed the 404, called it a lost worker and never
+    made the TPU. Gone is a state: status says so and how to bring it back; a run makes it."""
+    assert cli(*UP, "--name", "gn", "--tpu-type", "v4-16", "--spot").code == 0
+    run = start_run("gn", shared_dir / "a", 500, "--retries", "2")
+    wait_for(shared_dir / "a" / "3.ckpt", run, timeout=60)
+    spot_api.no_capacity = 10_000  # the recovery waits for capacity...
+    spot_api.preempt_with_notice("gn")
+
+    def creating() -> bool:
+        return runs_of(state_home, "gn")[0]["phase"] == "create" and (
+            spot_api.calls.count(("POST", "queuedResources/")) == 2
+        )
+
+    wait_until(creating, run, timeout=90)
+    run_id = runs_of(state_home, "gn")[0]["run_id"]
+    assert cli("cancel", "--pod", "gn", run_id, timeout=150).code == 0  # ...and is cancelled
+    run.communicate(timeout=60)
+    assert spot_api.resources == {}  # the TPU is gone
+    shown = cli("status", "--pod", "gn")
+    assert shown.code == 255 and "Traceback" not in shown.err, shown.err
+    assert "cloud state GONE" in shown.out, shown.out
+    hint = shown.err.strip().splitlines()[-1]
+    assert hint.startswith("hint: ") and "tpupod up --recreate --name gn" in hint, shown.err
+    as_json = json.loads(cli("status", "--pod", "gn", "--format", "json").out)
+    assert as_json["cloud_state"] == "GONE" and not as_json["healthy"]
+    spot_api.no_capacity = 0
+    again = start_run("gn", shared_dir / "b", 6, "--retries", "1")
+    _, err = again.communicate(timeout=200)
+    assert again.returncode == 0, err
+    assert (shared_dir / "b" / "final").read_text() == str(expected_value(6))
+    new = runs_of(state_home, "gn")[-1]
+    assert [a["cause"] for a in new["attempts"]] == ["ok"], err  # made first: no recovery
+    assert "create" in new["attempts"][0]["phases"]
+    assert new["counters"]["recoveries"] == 0
+    assert "not answering" not in err and "within the budget" not in err
+    assert set(spot_api.alive()) == {"gn"}
+    assert cli("status", "--pod", "gn").code == 0

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpupod import podusers, settings
+from tpupod.choices import DEFAULT_SPEC_FILE
 from tpupod.errors import PodExists, StateError
 from tpupod.pod import Pod
 from tpupod.podusers import PodUser
@@ -20,9 +23,16 @@ if TYPE_CHECKING:
 STOP_S = 30.0  # a runner stops its job (TERM, then KILL after 3 s) and gives it back
 
 
-def spec_for(flags: UpFlags) -> PodSpec:
+def spec_for(flags: UpFlags, state: StateDir | None = None) -> PodSpec:
     """The spec ``up``'s flags ask for; with ``--adopt``, the TPU is read from the API first
-    (after the flags and the key file are checked, so a mistake costs no call)."""
+    (after the flags and the key file are checked, so a mistake costs no call). Only
+    ``--name`` of a known pod (and no ./tpupod.yaml): that pod's recorded spec, so that
+    ``up --recreate --name NAME`` brings a pod's TPU back without its flags."""
+    state = state or StateDir()
+    if flags.given() == ["name"] and not Path(DEFAULT_SPEC_FILE).is_file():
+        assert flags.name is not None
+        if state.exists(flags.name):
+            return state.load(flags.name).spec
     adopted = None
     target = adoption(flags)
     if target is not None:
@@ -67,13 +77,14 @@ class UpResult:
 
 
 def up(spec: PodSpec, state: StateDir, *, recreate: bool = False) -> UpResult:
-    """Create the pod, or return the existing one if it has the same spec.
+    """Create the pod, or return the existing one if it has the same spec; with
+    ``recreate``, make a known pod's broken cloud resources again (:func:`remake`).
 
     The pod's folder is claimed first (an atomic mkdir), and removed again if
     the provider fails, so a pod is never recorded half-made.
     """
     if state.exists(spec.name) and recreate:
-        state.remove(spec.name)  # the provider replaces what the record described
+        return UpResult(remake(spec, state), created=True)
     if state.exists(spec.name):
         existing = state.load(spec.name)
         if existing.spec == spec:
@@ -100,6 +111,20 @@ def up(spec: PodSpec, state: StateDir, *, recreate: bool = False) -> UpResult:
         state.remove(spec.name)
         raise
     return UpResult(pod, created=True)
+
+
+def remake(spec: PodSpec, state: StateDir) -> Pod:
+    """A known pod made again where it broke (a preempted, failed or gone TPU), keeping its
+    folder: its key, run logs and recovery records. The provider checks before it changes
+    anything (a healthy TPU is refused), and the record is replaced only once the new
+    resources are up. No run with --retries may be recovering the pod meanwhile."""
+    state.hold(spec.name, "tpupod up --recreate", f"kill {os.getpid()}")
+    try:
+        pod = asyncio.run(provider_for(spec.provider).create(spec, state, recreate=True))
+        state.save(pod)
+    finally:
+        state.release(spec.name)
+    return pod
 
 
 def down(

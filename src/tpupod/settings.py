@@ -107,9 +107,11 @@ def recovery_watch_s() -> float:
 
 
 def recovery_probe() -> tuple[float, int]:
-    """How long, and how many times, an unreachable worker or a failing API call is retried
-    before a run with --retries decides without it (``TPUPOD_RECOVERY_PROBE_S`` and
-    ``TPUPOD_RECOVERY_PROBE_TRIES``; the defaults are the retry policy's)."""
+    """How long an unreachable worker or a failing API call is retried before a run with
+    --retries decides without it, and at most how many times (``TPUPOD_RECOVERY_PROBE_S``,
+    ``TPUPOD_RECOVERY_PROBE_TRIES``: 0, the default, sets no count; the defaults are the
+    retry policy's). A Cloud TPU API call that fails for a passing reason is retried for
+    the same time everywhere (``up`` and ``down`` too)."""
     from tpupod.recovery.policy import DEFAULT_PROBE_S, DEFAULT_PROBE_TRIES
 
     try:

@@ -4,6 +4,8 @@ Layout::
 
     $TPUPOD_HOME/pods/NAME/pod.json      the Pod record (written atomically)
     $TPUPOD_HOME/pods/NAME/workers/wN/   a local worker's working directory
+    $TPUPOD_HOME/pods/NAME/holder.lock   flock'ed by the one process that may remake the
+                                         pod's cloud resources (holder.json: who it is)
 
 A pod folder exists only while its record does: ``up`` claims the folder with
 an atomic ``mkdir``, so two concurrent ``up`` calls cannot both create a pod.
@@ -11,11 +13,12 @@ an atomic ``mkdir``, so two concurrent ``up`` calls cannot both create a pod.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 from tpupod import settings
-from tpupod.errors import PodNotFound, StateError
+from tpupod.errors import PodNotFound, StateError, UsageError
 from tpupod.names import POD_NAME_RE
 from tpupod.plain import TYPE_CHECKING, Plain
 
@@ -26,6 +29,10 @@ if TYPE_CHECKING:
     from tpupod.pod import Pod
 
 RECORD_FILE = "pod.json"
+HOLDER_LOCK = "holder.lock"
+HOLDER_FILE = "holder.json"
+HOLD_WAIT_S = 1.0  # a holder that has the lock but has not said who it is yet
+_held: dict[str, int] = {}  # lock path -> its open descriptor, in this process
 
 
 class WorkerBrief(Plain):
@@ -174,6 +181,71 @@ class StateDir:
         raise PodNotFound(
             f"{len(names)} pods exist ({', '.join(names)}); say which one",
             hint=f"add --pod {names[0]}, for example",
+        )
+
+    def hold(self, name: str, what: str, stop: str) -> None:
+        """Make this process the one that may delete and create pod ``name``'s cloud
+        resources (a run with --retries, ``up --recreate``) until :meth:`release` or its
+        end, ``kill -9`` included (an flock). Another holder: a UsageError naming it and
+        ``stop``, how to stop it. Holding it again is a no-op."""
+        import fcntl
+        import time
+
+        lock = os.path.join(self.home, "pods", name, HOLDER_LOCK)
+        if lock in _held:
+            return
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + HOLD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = self._holder(name)
+                if holder is not None or time.monotonic() > deadline:
+                    os.close(fd)
+                    raise self._held_by(name, holder) from None
+                time.sleep(0.05)
+        _held[lock] = fd
+        self._write_holder(name, {"pid": os.getpid(), "what": what, "stop": stop})
+
+    def release(self, name: str) -> None:
+        """Let go of what :meth:`hold` took (nothing when this process does not hold it)."""
+        fd = _held.pop(os.path.join(self.home, "pods", name, HOLDER_LOCK), None)
+        if fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.home, "pods", name, HOLDER_FILE))
+            os.close(fd)
+
+    def _write_holder(self, name: str, holder: dict[str, Any]) -> None:
+        from tpupod.files import write_atomic
+
+        write_atomic(self.pod_dir(name) / HOLDER_FILE, json.dumps(holder) + "\n")
+
+    def _holder(self, name: str) -> dict[str, Any] | None:
+        """Who holds the pod (its holder.json), when that process is alive."""
+        from tpupod import procfs
+
+        try:
+            with open(os.path.join(self.home, "pods", name, HOLDER_FILE), encoding="utf-8") as f:
+                holder = json.load(f)
+            pid = int(holder["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return holder if pid != os.getpid() and procfs.alive(pid) else None
+
+    def _held_by(self, name: str, holder: dict[str, Any] | None) -> UsageError:
+        one = "one run with --retries or 'up --recreate' at a time on a pod"
+        if holder is None:
+            return UsageError(
+                f"pod {name!r} is held by another process (a recovery, or up --recreate)",
+                hint=f"{one}: wait for it ({self.pod_dir(name) / HOLDER_LOCK} is its lock)",
+            )
+        return UsageError(
+            f"pod {name!r} is held by {holder.get('what')}, pid {holder['pid']}: it may "
+            "delete and create the pod's TPU, or stop what holds its accelerator",
+            hint=f"{one}: wait for it, or stop it: '{holder.get('stop')}'",
         )
 
     def remove(self, name: str) -> None:

@@ -37,7 +37,9 @@ address), ``on_notice(addresses)`` is told at once (a test sends TERM to the hos
 processes, as the guest's shutdown does), and ``notice_s`` later ``on_reclaim(addresses)``
 (KILL, the hosts taken away). ``on_provision(addresses)`` is told when hosts are handed
 out to a new node (a test boots them fresh: nothing from before). ``unavailable(s)`` makes
-every API call answer 503 for ``s`` seconds.
+every API call answer 503 for ``s`` seconds; ``unanswered(s)`` drops every API request
+unanswered for ``s`` seconds (a cut network, a proxy that resets: the client gets no
+status at all).
 Resources are answered in the shape of the version asked (a best-effort queued
 resource read through v2 shows no tier, and ``multisliceParams``).
 """
@@ -126,6 +128,8 @@ class TpuApiStandIn:
         self.preemptions = 0
         self.unavailable_until = 0.0
         self.unavailable_answers = 0  # calls answered 503 by ``unavailable``
+        self.unanswered_until = 0.0
+        self.dropped = 0  # requests dropped unanswered by ``unanswered``
         self.no_capacity = 0  # polls a new queued resource stays WAITING_FOR_RESOURCES
         self.resources: dict[str, _Resource] = {}
         self.operations: dict[str, dict[str, Any]] = {}
@@ -155,6 +159,10 @@ class TpuApiStandIn:
     def unavailable(self, seconds: float) -> None:
         """Answer every API call with 503 UNAVAILABLE for ``seconds`` from now."""
         self.unavailable_until = time.monotonic() + seconds
+
+    def unanswered(self, seconds: float) -> None:
+        """Drop every API request unanswered (the connection closed) for ``seconds``."""
+        self.unanswered_until = time.monotonic() + seconds
 
     def alive(self) -> list[str]:
         """The names of the TPUs that exist (queued resources and nodes)."""
@@ -488,6 +496,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            return
+        if time.monotonic() < self.api.unanswered_until:
+            self.api.dropped += 1
+            self.close_connection = True  # no status line: the client sees the connection go
             return
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         length = int(self.headers.get("Content-Length") or 0)

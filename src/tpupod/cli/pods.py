@@ -376,6 +376,8 @@ def status(
         _print_status(found)
         if recovery is not None:
             print("\n  ".join([recovery.headline(), *recovery.lines()]))
+        if found.advice:
+            print(f"hint: {found.advice}", file=sys.stderr)
     if not found.healthy:
         raise typer.Exit(found.exit_code or 1)
 

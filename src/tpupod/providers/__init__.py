@@ -13,6 +13,8 @@ from tpupod.spec import PodSpec
 from tpupod.state import StateDir
 from tpupod.transport import Transport
 
+GONE = "GONE"  # what live_state says of a cloud resource the cloud no longer has
+
 
 class Connector(Protocol):
     """The transports of one pod, sharing whatever connections they need (a transport
@@ -44,7 +46,8 @@ class Provider(Protocol):
         ...
 
     async def live_state(self, pod: Pod) -> str | None:
-        """What the cloud says of the pod (READY, PREEMPTED, ...); None where there is no cloud."""
+        """What the cloud says of the pod (READY, PREEMPTED, ..., ``GONE`` when it has no such
+        resource: deleted, or never made); None where there is no cloud."""
         ...
 
     def connect(self, pod: Pod, state: StateDir) -> Connector:

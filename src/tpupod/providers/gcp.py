@@ -10,6 +10,12 @@ no gcloud anywhere. Credentials are Application Default Credentials; with
 Credentials and the client are made once per provider (``TpuSession``) and
 shared by every call, the state polls included. The client library is the
 ``gcp`` extra, imported only here and only when a call is made.
+
+Every request has a deadline (``CALL_TIMEOUT_S``), and the provider repeats one that
+fails for a passing reason (a 5xx, a timeout, no connection) with backoff, for the
+probe budget (``TPUPOD_RECOVERY_PROBE_S``, 120 s): an API outage of a minute costs a
+recovery, ``up`` or ``down`` that minute, not the TPU. A TPU the API no longer has is
+the state ``GONE``, not an error.
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ import asyncio
 import contextlib
 import difflib
 import importlib
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tpupod import settings
 from tpupod.errors import GcpError, UsageError
 from tpupod.extras import require
 from tpupod.pod import Pod, Worker
+from tpupod.providers import GONE
 from tpupod.providers.gcp_api import API_ROOT, check_api_choice, create_request, parent
 from tpupod.providers.ssh import check_key_file, connect_options
 from tpupod.report import notice
@@ -39,6 +47,9 @@ WAIT_S = 3600.0
 MAX_POLL_S = 30.0  # the longest pause between two reads of a TPU's state
 READY = {"READY", "ACTIVE"}
 BROKEN = {"FAILED", "SUSPENDING", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
+CALL_TIMEOUT_S = 60.0  # one request: a hung connection is a failed try, not a hung command
+MAX_BACKOFF_S = 10.0
+T = TypeVar("T")
 
 
 class GcpProvider:
@@ -56,12 +67,12 @@ class GcpProvider:
         spec = spec.model_copy(update={"project": self.session.project(spec.project)})
         api = TpuApi(spec, self.session)
         if not spec.adopted:
-            await asyncio.to_thread(api.check_zone_offers)
-            await self._make_room(api, spec, recreate)
+            await self._call(api.check_zone_offers)
+            await self._make_room(api, spec, state, recreate)
             key_line = _pod_key(spec, state)
-            await asyncio.to_thread(api.create, f"{spec.user}:{key_line}")
+            await self._call(lambda: api.create(f"{spec.user}:{key_line}"), _already_made)
         await self._wait(api, spec)
-        nodes = await asyncio.to_thread(api.nodes)
+        nodes = await self._call(api.nodes)
         workers = await _workers(spec, state, nodes, self.progress)
         return Pod(name=spec.name, spec=spec, workers=tuple(workers))
 
@@ -71,28 +82,82 @@ class GcpProvider:
             self.progress(f"{pod.name!r} was adopted: forgetting it, not deleting the TPU")
             return
         self.progress(f"deleting {pod.spec.tpu_type} {pod.name!r} in {pod.spec.zone}")
-        await asyncio.to_thread(TpuApi(pod.spec, self.session).delete)
+        await self._delete(TpuApi(pod.spec, self.session))
 
     async def live_state(self, pod: Pod) -> str | None:
+        """The TPU's state (``GONE`` when the API has no such TPU), read once: callers
+        that must know retry it themselves, and a watch simply reads again later."""
         assert isinstance(pod.spec, GcpPodSpec)
-        return await asyncio.to_thread(TpuApi(pod.spec, self.session).state)
+        state = await asyncio.to_thread(TpuApi(pod.spec, self.session).state_or_none)
+        return GONE if state is None else state
 
-    async def _make_room(self, api: TpuApi, spec: GcpPodSpec, recreate: bool) -> None:
-        """An existing TPU of that name: deleted if broken and --recreate, else an error."""
-        state = await asyncio.to_thread(api.state_or_none)
-        if state is None:
+    async def _call(
+        self, call: Callable[[], T], went_through: Callable[[GcpError], bool] | None = None
+    ) -> T:
+        """``call()`` in a thread, again with backoff while it fails for a passing reason (a
+        5xx, a timeout, no connection) until the probe budget is spent. ``went_through``:
+        after a retry, an error it accepts means an earlier try did the work (then None)."""
+        budget = settings.recovery_probe()[0]
+        started = time.monotonic()
+        tries = 0
+        while True:
+            try:
+                result = await asyncio.to_thread(call)
+            except GcpError as exc:
+                if tries and went_through is not None and went_through(exc):
+                    return None  # type: ignore[return-value]
+                spent = time.monotonic() - started
+                if not _passing(exc) or spent >= budget:
+                    raise _after_retries(exc, spent) if tries else exc  # noqa: B904
+                if not tries:
+                    self.progress(f"{exc}; retrying for up to {budget:.0f}s")
+                await asyncio.sleep(min(_backoff(tries), budget - spent))
+                tries += 1
+                continue
+            if tries:
+                waited = time.monotonic() - started
+                self.progress(f"the Cloud TPU API answers again (after {waited:.0f}s)")
+            return result
+
+    async def _delete(self, api: TpuApi) -> None:
+        """Delete the TPU and wait until its operation is done (a TPU already gone: done)."""
+        operation = await self._call(api.delete)
+        started = time.monotonic()
+        delay = settings.gcp_poll_s()
+        while operation is not None and not await self._call(lambda: api.operation_done(operation)):
+            if time.monotonic() - started > WAIT_S:
+                raise GcpError(
+                    f"TPU {api.spec.name!r} not deleted after {WAIT_S:.0f}s",
+                    hint=f"'tpupod status --tpu {api.spec.name} --zone {api.spec.zone}' shows it",
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, MAX_POLL_S)
+
+    async def _make_room(
+        self, api: TpuApi, spec: GcpPodSpec, state: StateDir, recreate: bool
+    ) -> None:
+        """An existing TPU of that name: deleted if broken and --recreate, else an error
+        (before anything is changed)."""
+        found = await self._call(api.state_or_none)
+        if found is None:
             return
-        if state in BROKEN and recreate:
-            self.progress(f"{spec.name}: {state}; deleting it to create it again")
-            await asyncio.to_thread(api.delete)
+        if found in BROKEN and recreate:
+            self.progress(f"{spec.name}: {found}; deleting it to create it again")
+            await self._delete(api)
             return
-        if state in BROKEN:
+        if found in BROKEN:
             raise GcpError(
-                f"TPU {spec.name!r} exists and is {state}",
+                f"TPU {spec.name!r} exists and is {found}",
                 hint="'tpupod up --recreate' deletes it and creates it again",
             )
+        if recreate and state.exists(spec.name):
+            raise GcpError(
+                f"TPU {spec.name!r} is {found}: --recreate replaces a preempted or failed one",
+                hint=f"it is not broken; to replace it anyway: 'tpupod down --pod {spec.name}', "
+                "then 'tpupod up' again",
+            )
         raise GcpError(
-            f"a TPU named {spec.name!r} already exists ({state})",
+            f"a TPU named {spec.name!r} already exists ({found})",
             hint=f"'tpupod up --adopt {spec.name}' records it, or pick another --name",
         )
 
@@ -111,7 +176,7 @@ class GcpProvider:
         poll = settings.gcp_poll_s()
         delay = poll
         while time.monotonic() - started < WAIT_S:
-            state = await asyncio.to_thread(api.state)
+            state = await self._call(api.state)
             if state != last:
                 self.progress(f"{spec.name}: {state} ({time.monotonic() - started:.0f}s)")
                 last, delay = state, poll
@@ -178,12 +243,17 @@ class TpuApi:
             client = self.session.client("v2")
             if request.api.startswith("TPU VM"):
                 node = module.Node.from_json(_json(request.body))
-                client.create_node(parent=self.parent, node_id=self.spec.name, node=node)
+                client.create_node(
+                    parent=self.parent, node_id=self.spec.name, node=node, timeout=CALL_TIMEOUT_S
+                )
                 return
             queued = module.QueuedResource.from_json(_json(request.body))  # the client's check
             if request.version == "v2":
                 client.create_queued_resource(
-                    parent=self.parent, queued_resource_id=self.spec.name, queued_resource=queued
+                    parent=self.parent,
+                    queued_resource_id=self.spec.name,
+                    queued_resource=queued,
+                    timeout=CALL_TIMEOUT_S,
                 )
             else:
                 _post(self.session, request.path, request.body)
@@ -192,15 +262,18 @@ class TpuApi:
         with _api_errors(self.spec.name):
             client = self.session.client()
             if self.spec.queued:
-                qr = client.get_queued_resource(name=self._name("queuedResources"))
+                qr = client.get_queued_resource(
+                    name=self._name("queuedResources"), timeout=CALL_TIMEOUT_S
+                )
                 return str(qr.state.state.name)
-            return str(client.get_node(name=self._name("nodes")).state.name)
+            return str(client.get_node(name=self._name("nodes"), timeout=CALL_TIMEOUT_S).state.name)
 
     def check_zone_offers(self) -> None:
         """Refuse a type the zone does not offer, naming the nearest ones it does."""
         with _api_errors(self.spec.zone):
             client = self.session.client()
-            offered = [t.type_ for t in client.list_accelerator_types(parent=self.parent)]
+            listed = client.list_accelerator_types(parent=self.parent, timeout=CALL_TIMEOUT_S)
+            offered = [t.type_ for t in listed]
         if offered and self.spec.tpu_type not in offered:
             close = difflib.get_close_matches(self.spec.tpu_type, offered, n=4, cutoff=0.3)
             raise GcpError(
@@ -210,6 +283,7 @@ class TpuApi:
             )
 
     def state_or_none(self) -> str | None:
+        """The TPU's state, or None when the API has no TPU of that name."""
         try:
             return self.state()
         except GcpError as exc:
@@ -222,28 +296,47 @@ class TpuApi:
         with _api_errors(self.spec.name):
             client = self.session.client()
             if not self.spec.queued:
-                return [client.get_node(name=self._name("nodes"))]
+                return [client.get_node(name=self._name("nodes"), timeout=CALL_TIMEOUT_S)]
             ids = (
                 [f"{self.spec.name}-{i}" for i in range(self.spec.node_count)]
                 if self.spec.node_count > 1
                 else [self.spec.name]
             )
-            return [client.get_node(name=f"{self.parent}/nodes/{node_id}") for node_id in ids]
+            return [
+                client.get_node(name=f"{self.parent}/nodes/{node_id}", timeout=CALL_TIMEOUT_S)
+                for node_id in ids
+            ]
 
-    def delete(self) -> None:
+    def delete(self) -> str | None:
+        """Ask for the TPU's deletion: the name of its operation, or None when the TPU is
+        already gone (a retried delete whose first try went through finds it so)."""
         exceptions = _exceptions()
         with _api_errors(self.spec.name):
             client = self.session.client()
             try:
                 if self.spec.queued:
                     operation = client.delete_queued_resource(
-                        request={"name": self._name("queuedResources"), "force": True}
+                        request={"name": self._name("queuedResources"), "force": True},
+                        timeout=CALL_TIMEOUT_S,
                     )
                 else:
-                    operation = client.delete_node(name=self._name("nodes"))
+                    operation = client.delete_node(name=self._name("nodes"), timeout=CALL_TIMEOUT_S)
             except exceptions.NotFound:
-                return  # already gone
-            operation.result(timeout=WAIT_S)
+                return None
+            return str(operation.operation.name)
+
+    def operation_done(self, name: str) -> bool:
+        """Is the operation ``name`` done? (A failed one is a GcpError.)"""
+        with _api_errors(self.spec.name):
+            found = self.session.client().get_operation(
+                request={"name": name}, timeout=CALL_TIMEOUT_S
+            )
+        if found.done and found.HasField("error"):
+            raise GcpError(
+                f"Cloud TPU API ({self.spec.name}): {found.error.message}",
+                hint="'tpupod status' shows the TPU's state",
+            )
+        return bool(found.done)
 
     def _name(self, kind: str) -> str:
         return f"{self.parent}/{kind}/{self.spec.name}"
@@ -260,10 +353,10 @@ def find_tpu(
         client = session.client()
         try:
             return "queued resource", client.get_queued_resource(
-                name=f"{where}/queuedResources/{name}"
+                name=f"{where}/queuedResources/{name}", timeout=CALL_TIMEOUT_S
             )
         except exceptions.NotFound:
-            return "node", client.get_node(name=f"{where}/nodes/{name}")
+            return "node", client.get_node(name=f"{where}/nodes/{name}", timeout=CALL_TIMEOUT_S)
 
 
 def tpu_summary(kind: str, found: Any) -> tuple[str, str]:
@@ -301,11 +394,11 @@ def list_tpus(
     rows = []
     with _api_errors(zone):
         client = session.client()
-        for qr in client.list_queued_resources(parent=where):
+        for qr in client.list_queued_resources(parent=where, timeout=CALL_TIMEOUT_S):
             spec = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
             kind = spec.node.accelerator_type if spec else "?"
             rows.append(("queued resource", qr.name.rsplit("/", 1)[-1], kind, qr.state.state.name))
-        for node in client.list_nodes(parent=where):
+        for node in client.list_nodes(parent=where, timeout=CALL_TIMEOUT_S):
             rows.append(
                 ("node", node.name.rsplit("/", 1)[-1], node.accelerator_type, node.state.name)
             )
@@ -373,8 +466,10 @@ API_HINTS = {
 
 @contextlib.contextmanager
 def _api_errors(name: str) -> Iterator[None]:
-    """Translate google-api-core errors into GcpErrors that say what to do."""
+    """Translate google-api-core errors (and a request that never got an answer) into
+    GcpErrors that say what to do."""
     exceptions = _exceptions()
+    requests = _library("requests")
     try:
         yield
     except exceptions.GoogleAPICallError as exc:
@@ -383,6 +478,44 @@ def _api_errors(name: str) -> Iterator[None]:
             f"Cloud TPU API ({name}): {reason}: {exc.message}",
             hint=API_HINTS.get(reason, "'tpupod status' shows the TPU's state"),
         ) from exc
+    except requests.RequestException as exc:
+        raise GcpError(
+            f"Cloud TPU API ({name}): no answer: {exc}", hint="check the network and try again"
+        ) from exc
+
+
+# Worth another try: the service's own passing failures, and a request with no answer.
+PASSING = (
+    "InternalServerError",
+    "BadGateway",
+    "ServiceUnavailable",
+    "GatewayTimeout",
+    "DeadlineExceeded",
+)
+
+
+def _passing(exc: GcpError) -> bool:
+    """Did the call fail for a passing reason (worth trying again)?"""
+    cause = exc.__cause__
+    if isinstance(cause, _library("requests").RequestException):
+        return True
+    return type(cause).__name__ in PASSING
+
+
+def _already_made(exc: GcpError) -> bool:
+    """A create retried after a failure finds the TPU made: the earlier try went through."""
+    return type(exc.__cause__).__name__ in ("AlreadyExists", "Conflict")
+
+
+def _after_retries(exc: GcpError, spent: float) -> GcpError:
+    failed = GcpError(f"{exc.message} (still failing after {spent:.0f}s of retries)", hint=exc.hint)
+    failed.__cause__ = exc.__cause__
+    return failed
+
+
+def _backoff(tries: int) -> float:
+    """Seconds before try ``tries + 1``: 0.5, 1, 2, 4, 8, then 10."""
+    return float(min(0.5 * 2**tries, MAX_BACKOFF_S))
 
 
 def _post(session: TpuSession, path: str, body: dict[str, Any]) -> None:
@@ -410,10 +543,21 @@ def _json(body: dict[str, Any]) -> str:
 
 
 def _pod_key(spec: GcpPodSpec, state: StateDir) -> str:
-    """The public key the workers will accept: the given key's, else a new one kept with the pod."""
+    """The public key the workers will accept: the given key's, else the pod's own (made on
+    its first create, then kept: a recreated TPU takes the same key, and a create that
+    fails changes nothing another command relies on)."""
     if spec.key:
         return public_key_line(Path(spec.key).expanduser())
-    return generate_key(state.pod_dir(spec.name) / KEY_FILE, comment=f"tpupod-{spec.name}")
+    path = state.pod_dir(spec.name) / KEY_FILE
+    if path.is_file():
+        return public_key_line(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".key-") as staging:
+        made = Path(staging) / KEY_FILE  # a 0700 folder: never readable by others
+        line = generate_key(made, comment=f"tpupod-{spec.name}")
+        Path(f"{made}.pub").replace(f"{path}.pub")
+        made.replace(path)
+    return line
 
 
 def _as_ssh(spec: GcpPodSpec, state: StateDir) -> Any:

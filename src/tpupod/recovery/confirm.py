@@ -2,10 +2,11 @@
 
 A TPU counts as preempted when the Cloud TPU API says so (the node PREEMPTED, the
 queued resource SUSPENDING or SUSPENDED) or a worker's metadata server answers
-``instance/preempted`` TRUE. An API call that fails, or a worker that does not
-answer, is retried with backoff within the policy's budget (a time and a count)
-and is never taken for a preemption: recovery loops that destroyed healthy runs
-did exactly that.
+``instance/preempted`` TRUE; a TPU the API no longer has (``GONE``) is made again
+as a preempted one is. An API call that fails, or a worker that does not answer, is
+retried with backoff for the policy's budget (``probe_s``; ``probe_tries``, when set,
+caps the tries) and is never taken for a preemption: recovery loops that destroyed
+healthy runs did exactly that.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from tpupod import settings
 from tpupod.errors import TpupodError
 from tpupod.fanout import NoticeHandler, execute_async
 from tpupod.pod import Pod
-from tpupod.providers import Connector, provider_for
+from tpupod.providers import GONE, Connector, provider_for
 from tpupod.recovery.policy import RetryPolicy
 from tpupod.results import Outcome
 
 PREEMPTED_STATES = frozenset({"PREEMPTED", "SUSPENDING", "SUSPENDED"})
+REPLACE_STATES = PREEMPTED_STATES | {GONE}  # the TPU must be made again
 METADATA_TIMEOUT_S = 10.0
 T = TypeVar("T")
 
@@ -34,24 +36,38 @@ def backoff(attempt: int) -> float:
     return float(min(0.5 * 2**attempt, 10.0))
 
 
+def another_try(policy: RetryPolicy, tries: int, started: float) -> float | None:
+    """Seconds to wait before try ``tries + 1``, or None when the budget is spent: its
+    time (``probe_s``), or its count where one is set (``probe_tries`` > 0)."""
+    left = policy.probe_s - (time.monotonic() - started)
+    if left <= 0 or 0 < policy.probe_tries <= tries:
+        return None
+    return min(backoff(tries - 1), left)
+
+
 async def with_budget(
     call: Callable[[], Awaitable[T]], policy: RetryPolicy, what: str, notice: NoticeHandler
 ) -> T | None:
-    """``call()``, retried with backoff while it raises, within the policy's budget; None
-    when the budget is spent without an answer."""
+    """``call()``, retried with backoff while it raises, for the policy's budget; None
+    when the budget is spent without an answer. Says so at the first failure and the end."""
     started = time.monotonic()
-    for attempt in range(max(1, policy.probe_tries)):
+    tries = 0
+    while True:
         try:
-            return await call()
+            found = await call()
         except TpupodError as exc:
-            left = policy.probe_s - (time.monotonic() - started)
-            if attempt + 1 >= policy.probe_tries or left <= 0:
+            tries += 1
+            delay = another_try(policy, tries, started)
+            if delay is None:
                 notice(f"{what}: no answer within the budget ({exc}); not a preemption")
                 return None
-            delay = min(backoff(attempt), left)
-            notice(f"{what}: {exc}; retrying in {delay:.1f}s")
+            if tries == 1:
+                notice(f"{what}: {exc}; retrying for up to {policy.probe_s:.0f}s")
             await asyncio.sleep(delay)
-    return None
+            continue
+        if tries:
+            notice(f"{what}: answered after {time.monotonic() - started:.0f}s")
+        return found
 
 
 async def api_state(pod: Pod, policy: RetryPolicy, notice: NoticeHandler) -> str | None:
@@ -86,20 +102,16 @@ async def reachable(pod: Pod, connector: Connector) -> list[int]:
 async def wait_reachable(
     pod: Pod, connector: Connector, policy: RetryPolicy, notice: NoticeHandler
 ) -> list[int]:
-    """Probe the workers with backoff within the budget; those still silent at its end."""
+    """Probe the workers with backoff for the budget; those still silent at its end."""
     started = time.monotonic()
     silent = await reachable(pod, connector)
-    attempt = 0
-    while silent and attempt + 1 < policy.probe_tries:
-        left = policy.probe_s - (time.monotonic() - started)
-        if left <= 0:
-            break
-        delay = min(backoff(attempt), left)
+    tries = 1
+    while silent and (delay := another_try(policy, tries, started)) is not None:
         names = ", ".join(f"w{w}" for w in silent)
         notice(f"{names} not answering; probing again in {delay:.1f}s")
         await asyncio.sleep(delay)
         silent = await reachable(pod, connector)
-        attempt += 1
+        tries += 1
     return silent
 
 

@@ -25,7 +25,7 @@ from tpupod.errors import TpupodError, UsageError
 from tpupod.fanout import Interrupt, NoticeHandler
 from tpupod.ops.free_tpu import free_tpu
 from tpupod.pod import Pod
-from tpupod.providers import provider_for
+from tpupod.providers import GONE, provider_for
 from tpupod.recovery import confirm
 from tpupod.recovery.policy import Cause, Counters, RetryPolicy
 from tpupod.recovery.record import RecoveryRecord
@@ -68,13 +68,22 @@ class Recovery:
         self.cloud = isinstance(self.pod.spec, GcpPodSpec)
 
     async def run(self, *, resumed: bool = False) -> int:
-        # Resumed: a recovery the dead launcher left half-done starts over; a TPU that was
-        # preempted meanwhile is replaced.
+        self.record.hold(self.state)  # one recovery of a pod at a time
+        try:
+            return await self._attempts(resumed)
+        finally:
+            self.state.release(self.record.pod)
+
+    async def _attempts(self, resumed: bool) -> int:
+        # Resumed: a recovery the dead launcher left half-done starts over. A TPU that was
+        # preempted, or is gone, is replaced before the first launch.
         unfinished = self.record.phase in ("delete", "create", "setup")
         if resumed and self.record.attempts and self.record.current.cause is None:
             self.record.current.cause = Cause.LAUNCHER_LOST.value
             self.record.current.ended = time.time()
-        recreate_next = resumed and self.cloud and (unfinished or await self._preempted_now())
+        recreate_next = self.cloud and (
+            (resumed and unfinished) or await self._needs_new_tpu(resumed)
+        )
         while True:
             attempt = self.record.begin_attempt()
             ending = await self._attempt(recreate_next, resumed=attempt.attempt > 1)
@@ -193,7 +202,7 @@ class Recovery:
             # Even a run that ended well may have ended because its program saved and left.
             budget = self.policy if not result.ok else _one_try(self.policy)
             state = await confirm.api_state(self.pod, budget, self.notice)
-            if state in confirm.PREEMPTED_STATES:
+            if state in confirm.REPLACE_STATES:
                 return Ending(Cause.PREEMPTED, code or 1, f"the TPU is {state}")
         if result.ok:
             return Ending(Cause.OK, 0)
@@ -244,7 +253,7 @@ class Recovery:
         where = f"during {self.record.phase}: {exc}"
         if self.cloud:
             state = await confirm.api_state(self.pod, self.policy, self.notice)
-            if state in confirm.PREEMPTED_STATES:
+            if state in confirm.REPLACE_STATES:
                 return Ending(Cause.PREEMPTED, 1, f"during {self.record.phase}: TPU {state}")
         connector = provider_for(self.pod.provider).connect(self.pod, self.state)
         try:
@@ -255,11 +264,13 @@ class Recovery:
             return Ending(Cause.LOST, 255, where)
         return Ending(Cause.ERROR, exc.exit_code or 1, where)
 
-    async def _preempted_now(self) -> bool:
-        if not self.cloud:
-            return False
+    async def _needs_new_tpu(self, resumed: bool) -> bool:
+        """Is the TPU preempted or gone (so the first attempt makes it first)? A resumed run
+        that gets no answer takes it for preempted: its launcher died mid-way."""
         state = await confirm.api_state(self.pod, self.policy, self.notice)
-        return state is None or state in confirm.PREEMPTED_STATES
+        if state == GONE:
+            self.notice(f"TPU {self.pod.name!r} is gone: creating it again before the run")
+        return state in confirm.REPLACE_STATES or (resumed and state is None)
 
     def _phase(self, name: str) -> None:
         self.record.phase = name

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_NOTICE_GRACE_S = 25.0  # within GCE's ~30 s preemption notice
 DEFAULT_PROBE_S = 120.0  # how long an unreachable worker or a failing API is retried
-DEFAULT_PROBE_TRIES = 8
+DEFAULT_PROBE_TRIES = 0  # no cap on the count: the budget is its time (probe_s)
 LISTED_MAX = 100  # listed exit codes are always rerun: up to this many times (a loop guard)
 
 

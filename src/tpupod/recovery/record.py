@@ -3,6 +3,10 @@
 Written (atomically) at every phase, so that ``tpupod run --resume RUN`` can go on
 after the launcher died, ``tpupod status``/``logs`` can show the attempts, and
 anything the recovery was creating when it was stopped can be deleted.
+
+One recovery at a time on a pod: the launcher holds the pod (``StateDir.hold``) from
+before its record is made (or from its resume) to its end, so that a second run with
+--retries is refused, naming the first, instead of deleting and creating the same TPU.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class RecoveryRecord:
         cls, state: StateDir, pod: str, command: list[str], options: dict[str, Any]
     ) -> RecoveryRecord:
         run_id = new_launch_id()
+        state.hold(pod, *_holding(pod, run_id))  # before anything is written
         folder = state.pod_dir(pod) / RUNS_DIR / run_id
         folder.mkdir(parents=True, exist_ok=False)
         record = cls(
@@ -85,6 +90,10 @@ class RecoveryRecord:
             raise StateError(f"cannot read {path}: {exc}", hint="it may be damaged") from exc
         attempts = [AttemptRecord(**a) for a in data.pop("attempts", [])]
         return cls(**data, attempts=attempts, path=path)
+
+    def hold(self, state: StateDir) -> None:
+        """Hold the pod for this run (a UsageError when another run or command holds it)."""
+        state.hold(self.pod, *_holding(self.pod, self.run_id))
 
     @property
     def current(self) -> AttemptRecord:
@@ -134,6 +143,11 @@ class RecoveryRecord:
             launch = a.launch_id or "-"
             rows.append(f"attempt {a.attempt}: {cause}{code}; launch {launch}; {phases}")
         return rows
+
+
+def _holding(pod: str, run_id: str) -> tuple[str, str]:
+    """What a run holding its pod says of itself, and how to stop it."""
+    return f"run {run_id} (tpupod run --retries)", f"tpupod cancel --pod {pod} {run_id}"
 
 
 def find_recovery(state: StateDir, pod: str, run_id: str | None) -> RecoveryRecord | None:
