@@ -66,12 +66,14 @@ def run(
         ),
     ] = RendezvousOn.AUTO,
     worker_python: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--worker-python",
-            help="The python on worker 0 that has tpupod (for --rendezvous-on worker0).",
+            help="The python on worker 0 that has tpupod, for a rendezvous there (default: "
+            "the command's python when it starts with one, else python3).",
+            show_default=False,
         ),
-    ] = "python3",
+    ] = None,
     coordinator_port: Annotated[
         int | None,
         typer.Option(
