@@ -148,7 +148,7 @@ def test_preempted_once_mid_run_finishes_with_the_same_result(
     assert causes == ["preempted", "ok"], err
     assert "--retries 2" in err and "1 recoveries" in err
     detail = record["attempts"][0]["detail"]
-    assert ("metadata: preempted" in detail) == (seen_by == "metadata"), detail
+    assert ("instance/preempted is TRUE on w0, w1" in detail) == (seen_by == "metadata"), detail
     # the notice was honoured: the step under way was saved, no step was done twice
     done = steps_done(shared_dir)
     assert len(done) == len(set(done)) == 12, done
