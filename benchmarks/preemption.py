@@ -2,19 +2,23 @@
 
 Run as root (it builds a simulated pod of network namespaces with real sshd):
 
-    .venv/bin/python benchmarks/preemption.py            # 3 runs
+    .venv/bin/python benchmarks/preemption.py            # 3 runs of each
     .venv/bin/python benchmarks/preemption.py --runs 1
 
 A 4-worker spot TPU VM (v4-32) of the Cloud TPU API stand-in (tests/fakes), its
 provisioning delay set to 0 (one read per state), over 8 simulated hosts (the
 recreated TPU gets the other 4, booted fresh). ``tpupod run --retries 1 --setup
---sync`` runs a stand-in training program (tests/programs/steps.py: a step every
-0.5 s, a checkpoint per step, SIGTERM honoured at the end of the step); the TPU is
-preempted as GCE does (TERM to every process, the hosts taken away 30 s later).
-Reported per run: notice -> attempt ended (the grace included), and confirmed ->
-first step after restore, broken into delete, create, setup, sync, launch and
-restore (program start -> its first step), with the steps lost. Targets (issue 23):
-<= 30 s and <= 60 s.
+--sync`` runs a stand-in training program with a user's default options
+(tests/programs/steps.py, with this interpreter, which has tpupod, as a user's python
+does: a step every 0.5 s, connected to the rendezvous, a checkpoint every 10 steps and
+one at SIGTERM, at the end of the step under way); the TPU is preempted as GCE does
+(TERM to every process, the hosts taken away 30 s later) four steps past a periodic
+save. With default options the rendezvous runs on worker 0 (``auto``, a Cloud TPU
+reached at external addresses): the anchor, in the same run, is the same recovery with
+``--rendezvous-on launcher``. Reported per run: notice -> attempt ended (the grace
+included), and confirmed -> first step after restore, broken into delete, create,
+setup, sync, launch and restore (program start -> its first step), with the steps
+redone (lost at the notice). Targets (issues 23 and 37): <= 30 s, <= 60 s, 0 steps.
 
 With ``--outages 0,15,60`` (issue 37) each run is ``--retries 2`` and the Cloud TPU API
 answers every call with 503 for that many seconds from the preemption on; reported per
@@ -47,9 +51,14 @@ from tests.fakes.tpu_api import on_sim_hosts  # noqa: E402
 from tpupod.sim import SimPod  # noqa: E402
 
 PROGRAM = REPO / "tests" / "programs" / "steps.py"
-STEPS, STEP_S = 40, 0.5
+STEPS, STEP_S, SAVE_EVERY = 40, 0.5, 10
+NOTICE_AT = 13  # the step after which the notice comes: 4 steps past the save of step 9
 NOTICE_S = 30.0
 PHASES = ("delete", "create", "setup")  # timed by the recovery itself (recovery.json)
+VARIANTS = {
+    "default options": (),
+    "anchor: --rendezvous-on launcher": ("--rendezvous-on", "launcher"),
+}
 
 
 def code_repo(where: Path) -> Path:
@@ -65,7 +74,18 @@ def code_repo(where: Path) -> Path:
     return repo
 
 
-def one_run(sim: SimPod, home: Path, n: int, outage_s: float | None = None) -> dict[str, float]:
+def steps_done(ckpt: Path) -> list[tuple[int, float]]:
+    """Worker 0's steps, in order: (step, when it ended)."""
+    log = ckpt / "steps-w0.log"
+    if not log.exists():
+        return []
+    rows = [line.split() for line in log.read_text().splitlines()]
+    return [(int(step), float(at)) for step, at in rows]
+
+
+def one_run(
+    sim: SimPod, home: Path, n: int, options: tuple[str, ...], outage_s: float | None = None
+) -> dict[str, float]:
     """One preempted run; with ``outage_s``, the API answers 503 that long from the notice."""
     api = on_sim_hosts(sim, NOTICE_S, steps=1)  # no provisioning delay
     env = {
@@ -84,17 +104,17 @@ def one_run(sim: SimPod, home: Path, n: int, outage_s: float | None = None) -> d
               "--api", "tpu-vm"]  # fmt: skip
         subprocess.run(up, env=env, check=True, capture_output=True)
         repo = code_repo(Path(tempfile.mkdtemp()))
-        retries = "1" if outage_s is None else "2"
         run = subprocess.Popen(
-            [TPUPOD, "run", "--pod", name, "--retries", retries, "--setup", "setup.sh",
-             "--sync", "~/code", "--rendezvous-on", "launcher", "--",
-             "python3", "train.py", str(ckpt), str(STEPS), str(STEP_S)],
+            [TPUPOD, "run", "--pod", name, "--retries", "1" if outage_s is None else "2",
+             "--setup", "setup.sh",
+             "--sync", "~/code", *options, "--", sys.executable, "train.py", str(ckpt),
+             str(STEPS), str(STEP_S), str(SAVE_EVERY)],
             cwd=repo, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         lines: list[tuple[float, str]] = []
         reader = threading.Thread(target=lambda: lines.extend((time.time(), x) for x in run.stderr))  # type: ignore[union-attr]
         reader.start()
-        while not (ckpt / "5.ckpt").exists():
+        while not any(step == NOTICE_AT for step, _ in steps_done(ckpt)):
             if run.poll() is not None:
                 raise SystemExit(f"the run ended early: {run.returncode}")
             time.sleep(0.05)
@@ -123,20 +143,20 @@ def measure(
     synced = next(t for t, line in lines if "every worker at" in line and t > first["ended"])
     started = ckpt / "started-2"
     resumed_at = int(started.read_text())
+    done = steps_done(ckpt)
+    first_step = [at for step, at in done if step == resumed_at][-1]  # attempt 2's
     set_up = second["started"] + sum(second["phases"].get(p, 0.0) for p in PHASES)
-    done = (ckpt / "steps-w0.log").read_text().split()
+    steps = [step for step, _ in done]
     return {
         "notice -> attempt ended": first["ended"] - notice,
-        "confirmed -> first step after restore": (ckpt / f"{resumed_at}.ckpt").stat().st_mtime
-        - first["ended"],
+        "confirmed -> first step after restore": first_step - first["ended"],
         "delete": second["phases"].get("delete", 0.0),
         "create": second["phases"].get("create", 0.0),
         "setup": second["phases"].get("setup", 0.0),
         "sync": synced - set_up,
         "launch": started.stat().st_mtime - synced,
-        "restore + first step (a 0.5 s step)": (ckpt / f"{resumed_at}.ckpt").stat().st_mtime
-        - started.stat().st_mtime,
-        "steps lost": float(len(done) - len(set(done))),
+        "restore + first step (a 0.5 s step)": first_step - started.stat().st_mtime,
+        "steps redone (lost at the notice)": float(len(steps) - len(set(steps))),
     }
 
 
@@ -149,8 +169,9 @@ def outage_measure(home: Path, name: str, ckpt: Path, notice: float, code: int) 
     started = ckpt / f"started-{last}"
     restored = float("nan")
     if code == 0 and started.exists():
-        first = ckpt / f"{int(started.read_text())}.ckpt"
-        restored = first.stat().st_mtime - notice
+        resumed_at = int(started.read_text())
+        first_step = [at for step, at in steps_done(ckpt) if step == resumed_at][-1]
+        restored = first_step - notice
     return {
         "notice -> first step after restore": restored,
         "recoveries": float(record["counters"].get("recoveries", 0)),
@@ -164,7 +185,7 @@ def outages(sizes: list[float], runs: int) -> None:
     with SimPod(8) as sim, tempfile.TemporaryDirectory() as home:
         for n in range(runs):
             for size in sizes:
-                found = one_run(sim, Path(home), n * len(sizes) + sizes.index(size), size)
+                found = one_run(sim, Path(home), n * len(sizes) + sizes.index(size), (), size)
                 results[size].append(found)
                 shown = ", ".join(f"{k} {v:.2f}" for k, v in found.items())
                 print(f"run {n + 1}, outage {size:.0f}s: {shown}", flush=True)
@@ -190,17 +211,24 @@ def main() -> None:
     if args.outages:
         outages([float(x) for x in args.outages.split(",")], args.runs)
         return
-    results: list[dict[str, float]] = []
+    results: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
     with SimPod(8) as sim, tempfile.TemporaryDirectory() as home:
         for n in range(args.runs):
-            results.append(one_run(sim, Path(home), n))
-            print(f"run {n + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[-1].items()))
+            for v, (variant, options) in enumerate(VARIANTS.items()):  # side by side
+                results[variant].append(one_run(sim, Path(home), 2 * n + v, options))
+                shown = ", ".join(f"{k} {x:.2f}" for k, x in results[variant][-1].items())
+                print(f"run {n + 1}, {variant}: {shown}", flush=True)
     cpus = os.cpu_count()
     load = os.getloadavg()[0]
     print(f"\nmachine: {platform.processor() or platform.machine()}, {cpus} CPUs, load {load:.1f}")
-    print(f"| measure (median of {args.runs}) | seconds |\n| --- | --- |")
-    for key in results[0]:
-        print(f"| {key} | {statistics.median(r[key] for r in results):.2f} |")
+    names = list(VARIANTS)
+    print(f"| measure (median of {args.runs}) | {' | '.join(names)} | default / anchor |")
+    print("| --- |" + " ---: |" * (len(names) + 1))
+    for key in results[names[0]][0]:
+        medians = [statistics.median(r[key] for r in results[v]) for v in names]
+        ratio = f"{medians[0] / medians[1]:.2f}" if medians[1] else "-"
+        cells = [f"{m:.2f}" for m in medians]
+        print(f"| {key} | {' | '.join(cells)} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +51,7 @@ def test_preempted_three_times_with_two_retries_ends_clearly_and_leaves_nothing(
     spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
 ) -> None:
     assert cli(*UP, "--name", "p3", "--tpu-type", "v4-16", "--spot", "--api", "tpu-vm").code == 0
-    run = start_run("p3", shared_dir, 500, "--retries", "2", "--notice-grace", "1")
+    run = start_run("p3", shared_dir, 500, "--retries", "2")
     for attempt in (1, 2, 3):
         wait_until(running_attempt(state_home, "p3", attempt, shared_dir), run, timeout=90)
         spot_api.preempt_with_notice("p3")
@@ -69,10 +70,11 @@ def test_a_program_error_on_a_spot_tpu_recreates_nothing(
     spot_api: TpuApiStandIn, cli: Callable[..., CliResult], state_home: Path
 ) -> None:
     assert cli(*UP, "--name", "pe", "--tpu-type", "v4-16", "--spot", "--api", "tpu-vm").code == 0
-    fails = ("run", "--pod", "pe", "--rendezvous-on", "launcher", "--retries", "2")
-    result = cli(*fails, "--", "bash", "-c", "exit 3", timeout=120)
+    fails = ("run", "--pod", "pe", "--retries", "2")
+    program = (sys.executable, "-c", "raise SystemExit(3)")
+    result = cli(*fails, "--", *program, timeout=120)
     assert result.code == 3, result.err
-    again = cli(*fails, "--retry-errors", "1", "--", "bash", "-c", "exit 3", timeout=120)
+    again = cli(*fails, "--retry-errors", "1", "--", *program, timeout=120)
     assert again.code == 3, again.err
     assert "1 reruns after errors" in again.err
     assert spot_api.calls.count(("POST", "nodes/")) == 1  # the first, by `up`
@@ -89,7 +91,7 @@ def test_a_failing_api_and_a_silent_worker_are_not_a_preemption(
 ) -> None:
     assert cli(*UP, "--name", "ok", "--tpu-type", "v4-16", "--spot", "--api", "tpu-vm").code == 0
     [w1] = [h.index for h in sim_hosts_up.hosts if h.address == _address(cli, "ok", 1)]
-    run = start_run("ok", shared_dir, 60, "--retries", "2", "--notice-grace", "1")
+    run = start_run("ok", shared_dir, 60, "--retries", "2")
     wait_until(running_attempt(state_home, "ok", 1, shared_dir), run, timeout=90)
     spot_api.unavailable(30)  # every API call answers 503 for 30 s, past the unplugging
     sim_hosts_up.unplug(w1)  # and worker 1's network is gone for 20 s
@@ -103,6 +105,8 @@ def test_a_failing_api_and_a_silent_worker_are_not_a_preemption(
     assert spot_api.calls.count(("POST", "nodes/")) == 1
     assert not [call for call in spot_api.calls if call[0] == "DELETE"]
     assert spot_api.unavailable_answers, "the run never asked the failing API"
+    # a retry names the call and the resource, not the whole URL
+    assert "ServiceUnavailable: GET nodes/ok: " in err and "://" not in err, err
 
 
 def _address(cli: Callable[..., CliResult], pod: str, worker: int) -> str:
@@ -128,7 +132,7 @@ def test_cancel_while_waiting_for_capacity_leaves_nothing(
     spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
 ) -> None:
     assert cli(*UP, "--name", "cc", "--tpu-type", "v4-16", "--spot").code == 0
-    run = start_run("cc", shared_dir, 500, "--retries", "2", "--notice-grace", "1")
+    run = start_run("cc", shared_dir, 500, "--retries", "2")
     wait_until(running_attempt(state_home, "cc", 1, shared_dir), run, timeout=90)
     spot_api.no_capacity = 10_000  # no capacity anywhere, for as long as it takes
     spot_api.preempt_with_notice("cc")
@@ -149,7 +153,7 @@ def test_a_launcher_killed_mid_recovery_is_resumed(
     spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
 ) -> None:
     assert cli(*UP, "--name", "rs", "--tpu-type", "v4-16", "--spot").code == 0
-    run = start_run("rs", shared_dir, 16, "--retries", "2", "--notice-grace", "1")
+    run = start_run("rs", shared_dir, 16, "--retries", "2")
     wait_until(running_attempt(state_home, "rs", 1, shared_dir), run, timeout=90)
     spot_api.no_capacity = 10_000
     spot_api.preempt_with_notice("rs")

@@ -41,7 +41,6 @@ def spot_api(sim_hosts_up: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     monkeypatch.setenv("TPUPOD_RECOVERY_WATCH_S", "0.3")
     metadata = f"http://{sim.gateway}:{api.port}/computeMetadata/v1"
     monkeypatch.setenv("TPUPOD_METADATA_URL", metadata)
-    monkeypatch.setenv("TPUPOD_RECOVERY_PROBE_S", "90")
     yield api
     api.stop()
 
@@ -63,9 +62,12 @@ def expected_value(steps: int) -> int:
     return value
 
 
-def start_run(name: str, ckpt: Path, steps: int, *options: str) -> subprocess.Popen[str]:
-    command = (sys.executable, PROGRAM, str(ckpt), str(steps), "0.4")
-    options = ("--rendezvous-on", "launcher", *options)
+def start_run(
+    name: str, ckpt: Path, steps: int, *options: str, save_every: int = 1
+) -> subprocess.Popen[str]:
+    """``tpupod run`` as a user runs it: default options (the rendezvous on worker 0, as
+    ``auto`` puts it for a Cloud TPU reached at its external addresses) but ``options``."""
+    command = (sys.executable, PROGRAM, str(ckpt), str(steps), "0.4", str(save_every))
     return subprocess.Popen(
         tpupod_argv("run", "--pod", name, *options, "--", *command),
         stdout=subprocess.PIPE,
@@ -82,6 +84,23 @@ def wait_for(path: Path, run: subprocess.Popen[str], timeout: float = 60) -> Non
             run.kill()
             out, err = run.communicate()
             pytest.fail(f"{path} did not appear:\n{out}\n{err}")
+        time.sleep(0.05)
+
+
+def steps_done(ckpt: Path) -> list[int]:
+    """The steps worker 0 did, in order (a step redone shows twice)."""
+    log = ckpt / "steps-w0.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [int(line.split()[0]) for line in lines]
+
+
+def wait_until_step(ckpt: Path, step: int, run: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while step not in steps_done(ckpt):
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"step {step} was not reached:\n{out}\n{err}")
         time.sleep(0.05)
 
 
@@ -115,8 +134,11 @@ def test_preempted_once_mid_run_finishes_with_the_same_result(
         spot_api.notice_s = 20.0  # the hosts answer their metadata until then
     assert cli(*UP, "--name", "sp", "--tpu-type", "v4-16", "--spot", *shape).code == 0
     before = json.loads(cli("hosts", "--pod", "sp", "--format", "json").out)
-    run = start_run("sp", shared_dir, 12, "--retries", "2", "--notice-grace", "3")
-    wait_for(shared_dir / "3.ckpt", run, timeout=20)
+    # Checkpoints every 4 steps: the notice comes 2 steps past one, and only the save at
+    # the notice keeps them (the rendezvous on worker 0 must outlive the notice's TERM).
+    run = start_run("sp", shared_dir, 12, "--retries", "2", save_every=4)
+    wait_for(shared_dir / "3.ckpt", run, timeout=60)
+    wait_until_step(shared_dir, 5, run)
     spot_api.preempt_with_notice("sp")
     out, err = run.communicate(timeout=180)
     assert run.returncode == 0, err
@@ -126,10 +148,10 @@ def test_preempted_once_mid_run_finishes_with_the_same_result(
     assert causes == ["preempted", "ok"], err
     assert "--retries 2" in err and "1 recoveries" in err
     detail = record["attempts"][0]["detail"]
-    assert ("metadata: preempted" in detail) == (seen_by == "metadata"), detail
+    assert ("instance/preempted is TRUE on w0, w1" in detail) == (seen_by == "metadata"), detail
     # the notice was honoured: the step under way was saved, no step was done twice
-    done = (shared_dir / "steps-w0.log").read_text().split()
-    assert len(done) == len(set(done)) == 12
+    done = steps_done(shared_dir)
+    assert len(done) == len(set(done)) == 12, done
     # a new TPU (never the preempted one), on other hosts, fresh
     assert spot_api.calls.count(("POST", f"{kind}/")) == 2
     assert ("DELETE", f"{kind}/sp") in spot_api.calls and "sp" in spot_api.alive()
@@ -143,9 +165,10 @@ def test_preempted_once_mid_run_finishes_with_the_same_result(
 EXAMPLE = str(Path(__file__).parents[1] / "examples" / "preemptible_train.py")
 
 
-def train(ckpt: Path, out: Path, steps: int) -> tuple[str, ...]:
+def train(ckpt: Path, out: Path, steps: int, save_every: int = 5) -> tuple[str, ...]:
+    every = str(save_every)
     return (sys.executable, EXAMPLE, "--ckpt", str(ckpt), "--steps", str(steps),
-            "--save-every", "5", "--step-seconds", "0.3", "--out", str(out))  # fmt: skip
+            "--save-every", every, "--step-seconds", "0.3", "--out", str(out))  # fmt: skip
 
 
 @pytest.mark.timeout(420)  # JAX on two hosts, three times, on a busy machine
@@ -166,13 +189,16 @@ def test_a_preempted_jax_run_ends_bit_for_bit_as_an_uninterrupted_one(
     )  # fmt: skip
     assert reference.code == 0, reference.err
     assert cli(*UP, "--name", "jx", "--tpu-type", "v4-16", "--spot").code == 0
+    # A user's default options: the rendezvous on worker 0 (a Cloud TPU reached at its
+    # external addresses), the default notice grace; checkpoints far apart, so that only a
+    # save at the notice keeps the steps done since the last one.
     run = subprocess.Popen(
-        tpupod_argv("run", "--pod", "jx", "--retries", "2", "--notice-grace", "20",
-                    "--rendezvous-on", "launcher", "--",
-                    *train(shared_dir / "ckpt", shared_dir / "out.npz", steps)),
+        tpupod_argv("run", "--pod", "jx", "--retries", "2", "--",
+                    *train(shared_dir / "ckpt", shared_dir / "out.npz", steps, save_every=50)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    wait_for(shared_dir / "ckpt" / "5", run, timeout=200)
+    wait_for(shared_dir / "ckpt" / "0", run, timeout=200)
+    time.sleep(2)  # a few steps past the last periodic save
     spot_api.preempt_with_notice("jx")
     out, err = run.communicate(timeout=300)
     assert run.returncode == 0, err

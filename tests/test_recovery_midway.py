@@ -76,8 +76,7 @@ def test_preempted_during_sync_syncs_the_new_tpu_and_finishes(
         assert done.returncode == 0, done.stderr
     command = (sys.executable, PROGRAM, str(shared_dir), "6", "0.2")
     run = popen(
-        tpupod_argv("run", "--pod", "sy", "--retries", "1", "--notice-grace", "1",
-                    "--rendezvous-on", "launcher", "--sync", "code", "--", *command),
+        tpupod_argv("run", "--pod", "sy", "--retries", "1", "--sync", "code", "--", *command),
         cwd=repo,
     )  # fmt: skip
     wait_for(shared_dir / f"syncing-host-{first[0]}", run, timeout=90)
@@ -117,8 +116,7 @@ def test_preempted_during_a_checkpoint_write_skips_the_cut_step_on_restore(
     ckpt, final, cut_at, steps = shared_dir / "ckpt", shared_dir / "final.npy", 3, 6
     assert cli(*UP, "--name", "cw", "--tpu-type", "v4-16", "--spot").code == 0
     run = popen(
-        tpupod_argv("run", "--pod", "cw", "--retries", "1", "--notice-grace", "1",
-                    "--rendezvous-on", "launcher", "--",
+        tpupod_argv("run", "--pod", "cw", "--retries", "1", "--",
                     sys.executable, ORBAX_PROGRAM, str(ckpt), str(steps), str(cut_at), str(final))
     )  # fmt: skip
     wait_for(shared_dir / "cut", run, timeout=120)  # step 3 written, its commit under way

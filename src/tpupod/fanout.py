@@ -100,6 +100,7 @@ class FailureReport:
     worker: int
     reason: str | None
     status: ExitStatus | None = None  # when the failure is the process's exit itself
+    code: int | None = None  # the exit code the program gave itself (sys.exit(N)), if said
 
 
 class Supervision:
@@ -119,11 +120,12 @@ class Supervision:
         self.first_failed: int | None = None
         self.stop_begun = False  # from here on, failures are the stop's doing
 
-    def report_failure(self, worker: int, reason: str | None) -> None:
-        """``worker`` says it fails, and why; ``reason`` None: it vanished without a word."""
+    def report_failure(self, worker: int, reason: str | None, code: int | None = None) -> None:
+        """``worker`` says it fails, and why (and with which exit code, when it gave one);
+        ``reason`` None: it vanished without a word."""
         if reason is not None:
             self.failed(worker)
-        self.reports.put_nowait(FailureReport(worker, reason))
+        self.reports.put_nowait(FailureReport(worker, reason, code=code))
 
     def failed(self, worker: int) -> None:
         if self.first_failed is None and not self.stop_begun:
@@ -220,7 +222,8 @@ class _Fanout:
                     why = INTERRUPT_REASONS.get(self.interrupt.signal or 0, ("interrupted", ""))
                     if self.interrupt.grace is not None:  # e.g. a preemption notice's grace
                         self.grace = self.interrupt.grace
-                    self._begin_stop(Outcome.INTERRUPTED, self.interrupt.reason or why[0], why[1])
+                    reason, extra = (self.interrupt.reason, "") if self.interrupt.reason else why
+                    self._begin_stop(Outcome.INTERRUPTED, reason, extra)
                 if forced.done() and not self.forced:
                     self.forced = True
                     self._spawn_stop(Outcome.INTERRUPTED, 0.0)
@@ -250,6 +253,7 @@ class _Fanout:
             return
         run.failing, run.reason = True, run.reason or report.reason
         run.exit_status = run.exit_status or report.status
+        run.own_code = run.own_code or report.code
         self._count_failure(report.worker)
 
     def _count_failure(self, worker: int) -> None:
@@ -291,10 +295,28 @@ class _Fanout:
             what = "" if run.reason else "its process ended without a word"
         if run.reason and run.reason not in what:
             what = f"{what}: {run.reason}" if what else run.reason
-        self._begin_stop(Outcome.STOPPED, f"w{first} failed ({what})", by=first)
+        gentle = self._ended_by_term(first)
+        self._begin_stop(Outcome.STOPPED, f"w{first} failed ({what})", by=first, gentle=gentle)
+
+    def _ended_by_term(self, worker: int) -> bool:
+        """Did ``worker`` end as TERM ends a program (killed by it, or exit 143 = 128+TERM),
+        a TERM we did not send? It most likely had a notice (a host shutting down: GCE's
+        preemption notice TERMs every process), and so did the others: they get TERM and
+        the grace, not the rendezvous's "leave now", so that their save is not cut short
+        by the one that finished saving first."""
+        result, run = self.results.get(worker), self.by_id[worker]
+        status = result.status if result is not None else run.exit_status
+        said = {run.own_code, status.shell_code if status is not None else None}
+        return 128 + signal.SIGTERM in said
 
     def _begin_stop(
-        self, outcome: Outcome, reason: str, extra: str = "", by: int | None = None
+        self,
+        outcome: Outcome,
+        reason: str,
+        extra: str = "",
+        by: int | None = None,
+        *,
+        gentle: bool = False,
     ) -> None:
         running = [run for run in self.runs if run.worker.id not in self.results and run.running]
         if not running:
@@ -307,9 +329,10 @@ class _Fanout:
             f"{reason}: stopping {len(running)} worker{'s' if len(running) != 1 else ''} ({plan})"
         )
         self.on_notice(f"{note}; {extra}" if extra else note)
-        if outcome is Outcome.INTERRUPTED and self.interrupt.grace is not None:
-            # A stop with its own grace (a preemption notice): the programs get TERM and
-            # that grace to save; the rendezvous does not tell them to leave at once.
+        if gentle or (outcome is Outcome.INTERRUPTED and self.interrupt.grace is not None):
+            # A stop with its own grace (a preemption notice), or after a worker ended by a
+            # TERM: the programs get TERM and the grace to save; the rendezvous does not
+            # tell them to leave at once.
             self.supervision.stop_begun = True
         else:
             self.supervision.stopping(reason)

@@ -174,9 +174,9 @@ def _verdict(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str
     lines: list[str] = []
     if result.interrupt_signal is not None:
         name = signal.Signals(result.interrupt_signal).name
-        lines.append(
-            paint("1;31", f"stopped by {name}: {result.failed_count} workers did not finish")
-        )
+        count = result.failed_count
+        left = f"{count} workers did not finish" if count else "every worker ended by itself"
+        lines.append(paint("1;31", f"stopped by {name}: {left}"))
     elif first is not None and result.timed_out and first.outcome is Outcome.TIMED_OUT:
         # Every worker still running was stopped at once: none of them failed first.
         late = [r.worker.label for r in result.workers if r.outcome is Outcome.TIMED_OUT]

@@ -10,7 +10,7 @@ builds a validator per option: 0.1 to 0.2 s) on every plain ``tpupod run``.
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,7 @@ from tpupod.results import DEFAULT_GRACE_S, OnFail
 
 if TYPE_CHECKING:
     from tpupod.fanout import Interrupt
-    from tpupod.launch.run import RunResult
+    from tpupod.launch.run import Launch, RunResult
     from tpupod.live import Live
     from tpupod.pod import Pod
 
@@ -39,7 +39,7 @@ class RunArgs:
     env: list[str] = field(default_factory=list)
     sync: str | None = None
     rendezvous_on: RendezvousOn = RendezvousOn.AUTO
-    worker_python: str = "python3"
+    worker_python: str | None = None  # None: the command's python if it is one, else python3
     coordinator_port: int | None = None
     image: str | None = None
     mounts: list[str] = field(default_factory=list)
@@ -104,11 +104,14 @@ def launch_attempt(
     live: Live,
     extra_env: dict[str, str],
     interrupt: Interrupt | None,
+    *,
+    on_launch: Callable[[Launch], None] | None = None,
 ) -> Awaitable[RunResult]:
     """One launch of the program on ``target``'s selected workers."""
     from tpupod.envargs import parse_env
     from tpupod.execflow import join_command
     from tpupod.image.options import container_from_options
+    from tpupod.launch.run import program_python
     from tpupod.launch.run import run as launch_run
 
     workers = target.select(args.worker)
@@ -126,13 +129,15 @@ def launch_attempt(
         coordinator_port=args.coordinator_port,
         sync_dir=args.sync,
         rendezvous_on=args.rendezvous_on.value,
-        worker_python=args.worker_python,
+        # In a container the program's python is the image's, not the host's.
+        worker_python=args.worker_python or (None if container else program_python(args.command)),
         show_chatter=args.verbose,
         collateral_in_logs_only=not args.verbose,
         on_line=live.on_line,
         on_notice=_silent if args.quiet else live.on_notice,
         interrupt=interrupt or live.interrupt,
         container=container,
+        on_launch=on_launch,
     )
 
 
@@ -174,7 +179,7 @@ def parse_plain(argv: list[str]) -> RunArgs | None:
             env=scanned.lists.get("env", []),
             sync=values.get("sync"),
             rendezvous_on=RendezvousOn(values.get("rendezvous_on", RendezvousOn.AUTO)),
-            worker_python=values.get("worker_python", "python3"),
+            worker_python=values.get("worker_python"),
             coordinator_port=_integer(values.get("coordinator_port")),
             image=values.get("image"),
             mounts=scanned.lists.get("mounts", []),

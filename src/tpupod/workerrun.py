@@ -59,6 +59,7 @@ class WorkerRun:
         self.failing = False  # it failed (said so, or exited) and is ending by itself
         self.exit_status: ExitStatus | None = None
         self.reason: str | None = None  # ... and why
+        self.own_code: int | None = None  # the exit code it said it gave itself (sys.exit)
         self.gave_up = asyncio.Event()  # set when the worker stopped answering our stop
         # Takes a runtime's chatter out of a line for the tail (None: nothing to keep).
         self.chatter: Callable[[str], str | None] | None = None
@@ -158,6 +159,10 @@ class WorkerRun:
         hint: str | None = None,
     ) -> WorkerResult:
         stopped = outcome in (Outcome.STOPPED, Outcome.TIMED_OUT, Outcome.INTERRUPTED)
+        if status is not None and status.signal and self.own_code == 128 + status.signal:
+            # The command script re-raises a code of 128+N as signal N (it cannot tell them
+            # apart); the program said it exited with that code itself (sys.exit(143)).
+            status = ExitStatus(self.own_code)
         return WorkerResult(
             worker=self.worker,
             outcome=outcome,

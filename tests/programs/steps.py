@@ -1,8 +1,13 @@
-"""A stand-in for training, for the recovery tests: STEPS steps of a deterministic update,
-a checkpoint after each (worker 0 writes it: a temporary folder, then a rename), resumed
-from the newest complete one. On SIGTERM it finishes its step, saves it, and leaves (143).
+"""A stand-in for training, for the recovery tests and benchmarks/preemption.py: STEPS
+steps of a deterministic update, a checkpoint every SAVE_EVERY steps (default 1; worker 0
+writes it: a temporary file, then a rename), resumed from the newest complete one. On
+SIGTERM it finishes its step, saves it, and leaves (143): the save at a preemption
+notice. Every step done is logged per worker (``steps-wN.log``, a line per step: the step
+and when it ended): a step logged twice was redone, lost at the notice. Started by
+``tpupod run``, it meets the others at the rendezvous first and stays connected to it, as
+a program that calls ``init_jax()`` does.
 
-    python steps.py CKPT_DIR STEPS SECONDS_PER_STEP
+    python steps.py CKPT_DIR STEPS SECONDS_PER_STEP [SAVE_EVERY]
 """
 
 import os
@@ -12,10 +17,15 @@ import time
 from pathlib import Path
 
 ckpt, steps, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+save_every = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 ckpt.mkdir(parents=True, exist_ok=True)
 worker = int(os.environ["TPUPOD_WORKER_ID"])
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+if os.environ.get("TPUPOD_RENDEZVOUS"):
+    import tpupod
+
+    tpupod.rendezvous("start")
 
 
 def latest() -> tuple[int, int]:
@@ -33,12 +43,12 @@ print(f"worker {worker} attempt {os.environ.get('TPUPOD_ATTEMPT')} from step {st
 for step in range(start, steps):
     value = (value * 31 + step) % 1_000_003
     time.sleep(pause)
-    if worker == 0:
+    if worker == 0 and (stop or (step + 1) % save_every == 0):
         tmp = ckpt / f"{step}.tmp-{os.getpid()}"
         tmp.write_text(str(value))
         os.replace(tmp, ckpt / f"{step}.ckpt")
     with (ckpt / f"steps-w{worker}.log").open("a") as log:
-        log.write(f"{step}\n")
+        log.write(f"{step} {time.time():.3f}\n")
     if stop:
         print(f"worker {worker}: SIGTERM, saved step {step}", flush=True)
         sys.exit(143)

@@ -66,12 +66,14 @@ def run(
         ),
     ] = RendezvousOn.AUTO,
     worker_python: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--worker-python",
-            help="The python on worker 0 that has tpupod (for --rendezvous-on worker0).",
+            help="The python on worker 0 that has tpupod, for a rendezvous there (default: "
+            "the command's python when it starts with one, else python3).",
+            show_default=False,
         ),
-    ] = "python3",
+    ] = None,
     coordinator_port: Annotated[
         int | None,
         typer.Option(
@@ -90,18 +92,27 @@ def run(
         typer.Option(
             "--retries",
             help="Recover up to N times from a preemption (the TPU deleted, created again, "
-            "set up, synced, relaunched) or a lost worker (rerun).",
+            "set up, synced, relaunched) or a lost worker, rerun: one whose host stops "
+            "answering, or killed by KILL, TERM or HUP without a word of its own (the OOM "
+            "killer, an operator, a host going down). A host still silent after the probe "
+            "budget ends the run (exit 255).",
         ),
     ] = 0,
     retry_errors: Annotated[
-        int, typer.Option("--retry-errors", help="Rerun up to M times after the program fails.")
+        int,
+        typer.Option(
+            "--retry-errors",
+            help="Rerun up to M times after the program's own failures: an exception, "
+            "sys.exit(N), an exit code, a crash.",
+        ),
     ] = 0,
     retry_exit_codes: Annotated[
         str | None,
         typer.Option(
             "--retry-exit-codes",
             metavar="CODES",
-            help="Always rerun after these exit codes (e.g. 42,75).",
+            help="Always rerun after these exit codes (e.g. 42,75; 143 for a program "
+            "that saves on SIGTERM and exits 143 itself).",
             show_default=False,
         ),
     ] = None,
@@ -138,7 +149,8 @@ def run(
         typer.Option(
             "--resume",
             metavar="RUN",
-            help="Continue the recovery of run RUN after its launcher died (no CMD).",
+            help="Continue run RUN after its launcher died (no CMD); or a run that failed, "
+            "with the flag that reruns its end (e.g. --retry-errors 1), from its checkpoint.",
             show_default=False,
         ),
     ] = None,
@@ -161,6 +173,8 @@ def run(
       tpupod run --image app:1 --mount /data:/data:ro -- python train.py   # in containers
 
       tpupod run --retries 3 --sync ~/code -- python train.py   # survives preemption
+
+      tpupod run --resume RUN --retry-errors 1   # a failed run, again from its checkpoint
     """
     args = RunArgs(
         command=list(command_args or []),

@@ -17,7 +17,7 @@ pid, a digest of what the worker will run); then each request gets one reply:
 The service may also send a worker ``{"op": "stop", "reason": R}`` at any
 time (:meth:`RendezvousServer.stop`); the worker leaves when it reads it.
 A worker whose connection closes without an ``exit`` vanished (killed,
-``os._exit``): ``on_failure(worker, None)`` says so at once. That is not a
+``os._exit``): ``on_failure(worker, None, None)`` says so at once. That is not a
 failure by itself (``os._exit(0)`` vanishes too), but it is the earliest sign
 of a death: when another worker then fails, most likely because of it (JAX
 aborts when its coordinator dies; a collective with a dead peer fails), the
@@ -79,8 +79,9 @@ class _Gathering:
     taken: int = 0  # how many workers took the reply
 
 
-# on_failure(worker, reason): a failure it reported, or None: it vanished without a word.
-FailureHandler = Callable[[int, "str | None"], None]
+# on_failure(worker, reason, code): a failure it reported (and the exit code it gave, when
+# it gave one), or reason None: it vanished without a word.
+FailureHandler = Callable[[int, "str | None", "int | None"], None]
 
 
 class RendezvousServer:
@@ -96,11 +97,12 @@ class RendezvousServer:
         self.token = token
         self.count = count
         self.on_event = on_event or (lambda text: None)
-        self.on_failure = on_failure or (lambda worker, reason: None)
+        self.on_failure = on_failure or (lambda worker, reason, code: None)
         self.members: dict[int, Member] = {}
         self._gatherings: dict[str, _Gathering] = {}
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
+        self._emptied = asyncio.Event()  # set when the last connection's handler ends
         self._closing = False
         self._frozen = False
 
@@ -120,6 +122,17 @@ class RendezvousServer:
             if not member.leaving and not member.stopped and member.writer is not None:
                 member.stopped = True
                 _reply(member.writer, {"op": "stop", "reason": reason})
+
+    @property
+    def connections(self) -> int:
+        """Worker connections open now (registered or not yet)."""
+        return len(self._handlers)
+
+    async def drained(self) -> None:
+        """Return once no worker is connected (each left, or its process ended)."""
+        while self._handlers:
+            self._emptied.clear()
+            await self._emptied.wait()
 
     async def close(self) -> None:
         """Stop listening and end every connection (its handler too: nothing left pending)."""
@@ -158,10 +171,12 @@ class RendezvousServer:
             if member is not None and self.members.get(member.worker) is member:
                 del self.members[member.worker]
                 if not (member.leaving or member.stopped or self._closing):
-                    self.on_failure(member.worker, None)
+                    self.on_failure(member.worker, None, None)
             writer.close()
             if task is not None:
                 self._handlers.discard(task)
+            if not self._handlers:
+                self._emptied.set()
 
     def _register(self, message: dict[str, Any]) -> Member:
         if not hmac.compare_digest(str(message.get("token", "")), self.token):
@@ -241,7 +256,8 @@ class RendezvousServer:
     def _exit(self, member: Member, code: Any, reason: Any) -> dict[str, Any]:
         member.leaving = True
         if code and not member.stopped:  # a failure of its own, not the end we asked for
-            self.on_failure(member.worker, str(reason) if reason else f"exit {code}")
+            given = code if isinstance(code, int) else None
+            self.on_failure(member.worker, str(reason) if reason else f"exit {code}", given)
         return {"ok": True}
 
     def _digest_check(self) -> dict[str, Any] | None:

@@ -41,7 +41,7 @@ from tpupod.image.containerize import (
 from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
-from tpupod.launch.rendezvous_main import FAILED, READY
+from tpupod.launch.rendezvous_main import EXIT_CODE, FAILED, READY
 from tpupod.names import new_launch_id
 from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
@@ -65,6 +65,7 @@ RUN_FILE = "run.json"
 LAUNCHER_LOCK = "launcher.lock"
 PREFLIGHT_TIMEOUT_S = 30.0
 RENDEZVOUS_START_S = 30.0
+CLOSE_GRACE_S = 1.0  # a service on worker 0 still serving a worker that hangs up late
 
 # Is the port taken on the worker? (bash's /dev/tcp: no nc or ss needed.)
 PORT_CHECK = (
@@ -160,7 +161,7 @@ async def run(
     sync_dir: str | None = None,
     repo: Path | None = None,
     rendezvous_on: str = "auto",
-    worker_python: str = "python3",
+    worker_python: str | None = None,
     show_chatter: bool = False,
     collateral_in_logs_only: bool = False,
     on_line: LineHandler | None = None,
@@ -168,6 +169,7 @@ async def run(
     interrupt: Interrupt | None = None,
     state: StateDir | None = None,
     container: Container | None = None,
+    on_launch: Callable[[Launch], None] | None = None,
 ) -> RunResult:
     """Launch ``command`` on every selected worker in lockstep and supervise it to the end.
 
@@ -175,6 +177,7 @@ async def run(
     the image is checked the same everywhere first, and no container outlives the run.
     With ``collateral_in_logs_only`` (a terminal's view, not a job's log), what the others
     print after the first failure reaches the logs only (``_RunLog.collateral``).
+    ``on_launch`` is told the launch once its id exists, before the workers start.
     """
     state = state or StateDir()
     selected = list(workers) if workers is not None else list(pod.workers)
@@ -210,13 +213,16 @@ async def run(
         # Workers report their own failures to the rendezvous before JAX's shutdown can hold
         # them; the fan-out counts them at once and has the rendezvous stop the others.
         supervision = Supervision()
-        if _on_worker0(pod, rendezvous_on):
-            server: _Rendezvous = _Worker0Rendezvous(
-                connector, selected[0], worker_python, notice, supervision.report_failure
-            )
-        else:
-            server = _LauncherRendezvous(connector, selected[0], notice, supervision.report_failure)
-        supervision.on_stopping = server.stop
+        server = _rendezvous(
+            pod,
+            rendezvous_on,
+            connector,
+            selected[0],
+            supervision=supervision,
+            notice=notice,
+            python=worker_python or pod.worker_python(),
+            workdir=workdir,
+        )
         launch = Launch(
             launch_id=launch_id,
             run_dir=state.pod_dir(pod.name) / RUNS_DIR / launch_id,
@@ -233,6 +239,8 @@ async def run(
         # A run's identity is the selected workers, renumbered 0..N-1 in order.
         sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
         notice(f"launch {launch_id}: {len(selected)} workers, logs in {launch.run_dir}")
+        if on_launch is not None:
+            on_launch(launch)
         run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
         # Once one fails and the others are stopped, their fall stays in the logs.
         collateral = collateral_in_logs_only and OnFail(on_fail) is OnFail.KILL
@@ -285,6 +293,48 @@ def _in_workdir(command: str, workdir: str, container: Container | None, launch_
         return f"cd {workdir} && {command}" if workdir else command
     wrapped = wrap(command, replace(container, workdir_mounted=bool(workdir)), launch_id)
     return f"cd {workdir} && {{\n{wrapped}\n}}" if workdir else wrapped
+
+
+PYTHON_NAME = re.compile(r"python[0-9.]*")
+
+
+def program_python(argv: Sequence[str]) -> str | None:
+    """The Python a program runs with, when its command starts with one (``python3
+    train.py``, ``/opt/venv/bin/python -m app``; ``env`` and NAME=VALUE words first are
+    skipped): it imports tpupod (it calls ``init_jax``), so it can run the rendezvous."""
+    words = list(argv)
+    if words and words[0].rsplit("/", 1)[-1] == "env":
+        words = words[1:]
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        words = words[1:]
+    if words and PYTHON_NAME.fullmatch(words[0].rsplit("/", 1)[-1]):
+        return words[0]
+    return None
+
+
+def _rendezvous(
+    pod: Pod,
+    where: str,
+    connector: Connector,
+    first: Worker,
+    *,
+    supervision: Supervision,
+    notice: NoticeHandler,
+    python: str,
+    workdir: str,
+) -> _Rendezvous:
+    """The launch's rendezvous (``--rendezvous-on``), wired to the fan-out's supervision;
+    on worker 0, run by ``python`` in ``workdir`` (the program's: a relative python is
+    from there)."""
+    server: _Rendezvous
+    if _on_worker0(pod, where):
+        server = _Worker0Rendezvous(
+            connector, first, notice, supervision.report_failure, python=python, workdir=workdir
+        )
+    else:
+        server = _LauncherRendezvous(connector, first, notice, supervision.report_failure)
+    supervision.on_stopping = server.stop
+    return server
 
 
 def _on_worker0(pod: Pod, where: str) -> bool:
@@ -345,12 +395,15 @@ class _Worker0Rendezvous:
         self,
         connector: Connector,
         first: Worker,
-        python: str,
         notice: NoticeHandler,
         on_failure: FailureHandler,
+        *,
+        python: str,
+        workdir: str,
     ) -> None:
         self.transport = connector.transport(first)
-        self.first, self.python, self.notice = first, python, notice
+        self.first, self.notice = first, notice
+        self.python, self.workdir = python, workdir
         self.on_failure = on_failure
         self.proc: RemoteProcess | None = None
         self.relay: asyncio.Task[None] | None = None
@@ -361,6 +414,8 @@ class _Worker0Rendezvous:
             f"{shlex.quote(self.python)} -m tpupod.launch.rendezvous_main --launch-id {launch_id} "
             f"--count {count} --host {shlex.quote(self.first.internal_address)}"
         )
+        if self.workdir:
+            command = f"cd {self.workdir} && {command}"
         self.proc = await self.transport.start(
             command, {"TPUPOD_RENDEZVOUS_TOKEN": token}, guard=True
         )
@@ -382,23 +437,31 @@ class _Worker0Rendezvous:
         )
 
     async def _relay(self, lines: AsyncIterator[OutputLine]) -> None:
+        codes: dict[int, int] = {}  # worker -> the exit code it gave itself, before its failure
         async for line in lines:
-            if line.text.startswith(FAILED):
+            if line.text.startswith(EXIT_CODE):
+                _, worker, code = line.text.split(" ", 2)
+                codes[int(worker)] = int(code)
+            elif line.text.startswith(FAILED):
                 _, worker, reason = line.text.split(" ", 2)
-                self.on_failure(int(worker), json.loads(reason))
+                self.on_failure(int(worker), json.loads(reason), codes.pop(int(worker), None))
             else:
                 self.notice(f"rendezvous on {self.first.label}: {line.text}")
 
     def stop(self, reason: str) -> None:
-        """Ending the service closes every worker's connection, and a worker leaves on that."""
-        if self.stopping is None:
-            self.stopping = asyncio.create_task(self.close())
+        """Ending the service closes every worker's connection, and a worker leaves on that.
+        KILL: a TERM would let it serve on until the workers leave (``rendezvous_main``)."""
+        if self.stopping is None and self.proc is not None:
+            self.stopping = asyncio.create_task(self.proc.kill(0.0))
 
     async def close(self) -> None:
+        """The run is over: TERM ends a service with nobody connected at once."""
         if self.relay is not None:
             self.relay.cancel()
+        if self.stopping is not None:
+            await self.stopping
         if self.proc is not None:
-            await self.proc.kill(1.0)
+            await self.proc.kill(CLOSE_GRACE_S)
             self.proc.close()
 
 

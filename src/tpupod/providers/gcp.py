@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import difflib
 import importlib
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -475,7 +476,7 @@ def _api_errors(name: str) -> Iterator[None]:
     except exceptions.GoogleAPICallError as exc:
         reason = type(exc).__name__
         raise GcpError(
-            f"Cloud TPU API ({name}): {reason}: {exc.message}",
+            f"Cloud TPU API ({name}): {reason}: {_without_url(exc.message)}",
             hint=API_HINTS.get(reason, "'tpupod status' shows the TPU's state"),
         ) from exc
     except requests.RequestException as exc:
@@ -516,6 +517,21 @@ def _after_retries(exc: GcpError, spent: float) -> GcpError:
 def _backoff(tries: int) -> float:
     """Seconds before try ``tries + 1``: 0.5, 1, 2, 4, 8, then 10."""
     return float(min(0.5 * 2**tries, MAX_BACKOFF_S))
+
+
+_REQUEST_LINE = re.compile(r"^(GET|POST|PUT|PATCH|DELETE) (https?://\S+?):? ")
+
+
+def _without_url(message: str) -> str:
+    """A REST error's message names its request by the whole URL (``GET https://tpu.
+    googleapis.com/v2/projects/P/locations/Z/queuedResources/N: ...``, ~150 characters on
+    every retry): the method and the resource (``GET queuedResources/N: ...``) say it."""
+    match = _REQUEST_LINE.match(message)
+    if match is None:
+        return message
+    path = match[2].split("?", 1)[0].rstrip(":")
+    resource = path.split("/locations/", 1)[-1].split("/", 1)[-1] if "/locations/" in path else path
+    return f"{match[1]} {resource}: {message[match.end() :]}"
 
 
 def _post(session: TpuSession, path: str, body: dict[str, Any]) -> None:

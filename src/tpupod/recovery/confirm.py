@@ -93,9 +93,11 @@ async def metadata_preempted(pod: Pod, connector: Connector) -> list[int]:
     return [r.worker.id for r in result.workers if r.outcome is Outcome.OK and "TRUE" in r.tail]
 
 
-async def reachable(pod: Pod, connector: Connector) -> list[int]:
-    """The workers that do not answer a plain command now."""
-    result = await execute_async(pod, "true", connector=connector, timeout=METADATA_TIMEOUT_S)
+async def reachable(
+    pod: Pod, connector: Connector, timeout: float = METADATA_TIMEOUT_S
+) -> list[int]:
+    """The workers that do not answer a plain command within ``timeout``."""
+    result = await execute_async(pod, "true", connector=connector, timeout=timeout)
     return [r.worker.id for r in result.workers if r.outcome is not Outcome.OK]
 
 
@@ -110,7 +112,9 @@ async def wait_reachable(
         names = ", ".join(f"w{w}" for w in silent)
         notice(f"{names} not answering; probing again in {delay:.1f}s")
         await asyncio.sleep(delay)
-        silent = await reachable(pod, connector)
+        # the last probe ends with the budget, not a probe's timeout past it
+        left = policy.probe_s - (time.monotonic() - started)
+        silent = await reachable(pod, connector, max(1.0, min(METADATA_TIMEOUT_S, left)))
         tries += 1
     return silent
 

@@ -7,26 +7,43 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tpupod import procfs, settings
 from tpupod.choices import RendezvousOn
 from tpupod.errors import UsageError
-from tpupod.recovery.policy import DEFAULT_NOTICE_GRACE_S, RetryPolicy, parse_exit_codes
+from tpupod.recovery.policy import (
+    DEFAULT_NOTICE_GRACE_S,
+    Cause,
+    Counters,
+    RetryPolicy,
+    parse_exit_codes,
+)
 from tpupod.recovery.record import RecoveryRecord
 from tpupod.results import FanoutResult, OnFail
 from tpupod.state import StateDir
 
 if TYPE_CHECKING:
     from tpupod.fanout import Interrupt
-    from tpupod.launch.run import RunResult
+    from tpupod.launch.run import Launch, RunResult
     from tpupod.live import Live
     from tpupod.pod import Pod
     from tpupod.runflow import RunArgs
 
-AttemptLauncher = Callable[
-    ["RunArgs", "Pod", "Live", dict[str, str], "Interrupt | None"], Awaitable["RunResult"]
-]
+
+class AttemptLauncher(Protocol):
+    """``runflow.launch_attempt``: one launch of the program."""
+
+    def __call__(
+        self,
+        args: RunArgs,
+        target: Pod,
+        live: Live,
+        extra_env: dict[str, str],
+        interrupt: Interrupt | None,
+        *,
+        on_launch: Callable[[Launch], None] | None = None,
+    ) -> Awaitable[RunResult]: ...
 
 
 def policy_of(args: RunArgs) -> RetryPolicy:
@@ -63,11 +80,14 @@ def run_recovering(args: RunArgs, launch_attempt: AttemptLauncher) -> int:
     state = StateDir()
     if args.resume:
         record, args = _resumed(state, args)
+        policy = policy_of(args)
+        _check(args, state.load(record.pod), policy)
     else:
         target = state.resolve(args.pod)
         target.select(args.worker)
+        policy = policy_of(args)
+        _check(args, target, policy)  # bad input leaves no record behind
         record = RecoveryRecord.new(state, target.name, list(args.command), _options(args))
-    policy = policy_of(args)
     pod = state.load(record.pod)
     if policy.retries and pod.provider == "gcp":
         # A notice TERMs every process of a preempted VM, the program's shell too: the first
@@ -77,8 +97,12 @@ def run_recovering(args: RunArgs, launch_attempt: AttemptLauncher) -> int:
     async def body(live: Live) -> int:
         notice = live.on_notice if not args.quiet else (lambda text: None)
 
-        async def launch(pod: Pod, env: dict[str, str], interrupt: Any) -> tuple[str, FanoutResult]:
-            result = await launch_attempt(args, pod, live, env, interrupt)
+        async def launch(
+            pod: Pod, env: dict[str, str], interrupt: Any, began: Callable[[str], None]
+        ) -> tuple[str, FanoutResult]:
+            result = await launch_attempt(
+                args, pod, live, env, interrupt, on_launch=lambda launch: began(launch.launch_id)
+            )
             report_attempt(args, result)
             return result.launch.launch_id, result.fanout
 
@@ -95,10 +119,32 @@ def run_recovering(args: RunArgs, launch_attempt: AttemptLauncher) -> int:
             interrupt=live.interrupt,
             setup_script=Path(args.setup) if args.setup else None,
             sync_repo=Path.cwd() if args.sync else None,
+            on_line=None if args.quiet else live.on_line,
         )
         return await recovery.run(resumed=bool(args.resume))
 
     return run_live(pod.select(args.worker), False, body)
+
+
+def _check(args: RunArgs, pod: Pod, policy: RetryPolicy) -> None:
+    """Refuse what would fail every attempt the same way, before any work (a UsageError)."""
+    from tpupod.recovery.loop import head_commit
+    from tpupod.runflow import check_args
+
+    check_args(args, pod)
+    if args.setup and not Path(args.setup).is_file():
+        raise UsageError(
+            f"--setup {args.setup}: no such file",
+            hint="--setup takes the pod's setup script, a file here; it runs on every worker "
+            "first, and again on a recreated TPU",
+        )
+    if args.sync:
+        head_commit(Path.cwd())
+    if policy.zones and pod.provider != "gcp":
+        raise UsageError(
+            f"--zones: pod {pod.name!r} is a {pod.provider} pod, which is never created again",
+            hint="leave --zones out: on local and SSH pods --retries reruns on the same hosts",
+        )
 
 
 def _options(args: RunArgs) -> dict[str, Any]:
@@ -116,7 +162,7 @@ def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
 
     assert args.resume is not None
     record = RecoveryRecord.load(state, state.resolve_name(args.pod), args.resume)
-    if record.state in ("done", "failed", "cancelled"):
+    if record.state in ("done", "cancelled"):
         raise UsageError(
             f"run {record.run_id} is {record.state}: nothing to resume",
             hint="start a new run with 'tpupod run --retries N -- CMD'",
@@ -130,11 +176,45 @@ def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
     options = {k: v for k, v in record.options.items() if k in fields}
     options.update(on_fail=OnFail(options["on_fail"]))
     options.update(rendezvous_on=RendezvousOn(options["rendezvous_on"]), resume=record.run_id)
+    # Retry flags given with --resume count from here (they replace the run's own).
+    options.update({k: getattr(args, k) for k in RETRY_FLAGS if getattr(args, k) != _default(k)})
+    resumed = RunArgs(**options)
+    if record.state == "failed":
+        _rerun_failed(record, policy_of(resumed))
     cwd = record.options.get("cwd")
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)  # --sync ships the repository the run began in
     print(f"resuming run {record.run_id} (attempt {len(record.attempts) + 1})", file=sys.stderr)
-    return record, RunArgs(**options)
+    return record, resumed
+
+
+RETRY_FLAGS = ("retries", "retry_errors", "retry_exit_codes", "zones", "notice_grace")
+
+
+def _default(name: str) -> Any:
+    from tpupod.runflow import RunArgs
+
+    return RunArgs.__dataclass_fields__[name].default
+
+
+def _rerun_failed(record: RecoveryRecord, policy: RetryPolicy) -> None:
+    """A failed run goes on from its checkpoint when the flags given now rerun the cause of
+    its last attempt (that rerun is the first they allow); else a UsageError names them."""
+    last = record.current
+    cause = Cause(last.cause) if last.cause else Cause.ERROR
+    if cause is Cause.ERROR and last.exit_code in policy.retry_exit_codes:
+        cause = Cause.LISTED
+    counters = Counters()
+    if not counters.allow(cause, policy):
+        flag = {Cause.PREEMPTED: "--retries 1", Cause.LOST: "--retries 1"}.get(
+            cause, "--retry-errors 1"
+        )
+        raise UsageError(
+            f"run {record.run_id} failed ({cause}, exit {last.exit_code}): nothing given reruns it",
+            hint=f"'tpupod run --resume {record.run_id} {flag}' reruns it from its checkpoint",
+        )
+    record.counters = vars(counters).copy()
+    record.state, record.exit_code = "recovering", None
 
 
 CANCEL_WAIT_S = 120.0
@@ -156,6 +236,7 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
     if record.state in ("done", "failed", "cancelled"):
         return f"run {run_id} is already {record.state}"
     if procfs.alive(record.launcher_pid):
+        record.cancel_file.write_text(f"{os.getpid()}\n")  # so it says why, not "Ctrl-C"
         os.kill(record.launcher_pid, signal.SIGINT)
         deadline = time.monotonic() + CANCEL_WAIT_S
         ended = ("done", "failed", "cancelled")

@@ -30,12 +30,24 @@ from tpupod.recovery import confirm
 from tpupod.recovery.policy import Cause, Counters, RetryPolicy
 from tpupod.recovery.record import RecoveryRecord
 from tpupod.recovery.replace import recreate, rerun_setup, timed
-from tpupod.results import FanoutResult, Outcome
+from tpupod.results import FanoutResult, Outcome, WorkerResult
 from tpupod.spec import GcpPodSpec
 from tpupod.state import StateDir
+from tpupod.workerrun import LineHandler
 
-# (pod, the attempt's extra environment, its interrupt) -> (launch id, result)
-Launcher = Callable[[Pod, dict[str, str], Interrupt], Awaitable[tuple[str, FanoutResult]]]
+# (pod, the attempt's extra environment, its interrupt, told the launch id once it exists)
+# -> (launch id, result)
+Launcher = Callable[
+    [Pod, dict[str, str], Interrupt, Callable[[str], None]],
+    Awaitable[tuple[str, FanoutResult]],
+]
+
+
+# Signals a worker's program gets from outside (the OOM killer, an operator, a host going
+# down): a worker killed by one, without a word of its own, was lost. Crashes (SEGV, ABRT,
+# ...) are the program's own errors.
+LOST_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP})
+UNREACHABLE_EXIT = 255  # as ssh, and every tpupod command, for a worker that cannot be reached
 
 
 @dataclass
@@ -43,6 +55,7 @@ class Ending:
     cause: Cause
     exit_code: int
     detail: str = ""
+    silent: tuple[int, ...] = ()  # workers still silent at the end of the probe budget
 
 
 class Recovery:
@@ -59,8 +72,10 @@ class Recovery:
         interrupt: Interrupt,
         setup_script: Path | None = None,
         sync_repo: Path | None = None,
+        on_line: LineHandler | None = None,
     ) -> None:
         self.record, self.state, self.policy = record, state, policy
+        self.on_line = on_line  # the setup script's output
         self.launch, self.notice, self.interrupt = launch, notice, interrupt
         self.setup_script, self.sync_repo = setup_script, sync_repo
         self.counters = Counters(**record.counters)
@@ -97,8 +112,11 @@ class Recovery:
                 f"run {self.record.run_id}, attempt {attempt.attempt}: {ending.cause}"
                 + (f" ({ending.detail})" if ending.detail else "")
             )
-            again = ending.cause not in (Cause.OK, Cause.INTERRUPTED) and self.counters.allow(
-                ending.cause, self.policy
+            # Never again on a host known to be silent: the launch would only wait for it.
+            again = (
+                ending.cause not in (Cause.OK, Cause.INTERRUPTED)
+                and not ending.silent
+                and self.counters.allow(ending.cause, self.policy)
             )
             self.record.counters = vars(self.counters).copy()
             if not again:
@@ -126,13 +144,14 @@ class Recovery:
                 self.record.options["created"] = True
             if self.setup_script is not None and (recreate_first or not resumed):
                 self._phase("setup")
-                await self._interruptible(rerun_setup(self.pod, self.setup_script, phases))
+                setup = rerun_setup(self.pod, self.setup_script, phases, self.on_line)
+                await self._interruptible(setup)
             self._check_code()
             self._phase("run")
             return await self._launch(phases, resumed)
         except _Interrupted:
             await self._delete_what_we_made()
-            return Ending(Cause.INTERRUPTED, 130, "stopped during recovery")
+            return Ending(Cause.INTERRUPTED, 130, f"{self._stopped_by()} during recovery")
         except UsageError:
             raise
         except TpupodError as exc:
@@ -164,8 +183,13 @@ class Recovery:
             tasks.append(
                 asyncio.create_task(confirm.watch(self.pod, interval, on_preempted, stopped))
             )
+
+        def began(launch_id: str) -> None:  # 'tpupod status' names it while it runs
+            attempt.launch_id = launch_id
+            self.record.save()
+
         try:
-            launch_id, result = await timed(phases, "run", self.launch(self.pod, env, inner))
+            launch_id, result = await timed(phases, "run", self.launch(self.pod, env, inner, began))
         finally:
             stopped.set()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -178,7 +202,9 @@ class Recovery:
         waits = [asyncio.ensure_future(e.wait()) for e in (self.interrupt.requested, stopped)]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if self.interrupt.requested.is_set() and not stopped.is_set():
-            inner.request(self.interrupt.signal or signal.SIGINT)
+            cancelled = self.record.cancel_file.exists()
+            reason = self._stopped_by() if cancelled else None  # else the signal's own words
+            inner.request(self.interrupt.signal or signal.SIGINT, reason=reason)
             force = [asyncio.ensure_future(e.wait()) for e in (self.interrupt.forced, stopped)]
             await asyncio.wait(force, return_when=asyncio.FIRST_COMPLETED)
             if self.interrupt.forced.is_set():
@@ -188,16 +214,24 @@ class Recovery:
         for waiting in waits:
             waiting.cancel()
 
+    def _stopped_by(self) -> str:
+        """Who stopped the run: 'tpupod cancel' (it leaves a file first), or our signal."""
+        if self.record.cancel_file.exists():
+            return "cancelled by 'tpupod cancel'"
+        if self.interrupt.signal == signal.SIGTERM:
+            return "terminated (SIGTERM)"
+        return "interrupted (Ctrl-C)"
+
     async def _classify(self, result: FanoutResult, preempted: list[str]) -> Ending:
         code = result.exit_code()
         if self.interrupt.requested.is_set():
-            return Ending(Cause.INTERRUPTED, code)
+            return Ending(Cause.INTERRUPTED, code, self._stopped_by())
         if preempted:
             return Ending(Cause.PREEMPTED, code or 1, f"the TPU was {preempted[0]}")
         if self.cloud and not result.ok:
             told = await self._metadata_says()
             if told:
-                return Ending(Cause.PREEMPTED, code, f"{told}' metadata: preempted")
+                return Ending(Cause.PREEMPTED, code, f"instance/preempted is TRUE on {told}")
         if self.cloud:
             # Even a run that ended well may have ended because its program saved and left.
             budget = self.policy if not result.ok else _one_try(self.policy)
@@ -206,20 +240,37 @@ class Recovery:
                 return Ending(Cause.PREEMPTED, code or 1, f"the TPU is {state}")
         if result.ok:
             return Ending(Cause.OK, 0)
-        connector = provider_for(self.pod.provider).connect(self.pod, self.state)
-        try:
-            # Lost only when a silent worker ended the attempt (a stopped worker slow to
-            # answer its stop, after another one failed, is not).
-            first = result.first_failure
-            if first is not None and first.outcome is Outcome.UNREACHABLE:
-                silent = await confirm.wait_reachable(self.pod, connector, self.policy, self.notice)
-                still = f"; still silent: {', '.join(f'w{w}' for w in silent)}" if silent else ""
-                return Ending(Cause.LOST, code, f"{first.worker.label} stopped answering{still}")
-        finally:
-            await connector.close()
+        # Lost only when a silent or killed worker ended the attempt (a stopped worker slow
+        # to answer its stop, after another one failed, is not).
+        first = result.first_failure
+        if first is not None and first.outcome is Outcome.UNREACHABLE:
+            return await self._silent(first.worker.label)
+        if first is not None and _killed_from_outside(first):
+            assert first.status is not None
+            how = first.status.describe()
+            return Ending(Cause.LOST, code, f"{first.worker.label} ({first.worker.hostname}) {how}")
         if code in self.policy.retry_exit_codes:
             return Ending(Cause.LISTED, code, f"exit code {code}")
-        return Ending(Cause.ERROR, code)
+        return Ending(Cause.ERROR, code, _own_failure(result))
+
+    async def _silent(self, who: str, when: str = "") -> Ending:
+        """A worker stopped answering: probe the pod within the budget. Lost either way; if
+        some worker is still silent at the end, it is not rerun (``Ending.silent``)."""
+        connector = provider_for(self.pod.provider).connect(self.pod, self.state)
+        try:
+            silent = await confirm.wait_reachable(self.pod, connector, self.policy, self.notice)
+        finally:
+            await connector.close()
+        lost = f"{who} stopped answering{when}"
+        if not silent:
+            return Ending(Cause.LOST, UNREACHABLE_EXIT, f"{lost}, then came back")
+        names = ", ".join(self.pod.workers[w].label for w in silent)
+        return Ending(
+            Cause.LOST,
+            UNREACHABLE_EXIT,
+            f"{lost}; {names} still silent after {self.policy.probe_s:g}s",
+            silent=tuple(silent),
+        )
 
     async def _free_accelerator(self) -> None:
         """Before a rerun on the same hosts: what still holds the accelerator is killed and
@@ -233,8 +284,14 @@ class Recovery:
         except TpupodError as exc:
             self.notice(f"could not free the accelerator before the rerun: {exc}")
             return
-        if not result.ok:
-            self.notice("the accelerator is still held on some worker; the launch will say which")
+        silent = [r.worker.label for r in result.workers if r.outcome is Outcome.UNREACHABLE]
+        held = [r.worker.label for r in result.workers if not r.ok and r.worker.label not in silent]
+        if silent:
+            self.notice(f"could not free the accelerator on {', '.join(silent)}: no answer")
+        if held:
+            self.notice(
+                f"the accelerator is still held on {', '.join(held)}; the launch will say by whom"
+            )
 
     async def _metadata_says(self) -> str:
         """The workers whose metadata says preempted ("w0, w1"), or ""."""
@@ -249,7 +306,7 @@ class Recovery:
         """A phase failed (setup, sync, preflight, create): preempted, a lost worker, or an
         error of its own (not rerun without --retry-errors)."""
         if self.interrupt.requested.is_set():
-            return Ending(Cause.INTERRUPTED, 130)
+            return Ending(Cause.INTERRUPTED, 130, self._stopped_by())
         where = f"during {self.record.phase}: {exc}"
         if self.cloud:
             state = await confirm.api_state(self.pod, self.policy, self.notice)
@@ -261,7 +318,8 @@ class Recovery:
         finally:
             await connector.close()
         if silent:
-            return Ending(Cause.LOST, 255, where)
+            names = ", ".join(self.pod.workers[w].label for w in silent)
+            return await self._silent(names, f" {where}")
         return Ending(Cause.ERROR, exc.exit_code or 1, where)
 
     async def _needs_new_tpu(self, resumed: bool) -> bool:
@@ -281,7 +339,7 @@ class Recovery:
         """Every attempt runs the commit the first one ran (refuse different code)."""
         if self.sync_repo is None:
             return
-        commit = _head(self.sync_repo)
+        commit = head_commit(self.sync_repo)
         if self.record.commit is None:
             self.record.commit = commit
             self.record.save()
@@ -326,8 +384,12 @@ class Recovery:
         if ending.cause is Cause.PREEMPTED and self.record.options.get("created"):
             self.notice(f"deleting {self.pod.name!r}: preempted, and the recovery made it")
             await provider_for(self.pod.provider).destroy(self.pod, self.state)
+        if ending.silent:
+            raise HostsSilent(self.record, ending, self.pod)
         if ending.cause in (Cause.PREEMPTED, Cause.LOST):
-            raise RetriesSpent(self.record, ending, self.policy)
+            raise RetriesSpent(self.record, ending, self.policy, cloud=self.cloud)
+        if ending.cause is Cause.ERROR:
+            self.notice(f"not rerun: {rerun_advice(self.record.run_id, ending, self.policy)}")
         return code
 
 
@@ -346,13 +408,87 @@ class _Interrupted(Exception):
 
 
 class RetriesSpent(TpupodError):
-    def __init__(self, record: RecoveryRecord, ending: Ending, policy: RetryPolicy) -> None:
+    """Preempted or lost once more than ``--retries`` allows."""
+
+    def __init__(
+        self, record: RecoveryRecord, ending: Ending, policy: RetryPolicy, *, cloud: bool
+    ) -> None:
+        run = record.run_id
+        if policy.retries:
+            what = (
+                f"run {run}: {ending.cause} again after {policy.retries} "
+                f"recover{'y' if policy.retries == 1 else 'ies'} (--retries {policy.retries})"
+            )
+        else:
+            what = f"run {run}: {ending.cause} ({ending.detail}); not rerun without --retries"
+        elsewhere = ", or --zones to try elsewhere" if cloud else ""
         super().__init__(
-            f"run {record.run_id}: {ending.cause} again after {policy.retries} "
-            f"recover{'y' if policy.retries == 1 else 'ies'} (--retries {policy.retries})",
-            hint=f"'tpupod logs {record.run_id}' shows the attempts; more --retries, or "
-            "--zones to try elsewhere",
+            what,
+            hint=f"'tpupod run --resume {run} --retries 1' goes on from its checkpoint"
+            f"{elsewhere}; 'tpupod logs {run}' shows the attempts",
         )
+        self.exit_code = ending.exit_code if ending.cause is Cause.LOST else 1
+
+
+class HostsSilent(TpupodError):
+    """A worker still silent at the end of the probe budget: no attempt waits on it."""
+
+    exit_code = UNREACHABLE_EXIT
+
+    def __init__(self, record: RecoveryRecord, ending: Ending, pod: Pod) -> None:
+        run = record.run_id
+        names = ", ".join(
+            f"{pod.workers[w].label} ({pod.workers[w].hostname})" for w in ending.silent
+        )
+        back = {
+            "gcp": "'tpupod status' shows the TPU and every worker",
+            "ssh": "bring the host back ('tpupod status' checks every worker)",
+        }.get(pod.provider, "'tpupod status' checks every worker")
+        super().__init__(
+            f"run {run}: {names} did not answer within the probe budget: not rerun on a "
+            "silent host",
+            hint=f"{back}, then 'tpupod run --resume {run}' goes on from its checkpoint",
+        )
+
+
+def rerun_advice(run_id: str, ending: Ending, policy: RetryPolicy) -> str:
+    """How an attempt that ended by the program's own error would have been rerun, and how
+    to rerun it now from its checkpoint."""
+    listed = (
+        f", --retry-exit-codes {ending.exit_code} this exit code"
+        if 0 < ending.exit_code < 256
+        else ""
+    )
+    spent = (
+        f"a program error again, --retry-errors {policy.retry_errors} spent"
+        if policy.retry_errors
+        else "a program error"
+    )
+    return (
+        f"{spent} (--retry-errors N reruns after the program's own failures{listed}); "
+        f"'tpupod run --resume {run_id} --retry-errors 1' reruns it from its checkpoint"
+    )
+
+
+def _killed_from_outside(result: WorkerResult) -> bool:
+    """A worker killed by a signal its program did not give itself (no word of its own):
+    KILL, TERM or HUP (the OOM killer, an operator, a host going down)."""
+    status = result.status
+    return (
+        result.outcome is Outcome.FAILED
+        and result.error is None
+        and status is not None
+        and status.signal in LOST_SIGNALS
+    )
+
+
+def _own_failure(result: FanoutResult) -> str:
+    """The first failure, in words: ``w1 (host-1) exit 3: ValueError: bad shard``."""
+    first = result.first_failure
+    if first is None:
+        return ""
+    why = f": {first.error}" if first.error else ""
+    return f"{first.worker.label} ({first.worker.hostname}) {first.outcome_text()}{why}"
 
 
 def _one_try(policy: RetryPolicy) -> RetryPolicy:
@@ -361,10 +497,15 @@ def _one_try(policy: RetryPolicy) -> RetryPolicy:
     return replace(policy, probe_tries=1)
 
 
-def _head(repo: Path) -> str:
+def head_commit(repo: Path) -> str:
+    """The commit ``--sync`` ships from ``repo``; a UsageError when there is none."""
     done = subprocess.run(
         ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
-        raise UsageError(f"{repo} is not a git repository", hint="--sync ships a repository's HEAD")
+        raise UsageError(
+            f"--sync: {repo} is not in a git repository with a commit",
+            hint="--sync ships this repository's HEAD to every worker: run tpupod from inside "
+            "the repository",
+        )
     return done.stdout.strip()

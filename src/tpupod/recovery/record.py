@@ -25,6 +25,7 @@ from tpupod.names import new_launch_id
 from tpupod.state import StateDir
 
 RECORD_FILE = "recovery.json"
+CANCEL_FILE = "cancel-requested"
 RUNS_DIR = "runs"
 
 
@@ -115,6 +116,11 @@ class RecoveryRecord:
         data = self.to_json()
         data["launcher_pid"] = os.getpid()
         write_atomic(self.path, json.dumps(data, indent=1) + "\n")
+
+    @property
+    def cancel_file(self) -> Path:
+        """Left by 'tpupod cancel' before it interrupts the launcher: why it was stopped."""
+        return self.path.parent / CANCEL_FILE
 
     @property
     def ended(self) -> bool:

@@ -16,6 +16,7 @@ from tpupod.providers import provider_for
 from tpupod.recovery.policy import RetryPolicy
 from tpupod.spec import GcpPodSpec
 from tpupod.state import StateDir
+from tpupod.workerrun import LineHandler
 
 T = TypeVar("T")
 
@@ -69,9 +70,12 @@ async def recreate(
     )
 
 
-async def rerun_setup(pod: Pod, script: Path, phases: dict[str, float]) -> None:
-    """The pod's setup script on every worker (a fresh TPU has nothing from before)."""
-    result = await timed(phases, "setup", setup(pod, script))
+async def rerun_setup(
+    pod: Pod, script: Path, phases: dict[str, float], on_line: LineHandler | None = None
+) -> None:
+    """The pod's setup script on every worker (a fresh TPU has nothing from before); its
+    output goes to ``on_line``."""
+    result = await timed(phases, "setup", setup(pod, script, on_line=on_line))
     if not result.ok:
         first = result.first_failure
         detail = f"{first.worker.label}: {first.last_line}" if first else "failed"

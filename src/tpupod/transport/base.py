@@ -62,10 +62,11 @@ class ExitStatus(Plain):
 NOT_FOUND = (
     "command_not_found_handle() { printf '%s: command not found\\n' \"$1\" >&2; return 127; }"
 )
-# TERM while the command runs: wait for it to end, then end this shell with TERM too. So the
-# status is the command's real end (a JAX process ignores TERM and dies by the KILL that
-# follows), and a line of several commands does not go on to the next one.
-TERM_TRAP = "trap 'trap - TERM; kill -TERM $$' TERM"
+# TERM while the command runs: wait for it to end, then end this shell with the command's
+# own status. So the status is the command's real end (a JAX process ignores TERM and dies
+# by the KILL that follows; a program that saved and finished ends 0, not "killed by
+# SIGTERM"), and a line of several commands does not go on to the next one.
+TERM_TRAP = "trap 'tpupod_end $?' TERM"
 # A command killed by signal N ends with 128+N; re-raise N so it is reported as one.
 RERAISE = [
     'if [ "$tpupod_rc" -gt 128 ] && [ "$tpupod_rc" -lt 160 ]; then',
@@ -73,6 +74,9 @@ RERAISE = [
     "fi",
 ]
 GUARD_GRACE_S = 3.0
+# A guard that got TERM itself (a host shutting down: GCE's preemption notice TERMs every
+# process ~30 s before the VM stops) lets the program finish its save for this long.
+GUARD_SHUTDOWN_S = 30.0
 # Does process group $1 have a live member? Zombies do not count: where PID 1 reaps no
 # orphans (containers, the simulated hosts) a dead member can stay a zombie for good.
 GROUP_ALIVE = (
@@ -113,7 +117,13 @@ def for_login_shell(script: str, shell: str | None) -> str:
     return f'exec /bin/bash -c \'printf -v tpupod_script %b "{encoded}"; eval "$tpupod_script"\''
 
 
-def command_script(command: str, *, guard: bool = False, grace: float = GUARD_GRACE_S) -> str:
+def command_script(
+    command: str,
+    *,
+    guard: bool = False,
+    grace: float = GUARD_GRACE_S,
+    shutdown_grace: float = GUARD_SHUTDOWN_S,
+) -> str:
     """The bash script that runs ``command`` on a worker (local or SSH), in its own group.
 
     With ``guard``, an orphan guard kills the group when our end of its stdin
@@ -126,13 +136,23 @@ def command_script(command: str, *, guard: bool = False, grace: float = GUARD_GR
     (without ``setsid`` it stays in the group, ignores TERM, and waits out the
     grace). When the command ends, the guard stands down first, so background
     processes it deliberately left (``nohup ... &``) live on.
+
+    TERM does not end the guard (its ``cat`` ignores it): a host going down TERMs every
+    process (GCE's preemption notice), and the SSH session may end with it. A guard that
+    got TERM sends none on EOF (the program has had its TERM and is saving) and waits up
+    to ``shutdown_grace`` for the group to end before it KILLs: a 3 s grace would cut the
+    save short, and a guard dead of the TERM would leave a program that ignores TERM
+    behind its launcher.
     """
     lines = [NOT_FOUND]
     if guard:
         polls = max(1, round(grace / GUARD_POLL_S))
+        shutdown_polls = max(1, round(shutdown_grace / GUARD_POLL_S))
         watch = (
-            f"{GROUP_ALIVE}; cat >/dev/null 2>&1; kill -TERM -- -$1 2>/dev/null; i=0; "
-            f"while [ $i -lt {polls} ] && alive $1; do sleep {GUARD_POLL_S:g}; "
+            f"{GROUP_ALIVE}; trap 'down=1' TERM; (trap '' TERM; exec cat) >/dev/null 2>&1; "
+            f'if [ -n "$down" ]; then n={shutdown_polls}; '
+            f"else n={polls}; kill -TERM -- -$1 2>/dev/null; fi; i=0; "
+            f"while [ $i -lt $n ] && alive $1; do sleep {GUARD_POLL_S:g}; "
             "i=$((i + 1)); done; kill -KILL -- -$1 2>/dev/null"
         )
         lines += [
@@ -145,9 +165,11 @@ def command_script(command: str, *, guard: bool = False, grace: float = GUARD_GR
             "tpupod_guard=$!; disown $tpupod_guard",  # no job note when it stands down
             "exec 3<&-",
         ]
-    lines += [TERM_TRAP, command, "tpupod_rc=$?"]
-    if guard:
-        lines.append("kill -KILL $tpupod_guard 2>/dev/null")
     # The script is the whole shell (local) or its end (SSH): `exit`, not a `(exit N)` subshell,
     # whose fork cost 0.25 ms per host per command (measured: 16 hosts, 34.0 -> 30.0 ms).
-    return "\n".join([*lines, *RERAISE, 'exit "$tpupod_rc"'])
+    end = ["tpupod_rc=$1"]
+    if guard:
+        end.append("kill -KILL $tpupod_guard 2>/dev/null")
+    end += [*RERAISE, 'exit "$tpupod_rc"']
+    lines += ["tpupod_end() {", *(f"  {line}" for line in end), "}"]
+    return "\n".join([*lines, TERM_TRAP, command, "tpupod_end $?"])

@@ -1,0 +1,230 @@
+"""``tpupod run --retries`` as a user meets it on local and SSH pods (issue 37): a worker
+killed from outside is lost (and rerun), a program's own exit is its error (and the end
+says which flag reruns it, and ``--resume`` with that flag goes on from the checkpoint), a
+host unplugged for good gets a verdict within the probe budget, bad input leaves no
+record, and the messages say what happened. Every run uses a user's default options."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import CliResult, tpupod_argv
+from tpupod.pod import Pod
+from tpupod.sim import SimPod
+
+PYTHON = sys.executable
+# Steps of 0.2 s, worker 0 marks each one done (its "checkpoint"), resumed after the last;
+# every attempt leaves its pid. With a third argument N, attempt 1 ends itself after step N
+# as a program that saved on SIGTERM does (the example's shape): sys.exit(143).
+STEPPER = """
+import os, sys, time
+from pathlib import Path
+import tpupod
+me = tpupod.rendezvous("start")
+ckpt, steps = Path(sys.argv[1]), int(sys.argv[2])
+attempt = os.environ["TPUPOD_ATTEMPT"]
+done = sorted(int(p.stem) for p in ckpt.glob("*.step"))
+start = done[-1] + 1 if done else 0
+(ckpt / f"pid-w{me.id}-{attempt}").write_text(str(os.getpid()))
+print(f"w{me.id} attempt {attempt} from step {start}", flush=True)
+for step in range(start, steps):
+    time.sleep(0.2)
+    if me.id == 0:
+        (ckpt / f"{step}.step").write_text("")
+    if len(sys.argv) > 3 and attempt == "1" and step == int(sys.argv[3]):
+        print(f"w{me.id}: saved step {step}, leaving", flush=True)
+        sys.exit(143)
+print(f"w{me.id} done", flush=True)
+"""
+
+
+def stepper(ckpt: Path, steps: int, *leave_after: int) -> list[str]:
+    return [PYTHON, "-c", STEPPER, str(ckpt), str(steps), *map(str, leave_after)]
+
+
+def record_of(state_home: Path, pod: Pod) -> dict[str, Any]:
+    [path] = (state_home / "pods" / pod.name / "runs").glob("*/recovery.json")
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def popen(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        tpupod_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"not reached:\n{out}\n{err}")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_from_outside_is_lost_and_rerun(
+    make_pod: Callable[..., Pod], state_home: Path, tmp_path: Path
+) -> None:
+    pod = make_pod(workers=2)
+    run = popen("run", "--pod", pod.name, "--retries", "1", "--", *stepper(tmp_path, 15))
+    wait_for((tmp_path / "3.step").exists, run, timeout=60)
+    os.kill(int((tmp_path / "pid-w1-1").read_text()), signal.SIGKILL)  # the OOM killer, say
+    out, err = run.communicate(timeout=90)
+    assert run.returncode == 0, err
+    record = record_of(state_home, pod)
+    assert [a["cause"] for a in record["attempts"]] == ["lost worker", "ok"], err
+    assert "w1 (vm) killed by SIGKILL" in record["attempts"][0]["detail"]
+    assert "w0 attempt 2 from step" in out and "w1 done" in out
+
+
+@pytest.mark.timeout(120)
+def test_a_program_that_exits_143_itself_is_its_error_and_resume_reruns_it(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path, tmp_path: Path
+) -> None:
+    pod = make_pod(workers=2)
+    first = cli("run", "--pod", pod.name, "--retries", "1", "--",
+                *stepper(tmp_path, 10, 3), timeout=60)  # fmt: skip
+    assert first.code == 143, first.err
+    record = record_of(state_home, pod)
+    run_id = record["run_id"]
+    assert [a["cause"] for a in record["attempts"]] == ["program error"]
+    # its own exit, told as one (not "killed by SIGTERM", which its shell made of 143)
+    assert "exit 143: sys.exit(143) after" in first.err, first.err
+    assert "killed by SIGTERM" not in first.err
+    # the end says which flag would have rerun it, and how to go on now
+    assert "--retry-exit-codes 143" in first.err and "--retry-errors" in first.err
+    assert f"'tpupod run --resume {run_id} --retry-errors 1'" in first.err
+    refused = cli("run", "--pod", pod.name, "--resume", run_id)
+    assert refused.code == 2, refused.err
+    assert refused.err.startswith(f"error: run {run_id} failed (program error, exit 143)")
+    assert f"hint: 'tpupod run --resume {run_id} --retry-errors 1'" in refused.err
+    resumed = cli("run", "--pod", pod.name, "--resume", run_id, "--retry-exit-codes", "143",
+                  timeout=60)  # fmt: skip
+    assert resumed.code == 0, resumed.err
+    assert "w0 attempt 2 from step 4" in resumed.out and "w1 done" in resumed.out
+    record = record_of(state_home, pod)
+    assert record["state"] == "done"
+    assert [a["cause"] for a in record["attempts"]] == ["program error", "ok"]
+
+
+@pytest.mark.timeout(300)
+def test_a_host_unplugged_for_good_gets_a_verdict_within_the_probe_budget(
+    make_ssh_pod: Callable[..., Pod], sim_hosts_up: SimPod, state_home: Path, tmp_path: Path
+) -> None:
+    from tpupod.recovery.policy import DEFAULT_PROBE_S
+
+    shared = Path("/dev/shm") / f"tpupod-usage-{tmp_path.name}"
+    shared.mkdir()
+    pod = make_ssh_pod(2)
+    run = popen("run", "--pod", pod.name, "--retries", "2", "--", *stepper(shared, 10_000))
+    try:
+        wait_for((shared / "3.step").exists, run, timeout=90)
+        sim_hosts_up.unplug(1)  # for good
+        unplugged = time.monotonic()
+        _, err = run.communicate(timeout=DEFAULT_PROBE_S + 90)
+        took = time.monotonic() - unplugged
+    finally:
+        sim_hosts_up.plug(1)
+        run.kill()
+        subprocess.run(["rm", "-rf", str(shared)], check=False)
+    assert run.returncode == 255, err
+    assert took < DEFAULT_PROBE_S + 30, (took, err)
+    record = record_of(state_home, pod)
+    assert [a["cause"] for a in record["attempts"]] == ["lost worker"], err  # no attempt on it
+    lines = err.strip().splitlines()
+    host = sim_hosts_up.hosts[1].hostname
+    assert lines[-2] == (
+        f"error: run {record['run_id']}: w1 ({host}) did not answer within the probe budget: "
+        "not rerun on a silent host"
+    ), err
+    assert lines[-1].startswith("hint: bring the host back")
+    assert "--zones" not in err and "accelerator" not in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (("--setup", "/nonexistent/setup.sh"), "error: --setup /nonexistent/setup.sh: no such"),
+        (("--sync", "code"), "error: --sync: "),
+        (("--zones", "us-west4-b"), "error: --zones: pod "),
+    ],
+)
+def test_bad_input_is_refused_before_a_record_exists(
+    options: tuple[str, ...],
+    said: str,
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    state_home: Path,
+    tmp_path: Path,
+) -> None:
+    pod = make_pod(workers=2)
+    outside = tmp_path / "not-a-repository"
+    outside.mkdir()
+    argv = tpupod_argv("run", "--pod", pod.name, "--retries", "1", *options, "--", "true")
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=outside, timeout=30)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(said) and lines[1].startswith("hint: ")
+    assert "--script" not in done.stderr and "Traceback" not in done.stderr
+    assert not list((state_home / "pods" / pod.name).glob("runs/*/recovery.json"))
+    status = cli("status", "--pod", pod.name)
+    assert "--resume" not in status.out and "launcher is gone" not in status.out
+
+
+@pytest.mark.timeout(120)
+def test_cancel_is_called_cancel_and_status_names_the_running_launch(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path, tmp_path: Path
+) -> None:
+    pod = make_pod(workers=2)
+    run = popen("run", "--pod", pod.name, "--retries", "1", "--", *stepper(tmp_path, 10_000))
+    wait_for((tmp_path / "1.step").exists, run, timeout=60)
+    record = record_of(state_home, pod)
+    [launch] = [p.name for p in (state_home / "pods" / pod.name / "runs").iterdir()
+                if (p / "run.json").exists()]  # fmt: skip
+    shown = cli("status", "--pod", pod.name).out
+    assert f"  attempt 1: running (run); launch {launch}; " in shown, shown
+    cancelled = cli("cancel", "--pod", pod.name, record["run_id"], timeout=60)
+    assert cancelled.code == 0, cancelled.err
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "cancelled by 'tpupod cancel': stopping 2 workers" in err, err
+    assert "Ctrl-C" not in err
+    assert "attempt 1: interrupted (cancelled by 'tpupod cancel')" in err
+
+
+@pytest.mark.timeout(60)
+def test_the_setup_scripts_output_is_shown(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = make_pod(workers=2)
+    script = tmp_path / "setup.sh"
+    script.write_text("echo installing the things\n")
+    result = cli("run", "--pod", pod.name, "--retries", "1", "--setup", str(script), "--",
+                 "true", timeout=60)  # fmt: skip
+    assert result.code == 0, result.err
+    shown = result.out + result.err
+    assert "[w0] installing the things" in shown and "[w1] installing the things" in shown
+
+
+def test_run_help_says_what_counts_as_lost_and_what_reruns_a_programs_own_end(
+    cli: Callable[..., CliResult],
+) -> None:
+    shown = " ".join(cli("run", "--help", env={"COLUMNS": "200"}).out.split())
+    assert "killed by KILL, TERM or HUP without a word of its own" in shown
+    assert "A host still silent after the probe budget ends the run (exit 255)" in shown
+    assert "143 for a program that saves on SIGTERM and exits 143 itself" in shown
+    assert "a run that failed, with the flag that reruns its end" in shown
