@@ -249,7 +249,7 @@ def test_an_api_outage_after_a_preemption_costs_one_recovery(
     """Issue 37: a preemption, then 60 s of 503s. The default budget (120 s) is spent on
     time, not on a count of tries; every API call of the recovery (the delete, its
     operation, the create, the polls) waits the outage out; one preemption, one recovery."""
-    monkeypatch.delenv("TPUPOD_RECOVERY_PROBE_S")  # the user's default budget
+    monkeypatch.delenv("TPUPOD_RECOVERY_PROBE_S", raising=False)  # the user's default budget
     assert cli(*UP, "--name", "ou", "--tpu-type", "v4-16", "--spot").code == 0
     run = start_run("ou", shared_dir, 16, "--retries", "2")
     wait_for(shared_dir / "3.ckpt", run, timeout=60)
