@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv
+from tests.conftest import CliResult, tpupod_argv, wait_until_gone
 from tests.test_recovery_gcp import PROGRAM, expected_value, shared_dir
 from tpupod.pod import Pod
 from tpupod.sim import SimPod
@@ -149,3 +149,38 @@ def test_the_probe_budget_has_one_default(monkeypatch: pytest.MonkeyPatch) -> No
 
     policy = RetryPolicy()
     assert settings.recovery_probe() == (policy.probe_s, policy.probe_tries) == (120.0, 0)
+
+
+def test_cancel_stops_a_plain_run_too(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    """'tpupod cancel RUN' refused a run started without --retries ("has no recovery
+    record", exit 2) and the run went on; the dashboard could stop it. It stops any run."""
+    pod = make_pod(2)
+    run = subprocess.Popen(
+        tpupod_argv("run", "--pod", pod.name, "--", "sleep 60"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        runs = state_home / "pods" / pod.name / "runs"
+        deadline = time.monotonic() + 30
+        while not list(runs.glob("*/w1.log")):
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr
+            time.sleep(0.05)
+        (launch,) = [p.name for p in runs.iterdir()]
+        started = time.monotonic()
+        cancelled = cli("cancel", "--pod", pod.name, launch)
+        assert cancelled.code == 0, cancelled.err
+        assert cancelled.out.startswith(f"run {launch}: stopped"), cancelled.out
+        assert run.wait(timeout=30) == 130 and time.monotonic() - started < 15
+        assert wait_until_gone(pod.name) == []
+        again = cli("cancel", "--pod", pod.name, launch)
+        assert again.code == 0 and again.out.strip() == f"run {launch} is already over (exit 130)"
+    finally:
+        run.kill()
+        run.wait()
+        run.stderr.close()  # type: ignore[union-attr]
+    unknown = cli("cancel", "--pod", pod.name, "20990101-000000-abcdef")
+    assert unknown.code == 2 and "no run '20990101-000000-abcdef'" in unknown.err

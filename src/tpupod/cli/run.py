@@ -251,12 +251,13 @@ def logs(
 @command("cancel")
 def cancel(
     run_id: Annotated[
-        str, typer.Argument(metavar="RUN", help="The id 'tpupod run --retries' printed.")
+        str, typer.Argument(metavar="RUN", help="The run's id ('tpupod logs --list').")
     ],
     pod: PodOption = None,
 ) -> None:
-    """Stop a run started with --retries, in any phase: its workers are stopped, and a TPU
-    its recovery was creating is deleted.
+    """Stop a run from anywhere on this machine, as Ctrl-C in its terminal would: its
+    workers are stopped; a --retries run is stopped in any phase, and a TPU its recovery
+    was creating is deleted.
 
     Examples:
 

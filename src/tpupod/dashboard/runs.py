@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tpupod.errors import StateError, UsageError
+from tpupod.errors import StateError
 from tpupod.launch.records import EndWatch, RunRecord, run_record
 from tpupod.launch.run import RUNS_DIR
 from tpupod.recovery.record import RecoveryRecord, find_recovery
@@ -299,19 +298,6 @@ def detail(record: RunRecord, pod: str) -> dict[str, Any]:
 
 def pod_of(record: RunRecord) -> str:
     return record.folder.parent.parent.name
-
-
-def stop(record: RunRecord) -> None:
-    """Stop a running run as Ctrl-C on its launcher does (it stops every worker: TERM, then
-    KILL after the grace). Its launcher runs on this machine: it writes this state directory."""
-    if record.ended() or record.launcher_pid is None:
-        raise UsageError(f"run {record.launch_id} is not running", hint="nothing to stop")
-    try:
-        os.kill(record.launcher_pid, signal.SIGINT)
-    except ProcessLookupError:
-        raise UsageError(
-            f"run {record.launch_id}'s launcher is gone", hint="nothing to stop"
-        ) from None
 
 
 # -- a run's logs for its page ------------------------------------------------------------

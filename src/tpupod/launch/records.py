@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -92,6 +93,26 @@ class RunRecord:
         if self.done:
             return f"exit {self.exit_code}"
         return "launcher gone" if self.launcher_gone() else "running"
+
+    def stop(self, wait_s: float = 0.0) -> bool:
+        """Stop the run as Ctrl-C on its launcher does (it stops every worker: TERM, then
+        KILL after the grace); with ``wait_s``, wait up to that long for its end. The
+        launcher runs on this machine (it writes this state directory). True when it ended
+        within the wait (always False without one); a run that is over is a UsageError."""
+        if self.ended() or self.launcher_pid is None:
+            raise UsageError(f"run {self.launch_id} is not running", hint="nothing to stop")
+        try:
+            os.kill(self.launcher_pid, signal.SIGINT)
+        except ProcessLookupError:
+            raise UsageError(
+                f"run {self.launch_id}'s launcher is gone", hint="nothing to stop"
+            ) from None
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.ended():
+                return True
+            time.sleep(0.1)
+        return False
 
     def log_file(self, worker: int) -> Path:
         return self.folder / f"w{worker}.log"

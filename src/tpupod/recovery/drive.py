@@ -232,6 +232,8 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
 
     state = StateDir()
     pod = state.resolve_name(pod_name)
+    if not RecoveryRecord.exists(state, pod, run_id):
+        return _stop_plain(pod, run_id)
     record = RecoveryRecord.load(state, pod, run_id)
     if record.state in ("done", "failed", "cancelled"):
         return f"run {run_id} is already {record.state}"
@@ -250,3 +252,15 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
     record.state = "cancelled"
     record.save()
     return f"run {run_id}: cancelled" + (f"; deleted {deleted}" if deleted else "")
+
+
+def _stop_plain(pod: str, run_id: str) -> str:
+    """A run without --retries: its launcher is told as by Ctrl-C, as the dashboard's stop."""
+    from tpupod.launch.records import get_run
+
+    run = get_run(pod, run_id)
+    if run.ended():
+        return f"run {run_id} is already over ({run.reread().state()})"
+    ended = run.stop(CANCEL_WAIT_S)
+    how = run.reread().state() if ended else "still stopping"
+    return f"run {run_id}: stopped ({how}; its launcher, pid {run.launcher_pid}, stopped it)"

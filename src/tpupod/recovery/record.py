@@ -77,6 +77,11 @@ class RecoveryRecord:
         record.save()
         return record
 
+    @staticmethod
+    def exists(state: StateDir, pod: str, run_id: str) -> bool:
+        """Whether the run has a recovery record (it was started with --retries)."""
+        return (state.pod_dir(pod) / RUNS_DIR / run_id / RECORD_FILE).is_file()
+
     @classmethod
     def load(cls, state: StateDir, pod: str, run_id: str) -> RecoveryRecord:
         path = state.pod_dir(pod) / RUNS_DIR / run_id / RECORD_FILE
