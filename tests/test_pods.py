@@ -140,8 +140,41 @@ def test_down_leaves_a_same_named_pod_of_another_state_directory_alone(
         assert cli("down", "--pod", "p", env=home_b).code == 0
         time.sleep(0.5)  # down waits for what it signalled; anything it hit is dying now
         assert run.poll() is None and all(p.is_running() for p in sleeping)
-        assert cli("down", "--pod", "p", env=home_a).code == 0
+        assert cli("down", "--pod", "p", "--force", env=home_a).code == 0
         assert run.wait(timeout=30) != 0  # its own pod's down ends it
+    finally:
+        run.kill()
+        run.wait()
+        run.stderr.close()  # type: ignore[union-attr]
+
+
+def test_down_refuses_a_pod_a_run_is_using_and_with_force_stops_it(
+    cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    """'tpupod down' with a 'tpupod run' going killed the run without a word (its summary
+    then blamed w0, 'killed by SIGKILL'), though it refused a pod a job runner used."""
+    assert cli("up", "--name", "dev", "--local", "2").code == 0
+    run = subprocess.Popen(
+        tpupod_argv("run", "--pod", "dev", "--", "sleep 60"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len([p for p in pod_processes("dev") if "sleep" in p.name()]) < 2:
+            assert run.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        refused = cli("down", "--pod", "dev")
+        assert refused.code == 1 and run.poll() is None, refused.err
+        assert "error: pod 'dev' is in use by tpupod run " in refused.err
+        assert "'tpupod cancel RUN'" in refused.err and "--force" in refused.err
+        forced = cli("down", "--pod", "dev", "--force")
+        assert forced.code == 0, forced.err
+        assert forced.out.startswith("stopped tpupod run "), forced.out
+        assert run.wait(timeout=30) == 143
+        assert "stopped by SIGTERM" in run.stderr.read()  # type: ignore[union-attr]
+        assert wait_until_gone("dev") == []
     finally:
         run.kill()
         run.wait()

@@ -133,16 +133,17 @@ def down(
     """Take the pod's workers down, then forget it; returns the users it asked to let go,
     and those of them that had not within ``stop_s`` (they stop when they see it gone).
 
-    A pod that a job runner serves is refused: its running job would be killed and
-    recorded as failed. With ``force`` the runners are asked to let go first (they give
-    their jobs back to the queue and exit, up to ``stop_s``)."""
+    A pod that a job runner serves or a run uses (``tpupod run``, and what runs through
+    it) is refused: its work would be killed and recorded as failed. With ``force`` they
+    are asked to let go first (a runner gives its job back to the queue and exits, a run
+    stops its workers, up to ``stop_s``)."""
     found = podusers.users(state, pod.name)
     if found and not force:
         first = found[0]
         raise StateError(
             f"pod {pod.name!r} is in use by {', '.join(user.describe() for user in found)}",
-            hint=f"stop it first (kill -TERM {first.pid}), or add --force: a job runner gives "
-            "its running job back to the queue and exits",
+            hint=f"stop it first (kill -TERM {first.pid}; a run: 'tpupod cancel RUN'), or add "
+            "--force: a job runner gives its running job back to the queue, a run stops",
         )
     left = podusers.stop(state, pod.name, found, stop_s) if found else []
     podusers.mark_going_down(state, pod.name)  # a user that did not let go stops now

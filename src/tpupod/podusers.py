@@ -1,8 +1,9 @@
-"""Who is using a pod: a process that serves a pod for long (a job runner) says so in the
-pod's folder, so that ``tpupod down`` can refuse to pull the pod from under it, or (with
-``--force``) ask it to let go first.
+"""Who is using a pod: a process that serves a pod for long (a job runner) or runs a
+program on it (``tpupod run``, and what runs through it) says so in the pod's folder, so
+that ``tpupod down`` can refuse to pull the pod from under it, or (with ``--force``) ask it
+to let go first.
 
-A user holds an exclusive ``flock`` on a file of its own, ``users/PID.json`` in the pod's
+A user holds an exclusive ``flock`` on a file of its own, ``users/PID.N.json`` in the pod's
 folder (what it is, since when). The lock goes with the process, even on ``kill -9``: a
 file whose lock can be taken is a leftover, and whoever finds it removes it. While a pod
 goes down, ``going-down`` in its folder tells a user that missed the request that its
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import signal
@@ -24,6 +26,7 @@ from pathlib import Path
 from tpupod.state import RECORD_FILE, StateDir
 
 USERS_DIR = "users"
+_USES = itertools.count()
 GOING_DOWN = "going-down"
 POLL_S = 0.1
 
@@ -44,8 +47,10 @@ def using(state: StateDir, pod: str, what: str) -> Iterator[None]:
     """Register this process as a user of ``pod`` for the block."""
     folder = state.pod_dir(pod) / USERS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{os.getpid()}.json"
-    staged = folder / f".{os.getpid()}.tmp"
+    # one file a use: a job runner's run is a use of its own (users/PID.N.json)
+    key = f"{os.getpid()}.{next(_USES)}"
+    path = folder / f"{key}.json"
+    staged = folder / f".{key}.tmp"
     with open(staged, "w") as handle:
         # locked and written before it has its name: no reader ever sees it unlocked
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -82,7 +87,8 @@ def _live(path: Path) -> PodUser | None:
                 data = json.loads(handle.read())
                 return PodUser(int(data["pid"]), str(data["what"]), float(data["since"]))
             except (ValueError, KeyError, TypeError):  # not ours: someone wrote it by hand
-                return PodUser(int(path.stem), "a process", path.stat().st_mtime)
+                pid = int(path.stem.split(".")[0])
+                return PodUser(pid, "a process", path.stat().st_mtime)
         path.unlink(missing_ok=True)  # a leftover: its process died
         return None
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from tpupod import settings
+from tpupod import podusers, settings
 from tpupod.errors import PreflightError, StateError, TpupodError
 from tpupod.fanout import Interrupt, NoticeHandler, Supervision, execute_async
 from tpupod.files import remove_path, write_atomic
@@ -238,7 +238,8 @@ async def run(
         }
         # A run's identity is the selected workers, renumbered 0..N-1 in order.
         sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
-        notice(f"launch {launch_id}: {len(selected)} workers, logs in {launch.run_dir}")
+        workers_said = f"{len(selected)} worker{'s' if len(selected) != 1 else ''}"
+        notice(f"launch {launch_id}: {workers_said}, logs in {launch.run_dir}")
         if on_launch is not None:
             on_launch(launch)
         run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
@@ -246,7 +247,9 @@ async def run(
         collateral = collateral_in_logs_only and OnFail(on_fail) is OnFail.KILL
         log_to = _RunLog(launch, command, selected, supervision if collateral else None, notice)
         log_to.record["job"] = _job_of(env or {})
-        with log_to as log:
+        # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
+        using = podusers.using(state, pod.name, f"tpupod run {launch_id}")
+        with using, log_to as log:
             try:
                 result = await execute_async(
                     sub_pod,
