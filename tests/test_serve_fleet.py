@@ -1303,3 +1303,21 @@ def test_a_worker_python_that_answers_nothing_is_named_plainly(
     assert (
         result.err.splitlines()[-2] == "error: w0: tpupod.serve.agent.ctl gave no answer (exit 1)"
     )
+
+
+@pytest.mark.timeout(90)
+def test_down_of_an_ssh_pod_stops_its_fleet_first(
+    make_ssh_pod: Any, state_home: Path, sim: Any
+) -> None:
+    """'tpupod down' of an SSH pod forgets the hosts, which stay up: its serving fleet ran
+    on with no record left to stop it ('serve down' then found no pod)."""
+    pod = make_ssh_pod(workers=2)
+    up = run_cli(
+        state_home, "serve", "up", "--pod", pod.name, "--model", "m", "--backend", "command",
+        "--command", STUB_COMMAND, "--worker-python", sys.executable,
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    down = run_cli(state_home, "down", "--pod", pod.name)
+    assert down.returncode == 0, down.stderr
+    assert "stopping its serving fleet first" in down.stderr
+    assert sim_leftovers(sim) == []

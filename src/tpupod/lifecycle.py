@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -128,7 +129,12 @@ def remake(spec: PodSpec, state: StateDir) -> Pod:
 
 
 def down(
-    pod: Pod, state: StateDir, *, force: bool = False, stop_s: float = STOP_S
+    pod: Pod,
+    state: StateDir,
+    *,
+    force: bool = False,
+    stop_s: float = STOP_S,
+    before: Callable[[], None] | None = None,
 ) -> tuple[list[PodUser], list[PodUser]]:
     """Take the pod's workers down, then forget it; returns the users it asked to let go,
     and those of them that had not within ``stop_s`` (they stop when they see it gone).
@@ -136,7 +142,9 @@ def down(
     A pod that a job runner serves or a run uses (``tpupod run``, and what runs through
     it) is refused: its work would be killed and recorded as failed. With ``force`` they
     are asked to let go first (a runner gives its job back to the queue and exits, a run
-    stops its workers, up to ``stop_s``)."""
+    stops its workers, up to ``stop_s``).
+    ``before`` runs once the pod may go, before its workers do (the CLI stops a serving
+    fleet there: on hosts that outlive the pod it would run on with no record)."""
     found = podusers.users(state, pod.name)
     if found and not force:
         first = found[0]
@@ -146,6 +154,8 @@ def down(
             "--force: a job runner gives its running job back to the queue, a run stops",
         )
     left = podusers.stop(state, pod.name, found, stop_s) if found else []
+    if before is not None:
+        before()
     podusers.mark_going_down(state, pod.name)  # a user that did not let go stops now
     try:
         asyncio.run(provider_for(pod.provider).destroy(pod, state))

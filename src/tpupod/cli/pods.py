@@ -13,13 +13,15 @@ import typer
 from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
 from tpupod.cli import command
 from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption
-from tpupod.errors import SpecError
-from tpupod.report import print_columns, print_error
+from tpupod.errors import SpecError, TpupodError
+from tpupod.report import notice, print_columns, print_error
 
 if TYPE_CHECKING:
     from tpupod.ops.status import PodStatus
+    from tpupod.pod import Pod
     from tpupod.providers.gcp_api import ApiRequest
     from tpupod.spec import UpFlags
+    from tpupod.state import StateDir
 
 
 @command("up")
@@ -193,7 +195,6 @@ def up(
     """
     given = dict(locals())  # first: the parameters, named as UpFlags' fields
     from tpupod import lifecycle
-    from tpupod.report import notice
     from tpupod.spec import SshPodSpec
     from tpupod.state import StateDir
 
@@ -265,11 +266,30 @@ def down(
         print(f"dry run: would take pod {target.name!r} down: {target.spec.summary()}")
         _print_request(lifecycle.delete_request(target))
         return
-    asked, left = lifecycle.down(target, state, force=force)
+    asked, left = lifecycle.down(
+        target, state, force=force, before=lambda: _stop_fleet(target, state)
+    )
     for user in asked:
         done = "did not stop in time (it stops when it sees the pod gone)" if user in left else ""
         print(f"stopped {user.describe()}" if not done else f"{user.describe()} {done}")
     print(f"pod {target.name!r} is down")
+
+
+def _stop_fleet(pod: Pod, state: StateDir) -> None:
+    """The pod's serving fleet, stopped as 'serve down' does: hosts that outlive the pod (an
+    SSH pod's, an adopted TPU's) would serve on with no record left to stop them. A local
+    pod's processes, and a deleted TPU's, go with it anyway."""
+    from tpupod.serve.fleet.record import record_path
+
+    if pod.on_this_machine or not record_path(state, pod.name).exists():
+        return
+    from tpupod.serve.fleet.control import Fleet
+
+    notice(f"pod {pod.name!r} has a serving fleet: stopping its serving fleet first")
+    try:
+        Fleet(pod, state).down(notice)
+    except TpupodError as exc:  # hosts that do not answer: the pod goes all the same
+        notice(f"its fleet could not be stopped everywhere ({exc}); going on")
 
 
 @command("list")
