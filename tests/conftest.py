@@ -97,8 +97,8 @@ def described(proc: psutil.Process) -> str:
     """A process's command line; "" when it ended between being listed and read (gone)."""
     try:
         return " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return ""
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, FileNotFoundError):
+        return ""  # FileNotFoundError: psutil read /proc/PID/stat as the process went
 
 
 def wait_until_gone(pod_name: str, timeout: float = 3.0) -> list[psutil.Process]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, pod_processes, tpupod_argv, wait_until_gone
+from tests.conftest import CliResult, described, pod_processes, tpupod_argv, wait_until_gone
 from tpupod.errors import PodExists, PodNotFound, StateError
 from tpupod.lifecycle import up
 from tpupod.pod import Pod
@@ -133,7 +133,7 @@ def test_down_leaves_a_same_named_pod_of_another_state_directory_alone(
     )
     try:
         deadline = time.monotonic() + 30
-        while len(sleeping := [p for p in pod_processes("p") if "sleep" in p.name()]) < 2:
+        while len(sleeping := [p for p in pod_processes("p") if "sleep" in described(p)]) < 2:
             assert run.poll() is None and time.monotonic() < deadline, run.stderr
             time.sleep(0.05)
         assert cli("up", "--name", "p", "--local", "1", env=home_b).code == 0
@@ -162,7 +162,7 @@ def test_down_refuses_a_pod_a_run_is_using_and_with_force_stops_it(
     )
     try:
         deadline = time.monotonic() + 30
-        while len([p for p in pod_processes("dev") if "sleep" in p.name()]) < 2:
+        while len([p for p in pod_processes("dev") if "sleep" in described(p)]) < 2:
             assert run.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         refused = cli("down", "--pod", "dev")

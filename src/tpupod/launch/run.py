@@ -249,7 +249,7 @@ async def run(
         log_to.record["job"] = _job_of(env or {})
         # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
         using = podusers.using(state, pod.name, f"tpupod run {launch_id}")
-        with using, log_to as log:
+        with log_to as log, using:
             try:
                 result = await execute_async(
                     sub_pod,
