@@ -132,6 +132,27 @@ def test_submit_refuses_a_pod_no_runner_would_serve(cli: Cli, tmp_path: Path) ->
     assert Store.open(db).get(int(elsewhere.out)).pod == "nosuch"
 
 
+def test_submit_without_pod_queues_for_any_runner_as_its_help_says(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """The help said --pod defaulted to "the only pod", while a job without --pod went to
+    any runner, with one pod or two (and no "which pod?" error). A job without --pod is
+    for any runner, on purpose: the store may be shared, and what runs a job should not
+    depend on how many pods the submitter's machine has; the help now says so."""
+    shown = " ".join(cli("jobs", "submit", "--help").out.split())
+    assert "the only pod" not in shown, shown
+    assert "(default: none, any runner takes it: a local one or any pod's)" in shown, shown
+    db = _sqlite(tmp_path)
+    for name in ("one", "two"):
+        assert cli("up", "--name", name, "--local", "1").code == 0
+        job = cli("jobs", "submit", "--db", db, "--", "true")
+        assert job.code == 0, job.err
+        assert Store.open(db).get(int(job.out)).pod is None
+        assert "  pod       any runner" in cli("jobs", "show", job.out.strip(), "--db", db).out
+    for name in ("one", "two"):
+        cli("down", "--pod", name)
+
+
 def test_a_syntax_error_is_refused_at_submit_with_its_line(cli: Cli, tmp_path: Path) -> None:
     db = _sqlite(tmp_path)
     code = tmp_path / "typo.py"

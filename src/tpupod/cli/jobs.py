@@ -40,6 +40,18 @@ DbOption = Annotated[
         show_default=False,
     ),
 ]
+# A job names no pod unless asked: any runner takes it. Not "the only pod", as other commands
+# default: a store may be shared, and what runs a job must not hang on the submitter's pods.
+JobPodOption = Annotated[
+    str | None,
+    typer.Option(
+        "--pod",
+        "-p",
+        help="The pod whose runner ('jobs worker --pod P') takes the job (default: none, any "
+        "runner takes it: a local one or any pod's).",
+        show_default=False,
+    ),
+]
 # read as text and checked by ``service.job_id``: click's message for a non-number is not plain
 JobId = Annotated[str, typer.Argument(metavar="ID", help="The job's id.", show_default=False)]
 
@@ -51,7 +63,7 @@ def submit(
         typer.Argument(metavar="FILE.py | FILE.json | -- CMD...", show_default=False),
     ],
     db: DbOption = None,
-    pod: PodOption = None,
+    pod: JobPodOption = None,
     name: Annotated[str, typer.Option("--name", help="A name to know it by.")] = "",
     label: Annotated[
         list[str] | None,
