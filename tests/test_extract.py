@@ -241,6 +241,13 @@ def test_bad_input_is_one_error_line_with_a_hint_and_nothing_written(
     assert not out.exists()
 
 
+def test_the_help_says_where_extraction_runs_without_pod(cli: Callable[..., CliResult]) -> None:
+    """--pod's help said "(default: the only pod)", yet without it this machine extracts."""
+    shown = " ".join(_ok(cli("extract", "--help")).out.split())
+    assert "the only pod" not in shown, shown
+    assert "--pod <str> Run on every worker of this pod (default: on this machine alone)" in shown
+
+
 # ---- ARC ----------------------------------------------------------------------------
 
 
