@@ -178,15 +178,15 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Until the job ends.")] = False,
     offset: Annotated[int, typer.Option("--offset", help="Only lines after this offset.")] = 0,
 ) -> None:
-    """A job's output lines ([wN] shows the worker on a pod)."""
+    """A job's output lines ([wN] shows the worker on a pod; '--- attempt N ---' where each
+    attempt begins, when it ran more than once)."""
     from tpupod.jobs import service
 
     ident = service.job_id(job_id)
     store = service.open_store(db)
-    pod = store.get(ident).pod
+    view = service.LogView(store.get(ident))
     for page in service.log_pages(store, ident, after=offset, until_end=follow, say=notice):
-        text = (f"[w{line.worker}] {line.line}" if pod else line.line for line in page)
-        sys.stdout.write("\n".join(text) + "\n")
+        sys.stdout.write("".join(text + "\n" for _, text in view.lines(page)))
         sys.stdout.flush()
 
 
