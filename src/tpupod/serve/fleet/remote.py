@@ -544,7 +544,7 @@ class RemoteFleet:
         checks took them out when they went, and bring them back after ``RISE`` checks in a
         row): serve up said they were ready while the router still had them down. Bounded:
         past a few checks' time it says which it does not route to yet, and goes on."""
-        addresses = {s.address for s in record.servers if s.worker in workers}
+        addresses = {s.address for s in record.servers if workers & {s.worker, *s.followers}}
         deadline = time.monotonic() + ROUTED_CHECKS * options.health_interval + ROUTED_SLACK_S
         routed: set[str] = set()
         said = False
