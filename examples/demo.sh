@@ -4,28 +4,46 @@
 # lockstep JAX program across the workers, a serving fleet (fanout, a streamed
 # chat with the openai client), teardown; then, as root, an SSH pod
 # of simulated hosts.
-# It uses its own state directory, so it never touches your pods.
+# It uses a state directory of its own, so it never touches your pods; with
+# TPUPOD_HOME set it uses that one and leaves it as it found it: its pods get
+# names none of yours has, and its scratch files go to a folder of its own.
 set -euo pipefail
 
+scratch=$(mktemp -d)
 if [ -z "${TPUPOD_HOME:-}" ]; then
-  demo_home=$(mktemp -d)
-  export TPUPOD_HOME="$demo_home/tpupod"
+  export TPUPOD_HOME="$scratch/tpupod"
 fi
-POD=demo
+home_was_there=$([ -d "$TPUPOD_HOME" ] && echo 1 || true)
+home_had=$(ls -A "$TPUPOD_HOME" 2>/dev/null || true)  # what a tpupod command may add: pods/
+unused_name() {  # $1, or $1-2, $1-3, ...: a pod name not in use in this state directory
+  local name=$1 n=1
+  while tpupod hosts --pod "$name" >/dev/null 2>&1; do n=$((n + 1)); name="$1-$n"; done
+  echo "$name"
+}
+POD=$(unused_name demo)
+LAB=$(unused_name lab)
+made=()  # the pods this demo brought up: the only ones it takes down
 
 if [ -t 1 ]; then B=$'\033[1m' D=$'\033[2m' N=$'\033[0m'; else B= D= N=; fi
 say() { printf '\n%s# %s%s\n' "$B" "$*" "$N"; }
 show() { printf '%s$ %s%s\n' "$D" "$*" "$N"; }
 run() { show "$*"; "$@"; }
 cleanup() {
-  tpupod down --pod "$POD" >/dev/null 2>&1 || true
-  tpupod down --pod lab >/dev/null 2>&1 || true
+  for pod in ${made[@]+"${made[@]}"}; do tpupod down --pod "$pod" >/dev/null 2>&1 || true; done
   if [ -n "${sim_pid:-}" ]; then kill "$sim_pid" 2>/dev/null || true; wait "$sim_pid" 2>/dev/null || true; fi
-  [ -z "${demo_home:-}" ] || rm -rf "$demo_home"
+  # folders tpupod made in a state directory that had none (pods/): empty again, removed
+  for entry in "$TPUPOD_HOME"/* "$TPUPOD_HOME"/.[!.]*; do
+    if [ -d "$entry" ] && ! grep -qxF "$(basename "$entry")" <<<"$home_had"; then
+      rmdir "$entry" 2>/dev/null || true
+    fi
+  done
+  [ -n "$home_was_there" ] || rmdir "$TPUPOD_HOME" 2>/dev/null || true
+  rm -rf "$scratch"
 }
 trap cleanup EXIT
 
 say "Bring up a local pod: 2 simulated hosts, 2 CPU devices each"
+made+=("$POD")
 run tpupod up --name "$POD" --local 2 --devices-per-worker 2
 
 say "Which workers does it have? (nothing is contacted)"
@@ -99,27 +117,27 @@ if [ ! -x /usr/sbin/sshd ] || ! command -v ip >/dev/null || ! command -v unshare
 fi
 
 say "An SSH pod: 2 simulated hosts, each a network namespace running real sshd"
-sim_out="$TPUPOD_HOME/sim.json"
-mkdir -p "$TPUPOD_HOME"
+sim_out="$scratch/sim.json"
 python -m tpupod.sim --hosts 2 >"$sim_out" &
 sim_pid=$!
 for _ in $(seq 100); do [ -s "$sim_out" ] && break; sleep 0.1; done
 hosts=$(python -c 'import json,sys; print(",".join("root@" + h["address"] for h in json.load(open(sys.argv[1]))["hosts"]))' "$sim_out")
 key=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))["key"])' "$sim_out")
-run tpupod up --name lab --ssh "$hosts" --key "$key"
-run tpupod hosts --pod lab
+made+=("$LAB")
+run tpupod up --name "$LAB" --ssh "$hosts" --key "$key"
+run tpupod hosts --pod "$LAB"
 
 say "The same commands work over SSH; connections stay open between calls"
-run tpupod exec --pod lab -- 'echo "$(hostname) is worker $TPUPOD_WORKER_ID of $TPUPOD_NUM_WORKERS"'
+run tpupod exec --pod "$LAB" -- 'echo "$(hostname) is worker $TPUPOD_WORKER_ID of $TPUPOD_NUM_WORKERS"'
 
 say "Ship this repository's HEAD to every host (no git server needed) and check they agree"
-run tpupod sync --pod lab --from-local --dir tpupod-code
-run tpupod exec --pod lab -- 'git -C tpupod-code log -1 --format="%h %s"'
+run tpupod sync --pod "$LAB" --from-local --dir tpupod-code
+run tpupod exec --pod "$LAB" -- 'git -C tpupod-code log -1 --format="%h %s"'
 
 say "Collect a file from every host"
-run tpupod get --pod lab tpupod-code/README.md "$TPUPOD_HOME/collected"
-ls "$TPUPOD_HOME/collected"/*
+run tpupod get --pod "$LAB" tpupod-code/README.md "$scratch/collected"
+ls "$scratch/collected"/*
 
-run tpupod down --pod lab
+run tpupod down --pod "$LAB"
 
 say "Done."

@@ -182,3 +182,21 @@ def test_a_file_that_is_not_text_is_one_error(
         f"error: {path}:1:13: not UTF-8 text (byte 0xff)",
         "hint: save the config as UTF-8",
     ]
+
+
+def test_an_unknown_option_and_a_bad_value_in_one_block_are_both_said(
+    cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """A block with an unknown option and a bad value said only the unknown option, though
+    the README promises a line per bad key: the user fixed one and met the other next run."""
+    path = tmp_path / "bench.yaml"
+    path.write_text(
+        GOOD.replace("use_zarr3: [true, false]", "use_zarr3: maybe\n      use_zarr4: true")
+    )
+    run = cli("bench", "checkpoint", "-c", str(path), "-o", str(tmp_path / "out"))
+    assert run.code == 2, run.out + run.err
+    lines = run.err.strip().splitlines()
+    assert lines[0] == f"error: {path}: 2 problems", run.err
+    assert lines[1].startswith(f"  - {path}:14:7: benchmarks[0].options.use_zarr4: unknown option")
+    assert lines[2].startswith(f"  - {path}:13:7: benchmarks[0].options.use_zarr3: 'maybe'")
+    assert lines[3].startswith("hint: ") and len(lines) == 4, run.err

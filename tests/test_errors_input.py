@@ -229,7 +229,11 @@ def test_a_bad_rendezvous_choice_exits_2_before_any_work(
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--base-port", "65535", "--servers-per-worker", "2"], "--base-port 65535 with 2"),
+        (
+            ["--base-port", "65535", "--servers-per-worker", "2"],
+            "--base-port 65535: with 2 servers per worker the last port would be 65536",
+        ),
+        (["--base-port", "65536"], "--base-port 65536\n"),  # said "with 1 servers a worker"
         (["--base-port", "0"], "--base-port 0"),
         (["--router-port", "99999"], "--router-port 99999"),
         (["--agent-port", "70000"], "--agent-port 70000"),
@@ -246,4 +250,26 @@ def test_serve_up_refuses_a_port_out_of_range_at_once(
     assert result.code == 2, result.err
     assert f"error: {said}" in result.err
     assert "hint: ports are 1 to 65535" in result.err
+    one_error(result)
     assert "agent started" not in result.err  # nothing was started
+
+
+def test_serve_up_refuses_no_servers_with_a_hint(cli: Callable[..., CliResult]) -> None:
+    """--servers-per-worker 0 was an error line with no hint."""
+    assert cli("up", "--name", "p", "--local", "1").code == 0
+    result = cli("serve", "up", "--model", "m", "--backend", "command", "--command", "true",
+                 "--servers-per-worker", "0")  # fmt: skip
+    assert one_error(result) == "error: --servers-per-worker 0: a worker runs at least 1 server"
+    assert "agent started" not in result.err  # nothing was started
+    cli("down", "--pod", "p")
+
+
+@pytest.mark.parametrize("command", [["dashboard", "--token", "t"], ["jobs", "serve"]])
+def test_a_host_name_that_does_not_resolve_is_said_so(
+    cli: Callable[..., CliResult], command: list[str]
+) -> None:
+    """'--host nosuchhost.invalid' said 'Unknown error -2' (getaddrinfo's EAI_NONAME)."""
+    result = cli(*command, "--host", "nosuchhost.invalid", "--port", "0")
+    error = one_error(result)
+    assert error.startswith("error: cannot listen on nosuchhost.invalid:0: "), error
+    assert error.endswith("the name nosuchhost.invalid does not resolve to an address"), error

@@ -241,6 +241,13 @@ def test_bad_input_is_one_error_line_with_a_hint_and_nothing_written(
     assert not out.exists()
 
 
+def test_the_help_says_where_extraction_runs_without_pod(cli: Callable[..., CliResult]) -> None:
+    """--pod's help said "(default: the only pod)", yet without it this machine extracts."""
+    shown = " ".join(_ok(cli("extract", "--help")).out.split())
+    assert "the only pod" not in shown, shown
+    assert "--pod <str> Run on every worker of this pod (default: on this machine alone)" in shown
+
+
 # ---- ARC ----------------------------------------------------------------------------
 
 
@@ -667,3 +674,33 @@ def _kill_when(
         time.sleep(0.001)
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, "the run ended before the kill point"
+
+
+@pytest.mark.timeout(240)
+def test_a_log_has_each_progress_count_once_and_a_resume_says_what_was_done(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """Piped (a log), worker 0's progress came twice in two formats ('[w0] 12/203 samples,
+    ..., ETA 44 s' and '[w0] progress: 12/203 ..., ETA 44s'); a resumed run did not say how
+    many samples were done already."""
+    pod = make_pod(workers=2)
+    data = _write_data(tmp_path / "data.jsonl", extra=597)
+    out = tmp_path / "out"
+    often = {"TPUPOD_PROGRESS_S": "0.02"}  # lines between the first and the last, however fast
+    run = _ok(cli(*_args(data, out), "--pod", pod.name, timeout=180, env=often))
+    own = re.compile(r"\] \d+/\d+ samples, [\d.]+ samples/s, .* writes pending, ETA ")
+    logged = _ok(cli("logs", "--pod", pod.name, "-w", "0")).out.splitlines()
+    assert any(own.search(line) for line in logged), logged  # worker 0 did say its own line
+    assert not [line for line in run.out.splitlines() if own.search(line)], run.out
+    counts = re.findall(r"^\[w0\] progress: (\d+)/\d+ samples", run.out, re.MULTILINE)
+    assert len(counts) >= 3 and len(counts) == len(set(counts)), run.out  # some between
+    assert "resuming" not in run.out
+    # resumed after kill -9 of a run on this machine alone: worker 0 says what it found
+    shutil.rmtree(out)
+    alone = subprocess.Popen(tpupod_argv(*_args(data, out)), stdout=subprocess.DEVNULL)
+    _kill_when(alone, lambda: _committed(out) >= 2)
+    done = sum(len(json.loads(p.read_text())["ids"]) for p in out.glob("shard-*.json"))
+    shards = len(list(out.glob("shard-*.json")))
+    again = _ok(cli(*_args(data, out), "--pod", pod.name, timeout=180))
+    said = f"[w0] resuming: {done} of 600 samples already extracted ({shards} of 75 shards); "
+    assert f"{said}{600 - done} left\n" in again.out, again.out

@@ -132,6 +132,27 @@ def test_submit_refuses_a_pod_no_runner_would_serve(cli: Cli, tmp_path: Path) ->
     assert Store.open(db).get(int(elsewhere.out)).pod == "nosuch"
 
 
+def test_submit_without_pod_queues_for_any_runner_as_its_help_says(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """The help said --pod defaulted to "the only pod", while a job without --pod went to
+    any runner, with one pod or two (and no "which pod?" error). A job without --pod is
+    for any runner, on purpose: the store may be shared, and what runs a job should not
+    depend on how many pods the submitter's machine has; the help now says so."""
+    shown = " ".join(cli("jobs", "submit", "--help").out.split())
+    assert "the only pod" not in shown, shown
+    assert "(default: none, any runner takes it: a local one or any pod's)" in shown, shown
+    db = _sqlite(tmp_path)
+    for name in ("one", "two"):
+        assert cli("up", "--name", name, "--local", "1").code == 0
+        job = cli("jobs", "submit", "--db", db, "--", "true")
+        assert job.code == 0, job.err
+        assert Store.open(db).get(int(job.out)).pod is None
+        assert "  pod       any runner" in cli("jobs", "show", job.out.strip(), "--db", db).out
+    for name in ("one", "two"):
+        cli("down", "--pod", name)
+
+
 def test_a_syntax_error_is_refused_at_submit_with_its_line(cli: Cli, tmp_path: Path) -> None:
     db = _sqlite(tmp_path)
     code = tmp_path / "typo.py"
@@ -295,6 +316,47 @@ def _job_with_lines(store: Store, count: int) -> int:
     claims.append_logs(store, claim, claim.next_seq, [(0, f"line {i}") for i in range(count)])
     claims.finish(store, claim, JobStatus.COMPLETED)
     return job_id
+
+
+TWO_ATTEMPTS = (  # the first attempt hangs until its runner is killed; the second ends
+    'echo "start $TPUPOD_JOB_ATTEMPT"; '
+    'if [ "$TPUPOD_JOB_ATTEMPT" = 1 ]; then sleep 60; fi; echo "end $TPUPOD_JOB_ATTEMPT"'
+)
+MARKED = ["--- attempt 1 ---", "start 1", "--- attempt 2 ---", "start 2", "end 2"]
+
+
+def job_with_a_lost_runner(cli: Cli, *db: str) -> str:
+    """A job whose runner was killed (-9) in its first attempt, run again to the end by
+    another runner, as a user meets it; its id."""
+    job_id = cli("jobs", "submit", *db, "--", TWO_ATTEMPTS).out.strip()
+    runner = subprocess.Popen(
+        tpupod_argv("jobs", "worker", *db, "--local", "--lease", "1", "-q"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while "start 1" not in cli("jobs", "logs", job_id, *db).out:
+            assert time.monotonic() < deadline, "the first attempt did not start"
+            time.sleep(0.1)
+    finally:
+        runner.kill()
+        runner.wait()
+    again = cli("jobs", "worker", *db, "--local", "--lease", "1", "--until-empty", "-q")
+    assert again.code == 0, again.err
+    return job_id
+
+
+def test_logs_mark_where_each_attempt_begins(cli: Cli, tmp_path: Path) -> None:
+    """After a lost runner, attempt 1's and attempt 2's lines came back to back."""
+    db = ("--db", _sqlite(tmp_path))
+    job_id = job_with_a_lost_runner(cli, *db)
+    assert cli("jobs", "logs", job_id, *db).out.splitlines() == MARKED
+    # from an offset inside attempt 2: its mark still says whose lines these are
+    assert cli("jobs", "logs", job_id, *db, "--offset", "1").out.splitlines() == MARKED[2:]
+    one = cli("jobs", "submit", *db, "--", "echo once").out.strip()
+    assert cli("jobs", "worker", *db, "--local", "--until-empty", "-q").code == 0
+    assert cli("jobs", "logs", one, *db).out == "once\n"  # one attempt: nothing to tell apart
 
 
 def test_a_logs_page_says_where_the_next_one_starts(tmp_path: Path) -> None:

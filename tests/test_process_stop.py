@@ -19,8 +19,9 @@ from tpupod.jobs.execute import LocalExecutor
 from tpupod.jobs.models import JobRequest, JobStatus
 from tpupod.jobs.pool import Pool
 from tpupod.jobs.store import Store
-from tpupod.serve.agent.supervisor import ManagedServer, unstamped
+from tpupod.serve.agent.supervisor import ManagedServer
 from tpupod.serve.backends import Backend, ServerSpec
+from tpupod.serve.services import unstamped
 from tpupod.transport.local import group_has_live_members
 
 pytestmark = [pytest.mark.local, pytest.mark.timeout(60)]

@@ -423,11 +423,31 @@ def test_ssh_pods(state_home: Path, tmp_path: Path, sim_hosts_up: SimPod) -> Non
 @pytest.mark.local
 @pytest.mark.timeout(600)
 def test_make_demo(state_home: Path) -> None:
-    """``make demo``: its local part anywhere, and as root its SSH part too."""
+    """``make demo``: its local part anywhere, and as root its SSH part too. Run with the
+    user's TPUPOD_HOME, it leaves that state directory as it found it: it left sim.json and
+    collected/ there, and its pods' names ('demo', 'lab') are the user's pods' to keep."""
     env = environment()
-    (demo,) = run_block(TOP, Setting(REPO, env, timeout=300))
-    if os.geteuid() == 0:
-        assert "An SSH pod" in demo.stdout and "Skipping the SSH part" not in demo.stdout
+    for pod in ("demo", "lab"):  # the user's own, by the names the demo would use
+        assert (
+            subprocess.run(["tpupod", "up", "--name", pod, "--local", "1"], env=env).returncode == 0
+        )
+    before = tree(state_home)
+    try:
+        (demo,) = run_block(TOP, Setting(REPO, env, timeout=300))
+        if os.geteuid() == 0:
+            assert "An SSH pod" in demo.stdout and "Skipping the SSH part" not in demo.stdout
+        assert tree(state_home) == before
+    finally:
+        take_down(env, "demo", "lab")
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder``: a file's bytes, None for a folder."""
+    return {
+        str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if not p.is_socket()
+    }
 
 
 @pytest.mark.local

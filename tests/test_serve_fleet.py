@@ -560,7 +560,7 @@ def test_kill_minus_nine_of_a_backend_under_load(fleet: Fleet) -> None:
     assert status.returncode == 0, status.stderr
     row = next(line.split() for line in status.stdout.splitlines() if f":{result['port']} " in line)
     assert row[3] == "ready" and row[5] == "1", status.stdout  # one restart, counted
-    assert "(4/4 backends healthy)" in status.stdout
+    assert "(4/4 backends healthy; 0 restarts)" in status.stdout
 
 
 STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ")
@@ -1046,10 +1046,14 @@ def test_a_router_killed_with_9_is_started_again_on_its_port_and_no_server_resta
         ):
             assert time.monotonic() < wait_for_healthy, status
             time.sleep(0.2)
+        assert "2/2 backends healthy; 1 restart)" in status  # counted (it was nowhere)
         log = run_cli(home, "serve", "logs", "--pod", pod, "--router").stdout.splitlines()
         said = "[tpupod respawn] the router ended (killed by SIGKILL); starting it again in 1s"
-        assert f"[w0] {said}" in log, log
+        assert [line for line in log if line.endswith(said)], log
         assert sum("ready port=" in line for line in log) == 2, log  # the first run, the next
+        # each line after its UTC time, as the servers' logs (it had none)
+        stamped = re.compile(r"\[w0\] \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z \S")
+        assert all(stamped.match(line) for line in log), log
 
 
 def by_worker(procs: list[psutil.Process]) -> dict[str, int]:
@@ -1083,21 +1087,30 @@ def test_serve_up_again_starts_only_what_is_lost(tmp_path: Path) -> None:
         assert now["w0"] == servers["w0"] and now["w1"] != servers["w1"], (servers, now)
         assert [p.pid for p in router_processes(pod)] == [router.pid]
         assert run_cli(home, "serve", "endpoint", "--pod", pod).stdout == endpoint
-        healthy_by = time.monotonic() + 15  # the router's checks see w1's new server
-        while "2/2 backends healthy" not in (
-            status := run_cli(home, "serve", "status", "--pod", pod).stdout
-        ):
-            assert time.monotonic() < healthy_by, status
-            time.sleep(0.2)
-        # the router and its respawn parent, both killed: the router alone starts again
+        # serve up returns once the router routes to w1's new server (it said ready while
+        # the router's checks still had it down)
+        status = run_cli(home, "serve", "status", "--pod", pod).stdout
+        assert "2/2 backends healthy" in status and "router: down" not in status, status
+        # the router and its respawn parent, both killed: status said "router: w0: no router
+        # runs here" and exit 0, with no hint; it is down, and serve up brings it back
         for proc in pod_processes(pod):
             if "tpupod.serve.agent.respawn" in proc.cmdline():
                 proc.kill()
         router.kill()
         router.wait(10)
+        down = run_cli(home, "serve", "status", "--pod", pod)
+        assert down.returncode == 1, down.stdout + down.stderr
+        assert "router: down: w0: no router runs here\n" in down.stdout, down.stdout
+        error, hint = down.stderr.strip().splitlines()
+        assert error.startswith("error: the fleet's router on w0 is down: "), error
+        assert hint.startswith("hint: run this fleet's 'tpupod serve up' again"), hint
+        began = time.monotonic()
         again = stub_up(home, pod, base=base)
         assert again.returncode == 0, again.stderr
+        print(f"serve up again, the router lost: {time.monotonic() - began:.1f}s")
         assert "but not the router: starting it again" in again.stderr, again.stderr
+        back = run_cli(home, "serve", "status", "--pod", pod)
+        assert back.returncode == 0 and "; 1 restart)" in back.stdout, back.stdout + back.stderr
         assert by_worker([p for p in pod_processes(pod) if p.pid in stub_pids(pod)]) == now
         assert len(router_processes(pod)) == 1
         assert run_cli(home, "serve", "endpoint", "--pod", pod).stdout == endpoint
@@ -1187,9 +1200,10 @@ def test_the_agent_outlives_the_ssh_session_that_started_it(
 
 
 @pytest.mark.local
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
-    """One worker, two engines in one process (two ports); the openai client and fanout."""
+    """One worker, two engines in one process (two ports); the openai client and fanout;
+    its agent killed and serve up again."""
     import importlib.util
 
     require(
@@ -1204,12 +1218,12 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
         == 0
     )
     try:
-        up = run_cli(
-            home, "serve", "up", "--pod", pod, "--model", str(tiny), "--servers-per-worker", "2",
+        up_args = (
+            "serve", "up", "--pod", pod, "--model", str(tiny), "--servers-per-worker", "2",
             "--dtype", "float32", "--base-port", str(free_base_port()), "--startup-timeout", "200",
             "--", "--max-batch", "4", "--max-length", "128",
-            timeout=230,
         )  # fmt: skip
+        up = run_cli(home, *up_args, timeout=230)
         assert up.returncode == 0, up.stderr
         exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
         values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
@@ -1237,6 +1251,19 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
         assert f"the server on :{second} runs in one process with :{second - 1}" in one.stderr
         assert "hint: restart them together: tpupod serve restart -w 0" in one.stderr
         assert {p.pid for p in pod_processes(pod) if "tpupod.serve.builtin" in p.cmdline()} == pids
+        # its agent killed: serve up again named the lost process once per port ('w0's
+        # builtin-P, w0's builtin-P'), and said ready while the router still had it down
+        (agent,) = [p for p in pod_processes(pod) if "tpupod.serve.agent" in p.cmdline()]
+        agent.kill()
+        agent.wait(10)
+        again = run_cli(home, *up_args, timeout=230)
+        assert again.returncode == 0, again.stderr
+        first = second - 1
+        lost = f"but not w0's builtin-{first} (serving :{first}, :{second}): starting it again"
+        assert lost in again.stderr, again.stderr
+        status = run_cli(home, "serve", "status", "--pod", pod)
+        assert "router: down" not in status.stdout, status.stdout
+        assert "(2/2 backends healthy; 0 restarts)" in status.stdout, status.stdout
         assert run_cli(home, "serve", "down", "--pod", pod).returncode == 0
         assert wait_until_gone(pod) == []
     finally:

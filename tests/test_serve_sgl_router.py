@@ -182,7 +182,7 @@ def test_status_shows_sgl_router_its_health_and_its_backends(sgl_fleet: SglFleet
         assert (answer.choices[0].message.content or "").startswith("stub")
     out = wait_for_status(sgl_fleet, "4/4 backends healthy")
     assert re.search(r"^router \(sgl-router\): http://\S+ \(4/4 backends healthy; its /health: "
-                     r"HTTP 200 OK\)$", out, re.M), out  # fmt: skip
+                     r"HTTP 200 OK; 0 restarts\)$", out, re.M), out  # fmt: skip
     rows = [line.split() for line in out.splitlines() if line.startswith("w")]
     assert len(rows) == 4 and all(r[3] == "ready" for r in rows), out
     assert sum(int(r[6]) for r in rows) >= 8, out  # sgl-router's own counts, per backend

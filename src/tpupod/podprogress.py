@@ -96,7 +96,8 @@ class HostProgress:
         return max(0.0, (self.total - self.done) / rate - (now - self.updated))
 
 
-def _seconds(value: float | None) -> str:
+def seconds_text(value: float | None) -> str:
+    """A time left or taken as progress lines say it: 45s, 1m45s, 2h05m (? unknown)."""
     if value is None:
         return "?"
     if value < 60:
@@ -125,7 +126,9 @@ class PodProgress:
         self.stream = out if out is not None else sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.console = console
-        self.hide = hide  # on a terminal: lines the live view says better (workers' own progress)
+        # lines the view says already (a worker's own progress line beside its markers):
+        # not shown, on a terminal or in a log (a log had each count twice, in two formats)
+        self.hide = hide
         self.hosts = {w.id: HostProgress(w.label) for w in workers}
         self.workers = list(workers)
         self.started = time.monotonic()
@@ -167,8 +170,10 @@ class PodProgress:
     def __call__(self, worker: Any, line: OutputLine) -> None:
         fields = parse(line.text)
         if fields is None:
+            if self.hide is not None and self.hide(line.text):
+                return
             if self._live is not None:
-                if not (self.hide and self.hide(line.text)) and self._printer is not None:
+                if self._printer is not None:
                     self._printer(worker, line)
             elif self.forward is not None:
                 self.forward(worker, line)
@@ -186,7 +191,7 @@ class PodProgress:
         doing = f" | {host.doing}" if host.doing else ""
         return (
             f"progress: {host.done}/{host.total} {host.unit}{speed}, "
-            f"ETA {_seconds(host.eta(now))}{doing}"
+            f"ETA {seconds_text(host.eta(now))}{doing}"
         )
 
     def summary(self, now: float | None = None) -> str:
@@ -201,7 +206,7 @@ class PodProgress:
         starting = f", {waiting} starting" if waiting else ""
         return (
             f"{self.title}: {done}/{total} {unit}{starting}, "
-            f"{_seconds(now - self.started)} elapsed, ETA {_seconds(eta)}"
+            f"{seconds_text(now - self.started)} elapsed, ETA {seconds_text(eta)}"
         )
 
     def render(self) -> Any:
@@ -221,7 +226,7 @@ class PodProgress:
                 host.label,
                 f"{host.done}/{host.total} {host.unit}",
                 "" if rate is None else f"{rate:.2f}/s",
-                _seconds(host.eta(now)),
+                seconds_text(host.eta(now)),
                 host.doing,
             )
         return table

@@ -90,6 +90,15 @@ def gcp_poll_s() -> float:
         return 5.0
 
 
+def progress_every_s() -> float:
+    """Seconds between an extraction's progress lines and markers, on each worker
+    (``TPUPOD_PROGRESS_S``, default 2; a log that wants fewer: 30)."""
+    try:
+        return max(0.0, float(os.environ.get("TPUPOD_PROGRESS_S", "2")))
+    except ValueError:
+        return 2.0
+
+
 def metadata_url() -> str:
     """A TPU VM's metadata server, as its workers reach it (``TPUPOD_METADATA_URL``: a
     test stand-in's)."""

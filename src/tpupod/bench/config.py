@@ -418,11 +418,11 @@ def _benchmarks(items: object, problems: list[str]) -> list[Sweep]:
         fields = orbax_harness.option_defaults(path)
         bad = _unknown(options, tuple(fields), f"{where}.options.")
         problems += [p.replace("unknown key", "unknown option") for p in bad]
-        if bad:
-            continue
+        # the known options' values too: one run names every bad key (an unknown one has
+        # no declared type, so it is not said twice)
         wrong = _type_problems(f"{where}.options.", options, orbax_harness.option_types(path))
-        if wrong:
-            problems += wrong
+        problems += wrong
+        if bad or wrong:
             continue
         try:
             points = orbax_harness.sweep(path, options)

@@ -254,9 +254,22 @@ def _print_results(results: Results) -> None:
         )
         if "save_total_s" not in r and "restore_s" not in r:
             timed.append(f"{c.label}: {_ops(c)}")
-    Console(file=sys.stdout, width=None if sys.stdout.isatty() else PIPED_WIDTH).print(table)
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else PIPED_WIDTH)
+    console.print(table)
+    for line in _statistic(results):
+        print(line)
     for line in timed:  # below the table: a row has no room for them
         print(line)
+
+
+def _statistic(results: Results) -> list[str]:
+    """What the cells are: means (the comparison with a baseline shows medians)."""
+    counts = {len(r.values) for c in results.combinations for r in c.repeats.values() if r.values}
+    repeats = f"{counts.pop()} repeats" if len(counts) == 1 else "the repeats"
+    return [
+        f"each cell: the mean (±std) over {repeats} of the pod's value (its slowest host's time);",
+        "  --baseline compares medians",
+    ]
 
 
 def _cell(repeats: dict[str, RepeatStats], metric: str, form: str) -> str:
@@ -301,13 +314,13 @@ def _print_comparison(comparison: Comparison, threshold: str) -> None:
     that says how it is decided. Every line but the paths' fits 100 columns."""
     from tpupod.bench.results import ALPHA, repeats_needed
 
-    tests = f"{comparison.tests} metric{'s' if comparison.tests > 1 else ''}"
     print(
         f"baseline: {comparison.baseline_path} (commit {comparison.baseline_commit[:12]}) "
         f"-> now (commit {comparison.current_commit[:12]})\n"
-        f"  per metric: medians of the repeats, before -> now (ratio, noise band: the ratios\n"
-        f"  the repeats allow, Mann-Whitney, {ALPHA:.0%} over {tests}); a regression is worse "
-        f"by more\n  than {threshold} and beyond the band"
+        "  per metric: medians of the repeats (the table's cells are means), before -> now\n"
+        "  (ratio, noise band: the ratios the repeats allow, Mann-Whitney, "
+        f"{ALPHA:.0%} over {_tests(comparison)});\n"
+        f"  a regression is worse by more than {threshold} and beyond the band"
     )
     for label, changes in itertools.groupby(comparison.changes, key=lambda c: c.label):
         print(f"  {label}")
@@ -322,6 +335,15 @@ def _print_comparison(comparison: Comparison, threshold: str) -> None:
             f"inconclusive: {_repeats(unsure[0])} repeats cannot tell them from noise\n"
             f"  (num_repeats: {repeats_needed(comparison.alpha)} in both runs can)"
         )
+
+
+def _tests(comparison: Comparison) -> str:
+    """How many tests the 5 % is split among, and of how many metrics: a GB/s is its time's
+    repeats inverted, tested with it (``baseline._tests``)."""
+    tests, metrics = comparison.tests, len(comparison.changes)
+    if tests == metrics:
+        return f"{tests} metric{'s' if tests > 1 else ''}"
+    return f"{tests} tests of\n  the {metrics} metrics below: a GB/s is tested with its time"
 
 
 def _change_line(change: Change, threshold: str) -> str:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from tpupod.cli import command
-from tpupod.cli.options import PodOption
 from tpupod.errors import ExtractError
 from tpupod.extras import require
 
@@ -97,7 +96,15 @@ def extract(
         ),
     ] = None,
     strict: Annotated[bool, typer.Option("--strict", help="A malformed line is fatal.")] = False,
-    pod: PodOption = None,
+    pod: Annotated[
+        str | None,
+        typer.Option(
+            "--pod",
+            "-p",
+            help="Run on every worker of this pod (default: on this machine alone).",
+            show_default=False,
+        ),
+    ] = None,
     worker_python: Annotated[
         str | None,
         typer.Option(

@@ -40,6 +40,18 @@ DbOption = Annotated[
         show_default=False,
     ),
 ]
+# A job names no pod unless asked: any runner takes it. Not "the only pod", as other commands
+# default: a store may be shared, and what runs a job must not hang on the submitter's pods.
+JobPodOption = Annotated[
+    str | None,
+    typer.Option(
+        "--pod",
+        "-p",
+        help="The pod whose runner ('jobs worker --pod P') takes the job (default: none, any "
+        "runner takes it: a local one or any pod's).",
+        show_default=False,
+    ),
+]
 # read as text and checked by ``service.job_id``: click's message for a non-number is not plain
 JobId = Annotated[str, typer.Argument(metavar="ID", help="The job's id.", show_default=False)]
 
@@ -51,7 +63,7 @@ def submit(
         typer.Argument(metavar="FILE.py | FILE.json | -- CMD...", show_default=False),
     ],
     db: DbOption = None,
-    pod: PodOption = None,
+    pod: JobPodOption = None,
     name: Annotated[str, typer.Option("--name", help="A name to know it by.")] = "",
     label: Annotated[
         list[str] | None,
@@ -166,15 +178,15 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Until the job ends.")] = False,
     offset: Annotated[int, typer.Option("--offset", help="Only lines after this offset.")] = 0,
 ) -> None:
-    """A job's output lines ([wN] shows the worker on a pod)."""
+    """A job's output lines ([wN] shows the worker on a pod; '--- attempt N ---' where each
+    attempt begins, when it ran more than once)."""
     from tpupod.jobs import service
 
     ident = service.job_id(job_id)
     store = service.open_store(db)
-    pod = store.get(ident).pod
+    view = service.LogView(store.get(ident))
     for page in service.log_pages(store, ident, after=offset, until_end=follow, say=notice):
-        text = (f"[w{line.worker}] {line.line}" if pod else line.line for line in page)
-        sys.stdout.write("\n".join(text) + "\n")
+        sys.stdout.write("".join(text + "\n" for _, text in view.lines(page)))
         sys.stdout.flush()
 
 

@@ -190,19 +190,37 @@ def up(
 
 @command("status", group=serve_app)
 def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> None:
-    """A table: worker, server, backend, state, restarts, requests, tokens/s."""
+    """A table: worker, server, backend, state, restarts, requests, tokens/s; then the router
+    (exit 1 when it is down and nothing starts it again)."""
+    from tpupod.errors import ServeError
+
     found = _fleet(pod).status()
     print_columns(_status_table(found), sys.stdout)
+    print(_router_line(found))
+    if found.router_error is not None and found.starting is not None:
+        print(found.starting)
+    elif found.router_down:
+        raise ServeError(
+            f"the fleet's router on w0 is down: nothing runs it, nothing starts it again "
+            f"(the servers serve on; {found.record.base_url} refuses every request)",
+            hint="run this fleet's 'tpupod serve up' again, with the same options: it starts "
+            "only the router, on its port",
+        )
+
+
+def _router_line(found: FleetStatus) -> str:
+    """The router's address and view (or why it gave none), and its restarts."""
     kind = "" if found.record.router == "builtin" else f" ({found.router_kind})"
+    n = found.router_restarts
+    restarts = [] if n is None else [f"{n} restart{'' if n == 1 else 's'}"]
     if found.router_error is not None:
-        print(f"router{kind}: {found.router_error}")
-        if found.starting is not None:
-            print(found.starting)
-        return
+        down = "down: " if found.router_down and found.starting is None else ""
+        counted = f" ({restarts[0]})" if n else ""
+        return f"router{kind}: {down}{found.router_error}{counted}"
     seen = [f"{found.healthy}/{len(found.servers)} backends healthy"]
     seen += [f"its /health: {found.router_health}"] if found.router_health else []
     seen += [f"circuit {c}" for c in found.circuits]
-    print(f"router{kind}: {found.record.base_url} ({'; '.join(seen)})")
+    return f"router{kind}: {found.record.base_url} ({'; '.join([*seen, *restarts])})"
 
 
 def _status_table(found: FleetStatus) -> list[list[str]]:

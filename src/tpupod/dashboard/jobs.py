@@ -13,7 +13,7 @@ from typing import Any
 
 from tpupod.errors import JobStoreError
 from tpupod.jobs import service
-from tpupod.jobs.models import Job, JobStatus, LogLine
+from tpupod.jobs.models import Job, JobStatus
 from tpupod.jobs.store import Store
 from tpupod.jobs.wakeup import file_state
 
@@ -126,15 +126,15 @@ class Jobs:
     async def follow(self, job_id: int, after: int | None) -> AsyncIterator[str]:
         """The job's lines after offset ``after`` (None: its last ``TAIL_LINES``) as
         server-sent events, a page an event whose id is its last offset (as the job API's),
-        then ``end`` with its status. A pod's job's lines are labelled ``[wN]``, as
-        ``tpupod jobs logs`` shows them."""
+        then ``end`` with its status. The lines read as ``tpupod jobs logs`` shows them
+        (``service.LogView``: ``[wN]`` on a pod, each attempt's beginning marked)."""
         store = self.need()
-        labelled = store.get(job_id).pod is not None
+        view = service.LogView(store.get(job_id))
         if after is None:
             last = max((a.last_seq or 0 for a in store.attempts(job_id)), default=0)
             after = max(0, last - TAIL_LINES)
         async for lines in service.follow(store, job_id, after=after):
-            shown = [[line.worker, _label(line, labelled)] for line in lines]
+            shown = [list(pair) for pair in view.lines(lines)]
             data = json.dumps({"lines": shown, "reset": []})
             yield f"id: {lines[-1].seq}\nevent: lines\ndata: {data}\n\n"
         status = store.get(job_id).status.value
@@ -143,13 +143,9 @@ class Jobs:
     async def text(self, job_id: int) -> AsyncIterator[str]:
         """The job's whole log as text, a page at a time."""
         store = self.need()
-        labelled = store.get(job_id).pod is not None
+        view = service.LogView(store.get(job_id))
         async for lines in service.follow(store, job_id, until_end=False):
-            yield "".join(_label(line, labelled) + "\n" for line in lines)
-
-
-def _label(line: LogLine, labelled: bool) -> str:
-    return f"[w{line.worker}] {line.line}" if labelled else line.line
+            yield "".join(text + "\n" for _, text in view.lines(lines))
 
 
 def _files(store: Store) -> tuple[tuple[int, int, int] | None, ...] | None:

@@ -47,6 +47,7 @@ class Serving:
             "pod": record.pod,
             "model": record.model,
             "router": f"down: {status.router_error}" if status.router_error else "up",
+            "router_restarts": status.router_restarts,  # as serve status counts them
             "healthy": status.healthy,
             "endpoint": record.base_url,
             "backends": [self._rated(dataclasses.asdict(s), now) for s in status.servers],

@@ -101,7 +101,8 @@ async def run_extract(
 
 
 def said_progress(text: str) -> bool:
-    """Worker 0's own progress line, which a terminal's live view shows better."""
+    """Worker 0's own progress line, which the launcher's view of every host's markers says
+    already (a live table, or a log's ``[wN] progress:`` lines)."""
     return "writes pending, ETA" in text
 
 

@@ -4,7 +4,8 @@ Worker 0 says a plain line (samples/s, tokens/s, bytes written, writes
 pending, ETA), which a log keeps. Every host also prints a progress marker
 (``tpupod.podprogress``) as often and when it ends: the launcher turns those
 into a live table of every host on its terminal (samples done, samples/s, ETA),
-or into plain per-host lines when its output is no terminal.
+or into plain per-host lines when its output is no terminal, and leaves worker
+0's own line out of both (each count was said twice, in two formats).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from tpupod.podprogress import marker
-
-EVERY_S = 2.0
+from tpupod import settings
+from tpupod.podprogress import marker, seconds_text
 
 
 @dataclasses.dataclass
@@ -44,6 +44,7 @@ class Progress:
         self.bytes = 0
         self.shards = 0
         self.pending: Callable[[], int] = lambda: 0
+        self.every = settings.progress_every_s()
         self.start = time.monotonic()
         self._last = self.start
         self._marked = self.start
@@ -53,10 +54,10 @@ class Progress:
         self.samples += samples
         self.tokens += tokens
         now = time.monotonic()
-        if self.say is not None and now - self._last >= EVERY_S:
+        if self.say is not None and now - self._last >= self.every:
             self._last = now
             self.say(self.line(now))
-        if now - self._marked >= EVERY_S:
+        if now - self._marked >= self.every:
             self._marker(now)
 
     def _marker(self, now: float) -> None:
@@ -79,11 +80,11 @@ class Progress:
     def line(self, now: float) -> str:
         elapsed = max(now - self.start, 1e-9)
         rate = self.samples / elapsed
-        eta = (self.total - self.samples) / rate if rate > 0 else float("inf")
+        eta = (self.total - self.samples) / rate if rate > 0 else None
         return (
             f"{self.samples}/{self.total} samples, {rate:.1f} samples/s, "
             f"{self.tokens / elapsed:.0f} tokens/s, {self.bytes / 1e6:.1f} MB written, "
-            f"{self.pending()} writes pending, ETA {eta:.0f} s"
+            f"{self.pending()} writes pending, ETA {seconds_text(eta)}"
         )
 
     def finish(self) -> HostStats:

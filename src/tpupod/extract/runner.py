@@ -214,6 +214,26 @@ def todo(prepared: Prepared, store: Store, host: int, hosts: int) -> list[plan.S
     return left
 
 
+def resumed(
+    prepared: Prepared, store: Store, left: list[plan.ShardPlan] | None = None
+) -> str | None:
+    """What a rerun finds committed already, in words; None on a first run. ``left``: every
+    shard not committed, where known (else read here, on worker 0 alone)."""
+    if left is None:
+        if not any(name.endswith(".json") and name.startswith("shard-") for name in store.names()):
+            return None  # nothing committed: no manifest to read
+        left = todo(prepared, store, 0, 1)
+    every = plan.plan_shards(prepared.samples, prepared.config.shard_samples)
+    if len(left) == len(every):
+        return None
+    total = len(prepared.samples)
+    waiting = sum(len(s.samples) for s in left)
+    return (
+        f"resuming: {total - waiting} of {total} samples already extracted "
+        f"({len(every) - len(left)} of {len(every)} shards); {waiting} left"
+    )
+
+
 class Extractor:
     """The loaded model and the per-shard compute."""
 
@@ -369,6 +389,8 @@ def extract_here(
     left = todo(prepared, store, 0, 1) if lockstep else todo(prepared, store, host, hosts)
     if lockstep:
         agree_left([s.index for s in left])
+    if host == 0 and (said := resumed(prepared, store, left if lockstep or hosts == 1 else None)):
+        say(said)
 
     def mine(shard: plan.ShardPlan) -> bool:
         return not lockstep or shard.index % hosts == host

@@ -190,6 +190,15 @@ def listen(host: str, port: int) -> socket.socket:
         busy = exc.errno == errno.EADDRINUSE
         hint = f"something else listens there: pick another, --port {port + 1}"
         raise UsageError(
-            f"cannot listen on {host}:{port}: {os.strerror(exc.errno) if exc.errno else exc}",
+            f"cannot listen on {host}:{port}: {_why_not(exc, host)}",
             hint=hint if busy else "--host takes an address of this machine (127.0.0.1)",
         ) from exc
+
+
+def _why_not(exc: OSError, host: str) -> str:
+    """Why a bind failed, in words. A name that does not resolve is getaddrinfo's error,
+    whose negative code (``create_server`` passes it on as an OSError's) ``os.strerror``
+    calls 'Unknown error -2'."""
+    if isinstance(exc, socket.gaierror) or (exc.errno is not None and exc.errno < 0):
+        return f"the name {host} does not resolve to an address"
+    return os.strerror(exc.errno) if exc.errno else str(exc)

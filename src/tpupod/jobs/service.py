@@ -139,6 +139,36 @@ async def follow(
         await asyncio.sleep(poll_s)
 
 
+class LogView:
+    """A job's log lines as people read them, in ``tpupod jobs logs`` and on the dashboard:
+    ``[wN]`` before a pod job's lines, and a mark where an attempt begins (a lost runner
+    or a retry ran the program again: its lines would follow the last attempt's unseen).
+    An attempt is marked where its lines follow another's, and at the first line shown
+    when the job has had more than one attempt (or that line is not the first's); a job
+    of one attempt reads as its program printed it."""
+
+    def __init__(self, job: Job) -> None:
+        self.labelled = job.pod is not None
+        self.several = job.attempt > 1
+        self.last: int | None = None  # the attempt of the line shown last
+
+    def lines(self, page: Sequence[LogLine]) -> Iterator[tuple[int | None, str]]:
+        """(worker, text) of each line of ``page``, an attempt's mark (worker None) first
+        where one begins; pages in order, as ``follow`` reads them."""
+        for line in page:
+            if line.attempt != self.last and (
+                self.last is not None or self.several or line.attempt > 1
+            ):
+                yield None, attempt_mark(line.attempt)
+            self.last = line.attempt
+            yield line.worker, f"[w{line.worker}] {line.line}" if self.labelled else line.line
+
+
+def attempt_mark(attempt: int) -> str:
+    """The line that says attempt ``attempt``'s lines begin."""
+    return f"--- attempt {attempt} ---"
+
+
 def log_pages(
     store: Store,
     ident: int,

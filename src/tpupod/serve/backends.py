@@ -143,7 +143,10 @@ def _check_folder(folder: Path, model: str, backend: Backend, hint: str) -> None
 def device_slices(devices: int, servers: int) -> tuple[tuple[int, ...], ...]:
     """Split a worker's ``devices`` evenly among ``servers`` engines (one each when fewer)."""
     if servers < 1:
-        raise UsageError("--servers-per-worker must be at least 1")
+        raise UsageError(
+            f"--servers-per-worker {servers}: a worker runs at least 1 server",
+            hint="leave it out for 1 a worker, or give how many each worker runs",
+        )
     if devices >= servers:
         if devices % servers:
             raise UsageError(

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod import procfs, settings
+from tpupod.serve import services
 from tpupod.serve.agent import respawn
 from tpupod.serve.services import STATE_DIR, read_info, token
 
@@ -59,10 +60,13 @@ def keeper(state: Path, service: str) -> int | None:
     return pid if procfs.alive(pid) and respawn.__name__ in procfs.cmdline(pid) else None
 
 
-def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[str, Any]:
+def ensure(
+    state: Path, service: str, argv: list[str], timeout: float, again: bool = False
+) -> dict[str, Any]:
     """Start the service detached unless it runs; its record once it listens. The router
     runs under ``respawn``, which starts it again when it dies (the agent does not: a new
-    agent would not know its servers)."""
+    agent would not know its servers). ``again``: the fleet's router was lost (its parent
+    too), and this start is one more restart of it; else its count begins at 0."""
     running = read_info(state, service)
     if running is None and (parent := keeper(state, service)) is not None:
         running = _wait_record(state, service, parent, timeout)  # it is being started again
@@ -76,6 +80,9 @@ def ensure(state: Path, service: str, argv: list[str], timeout: float) -> dict[s
     if service == "router":
         keeping = ["-m", "tpupod.serve.agent.respawn", "--state-dir", str(state), service, "--"]
         argv = [sys.executable, *keeping, *argv]
+        services.count_restarts(
+            state, service, services.restarts(state, service) + 1 if again else 0
+        )
     with open(state / f"{service}.log", "ab") as log:
         proc = subprocess.Popen(
             argv,
@@ -169,8 +176,8 @@ def call(state: Path, service: str, method: str, path: str, body: str | None) ->
     if info is None and keeper(state, service) is not None:
         why = f"the {service} ended and is being started again (its log: {service}.log)"
         return {"error": why, "status": None}
-    if info is None:
-        return {"error": f"no {service} runs here", "status": None}
+    if info is None:  # down: nothing runs it, nothing starts it again
+        return {"error": f"no {service} runs here", "status": None, "down": True}
     host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
     headers = {"Authorization": f"Bearer {token(state, service)}"}
     if body is not None:
@@ -199,8 +206,10 @@ def view(state: Path) -> dict[str, Any]:
     if info is not None and info.get("kind") == "sgl":
         from tpupod.serve.router.sgl import view as sgl_view
 
-        return sgl_view(info, token(state, "router"))
-    return call(state, "router", "GET", "/backends", None)
+        answer = sgl_view(info, token(state, "router"))
+    else:
+        answer = call(state, "router", "GET", "/backends", None)
+    return {**answer, "restarts": services.restarts(state, "router")}
 
 
 def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:
@@ -386,6 +395,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--timeout", type=float, default=READY_TIMEOUT_S)
     e.add_argument("--token-env", default=None, help="take the token from this variable")
     e.add_argument("--replace", action="store_true", help="stop a running one first")
+    e.add_argument("--again", action="store_true", help="the fleet's lost router: count it")
     e.add_argument("argv", nargs=argparse.REMAINDER, help="-- the service's command line")
     s = sub.add_parser("stop", help="stop a service (TERM, then KILL)")
     s.add_argument("service", choices=SERVICES)
@@ -416,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         token(state, args.service, settings.named(args.token_env) if args.token_env else None)
         if args.replace:
             stop(state, args.service, STOP_GRACE_S)
-        answer = ensure(state, args.service, command, args.timeout)
+        answer = ensure(state, args.service, command, args.timeout, args.again)
     elif args.action == "stop":
         answer = stop(state, args.service, args.grace)
     elif args.action == "call":

@@ -20,12 +20,12 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
 from tpupod.serve.backends import ServerSpec, render, render_env
 from tpupod.serve.backoff import Backoff
 from tpupod.serve.eventloop import cancelled
+from tpupod.serve.services import stamp
 from tpupod.transport.local import kill_process_group
 
 READY_POLL_S = 0.2
@@ -39,17 +39,6 @@ class ServerState(enum.StrEnum):
     READY = "ready"
     BACKOFF = "backoff"  # exited; waiting to be restarted
     STOPPED = "stopped"
-
-
-def stamp() -> bytes:
-    """The time a log line is written, as it starts the line: UTC, milliseconds."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3].encode() + b"Z "
-
-
-def unstamped(line: str) -> str:
-    """A log line without the time it starts with."""
-    head, sep, rest = line.partition("Z ")
-    return rest if sep and len(head) == 23 and head[10:11] == "T" else line
 
 
 def tail(path: Path, lines: int) -> list[str]:
@@ -173,7 +162,7 @@ class ManagedServer:
 
     async def _wait_ready(self) -> None:
         """Mark the server ready once every URL of ``ready_when`` answers 200."""
-        import httpx  # the serve extra; ``unstamped`` above serves the launcher without it
+        import httpx  # the serve extra (this module's other imports are light)
 
         waiting = self.ready_when()
         self.answer = None

@@ -119,14 +119,20 @@ def up_options(
 def _check_ports(options: UpOptions) -> None:
     """Refuse a port no socket can have before anything starts (a server on :65536 sat
     'starting' until --startup-timeout, and a local pod ignores --agent-port)."""
-    last = options.base_port + max(options.servers_per_worker, 1) - 1
+    servers = options.servers_per_worker
+    if servers < 1:
+        raise UsageError(
+            f"--servers-per-worker {servers}: a worker runs at least 1 server",
+            hint="leave it out for 1 a worker, or give how many each worker runs",
+        )
+    last = options.base_port + servers - 1
     given = [("--base-port", options.base_port, last), ("--agent-port", options.agent_port, 0)]
     given += [("--router-port", options.router_port, 0)] if options.router_port is not None else []
     for flag, port, end in given:
         if not (1 <= port <= 65535 and end <= 65535):
-            reach = f" with {options.servers_per_worker} servers a worker reaches {end}"
+            reach = f": with {servers} servers per worker the last port would be {end}"
             raise UsageError(
-                f"{flag} {port}{reach if end > 65535 else ''}",
+                f"{flag} {port}{reach if 1 <= port <= 65535 else ''}",
                 hint="ports are 1 to 65535",
             )
 

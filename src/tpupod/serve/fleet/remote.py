@@ -31,7 +31,6 @@ from tpupod.pod import Pod, Worker
 from tpupod.providers import Connector, provider_for
 from tpupod.results import Outcome, WorkerResult
 from tpupod.serve import defaults
-from tpupod.serve.agent.supervisor import unstamped
 from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
 from tpupod.serve.fleet.record import (
     FleetRecord,
@@ -43,8 +42,9 @@ from tpupod.serve.fleet.record import (
     save_record,
     settings_of,
 )
-from tpupod.serve.fleet.status import AgentAnswer, member
+from tpupod.serve.fleet.status import AgentAnswer, member, router_failed
 from tpupod.serve.router.sgl import MISSING
+from tpupod.serve.services import unstamped
 from tpupod.state import StateDir
 from tpupod.transport import OutputLine
 
@@ -57,6 +57,10 @@ WAIT_MARGIN_S = 30.0
 # How a starting 'serve up' names itself among the pod's users (podusers): 'tpupod down'
 # waits for it, 'serve down' stops it first, status tells whether it still runs.
 SERVE_UP = "tpupod serve up"
+# after a repair, serve up waits until the router routes to the servers started again: the
+# health checks it takes (RISE, and one begun before they listened), and some slack
+ROUTED_CHECKS = defaults.RISE + 2
+ROUTED_SLACK_S = 5.0
 # preflight suggests a --base-port this many ports on (or a multiple, up to SHIFTS of them)
 SHIFT_STEP = 100
 SHIFTS = 20
@@ -144,11 +148,9 @@ class RemoteFleet:
     async def answered(self, worker: Worker, service: str, what: str, args: list[str]) -> Any:
         """The body of a ctl call's answer (``call`` or ``view``), or a ServeError."""
         answer = (await self.ctl(worker, *args))[-1]
-        if answer.get("status") is None and "error" in answer:  # it does not run or answer
-            raise ServeError(f"{worker.label}: {answer['error']}")
-        if answer.get("status") != 200:
-            why = answer.get("error") or f"HTTP {answer.get('status')}: {answer.get('body')}"
-            raise ServeError(f"{worker.label}: the {service} refused {what}: {why}")
+        why = _failure(worker, service, what, answer)
+        if why is not None:
+            raise ServeError(why)
         return answer["body"]
 
     # -- up ------------------------------------------------------------------------------
@@ -372,8 +374,10 @@ class RemoteFleet:
             )
 
     async def ensure_router(
-        self, options: UpOptions, servers: list[ServerRecord], token: str
+        self, options: UpOptions, servers: list[ServerRecord], token: str, again: bool = False
     ) -> int:
+        """Start the router on worker 0 (stopping one there first); its port. ``again``: the
+        fleet's router was lost, and this start counts as one of its restarts."""
         head = self.pod.workers[0]
         port = self.router_port(options)
         module = "tpupod.serve.router.sgl" if options.router == "sgl" else "tpupod.serve.router"
@@ -383,7 +387,8 @@ class RemoteFleet:
             argv += ["--model", options.served_model_name]
         argv += ["--backends", ",".join(s.address for s in servers), "--policy", options.policy]
         argv += ["--health-interval", str(options.health_interval)]
-        args = ["ensure", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN", "router", "--", *argv]
+        args = ["ensure", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN"]
+        args += [*(["--again"] if again else []), "router", "--", *argv]
         answer = (await self.ctl(head, *args, env={"TPUPOD_SERVE_TOKEN": token}))[-1]
         if "error" in answer:
             log = answer.get("log", [])
@@ -392,7 +397,7 @@ class RemoteFleet:
                     f"w0: {MISSING} {self.python}: --router sgl runs sgl-router there",
                     hint="pip install 'tpupod[sgl]' on the workers (or --router builtin)",
                 )
-            raise ServeError(f"w0: {answer['error']}: {'; '.join(log)}")
+            raise ServeError(f"w0: {answer['error']}: {'; '.join(map(unstamped, log))}")
         return int(answer["port"])
 
     async def up(
@@ -485,17 +490,21 @@ class RemoteFleet:
             return None
 
     async def missing(self, record: FleetRecord) -> Lost:
-        """What of the recorded fleet does not run (``text`` empty when all of it does)."""
+        """What of the recorded fleet does not run (``text`` empty when all of it does).
+        A process that serves several ports (the builtin backend's) is named once, with
+        them: it was named once per port."""
         agents, router = await self.status()
-        lost = [
-            (w, s.name)
-            for s in record.servers
-            for w in (s.worker, *s.followers)
-            if isinstance(m := member(agents, w, s.name), str) or m["state"] == "stopped"
-        ]
-        router_lost = isinstance(router, str)
-        named = [f"w{w}'s {name}" for w, name in lost] + (["the router"] if router_lost else [])
-        return Lost(frozenset(w for w, _ in lost), router_lost, ", ".join(named))
+        ports: dict[tuple[int, str], list[int]] = {}  # each lost (worker, server): its ports
+        for s in record.servers:
+            for w in (s.worker, *s.followers):
+                if isinstance(m := member(agents, w, s.name), str) or m["state"] == "stopped":
+                    ports.setdefault((w, s.name), []).append(s.port)
+        router_lost = router_failed(router)
+        named = [
+            f"w{w}'s {name}" + (f" (serving :{', :'.join(map(str, on))})" if len(on) > 1 else "")
+            for (w, name), on in ports.items()
+        ] + (["the router"] if router_lost else [])
+        return Lost(frozenset(w for w, _ in ports), router_lost, ", ".join(named))
 
     async def repair(
         self, old: FleetRecord, options: UpOptions, lost: Lost, progress: Progress
@@ -516,8 +525,9 @@ class RemoteFleet:
             await _gather(self.start_servers(w, plans) for w in workers)
             await self.wait_all_ready(workers, options, plans, progress)
             if not lost.router:
+                await self.wait_routed(old, lost.workers, options, progress)
                 return old
-            port = await self.ensure_router(options, old.servers, old.token)
+            port = await self.ensure_router(options, old.servers, old.token, again=True)
         except BaseException:  # a failure, or Ctrl-C
             stops = [self.ctl(w, "stop", "agent") for w in workers]
             stops += [self.ctl(self.pod.workers[0], "stop", "router")] if lost.router else []
@@ -526,6 +536,34 @@ class RemoteFleet:
         record = old.model_copy(update={"router_port": port})
         save_record(self.state, record)
         return record
+
+    async def wait_routed(
+        self, record: FleetRecord, workers: frozenset[int], options: UpOptions, progress: Progress
+    ) -> None:
+        """Until the router routes to the servers started again on ``workers`` (its health
+        checks took them out when they went, and bring them back after ``RISE`` checks in a
+        row): serve up said they were ready while the router still had them down. Bounded:
+        past a few checks' time it says which it does not route to yet, and goes on."""
+        addresses = {s.address for s in record.servers if workers & {s.worker, *s.followers}}
+        deadline = time.monotonic() + ROUTED_CHECKS * options.health_interval + ROUTED_SLACK_S
+        routed: set[str] = set()
+        said = False
+        while time.monotonic() < deadline:
+            view = await self.router_view()
+            routed = set(view.get("backends", [])) if not router_failed(view) else set()
+            if addresses <= routed:
+                return
+            if not said:
+                said = True
+                progress(
+                    f"waiting for the router's health checks (each {options.health_interval:g}s) "
+                    f"to route to {', '.join(sorted(addresses - routed))} again"
+                )
+            await asyncio.sleep(min(0.2, options.health_interval / 4))
+        progress(
+            f"the router does not route to {', '.join(sorted(addresses - routed))} yet: "
+            "'tpupod serve status' shows its view"
+        )
 
     async def start(
         self,
@@ -597,10 +635,23 @@ class RemoteFleet:
         """Every agent's answer and the router's view of its backends, asked at once."""
         status = ["call", "agent", "GET", "/admin/status"]
         asked = [self.answer(w, "agent", status) for w in self.pod.workers]
-        *agents, router = await asyncio.gather(
-            *asked, self.answer(self.pod.workers[0], "router", ["view"])
-        )
+        *agents, router = await asyncio.gather(*asked, self.router_view())
         return agents, router
+
+    async def router_view(self) -> dict[str, Any]:
+        """The router's view of its backends, with its restarts (``restarts``); where it
+        gives none, why (``error``, naming worker 0), and ``down`` when nothing runs the
+        router or starts it again."""
+        head = self.pod.workers[0]
+        try:
+            answer = (await self.ctl(head, "view"))[-1]
+        except (ServeError, WorkerError) as exc:
+            return {"error": exc.message, "down": False, "restarts": None}
+        restarts = answer.get("restarts")
+        why = _failure(head, "router", "its view of the backends", answer)
+        if why is not None:
+            return {"error": why, "down": bool(answer.get("down")), "restarts": restarts}
+        return {**answer["body"], "restarts": restarts}
 
     async def restart(self, workers: list[Worker], name: str | None) -> list[str]:
         done = await _gather(
@@ -677,6 +728,16 @@ def server_labels(plans: dict[int, list[ServerSpec]]) -> dict[int, dict[str, str
                 )
             labels.setdefault(w, {})[s.name] = text
     return labels
+
+
+def _failure(worker: Worker, service: str, what: str, answer: dict[str, Any]) -> str | None:
+    """Why a ctl call's answer has no body, naming the worker (None: it has one)."""
+    if answer.get("status") is None and "error" in answer:  # it does not run or answer
+        return f"{worker.label}: {answer['error']}"
+    if answer.get("status") != 200:
+        why = answer.get("error") or f"HTTP {answer.get('status')}: {answer.get('body')}"
+        return f"{worker.label}: the {service} refused {what}: {why}"
+    return None
 
 
 def own_lines(log: list[str]) -> list[str]:

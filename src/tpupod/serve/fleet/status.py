@@ -12,8 +12,15 @@ from typing import Any
 
 from tpupod.serve.fleet.record import FleetRecord, ServerRecord
 
-# An agent's /admin/status body, or why it gave none (the worker's error, one line).
+# An agent's /admin/status body, or why it gave none (the worker's error, one line). The
+# router's view is a dict either way: why it gave none is its ``error`` (``down``: nothing
+# runs the router or starts it again), its restarts are ``restarts``.
 AgentAnswer = dict[str, Any] | str
+
+
+def router_failed(router: AgentAnswer) -> bool:
+    """Whether the router gave no view of its backends."""
+    return isinstance(router, str) or "error" in router
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class FleetStatus:
     circuits: tuple[str, ...] = ()  # sgl-router: backends whose circuit is not closed
     router_at: float | None = None  # when the router read its counts (its host's clock)
     starting: str | None = None  # the fleet's serve up has not finished: whether it runs
+    router_down: bool = False  # nothing runs the router, nothing starts it again
+    router_restarts: int | None = None  # since serve up started it (after it died)
 
     @property
     def router_kind(self) -> str:
@@ -68,6 +77,12 @@ def fleet_status(
     servers = [_server(record, s, agents, health.get(s.address, {})) for s in record.servers]
     if isinstance(router, str):
         return FleetStatus(record, servers, 0, router, starting=starting)
+    restarts = router.get("restarts")
+    if "error" in router:
+        return FleetStatus(
+            record, servers, 0, str(router["error"]), starting=starting,
+            router_down=bool(router.get("down")), router_restarts=restarts,
+        )  # fmt: skip
     circuits = tuple(
         f"{a}: {h['circuit']}" for a, h in health.items() if h.get("circuit", "closed") != "closed"
     )
@@ -75,7 +90,7 @@ def fleet_status(
     at = router.get("at")
     return FleetStatus(
         record, servers, healthy, None, router.get("router_health"), circuits,
-        float(at) if isinstance(at, int | float) else None, starting,
+        float(at) if isinstance(at, int | float) else None, starting, router_restarts=restarts,
     )  # fmt: skip
 
 
