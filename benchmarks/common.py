@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tpupod.lifecycle import up
-from tpupod.pod import Pod
+from tpupod.pod.lifecycle import up
+from tpupod.pod.record import Pod
+from tpupod.pod.spec import spec_from_mapping
+from tpupod.pod.state import StateDir
 from tpupod.sim import SimPod
-from tpupod.spec import spec_from_mapping
-from tpupod.state import StateDir
 
 TPUPOD = str(Path(sys.executable).with_name("tpupod"))
 # A throwaway simulated pod: no host-key prompts or files, no password fallback.

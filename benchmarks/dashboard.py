@@ -53,9 +53,9 @@ import psutil
 
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
-from tpupod.lifecycle import up
-from tpupod.spec import LocalPodSpec
-from tpupod.state import StateDir
+from tpupod.pod.lifecycle import up
+from tpupod.pod.spec import LocalPodSpec
+from tpupod.pod.state import StateDir
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

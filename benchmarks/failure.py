@@ -29,9 +29,9 @@ from pathlib import Path
 
 from common import TPUPOD
 
-from tpupod.lifecycle import up
-from tpupod.spec import LocalPodSpec
-from tpupod.state import StateDir
+from tpupod.pod.lifecycle import up
+from tpupod.pod.spec import LocalPodSpec
+from tpupod.pod.state import StateDir
 
 FAILURES = {
     "exception": "raise ValueError('bad shard')",

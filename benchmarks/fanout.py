@@ -28,11 +28,11 @@ from pathlib import Path
 
 from common import SSH_OPTIONS, TPUPOD, sim_pod
 
-from tpupod.fanout import execute_async
+from tpupod.fanout.execute import execute_async
 from tpupod.holder.client import stop_holder
+from tpupod.pod.state import StateDir
 from tpupod.providers import connect
 from tpupod.sim import SimPod
-from tpupod.state import StateDir
 
 FABRIC = """
 import sys

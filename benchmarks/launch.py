@@ -27,10 +27,10 @@ import time
 from common import SSH_OPTIONS, TPUPOD, sim_pod
 
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
-from tpupod.lifecycle import up
+from tpupod.pod.lifecycle import up
+from tpupod.pod.spec import LocalPodSpec
+from tpupod.pod.state import StateDir
 from tpupod.sim import SimPod
-from tpupod.spec import LocalPodSpec
-from tpupod.state import StateDir
 
 # The program: meet the others, start JAX, print one line (what "first line" times).
 PROGRAM = (

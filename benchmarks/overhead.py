@@ -30,11 +30,11 @@ from types import ModuleType
 from common import sim_pod
 
 import tpupod.transport.ssh as ssh_transport
-from tpupod import fanout
-from tpupod.pod import Pod
+from tpupod.fanout.execute import execute as fanout
+from tpupod.pod.record import Pod
+from tpupod.pod.state import StateDir
 from tpupod.providers import provider_for
 from tpupod.sim import SimPod
-from tpupod.state import StateDir
 from tpupod.transport import base
 
 
@@ -48,7 +48,7 @@ ANCHOR = "bare wrapper, current engine (the anchor)"
 def old_engine(revision: str) -> ModuleType:
     """``fanout.py`` as it was at ``revision``, loaded beside the current one."""
     source = subprocess.run(
-        ["git", "show", f"{revision}:src/tpupod/fanout.py"],
+        ["git", "show", f"{revision}:src/tpupod/fanout/execute.py"],
         capture_output=True,
         text=True,
         check=True,

@@ -37,11 +37,11 @@ from pathlib import Path
 from common import TPUPOD, sim_pod
 from fanout import FABRIC, measure_sync, openssh_parallel, run_ok, timed
 
-from tpupod import limits
+from tpupod.base import limits
 from tpupod.holder.client import stop_holder
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
+from tpupod.pod.state import StateDir
 from tpupod.sim import SimPod
-from tpupod.state import StateDir
 
 ANCHOR = "OpenSSH, one ssh process per host"
 

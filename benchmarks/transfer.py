@@ -30,10 +30,10 @@ from pathlib import Path
 
 from common import sim_pod
 
+from tpupod.fanout.results import FanoutResult
 from tpupod.ops.transfer import get, put
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.providers import Connector, connect
-from tpupod.results import FanoutResult
 from tpupod.sim import SimPod
 
 

@@ -22,11 +22,11 @@ import pytest
 
 from tpupod import settings
 from tpupod.holder.client import stop_holder
-from tpupod.lifecycle import up
-from tpupod.pod import Pod
+from tpupod.pod.lifecycle import up
+from tpupod.pod.record import Pod
+from tpupod.pod.spec import LocalPodSpec, spec_from_mapping
+from tpupod.pod.state import StateDir
 from tpupod.sim import SimPod, missing_prerequisites
-from tpupod.spec import LocalPodSpec, spec_from_mapping
-from tpupod.state import StateDir
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # Every process this test process starts inherits this mark (each xdist worker sets its own):
@@ -190,7 +190,7 @@ def cli(state_home: Path) -> Callable[..., CliResult]:
     return run
 
 
-FAST_PATHS = (["exec"], ["run"], ["jobs", "submit"])  # tpupod.entry's: not the typer app
+FAST_PATHS = (["exec"], ["run"], ["jobs", "submit"])  # tpupod.cli.entry's: not the typer app
 
 
 @pytest.fixture
@@ -200,7 +200,7 @@ def cli_in_process(state_home: Path) -> Callable[..., CliResult]:
     imports, for checks of what a command prints or refuses. End-to-end checks use ``cli``."""
     from typer.testing import CliRunner
 
-    from tpupod.cli import app_for, command_named, load_commands
+    from tpupod.cli.app import app_for, command_named, load_commands
 
     def run(*args: str, timeout: float = 30, env: dict[str, str] | None = None) -> CliResult:
         assert not any(list(args[: len(p)]) == p for p in FAST_PATHS), "use cli: a fast path"

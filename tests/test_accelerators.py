@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpupod.accelerators import all_names, lookup
 from tpupod.errors import UsageError
+from tpupod.pod.accelerators import all_names, lookup
 
 
 @pytest.mark.parametrize(

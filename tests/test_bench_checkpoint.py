@@ -22,7 +22,7 @@ from tpupod.bench import baseline
 from tpupod.bench.config import load_config, parse_config
 from tpupod.bench.results import METRICS, Results
 from tpupod.errors import BenchConfigError, UsageError
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 SMALL = {
     "suite_name": "small sweep",

@@ -22,7 +22,7 @@ from tpupod.bench import baseline
 from tpupod.bench.config import parse_config
 from tpupod.bench.results import CombinationResult, RepeatStats, Results, Status
 from tpupod.errors import BenchConfigError
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 
 def small(**changes: Any) -> dict[str, Any]:

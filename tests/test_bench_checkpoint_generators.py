@@ -16,7 +16,7 @@ from tpupod.bench import orbax_harness
 from tpupod.bench.config import load_config, parse_config
 from tpupod.bench.results import Results
 from tpupod.errors import BenchConfigError
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 H = orbax_harness.HARNESS
 # Orbax's format; every generator tpupod supports besides PyTreeCheckpointBenchmark, tiny.

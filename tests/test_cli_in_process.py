@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 LINES = [
     # a dry run's request, printed
@@ -35,7 +35,7 @@ def test_in_process_and_a_process_print_the_same(
 
 
 def test_a_fast_path_is_refused(cli_in_process: Callable[..., CliResult]) -> None:
-    # `exec`, `run` and `jobs submit` start in tpupod.entry's fast paths, not the typer app
+    # `exec`, `run` and `jobs submit` start in tpupod.cli.entry's fast paths, not the typer app
     with pytest.raises(AssertionError, match="fast path"):
         cli_in_process("exec", "--", "true")
 

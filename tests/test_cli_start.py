@@ -10,13 +10,13 @@ import sys
 import pytest
 import typer.main
 
-from tpupod.cli import COMMAND_MODULES, app_for, load_commands
+from tpupod.cli.app import COMMAND_MODULES, app_for, load_commands
 
 pytestmark = pytest.mark.unit
 
 # the whole app, every command built with its options (as before app_for)
 WHOLE_APP = (
-    "import sys; from tpupod.cli import app, load_commands; "
+    "import sys; from tpupod.cli.app import app, load_commands; "
     "load_commands(sys.argv[1:]); app(prog_name='tpupod')"
 )
 

@@ -28,9 +28,9 @@ from tpupod.errors import JobStoreError
 from tpupod.jobs.api import listen
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
+from tpupod.pod.state import StateDir
 from tpupod.recovery.record import RecoveryRecord
-from tpupod.state import StateDir
 
 
 def test_a_bind_beyond_loopback_without_a_token_is_refused(cli: Callable[..., CliResult]) -> None:

@@ -27,9 +27,9 @@ from tests.fakes.runs import write_runs
 from tests.test_jobs import db_url, postgres  # noqa: F401 (fixtures: SQLite and PostgreSQL)
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
+from tpupod.pod.state import StateDir
 from tpupod.sim import SimPod
-from tpupod.state import StateDir
 
 # a real browser and a real dashboard process: generous under load, bounded
 pytestmark = pytest.mark.timeout(180)

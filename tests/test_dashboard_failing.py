@@ -17,8 +17,8 @@ import pytest
 from tests.conftest import CliResult, tpupod_argv
 from tests.dashboard_server import Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
 from tests.fakes.runs import write_runs
-from tpupod.pod import Pod
-from tpupod.state import StateDir
+from tpupod.pod.record import Pod
+from tpupod.pod.state import StateDir
 
 pytestmark = pytest.mark.timeout(240)
 

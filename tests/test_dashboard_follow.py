@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.dashboard_server import Dashboard, dashboard_fixture, start_run  # noqa: F401 (a fixture)
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 pytestmark = pytest.mark.timeout(240)
 

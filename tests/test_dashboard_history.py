@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from tests.fakes.runs import write_runs
 from tpupod.dashboard.app import Config, create_app
 from tpupod.dashboard.runs import RunIndex
-from tpupod.lifecycle import up
-from tpupod.spec import LocalPodSpec
-from tpupod.state import StateDir
+from tpupod.pod.lifecycle import up
+from tpupod.pod.spec import LocalPodSpec
+from tpupod.pod.state import StateDir
 
 FEW, MANY = 10, 1000
 ROUNDS = 15

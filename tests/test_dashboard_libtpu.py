@@ -15,7 +15,7 @@ import pytest
 from tests.dashboard_server import Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
 from tests.fakes.libtpu_metrics import LibtpuMetrics
 from tpupod.dashboard import libtpu
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 GIB = 2**30
 

@@ -19,8 +19,8 @@ from tests.test_jobs_cli import MARKED, job_with_a_lost_runner
 from tpupod.jobs import claims
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
-from tpupod.pod import Pod
-from tpupod.state import StateDir
+from tpupod.pod.record import Pod
+from tpupod.pod.state import StateDir
 
 pytestmark = pytest.mark.timeout(180)
 

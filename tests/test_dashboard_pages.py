@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import CliResult
 from tests.dashboard_server import Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult, require, tpupod_argv
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 pytestmark = pytest.mark.local  # mounts a tmpfs: root
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 
 def one_error(result: CliResult, code: int = 2) -> str:

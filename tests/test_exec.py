@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult, require, tpupod_argv, wait_until_gone
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 PREFIX = re.compile(r"^\[w(\d+)\]\s+(.*)$")
 COUNTING = (
@@ -316,7 +316,7 @@ def test_a_failed_worker_s_hint_reaches_the_summary(
 
 # -- the local fast path (localexec) and the summary's shape ------------------------------------
 
-TYPER_ONLY = "from tpupod.cli import main; main()"  # the console script without fast paths
+TYPER_ONLY = "from tpupod.cli.app import main; main()"  # the console script without fast paths
 DURATION = re.compile(r"\d+\.\d\ds|\d+m\d\ds")
 
 

@@ -31,7 +31,7 @@ from tpupod.extract import arc, plan, runner
 from tpupod.extract.data import Sample, read_samples
 from tpupod.extract.runner import ExtractOptions, prepare
 from tpupod.model import load_model
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN2 = FIXTURES / "qwen2-tiny"
@@ -99,7 +99,7 @@ def test_the_workers_flags_parse_back_to_the_same_options(
 
     from typer.testing import CliRunner
 
-    from tpupod.cli import app, load_commands
+    from tpupod.cli.app import app, load_commands
     from tpupod.extract.launcher import worker_argv
 
     options = ExtractOptions(

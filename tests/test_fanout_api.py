@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import tpupod
-from tpupod.fanout import Interrupt, execute, execute_async
-from tpupod.pod import Pod, Worker
-from tpupod.results import OnFail, Outcome
+from tpupod.fanout.execute import Interrupt, execute, execute_async
+from tpupod.fanout.results import OnFail, Outcome
+from tpupod.pod.record import Pod, Worker
 from tpupod.transport import OutputLine, Stream
 
 

@@ -406,10 +406,10 @@ def test_the_provider_holds_one_client(
 ) -> None:
     from google.cloud import tpu_v2
 
-    from tpupod.lifecycle import down, up
+    from tpupod.pod.lifecycle import down, up
+    from tpupod.pod.spec import GcpPodSpec
+    from tpupod.pod.state import StateDir
     from tpupod.providers.gcp import GcpProvider
-    from tpupod.spec import GcpPodSpec
-    from tpupod.state import StateDir
 
     made: list[object] = []
     original = tpu_v2.TpuClient.__init__

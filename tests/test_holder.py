@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult, sim_leftovers, tpupod_argv
-from tpupod.execflow import ExecArgs, parse_plain, plan_exec, run_held
+from tpupod.cli.flow.exec import ExecArgs, parse_plain, plan_exec, run_held
 from tpupod.holder import socket_path
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
+from tpupod.pod.state import StateDir
 from tpupod.sim import SimPod
-from tpupod.state import StateDir
 
 
 def holder_pid(pod: Pod) -> int | None:
@@ -129,8 +129,8 @@ def test_the_fast_parser_agrees_with_the_cli(line: str) -> None:
     assert args is not None
     from typer.testing import CliRunner
 
-    from tpupod.cli import app
     from tpupod.cli import exec as exec_module
+    from tpupod.cli.app import app
 
     seen: dict[str, ExecArgs] = {}
 

@@ -26,10 +26,10 @@ import pytest
 
 from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
 from tpupod.errors import UsageError
+from tpupod.fanout.report import print_summary
+from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
 from tpupod.image.containerize import PODMAN_DEFAULT_LIMIT, Container, Mount, explain, wrap
-from tpupod.pod import Pod, Worker
-from tpupod.report import print_summary
-from tpupod.results import FanoutResult, Outcome, WorkerResult
+from tpupod.pod.record import Pod, Worker
 from tpupod.sim import SimPod
 from tpupod.transport import ExitStatus
 

@@ -23,7 +23,7 @@ from tpupod.errors import LeaseLost
 from tpupod.jobs import claims
 from tpupod.jobs.models import Claim, JobRequest, JobStatus
 from tpupod.jobs.store import Store
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 pytestmark = pytest.mark.local  # a database server and runner processes
 

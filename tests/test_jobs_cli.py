@@ -24,7 +24,7 @@ import tpupod.cli.jobs  # noqa: F401  (registers `jobs` for CliRunner)
 from tests.conftest import CliResult, tpupod_argv
 from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
 from tests.test_jobs_api import serving
-from tpupod.cli import app
+from tpupod.cli.app import app
 from tpupod.jobs import claims, quick, schema, service
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.store import Store
@@ -414,7 +414,7 @@ def _row(store: Store, job_id: int) -> dict[str, Any]:
     return values
 
 
-TYPER_ONLY = "from tpupod.cli import main; main()"  # the console script without fast paths
+TYPER_ONLY = "from tpupod.cli.app import main; main()"  # the console script without fast paths
 
 
 def test_the_fast_path_and_the_typer_command_store_the_same_row(
@@ -451,7 +451,7 @@ def test_a_plain_submit_imports_no_framework_and_no_sqlalchemy(
     Store.open(db).close()
     probe = (
         "import sys\n"
-        "from tpupod.entry import main\n"
+        "from tpupod.cli.entry import main\n"
         f"sys.argv = ['tpupod', 'jobs', 'submit', '--db', {db!r}, '--', 'true']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "heavy = {'sqlalchemy', 'typer', 'pydantic'} & set(sys.modules)\n"

@@ -14,12 +14,12 @@ import pytest
 
 from tests.conftest import CliResult
 from tests.test_jobs import command_job, runner_at_work
-from tpupod import podusers
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.store import Store
-from tpupod.pod import Pod
+from tpupod.pod import users as podusers
+from tpupod.pod.record import Pod
+from tpupod.pod.state import StateDir
 from tpupod.providers import provider_for
-from tpupod.state import StateDir
 
 pytestmark = pytest.mark.local  # runner processes on a local pod
 

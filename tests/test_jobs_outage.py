@@ -30,7 +30,7 @@ from tpupod.jobs.linebuffer import LineBuffer
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.runner import Runner
 from tpupod.jobs.store import CONNECT_TIMEOUT_S, Store
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 pytestmark = pytest.mark.local  # a database server and runner processes
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
-from tpupod import limits
+from tpupod.base import limits
 from tpupod.launch.identity import IdentityError, worker
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -563,7 +563,7 @@ def test_the_summary_never_shows_tpupods_own_marker_lines(
     pod = make_pod(2)
     # What an extract or bench worker prints last: its final progress marker, its results.
     program = (
-        "from tpupod.podprogress import marker; from tpupod.bench.wire import MARKER; "
+        "from tpupod.fanout.progress import marker; from tpupod.bench.wire import MARKER; "
         "print('the real last line'); print(marker(8, 8, 'samples', 'done')); "
         "print(MARKER + '1/1 eJyrVgoBAAD/AHs=')"
     )

@@ -12,8 +12,8 @@ import json
 from collections.abc import Callable
 
 from tests.conftest import require
-from tpupod.fanout import execute
-from tpupod.pod import Pod
+from tpupod.fanout.execute import execute
+from tpupod.pod.record import Pod
 
 PROBE = r"""
 import json, os, jax

@@ -37,7 +37,7 @@ from tests.checkpoints import CUT_AT, padding_checkpoint
 from tests.conftest import CliResult
 from tpupod.errors import CheckpointError, ModelError
 from tpupod.model import QwenModel, load_model
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 FIXTURES = Path(os.environ.get("TPUPOD_MODEL_FIXTURES") or Path(__file__).parent / "fixtures")
 FAMILIES = ["qwen2", "qwen3"]

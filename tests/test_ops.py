@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult
-from tpupod.fanout import execute
+from tpupod.fanout.execute import execute
 from tpupod.ops.free_tpu import free_tpu
 from tpupod.ops.setup import setup
 from tpupod.ops.sync import sync_local, sync_remote
 from tpupod.ops.transfer import get, put
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
 
 GIT_ENV = {

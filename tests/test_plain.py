@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpupod.results import FanoutResult, Outcome, WorkerResult
-from tpupod.state import WorkerBrief
+from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
+from tpupod.pod.state import WorkerBrief
 from tpupod.transport.base import ExitStatus
 
 pytestmark = pytest.mark.unit

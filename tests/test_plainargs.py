@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from tests.conftest import CliResult
-from tpupod.plainargs import OptionTable, scan
-from tpupod.pod import Pod
-from tpupod.runflow import RunArgs, parse_plain
+from tpupod.cli.args import OptionTable, scan
+from tpupod.cli.flow.run import RunArgs, parse_plain
+from tpupod.pod.record import Pod
 
 
 @pytest.mark.parametrize(
@@ -32,8 +32,8 @@ def test_the_fast_reader_agrees_with_the_cli(line: str, monkeypatch: pytest.Monk
     assert args is not None
     from typer.testing import CliRunner
 
-    from tpupod.cli import app
     from tpupod.cli import run as run_module
+    from tpupod.cli.app import app
 
     seen: dict[str, RunArgs] = {}
 
@@ -85,7 +85,7 @@ def test_a_plain_run_loads_no_cli_framework(
         "import atexit, sys\n"
         "atexit.register(lambda: print('typer loaded:', 'typer' in sys.modules, file=sys.stderr))\n"
         f"sys.argv = ['tpupod', 'run', '--pod', {pod.name!r}, '--', 'echo', 'ready']\n"
-        "from tpupod.entry import main\n"
+        "from tpupod.cli.entry import main\n"
         "main()\n"
     )
     proc = subprocess.run(
@@ -112,7 +112,7 @@ def test_both_readers_report_the_same_way(
     argv = ["run", "-q", "--pod", pod.name, *shlex.split(line)]
     fast = cli(*argv)
     full = subprocess.run(
-        [sys.executable, "-c", "from tpupod.cli import main; main()", *argv],
+        [sys.executable, "-c", "from tpupod.cli.app import main; main()", *argv],
         capture_output=True,
         text=True,
         timeout=60,

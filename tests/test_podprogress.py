@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 from rich.console import Console
 
-from tpupod.podprogress import PodProgress, marker, parse
+from tpupod.fanout.progress import PodProgress, marker, parse
 from tpupod.transport import OutputLine, Stream
 
 
@@ -79,7 +79,7 @@ def test_parse_takes_only_whole_markers() -> None:
 
 def test_rate_and_eta_on_the_launchers_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr("tpupod.podprogress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("tpupod.fanout.progress.time.monotonic", lambda: clock[0])
     view = PodProgress("x", [W(0)], None, tty=False)
     view(W(0), out(marker(0, 10, "samples")))
     clock[0] = 102.0

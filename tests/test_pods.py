@@ -13,10 +13,10 @@ import pytest
 
 from tests.conftest import CliResult, described, pod_processes, tpupod_argv, wait_until_gone
 from tpupod.errors import PodExists, PodNotFound, StateError
-from tpupod.lifecycle import up
-from tpupod.pod import Pod
-from tpupod.spec import LocalPodSpec
-from tpupod.state import StateDir
+from tpupod.pod.lifecycle import up
+from tpupod.pod.record import Pod
+from tpupod.pod.spec import LocalPodSpec
+from tpupod.pod.state import StateDir
 
 
 def test_round_trip(cli: Callable[..., CliResult], state_home: Path) -> None:
@@ -217,8 +217,8 @@ def test_python_api_errors(state_home: Path) -> None:
 
 def test_the_spec_and_dry_run_requests_are_python_calls(state_home: Path) -> None:
     """What `up --dry-run` and `down --dry-run` print comes from lifecycle, no CLI needed."""
-    from tpupod import lifecycle
-    from tpupod.spec import UpFlags
+    from tpupod.pod import lifecycle
+    from tpupod.pod.spec import UpFlags
 
     flags = UpFlags(name="t", gcp=True, tpu_type="v4-16", zone="us-central2-b", project="p")
     tpu = lifecycle.spec_for(flags)

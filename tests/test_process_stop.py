@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tpupod import procfs
+from tpupod.base import procfs
 from tpupod.jobs.attempt import Hooks
 from tpupod.jobs.execute import LocalExecutor
 from tpupod.jobs.models import JobRequest, JobStatus

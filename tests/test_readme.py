@@ -22,8 +22,8 @@ import pytest
 
 from tests.conftest import pod_processes
 from tpupod.holder.client import stop_holder
+from tpupod.pod.state import StateDir
 from tpupod.sim import SimPod
-from tpupod.state import StateDir
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import CliResult
 from tests.test_launch import kill_launcher_once_started
 from tpupod.errors import PodNotFound, UsageError
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 
 def fake_run(

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import CliResult, tpupod_argv, wait_until_gone
 from tests.test_recovery_gcp import PROGRAM, expected_value, shared_dir
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
 
 __all__ = ["shared_dir"]  # the fixture, shared with test_recovery_gcp

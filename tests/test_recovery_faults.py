@@ -220,10 +220,10 @@ def test_waiting_for_capacity_is_shown_and_its_polls_back_off(
     import asyncio
     import types
 
-    from tpupod.lifecycle import up
+    from tpupod.pod.lifecycle import up
+    from tpupod.pod.spec import GcpPodSpec
+    from tpupod.pod.state import StateDir
     from tpupod.providers import gcp
-    from tpupod.spec import GcpPodSpec
-    from tpupod.state import StateDir
 
     pauses: list[float] = []
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import CliResult, tpupod_argv
 from tests.fakes.tpu_api import TpuApiStandIn, on_sim_hosts
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
 
 PROGRAM = str(Path(__file__).parent / "programs" / "steps.py")

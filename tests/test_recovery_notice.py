@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from tests.conftest import tpupod_argv
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.transport.base import command_script
 
 PYTHON = sys.executable

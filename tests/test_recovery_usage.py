@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import CliResult, tpupod_argv
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
 
 PYTHON = sys.executable

@@ -44,7 +44,7 @@ from tests.conftest import (
     wait_until_gone,
 )
 from tpupod.errors import UsageError
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.serve.backends import Backend, ServerSpec, check_model, device_slices, plan, render
 from tpupod.serve.router.server import StreamTally, check_body
 

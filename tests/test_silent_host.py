@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import CliResult, tpupod_argv
 from tests.test_serve_fleet import STUB_COMMAND
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
 
 SILENT = 1  # the worker whose host goes silent

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import CliResult
 from tpupod.errors import SpecError
-from tpupod.spec import LocalPodSpec, load_spec_file
+from tpupod.pod.spec import LocalPodSpec, load_spec_file
 
 BAD_FILES = {
     "not-yaml": ("name: dev\nworkers: [1, 2\n", "bad.yaml:3:1: not valid YAML"),

@@ -12,14 +12,14 @@ import pytest
 
 from tests.conftest import CliResult, sim_leftovers
 from tpupod.errors import TpupodError
-from tpupod.fanout import execute
-from tpupod.lifecycle import up
-from tpupod.pod import Pod
+from tpupod.fanout.execute import execute
+from tpupod.fanout.results import Outcome
+from tpupod.pod.lifecycle import up
+from tpupod.pod.record import Pod
+from tpupod.pod.spec import spec_from_mapping
+from tpupod.pod.state import StateDir
 from tpupod.providers import connect
-from tpupod.results import Outcome
 from tpupod.sim import SimPod
-from tpupod.spec import spec_from_mapping
-from tpupod.state import StateDir
 
 
 def test_a_host_whose_sshd_is_stopped_is_named_while_the_others_complete(
@@ -40,7 +40,7 @@ def test_a_host_that_dies_mid_command_is_reported(
     pod = make_ssh_pod()
 
     async def go() -> list[Outcome]:
-        from tpupod.fanout import execute_async
+        from tpupod.fanout.execute import execute_async
 
         loop = asyncio.get_running_loop()
         loop.call_later(0.8, sim_hosts_up.stop_host, 1)
@@ -68,7 +68,7 @@ def test_kill_minus_nine_on_the_host_is_reported(
     pod = make_ssh_pod()
 
     async def go() -> list[str]:
-        from tpupod.fanout import execute_async
+        from tpupod.fanout.execute import execute_async
 
         loop = asyncio.get_running_loop()
         loop.call_later(1.0, lambda: sim.run_on(0, "pkill -9 -f 'sleep 42'"))
@@ -168,7 +168,7 @@ def test_connections_are_reused_across_calls(make_ssh_pod: Callable[..., Pod]) -
     pod = make_ssh_pod()
 
     async def go() -> tuple[float, float]:
-        from tpupod.fanout import execute_async
+        from tpupod.fanout.execute import execute_async
 
         connector = connect(pod)
         try:

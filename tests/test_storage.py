@@ -1,4 +1,4 @@
-"""tpupod.storage: the same calls on a local folder, fsspec's memory:// and gs:// (a local
+"""tpupod.base.storage: the same calls on a local folder, fsspec's memory:// and gs:// (a local
 GCS emulator, through gcsfs, as the extract and bench tests use it)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tpupod import storage
+from tpupod.base import storage
 from tpupod.errors import UsageError
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tpupod"
 
@@ -20,16 +20,16 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "tpupod"
 # reaches the holder with.
 LIGHT_MODULES = [
     "tpupod",
-    "tpupod.entry",
-    "tpupod.names",
-    "tpupod.choices",
-    "tpupod.selection",
-    "tpupod.results",
-    "tpupod.execflow",
+    "tpupod.cli.entry",
+    "tpupod.pod.names",
+    "tpupod.pod.choices",
+    "tpupod.pod.selection",
+    "tpupod.fanout.results",
+    "tpupod.cli.flow.exec",
     "tpupod.errors",
     "tpupod.settings",
-    "tpupod.state",
-    "tpupod.report",
+    "tpupod.pod.state",
+    "tpupod.fanout.report",
     "tpupod.holder",
     "tpupod.holder.client",
 ]
@@ -95,7 +95,7 @@ def test_light_modules_import_nothing_heavy(module: str) -> None:
 
 
 def test_the_light_check_sees_a_heavy_import() -> None:
-    script = "import sys, tpupod.spec; print('pydantic' in sys.modules)"
+    script = "import sys, tpupod.pod.spec; print('pydantic' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.stdout.strip() == "True", done.stderr
 
@@ -107,7 +107,7 @@ OTHER_COMMANDS = ("serve", "jobs", "extract", "bench", "image", "dashboard")
 IMPORTS_AT_EXIT = (
     "import atexit, sys; "
     "atexit.register(lambda: print('IMPORTED', *sorted(sys.modules), file=sys.stderr)); "
-    "sys.argv[0] = 'tpupod'; from tpupod.entry import main; main()"
+    "sys.argv[0] = 'tpupod'; from tpupod.cli.entry import main; main()"
 )
 
 
@@ -269,7 +269,7 @@ def test_each_command_is_loaded_by_its_own_name() -> None:
     """`tpupod NAME` imports only COMMAND_MODULES[NAME]: that module must register NAME."""
     import sys as _sys
 
-    from tpupod.cli import COMMAND_MODULES, app, load_commands
+    from tpupod.cli.app import COMMAND_MODULES, app, load_commands
 
     load_commands(["--help"])  # every module
     commands = {c.name: c.callback for c in app.registered_commands}

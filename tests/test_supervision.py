@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import CliResult, sim_leftovers, tpupod_argv
 from tests.test_launch import needs_jax
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
 
 PYTHON = sys.executable

@@ -21,13 +21,13 @@ import pytest
 
 from tests.conftest import CliResult, require
 from tests.test_ops import make_tree, trees_equal
-from tpupod.lifecycle import up
 from tpupod.ops.transfer import get, put
-from tpupod.pod import Pod
+from tpupod.pod.lifecycle import up
+from tpupod.pod.record import Pod
+from tpupod.pod.spec import spec_from_mapping
+from tpupod.pod.state import StateDir
 from tpupod.providers import connect
 from tpupod.sim import SimPod, missing_prerequisites
-from tpupod.spec import spec_from_mapping
-from tpupod.state import StateDir
 from tpupod.transport import tarstream
 
 pytestmark = pytest.mark.ssh

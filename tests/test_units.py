@@ -10,7 +10,7 @@ import pytest
 
 from tpupod.errors import UsageError
 from tpupod.launch.run import Chatter
-from tpupod.selection import parse_worker_selection, select_ids
+from tpupod.pod.selection import parse_worker_selection, select_ids
 from tpupod.transport import ExitStatus
 from tpupod.transport.lines import LineSplitter
 
@@ -181,7 +181,7 @@ def test_chatter_cuts_gloo_pieces_out_wherever_they_land(
 def test_write_atomic_writes_whole_files_and_leaves_nothing_beside(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from tpupod.files import write_atomic
+    from tpupod.base.files import write_atomic
 
     dest = tmp_path / "sub" / "results.json"
     write_atomic(dest, [b"ab", memoryview(b"cd")], mode=0o644, sync=False)

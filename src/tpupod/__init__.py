@@ -23,7 +23,7 @@ from ``tpupod.latest_checkpoint(ckpt_dir)`` (the newest complete Orbax step, or 
 
 from __future__ import annotations
 
-from tpupod.lazy import attributes
+from tpupod.base.lazy import attributes
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (mypy reads it as True)
 
@@ -56,28 +56,28 @@ __all__ = [
 
 if TYPE_CHECKING:
     from tpupod.errors import FanoutFailed, TpupodError
-    from tpupod.fanout import execute, execute_async
+    from tpupod.fanout.execute import execute, execute_async
+    from tpupod.fanout.results import FanoutResult, WorkerResult
     from tpupod.launch.client import assert_same, rendezvous
     from tpupod.launch.identity import worker
     from tpupod.launch.jaxinit import init_jax
     from tpupod.launch.records import RunOutcome, RunRecord, get_run, runs
     from tpupod.ops.status import PodStatus, WorkerStatus, pod_status
-    from tpupod.pod import Pod, Worker
+    from tpupod.pod.record import Pod, Worker
+    from tpupod.pod.state import get_pod
     from tpupod.recovery.checkpoints import latest_checkpoint
-    from tpupod.results import FanoutResult, WorkerResult
-    from tpupod.state import get_pod
 
 # Imported on first use so that `import tpupod` (and the CLI) stays fast.
 _LAZY = {
     "FanoutFailed": "tpupod.errors",
     "TpupodError": "tpupod.errors",
-    "FanoutResult": "tpupod.results",
-    "WorkerResult": "tpupod.results",
-    "execute": "tpupod.fanout",
-    "execute_async": "tpupod.fanout",
-    "Pod": "tpupod.pod",
-    "Worker": "tpupod.pod",
-    "get_pod": "tpupod.state",
+    "FanoutResult": "tpupod.fanout.results",
+    "WorkerResult": "tpupod.fanout.results",
+    "execute": "tpupod.fanout.execute",
+    "execute_async": "tpupod.fanout.execute",
+    "Pod": "tpupod.pod.record",
+    "Worker": "tpupod.pod.record",
+    "get_pod": "tpupod.pod.state",
     "pod_status": "tpupod.ops.status",
     "PodStatus": "tpupod.ops.status",
     "WorkerStatus": "tpupod.ops.status",

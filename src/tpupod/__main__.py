@@ -1,5 +1,5 @@
 """``python -m tpupod`` is the ``tpupod`` command."""
 
-from tpupod.entry import main
+from tpupod.cli.entry import main
 
 main()

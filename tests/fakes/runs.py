@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from tpupod.state import StateDir
+from tpupod.pod.state import StateDir
 
 
 def write_runs(state: StateDir, pod: str, workers: int, count: int) -> str:

@@ -61,7 +61,7 @@ from urllib.parse import parse_qs, urlparse
 
 from google.protobuf.json_format import ParseError  # type: ignore[import-untyped]
 
-from tpupod.accelerators import all_names, lookup
+from tpupod.pod.accelerators import all_names, lookup
 from tpupod.sim import SimPod
 
 NODE_TYPE = "type.googleapis.com/google.cloud.tpu.{version}.Node"

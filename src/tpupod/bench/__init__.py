@@ -9,7 +9,7 @@ wire.py           worker 0's results as output lines, and back
 baseline.py       an earlier results file (or the latest of the suite), each metric's verdict
 plots.py          one PNG per benchmark (matplotlib)
 launcher.py       the launcher's side: the plan, ``tpupod run``, the results on disk
-(results are written through tpupod.storage: a local folder, or gs:// through fsspec)
+(results are written through tpupod.base.storage: a local folder, or gs:// through fsspec)
 
 Design notes: docs/checkpoint-bench.md.
 """

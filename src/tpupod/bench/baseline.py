@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 from pydantic_core import to_jsonable_python
 
-from tpupod import storage
+from tpupod.base import storage
 from tpupod.bench.config import BenchConfig, as_written
 from tpupod.bench.results import (
     ALPHA,

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpupod import storage
+from tpupod.base import storage
 from tpupod.bench.baseline import RESULTS_FILE, suite_dir
 from tpupod.bench.config import BenchConfig
 from tpupod.bench.plots import write_plots
@@ -23,12 +23,12 @@ from tpupod.bench.results import Results
 from tpupod.bench.wire import Collector, Plan
 from tpupod.errors import BenchError, UsageError
 from tpupod.extras import worker_argv
-from tpupod.fanout import Interrupt, NoticeHandler
+from tpupod.fanout.execute import Interrupt, NoticeHandler
+from tpupod.fanout.worker import LineHandler
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
-from tpupod.pod import Pod, Worker
+from tpupod.pod.record import Pod, Worker
 from tpupod.transport import OutputLine
-from tpupod.workerrun import LineHandler
 
 WORKER_MODULE = "tpupod.bench.worker"
 # On hosts, checkpoints go here (relative to the home) unless --checkpoint-dir names a shared
@@ -157,7 +157,7 @@ async def remove_scratch(pod: Pod, checkpoints: str, launches: list[str]) -> Non
         for launch in set(launches) & set(storage.names(checkpoints)):
             storage.remove_tree(storage.join(checkpoints, launch))
         return
-    from tpupod.fanout import execute_async
+    from tpupod.fanout.execute import execute_async
 
     folders = [f"{checkpoints}/{launch}" for launch in launches]
     await execute_async(pod, shlex.join(["rm", "-rf", "--", *folders]), timeout=60)

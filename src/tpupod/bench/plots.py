@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 
-from tpupod import storage
+from tpupod.base import storage
 from tpupod.bench.results import OP, CombinationResult, Results
 
 OPS = (("save_gbps", "save"), ("restore_gbps", "restore"))

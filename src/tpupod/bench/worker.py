@@ -29,10 +29,10 @@ from tpupod.bench.results import CombinationResult, Results, Sample, Status
 from tpupod.bench.verify import restore_problems
 from tpupod.bench.wire import Plan, encode
 from tpupod.errors import BenchError, TpupodError
+from tpupod.fanout.progress import marker
 from tpupod.launch.client import client, rendezvous
 from tpupod.launch.identity import WorkerIdentity
 from tpupod.launch.jaxinit import init_jax
-from tpupod.podprogress import marker
 
 
 def main() -> int:

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from tpupod.cli import app, command
+from tpupod.cli.app import app, command
 from tpupod.cli.exec import QuietOption, TimeoutOption
+from tpupod.cli.flow.live import Live, run_live
 from tpupod.cli.options import PodOption
 from tpupod.errors import BenchError
-from tpupod.live import Live, run_live
 
 if TYPE_CHECKING:
     from tpupod.bench.baseline import Change, Comparison
@@ -137,13 +137,13 @@ def checkpoint(
 
       tpupod bench checkpoint -c bench.yaml --checkpoint-dir gs://bucket/ckpt -o gs://bucket/runs
     """
-    from tpupod import storage
+    from tpupod.base import storage
     from tpupod.bench import baseline as baselines
     from tpupod.bench.config import check_fits, load_config
     from tpupod.bench.launcher import checkpoint_dir as where
     from tpupod.bench.launcher import raise_for_failures, run_bench
-    from tpupod.spec import LocalPodSpec
-    from tpupod.state import StateDir
+    from tpupod.pod.spec import LocalPodSpec
+    from tpupod.pod.state import StateDir
 
     suite = load_config(config)  # every problem before anything starts
     earlier = _baseline_path(baseline, output, suite.suite_name)
@@ -160,7 +160,7 @@ def checkpoint(
         storage.check_writable(checkpoints, "--checkpoint-dir")
 
     async def body(live: Live) -> BenchRun:
-        from tpupod.podprogress import PodProgress
+        from tpupod.fanout.progress import PodProgress
 
         view = PodProgress(
             f"bench {suite.suite_name}",
@@ -184,7 +184,7 @@ def checkpoint(
 
     done = run_live(workers, quiet, body)
     if done.results is None:
-        from tpupod.report import print_summary
+        from tpupod.fanout.report import print_summary
 
         print_summary(done.run.fanout, sys.stderr, title=f"bench {done.run.launch.launch_id}")
         code = done.run.fanout.exit_code()

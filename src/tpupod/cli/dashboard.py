@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
-from tpupod.cli import command
-from tpupod.report import notice
+from tpupod.cli.app import command
+from tpupod.fanout.report import notice
 
 
 @command("dashboard", needs=("dashboard",))

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tpupod.cli import command
+from tpupod.cli.app import command
+from tpupod.cli.flow.exec import ExecArgs, finish, plan_exec, run_held
+from tpupod.cli.flow.live import Live, run_live
 from tpupod.cli.image import (
     EngineOption,
     ImageOption,
@@ -16,14 +18,12 @@ from tpupod.cli.image import (
     PrivilegedOption,
 )
 from tpupod.cli.options import EnvOption, PodOption
-from tpupod.execflow import ExecArgs, finish, plan_exec, run_held
+from tpupod.fanout.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 from tpupod.image.options import container_from_options
-from tpupod.live import Live, run_live
-from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
 
 if TYPE_CHECKING:
     from tpupod.image.containerize import Container
-    from tpupod.pod import Pod, Worker
+    from tpupod.pod.record import Pod, Worker
 
 WorkerOption = Annotated[
     str | None,
@@ -132,7 +132,7 @@ class ContainerOptions:
 def run_exec(args: ExecArgs, in_image: ContainerOptions | None = None) -> None:
     """The exec command proper: through the pod's connection holder for SSH pods, else here;
     in a container on every worker with ``in_image`` (never through the holder)."""
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     state = StateDir()
     plan = plan_exec(args, state)
@@ -173,7 +173,7 @@ def run_with_signals(
 ) -> FanoutResult:
     """Run a fan-out with its output printed; SIGINT/SIGTERM stop every worker cleanly."""
 
-    from tpupod.fanout import execute_async
+    from tpupod.fanout.execute import execute_async
 
     def body(live: Live) -> Awaitable[FanoutResult]:
         options: dict[str, Any] = {
@@ -198,8 +198,8 @@ async def _in_containers(
     pod: Pod, command: str, container: Container, options: dict[str, Any]
 ) -> FanoutResult:
     from tpupod.image.containerize import execute_in_containers
+    from tpupod.pod.state import StateDir
     from tpupod.providers import provider_for
-    from tpupod.state import StateDir
 
     connector = provider_for(pod.provider).connect(pod, StateDir())
     try:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from tpupod.cli import command
+from tpupod.cli.app import command
 from tpupod.errors import ExtractError
 from tpupod.extras import require
 
@@ -182,12 +182,12 @@ def _layers(text: str) -> tuple[int, ...]:
 
 def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int:
     """Check the input here first (one clear error, nothing started), then launch everywhere."""
+    from tpupod.cli.flow.live import Live, run_live
     from tpupod.extract.launcher import plan_launch, run_extract, said_progress
+    from tpupod.fanout.progress import PodProgress
+    from tpupod.fanout.report import print_summary
     from tpupod.launch.run import RunResult
-    from tpupod.live import Live, run_live
-    from tpupod.podprogress import PodProgress
-    from tpupod.report import print_summary
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     launch = plan_launch(StateDir().resolve(pod), options, worker_python)
 

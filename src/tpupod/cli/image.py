@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tpupod.cli import app, command
+from tpupod.cli.app import app, command
 from tpupod.cli.options import PodOption
 
 image_app = typer.Typer(
@@ -97,10 +97,10 @@ def build(
 
       tpupod image build -t app:1 -f docker/Dockerfile --on-each .
     """
+    from tpupod.fanout.report import format_duration, notice
     from tpupod.image.build import BuildRequest, run_build
     from tpupod.image.container_engine import check_engine
-    from tpupod.report import format_duration, notice
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     request = BuildRequest(tag, context, file, check_engine(engine), on_each)
@@ -123,6 +123,6 @@ def ls(pod: PodOption = None, engine: EngineOption = None) -> None:
     """
     from tpupod.image.container_engine import check_engine
     from tpupod.image.listing import images_table
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     print(images_table(StateDir().resolve(pod), check_engine(engine)))

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from tpupod.cli import app, command
+from tpupod.cli.app import app, command
 from tpupod.cli.options import PodOption
-from tpupod.report import notice
+from tpupod.fanout.report import notice
 
 if TYPE_CHECKING:
     from tpupod.jobs.models import Job

@@ -10,14 +10,14 @@ from typing import Annotated
 import typer
 
 from tpupod import settings
-from tpupod.cli import command
+from tpupod.cli.app import command
 from tpupod.cli.exec import QuietOption, TimeoutOption, WorkerOption
+from tpupod.cli.flow.live import Live, run_live
 from tpupod.cli.options import PodOption
 from tpupod.errors import TpupodError, UsageError
-from tpupod.live import Live, run_live
+from tpupod.fanout.report import print_summary
+from tpupod.fanout.results import FanoutResult
 from tpupod.ops import defaults
-from tpupod.report import print_summary
-from tpupod.results import FanoutResult
 
 
 def _finish(result: FanoutResult, title: str) -> None:
@@ -43,7 +43,7 @@ def put(
       tpupod put ./data/ /mnt/data/          # into /mnt/data/data
     """
     from tpupod.ops.transfer import put as put_op
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
@@ -67,7 +67,7 @@ def get(
       tpupod get results/ ./results          # ./results/worker-0/results, ...
     """
     from tpupod.ops.transfer import get as get_op
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
@@ -129,7 +129,7 @@ def sync(
       tpupod sync --from-local --dir ~/code     # unpushed commits too
     """
     from tpupod.ops import sync as sync_ops
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
@@ -224,7 +224,7 @@ def setup(
     """
     from tpupod.errors import UsageError
     from tpupod.ops import setup as setup_ops
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     if (script is None) == (not docker):
         raise UsageError(
@@ -290,7 +290,7 @@ def free_tpu(
       tpupod free-tpu -w 3
     """
     from tpupod.ops import free_tpu as free_tpu_ops
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)

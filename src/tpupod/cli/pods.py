@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
-from tpupod.cli import command
+from tpupod.cli.app import command
 from tpupod.cli.options import EnvOption, Format, FormatOption, PodOption
 from tpupod.errors import SpecError, TpupodError
-from tpupod.report import notice, print_columns, print_error
+from tpupod.fanout.report import notice, print_columns, print_error
+from tpupod.pod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
 
 if TYPE_CHECKING:
     from tpupod.ops.status import PodStatus
-    from tpupod.pod import Pod
+    from tpupod.pod.record import Pod
+    from tpupod.pod.spec import UpFlags
+    from tpupod.pod.state import StateDir
     from tpupod.providers.gcp_api import ApiRequest
-    from tpupod.spec import UpFlags
-    from tpupod.state import StateDir
 
 
 @command("up")
@@ -194,9 +194,9 @@ def up(
       tpupod up -f tpupod.yaml --name dev-2      # flags override the file
     """
     given = dict(locals())  # first: the parameters, named as UpFlags' fields
-    from tpupod import lifecycle
-    from tpupod.spec import SshPodSpec
-    from tpupod.state import StateDir
+    from tpupod.pod import lifecycle
+    from tpupod.pod.spec import SshPodSpec
+    from tpupod.pod.state import StateDir
 
     spec = lifecycle.spec_for(_up_flags(given))
     if isinstance(spec, SshPodSpec):
@@ -215,7 +215,7 @@ def up(
 def _up_flags(given: dict[str, Any]) -> UpFlags:
     """``up``'s parameters as UpFlags (repeated options as tuples); a parameter that is not
     a field, other than --dry-run and --recreate, is a TypeError here."""
-    from tpupod.spec import UpFlags
+    from tpupod.pod.spec import UpFlags
 
     flags = {k: v for k, v in given.items() if k not in ("dry_run", "recreate")}
     for repeated in ("tags", "labels", "env"):
@@ -257,8 +257,8 @@ def down(
 
       tpupod down --pod big-tpu --dry-run
     """
-    from tpupod import lifecycle
-    from tpupod.state import StateDir
+    from tpupod.pod import lifecycle
+    from tpupod.pod.state import StateDir
 
     state = StateDir()
     target = state.resolve(pod)
@@ -309,7 +309,7 @@ def list_pods(
 
       tpupod list --all --zone us-central2-b
     """
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     pods, broken = StateDir().pods()
     if output is Format.JSON:
@@ -345,7 +345,7 @@ def hosts(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
 
       tpupod hosts --pod dev --format json | jq -r '.[].internal_address'
     """
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     if output is Format.JSON:
@@ -380,8 +380,8 @@ def status(
       tpupod status --pod dev
     """
     from tpupod.ops.status import pod_status
+    from tpupod.pod.state import StateDir
     from tpupod.recovery.record import latest_recovery
-    from tpupod.state import StateDir
 
     if tpu is not None:
         _status_of_tpu(tpu, zone, project)

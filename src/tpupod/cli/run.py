@@ -6,13 +6,13 @@ from typing import Annotated
 
 import typer
 
-from tpupod.choices import RendezvousOn
-from tpupod.cli import command
+from tpupod.cli.app import command
 from tpupod.cli.exec import GraceOption, TimeoutOption, WorkerOption
+from tpupod.cli.flow.run import RunArgs, run_command
 from tpupod.cli.image import EngineOption, ImageOption, MountOption, PrivilegedOption
 from tpupod.cli.options import EnvOption, PodOption
-from tpupod.results import DEFAULT_GRACE_S, OnFail
-from tpupod.runflow import RunArgs, run_command
+from tpupod.fanout.results import DEFAULT_GRACE_S, OnFail
+from tpupod.pod.choices import RendezvousOn
 
 
 @command("run", context_settings={"allow_interspersed_args": False})
@@ -237,7 +237,7 @@ def logs(
     """
     from tpupod.errors import UsageError
     from tpupod.launch.logview import list_runs, show_logs
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     state = StateDir()
     if list_runs_wanted:
@@ -263,6 +263,6 @@ def cancel(
 
       tpupod cancel 20261127-080102-5d1e2a
     """
-    from tpupod.recovery.drive import cancel_run
+    from tpupod.cli.flow.recover import cancel_run
 
     print(cancel_run(pod, run_id))

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from tpupod import settings
-from tpupod.cli import app, command
+from tpupod.cli.app import app, command
 from tpupod.cli.options import PodOption
-from tpupod.report import notice, print_columns
+from tpupod.fanout.report import notice, print_columns
 from tpupod.serve import defaults
 
 if TYPE_CHECKING:
@@ -263,7 +263,7 @@ def logs(
     ] = False,
 ) -> None:
     """The servers' log lines, prefixed by worker (tail -F with --follow)."""
-    from tpupod.report import LinePrinter
+    from tpupod.fanout.report import LinePrinter
 
     fleet = _fleet(pod)
     printer = LinePrinter(fleet.pod.select(workers), sys.stdout, sys.stderr)

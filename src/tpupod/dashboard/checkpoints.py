@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpupod import storage
+from tpupod.base import storage
 from tpupod.bench.baseline import RESULTS_FILE, load
 from tpupod.errors import StateError
 

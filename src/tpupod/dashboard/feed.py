@@ -32,9 +32,9 @@ from typing import IO, Any
 
 from fastapi.responses import StreamingResponse
 
+from tpupod.base.files import write_atomic
 from tpupod.dashboard.jobs import Jobs
-from tpupod.files import write_atomic
-from tpupod.state import StateDir
+from tpupod.pod.state import StateDir
 
 HISTORY_S = 24 * 3600
 HISTORY_FILE = "dashboard/history.jsonl"  # in the state directory

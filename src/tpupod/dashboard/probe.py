@@ -13,10 +13,10 @@ from typing import Any
 
 from tpupod import settings
 from tpupod.dashboard import libtpu
-from tpupod.fanout import execute_async
-from tpupod.pod import Pod
+from tpupod.fanout.execute import execute_async
+from tpupod.fanout.results import FanoutResult
+from tpupod.pod.record import Pod
 from tpupod.providers import Connector
-from tpupod.results import FanoutResult
 
 # load average, cores, memory: one line each, read from /proc (no tools needed on the host)
 PROBE = (

@@ -16,8 +16,8 @@ from typing import Any
 from tpupod.errors import StateError
 from tpupod.launch.records import EndWatch, RunRecord, run_record
 from tpupod.launch.run import RUNS_DIR
+from tpupod.pod.state import StateDir
 from tpupod.recovery.record import RecoveryRecord, find_recovery
-from tpupod.state import StateDir
 
 TAIL_LINES = 10
 TAIL_BYTES = 16_384

@@ -28,8 +28,8 @@ from tpupod.dashboard.probe import sample_pod
 from tpupod.dashboard.runs import RunIndex
 from tpupod.dashboard.serving import Serving
 from tpupod.errors import StateError
+from tpupod.pod.state import StateDir
 from tpupod.providers import Connector, connect
-from tpupod.state import StateDir
 
 TICK_S = 1.0  # how often the run records are read
 JOBS_TICK_S = 0.25  # and the job store (one grouped count): a cancel shows within a second

@@ -13,7 +13,8 @@ from urllib.parse import quote
 
 import uvicorn
 
-from tpupod import settings, storage
+from tpupod import settings
+from tpupod.base import storage
 from tpupod.dashboard.app import Config
 from tpupod.dashboard.feed import Closing
 from tpupod.dashboard.guard import check_bind, check_token, is_loopback, is_wildcard

@@ -10,9 +10,9 @@ from collections import deque
 from typing import Any
 
 from tpupod.errors import ServeError, StateError
+from tpupod.pod.state import StateDir
 from tpupod.serve.fleet.control import Fleet
 from tpupod.serve.fleet.status import FleetStatus
-from tpupod.state import StateDir
 
 WINDOW = 3  # sampling intervals a backend's requests/s is taken over
 

@@ -12,7 +12,7 @@ a pod), ``progress``, ``reader`` (``open``).
 Design notes: docs/extract.md.
 """
 
-from tpupod.lazy import attributes
+from tpupod.base.lazy import attributes
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tpupod.base.files import write_atomic
 from tpupod.errors import DataError
-from tpupod.files import write_atomic
 
 ARC_RENDERING = 1
 INTRO = (

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tpupod.base.jsontext import lone_surrogate
 from tpupod.errors import DataError
-from tpupod.jsontext import lone_surrogate
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz")
 

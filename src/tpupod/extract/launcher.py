@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpupod.extract.runner import ExtractOptions, Say, check_output, prepare
-from tpupod.fanout import Interrupt, NoticeHandler
+from tpupod.fanout.execute import Interrupt, NoticeHandler
+from tpupod.fanout.worker import LineHandler
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
-from tpupod.pod import Pod, Worker
-from tpupod.workerrun import LineHandler
+from tpupod.pod.record import Pod, Worker
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def run_here(options: ExtractOptions, say: Say, *, live: bool) -> None:
     if on_a_pod or not live:
         run_worker(options, say, mark=say if on_a_pod else None)
         return
-    from tpupod.podprogress import PodProgress
+    from tpupod.fanout.progress import PodProgress
     from tpupod.transport import OutputLine, Stream
 
     here = _Here()

@@ -2,7 +2,7 @@
 
 Worker 0 says a plain line (samples/s, tokens/s, bytes written, writes
 pending, ETA), which a log keeps. Every host also prints a progress marker
-(``tpupod.podprogress``) as often and when it ends: the launcher turns those
+(``tpupod.fanout.progress``) as often and when it ends: the launcher turns those
 into a live table of every host on its terminal (samples done, samples/s, ETA),
 or into plain per-host lines when its output is no terminal, and leaves worker
 0's own line out of both (each count was said twice, in two formats).
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from tpupod import settings
-from tpupod.podprogress import marker, seconds_text
+from tpupod.fanout.progress import marker, seconds_text
 
 
 @dataclasses.dataclass

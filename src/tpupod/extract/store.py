@@ -1,5 +1,5 @@
 """Where an extraction's outputs go: a folder (local, or an fsspec URL such as
-``gs://BUCKET/PREFIX``, through ``tpupod.storage``), and the bounded background queue
+``gs://BUCKET/PREFIX``, through ``tpupod.base.storage``), and the bounded background queue
 that writes to it.
 
 Every file is written whole under its final name only at the end: locally
@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tpupod import storage
+from tpupod.base import storage
 from tpupod.errors import ExtractError
 from tpupod.extract.tensorfile import Buffer
 

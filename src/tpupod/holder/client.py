@@ -20,14 +20,14 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from tpupod.errors import TpupodError
+from tpupod.fanout.report import LinePrinter, notice
+from tpupod.fanout.results import FanoutResult, result_from_json
 from tpupod.holder import socket_path
-from tpupod.report import LinePrinter, notice
-from tpupod.results import FanoutResult, result_from_json
-from tpupod.state import StateDir
+from tpupod.pod.state import StateDir
 from tpupod.transport.base import OutputLine, Stream
 
 if TYPE_CHECKING:
-    from tpupod.results import WorkerLike
+    from tpupod.fanout.results import WorkerLike
 
 START_TIMEOUT_S = 30.0
 LOG_FILE = "holder.log"

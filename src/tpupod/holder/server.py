@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tpupod import limits
+from tpupod.base import limits
 from tpupod.errors import WorkerError
-from tpupod.fanout import FILES_PER_WORKER, Interrupt, execute_async
+from tpupod.fanout.execute import FILES_PER_WORKER, Interrupt, execute_async
+from tpupod.fanout.results import result_to_json
 from tpupod.holder import socket_path
-from tpupod.pod import Pod, Worker
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.state import RECORD_FILE, StateDir
 from tpupod.providers import Connector, connect
-from tpupod.results import result_to_json
-from tpupod.state import RECORD_FILE, StateDir
 from tpupod.transport import OutputLine, Stream
 from tpupod.transport.ssh import SshTransport
 

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout import execute_async, for_each
+from tpupod.fanout.execute import execute_async, for_each
+from tpupod.fanout.results import FanoutResult, WorkerResult
 from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.image.containerize import IMAGE_LINE, check_script
 from tpupod.image.containerize import Container as _Container
-from tpupod.pod import Pod, Worker
+from tpupod.pod.record import Pod, Worker
 from tpupod.providers import Connector
-from tpupod.results import FanoutResult, WorkerResult
 from tpupod.transport import OutputLine, Transport
 
 BUILD_TIMEOUT_S = 3600.0
@@ -317,8 +317,8 @@ def _raise_for(result: FanoutResult, what: str) -> None:
 
 def run_build(pod: Pod, request: BuildRequest, progress: Progress) -> list[WorkerImage]:
     """Blocking form, with its own connections (the CLI's)."""
+    from tpupod.pod.state import StateDir
     from tpupod.providers import provider_for
-    from tpupod.state import StateDir
 
     async def go() -> list[WorkerImage]:
         connector = provider_for(pod.provider).connect(pod, StateDir())

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tpupod.errors import PreflightError, UsageError
 
 if TYPE_CHECKING:
-    from tpupod.results import WorkerResult
+    from tpupod.fanout.results import WorkerResult
 
 ENGINES = ("docker", "podman")
 # The line a worker prints when it has no engine (the launcher turns it into an error).

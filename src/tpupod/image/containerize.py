@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpupod.errors import PreflightError, UsageError
-from tpupod.fanout import execute_async
+from tpupod.fanout.execute import execute_async
+from tpupod.fanout.results import FanoutResult
 from tpupod.image.container_engine import force_remove, pick_engine, raise_unusable
-from tpupod.names import new_launch_id
-from tpupod.pod import Pod, Worker
+from tpupod.pod.names import new_launch_id
+from tpupod.pod.record import Pod, Worker
 from tpupod.providers import Connector
-from tpupod.results import FanoutResult
 
 PASSED_PREFIXES = ("TPUPOD_", "TPU_", "JAX_", "XLA_", "MEGASCALE_", "LIBTPU_")
 ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio/*")

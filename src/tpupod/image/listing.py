@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tpupod.errors import TpupodError
-from tpupod.fanout import execute_async
+from tpupod.fanout.execute import execute_async
+from tpupod.fanout.report import columns
 from tpupod.image.container_engine import pick_engine, raise_unusable
-from tpupod.pod import Pod, Worker
+from tpupod.pod.record import Pod, Worker
 from tpupod.providers import Connector
-from tpupod.report import columns
 from tpupod.transport import OutputLine
 
 LIST_TIMEOUT_S = 60.0
@@ -99,8 +99,8 @@ def images_table(pod: Pod, engine: str | None) -> str:
     """Blocking form with its own connections (the CLI's): ``tpupod image ls``'s table."""
     import asyncio
 
+    from tpupod.pod.state import StateDir
     from tpupod.providers import provider_for
-    from tpupod.state import StateDir
 
     async def go() -> str:
         connector = provider_for(pod.provider).connect(pod, StateDir())

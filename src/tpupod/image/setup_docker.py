@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from tpupod.files import write_atomic
+from tpupod.base.files import write_atomic
 
 SCRIPT = """#!/bin/bash
 # tpupod setup --docker: install and start Docker on this worker (idempotent).

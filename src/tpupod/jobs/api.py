@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from tpupod.envargs import parse_pairs
+from tpupod.base.envargs import parse_pairs
 from tpupod.errors import JobNotFound, JobStoreError, PodNotFound, UsageError
 from tpupod.jobs.models import JobRequest, JobStatus, LogLine
 from tpupod.jobs.quick import check_pod
@@ -151,7 +151,7 @@ def api_token() -> tuple[str, str]:
         return given, "$TPUPOD_JOBS_TOKEN"
     path = settings.state_home() / TOKEN_FILE
     if not path.exists():
-        from tpupod.files import write_atomic
+        from tpupod.base.files import write_atomic
 
         write_atomic(path, secrets.token_urlsafe(32) + "\n")  # 0600
     return path.read_text().strip(), str(path)

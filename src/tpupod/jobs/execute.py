@@ -14,19 +14,19 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tpupod.errors import TpupodError
+from tpupod.fanout.results import Outcome as WorkerOutcome
 from tpupod.jobs.attempt import GRACE_S, Executor, Hooks, Marks, Outcome, describe_exit
 from tpupod.jobs.code import STARTED
 from tpupod.jobs.models import Job, JobStatus
-from tpupod.results import Outcome as WorkerOutcome
 from tpupod.transport.base import Stream, command_script
 from tpupod.transport.lines import read_lines
 from tpupod.transport.local import kill_process_group
 
 if TYPE_CHECKING:
-    from tpupod.fanout import Interrupt
-    from tpupod.pod import Pod
-    from tpupod.podusers import Watch
-    from tpupod.state import StateDir
+    from tpupod.fanout.execute import Interrupt
+    from tpupod.pod.record import Pod
+    from tpupod.pod.state import StateDir
+    from tpupod.pod.users import Watch
 
 
 def job_env(job: Job, attempt: int) -> dict[str, str]:
@@ -122,8 +122,8 @@ class PodExecutor:
     def serving(self) -> Iterator[None]:
         """While a runner serves the pod: it is the pod's registered user (``tpupod down``
         refuses, or with --force asks it to let go) and watches that the pod is there."""
-        from tpupod.podusers import Watch, using
-        from tpupod.state import StateDir
+        from tpupod.pod.state import StateDir
+        from tpupod.pod.users import Watch, using
 
         state = self.state or StateDir()
         if not state.exists(self.pod.name):  # not a pod of this state directory
@@ -139,7 +139,7 @@ class PodExecutor:
         return self._watch.gone() if self._watch is not None else None
 
     async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
-        from tpupod.fanout import Interrupt
+        from tpupod.fanout.execute import Interrupt
         from tpupod.launch.run import run
 
         marks = Marks(len(self.pod.workers), hooks)

@@ -17,11 +17,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tpupod import accelerators
 from tpupod.errors import UsageError
 from tpupod.jobs.execute import job_command, job_env
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.jobs.store import Store, redact
+from tpupod.pod import accelerators
 
 GROUP = "jobset.x-k8s.io"
 VERSION = "v1alpha2"

@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tpupod.base.jsontext import lone_surrogate
 from tpupod.jobs.code import syntax_problem
-from tpupod.jsontext import lone_surrogate
 
 
 class JobStatus(enum.StrEnum):

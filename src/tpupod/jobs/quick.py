@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from tpupod import settings
-from tpupod.envargs import parse_pairs
+from tpupod.base.envargs import parse_pairs
+from tpupod.cli.args import OptionTable, scan
 from tpupod.errors import JobStoreError, PodNotFound, UsageError
 from tpupod.extras import missing
 from tpupod.jobs.code import syntax_problem
-from tpupod.plainargs import OptionTable, scan
 
 SCHEMA_VERSION = 2  # schema.py's latest migration (a test checks they agree)
 JOBS_TABLE = "tpupod_jobs"
@@ -88,7 +88,7 @@ def check_pod(pod: str | None, remote: bool, how: str = "add --remote-pod") -> N
     comes: refused, unless its runner is elsewhere (``--remote-pod``; ``how`` says so)."""
     if pod is None or remote:
         return
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     state = StateDir()
     if state.exists(pod):
@@ -118,7 +118,7 @@ def fast_submit(argv: list[str]) -> int | None:
     try:
         job_id = insert(scanned.values.get("db") or default_url(), job_row(fields, time.time()))
     except JobStoreError as exc:
-        from tpupod.report import report_failure
+        from tpupod.fanout.report import report_failure
 
         return report_failure(exc)
     if job_id is None:

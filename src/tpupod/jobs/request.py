@@ -9,9 +9,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tpupod.envargs import parse_pairs
+from tpupod.base.envargs import parse_pairs
+from tpupod.cli.flow.exec import join_command
 from tpupod.errors import UsageError
-from tpupod.execflow import join_command
 from tpupod.jobs.code import syntax_problem
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.quick import attempts_for

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from tpupod.jobs.k8s_manifest import Target
     from tpupod.jobs.models import Job
     from tpupod.jobs.pool import Pool
-    from tpupod.pod import Pod
+    from tpupod.pod.record import Pod
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def _executor(
 
 def runner_pod(pod: str | None) -> Pod:
     """The pod a runner serves; without a name, a hint that also offers ``--local``."""
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     try:
         return StateDir().resolve(pod)

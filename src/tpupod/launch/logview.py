@@ -8,9 +8,9 @@ import time
 from typing import TextIO
 
 from tpupod.errors import UsageError
+from tpupod.fanout.report import LinePrinter, print_columns
 from tpupod.launch.records import RunRecord, get_run, read_logs, runs
-from tpupod.report import LinePrinter, print_columns
-from tpupod.state import StateDir
+from tpupod.pod.state import StateDir
 from tpupod.transport import OutputLine, Stream
 
 COMMAND_WIDTH = 60  # characters of a run's command in the list

@@ -26,7 +26,7 @@ from typing import Any
 
 from tpupod.errors import StateError, UsageError
 from tpupod.launch.run import LAUNCHER_LOCK, RUN_FILE, RUNS_DIR
-from tpupod.state import StateDir, WorkerBrief
+from tpupod.pod.state import StateDir, WorkerBrief
 
 FOLLOW_POLL_S = 0.2
 

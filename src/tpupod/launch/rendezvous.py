@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpupod import limits
+from tpupod.base import limits
 
 DEFAULT_TIMEOUT_S = 300.0
 DIGEST_BARRIER = "__digests__"

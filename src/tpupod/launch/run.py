@@ -27,10 +27,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from tpupod import podusers, settings
+from tpupod import settings
+from tpupod.base.files import remove_path, write_atomic
 from tpupod.errors import PreflightError, StateError, TpupodError
-from tpupod.fanout import Interrupt, NoticeHandler, Supervision, execute_async
-from tpupod.files import remove_path, write_atomic
+from tpupod.fanout.execute import Interrupt, NoticeHandler, Supervision, execute_async
+from tpupod.fanout.report import DISK_FULL, DISK_FULL_HINT
+from tpupod.fanout.results import DEFAULT_GRACE_S, FanoutResult, OnFail
+from tpupod.fanout.worker import LineHandler
 from tpupod.image.containerize import (
     Container,
     check_workers,
@@ -42,18 +45,16 @@ from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
 from tpupod.launch.rendezvous_main import EXIT_CODE, FAILED, READY
-from tpupod.names import new_launch_id
 from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
 from tpupod.ops.sync import shell_path, sync_local
-from tpupod.pod import Pod, Worker
+from tpupod.pod import users as podusers
+from tpupod.pod.names import new_launch_id
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.spec import GcpPodSpec
+from tpupod.pod.state import StateDir
 from tpupod.providers import Connector, provider_for
-from tpupod.report import DISK_FULL, DISK_FULL_HINT
-from tpupod.results import DEFAULT_GRACE_S, FanoutResult, OnFail
-from tpupod.spec import GcpPodSpec
-from tpupod.state import StateDir
 from tpupod.transport import OutputLine, RemoteProcess
-from tpupod.workerrun import LineHandler
 
 # What runtimes print for themselves at every start: kept in the per-worker logs, but off the
 # terminal (unless asked for) and out of the summary's last lines.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tpupod.lazy import attributes
+from tpupod.base.lazy import attributes
 
 if TYPE_CHECKING:
     from tpupod.model.config import PRESETS, QwenConfig, qwen2_5_0_5b, qwen3_0_6b, qwen3_1_7b

@@ -12,12 +12,12 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from tpupod.fanout import Interrupt, execute_async
+from tpupod.fanout.execute import Interrupt, execute_async
+from tpupod.fanout.results import FanoutResult
+from tpupod.fanout.worker import LineHandler
 from tpupod.ops import defaults
-from tpupod.pod import Pod, Worker
+from tpupod.pod.record import Pod, Worker
 from tpupod.providers import Connector
-from tpupod.results import FanoutResult
-from tpupod.workerrun import LineHandler
 
 DEFAULT_DEVICES = defaults.ACCELERATOR_DEVICES
 DEFAULT_LOCKFILE = defaults.LIBTPU_LOCKFILE

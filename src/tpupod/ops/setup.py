@@ -14,14 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tpupod.errors import UsageError
-from tpupod.fanout import Interrupt, execute_async
+from tpupod.fanout.execute import Interrupt, execute_async
+from tpupod.fanout.results import FanoutResult
+from tpupod.fanout.worker import LineHandler
 from tpupod.ops import defaults
 from tpupod.ops.locks import WAIT_FOR_LOCKS
 from tpupod.ops.transfer import put
-from tpupod.pod import Pod, Worker
+from tpupod.pod.record import Pod, Worker
 from tpupod.providers import Connector
-from tpupod.results import FanoutResult
-from tpupod.workerrun import LineHandler
 
 DEFAULT_LOCKS = defaults.APT_LOCKS
 DEFAULT_LOCK_WAIT_S = defaults.LOCK_WAIT_S

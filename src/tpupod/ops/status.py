@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict, dataclass
 
-from tpupod.fanout import execute_async
-from tpupod.pod import Pod
+from tpupod.fanout.execute import execute_async
+from tpupod.fanout.results import FanoutResult
+from tpupod.pod.record import Pod
 from tpupod.providers import GONE, provider_for
-from tpupod.results import FanoutResult
 
 PROBE_TIMEOUT_S = 10.0
 PROBE_GRACE_S = 1.0

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout import Interrupt, execute_async
+from tpupod.fanout.execute import Interrupt, execute_async
+from tpupod.fanout.results import FanoutResult, chain
+from tpupod.fanout.worker import LineHandler
 from tpupod.ops.transfer import put
-from tpupod.pod import Pod, Worker
+from tpupod.pod.record import Pod, Worker
 from tpupod.providers import Connector
-from tpupod.results import FanoutResult, chain
-from tpupod.workerrun import LineHandler
 
 COMMIT_MARKER = "tpupod-commit "
 

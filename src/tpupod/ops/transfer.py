@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tpupod.errors import UsageError
-from tpupod.fanout import for_each
-from tpupod.pod import Pod, Worker
+from tpupod.fanout.execute import for_each
+from tpupod.fanout.results import FanoutResult
+from tpupod.pod.record import Pod, Worker
 from tpupod.providers import Connector
-from tpupod.results import FanoutResult
 from tpupod.transport import Transport
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from tpupod.errors import UsageError
-from tpupod.pod import Pod, Worker
-from tpupod.spec import PodSpec
-from tpupod.state import StateDir
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.spec import PodSpec
+from tpupod.pod.state import StateDir
 from tpupod.transport import Transport
 
 GONE = "GONE"  # what live_state says of a cloud resource the cloud no longer has

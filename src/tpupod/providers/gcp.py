@@ -34,13 +34,13 @@ from typing import Any, TypeVar
 from tpupod import settings
 from tpupod.errors import GcpError, UsageError
 from tpupod.extras import require
-from tpupod.pod import Pod, Worker
+from tpupod.fanout.report import notice
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.spec import GcpPodSpec, PodSpec, SshHost
+from tpupod.pod.state import StateDir
 from tpupod.providers import GONE
 from tpupod.providers.gcp_api import API_ROOT, check_api_choice, create_request, parent
 from tpupod.providers.ssh import check_key_file, connect_options
-from tpupod.report import notice
-from tpupod.spec import GcpPodSpec, PodSpec, SshHost
-from tpupod.state import StateDir
 from tpupod.transport.ssh import SshConnector, SshPool, generate_key, probe, public_key_line
 
 KEY_FILE = "id_ed25519"

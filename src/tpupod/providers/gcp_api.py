@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tpupod.choices import Capacity
 from tpupod.errors import SpecError
-from tpupod.spec import GcpPodSpec
+from tpupod.pod.choices import Capacity
+from tpupod.pod.spec import GcpPodSpec
 
 API_ROOT = "https://tpu.googleapis.com"
 NOT_TPU_VM = "--api tpu-vm (api: tpu-vm in a spec file)"

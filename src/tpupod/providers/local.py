@@ -14,10 +14,10 @@ import signal
 import socket
 import time
 
-from tpupod import procfs
-from tpupod.pod import Pod, Worker
-from tpupod.spec import LocalPodSpec, PodSpec
-from tpupod.state import StateDir
+from tpupod.base import procfs
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.spec import LocalPodSpec, PodSpec
+from tpupod.pod.state import StateDir
 from tpupod.transport.local import LocalConnector
 
 LOOPBACK = "127.0.0.1"

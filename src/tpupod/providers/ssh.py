@@ -12,9 +12,9 @@ import binascii
 from pathlib import Path
 
 from tpupod.errors import SpecError, TpupodError, WorkerError
-from tpupod.pod import Pod, Worker
-from tpupod.spec import GcpPodSpec, PodSpec, SshHost, SshPodSpec
-from tpupod.state import StateDir
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.spec import GcpPodSpec, PodSpec, SshHost, SshPodSpec
+from tpupod.pod.state import StateDir
 from tpupod.transport.ssh import ConnectOptions, SshConnector, SshPool, probe
 
 KNOWN_HOSTS_FILE = "known_hosts"

@@ -19,11 +19,11 @@ from typing import TypeVar
 
 from tpupod import settings
 from tpupod.errors import TpupodError
-from tpupod.fanout import NoticeHandler, execute_async
-from tpupod.pod import Pod
+from tpupod.fanout.execute import NoticeHandler, execute_async
+from tpupod.fanout.results import Outcome
+from tpupod.pod.record import Pod
 from tpupod.providers import GONE, Connector, provider_for
 from tpupod.recovery.policy import RetryPolicy
-from tpupod.results import Outcome
 
 PREEMPTED_STATES = frozenset({"PREEMPTED", "SUSPENDING", "SUSPENDED"})
 REPLACE_STATES = PREEMPTED_STATES | {GONE}  # the TPU must be made again

@@ -22,18 +22,18 @@ from pathlib import Path
 
 from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout import Interrupt, NoticeHandler
+from tpupod.fanout.execute import Interrupt, NoticeHandler
+from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
+from tpupod.fanout.worker import LineHandler
 from tpupod.ops.free_tpu import free_tpu
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
+from tpupod.pod.spec import GcpPodSpec
+from tpupod.pod.state import StateDir
 from tpupod.providers import GONE, provider_for
 from tpupod.recovery import confirm
 from tpupod.recovery.policy import Cause, Counters, RetryPolicy
 from tpupod.recovery.record import RecoveryRecord
 from tpupod.recovery.replace import recreate, rerun_setup, timed
-from tpupod.results import FanoutResult, Outcome, WorkerResult
-from tpupod.spec import GcpPodSpec
-from tpupod.state import StateDir
-from tpupod.workerrun import LineHandler
 
 # (pod, the attempt's extra environment, its interrupt, told the launch id once it exists)
 # -> (launch id, result)

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpupod import procfs
+from tpupod.base import procfs
+from tpupod.base.files import write_atomic
 from tpupod.errors import StateError, UsageError
-from tpupod.files import write_atomic
-from tpupod.names import new_launch_id
-from tpupod.state import StateDir
+from tpupod.pod.names import new_launch_id
+from tpupod.pod.state import StateDir
 
 RECORD_FILE = "recovery.json"
 CANCEL_FILE = "cancel-requested"

@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from tpupod.errors import GcpError, TpupodError
-from tpupod.fanout import NoticeHandler
+from tpupod.fanout.execute import NoticeHandler
+from tpupod.fanout.worker import LineHandler
 from tpupod.ops.setup import setup
-from tpupod.pod import Pod
+from tpupod.pod.record import Pod
+from tpupod.pod.spec import GcpPodSpec
+from tpupod.pod.state import StateDir
 from tpupod.providers import provider_for
 from tpupod.recovery.policy import RetryPolicy
-from tpupod.spec import GcpPodSpec
-from tpupod.state import StateDir
-from tpupod.workerrun import LineHandler
 
 T = TypeVar("T")
 

@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tpupod import procfs
-from tpupod.files import write_atomic
+from tpupod.base import procfs
+from tpupod.base.files import write_atomic
 
 STATE_DIR = ".tpupod/serve"  # relative: each worker's home (SSH) or work folder (local)
 

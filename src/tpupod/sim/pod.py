@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from tpupod import procfs, settings
+from tpupod import settings
+from tpupod.base import procfs
 
 PREFIX = "tps"
 STATE_ROOT = Path("/run/tpupod-sim")

@@ -10,7 +10,7 @@ import enum
 import shlex
 import signal
 
-from tpupod.plain import Plain
+from tpupod.base.plain import Plain
 
 
 class Stream(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tpupod.plain import TYPE_CHECKING
+from tpupod.base.plain import TYPE_CHECKING
 from tpupod.transport.base import OutputLine, Stream
 
 if TYPE_CHECKING:  # typing is not imported at run time: the local fast path imports this

@@ -8,10 +8,10 @@ import signal
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
-from tpupod import procfs
+from tpupod.base import procfs
+from tpupod.base.files import copy_atomic, put_target
 from tpupod.errors import WorkerError
-from tpupod.files import copy_atomic, put_target
-from tpupod.pod import Worker
+from tpupod.pod.record import Worker
 from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
 from tpupod.transport.lines import read_lines
 

@@ -31,11 +31,11 @@ from typing import cast
 
 import asyncssh
 
-from tpupod.choices import HostKeyPolicy
+from tpupod.base.files import put_target, remove_path, replace, staging_name
 from tpupod.errors import WorkerError
-from tpupod.files import put_target, remove_path, replace, staging_name
-from tpupod.pod import Worker
-from tpupod.spec import SshHost
+from tpupod.pod.choices import HostKeyPolicy
+from tpupod.pod.record import Worker
+from tpupod.pod.spec import SshHost
 from tpupod.transport import tarstream
 from tpupod.transport.base import (
     BEGIN_MARK,

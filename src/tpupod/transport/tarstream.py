@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import asyncssh
 
-from tpupod.files import staging_name
+from tpupod.base.files import staging_name
 from tpupod.transport.base import BEGIN_MARK
 
 if TYPE_CHECKING:

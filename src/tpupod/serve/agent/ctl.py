@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tpupod import procfs, settings
+from tpupod import settings
+from tpupod.base import procfs
 from tpupod.serve import services
 from tpupod.serve.agent import respawn
 from tpupod.serve.services import STATE_DIR, read_info, token

@@ -33,7 +33,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
-from tpupod.files import write_atomic
+from tpupod.base.files import write_atomic
 from tpupod.serve import defaults, services
 from tpupod.serve.agent.supervisor import ManagedServer, tail
 from tpupod.serve.backends import ServerSpec

@@ -48,8 +48,8 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tpupod.base.jsontext import lone_surrogate
 from tpupod.errors import ModelError
-from tpupod.jsontext import lone_surrogate
 from tpupod.serve.builtin.events import (
     Delta,
     EngineStopped,

@@ -27,17 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from tpupod import podusers, settings
+from tpupod import settings
 from tpupod.errors import ServeError, UsageError
-from tpupod.fanout import execute_async
-from tpupod.pod import Pod, Worker
-from tpupod.results import FanoutResult
+from tpupod.fanout.execute import execute_async
+from tpupod.fanout.results import FanoutResult
+from tpupod.fanout.worker import LineHandler
+from tpupod.pod import users as podusers
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.state import StateDir
 from tpupod.serve.fleet.record import FleetRecord, ServerRecord, UpOptions, load_record
 from tpupod.serve.fleet.remote import SERVE_UP, Progress, RemoteFleet
 from tpupod.serve.fleet.status import FleetStatus, fleet_status
 from tpupod.serve.services import STATE_DIR
-from tpupod.state import StateDir
-from tpupod.workerrun import LineHandler
 
 T = TypeVar("T")
 

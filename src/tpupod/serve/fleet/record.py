@@ -17,11 +17,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tpupod.base.files import write_atomic
 from tpupod.errors import ServeError, UsageError
-from tpupod.files import write_atomic
+from tpupod.pod.state import StateDir
 from tpupod.serve import defaults
 from tpupod.serve.backends import Backend
-from tpupod.state import StateDir
 
 RECORD_FILE = "serve.json"
 

@@ -23,13 +23,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tpupod import podusers
 from tpupod.errors import MissingExtra, PreflightError, ServeError, UsageError, WorkerError
 from tpupod.extras import worker_argv
-from tpupod.fanout import execute_async
-from tpupod.pod import Pod, Worker
+from tpupod.fanout.execute import execute_async
+from tpupod.fanout.results import Outcome, WorkerResult
+from tpupod.pod import users as podusers
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.state import StateDir
 from tpupod.providers import Connector, provider_for
-from tpupod.results import Outcome, WorkerResult
 from tpupod.serve import defaults
 from tpupod.serve.backends import Backend, ServerSpec, plan, plan_replicas
 from tpupod.serve.fleet.record import (
@@ -45,7 +46,6 @@ from tpupod.serve.fleet.record import (
 from tpupod.serve.fleet.status import AgentAnswer, member, router_failed
 from tpupod.serve.router.sgl import MISSING
 from tpupod.serve.services import unstamped
-from tpupod.state import StateDir
 from tpupod.transport import OutputLine
 
 Progress = Callable[[str], None]

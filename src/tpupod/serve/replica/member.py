@@ -52,7 +52,7 @@ from typing import Any
 import tpupod
 from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
-from tpupod.names import new_launch_id
+from tpupod.pod.names import new_launch_id
 from tpupod.serve import defaults, eventloop
 from tpupod.serve.replica.lockstep import (
     DEFAULT_TIMEOUT_S,

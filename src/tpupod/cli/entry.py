@@ -11,11 +11,11 @@ def main() -> None:
     argv = sys.argv[1:]
     code: int | None = None
     if argv[:1] == ["exec"]:
-        from tpupod.execflow import fast_exec
+        from tpupod.cli.flow.exec import fast_exec
 
         code = fast_exec(argv)
     elif argv[:1] == ["run"]:
-        from tpupod.runflow import fast_run
+        from tpupod.cli.flow.run import fast_run
 
         code = fast_run(argv)
     elif argv[:2] == ["jobs", "submit"]:
@@ -24,6 +24,6 @@ def main() -> None:
         code = fast_submit(argv[2:])
     if code is not None:
         sys.exit(code)
-    from tpupod.cli import main as cli_main
+    from tpupod.cli.app import main as cli_main
 
     cli_main()

@@ -7,17 +7,17 @@ import signal
 import sys
 
 from tpupod import settings
+from tpupod.base.plain import TYPE_CHECKING
 from tpupod.errors import TpupodError
 from tpupod.extras import for_missing_module
-from tpupod.plain import TYPE_CHECKING
-from tpupod.results import Outcome
+from tpupod.fanout.results import Outcome
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import TextIO
 
-    from tpupod.results import FanoutResult, WorkerLike, WorkerResult
+    from tpupod.fanout.results import FanoutResult, WorkerLike, WorkerResult
 
 # Bright and normal ANSI colors, skipping black/white/grey which vanish on some themes.
 PALETTE = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tpupod.errors import WorkerError
-from tpupod.pod import Worker
-from tpupod.results import Outcome, WorkerResult
+from tpupod.fanout.results import Outcome, WorkerResult
+from tpupod.pod.record import Worker
 from tpupod.transport import ExitStatus, OutputLine, RemoteProcess, Transport
 
 TAIL_LINES = 10

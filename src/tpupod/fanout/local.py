@@ -20,19 +20,19 @@ import sys
 import time
 from collections import deque
 
-from tpupod import limits
-from tpupod.plain import TYPE_CHECKING
-from tpupod.report import LinePrinter
-from tpupod.results import FanoutResult, Outcome, WorkerResult
+from tpupod.base import limits
+from tpupod.base.plain import TYPE_CHECKING
+from tpupod.fanout.report import LinePrinter
+from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
+from tpupod.pod.identity import identity_env
 from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
 from tpupod.transport.lines import LineSplitter
-from tpupod.workerenv import identity_env
 
 if TYPE_CHECKING:
     from typing import Any
 
-    from tpupod.execflow import ExecArgs, ExecPlan
-    from tpupod.state import WorkerBrief
+    from tpupod.cli.flow.exec import ExecArgs, ExecPlan
+    from tpupod.pod.state import WorkerBrief
 
 TAIL_LINES = 10
 OUTPUT_LINGER_S = 2.0  # as workerrun: output a background child holds open after the exit

@@ -18,15 +18,15 @@ import json
 import os
 
 from tpupod import settings
+from tpupod.base.plain import TYPE_CHECKING, Plain
 from tpupod.errors import PodNotFound, StateError, UsageError
-from tpupod.names import POD_NAME_RE
-from tpupod.plain import TYPE_CHECKING, Plain
+from tpupod.pod.names import POD_NAME_RE
 
 if TYPE_CHECKING:
     from pathlib import Path
     from typing import Any
 
-    from tpupod.pod import Pod
+    from tpupod.pod.record import Pod
 
 RECORD_FILE = "pod.json"
 HOLDER_LOCK = "holder.lock"
@@ -94,7 +94,7 @@ class StateDir:
         return path
 
     def save(self, pod: Pod) -> None:
-        from tpupod.files import write_atomic
+        from tpupod.base.files import write_atomic
 
         write_atomic(self.pod_dir(pod.name) / RECORD_FILE, pod.model_dump_json(indent=2) + "\n")
 
@@ -104,7 +104,7 @@ class StateDir:
     def load(self, name: str) -> Pod:
         from pydantic import ValidationError
 
-        from tpupod.pod import Pod
+        from tpupod.pod.record import Pod
 
         data = self.read_record(name)
         if isinstance(data, dict):
@@ -219,13 +219,13 @@ class StateDir:
             os.close(fd)
 
     def _write_holder(self, name: str, holder: dict[str, Any]) -> None:
-        from tpupod.files import write_atomic
+        from tpupod.base.files import write_atomic
 
         write_atomic(self.pod_dir(name) / HOLDER_FILE, json.dumps(holder) + "\n")
 
     def _holder(self, name: str) -> dict[str, Any] | None:
         """Who holds the pod (its holder.json), when that process is alive."""
-        from tpupod import procfs
+        from tpupod.base import procfs
 
         try:
             with open(os.path.join(self.home, "pods", name, HOLDER_FILE), encoding="utf-8") as f:

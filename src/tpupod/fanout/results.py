@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import enum
 
+from tpupod.base.plain import TYPE_CHECKING, Plain
 from tpupod.errors import FanoutFailed
-from tpupod.plain import TYPE_CHECKING, Plain
 from tpupod.transport.base import ExitStatus
 
 if TYPE_CHECKING:

@@ -14,16 +14,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tpupod.choices import RendezvousOn
-from tpupod.execflow import EXEC_OPTIONS, env_ok
-from tpupod.plainargs import scan
-from tpupod.results import DEFAULT_GRACE_S, OnFail
+from tpupod.cli.args import scan
+from tpupod.cli.flow.exec import EXEC_OPTIONS, env_ok
+from tpupod.fanout.results import DEFAULT_GRACE_S, OnFail
+from tpupod.pod.choices import RendezvousOn
 
 if TYPE_CHECKING:
-    from tpupod.fanout import Interrupt
+    from tpupod.cli.flow.live import Live
+    from tpupod.fanout.execute import Interrupt
     from tpupod.launch.run import Launch, RunResult
-    from tpupod.live import Live
-    from tpupod.pod import Pod
+    from tpupod.pod.record import Pod
 
 
 @dataclass
@@ -57,8 +57,8 @@ class RunArgs:
 
 def run_command(args: RunArgs) -> int:
     """What ``tpupod run`` does, whichever reader read its arguments; the exit code."""
-    from tpupod.live import run_live
-    from tpupod.state import StateDir
+    from tpupod.cli.flow.live import run_live
+    from tpupod.pod.state import StateDir
 
     if bool(args.command) == bool(args.resume):
         from tpupod.errors import UsageError
@@ -68,7 +68,7 @@ def run_command(args: RunArgs) -> int:
             hint="tpupod run -- python train.py",
         )
     if args.retries or args.retry_errors or args.retry_exit_codes or args.resume:
-        from tpupod.recovery.drive import run_recovering
+        from tpupod.cli.flow.recover import run_recovering
 
         return run_recovering(args, launch_attempt)
     target = StateDir().resolve(args.pod)
@@ -80,7 +80,7 @@ def run_command(args: RunArgs) -> int:
 
 def check_args(args: RunArgs, target: Pod) -> None:
     """Refuse bad options before any work (launch_attempt reads them again)."""
-    from tpupod.envargs import parse_env
+    from tpupod.base.envargs import parse_env
     from tpupod.image.options import container_from_options
 
     names = [*parse_env(args.env), *target.spec.env]
@@ -89,7 +89,7 @@ def check_args(args: RunArgs, target: Pod) -> None:
 
 def report_attempt(args: RunArgs, result: RunResult) -> int:
     """The summary of one attempt (-q: of tpupod's only why the run failed)."""
-    from tpupod.report import print_summary, print_verdict
+    from tpupod.fanout.report import print_summary, print_verdict
 
     if args.quiet:
         print_verdict(result.fanout, sys.stderr)
@@ -108,8 +108,8 @@ def launch_attempt(
     on_launch: Callable[[Launch], None] | None = None,
 ) -> Awaitable[RunResult]:
     """One launch of the program on ``target``'s selected workers."""
-    from tpupod.envargs import parse_env
-    from tpupod.execflow import join_command
+    from tpupod.base.envargs import parse_env
+    from tpupod.cli.flow.exec import join_command
     from tpupod.image.options import container_from_options
     from tpupod.launch.run import program_python
     from tpupod.launch.run import run as launch_run
@@ -212,6 +212,6 @@ def fast_run(argv: list[str]) -> int | None:
     try:
         return run_command(args)
     except Exception as exc:
-        from tpupod.report import report_failure
+        from tpupod.fanout.report import report_failure
 
         return report_failure(exc)

@@ -25,13 +25,13 @@ from pydantic import (
     model_validator,
 )
 
-from tpupod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
-from tpupod.envargs import parse_env, parse_pairs
+from tpupod.base.envargs import parse_env, parse_pairs
 from tpupod.errors import SpecError, TpupodError
-from tpupod.names import ENV_NAME_RE, POD_NAME_RE
+from tpupod.pod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
+from tpupod.pod.names import ENV_NAME_RE, POD_NAME_RE
 
 if TYPE_CHECKING:
-    from tpupod.accelerators import AcceleratorType
+    from tpupod.pod.accelerators import AcceleratorType
 
 RESERVED_ENV_PREFIX = "TPUPOD_"
 MAX_LOCAL_WORKERS = 256
@@ -194,7 +194,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
     @field_validator("tpu_type")
     @classmethod
     def _check_type(cls, value: str) -> str:
-        from tpupod.accelerators import lookup
+        from tpupod.pod.accelerators import lookup
 
         try:
             return lookup(value).name
@@ -203,7 +203,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
 
     @property
     def accelerator(self) -> AcceleratorType:
-        from tpupod.accelerators import lookup
+        from tpupod.pod.accelerators import lookup
 
         return lookup(self.tpu_type)
 

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tpupod.selection import select_ids
-from tpupod.spec import PodSpec, SshHost
+from tpupod.pod.selection import select_ids
+from tpupod.pod.spec import PodSpec, SshHost
 
 RECORD_VERSION = 1
 
@@ -79,8 +79,8 @@ class Pod(BaseModel):
 
     def identity_env(self, worker: Worker) -> dict[str, str]:
         """The variables that tell a process which worker of which pod it is (see
-        ``tpupod.workerenv``, which the local fast path shares)."""
-        from tpupod.workerenv import identity_env
+        ``tpupod.pod.identity``, which the local fast path shares)."""
+        from tpupod.pod.identity import identity_env
 
         addresses = [w.internal_address for w in self.workers]
         return identity_env(self.name, self.uid, worker.id, addresses)

@@ -9,14 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpupod import podusers, settings
-from tpupod.choices import DEFAULT_SPEC_FILE
+from tpupod import settings
 from tpupod.errors import PodExists, StateError
-from tpupod.pod import Pod
-from tpupod.podusers import PodUser
+from tpupod.pod import users as podusers
+from tpupod.pod.choices import DEFAULT_SPEC_FILE
+from tpupod.pod.record import Pod
+from tpupod.pod.spec import GcpPodSpec, PodSpec, UpFlags, adoption, spec_from_flags
+from tpupod.pod.state import StateDir
+from tpupod.pod.users import PodUser
 from tpupod.providers import provider_for
-from tpupod.spec import GcpPodSpec, PodSpec, UpFlags, adoption, spec_from_flags
-from tpupod.state import StateDir
 
 if TYPE_CHECKING:
     from tpupod.providers.gcp_api import ApiRequest

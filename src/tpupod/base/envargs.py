@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable
 
 from tpupod.errors import UsageError
-from tpupod.names import ENV_NAME_RE
+from tpupod.pod.names import ENV_NAME_RE
 
 
 def parse_pairs(

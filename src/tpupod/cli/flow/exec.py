@@ -14,16 +14,16 @@ import shlex
 import sys
 
 from tpupod import settings
-from tpupod.envargs import parse_env
+from tpupod.base.envargs import parse_env
+from tpupod.base.plain import TYPE_CHECKING, Plain
+from tpupod.cli.args import OptionTable, scan
 from tpupod.errors import TpupodError, UsageError
-from tpupod.plain import TYPE_CHECKING, Plain
-from tpupod.plainargs import OptionTable, scan
-from tpupod.results import DEFAULT_GRACE_S, OnFail
-from tpupod.selection import select_ids
+from tpupod.fanout.results import DEFAULT_GRACE_S, OnFail
+from tpupod.pod.selection import select_ids
 
 if TYPE_CHECKING:
-    from tpupod.results import FanoutResult
-    from tpupod.state import PodBrief, StateDir
+    from tpupod.fanout.results import FanoutResult
+    from tpupod.pod.state import PodBrief, StateDir
 
 
 class ExecArgs(Plain):
@@ -103,14 +103,14 @@ def run_held(state: StateDir, plan: ExecPlan, args: ExecArgs) -> FanoutResult:
 
 def run_here(state: StateDir, plan: ExecPlan, args: ExecArgs) -> FanoutResult:
     """Run the plan on a local pod's workers with no event loop (``localexec``)."""
-    from tpupod.localexec import run_local
+    from tpupod.fanout.local import run_local
 
     return run_local(state.read_record(plan.name), plan, args)
 
 
 def finish(result: FanoutResult, plan: ExecPlan, verbose: bool = False) -> int:
     """Print the summary; the exit code."""
-    from tpupod.report import print_summary
+    from tpupod.fanout.report import print_summary
 
     print_summary(result, sys.stderr, title=f"exec on {plan.name}", verbose=verbose)
     return result.exit_code()
@@ -196,7 +196,7 @@ def fast_exec(argv: list[str]) -> int | None:
     args = parse_plain(argv[1:])
     if args is None:
         return None
-    from tpupod.state import StateDir
+    from tpupod.pod.state import StateDir
 
     state = StateDir()
     try:
@@ -209,7 +209,7 @@ def fast_exec(argv: list[str]) -> int | None:
     try:
         result = run_held(state, plan, args) if plan.held else run_here(state, plan, args)
     except TpupodError as exc:
-        from tpupod.report import print_error
+        from tpupod.fanout.report import print_error
 
         print_error(f"error: {exc.message}", exc.hint, sys.stderr)
         return exc.exit_code

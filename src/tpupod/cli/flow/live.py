@@ -8,12 +8,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from tpupod.report import LinePrinter, notice
+from tpupod.fanout.report import LinePrinter, notice
 
 if TYPE_CHECKING:
-    from tpupod.fanout import Interrupt, NoticeHandler
-    from tpupod.results import WorkerLike
-    from tpupod.workerrun import LineHandler
+    from tpupod.fanout.execute import Interrupt, NoticeHandler
+    from tpupod.fanout.results import WorkerLike
+    from tpupod.fanout.worker import LineHandler
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ def run_live(workers: Sequence[WorkerLike], quiet: bool, body: Callable[[Live], 
 
     import asyncio
 
-    from tpupod.fanout import Interrupt
+    from tpupod.fanout.execute import Interrupt
 
     async def go() -> T:
         interrupt = Interrupt()

@@ -9,9 +9,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tpupod import procfs, settings
-from tpupod.choices import RendezvousOn
+from tpupod import settings
+from tpupod.base import procfs
 from tpupod.errors import UsageError
+from tpupod.fanout.results import FanoutResult, OnFail
+from tpupod.pod.choices import RendezvousOn
+from tpupod.pod.state import StateDir
 from tpupod.recovery.policy import (
     DEFAULT_NOTICE_GRACE_S,
     Cause,
@@ -20,15 +23,13 @@ from tpupod.recovery.policy import (
     parse_exit_codes,
 )
 from tpupod.recovery.record import RecoveryRecord
-from tpupod.results import FanoutResult, OnFail
-from tpupod.state import StateDir
 
 if TYPE_CHECKING:
-    from tpupod.fanout import Interrupt
+    from tpupod.cli.flow.live import Live
+    from tpupod.cli.flow.run import RunArgs
+    from tpupod.fanout.execute import Interrupt
     from tpupod.launch.run import Launch, RunResult
-    from tpupod.live import Live
-    from tpupod.pod import Pod
-    from tpupod.runflow import RunArgs
+    from tpupod.pod.record import Pod
 
 
 class AttemptLauncher(Protocol):
@@ -73,9 +74,9 @@ def policy_of(args: RunArgs) -> RetryPolicy:
 
 def run_recovering(args: RunArgs, launch_attempt: AttemptLauncher) -> int:
     """Run with recovery (or resume one); the run's exit code."""
-    from tpupod.live import run_live
+    from tpupod.cli.flow.live import run_live
+    from tpupod.cli.flow.run import report_attempt
     from tpupod.recovery.loop import Recovery
-    from tpupod.runflow import report_attempt
 
     state = StateDir()
     if args.resume:
@@ -128,8 +129,8 @@ def run_recovering(args: RunArgs, launch_attempt: AttemptLauncher) -> int:
 
 def _check(args: RunArgs, pod: Pod, policy: RetryPolicy) -> None:
     """Refuse what would fail every attempt the same way, before any work (a UsageError)."""
+    from tpupod.cli.flow.run import check_args
     from tpupod.recovery.loop import head_commit
-    from tpupod.runflow import check_args
 
     check_args(args, pod)
     if args.setup and not Path(args.setup).is_file():
@@ -158,7 +159,7 @@ def _options(args: RunArgs) -> dict[str, Any]:
 
 def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
     """The record of the run to resume, and the options it was started with."""
-    from tpupod.runflow import RunArgs
+    from tpupod.cli.flow.run import RunArgs
 
     assert args.resume is not None
     record = RecoveryRecord.load(state, state.resolve_name(args.pod), args.resume)
@@ -192,7 +193,7 @@ RETRY_FLAGS = ("retries", "retry_errors", "retry_exit_codes", "zones", "notice_g
 
 
 def _default(name: str) -> Any:
-    from tpupod.runflow import RunArgs
+    from tpupod.cli.flow.run import RunArgs
 
     return RunArgs.__dataclass_fields__[name].default
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpupod.state import RECORD_FILE, StateDir
+from tpupod.pod.state import RECORD_FILE, StateDir
 
 USERS_DIR = "users"
 _USES = itertools.count()

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.live import Live
 
-    from tpupod.results import WorkerLike
+    from tpupod.fanout.results import WorkerLike
 
 MARKER = "tpupod-progress "
 Forward = Callable[[Any, OutputLine], None]
@@ -140,7 +140,7 @@ class PodProgress:
             from rich.console import Console
             from rich.live import Live
 
-            from tpupod.report import LinePrinter
+            from tpupod.fanout.report import LinePrinter
 
             console = self.console or Console(file=self.stream)
             self._live = Live(

@@ -10,7 +10,7 @@ mean, reads them and explains. Tests check that both readers agree.
 
 from __future__ import annotations
 
-from tpupod.plain import Plain
+from tpupod.base.plain import Plain
 
 
 class OptionTable(Plain):

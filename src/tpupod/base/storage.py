@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tpupod.base.files import write_atomic
 from tpupod.errors import UsageError
-from tpupod.files import write_atomic
 
 Data = str | bytes | Iterable[bytes | memoryview]  # text, bytes, or parts written in turn
 

@@ -26,20 +26,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tpupod import limits
+from tpupod.base import limits
 from tpupod.errors import WorkerError
-from tpupod.pod import Pod, Worker
-from tpupod.providers import Connector, provider_for, worker_environment
-from tpupod.results import (
+from tpupod.fanout.results import (
     DEFAULT_GRACE_S,
     FanoutResult,
     OnFail,
     Outcome,
     WorkerResult,
 )
-from tpupod.state import StateDir
+from tpupod.fanout.worker import LineHandler, WorkerRun
+from tpupod.pod.record import Pod, Worker
+from tpupod.pod.state import StateDir
+from tpupod.providers import Connector, provider_for, worker_environment
 from tpupod.transport import ExitStatus, Transport
-from tpupod.workerrun import LineHandler, WorkerRun
 
 # How long after the first failure the others are stopped: processes that end together (a
 # crash that takes several workers down) reach us a few milliseconds apart.

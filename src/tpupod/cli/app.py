@@ -1,0 +1,179 @@
+"""The ``tpupod`` command: a typer app with one module per command group.
+
+Errors raised as :class:`~tpupod.errors.TpupodError` become two lines on
+stderr (``error: ...`` and ``hint: ...``) and the error's exit code; a
+traceback is shown only with ``--debug`` (or ``TPUPOD_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Annotated, ParamSpec, TypeVar
+
+import typer
+from typer.models import CommandInfo, TyperInfo
+
+from tpupod import __version__
+from tpupod.extras import require
+from tpupod.fanout.report import report_failure
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+app = typer.Typer(
+    name="tpupod",
+    help="Make a multi-host accelerator pod feel like one machine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"tpupod {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    """Make a multi-host accelerator pod feel like one machine.
+
+    Start with 'tpupod up --name dev --local 2', then 'tpupod exec -- hostname'.
+    """
+
+
+def reporting_errors(
+    func: Callable[P, R], *, label: str = "tpupod", needs: tuple[str, ...] = ()
+) -> Callable[P, R]:
+    """Turn a command's TpupodError into 'error:' and 'hint:' lines and its exit code,
+    after checking, before any work, that the extras it ``needs`` are installed."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            require(f"'{label}'", *needs)
+            return func(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:  # a bug too: one line, the traceback only with --debug
+            raise typer.Exit(report_failure(exc, f"'{label}'")) from exc
+
+    return wrapper
+
+
+def command(
+    name: str,
+    *,
+    group: typer.Typer | None = None,
+    needs: tuple[str, ...] = (),
+    **settings: object,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Register a CLI command (of ``group``, else of the app) whose errors are reported the
+    tpupod way and which first checks the extras it ``needs`` (``tpupod.extras``)."""
+    owner = group or app
+    label = " ".join(["tpupod", *([str(group.info.name)] if group else []), name])
+
+    def register(func: Callable[P, R]) -> Callable[P, R]:
+        checked = reporting_errors(func, label=label, needs=needs)
+        owner.command(name, **settings)(checked)  # type: ignore[arg-type]
+        return func
+
+    return register
+
+
+# Which module registers each command: a call loads only its command's module (each costs
+# 5 to 40 ms to import; a bare `tpupod run` paid for all of them), help loads them all.
+COMMAND_MODULES = {
+    "bench": "bench",
+    "dashboard": "dashboard",
+    "exec": "exec",
+    "extract": "extract",
+    "image": "image",
+    "jobs": "jobs",
+    "free-tpu": "ops",
+    "get": "ops",
+    "put": "ops",
+    "setup": "ops",
+    "sync": "ops",
+    "down": "pods",
+    "hosts": "pods",
+    "list": "pods",
+    "status": "pods",
+    "up": "pods",
+    "cancel": "run",
+    "logs": "run",
+    "run": "run",
+    "agent": "serve",
+    "fanout": "serve",
+    "serve": "serve",
+}
+
+
+def load_commands(argv: list[str]) -> None:
+    """Import the module of the command ``argv`` names, or every command module when it
+    names none we know (``--help``, a typo: typer then lists them all)."""
+    known = COMMAND_MODULES.get(command_named(argv) or "")
+    for module in [known] if known else sorted(set(COMMAND_MODULES.values())):
+        importlib.import_module(f"tpupod.cli.{module}")
+
+
+def command_named(argv: list[str]) -> str | None:
+    """The command ``argv`` names, if it names one we know."""
+    name = next((arg for arg in argv if not arg.startswith("-")), None)
+    return name if name in COMMAND_MODULES else None
+
+
+def app_for(name: str | None) -> typer.Typer:
+    """The app with only what this call needs typer to build: the command ``name`` alone,
+    or for the command list (``--help``, a typo) every command as its name and help,
+    without its options. Typer builds every registered command's options before it parses
+    anything: about 100 ms of CPU for all of them, 2 to 15 ms for a module's siblings
+    (``tpupod --help`` 105 -> 3 ms; it prints the same, tests/test_cli_start.py)."""
+    trimmed = copy.copy(app)
+    if name is not None:
+        trimmed.registered_commands = [c for c in app.registered_commands if c.name == name]
+        trimmed.registered_groups = [g for g in app.registered_groups if g.name == name]
+    else:
+        trimmed.registered_commands = [_listed(c) for c in app.registered_commands]
+        trimmed.registered_groups = [_listed_group(g) for g in app.registered_groups]
+    return trimmed
+
+
+def _listed(info: CommandInfo) -> CommandInfo:
+    """A command as the command list shows it: its name and help, no options."""
+
+    def listed() -> None:
+        raise AssertionError("a listed command is never run")  # pragma: no cover
+
+    listed.__doc__ = info.callback.__doc__ if info.callback else None
+    shown = copy.copy(info)
+    shown.callback = listed
+    return shown
+
+
+def _listed_group(info: TyperInfo) -> TyperInfo:
+    """A command group as the command list shows it: its name and help, no commands."""
+    shown, group = copy.copy(info), copy.copy(info.typer_instance)
+    if group is not None:
+        group.registered_commands, group.registered_groups = [], []
+    shown.typer_instance = group
+    return shown
+
+
+def main() -> None:
+    """The console script: load the command's module and run."""
+    argv = sys.argv[1:]
+    load_commands(argv)
+    app_for(command_named(argv))(prog_name="tpupod")
