@@ -25,7 +25,7 @@ from tests.conftest import CliResult, tpupod_argv
 from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
 from tests.test_jobs_api import serving
 from tpupod.cli.app import app
-from tpupod.jobs import claims, quick, schema, service
+from tpupod.jobs import claims, rows, schema, service
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.store import Store
 
@@ -109,8 +109,8 @@ def test_a_store_of_schema_1_gains_retries_on_open(db_url: str) -> None:  # noqa
     store = Store.open(db_url)
     old = store.submit(quick_request("true"))
     with store.write() as conn:  # as tpupod made it before retries
-        conn.execute(text(f"ALTER TABLE {quick.JOBS_TABLE} DROP COLUMN retries"))
-        conn.execute(text(f"UPDATE {quick.VERSION_TABLE} SET version = 1"))
+        conn.execute(text(f"ALTER TABLE {rows.JOBS_TABLE} DROP COLUMN retries"))
+        conn.execute(text(f"UPDATE {rows.VERSION_TABLE} SET version = 1"))
     store.close()
     again = Store.open(db_url)
     assert again.get(old).retries == 0
@@ -402,7 +402,7 @@ def test_logs_without_follow_never_waits_between_pages(
 
 
 def test_the_fast_path_knows_the_latest_schema() -> None:
-    assert quick.SCHEMA_VERSION == schema.LATEST
+    assert rows.SCHEMA_VERSION == schema.LATEST
 
 
 def _row(store: Store, job_id: int) -> dict[str, Any]:

@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from tpupod.cli.app import app, command
-from tpupod.cli.exec import QuietOption, TimeoutOption
 from tpupod.cli.flow.live import Live, run_live
-from tpupod.cli.options import PodOption
+from tpupod.cli.options import PodOption, QuietOption, TimeoutOption
 from tpupod.errors import BenchError
 
 if TYPE_CHECKING:

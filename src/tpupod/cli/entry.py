@@ -19,7 +19,7 @@ def main() -> None:
 
         code = fast_run(argv)
     elif argv[:2] == ["jobs", "submit"]:
-        from tpupod.jobs.quick import fast_submit
+        from tpupod.cli.flow.submit import fast_submit
 
         code = fast_submit(argv[2:])
     if code is not None:

@@ -3,89 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from tpupod.cli.app import command
 from tpupod.cli.flow.exec import ExecArgs, finish, plan_exec, run_held
 from tpupod.cli.flow.live import Live, run_live
-from tpupod.cli.image import (
-    EngineOption,
-    ImageOption,
-    MountOption,
-    PrivilegedOption,
-)
-from tpupod.cli.options import EnvOption, PodOption
-from tpupod.fanout.results import DEFAULT_GRACE_S, FanoutResult, OnFail
+from tpupod.cli.typed import takes
+from tpupod.fanout.results import FanoutResult, OnFail
 from tpupod.image.options import container_from_options
 
 if TYPE_CHECKING:
     from tpupod.image.containerize import Container
     from tpupod.pod.record import Pod, Worker
 
-WorkerOption = Annotated[
-    str | None,
-    typer.Option(
-        "--worker",
-        "-w",
-        metavar="SEL",
-        help="Workers to use, e.g. 0,2-3 (default: all).",
-        show_default=False,
-    ),
-]
-TimeoutOption = Annotated[
-    float | None,
-    typer.Option(
-        "--timeout",
-        "-t",
-        metavar="S",
-        min=0.001,
-        help="Stop every worker still running after S seconds.",
-        show_default=False,
-    ),
-]
-GraceOption = Annotated[
-    float,
-    typer.Option(
-        "--grace", metavar="S", min=0.0, help="Seconds between TERM and KILL when stopping."
-    ),
-]
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary.")]
-VerboseOption = Annotated[
-    bool,
-    typer.Option(
-        "--verbose",
-        "-v",
-        help="A summary row for every worker (by default a success with no output is one "
-        "line, and beyond 16 workers identical results are grouped).",
-    ),
-]
-
 
 @command("exec", context_settings={"allow_interspersed_args": False})
-def exec_command(
-    command: Annotated[
-        list[str],
-        typer.Argument(metavar="-- CMD...", help="The command (see below).", show_default=False),
-    ],
-    pod: PodOption = None,
-    worker: WorkerOption = None,
-    on_fail: Annotated[
-        OnFail,
-        typer.Option("--on-fail", help="On the first failure: kill the others, or wait for them."),
-    ] = OnFail.WAIT,
-    timeout: TimeoutOption = None,
-    grace: GraceOption = DEFAULT_GRACE_S,
-    quiet: QuietOption = False,
-    verbose: VerboseOption = False,
-    env: EnvOption = None,
-    image: ImageOption = None,
-    mount: MountOption = None,
-    engine: EngineOption = None,
-    privileged: PrivilegedOption = False,
-) -> None:
+@takes(ExecArgs)
+def exec_command(args: ExecArgs) -> None:
     """Run a command on every worker at once and summarize how each one ended.
 
     One argument is a shell command line; several are a command and its
@@ -103,48 +39,28 @@ def exec_command(
 
       tpupod exec --image app:1 -- python -c 'import jax; print(jax.devices())'
     """
-    args = ExecArgs(
-        command,
-        pod=pod,
-        worker=worker,
-        on_fail=on_fail,
-        timeout=timeout,
-        grace=grace,
-        quiet=quiet,
-        env=list(env or []),
-        verbose=verbose,
-    )
-    if image is None:
-        container_from_options(image, mount, engine, privileged, [])  # refuses stray options
-    run_exec(args, ContainerOptions(image, mount, engine, privileged) if image else None)
+    if args.image is None:  # refuses container options without --image
+        container_from_options(None, args.mounts, args.engine, args.privileged, [])
+    run_exec(args)
 
 
-@dataclass(frozen=True)
-class ContainerOptions:
-    """``exec --image`` and its options, made a Container once the pod's env names are known."""
-
-    image: str
-    mounts: list[str] | None
-    engine: str | None
-    privileged: bool
-
-
-def run_exec(args: ExecArgs, in_image: ContainerOptions | None = None) -> None:
+def run_exec(args: ExecArgs) -> None:
     """The exec command proper: through the pod's connection holder for SSH pods, else here;
-    in a container on every worker with ``in_image`` (never through the holder)."""
+    in a container on every worker with ``--image`` (never through the holder)."""
     from tpupod.pod.state import StateDir
 
     state = StateDir()
     plan = plan_exec(args, state)
-    if plan.held and in_image is None:
+    if plan.held and args.image is None:
         result = run_held(state, plan, args)
     else:
         target = state.load(plan.name)
         container = None
-        if in_image is not None:
+        if args.image is not None:
             names = [*plan.env, *target.spec.env]
-            o = in_image
-            container = container_from_options(o.image, o.mounts, o.engine, o.privileged, names)
+            container = container_from_options(
+                args.image, args.mounts, args.engine, args.privileged, names
+            )
         result = run_with_signals(
             target,
             plan.line,

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from tpupod.cli.app import app, command
-from tpupod.cli.options import PodOption
+from tpupod.cli.options import EngineOption, PodOption
 
 image_app = typer.Typer(
     name="image",
@@ -20,42 +20,6 @@ image_app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(image_app, name="image")
-
-ImageOption = Annotated[
-    str | None,
-    typer.Option(
-        "--image",
-        metavar="TAG",
-        help="Run the command in a container of this image on every worker "
-        "(host network, the worker's tpupod variables, accelerator devices).",
-        show_default=False,
-    ),
-]
-MountOption = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--mount",
-        metavar="SRC:DST[:ro]",
-        help="With --image: mount SRC of the worker at DST in the container (repeatable).",
-        show_default=False,
-    ),
-]
-EngineOption = Annotated[
-    str | None,
-    typer.Option(
-        "--engine",
-        metavar="docker|podman",
-        help="The container engine (default: docker where its daemon runs, else podman).",
-        show_default=False,
-    ),
-]
-PrivilegedOption = Annotated[
-    bool,
-    typer.Option(
-        "--privileged",
-        help="With --image: a privileged container (else only /dev/accel* and /dev/vfio/*).",
-    ),
-]
 
 
 @command("build", group=image_app)

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from tpupod.cli.app import app, command
+from tpupod.cli.flow.submit import DB, SubmitArgs
 from tpupod.cli.options import PodOption
+from tpupod.cli.typed import annotated, takes
 from tpupod.fanout.report import notice
 
 if TYPE_CHECKING:
@@ -30,86 +32,36 @@ jobs_app = typer.Typer(
 )
 app.add_typer(jobs_app, name="jobs")
 
-DbOption = Annotated[
-    str | None,
-    typer.Option(
-        "--db",
-        metavar="URL",
-        help="The job store: sqlite:///PATH or postgresql://... "
-        "(default: $TPUPOD_JOBS_DB, else jobs.db in the state directory).",
-        show_default=False,
-    ),
-]
-# A job names no pod unless asked: any runner takes it. Not "the only pod", as other commands
-# default: a store may be shared, and what runs a job must not hang on the submitter's pods.
-JobPodOption = Annotated[
-    str | None,
-    typer.Option(
-        "--pod",
-        "-p",
-        help="The pod whose runner ('jobs worker --pod P') takes the job (default: none, any "
-        "runner takes it: a local one or any pod's).",
-        show_default=False,
-    ),
-]
+if TYPE_CHECKING:
+    DbOption = str | None
+else:
+    DbOption = annotated(DB, str | None)
 # read as text and checked by ``service.job_id``: click's message for a non-number is not plain
 JobId = Annotated[str, typer.Argument(metavar="ID", help="The job's id.", show_default=False)]
 
 
 @command("submit", group=jobs_app, needs=("jobs",))
-def submit(
-    what: Annotated[
-        list[str],
-        typer.Argument(metavar="FILE.py | FILE.json | -- CMD...", show_default=False),
-    ],
-    db: DbOption = None,
-    pod: JobPodOption = None,
-    name: Annotated[str, typer.Option("--name", help="A name to know it by.")] = "",
-    label: Annotated[
-        list[str] | None,
-        typer.Option("--label", "-l", metavar="NAME=VALUE", help="Repeatable."),
-    ] = None,
-    priority: Annotated[int, typer.Option("--priority", help="Higher runs first.")] = 0,
-    timeout: Annotated[
-        float | None, typer.Option("--timeout", help="Seconds.", show_default=False)
-    ] = None,
-    max_attempts: Annotated[
-        int | None,
-        typer.Option(
-            "--max-attempts",
-            help="Attempts in all, lost runners' too (default: 3, or --retries + 1).",
-            show_default=False,
-        ),
-    ] = None,
-    retries: Annotated[
-        int,
-        typer.Option("--retries", help="Run it again when the program fails, this many times."),
-    ] = 0,
-    wait: Annotated[bool, typer.Option("--wait", help="Wait, then print the result.")] = False,
-    remote_pod: Annotated[
-        bool,
-        typer.Option("--remote-pod", help="--pod names a pod whose runner is on another machine."),
-    ] = False,
-) -> None:
+@takes(SubmitArgs)
+def submit(args: SubmitArgs) -> None:
     """Queue a job; print its id alone on stdout (id=$(tpupod jobs submit ...))."""
     from tpupod.jobs import service
     from tpupod.jobs.request import build_request
 
     request = build_request(
-        what,
+        args.what,
         dashed="--" in sys.argv,  # click drops the "--": after it, everything is the command
-        name=name,
-        label=label,
-        priority=priority,
-        timeout=timeout,
-        max_attempts=max_attempts,
-        retries=retries,
-        pod=pod,
+        name=args.name,
+        label=args.label,
+        priority=args.priority,
+        timeout=args.timeout,
+        max_attempts=args.max_attempts,
+        retries=args.retries,
+        pod=args.pod,
     )
-    job_id = service.submit(request, db=db, remote_pod=remote_pod)
+    job_id = service.submit(request, db=args.db, remote_pod=args.remote_pod)
     print(job_id, flush=True)
-    if wait:
-        _print_result(service.wait(service.open_store(db), job_id, say=notice))
+    if args.wait:
+        _print_result(service.wait(service.open_store(args.db), job_id, say=notice))
 
 
 @command("ls", group=jobs_app, needs=("jobs",))

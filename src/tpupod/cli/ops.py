@@ -11,9 +11,8 @@ import typer
 
 from tpupod import settings
 from tpupod.cli.app import command
-from tpupod.cli.exec import QuietOption, TimeoutOption, WorkerOption
 from tpupod.cli.flow.live import Live, run_live
-from tpupod.cli.options import PodOption
+from tpupod.cli.options import PodOption, QuietOption, TimeoutOption, WorkerOption
 from tpupod.errors import TpupodError, UsageError
 from tpupod.fanout.report import print_summary
 from tpupod.fanout.results import FanoutResult

@@ -29,9 +29,9 @@ from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
 from tpupod.transport.lines import LineSplitter
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any
 
-    from tpupod.cli.flow.exec import ExecArgs, ExecPlan
     from tpupod.pod.state import WorkerBrief
 
 TAIL_LINES = 10
@@ -168,32 +168,41 @@ class _Run:
         return True
 
 
-def run_local(record: dict[str, Any], plan: ExecPlan, args: ExecArgs) -> FanoutResult:
-    """Run the plan on the local pod's workers, output printed as it arrives."""
-    workers = [plan.brief.workers[i] for i in plan.ids]
+def run_local(
+    record: dict[str, Any],
+    workers: Sequence[WorkerBrief],
+    line: str,
+    env: dict[str, str],
+    *,
+    grace: float,
+    quiet: bool = False,
+) -> FanoutResult:
+    """Run the bash command ``line`` on the local pod's ``workers`` (of its ``record``, read
+    as plain JSON) with ``env`` added, output printed as it arrives (unless ``quiet``); a
+    stop TERMs them, then KILLs after ``grace``."""
     interrupted: list[int] = []  # the signals that stop the workers, first one first
     printer = None
-    if not args.quiet:  # our reader gone (``| head``): stop them all, as SIGPIPE would
+    if not quiet:  # our reader gone (``| head``): stop them all, as SIGPIPE would
         printer = LinePrinter(
             workers,
             sys.stdout,
             sys.stderr,
             on_broken_pipe=lambda: interrupted.append(signal.SIGPIPE),
         )
-    script = command_script(plan.line, guard=True)
+    script = command_script(line, guard=True)
     short = limits.open_files(4 * len(workers))  # three pipes and the guard's stdin a worker
     if short:
         print(f"tpupod: warning: {short}", file=sys.stderr, flush=True)
     started = time.monotonic()
     inherited_fds_closed()
-    runs = [_start(record, plan, i, script) for i in plan.ids]
+    runs = [_start(record, w, env, script) for w in workers]
     previous = {
         signum: signal.signal(signum, lambda signum, frame: interrupted.append(signum))
         for signum in (signal.SIGINT, signal.SIGTERM)
     }
     failure_order = [run.worker.id for run in runs if run.proc is None]
     try:
-        _pump(runs, printer, interrupted, failure_order, args.grace)
+        _pump(runs, printer, interrupted, failure_order, grace)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -203,7 +212,7 @@ def run_local(record: dict[str, Any], plan: ExecPlan, args: ExecArgs) -> FanoutR
         if not r.ok and r.worker.id not in failure_order:
             failure_order.append(r.worker.id)
     return FanoutResult(
-        plan.line,
+        line,
         results,
         time.monotonic() - started,
         failure_order=failure_order,
@@ -211,12 +220,11 @@ def run_local(record: dict[str, Any], plan: ExecPlan, args: ExecArgs) -> FanoutR
     )
 
 
-def _start(record: dict[str, Any], plan: ExecPlan, index: int, script: str) -> _Run:
-    worker = plan.brief.workers[index]
-    env = {**os.environ, **local_env(record, index, plan.env)}
+def _start(record: dict[str, Any], worker: WorkerBrief, extra: dict[str, str], script: str) -> _Run:
+    env = {**os.environ, **local_env(record, worker.id, extra)}
     try:
         # Guarded (command_script): stdin is a pipe we never write to, closed if we die.
-        proc = spawn([SHELL, "-c", script], env, record["workers"][index].get("workdir"))
+        proc = spawn([SHELL, "-c", script], env, record["workers"][worker.id].get("workdir"))
     except OSError as exc:
         run = _Run(worker, None)
         run.ended = run.started

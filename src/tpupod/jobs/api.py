@@ -28,7 +28,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from tpupod.base.envargs import parse_pairs
 from tpupod.errors import JobNotFound, JobStoreError, PodNotFound, UsageError
 from tpupod.jobs.models import JobRequest, JobStatus, LogLine
-from tpupod.jobs.quick import check_pod
+from tpupod.jobs.rows import check_pod
 from tpupod.jobs.service import follow
 from tpupod.jobs.store import Store
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpupod.base.jsontext import lone_surrogate
 from tpupod.jobs.code import syntax_problem
+from tpupod.jobs.rows import MAX_ATTEMPTS
 
 
 class JobStatus(enum.StrEnum):
@@ -48,7 +49,7 @@ class JobRequest(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
-    max_attempts: int = Field(default=3, ge=1, le=100)
+    max_attempts: int = Field(default=3, ge=1, le=MAX_ATTEMPTS)
     retries: int = Field(default=0, ge=0, le=99)  # program failures run again this many times
     pod: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)

@@ -1,6 +1,6 @@
 """A job request from what a person gives: a ``FILE.py`` (code), a ``FILE.json`` (seed 003's
 job document) or a command line, with the submit options laid over it. The fast path
-(``quick.py``) reads plain submissions itself; this is the reference it agrees with."""
+(``cli/flow/submit.py``) reads plain submissions itself; this is the reference it agrees with."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from tpupod.base.envargs import parse_pairs
-from tpupod.cli.flow.exec import join_command
 from tpupod.errors import UsageError
 from tpupod.jobs.code import syntax_problem
 from tpupod.jobs.models import JobRequest
-from tpupod.jobs.quick import attempts_for
+from tpupod.jobs.rows import attempts_for
+from tpupod.transport.base import join_command
 
 JSON_HINT = 'a job document: {"code": "...", "timeout": 300} or {"command": "..."}'
 

@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 
 from tpupod.jobs.models import JobStatus
-from tpupod.jobs.quick import JOBS_TABLE, VERSION_TABLE
+from tpupod.jobs.rows import JOBS_TABLE, SCHEMA_VERSION, VERSION_TABLE
 
 metadata = MetaData()
 
@@ -112,7 +112,9 @@ def _v2(conn: Connection) -> None:
 
 # version -> what brings the schema from version - 1 to it
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1, 2: _v2}
-LATEST = max(MIGRATIONS)  # quick.SCHEMA_VERSION too (its fast submit checks it)
+LATEST = max(MIGRATIONS)
+if LATEST != SCHEMA_VERSION:  # the fast submit checks a store's version against rows.py's
+    raise AssertionError(f"rows.SCHEMA_VERSION is {SCHEMA_VERSION}; the migrations reach {LATEST}")
 
 
 def current_version(conn: Connection) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tpupod.errors import JobError, JobStoreAway, UsageError
 from tpupod.jobs.models import AttemptLines, Job, JobRequest, JobStatus, LogLine
-from tpupod.jobs.quick import check_pod
+from tpupod.jobs.rows import check_pod
 from tpupod.jobs.store import RETRY_S, Outage, Store
 
 POLL_S = 0.2  # a follower and a waiter read the store again after this long

@@ -12,7 +12,7 @@ import contextlib
 import os
 from typing import Any
 
-from tpupod.jobs.quick import NOTIFY_CHANNEL
+from tpupod.jobs.rows import NOTIFY_CHANNEL
 from tpupod.jobs.store import Store
 
 SQLITE_POLL_S = 0.1

@@ -11,9 +11,10 @@ from tpupod.errors import UsageError
 from tpupod.pod.record import Pod, Worker
 from tpupod.pod.spec import PodSpec
 from tpupod.pod.state import StateDir
+from tpupod.providers.gcp_api import (
+    GONE as GONE,  # live_state's word for a resource the cloud no longer has
+)
 from tpupod.transport import Transport
-
-GONE = "GONE"  # what live_state says of a cloud resource the cloud no longer has
 
 
 class Connector(Protocol):

@@ -38,8 +38,7 @@ from tpupod.fanout.report import notice
 from tpupod.pod.record import Pod, Worker
 from tpupod.pod.spec import GcpPodSpec, PodSpec, SshHost
 from tpupod.pod.state import StateDir
-from tpupod.providers import GONE
-from tpupod.providers.gcp_api import API_ROOT, check_api_choice, create_request, parent
+from tpupod.providers.gcp_api import API_ROOT, GONE, check_api_choice, create_request, parent
 from tpupod.providers.ssh import check_key_file, connect_options
 from tpupod.transport.ssh import SshConnector, SshPool, generate_key, probe, public_key_line
 

@@ -20,6 +20,8 @@ from tpupod.errors import SpecError
 from tpupod.pod.choices import Capacity
 from tpupod.pod.spec import GcpPodSpec
 
+GONE = "GONE"  # what live_state says of a cloud resource the cloud no longer has (a 404)
+
 API_ROOT = "https://tpu.googleapis.com"
 NOT_TPU_VM = "--api tpu-vm (api: tpu-vm in a spec file)"
 # A TPU VM's capacity, as its schedulingConfig (on-demand: none).

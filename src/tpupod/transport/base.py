@@ -11,6 +11,7 @@ import shlex
 import signal
 
 from tpupod.base.plain import Plain
+from tpupod.errors import UsageError
 
 
 class Stream(enum.Enum):
@@ -173,3 +174,12 @@ def command_script(
     end += [*RERAISE, 'exit "$tpupod_rc"']
     lines += ["tpupod_end() {", *(f"  {line}" for line in end), "}"]
     return "\n".join([*lines, TERM_TRAP, command, "tpupod_end $?"])
+
+
+def join_command(argv: list[str]) -> str:
+    """One argument is a command line as typed; several are an argv, quoted for the shell."""
+    if not argv or not any(arg.strip() for arg in argv):
+        raise UsageError(
+            "no command given", hint="put the command after --, e.g. tpupod exec -- hostname"
+        )
+    return argv[0] if len(argv) == 1 else shlex.join(argv)

@@ -10,59 +10,63 @@ reference for what the options mean (tests check that both agree).
 
 from __future__ import annotations
 
-import shlex
 import sys
 
 from tpupod import settings
 from tpupod.base.envargs import parse_env
 from tpupod.base.plain import TYPE_CHECKING, Plain
-from tpupod.cli.args import OptionTable, scan
+from tpupod.cli.args import (
+    ENGINE,
+    ENV,
+    GRACE,
+    IMAGE,
+    MOUNT,
+    POD,
+    PRIVILEGED,
+    QUIET,
+    TIMEOUT,
+    WORKER,
+    Args,
+    opt,
+    rest,
+)
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout.results import DEFAULT_GRACE_S, OnFail
+from tpupod.fanout.results import OnFail
 from tpupod.pod.selection import select_ids
+from tpupod.transport.base import join_command
 
 if TYPE_CHECKING:
     from tpupod.fanout.results import FanoutResult
     from tpupod.pod.state import PodBrief, StateDir
 
 
-class ExecArgs(Plain):
-    """``tpupod exec``'s options, as either parser read them."""
+class ExecArgs(Args):
+    """``tpupod exec``'s arguments, declared once: the typer command and the fast path
+    both read them from here (``cli/args.py``)."""
 
-    __slots__ = (
-        "command",
-        "env",
-        "grace",
-        "on_fail",
-        "pod",
-        "quiet",
-        "timeout",
-        "verbose",
-        "worker",
+    command: list[str] = rest(metavar="-- CMD...", help="The command (see below).")
+    pod: str | None = POD
+    worker: str | None = WORKER
+    on_fail: OnFail = opt(
+        "--on-fail",
+        default=OnFail.WAIT,
+        help="On the first failure: kill the others, or wait for them.",
     )
-
-    def __init__(
-        self,
-        command: list[str],
-        *,
-        pod: str | None = None,
-        worker: str | None = None,
-        on_fail: OnFail = OnFail.WAIT,
-        timeout: float | None = None,
-        grace: float = DEFAULT_GRACE_S,
-        quiet: bool = False,
-        env: list[str] | None = None,
-        verbose: bool = False,
-    ) -> None:
-        self.command = command
-        self.pod = pod
-        self.worker = worker
-        self.on_fail = on_fail
-        self.timeout = timeout
-        self.grace = grace
-        self.quiet = quiet
-        self.env = env if env is not None else []
-        self.verbose = verbose
+    timeout: float | None = TIMEOUT
+    grace: float = GRACE
+    quiet: bool = QUIET
+    verbose: bool = opt(
+        "--verbose",
+        "-v",
+        default=False,
+        help="A summary row for every worker (by default a success with no output is one "
+        "line, and beyond 16 workers identical results are grouped).",
+    )
+    env: list[str] = ENV
+    image: str | None = IMAGE
+    mounts: list[str] = MOUNT
+    engine: str | None = ENGINE
+    privileged: bool = PRIVILEGED
 
 
 class ExecPlan(Plain):
@@ -105,7 +109,9 @@ def run_here(state: StateDir, plan: ExecPlan, args: ExecArgs) -> FanoutResult:
     """Run the plan on a local pod's workers with no event loop (``localexec``)."""
     from tpupod.fanout.local import run_local
 
-    return run_local(state.read_record(plan.name), plan, args)
+    workers = [plan.brief.workers[i] for i in plan.ids]
+    record = state.read_record(plan.name)
+    return run_local(record, workers, plan.line, plan.env, grace=args.grace, quiet=args.quiet)
 
 
 def finish(result: FanoutResult, plan: ExecPlan, verbose: bool = False) -> int:
@@ -129,54 +135,13 @@ def exec_request(args: ExecArgs, plan: ExecPlan) -> dict[str, object]:
     }
 
 
-def join_command(argv: list[str]) -> str:
-    """One argument is a command line as typed; several are an argv, quoted for the shell."""
-    if not argv or not any(arg.strip() for arg in argv):
-        raise UsageError(
-            "no command given", hint="put the command after --, e.g. tpupod exec -- hostname"
-        )
-    return argv[0] if len(argv) == 1 else shlex.join(argv)
-
-
-EXEC_OPTIONS = OptionTable(
-    valued={
-        "-p": "pod",
-        "--pod": "pod",
-        "-w": "worker",
-        "--worker": "worker",
-        "--on-fail": "on_fail",
-        "-t": "timeout",
-        "--timeout": "timeout",
-        "--grace": "grace",
-    },
-    repeated={"-e": "env", "--env": "env"},
-    flags={"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "verbose"},
-)
-
-
 def parse_plain(argv: list[str]) -> ExecArgs | None:
-    """``exec``'s arguments when they are plain; None sends them to the full CLI parser."""
-    scanned = scan(argv, EXEC_OPTIONS)
-    if scanned is None:
+    """``exec``'s arguments when they are plain (no container: the typer command runs
+    those); None sends them to the full CLI parser."""
+    args = ExecArgs.read(argv)
+    if args is None or args.image or args.mounts or args.engine or args.privileged:
         return None
-    values = scanned.values
-    env = scanned.lists.get("env", [])
-    try:
-        args = ExecArgs(
-            command=scanned.rest,
-            pod=values.get("pod"),
-            worker=values.get("worker"),
-            quiet="quiet" in scanned.flags,
-            env=env,
-            verbose="verbose" in scanned.flags,
-        )
-        args.on_fail = OnFail(values.get("on_fail", OnFail.WAIT))
-        args.timeout = float(values["timeout"]) if "timeout" in values else None
-        args.grace = float(values.get("grace", DEFAULT_GRACE_S))
-    except ValueError:
-        return None
-    plain = args.command and args.grace >= 0 and (args.timeout is None or args.timeout >= 0.001)
-    return args if plain and env_ok(env) else None
+    return args if env_ok(args.env) else None
 
 
 def env_ok(items: list[str]) -> bool:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from tpupod import settings
 from tpupod.base import procfs
+from tpupod.cli.flow.attempt import RunArgs, launch_attempt, report_attempt
 from tpupod.errors import UsageError
 from tpupod.fanout.results import FanoutResult, OnFail
 from tpupod.pod.choices import RendezvousOn
@@ -26,25 +26,7 @@ from tpupod.recovery.record import RecoveryRecord
 
 if TYPE_CHECKING:
     from tpupod.cli.flow.live import Live
-    from tpupod.cli.flow.run import RunArgs
-    from tpupod.fanout.execute import Interrupt
-    from tpupod.launch.run import Launch, RunResult
     from tpupod.pod.record import Pod
-
-
-class AttemptLauncher(Protocol):
-    """``runflow.launch_attempt``: one launch of the program."""
-
-    def __call__(
-        self,
-        args: RunArgs,
-        target: Pod,
-        live: Live,
-        extra_env: dict[str, str],
-        interrupt: Interrupt | None,
-        *,
-        on_launch: Callable[[Launch], None] | None = None,
-    ) -> Awaitable[RunResult]: ...
 
 
 def policy_of(args: RunArgs) -> RetryPolicy:
@@ -72,10 +54,9 @@ def policy_of(args: RunArgs) -> RetryPolicy:
     )
 
 
-def run_recovering(args: RunArgs, launch_attempt: AttemptLauncher) -> int:
+def run_recovering(args: RunArgs) -> int:
     """Run with recovery (or resume one); the run's exit code."""
     from tpupod.cli.flow.live import run_live
-    from tpupod.cli.flow.run import report_attempt
     from tpupod.recovery.loop import Recovery
 
     state = StateDir()
@@ -93,7 +74,7 @@ def run_recovering(args: RunArgs, launch_attempt: AttemptLauncher) -> int:
     if policy.retries and pod.provider == "gcp":
         # A notice TERMs every process of a preempted VM, the program's shell too: the first
         # worker to end must not cut the others' save at the preemption sync point short.
-        args = dataclasses.replace(args, grace=max(args.grace, policy.notice_grace))
+        args = args.replace(grace=max(args.grace, policy.notice_grace))
 
     async def body(live: Live) -> int:
         notice = live.on_notice if not args.quiet else (lambda text: None)
@@ -129,7 +110,7 @@ def run_recovering(args: RunArgs, launch_attempt: AttemptLauncher) -> int:
 
 def _check(args: RunArgs, pod: Pod, policy: RetryPolicy) -> None:
     """Refuse what would fail every attempt the same way, before any work (a UsageError)."""
-    from tpupod.cli.flow.run import check_args
+    from tpupod.cli.flow.attempt import check_args
     from tpupod.recovery.loop import head_commit
 
     check_args(args, pod)
@@ -150,7 +131,7 @@ def _check(args: RunArgs, pod: Pod, policy: RetryPolicy) -> None:
 
 def _options(args: RunArgs) -> dict[str, Any]:
     """The run's options, as JSON (for --resume)."""
-    options = dataclasses.asdict(args)
+    options = args.as_dict()
     options["on_fail"] = args.on_fail.value
     options["rendezvous_on"] = args.rendezvous_on.value
     options["cwd"] = os.getcwd()
@@ -159,7 +140,6 @@ def _options(args: RunArgs) -> dict[str, Any]:
 
 def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
     """The record of the run to resume, and the options it was started with."""
-    from tpupod.cli.flow.run import RunArgs
 
     assert args.resume is not None
     record = RecoveryRecord.load(state, state.resolve_name(args.pod), args.resume)
@@ -173,7 +153,7 @@ def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
             f"run {record.run_id} is still driven by pid {record.launcher_pid}",
             hint=f"'kill {record.launcher_pid}' first if it hangs",
         )
-    fields = {f.name for f in dataclasses.fields(RunArgs)}
+    fields = set(RunArgs.names())
     options = {k: v for k, v in record.options.items() if k in fields}
     options.update(on_fail=OnFail(options["on_fail"]))
     options.update(rendezvous_on=RendezvousOn(options["rendezvous_on"]), resume=record.run_id)
@@ -193,9 +173,7 @@ RETRY_FLAGS = ("retries", "retry_errors", "retry_exit_codes", "zones", "notice_g
 
 
 def _default(name: str) -> Any:
-    from tpupod.cli.flow.run import RunArgs
-
-    return RunArgs.__dataclass_fields__[name].default
+    return RunArgs.default_of(name)
 
 
 def _rerun_failed(record: RecoveryRecord, policy: RetryPolicy) -> None:

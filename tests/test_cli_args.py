@@ -1,4 +1,6 @@
-"""The console script's framework-free reading of ``tpupod run``: the same as the CLI's."""
+"""Options declared once (``cli/args.py``): the console script's framework-free reading of
+``tpupod run`` and ``jobs submit`` is the same as the typer commands', which take their
+signatures from the same declaration."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ from collections.abc import Callable
 import pytest
 
 from tests.conftest import CliResult
-from tpupod.cli.args import OptionTable, scan
-from tpupod.cli.flow.run import RunArgs, parse_plain
+from tpupod.cli.args import Args, opt, rest
+from tpupod.cli.flow.attempt import RunArgs
+from tpupod.cli.flow.exec import ExecArgs
+from tpupod.cli.flow.run import parse_plain
+from tpupod.cli.flow.submit import SubmitArgs
 from tpupod.pod.record import Pod
 
 
@@ -25,6 +30,9 @@ from tpupod.pod.record import Pod
         "--rendezvous-on worker0 --worker-python /opt/py/bin/python --coordinator-port 9000 -- x",
         "--image app:1 --mount /data:/data:ro --mount /a:/b --engine podman --privileged -- x",
         "--image=app:1 -e K=V -- python -c 'import jax'",
+        "--retries 3 --retry-errors 1 --retry-exit-codes 42,75 --zones a,b -- python t.py",
+        "--notice-grace 10 --setup s.sh --sync ~/code -- x",
+        "--resume 20261127-080102-5d1e2a --retry-errors 1",
     ],
 )
 def test_the_fast_reader_agrees_with_the_cli(line: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,7 +59,6 @@ def test_the_fast_reader_agrees_with_the_cli(line: str, monkeypatch: pytest.Monk
     "line",
     [
         "--help",
-        "--",
         "--bogus -- x",
         "-t 0 -- x",
         "--grace -1 -- x",
@@ -63,18 +70,49 @@ def test_the_fast_reader_agrees_with_the_cli(line: str, monkeypatch: pytest.Monk
         "-qv -- x",
         "-w",
         "--privileged=yes -- x",
+        "--notice-grace -5 -- x",  # below its minimum: typer says so
+        "--retries 2x -- x",
     ],
 )
 def test_unusual_arguments_go_to_the_full_cli(line: str) -> None:
     assert parse_plain(shlex.split(line)) is None
 
 
-def test_the_scanner_stops_at_the_command() -> None:
-    table = OptionTable(valued={"-w": "worker"}, flags={"-q": "quiet"})
-    scanned = scan(["-q", "-w", "1", "python", "-w", "2"], table)
-    assert scanned is not None
-    assert scanned.values == {"worker": "1"} and scanned.flags == {"quiet"}
-    assert scanned.rest == ["python", "-w", "2"]
+class Small(Args):
+    command: list[str] = rest(metavar="-- CMD...")
+    worker: str | None = opt("--worker", "-w")
+    quiet: bool = opt("--quiet", "-q", default=False)
+    count: int = opt("--count", default=1, minimum=0)
+    tags: list[str] = opt("--tag")
+
+
+def test_the_reader_stops_at_the_command_and_types_each_value() -> None:
+    read = Small.read(["-q", "-w", "1", "--count=3", "--tag", "a", "--tag", "b", "python", "-w"])
+    assert read == Small(command=["python", "-w"], worker="1", quiet=True, count=3, tags=["a", "b"])
+    assert Small.read(["--count", "-1", "x"]) is None  # below its minimum
+    assert Small.read(["-q"]) is None  # the command is required
+    assert Small.read(["--", "x"]) == Small(command=["x"])
+    assert Small(command=["x"]).tags == [] and Small(command=["x"]).replace(count=2).count == 2
+    with pytest.raises(TypeError, match="no option 'nope'"):
+        Small(nope=1)
+
+
+@pytest.mark.parametrize("cls", [ExecArgs, RunArgs, SubmitArgs])
+def test_each_option_is_declared_once_and_typer_reads_that(cls: type[Args]) -> None:
+    """The typer command's parameters are the declaration's fields, spelled and defaulted
+    as declared: there is no second list of them to keep equal."""
+    import typer.main
+
+    from tpupod.cli.app import app, load_commands
+
+    load_commands(["run"] if cls is RunArgs else ["exec"] if cls is ExecArgs else ["jobs"])
+    name = {ExecArgs: "exec", RunArgs: "run", SubmitArgs: "submit"}[cls]
+    group = typer.main.get_group(app)
+    found = group.commands[name] if name != "submit" else group.commands["jobs"].commands[name]  # type: ignore[attr-defined]
+    params = {p.name: p for p in found.params}
+    assert list(params) == cls.names()
+    for o in cls.__options__.opts:
+        assert set(params[o.name].opts) | set(params[o.name].secondary_opts) == set(o.flags)
 
 
 def test_a_plain_run_loads_no_cli_framework(
@@ -103,6 +141,8 @@ def test_a_plain_run_loads_no_cli_framework(
         "--mount /a:/b -- true",  # a container option without --image
         "--image x --engine lxc -- true",  # an engine we do not know
         "-- false",  # the program's own exit code
+        "--",  # neither a command nor --resume
+        "--retries -1 -- true",  # a count below 0
     ],
 )
 def test_both_readers_report_the_same_way(

@@ -1,0 +1,204 @@
+"""``tpupod run``'s arguments, declared once (the typer command and the fast path read them
+from here), and one launch of the program: an attempt, as a plain run or each of a
+``--retries`` run's (``recover.py``) makes it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from tpupod.cli.args import (
+    ENGINE,
+    ENV,
+    GRACE,
+    IMAGE,
+    MOUNT,
+    POD,
+    PRIVILEGED,
+    TIMEOUT,
+    WORKER,
+    opt,
+    rest,
+)
+from tpupod.cli.flow.exec import ExecArgs
+from tpupod.fanout.results import OnFail
+from tpupod.pod.choices import RendezvousOn
+
+if TYPE_CHECKING:
+    from tpupod.cli.flow.live import Live
+    from tpupod.fanout.execute import Interrupt
+    from tpupod.launch.run import Launch, RunResult
+    from tpupod.pod.record import Pod
+
+
+class RunArgs(ExecArgs):
+    """``tpupod run``'s arguments: exec's, some said otherwise, and its own."""
+
+    command: list[str] = rest(metavar="-- CMD...", help="The program.", required=False)
+    pod: str | None = POD
+    worker: str | None = WORKER
+    on_fail: OnFail = opt(
+        "--on-fail", default=OnFail.KILL, help="On the first failure: kill the others, or wait."
+    )
+    timeout: float | None = TIMEOUT
+    grace: float = GRACE
+    quiet: bool = opt(
+        "--quiet",
+        "-q",
+        default=False,
+        help="Print only the program's output and errors: no notices, no summary "
+        "(a failure still gets its one line).",
+    )
+    verbose: bool = opt(
+        "--verbose",
+        "-v",
+        default=False,
+        help="Also print the runtime's own chatter (gloo's connection lines) and what "
+        "the others print after the first failure; both are always kept in 'tpupod logs'.",
+    )
+    env: list[str] = ENV
+    sync: str | None = opt(
+        "--sync",
+        metavar="DIR",
+        help="First ship this repository's HEAD to DIR on "
+        "every worker (all must end at the same commit), and run the program there.",
+        show_default=False,
+    )
+    rendezvous_on: RendezvousOn = opt(
+        "--rendezvous-on",
+        default=RendezvousOn.AUTO,
+        help="Where the rendezvous runs: launcher, worker0, or auto "
+        "(worker0 for a Cloud TPU reached at external addresses).",
+    )
+    worker_python: str | None = opt(
+        "--worker-python",
+        help="The python on worker 0 that has tpupod, for a rendezvous there (default: "
+        "the command's python when it starts with one, else python3).",
+        show_default=False,
+    )
+    coordinator_port: int | None = opt(
+        "--coordinator-port",
+        help="JAX coordinator port on worker 0 "
+        "(default: 8476 on hosts, a free port on a local pod).",
+        show_default=False,
+    )
+    image: str | None = IMAGE
+    mounts: list[str] = MOUNT
+    engine: str | None = ENGINE
+    privileged: bool = PRIVILEGED
+    retries: int = opt(
+        "--retries",
+        default=0,
+        help="Recover up to N times from a preemption (the TPU deleted, created again, "
+        "set up, synced, relaunched) or a lost worker, rerun: one whose host stops "
+        "answering, or killed by KILL, TERM or HUP without a word of its own (the OOM "
+        "killer, an operator, a host going down). A host still silent after the probe "
+        "budget ends the run (exit 255).",
+    )
+    retry_errors: int = opt(
+        "--retry-errors",
+        default=0,
+        help="Rerun up to M times after the program's own failures: an exception, "
+        "sys.exit(N), an exit code, a crash.",
+    )
+    retry_exit_codes: str | None = opt(
+        "--retry-exit-codes",
+        metavar="CODES",
+        help="Always rerun after these exit codes (e.g. 42,75; 143 for a program "
+        "that saves on SIGTERM and exits 143 itself).",
+        show_default=False,
+    )
+    zones: str | None = opt(
+        "--zones",
+        metavar="Z1,Z2",
+        help="Recreate a preempted TPU in these zones when its own has no capacity.",
+        show_default=False,
+    )
+    notice_grace: float | None = opt(
+        "--notice-grace",
+        metavar="SECONDS",
+        minimum=0,
+        help="On a preemption notice: SIGTERM, then KILL after this long (default 25).",
+        show_default=False,
+    )
+    setup: str | None = opt(
+        "--setup",
+        metavar="SCRIPT",
+        help="The pod's setup script: run first, and again on a recreated TPU.",
+        show_default=False,
+    )
+    resume: str | None = opt(
+        "--resume",
+        metavar="RUN",
+        help="Continue run RUN after its launcher died (no CMD); or a run that failed, "
+        "with the flag that reruns its end (e.g. --retry-errors 1), from its checkpoint.",
+        show_default=False,
+    )
+
+
+def check_args(args: RunArgs, target: Pod) -> None:
+    """Refuse bad options before any work (launch_attempt reads them again)."""
+    from tpupod.base.envargs import parse_env
+    from tpupod.image.options import container_from_options
+
+    names = [*parse_env(args.env), *target.spec.env]
+    container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
+
+
+def report_attempt(args: RunArgs, result: RunResult) -> int:
+    """The summary of one attempt (-q: of tpupod's only why the run failed)."""
+    from tpupod.fanout.report import print_summary, print_verdict
+
+    if args.quiet:
+        print_verdict(result.fanout, sys.stderr)
+    else:
+        print_summary(result.fanout, sys.stderr, title=f"run {result.launch.launch_id}")
+    return result.fanout.exit_code()
+
+
+def launch_attempt(
+    args: RunArgs,
+    target: Pod,
+    live: Live,
+    extra_env: dict[str, str],
+    interrupt: Interrupt | None,
+    *,
+    on_launch: Callable[[Launch], None] | None = None,
+) -> Awaitable[RunResult]:
+    """One launch of the program on ``target``'s selected workers."""
+    from tpupod.base.envargs import parse_env
+    from tpupod.image.options import container_from_options
+    from tpupod.launch.run import program_python
+    from tpupod.launch.run import run as launch_run
+    from tpupod.transport.base import join_command
+
+    workers = target.select(args.worker)
+    run_env = {**parse_env(args.env), **extra_env}
+    names = [*run_env, *target.spec.env]
+    container = container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
+    return launch_run(
+        target,
+        join_command(args.command),
+        workers=workers,
+        env=run_env,
+        timeout=args.timeout,
+        on_fail=args.on_fail,
+        grace=args.grace,
+        coordinator_port=args.coordinator_port,
+        sync_dir=args.sync,
+        rendezvous_on=args.rendezvous_on.value,
+        # In a container the program's python is the image's, not the host's.
+        worker_python=args.worker_python or (None if container else program_python(args.command)),
+        show_chatter=args.verbose,
+        collateral_in_logs_only=not args.verbose,
+        on_line=live.on_line,
+        on_notice=_silent if args.quiet else live.on_notice,
+        interrupt=interrupt or live.interrupt,
+        container=container,
+        on_launch=on_launch,
+    )
+
+
+def _silent(text: str) -> None:
+    """No notices (``run -q``)."""
