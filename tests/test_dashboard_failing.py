@@ -84,7 +84,7 @@ def test_every_failure_is_listed_with_why_and_stops_are_not(
     listed = failing(board)
     why = {ident: text for _, ident, text in listed}
     w3_id, late_id = runs[W3_FIRST]["id"], runs["sleep 30"]["id"]
-    assert why[w3_id].startswith("w3 exit 1: w3 broke"), why[w3_id]  # was: worker 0
+    assert re.match(r"w3 \(\S+\) exit 1: w3 broke", why[w3_id]), why[w3_id]  # was: worker 0
     assert why[late_id] == "timed out: w0, w1, w2, w3 did not finish in time", why[late_id]
     assert runs["echo up; sleep 60"]["id"] not in why
     assert failed in why and "exit 3" in why[failed], why.get(failed)

@@ -167,7 +167,8 @@ def test_logs_list_shows_every_run_and_how_it_stands(
     assert listed.code == 0, listed.err
     header, first, second = listed.out.splitlines()
     assert header.split() == ["run", "started", "workers", "state", "command"]
-    assert first.startswith(EARLIER) and "  exit 3  " in first and "python train.py" in first
+    assert first.startswith(EARLIER) and "  failed (exit 3)  " in first
+    assert "python train.py" in first
     assert second.startswith(LATER) and "  running  " in second
     assert cli("logs", "--pod", pod.name, "--list").out.splitlines()[2].split()[4:6] == [
         "launcher",
@@ -175,3 +176,30 @@ def test_logs_list_shows_every_run_and_how_it_stands(
     ]
     refused = cli("logs", "--pod", pod.name, "--list", "-f")
     assert refused.code == 2 and refused.err.startswith("error: --list takes no RUN")
+
+
+def test_a_run_s_ending_is_typed_in_its_record(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    """run.json keeps how the run ended (state, first failure, who stopped it, why), written
+    once by its launcher; logs, the dashboard and cancel read it, no text parsed back."""
+    from tpupod import get_run
+    from tpupod.fanout.results import RunState
+
+    pod = make_pod(workers=3)
+    line = 'if [ "$TPUPOD_WORKER_ID" = 2 ]; then echo "disk full" >&2; exit 3; fi; sleep 30'
+    assert cli("run", "--pod", pod.name, "--grace", "1", "--", line).code == 3
+    record = get_run(pod.name)
+    written = json.loads((record.folder / "run.json").read_text())["ending"]
+    assert written["state"] == "failed" and written["first_failure"] == 2
+    assert written["exit_code"] == 3 and written["stopped_by"] is None
+    assert written["why"].startswith("w2 (") and written["why"].endswith("exit 3: disk full")
+    assert record.ending.state is RunState.FAILED and record.state() == "failed (exit 3)"
+    shown = cli("logs", "--pod", pod.name)
+    assert shown.err.splitlines()[-1] == (
+        f"run {record.launch_id} ended with exit code 3: failed (exit 3): {written['why']}"
+    )
+    timed = cli("run", "--pod", pod.name, "--timeout", "0.5", "--grace", "1", "--", "sleep 30")
+    assert timed.code == 124
+    ending = get_run(pod.name).ending
+    assert ending.state is RunState.TIMED_OUT and ending.why.startswith("timed out: w0, w1, w2")

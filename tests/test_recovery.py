@@ -177,7 +177,9 @@ def test_cancel_stops_a_plain_run_too(
         assert run.wait(timeout=30) == 130 and time.monotonic() - started < 15
         assert wait_until_gone(pod.name) == []
         again = cli("cancel", "--pod", pod.name, launch)
-        assert again.code == 0 and again.out.strip() == f"run {launch} is already over (exit 130)"
+        assert again.code == 0, again.err
+        assert again.out.startswith(f"run {launch} is already over: stopped (exit 130): stopped by")
+        assert "'tpupod cancel' (pid " in again.out  # the run's ending names who stopped it
     finally:
         run.kill()
         run.wait()

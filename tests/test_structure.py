@@ -112,8 +112,13 @@ IMPORTS_AT_EXIT = (
 
 
 # what every command's start loads: the console script, the app, the option declarations
-CLI_FRAME = ("tpupod.cli.entry", "tpupod.cli.app", "tpupod.cli.args", "tpupod.cli.typed")
-CLI_FRAME += ("tpupod.cli.options",)
+CLI_FRAME = (
+    "tpupod.cli.entry",
+    "tpupod.cli.app",
+    "tpupod.cli.args",
+    "tpupod.cli.typed",
+    "tpupod.cli.options",
+)
 
 
 def test_status_imports_no_other_command_s_packages(make_pod: Callable[..., Pod]) -> None:
@@ -131,9 +136,7 @@ def test_status_imports_no_other_command_s_packages(make_pod: Callable[..., Pod]
         name
         for name in imported
         if name.split(".")[:2] in (["tpupod", other] for other in OTHER_COMMANDS)
-        or (
-            name.startswith("tpupod.cli.") and name not in CLI_FRAME + ("tpupod.cli.pods",)
-        )
+        or (name.startswith("tpupod.cli.") and name not in (*CLI_FRAME, "tpupod.cli.pods"))
     ]
     assert others == [], f"tpupod status imports {others}"
 

@@ -377,7 +377,7 @@ def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
 
     @app.post("/api/runs/{launch_id}/stop")
     def api_run_stop(launch_id: str) -> dict[str, Any]:
-        find_run(feed, launch_id).stop()
+        find_run(feed, launch_id).stop(by="a stop from the dashboard")
         return {"stopping": launch_id}
 
     @app.get("/api/jobs")

@@ -9,11 +9,11 @@ import shlex
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from tpupod.errors import StateError
+from tpupod.fanout.results import RunState
 from tpupod.launch.records import EndWatch, RunRecord, run_record
 from tpupod.launch.run import RUNS_DIR
 from tpupod.pod.state import StateDir
@@ -21,7 +21,6 @@ from tpupod.recovery.record import RecoveryRecord, find_recovery
 
 TAIL_LINES = 10
 TAIL_BYTES = 16_384
-STOPPED_BY = re.compile(r"stopped after w(\d+) failed")
 LAUNCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -173,85 +172,20 @@ def ok(outcome: str) -> bool:
     return outcome in ("exit 0", "ok")
 
 
-class RunState(StrEnum):
-    RUNNING = "running"
-    LAUNCHER_GONE = "launcher gone"
-    OK = "ok"
-    FAILED = "failed"
-    STOPPED = "stopped"  # on purpose: Ctrl-C, a stop from the dashboard, a job's cancel
-
-
-FAILING = (RunState.FAILED, RunState.LAUNCHER_GONE, "failed")  # "failed": a --retries run's
+# what the overview lists as failing ("failed": a --retries run's state)
+FAILING = (RunState.FAILED, RunState.TIMED_OUT, RunState.LAUNCHER_GONE, "failed")
 FAILING_SHOWN = 10  # the newest failing runs the overview lists (and says how many more)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """How a run stands or ended, in the dashboard's words."""
-
-    state: RunState
-    first_failure: int | None = None  # the worker that failed first in time
-    why: str | None = None  # what the summary's last line says: who, how, its last line
-
-
-def verdict(record: RunRecord) -> Verdict:
-    """How ``record``'s run stands: the one place that reads a run's outcome from its
-    record (``first_failure``, ``interrupted``, ``timed_out``; records written before
-    those fields are read as their outcome texts allow). A run stopped on purpose (Ctrl-C,
-    a stop from this page, a job's cancel) is stopped, not failed."""
-    if not record.done:
-        if record.launcher_gone():
-            gone = "its launcher ended without writing the run's end (killed?)"
-            return Verdict(RunState.LAUNCHER_GONE, why=gone)
-        return Verdict(RunState.RUNNING)
-    if record.exit_code == 0:
-        return Verdict(RunState.OK)
-    if record.interrupted is not None:
-        return Verdict(RunState.STOPPED, why=f"stopped by {record.interrupted}")
-    first = record.first_failure
-    if first is None:  # a record older than these fields: what its outcomes say
-        if _interrupted(record):
-            return Verdict(RunState.STOPPED, why="stopped by a signal")
-        first = _old_first(record)
-    return Verdict(RunState.FAILED, first, _failure(record, first))
-
-
-def _failure(record: RunRecord, first: int | None) -> str:
-    """Why a run failed, as its summary's last line says: who failed first and how."""
-    if record.timed_out:
-        late = [f"w{r.worker}" for r in record.results if r.outcome.startswith("timed out")]
-        return f"timed out: {', '.join(late)} did not finish in time"
-    found = next((r for r in record.results if r.worker == first), None)
-    if found is None:
-        return f"exit {record.exit_code}"
-    return f"w{first} {found.outcome}" + (f": {found.last_line}" if found.last_line else "")
-
-
-def _interrupted(record: RunRecord) -> bool:
-    """Whether every worker that did not end well was interrupted (none failed by itself)."""
-    outcomes = [r.outcome for r in record.results if not ok(r.outcome)]
-    return bool(outcomes) and all(o.startswith("interrupted") for o in outcomes)
-
-
-def _old_first(record: RunRecord) -> int | None:
-    """A record without ``first_failure``: the worker the others were stopped for, else the
-    first (in worker order) whose program did not end well."""
-    for r in record.results:
-        match = STOPPED_BY.search(r.outcome)
-        if match:
-            return int(match.group(1))
-    return next((r.worker for r in record.results if not ok(r.outcome)), None)
 
 
 def summary(record: RunRecord, pod: str) -> dict[str, Any]:
     end = record.finished
-    judged = verdict(record)
+    judged = record.ending  # once: it looks at the launcher (a lock file) while it runs
     return {
         "id": record.launch_id,
         "pod": pod,
         "command": record.command,
         "state": judged.state,
-        "why": judged.why,
+        "why": judged.why or None,
         "exit_code": record.exit_code,
         "started": record.started,
         "finished": end,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import errno
-import signal
 import sys
 
 from tpupod import settings
 from tpupod.base.plain import TYPE_CHECKING
 from tpupod.errors import TpupodError
 from tpupod.extras import for_missing_module
-from tpupod.fanout.results import Outcome
+from tpupod.fanout.results import RunState
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
@@ -171,17 +170,11 @@ def print_verdict(result: FanoutResult, file: TextIO, color: bool | None = None)
 def _verdict(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str]:
     """The summary's closing lines: why the fan-out did not succeed (none when it did)."""
     first = result.first_failure
+    ending = result.ending()
     lines: list[str] = []
-    if result.interrupt_signal is not None:
-        name = signal.Signals(result.interrupt_signal).name
-        count = result.failed_count
-        left = f"{count} workers did not finish" if count else "every worker ended by itself"
-        lines.append(paint("1;31", f"stopped by {name}: {left}"))
-    elif first is not None and result.timed_out and first.outcome is Outcome.TIMED_OUT:
-        # Every worker still running was stopped at once: none of them failed first.
-        late = [r.worker.label for r in result.workers if r.outcome is Outcome.TIMED_OUT]
-        names = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
-        lines.append(paint("1;31", f"timed out: {names} did not finish in time"))
+    if ending.state in (RunState.STOPPED, RunState.TIMED_OUT):
+        # a timeout stopped every worker still running at once: none of them failed first
+        lines.append(paint("1;31", ending.why))
     elif first is not None:
         why = f": {first.error}" if first.error else ""
         lines.append(

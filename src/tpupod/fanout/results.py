@@ -117,6 +117,59 @@ class WorkerResult(Plain):
                 return "unreachable"
 
 
+class RunState(enum.StrEnum):
+    """How a run (a fan-out) stands."""
+
+    RUNNING = "running"
+    OK = "ok"
+    FAILED = "failed"
+    STOPPED = "stopped"  # by a signal: Ctrl-C, a cancel, a stop, a pod taken down
+    TIMED_OUT = "timed out"
+    LAUNCHER_GONE = "launcher gone"  # it died without writing the end (kill -9)
+
+
+class Ending(Plain):
+    """How a run ended, typed: its state, the worker that failed first (in time), who
+    stopped it, and why in words. The summary's last line says it (``report``), the run's
+    record keeps it (``run.json``'s ``ending``) for ``tpupod logs``, ``status``, the
+    dashboard and recovery, so none of them reads it back from text."""
+
+    __slots__ = ("exit_code", "first_failure", "state", "stopped_by", "why")
+
+    def __init__(
+        self,
+        state: RunState,
+        exit_code: int | None = None,
+        *,
+        first_failure: int | None = None,
+        stopped_by: str | None = None,
+        why: str = "",
+    ) -> None:
+        self.state, self.exit_code, self.first_failure = state, exit_code, first_failure
+        self.stopped_by, self.why = stopped_by, why
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Ending:
+        first, code = data.get("first_failure"), data.get("exit_code")
+        return cls(
+            RunState(str(data["state"])),
+            None if code is None else int(code),
+            first_failure=None if first is None else int(first),
+            stopped_by=None if data.get("stopped_by") is None else str(data["stopped_by"]),
+            why=str(data.get("why") or ""),
+        )
+
+    def describe(self) -> str:
+        """In a few words: ``ok``, ``failed (exit 3): w1 exit 3: disk full``."""
+        said = self.state.value
+        if self.exit_code not in (None, 0):
+            said += f" (exit {self.exit_code})"
+        return f"{said}: {self.why}" if self.why else said
+
+
 class FanoutResult(Plain):
     """How a fan-out ended: every worker's result, and which failed first."""
 
@@ -171,6 +224,33 @@ class FanoutResult(Plain):
         if first.status is None:  # an operation (put, get) that failed
             return 1
         return first.status.shell_code or 1
+
+    def ending(self, stopped_by: str | None = None) -> Ending:
+        """How it ended, typed (``stopped_by``: who sent the stopping signal, when known: a
+        ``tpupod cancel``, a stop from the dashboard)."""
+        code, first = self.exit_code(), self.first_failure
+        if self.interrupt_signal is not None:
+            import signal  # here: only a stopped run needs the names
+
+            name = signal.Signals(self.interrupt_signal).name
+            count = self.failed_count
+            left = f"{count} workers did not finish" if count else "every worker ended by itself"
+            by = stopped_by or name
+            return Ending(RunState.STOPPED, code, stopped_by=by, why=f"stopped by {by}: {left}")
+        if first is None:
+            return Ending(RunState.OK, 0)
+        if self.timed_out and first.outcome is Outcome.TIMED_OUT:
+            late = [r.worker.label for r in self.workers if r.outcome is Outcome.TIMED_OUT]
+            names = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
+            why = f"timed out: {names} did not finish in time"
+            return Ending(RunState.TIMED_OUT, code, first_failure=first.worker.id, why=why)
+        said = (
+            f": {first.error}"
+            if first.error
+            else (f": {first.last_line}" if first.last_line else "")
+        )
+        why = f"{first.worker.label} ({first.worker.hostname}) {first.outcome_text()}{said}"
+        return Ending(RunState.FAILED, code, first_failure=first.worker.id, why=why)
 
     def raise_for_failures(self) -> FanoutResult:
         if self.ok:

@@ -167,10 +167,9 @@ class PodExecutor:
             return Outcome(JobStatus.CANCELLED, error="stopped")
         first = fanout.first_failure
         assert first is not None
-        where = f"w{first.worker.id} ({first.worker.hostname})"
         if first.outcome is WorkerOutcome.TIMED_OUT:
             return Outcome(JobStatus.FAILED, error=f"timed out after {job.timeout:g} s")
-        return Outcome(JobStatus.FAILED, error=f"{where} {first.outcome_text()}: {first.last_line}")
+        return Outcome(JobStatus.FAILED, error=fanout.ending().why)
 
 
 async def _relay_stop(stop: asyncio.Event, interrupt: Interrupt) -> None:

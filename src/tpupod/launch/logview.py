@@ -9,6 +9,7 @@ from typing import TextIO
 
 from tpupod.errors import UsageError
 from tpupod.fanout.report import LinePrinter, print_columns
+from tpupod.fanout.results import RunState
 from tpupod.launch.records import RunRecord, get_run, read_logs, runs
 from tpupod.pod.state import StateDir
 from tpupod.transport import OutputLine, Stream
@@ -57,15 +58,16 @@ def standing(record: RunRecord) -> str:
 
 
 def _standing(record: RunRecord) -> str:
-    if record.done:
-        return f"run {record.launch_id} ended with exit code {record.exit_code}"
-    if record.launcher_gone():
+    ending = record.ending
+    if ending.state is RunState.RUNNING:
+        return f"run {record.launch_id} is still running ('-f' follows it)"
+    if ending.state is RunState.LAUNCHER_GONE:
         pid = f" (pid {record.launcher_pid})" if record.launcher_pid else ""
         return (
             f"run {record.launch_id} ended without a record of its end: its launcher{pid} is "
             "gone (killed?), and its workers were stopped with it"
         )
-    return f"run {record.launch_id} is still running ('-f' follows it)"
+    return f"run {record.launch_id} ended with exit code {record.exit_code}: {ending.describe()}"
 
 
 def list_runs(

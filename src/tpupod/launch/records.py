@@ -13,6 +13,7 @@ do not sort by name: runs are ordered by their ``started`` time.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from tpupod.errors import StateError, UsageError
-from tpupod.launch.run import LAUNCHER_LOCK, RUN_FILE, RUNS_DIR
+from tpupod.fanout.results import Ending, RunState
+from tpupod.launch.run import LAUNCHER_LOCK, RUN_FILE, RUNS_DIR, STOP_FILE
 from tpupod.pod.state import StateDir, WorkerBrief
 
 FOLLOW_POLL_S = 0.2
@@ -55,13 +57,19 @@ class RunRecord:
     results: tuple[RunOutcome, ...] = ()
     launcher_pid: int | None = None
     logs_cut: str | None = None  # why its logs stopped early (a full disk), if they did
-    # how it ended (None, False in records older than these fields): the worker that failed
-    # first in time, the signal that stopped it (SIGINT: Ctrl-C or a stop; SIGTERM: a job's
-    # cancel), whether its timeout did
-    first_failure: int | None = None
-    interrupted: str | None = None
-    timed_out: bool = False
+    written: Ending | None = None  # how it ended, as its launcher wrote it (None: running)
     job: tuple[int, int] | None = None  # (job id, attempt) when a job runner launched it
+
+    @property
+    def ending(self) -> Ending:
+        """How the run stands or ended, typed: running, its launcher gone, or what its
+        launcher wrote at the end (a record from before ``ending``: as its outcomes say)."""
+        if not self.done:
+            if self.launcher_gone():
+                gone = "its launcher ended without writing the run's end (killed?)"
+                return Ending(RunState.LAUNCHER_GONE, why=gone)
+            return Ending(RunState.RUNNING)
+        return self.written or _old_ending(self)
 
     @property
     def done(self) -> bool:
@@ -89,18 +97,23 @@ class RunRecord:
         return self.launcher_gone() or self.reread().done
 
     def state(self) -> str:
-        """How the run stands, in a word or three: running, exit N, launcher gone."""
-        if self.done:
-            return f"exit {self.exit_code}"
-        return "launcher gone" if self.launcher_gone() else "running"
+        """How the run stands, in a word or three: running, ok, failed (exit 3), stopped
+        (exit 130), launcher gone."""
+        ending = self.ending
+        code = f" (exit {ending.exit_code})" if ending.exit_code not in (None, 0) else ""
+        return ending.state.value + code
 
-    def stop(self, wait_s: float = 0.0) -> bool:
+    def stop(self, wait_s: float = 0.0, by: str | None = None) -> bool:
         """Stop the run as Ctrl-C on its launcher does (it stops every worker: TERM, then
         KILL after the grace); with ``wait_s``, wait up to that long for its end. The
-        launcher runs on this machine (it writes this state directory). True when it ended
-        within the wait (always False without one); a run that is over is a UsageError."""
+        launcher runs on this machine (it writes this state directory); ``by`` names who
+        asks (its ending says "stopped by" that). True when it ended within the wait (always
+        False without one); a run that is over is a UsageError."""
         if self.ended() or self.launcher_pid is None:
             raise UsageError(f"run {self.launch_id} is not running", hint="nothing to stop")
+        if by is not None:  # the launcher names who stopped it in the run's ending
+            with contextlib.suppress(OSError):
+                (self.folder / STOP_FILE).write_text(by + "\n")
         try:
             os.kill(self.launcher_pid, signal.SIGINT)
         except ProcessLookupError:
@@ -151,9 +164,7 @@ def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
         ),
         launcher_pid=None if pid is None else int(pid),
         logs_cut=None if data.get("logs_cut") is None else str(data["logs_cut"]),
-        first_failure=_int_or_none(data.get("first_failure")),
-        interrupted=None if data.get("interrupted") is None else str(data["interrupted"]),
-        timed_out=bool(data.get("timed_out", False)),
+        written=None if not data.get("ending") else Ending.from_json(data["ending"]),
         job=None if not data.get("job") else (int(data["job"]["id"]), int(data["job"]["attempt"])),
     )
 
@@ -273,3 +284,20 @@ def _new_lines(path: Path, offset: int, last: bool) -> tuple[list[str], int]:
     end = len(data) if last else data.rfind(b"\n") + 1
     text = data[:end].decode("utf-8", errors="replace")
     return text.splitlines(), offset + end
+
+
+def _old_ending(record: RunRecord) -> Ending:
+    """The ending of a record written before ``ending`` was kept, as far as its exit code and
+    each worker's outcome text tell (the last place that reads an outcome from text)."""
+    code = record.exit_code
+    if code == 0:
+        return Ending(RunState.OK, 0)
+    failed = [r for r in record.results if r.outcome not in ("exit 0", "ok")]
+    if failed and all(r.outcome.startswith("interrupted") for r in failed):
+        return Ending(RunState.STOPPED, code, why="stopped by a signal")
+    first = next(iter(failed), None)
+    if first is None:
+        return Ending(RunState.FAILED, code, why=f"exit {code}")
+    said = f": {first.last_line}" if first.last_line else ""
+    why = f"w{first.worker} {first.outcome}{said}"
+    return Ending(RunState.FAILED, code, first_failure=first.worker, why=why)

@@ -19,7 +19,6 @@ import os
 import re
 import secrets
 import shlex
-import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -61,6 +60,7 @@ from tpupod.transport import OutputLine, RemoteProcess
 
 RUNS_DIR = "runs"
 RUN_FILE = "run.json"
+STOP_FILE = "stop-request"  # who asks the launcher to stop (cancel, the dashboard), before SIGINT
 # Held (flock) by the launcher while it runs: the kernel lets go when it dies, even by kill -9,
 # so a reader can tell a running launch from one whose launcher is gone (``records.py``).
 LAUNCHER_LOCK = "launcher.lock"
@@ -691,13 +691,12 @@ class _RunLog:
             {"worker": r.worker.id, "outcome": r.outcome_text(), "last_line": r.last_line}
             for r in result.workers
         ]
-        # how it ended as the summary says it: who failed first (in time, not worker order),
-        # or that it was stopped (a signal: Ctrl-C, a stop, a job's cancel) or timed out
-        first = result.first_failure
-        self.record["first_failure"] = None if first is None else first.worker.id
-        stop = result.interrupt_signal
-        self.record["interrupted"] = None if stop is None else signal.Signals(stop).name
-        self.record["timed_out"] = result.timed_out
+        # how it ended, typed, as the summary says it: who failed first (in time, not
+        # worker order), or who stopped it (a stop's request names its sender), or its timeout
+        by = None
+        with contextlib.suppress(OSError):
+            by = (self.launch.run_dir / STOP_FILE).read_text().strip() or None
+        self.record["ending"] = result.ending(stopped_by=by).to_json()
         try:
             self._save()
         except OSError as exc:

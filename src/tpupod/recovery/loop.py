@@ -251,7 +251,7 @@ class Recovery:
             return Ending(Cause.LOST, code, f"{first.worker.label} ({first.worker.hostname}) {how}")
         if code in self.policy.retry_exit_codes:
             return Ending(Cause.LISTED, code, f"exit code {code}")
-        return Ending(Cause.ERROR, code, _own_failure(result))
+        return Ending(Cause.ERROR, code, result.ending().why)
 
     async def _silent(self, who: str, when: str = "") -> Ending:
         """A worker stopped answering: probe the pod within the budget. Lost either way; if
@@ -480,15 +480,6 @@ def _killed_from_outside(result: WorkerResult) -> bool:
         and status is not None
         and status.signal in LOST_SIGNALS
     )
-
-
-def _own_failure(result: FanoutResult) -> str:
-    """The first failure, in words: ``w1 (host-1) exit 3: ValueError: bad shard``."""
-    first = result.first_failure
-    if first is None:
-        return ""
-    why = f": {first.error}" if first.error else ""
-    return f"{first.worker.label} ({first.worker.hostname}) {first.outcome_text()}{why}"
 
 
 def _one_try(policy: RetryPolicy) -> RetryPolicy:

@@ -239,7 +239,7 @@ def _stop_plain(pod: str, run_id: str) -> str:
 
     run = get_run(pod, run_id)
     if run.ended():
-        return f"run {run_id} is already over ({run.reread().state()})"
-    ended = run.stop(CANCEL_WAIT_S)
+        return f"run {run_id} is already over: {run.reread().ending.describe()}"
+    ended = run.stop(CANCEL_WAIT_S, by=f"'tpupod cancel' (pid {os.getpid()})")
     how = run.reread().state() if ended else "still stopping"
     return f"run {run_id}: stopped ({how}; its launcher, pid {run.launcher_pid}, stopped it)"
