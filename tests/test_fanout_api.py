@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import tpupod
-from tpupod.fanout.execute import Interrupt, execute, execute_async
+from tpupod.fanout.context import Interrupt
+from tpupod.fanout.execute import execute, execute_async
 from tpupod.fanout.results import OnFail, Outcome
 from tpupod.pod.record import Pod, Worker
 from tpupod.transport import OutputLine, Stream

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,12 +233,19 @@ def test_a_caller_that_keeps_every_line_gets_the_collateral_too(
     make_pod: Callable[..., Pod], tmp_path: Path
 ) -> None:
     """A job's log (``jobs/execute.py``) is every line: only a terminal leaves them out."""
+    from tpupod.fanout.context import Context, Sinks
     from tpupod.launch.run import run
 
     pod = make_pod(3)
     seen: list[tuple[int, str]] = []
     command = shlex.join([PYTHON, "-c", COLLATERAL, str(tmp_path / "w1-pid")])
-    done = asyncio.run(run(pod, command, on_line=lambda w, line: seen.append((w.id, line.text))))
+
+    async def launch() -> Any:
+        sinks = Sinks(lambda w, line: seen.append((w.id, line.text)))
+        async with Context(pod, sinks) as ctx:
+            return await run(ctx, command)
+
+    done = asyncio.run(launch())
     assert done.fanout.first_failure is not None and done.fanout.first_failure.worker.id == 1
     closed = [worker for worker, text in seen if "Connection closed by peer" in text]
     assert sorted(closed) == [0] * 25 + [2] * 25

@@ -23,8 +23,9 @@ from tpupod.bench.results import Results
 from tpupod.bench.wire import Collector, Plan
 from tpupod.errors import BenchError, UsageError
 from tpupod.extras import worker_argv
-from tpupod.fanout.execute import Interrupt, NoticeHandler
-from tpupod.fanout.worker import LineHandler
+from tpupod.fanout.context import Context, Sinks
+from tpupod.fanout.execute import Policy
+from tpupod.fanout.results import OnFail
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
 from tpupod.pod.record import Pod, Worker
@@ -85,9 +86,7 @@ async def run_bench(
     worker_python: str,
     workers: list[Worker] | None = None,
     timeout: float | None = None,
-    on_line: LineHandler | None = None,
-    on_notice: NoticeHandler | None = None,
-    interrupt: Interrupt | None = None,
+    sinks: Sinks | None = None,
 ) -> BenchRun:
     plan = Plan(
         config=config.raw,
@@ -106,24 +105,24 @@ async def run_bench(
             hint="describe the arrays more compactly, or split the suite into several configs",
         )
     collector = Collector()
+    given = sinks or Sinks()
+    shown = given.on_line
 
     def take(worker: Worker, line: OutputLine) -> None:
-        if collector.feed(line.text) or on_line is None:
+        if collector.feed(line.text) or shown is None:
             return
-        on_line(worker, line)
+        shown(worker, line)
 
     await remove_scratch(pod, checkpoints, _ended_launches(pod))  # what a killed run left
     try:
-        result = await launch_run(
-            pod,
-            shlex.join(worker_argv(worker_python, "checkpoint-bench", WORKER_MODULE)),
-            workers=workers,
-            env={"TPUPOD_BENCH_PLAN": text},
-            timeout=timeout,
-            on_line=take,
-            on_notice=on_notice,
-            interrupt=interrupt,
-        )
+        async with Context(pod, Sinks(take, given.on_notice, given.interrupt)) as ctx:
+            result = await launch_run(
+                ctx,
+                shlex.join(worker_argv(worker_python, "checkpoint-bench", WORKER_MODULE)),
+                workers=workers,
+                env={"TPUPOD_BENCH_PLAN": text},
+                policy=Policy(OnFail.KILL, timeout),
+            )
     finally:  # stopped, failed or done: this launch's checkpoints are scratch
         await remove_scratch(pod, checkpoints, _ended_launches(pod))
     results = collector.results()

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from tpupod.cli.app import app, command
-from tpupod.cli.flow.live import Live, run_live
+from tpupod.cli.flow.live import run_live
 from tpupod.cli.options import PodOption, QuietOption, TimeoutOption
 from tpupod.errors import BenchError
+from tpupod.fanout.context import Sinks
 
 if TYPE_CHECKING:
     from tpupod.bench.baseline import Change, Comparison
@@ -158,7 +159,7 @@ def checkpoint(
     if storage.is_remote(checkpoints):
         storage.check_writable(checkpoints, "--checkpoint-dir")
 
-    async def body(live: Live) -> BenchRun:
+    async def body(live: Sinks) -> BenchRun:
         from tpupod.fanout.progress import PodProgress
 
         view = PodProgress(
@@ -176,9 +177,7 @@ def checkpoint(
                 checkpoints=checkpoints,
                 worker_python=python,
                 timeout=timeout,
-                on_line=view,
-                on_notice=live.on_notice,
-                interrupt=live.interrupt,
+                sinks=Sinks(view, live.on_notice, live.interrupt),
             )
 
     done = run_live(workers, quiet, body)

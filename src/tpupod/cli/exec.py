@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from tpupod.cli.app import command
 from tpupod.cli.flow.exec import ExecArgs, finish, plan_exec, run_held
-from tpupod.cli.flow.live import Live, run_live
+from tpupod.cli.flow.live import run_live
 from tpupod.cli.typed import takes
-from tpupod.fanout.results import FanoutResult, OnFail
+from tpupod.fanout.context import Sinks
+from tpupod.fanout.execute import Policy
+from tpupod.fanout.results import FanoutResult
 from tpupod.image.options import container_from_options
 
 if TYPE_CHECKING:
@@ -65,9 +66,7 @@ def run_exec(args: ExecArgs) -> None:
             target,
             plan.line,
             [target.workers[i] for i in plan.ids],
-            on_fail=args.on_fail,
-            timeout=args.timeout,
-            grace=args.grace,
+            policy=Policy(args.on_fail, args.timeout, args.grace),
             quiet=args.quiet,
             env=plan.env,
             container=container,
@@ -80,45 +79,23 @@ def run_with_signals(
     command: str,
     workers: list[Worker],
     *,
-    on_fail: OnFail,
-    timeout: float | None,
-    grace: float,
+    policy: Policy,
     quiet: bool,
     env: dict[str, str],
     container: Container | None = None,
 ) -> FanoutResult:
     """Run a fan-out with its output printed; SIGINT/SIGTERM stop every worker cleanly."""
+    from tpupod.fanout.context import Context
+    from tpupod.fanout.execute import run_on
+    from tpupod.image.containerize import execute_in_containers
 
-    from tpupod.fanout.execute import execute_async
-
-    def body(live: Live) -> Awaitable[FanoutResult]:
-        options: dict[str, Any] = {
-            "workers": workers,
-            "on_fail": on_fail,
-            "timeout": timeout,
-            "grace": grace,
-            "env": env,
-            "on_line": live.on_line,
-            "on_notice": live.on_notice,
-            "interrupt": live.interrupt,
-        }
-        if container is not None:
-            return _in_containers(pod, command, container, options)
-        # guard: killed outright, this process takes its commands with it
-        return execute_async(pod, command, guard=True, **options)
+    async def body(sinks: Sinks) -> FanoutResult:
+        async with Context(pod, sinks) as ctx:
+            if container is not None:
+                return await execute_in_containers(
+                    ctx, command, container, workers=workers, policy=policy, env=env
+                )
+            # guard: killed outright, this process takes its commands with it
+            return await run_on(ctx, command, workers=workers, policy=policy, env=env, guard=True)
 
     return run_live(workers, quiet, body)
-
-
-async def _in_containers(
-    pod: Pod, command: str, container: Container, options: dict[str, Any]
-) -> FanoutResult:
-    from tpupod.image.containerize import execute_in_containers
-    from tpupod.pod.state import StateDir
-    from tpupod.providers import provider_for
-
-    connector = provider_for(pod.provider).connect(pod, StateDir())
-    try:
-        return await execute_in_containers(pod, command, container, connector=connector, **options)
-    finally:
-        await connector.close()

@@ -182,8 +182,9 @@ def _layers(text: str) -> tuple[int, ...]:
 
 def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int:
     """Check the input here first (one clear error, nothing started), then launch everywhere."""
-    from tpupod.cli.flow.live import Live, run_live
+    from tpupod.cli.flow.live import run_live
     from tpupod.extract.launcher import plan_launch, run_extract, said_progress
+    from tpupod.fanout.context import Sinks
     from tpupod.fanout.progress import PodProgress
     from tpupod.fanout.report import print_summary
     from tpupod.launch.run import RunResult
@@ -191,11 +192,9 @@ def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int
 
     launch = plan_launch(StateDir().resolve(pod), options, worker_python)
 
-    async def body(live: Live) -> RunResult:
+    async def body(live: Sinks) -> RunResult:
         with PodProgress("extract", launch.workers, live.on_line, hide=said_progress) as view:
-            return await run_extract(
-                launch, on_line=view, on_notice=live.on_notice, interrupt=live.interrupt
-            )
+            return await run_extract(launch, Sinks(view, live.on_notice, live.interrupt))
 
     result = run_live(launch.workers, False, body)
     print_summary(result.fanout, sys.stderr, title=f"extract {result.launch.launch_id}")

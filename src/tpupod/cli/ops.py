@@ -11,9 +11,10 @@ import typer
 
 from tpupod import settings
 from tpupod.cli.app import command
-from tpupod.cli.flow.live import Live, run_live
+from tpupod.cli.flow.live import run_live
 from tpupod.cli.options import PodOption, QuietOption, TimeoutOption, WorkerOption
 from tpupod.errors import TpupodError, UsageError
+from tpupod.fanout.context import Sinks
 from tpupod.fanout.report import print_summary
 from tpupod.fanout.results import FanoutResult
 from tpupod.ops import defaults
@@ -141,7 +142,7 @@ def sync(
     url = None if from_local else repo_url or sync_ops.origin_url(repo)
     wanted = sync_ops.git_ref(branch, pr, ref)
 
-    def body(live: Live) -> Awaitable[sync_ops.SyncResult]:
+    def body(live: Sinks) -> Awaitable[sync_ops.SyncResult]:
         options = {
             "workers": workers,
             "on_line": live.on_line,

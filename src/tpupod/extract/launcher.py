@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpupod.extract.runner import ExtractOptions, Say, check_output, prepare
-from tpupod.fanout.execute import Interrupt, NoticeHandler
-from tpupod.fanout.worker import LineHandler
+from tpupod.fanout.context import Context, Sinks
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
 from tpupod.pod.record import Pod, Worker
@@ -82,22 +81,10 @@ def plan_launch(pod: Pod, options: ExtractOptions, worker_python: str | None = N
     return Launch(pod, pod.select(None), shlex.join(argv))
 
 
-async def run_extract(
-    launch: Launch,
-    *,
-    on_line: LineHandler | None = None,
-    on_notice: NoticeHandler | None = None,
-    interrupt: Interrupt | None = None,
-) -> RunResult:
+async def run_extract(launch: Launch, sinks: Sinks | None = None) -> RunResult:
     """Every worker does its share under ``tpupod run``; a rerun resumes."""
-    return await launch_run(
-        launch.pod,
-        launch.command,
-        workers=launch.workers,
-        on_line=on_line,
-        on_notice=on_notice,
-        interrupt=interrupt,
-    )
+    async with Context(launch.pod, sinks) as ctx:
+        return await launch_run(ctx, launch.command, workers=launch.workers)
 
 
 def said_progress(text: str) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 
 from tpupod.base import limits
 from tpupod.errors import WorkerError
+from tpupod.fanout.context import Context, Interrupt, NoticeHandler, Sinks
 from tpupod.fanout.results import (
     DEFAULT_GRACE_S,
     FanoutResult,
@@ -37,7 +38,6 @@ from tpupod.fanout.results import (
 )
 from tpupod.fanout.worker import LineHandler, WorkerRun
 from tpupod.pod.record import Pod, Worker
-from tpupod.pod.state import StateDir
 from tpupod.providers import Connector, provider_for, worker_environment
 from tpupod.transport import ExitStatus, Transport
 
@@ -52,7 +52,6 @@ INTERRUPT_REASONS: dict[int, tuple[str, str]] = {
 }
 
 Action = Callable[[Worker, Transport], Awaitable[str | None]]
-NoticeHandler = Callable[[str], None]
 # Open files a worker's command may take here: a connection, or three pipes and the guard's.
 FILES_PER_WORKER = 4
 
@@ -64,26 +63,6 @@ class Policy:
     on_fail: OnFail = OnFail.WAIT
     timeout: float | None = None
     grace: float = DEFAULT_GRACE_S
-
-
-class Interrupt:
-    """A stop request from outside (a signal handler): the first is graceful, the second forces."""
-
-    def __init__(self) -> None:
-        self.requested = asyncio.Event()
-        self.forced = asyncio.Event()
-        self.signal: int | None = None
-        self.grace: float | None = None  # the stop's grace, if not the fan-out's own
-        self.reason: str | None = None  # why, if not the signal's name
-
-    def request(
-        self, signum: int = signal.SIGINT, *, grace: float | None = None, reason: str | None = None
-    ) -> None:
-        if self.requested.is_set():
-            self.forced.set()
-        else:
-            self.signal, self.grace, self.reason = signum, grace, reason
-            self.requested.set()
 
 
 @dataclass(frozen=True)
@@ -351,6 +330,77 @@ class _Fanout:
         await asyncio.gather(*(run.stop(outcome, grace, by) for run in running))
 
 
+async def run_on(
+    ctx: Context,
+    command: str,
+    *,
+    workers: str | Sequence[Worker] | None = None,
+    policy: Policy = Policy(),
+    env: dict[str, str] | None = None,
+    guard: bool = False,
+    supervision: Supervision | None = None,
+    chatter: Callable[[Worker], Callable[[str], str | None]] | None = None,
+) -> FanoutResult:
+    """Run ``command`` (a bash command line) on the selected workers of the context's pod
+    at once, its output to the context's sinks; returns when every worker's command has
+    ended, and never raises for a worker's failure.
+
+    ``workers`` is a selection such as ``"0,2-3"`` or a list of workers (default: all).
+    ``guard`` kills the commands if this process dies while they run (see
+    ``transport.base.command_script``). ``chatter`` makes, for each worker (given it), a
+    cleaner of its lines (it may keep state from one line to the next) that takes a
+    runtime's own noise out of a line, or returns None for a line of nothing else:
+    ``on_line`` still gets every line as it came, the summary's last lines only what the
+    cleaner kept.
+    """
+    pod, sinks = ctx.pod, ctx.sinks
+    provider = provider_for(pod.provider)
+    selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
+    short = limits.open_files(FILES_PER_WORKER * len(selected))
+    if short:
+        sinks.on_notice(f"warning: {short}")
+    runs = []
+    for worker in selected:
+        worker_env = worker_environment(pod, worker, env, provider)
+        transport = ctx.connector.transport(worker)
+        run = WorkerRun(worker, transport, command, worker_env, sinks.on_line, guard=guard)
+        run.chatter = chatter(worker) if chatter is not None else None
+        runs.append(run)
+    fanout = _Fanout(
+        runs, command, policy, sinks.interrupt, sinks.on_notice, supervision=supervision
+    )
+    return await fanout.run()
+
+
+async def each_on(
+    ctx: Context, action: Action, *, workers: str | Sequence[Worker] | None = None
+) -> FanoutResult:
+    """Run ``action(worker, transport)`` for every selected worker at once (put, get, ...).
+
+    The action returns a one-line summary for the table; a ``WorkerError`` it
+    raises becomes that worker's failure. Never raises for a worker.
+    """
+    pod = ctx.pod
+    selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
+    started = time.monotonic()
+
+    async def one(worker: Worker) -> WorkerResult:
+        began = time.monotonic()
+        try:
+            summary = await action(worker, ctx.connector.transport(worker))
+        except WorkerError as exc:
+            outcome = Outcome.UNREACHABLE if exc.unreachable else Outcome.FAILED
+            return WorkerResult(
+                worker, outcome, time.monotonic() - began, error=exc.reason, hint=exc.hint
+            )
+        tail = (summary,) if summary else ()
+        return WorkerResult(worker, Outcome.OK, time.monotonic() - began, tail=tail)
+
+    results = await asyncio.gather(*(one(worker) for worker in selected))
+    failures = [r.worker.id for r in sorted(results, key=lambda r: r.duration) if not r.ok]
+    return FanoutResult("", list(results), time.monotonic() - started, failure_order=failures)
+
+
 async def execute_async(
     pod: Pod,
     command: str,
@@ -364,45 +414,15 @@ async def execute_async(
     on_notice: NoticeHandler | None = None,
     interrupt: Interrupt | None = None,
     connector: Connector | None = None,
-    guard: bool = False,
-    supervision: Supervision | None = None,
-    chatter: Callable[[Worker], Callable[[str], str | None]] | None = None,
 ) -> FanoutResult:
-    """Run ``command`` (a bash command line) on the selected workers of ``pod`` at once.
-
-    ``workers`` is a selection such as ``"0,2-3"`` or a list of workers (default:
-    all). ``on_line`` receives every output line as it arrives. Returns when
-    every worker's command has ended; never raises for a worker's failure.
-    Pass a ``connector`` (``tpupod.providers.connect(pod)``) to reuse
-    connections across calls; it is then yours to close. ``guard`` kills the
-    commands if this process dies while they run (see ``transport.base.command_script``).
-    ``chatter`` makes, for each worker (given it), a cleaner of its lines (it may keep state
-    from one line to the next) that takes a runtime's own noise out of a line, or returns None for
-    a line of nothing else: ``on_line`` still gets every line as it came, the summary's
-    last lines only what the cleaner kept.
-    """
-    provider = provider_for(pod.provider)
-    selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
-    short = limits.open_files(FILES_PER_WORKER * len(selected))
-    if short:
-        (on_notice or (lambda text: None))(f"warning: {short}")
-    own_connector = connector is None
-    pod_connector = connector if connector is not None else provider.connect(pod, StateDir())
-    runs = []
-    for worker in selected:
-        worker_env = worker_environment(pod, worker, env, provider)
-        transport = pod_connector.transport(worker)
-        run = WorkerRun(worker, transport, command, worker_env, on_line, guard=guard)
-        run.chatter = chatter(worker) if chatter is not None else None
-        runs.append(run)
-    try:
+    """The Python API's fan-out (``tpupod.execute_async``): :func:`run_on` in a context of
+    its own made from these arguments. Pass a ``connector``
+    (``tpupod.providers.connect(pod)``) to reuse connections across calls; it is then yours
+    to close."""
+    sinks = Sinks(on_line, on_notice, interrupt)
+    async with Context(pod, sinks, connector=connector) as ctx:
         policy = Policy(OnFail(on_fail), timeout, grace)
-        return await _Fanout(
-            runs, command, policy, interrupt, on_notice, supervision=supervision
-        ).run()
-    finally:
-        if own_connector:
-            await pod_connector.close()
+        return await run_on(ctx, command, workers=workers, policy=policy, env=env)
 
 
 async def for_each(
@@ -412,35 +432,9 @@ async def for_each(
     workers: str | Sequence[Worker] | None = None,
     connector: Connector | None = None,
 ) -> FanoutResult:
-    """Run ``action(worker, transport)`` for every selected worker at once (put, get, ...).
-
-    The action returns a one-line summary for the table; a ``WorkerError`` it
-    raises becomes that worker's failure. Never raises for a worker.
-    """
-    provider = provider_for(pod.provider)
-    selected = pod.select(workers) if workers is None or isinstance(workers, str) else list(workers)
-    pod_connector = connector if connector is not None else provider.connect(pod, StateDir())
-    started = time.monotonic()
-
-    async def one(worker: Worker) -> WorkerResult:
-        began = time.monotonic()
-        try:
-            summary = await action(worker, pod_connector.transport(worker))
-        except WorkerError as exc:
-            outcome = Outcome.UNREACHABLE if exc.unreachable else Outcome.FAILED
-            return WorkerResult(
-                worker, outcome, time.monotonic() - began, error=exc.reason, hint=exc.hint
-            )
-        tail = (summary,) if summary else ()
-        return WorkerResult(worker, Outcome.OK, time.monotonic() - began, tail=tail)
-
-    try:
-        results = await asyncio.gather(*(one(worker) for worker in selected))
-    finally:
-        if connector is None:
-            await pod_connector.close()
-    failures = [r.worker.id for r in sorted(results, key=lambda r: r.duration) if not r.ok]
-    return FanoutResult("", list(results), time.monotonic() - started, failure_order=failures)
+    """:func:`each_on` in a context of its own (the Python API's form)."""
+    async with Context(pod, connector=connector) as ctx:
+        return await each_on(ctx, action, workers=workers)
 
 
 def execute(pod: Pod, command: str, **options: Any) -> FanoutResult:

@@ -16,7 +16,8 @@ from typing import IO, Any
 
 from tpupod.base import limits
 from tpupod.errors import WorkerError
-from tpupod.fanout.execute import FILES_PER_WORKER, Interrupt, execute_async
+from tpupod.fanout.context import Interrupt
+from tpupod.fanout.execute import FILES_PER_WORKER, execute_async
 from tpupod.fanout.results import result_to_json
 from tpupod.holder import socket_path
 from tpupod.pod.record import Pod, Worker

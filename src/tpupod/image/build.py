@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout.execute import execute_async, for_each
+from tpupod.fanout.context import Context, Sinks
+from tpupod.fanout.execute import Policy, each_on, execute_async, for_each, run_on
 from tpupod.fanout.results import FanoutResult, WorkerResult
 from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.image.containerize import IMAGE_LINE, check_script
@@ -159,13 +160,11 @@ async def _build(job: _Job, workers: Sequence[Worker]) -> dict[int, tuple[str, f
 
     for worker in workers:
         say(f"{worker.label} ({worker.hostname}): building {request.tag}")
-    result = await execute_async(
-        job.pod,
+    result = await run_on(
+        Context(job.pod, Sinks(on_line), connector=job.connector),
         build_script(request, job.stage),
         workers=workers,
-        connector=job.connector,
-        timeout=BUILD_TIMEOUT_S,
-        on_line=on_line,
+        policy=Policy(timeout=BUILD_TIMEOUT_S),
         guard=True,
     )
     failed = [r for r in result.workers if not r.ok]
@@ -239,9 +238,8 @@ async def _distribute(
         return rows
     tar = f"{stage}/image.tar"
     save = f"{pick_engine(request.engine)}\n$tpupod_engine save -o {tar} {shlex.quote(request.tag)}"
-    saved = await execute_async(
-        pod, save, workers=[builder], connector=connector, timeout=STEP_TIMEOUT_S, guard=True
-    )
+    ctx, step = Context(pod, connector=connector), Policy(timeout=STEP_TIMEOUT_S)
+    saved = await run_on(ctx, save, workers=[builder], policy=step, guard=True)
     _raise_for(saved, "save the image")
     with tempfile.TemporaryDirectory(prefix="tpupod-image-") as folder:
         local = Path(folder) / "image.tar"
@@ -255,12 +253,8 @@ async def _distribute(
             await transport.put(local, tar)
             return f"{time.monotonic() - began:.2f}"
 
-        _raise_for(
-            await for_each(pod, send, workers=targets, connector=connector), "send the image"
-        )
-    loaded = await execute_async(
-        pod, load, workers=targets, connector=connector, timeout=STEP_TIMEOUT_S, guard=True
-    )
+        _raise_for(await each_on(ctx, send, workers=targets), "send the image")
+    loaded = await run_on(ctx, load, workers=targets, policy=step, guard=True)
     _raise_for(loaded, "load the image")
     for r in loaded.workers:
         say(f"{r.worker.label}: loaded in {r.duration:.1f}s")

@@ -34,10 +34,10 @@ import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tpupod.errors import PreflightError, UsageError
-from tpupod.fanout.execute import execute_async
+from tpupod.fanout.context import Context
+from tpupod.fanout.execute import Policy, execute_async, run_on
 from tpupod.fanout.results import FanoutResult
 from tpupod.image.container_engine import force_remove, pick_engine, raise_unusable
 from tpupod.pod.names import new_launch_id
@@ -201,12 +201,11 @@ async def check_workers(
     # The workers of a local pod are this machine, one engine and storage: one look answers
     # for all (four at once cost a 4-worker launch about 0.1 s of this machine's CPU).
     shared = pod.on_this_machine
-    result = await execute_async(
-        pod,
+    result = await run_on(
+        Context(pod, connector=connector),
         check_script(container),
         workers=workers[:1] if shared else workers,
-        connector=connector,
-        timeout=CHECK_TIMEOUT_S,
+        policy=Policy(timeout=CHECK_TIMEOUT_S),
         guard=True,
     )
     raise_unusable(result.workers)
@@ -318,28 +317,21 @@ def explain(result: FanoutResult) -> FanoutResult:
 
 
 async def execute_in_containers(
-    pod: Pod,
+    ctx: Context,
     command: str,
     container: Container,
     *,
     workers: Sequence[Worker],
-    connector: Connector,
-    **fanout: Any,
+    policy: Policy,
+    env: dict[str, str] | None = None,
 ) -> FanoutResult:
-    """``exec --image``: check the image, run ``command`` in a container on every worker
-    (``fanout`` is execute_async's options), then remove whatever is left of them."""
+    """``exec --image``: check the image, run ``command`` in a container on every worker,
+    then remove whatever is left of them."""
+    pod, connector = ctx.pod, ctx.connector
     await check_workers(pod, connector, workers, container)
     launch_id = new_launch_id()
     try:
-        return explain(
-            await execute_async(
-                pod,
-                wrap(command, container, launch_id),
-                workers=workers,
-                connector=connector,
-                guard=True,
-                **fanout,
-            )
-        )
+        line = wrap(command, container, launch_id)
+        return explain(await run_on(ctx, line, workers=workers, policy=policy, env=env, guard=True))
     finally:
         await remove_containers(pod, connector, workers, container.engine, launch_id)

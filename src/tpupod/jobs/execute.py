@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tpupod.errors import TpupodError
+from tpupod.fanout.results import OnFail
 from tpupod.fanout.results import Outcome as WorkerOutcome
 from tpupod.jobs.attempt import GRACE_S, Executor, Hooks, Marks, Outcome, describe_exit
 from tpupod.jobs.code import STARTED
@@ -23,7 +24,7 @@ from tpupod.transport.lines import read_lines
 from tpupod.transport.local import kill_process_group
 
 if TYPE_CHECKING:
-    from tpupod.fanout.execute import Interrupt
+    from tpupod.fanout.context import Interrupt
     from tpupod.pod.record import Pod
     from tpupod.pod.state import StateDir
     from tpupod.pod.users import Watch
@@ -139,23 +140,23 @@ class PodExecutor:
         return self._watch.gone() if self._watch is not None else None
 
     async def execute(self, job: Job, attempt: int, hooks: Hooks, stop: asyncio.Event) -> Outcome:
-        from tpupod.fanout.execute import Interrupt
+        from tpupod.fanout.context import Context, Interrupt, Sinks
+        from tpupod.fanout.execute import Policy
         from tpupod.launch.run import run
 
         marks = Marks(len(self.pod.workers), hooks)
         interrupt = Interrupt()
         watcher = asyncio.create_task(_relay_stop(stop, interrupt))
         try:
-            done = await run(
-                self.pod,
-                job_command(job, self.worker_python),
-                env=job_env(job, attempt),
-                timeout=job.timeout,
-                grace=self.grace_s,
-                worker_python=self.worker_python,
-                on_line=lambda worker, line: marks.line(worker.id, line.text),
-                interrupt=interrupt,
-            )
+            sinks = Sinks(lambda worker, line: marks.line(worker.id, line.text), None, interrupt)
+            async with Context(self.pod, sinks) as ctx:
+                done = await run(
+                    ctx,
+                    job_command(job, self.worker_python),
+                    env=job_env(job, attempt),
+                    policy=Policy(OnFail.KILL, job.timeout, self.grace_s),
+                    worker_python=self.worker_python,
+                )
         except TpupodError as exc:  # preflight: a worker not ready; nothing started
             return Outcome(JobStatus.FAILED, error=f"{exc.message} ({exc.hint})")
         finally:

@@ -29,9 +29,10 @@ from typing import IO, Any, Protocol
 from tpupod import settings
 from tpupod.base.files import remove_path, write_atomic
 from tpupod.errors import PreflightError, StateError, TpupodError
-from tpupod.fanout.execute import Interrupt, NoticeHandler, Supervision, execute_async
+from tpupod.fanout.context import Context, NoticeHandler, Sinks
+from tpupod.fanout.execute import Policy, Supervision, run_on
 from tpupod.fanout.report import DISK_FULL, DISK_FULL_HINT
-from tpupod.fanout.results import DEFAULT_GRACE_S, FanoutResult, OnFail
+from tpupod.fanout.results import FanoutResult, OnFail
 from tpupod.fanout.worker import LineHandler
 from tpupod.image.containerize import (
     Container,
@@ -51,8 +52,7 @@ from tpupod.pod import users as podusers
 from tpupod.pod.names import new_launch_id
 from tpupod.pod.record import Pod, Worker
 from tpupod.pod.spec import GcpPodSpec
-from tpupod.pod.state import StateDir
-from tpupod.providers import Connector, provider_for
+from tpupod.providers import Connector
 from tpupod.transport import OutputLine, RemoteProcess
 
 # What runtimes print for themselves at every start: kept in the per-worker logs, but off the
@@ -150,14 +150,12 @@ class TailCleaner(Chatter):
 
 
 async def run(
-    pod: Pod,
+    ctx: Context,
     command: str,
     *,
     workers: Sequence[Worker] | None = None,
     env: dict[str, str] | None = None,
-    timeout: float | None = None,
-    on_fail: OnFail = OnFail.KILL,
-    grace: float = DEFAULT_GRACE_S,
+    policy: Policy = Policy(OnFail.KILL),
     coordinator_port: int | None = None,
     sync_dir: str | None = None,
     repo: Path | None = None,
@@ -165,14 +163,11 @@ async def run(
     worker_python: str | None = None,
     show_chatter: bool = False,
     collateral_in_logs_only: bool = False,
-    on_line: LineHandler | None = None,
-    on_notice: NoticeHandler | None = None,
-    interrupt: Interrupt | None = None,
-    state: StateDir | None = None,
     container: Container | None = None,
     on_launch: Callable[[Launch], None] | None = None,
 ) -> RunResult:
-    """Launch ``command`` on every selected worker in lockstep and supervise it to the end.
+    """Launch ``command`` on the context's pod (its selected ``workers``) in lockstep and
+    supervise it to the end; output to the context's sinks, over its connections.
 
     With ``container``, it runs in that image on every worker (``image/containerize.py``):
     the image is checked the same everywhere first, and no container outlives the run.
@@ -180,105 +175,96 @@ async def run(
     print after the first failure reaches the logs only (``_RunLog.collateral``).
     ``on_launch`` is told the launch once its id exists, before the workers start.
     """
-    state = state or StateDir()
+    pod, state, connector = ctx.pod, ctx.state, ctx.connector
+    on_line, notice, interrupt = ctx.sinks.on_line, ctx.sinks.on_notice, ctx.sinks.interrupt
     selected = list(workers) if workers is not None else list(pod.workers)
-    notice = on_notice or (lambda text: None)
-    connector = provider_for(pod.provider).connect(pod, state)
-    try:
-        port = coordinator_port or _coordinator_port(pod)
-        checks: list[Awaitable[object]] = [_preflight(pod, connector, selected, port)]
-        if container is not None:  # at the same time: its fan-out costs no launch time then
-            checks.append(check_workers(pod, connector, selected, container))
-        for outcome in await asyncio.gather(*checks, return_exceptions=True):
-            if isinstance(outcome, BaseException):
-                raise outcome
-        workdir = ""
-        if sync_dir is not None:
-            commit = await _sync(
-                pod,
-                connector=connector,
-                workers=selected,
-                repo=repo or Path.cwd(),
-                directory=sync_dir,
-                notice=notice,
-            )
-            env = {**(env or {}), "TPUPOD_CODE_COMMIT": commit}
-            workdir = shell_path(sync_dir)
-        elif pod.on_this_machine:
-            # Local workers share this machine's files: start where the launcher stands, so
-            # `tpupod run -- python examples/x.py` means what it says.
-            workdir = shlex.quote(os.getcwd())
-        launch_id = new_launch_id()
-        command = _in_workdir(command, workdir, container, launch_id)
-        token = secrets.token_hex(16)
-        # Workers report their own failures to the rendezvous before JAX's shutdown can hold
-        # them; the fan-out counts them at once and has the rendezvous stop the others.
-        supervision = Supervision()
-        server = _rendezvous(
+    port = coordinator_port or _coordinator_port(pod)
+    checks: list[Awaitable[object]] = [_preflight(pod, connector, selected, port)]
+    if container is not None:  # at the same time: its fan-out costs no launch time then
+        checks.append(check_workers(pod, connector, selected, container))
+    for outcome in await asyncio.gather(*checks, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+    workdir = ""
+    if sync_dir is not None:
+        commit = await _sync(
             pod,
-            rendezvous_on,
-            connector,
-            selected[0],
-            supervision=supervision,
+            connector=connector,
+            workers=selected,
+            repo=repo or Path.cwd(),
+            directory=sync_dir,
             notice=notice,
-            python=worker_python or pod.worker_python(),
-            workdir=workdir,
         )
-        launch = Launch(
-            launch_id=launch_id,
-            run_dir=state.pod_dir(pod.name) / RUNS_DIR / launch_id,
-            coordinator=f"{selected[0].internal_address}:{port}",
-            rendezvous=await server.start(launch_id, token, len(selected)),
-        )
-        run_env = {
-            **(env or {}),
-            "TPUPOD_LAUNCH_ID": launch_id,
-            "TPUPOD_RENDEZVOUS": launch.rendezvous,
-            "TPUPOD_RENDEZVOUS_TOKEN": token,
-            "TPUPOD_COORDINATOR": launch.coordinator,
-        }
-        # A run's identity is the selected workers, renumbered 0..N-1 in order.
-        sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
-        workers_said = f"{len(selected)} worker{'s' if len(selected) != 1 else ''}"
-        notice(f"launch {launch_id}: {workers_said}, logs in {launch.run_dir}")
-        if on_launch is not None:
-            on_launch(launch)
-        run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
-        # Once one fails and the others are stopped, their fall stays in the logs.
-        collateral = collateral_in_logs_only and OnFail(on_fail) is OnFail.KILL
-        log_to = _RunLog(launch, command, selected, supervision if collateral else None, notice)
-        log_to.record["job"] = _job_of(env or {})
-        # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
-        using = podusers.using(state, pod.name, f"tpupod run {launch_id}")
-        with log_to as log, using:
-            try:
-                result = await execute_async(
-                    sub_pod,
-                    command,
-                    env=run_env,
-                    timeout=timeout,
-                    on_fail=on_fail,
-                    grace=grace,
-                    on_line=log.tee(on_line, show_chatter=show_chatter),
-                    on_notice=on_notice,
-                    interrupt=interrupt,
-                    connector=run_connector,
-                    guard=True,  # a supervised program never outlives its launcher
-                    supervision=supervision,
-                    chatter=lambda worker: TailCleaner(lambda: log.collateral(worker.id)),
+        env = {**(env or {}), "TPUPOD_CODE_COMMIT": commit}
+        workdir = shell_path(sync_dir)
+    elif pod.on_this_machine:
+        # Local workers share this machine's files: start where the launcher stands, so
+        # `tpupod run -- python examples/x.py` means what it says.
+        workdir = shlex.quote(os.getcwd())
+    launch_id = new_launch_id()
+    command = _in_workdir(command, workdir, container, launch_id)
+    token = secrets.token_hex(16)
+    # Workers report their own failures to the rendezvous before JAX's shutdown can hold
+    # them; the fan-out counts them at once and has the rendezvous stop the others.
+    supervision = Supervision()
+    server = _rendezvous(
+        pod,
+        rendezvous_on,
+        connector,
+        selected[0],
+        supervision=supervision,
+        notice=notice,
+        python=worker_python or pod.worker_python(),
+        workdir=workdir,
+    )
+    launch = Launch(
+        launch_id=launch_id,
+        run_dir=state.pod_dir(pod.name) / RUNS_DIR / launch_id,
+        coordinator=f"{selected[0].internal_address}:{port}",
+        rendezvous=await server.start(launch_id, token, len(selected)),
+    )
+    run_env = {
+        **(env or {}),
+        "TPUPOD_LAUNCH_ID": launch_id,
+        "TPUPOD_RENDEZVOUS": launch.rendezvous,
+        "TPUPOD_RENDEZVOUS_TOKEN": token,
+        "TPUPOD_COORDINATOR": launch.coordinator,
+    }
+    # A run's identity is the selected workers, renumbered 0..N-1 in order.
+    sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
+    workers_said = f"{len(selected)} worker{'s' if len(selected) != 1 else ''}"
+    notice(f"launch {launch_id}: {workers_said}, logs in {launch.run_dir}")
+    if on_launch is not None:
+        on_launch(launch)
+    run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
+    # Once one fails and the others are stopped, their fall stays in the logs.
+    collateral = collateral_in_logs_only and OnFail(policy.on_fail) is OnFail.KILL
+    log_to = _RunLog(launch, command, selected, supervision if collateral else None, notice)
+    log_to.record["job"] = _job_of(env or {})
+    # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
+    using = podusers.using(state, pod.name, f"tpupod run {launch_id}")
+    with log_to as log, using:
+        try:
+            sinks = Sinks(log.tee(on_line, show_chatter=show_chatter), notice, interrupt)
+            result = await run_on(
+                Context(sub_pod, sinks, connector=run_connector, state=state),
+                command,
+                env=run_env,
+                policy=policy,
+                guard=True,  # a supervised program never outlives its launcher
+                supervision=supervision,
+                chatter=lambda worker: TailCleaner(lambda: log.collateral(worker.id)),
+            )
+        finally:
+            await server.close()
+            if container is not None:
+                await remove_containers(
+                    sub_pod, run_connector, sub_pod.workers, container.engine, launch_id
                 )
-            finally:
-                await server.close()
-                if container is not None:
-                    await remove_containers(
-                        sub_pod, run_connector, sub_pod.workers, container.engine, launch_id
-                    )
-            log.finish(result)
-            if log.held:
-                notice(log.held_note())
-        return RunResult(launch, explain(result) if container is not None else result)
-    finally:
-        await connector.close()
+        log.finish(result)
+        if log.held:
+            notice(log.held_note())
+    return RunResult(launch, explain(result) if container is not None else result)
 
 
 def _job_of(env: dict[str, str]) -> dict[str, int] | None:
@@ -482,22 +468,18 @@ async def _preflight(pod: Pod, connector: Connector, workers: Sequence[Worker], 
     """Every worker answers; the coordinator port is free on worker 0; nothing holds a TPU."""
     devices = settings.accelerator_devices(defaults.ACCELERATOR_DEVICES)
     # Both at once: a second fan-out after the first cost a launch 10 to 40 ms.
+    quiet = Context(pod, connector=connector)
+    bounded = Policy(timeout=PREFLIGHT_TIMEOUT_S)
     probe, check = await asyncio.gather(
-        execute_async(
-            pod,
+        run_on(
+            quiet,
             free_tpu_script(devices=devices, dry_run=True),
             workers=workers,
-            connector=connector,
-            timeout=PREFLIGHT_TIMEOUT_S,
+            policy=bounded,
             guard=True,
         ),
-        execute_async(
-            pod,
-            PORT_CHECK.format(port=port),
-            workers=[workers[0]],
-            connector=connector,
-            timeout=PREFLIGHT_TIMEOUT_S,
-            guard=True,
+        run_on(
+            quiet, PORT_CHECK.format(port=port), workers=[workers[0]], policy=bounded, guard=True
         ),
     )
     down = [r for r in probe.workers if not r.ok]

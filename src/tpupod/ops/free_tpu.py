@@ -12,7 +12,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from tpupod.fanout.execute import Interrupt, execute_async
+from tpupod.fanout.context import Interrupt
+from tpupod.fanout.execute import execute_async
 from tpupod.fanout.results import FanoutResult
 from tpupod.fanout.worker import LineHandler
 from tpupod.ops import defaults

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tpupod.errors import UsageError
-from tpupod.fanout.execute import Interrupt, execute_async
+from tpupod.fanout.context import Interrupt
+from tpupod.fanout.execute import execute_async
 from tpupod.fanout.results import FanoutResult
 from tpupod.fanout.worker import LineHandler
 from tpupod.ops import defaults

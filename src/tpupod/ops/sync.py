@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout.execute import Interrupt, execute_async
+from tpupod.fanout.context import Interrupt
+from tpupod.fanout.execute import execute_async
 from tpupod.fanout.results import FanoutResult, chain
 from tpupod.fanout.worker import LineHandler
 from tpupod.ops.transfer import put

@@ -19,7 +19,8 @@ from typing import TypeVar
 
 from tpupod import settings
 from tpupod.errors import TpupodError
-from tpupod.fanout.execute import NoticeHandler, execute_async
+from tpupod.fanout.context import NoticeHandler
+from tpupod.fanout.execute import execute_async
 from tpupod.fanout.results import Outcome
 from tpupod.pod.record import Pod
 from tpupod.providers import GONE, Connector, provider_for

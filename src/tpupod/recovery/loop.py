@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tpupod import settings
 from tpupod.errors import TpupodError, UsageError
-from tpupod.fanout.execute import Interrupt, NoticeHandler
+from tpupod.fanout.context import Interrupt, NoticeHandler
 from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
 from tpupod.fanout.worker import LineHandler
 from tpupod.ops.free_tpu import free_tpu

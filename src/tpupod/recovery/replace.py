@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from tpupod.errors import GcpError, TpupodError
-from tpupod.fanout.execute import NoticeHandler
+from tpupod.fanout.context import NoticeHandler
 from tpupod.fanout.worker import LineHandler
 from tpupod.ops.setup import setup
 from tpupod.pod.record import Pod

@@ -5,7 +5,7 @@ from here), and one launch of the program: an attempt, as a plain run or each of
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tpupod.cli.args import (
@@ -22,12 +22,13 @@ from tpupod.cli.args import (
     rest,
 )
 from tpupod.cli.flow.exec import ExecArgs
+from tpupod.fanout.context import Sinks
 from tpupod.fanout.results import OnFail
 from tpupod.pod.choices import RendezvousOn
 
 if TYPE_CHECKING:
-    from tpupod.cli.flow.live import Live
-    from tpupod.fanout.execute import Interrupt
+    from tpupod.fanout.context import Interrupt
+    from tpupod.image.containerize import Container
     from tpupod.launch.run import Launch, RunResult
     from tpupod.pod.record import Pod
 
@@ -138,12 +139,32 @@ class RunArgs(ExecArgs):
 
 
 def check_args(args: RunArgs, target: Pod) -> None:
-    """Refuse bad options before any work (launch_attempt reads them again)."""
+    """Refuse bad options before any work (each attempt reads them again)."""
+    _program(args, target, {})
+
+
+class _Program:
+    """What the options make of one launch: the command line, its environment, the
+    container it runs in, the python that has tpupod on worker 0."""
+
+    def __init__(
+        self, line: str, env: dict[str, str], container: Container | None, python: str | None
+    ) -> None:
+        self.line, self.env, self.container, self.python = line, env, container, python
+
+
+def _program(args: RunArgs, target: Pod, extra_env: dict[str, str]) -> _Program:
     from tpupod.base.envargs import parse_env
     from tpupod.image.options import container_from_options
+    from tpupod.launch.run import program_python
+    from tpupod.transport.base import join_command
 
-    names = [*parse_env(args.env), *target.spec.env]
-    container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
+    env = {**parse_env(args.env), **extra_env}
+    names = [*env, *target.spec.env]
+    container = container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
+    # In a container the program's python is the image's, not the host's.
+    python = args.worker_python or (None if container else program_python(args.command))
+    return _Program(join_command(args.command), env, container, python)
 
 
 def report_attempt(args: RunArgs, result: RunResult) -> int:
@@ -157,47 +178,40 @@ def report_attempt(args: RunArgs, result: RunResult) -> int:
     return result.fanout.exit_code()
 
 
-def launch_attempt(
+async def launch_attempt(
     args: RunArgs,
     target: Pod,
-    live: Live,
+    sinks: Sinks,
     extra_env: dict[str, str],
     interrupt: Interrupt | None,
     *,
     on_launch: Callable[[Launch], None] | None = None,
-) -> Awaitable[RunResult]:
-    """One launch of the program on ``target``'s selected workers."""
-    from tpupod.base.envargs import parse_env
-    from tpupod.image.options import container_from_options
-    from tpupod.launch.run import program_python
+) -> RunResult:
+    """One launch of the program on ``target``'s selected workers, its output to ``sinks``
+    (``interrupt``: an attempt's own, in place of the command's)."""
+    from tpupod.fanout.context import Context
+    from tpupod.fanout.execute import Policy
     from tpupod.launch.run import run as launch_run
-    from tpupod.transport.base import join_command
 
-    workers = target.select(args.worker)
-    run_env = {**parse_env(args.env), **extra_env}
-    names = [*run_env, *target.spec.env]
-    container = container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
-    return launch_run(
-        target,
-        join_command(args.command),
-        workers=workers,
-        env=run_env,
-        timeout=args.timeout,
-        on_fail=args.on_fail,
-        grace=args.grace,
-        coordinator_port=args.coordinator_port,
-        sync_dir=args.sync,
-        rendezvous_on=args.rendezvous_on.value,
-        # In a container the program's python is the image's, not the host's.
-        worker_python=args.worker_python or (None if container else program_python(args.command)),
-        show_chatter=args.verbose,
-        collateral_in_logs_only=not args.verbose,
-        on_line=live.on_line,
-        on_notice=_silent if args.quiet else live.on_notice,
-        interrupt=interrupt or live.interrupt,
-        container=container,
-        on_launch=on_launch,
-    )
+    program = _program(args, target, extra_env)
+    notice = _silent if args.quiet else sinks.on_notice
+    attempt = Sinks(sinks.on_line, notice, interrupt or sinks.interrupt)
+    async with Context(target, attempt) as ctx:
+        return await launch_run(
+            ctx,
+            program.line,
+            workers=target.select(args.worker),
+            env=program.env,
+            policy=Policy(args.on_fail, args.timeout, args.grace),
+            coordinator_port=args.coordinator_port,
+            sync_dir=args.sync,
+            rendezvous_on=args.rendezvous_on.value,
+            worker_python=program.python,
+            show_chatter=args.verbose,
+            collateral_in_logs_only=not args.verbose,
+            container=program.container,
+            on_launch=on_launch,
+        )
 
 
 def _silent(text: str) -> None:

@@ -5,29 +5,20 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from tpupod.fanout.context import Interrupt, Sinks
 from tpupod.fanout.report import LinePrinter, notice
 
 if TYPE_CHECKING:
-    from tpupod.fanout.execute import Interrupt, NoticeHandler
     from tpupod.fanout.results import WorkerLike
-    from tpupod.fanout.worker import LineHandler
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Live:
-    """What a running command hands to the fan-outs it starts."""
-
-    interrupt: Interrupt
-    on_line: LineHandler | None
-    on_notice: NoticeHandler
-
-
-def run_live(workers: Sequence[WorkerLike], quiet: bool, body: Callable[[Live], Awaitable[T]]) -> T:
+def run_live(
+    workers: Sequence[WorkerLike], quiet: bool, body: Callable[[Sinks], Awaitable[T]]
+) -> T:
     """Run ``body`` in an event loop where SIGINT and SIGTERM stop every worker cleanly.
 
     Output lines are printed with their worker prefix unless ``quiet``; if our
@@ -35,8 +26,6 @@ def run_live(workers: Sequence[WorkerLike], quiet: bool, body: Callable[[Live], 
     """
 
     import asyncio
-
-    from tpupod.fanout.execute import Interrupt
 
     async def go() -> T:
         interrupt = Interrupt()
@@ -55,7 +44,7 @@ def run_live(workers: Sequence[WorkerLike], quiet: bool, body: Callable[[Live], 
             )
         )
         try:
-            return await body(Live(interrupt, printer, notice))
+            return await body(Sinks(printer, notice, interrupt))
         finally:
             for signum in handled:
                 loop.remove_signal_handler(signum)

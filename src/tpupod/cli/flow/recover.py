@@ -25,7 +25,7 @@ from tpupod.recovery.policy import (
 from tpupod.recovery.record import RecoveryRecord
 
 if TYPE_CHECKING:
-    from tpupod.cli.flow.live import Live
+    from tpupod.fanout.context import Sinks
     from tpupod.pod.record import Pod
 
 
@@ -76,7 +76,7 @@ def run_recovering(args: RunArgs) -> int:
         # worker to end must not cut the others' save at the preemption sync point short.
         args = args.replace(grace=max(args.grace, policy.notice_grace))
 
-    async def body(live: Live) -> int:
+    async def body(live: Sinks) -> int:
         notice = live.on_notice if not args.quiet else (lambda text: None)
 
         async def launch(
