@@ -133,7 +133,9 @@ def test_down_leaves_a_same_named_pod_of_another_state_directory_alone(
     )
     try:
         deadline = time.monotonic() + 30
-        while len(sleeping := [p for p in pod_processes("p") if "sleep" in described(p)]) < 2:
+        # The sleeps themselves: a worker's shell forks short-lived copies of itself (their
+        # command lines hold "sleep 60" too), which end on their own.
+        while len(sleeping := [p for p in pod_processes("p") if described(p) == "sleep 60"]) < 2:
             assert run.poll() is None and time.monotonic() < deadline, run.stderr
             time.sleep(0.05)
         assert cli("up", "--name", "p", "--local", "1", env=home_b).code == 0

@@ -11,6 +11,7 @@ save short when the host's shutdown also ends the SSH session.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,65 @@ def test_the_orphan_guard_outlives_a_term_to_every_process_and_lets_the_save_fin
         for proc in processes_marked(mark):
             proc.kill()
         launcher_end.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_the_guards_grace_is_wall_clock_time_on_a_loaded_host(tmp_path: Path) -> None:
+    """The guard's grace counted polls: on the CI's loaded machine each poll's ps took far
+    longer than its 50 ms sleep, and a program that ignored TERM outlived an 8 s grace by
+    more than 4 s. Here every ps takes 0.5 s (40 polls of a 2 s grace: 20 s before)."""
+    mark = uuid.uuid4().hex
+    slow = tmp_path / "bin"
+    slow.mkdir()
+    (slow / "ps").write_text(f'#!/bin/sh\nsleep 0.5\nexec {shutil.which("ps")} "$@"\n')
+    (slow / "ps").chmod(0o755)
+    script = command_script("(trap '' TERM; exec sleep 600)", guard=True, grace=2.0)
+    launcher_end = subprocess.Popen(
+        ["/bin/bash", "-c", script],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+        env={**os.environ, "TPUPOD_TEST_MARK": mark, "PATH": f"{slow}:{os.environ['PATH']}"},
+    )
+    try:
+        assert poll(lambda: any(p.name() == "sleep" for p in processes_marked(mark)), 20)
+        assert launcher_end.stdin is not None
+        launcher_end.stdin.close()  # the launcher is gone: TERM, the grace, then KILL
+        started = time.monotonic()
+        assert poll(lambda: not processes_marked(mark), 8), processes_marked(mark)
+        assert 2 <= time.monotonic() - started < 2 + 1 + 1.5  # whole seconds, a ps late
+    finally:
+        for proc in processes_marked(mark):
+            proc.kill()
+        launcher_end.wait(timeout=10)
+
+
+# Exits 143 (as a worker told by the rendezvous to stop does) while a helper TERMs its shell
+# within the next 3 ms (the launcher's stop, sent at the same moment).
+LEAVES_AS_TERMED = (
+    "import os, random, signal, time\n"
+    "shell = os.getppid()\n"
+    "if os.fork() == 0:\n"
+    "    time.sleep(random.uniform(0, 0.003))\n"
+    "    try: os.kill(shell, signal.SIGTERM)\n"
+    "    except ProcessLookupError: pass\n"
+    "    os._exit(0)\n"
+    "os._exit(143)\n"
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_term_as_the_command_ends_is_not_an_exit_0(tmp_path: Path) -> None:
+    """CI saw a worker stopped after another failed reported as "exit 0": the stop's TERM
+    reached its shell while the shell's end ran, the trap ran again with the status of
+    the end's first line, and the shell exited 0. 3 runs in 500 did before the fix."""
+    program = tmp_path / "leaves.py"
+    program.write_text(LEAVES_AS_TERMED)
+    script = command_script(f"{PYTHON} {program}")
+    codes = [
+        subprocess.run(["/bin/bash", "-c", script], stderr=subprocess.DEVNULL).returncode
+        for _ in range(400)
+    ]
+    assert set(codes) == {-signal.SIGTERM}, {code: codes.count(code) for code in set(codes)}
 
 
 FINISHES_ON_TERM = (

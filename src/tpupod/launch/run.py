@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -22,7 +23,7 @@ import shlex
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -281,25 +282,9 @@ def _in_workdir(command: str, workdir: str, container: Container | None, launch_
     (the directory mounted there too, as it is where the program expects its files)."""
     if container is None:
         return f"cd {workdir} && {command}" if workdir else command
-    wrapped = wrap(command, replace(container, workdir_mounted=bool(workdir)), launch_id)
+    mounted = dataclasses.replace(container, workdir_mounted=bool(workdir))
+    wrapped = wrap(command, mounted, launch_id)
     return f"cd {workdir} && {{\n{wrapped}\n}}" if workdir else wrapped
-
-
-PYTHON_NAME = re.compile(r"python[0-9.]*")
-
-
-def program_python(argv: Sequence[str]) -> str | None:
-    """The Python a program runs with, when its command starts with one (``python3
-    train.py``, ``/opt/venv/bin/python -m app``; ``env`` and NAME=VALUE words first are
-    skipped): it imports tpupod (it calls ``init_jax``), so it can run the rendezvous."""
-    words = list(argv)
-    if words and words[0].rsplit("/", 1)[-1] == "env":
-        words = words[1:]
-    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
-        words = words[1:]
-    if words and PYTHON_NAME.fullmatch(words[0].rsplit("/", 1)[-1]):
-        return words[0]
-    return None
 
 
 def _rendezvous(

@@ -64,16 +64,3 @@ class Counters:
             f"{self.recoveries} recoveries (preempted or lost), {self.error_reruns} reruns "
             f"after errors, {self.listed_reruns} after listed exit codes"
         )
-
-
-def parse_exit_codes(text: str | None) -> frozenset[int]:
-    """``42,75`` -> {42, 75}; a ValueError names a bad item."""
-    if not text:
-        return frozenset()
-    codes = set()
-    for word in text.split(","):
-        item = word.strip()
-        if not item.isdigit() or not 0 < int(item) < 256:
-            raise ValueError(item)
-        codes.add(int(item))
-    return frozenset(codes)

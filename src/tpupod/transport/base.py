@@ -7,8 +7,11 @@ fast path (``localexec``), so it imports neither ``typing`` nor ``dataclasses``.
 from __future__ import annotations
 
 import enum
+import math
+import re
 import shlex
 import signal
+from collections.abc import Sequence
 
 from tpupod.base.plain import Plain
 from tpupod.errors import UsageError
@@ -147,14 +150,15 @@ def command_script(
     """
     lines = [NOT_FOUND]
     if guard:
-        polls = max(1, round(grace / GUARD_POLL_S))
-        shutdown_polls = max(1, round(shutdown_grace / GUARD_POLL_S))
+        # The grace is wall-clock time (bash's whole-second SECONDS: at least n s, under
+        # n + 1), not a count of polls: on a loaded host each poll's ps takes far longer
+        # than its sleep, and 600 polls of a 30 s grace stretched past a minute.
         watch = (
             f"{GROUP_ALIVE}; trap 'down=1' TERM; (trap '' TERM; exec cat) >/dev/null 2>&1; "
-            f'if [ -n "$down" ]; then n={shutdown_polls}; '
-            f"else n={polls}; kill -TERM -- -$1 2>/dev/null; fi; i=0; "
-            f"while [ $i -lt $n ] && alive $1; do sleep {GUARD_POLL_S:g}; "
-            "i=$((i + 1)); done; kill -KILL -- -$1 2>/dev/null"
+            f'if [ -n "$down" ]; then n={math.ceil(shutdown_grace)}; '
+            f"else n={math.ceil(grace)}; kill -TERM -- -$1 2>/dev/null; fi; SECONDS=0; "
+            f"while [ $SECONDS -le $n ] && alive $1; do sleep {GUARD_POLL_S:g}; done; "
+            "kill -KILL -- -$1 2>/dev/null"
         )
         lines += [
             "exec 3<&0 </dev/null",
@@ -168,7 +172,10 @@ def command_script(
         ]
     # The script is the whole shell (local) or its end (SSH): `exit`, not a `(exit N)` subshell,
     # whose fork cost 0.25 ms per host per command (measured: 16 hosts, 34.0 -> 30.0 ms).
-    end = ["tpupod_rc=$1"]
+    # TERM is ignored first: one that came while the end ran (a stop's TERM as the program
+    # left by itself) ran the trap again with the status of `tpupod_rc=$1` (0) and ended a
+    # worker that exited 143 with "exit 0". Before this line $? is still the command's.
+    end = ["trap '' TERM", "tpupod_rc=$1"]
     if guard:
         end.append("kill -KILL $tpupod_guard 2>/dev/null")
     end += [*RERAISE, 'exit "$tpupod_rc"']
@@ -183,3 +190,20 @@ def join_command(argv: list[str]) -> str:
             "no command given", hint="put the command after --, e.g. tpupod exec -- hostname"
         )
     return argv[0] if len(argv) == 1 else shlex.join(argv)
+
+
+PYTHON_NAME = re.compile(r"python[0-9.]*")
+
+
+def program_python(argv: Sequence[str]) -> str | None:
+    """The Python a program runs with, when its command starts with one (``python3
+    train.py``, ``/opt/venv/bin/python -m app``; ``env`` and NAME=VALUE words first are
+    skipped): it imports tpupod (it calls ``init_jax``), so it can run the rendezvous."""
+    words = list(argv)
+    if words and words[0].rsplit("/", 1)[-1] == "env":
+        words = words[1:]
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        words = words[1:]
+    if words and PYTHON_NAME.fullmatch(words[0].rsplit("/", 1)[-1]):
+        return words[0]
+    return None

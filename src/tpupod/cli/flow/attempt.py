@@ -143,28 +143,22 @@ def check_args(args: RunArgs, target: Pod) -> None:
     _program(args, target, {})
 
 
-class _Program:
+def _program(
+    args: RunArgs, target: Pod, extra_env: dict[str, str]
+) -> tuple[str, dict[str, str], Container | None, str | None]:
     """What the options make of one launch: the command line, its environment, the
     container it runs in, the python that has tpupod on worker 0."""
-
-    def __init__(
-        self, line: str, env: dict[str, str], container: Container | None, python: str | None
-    ) -> None:
-        self.line, self.env, self.container, self.python = line, env, container, python
-
-
-def _program(args: RunArgs, target: Pod, extra_env: dict[str, str]) -> _Program:
     from tpupod.base.envargs import parse_env
     from tpupod.image.options import container_from_options
-    from tpupod.launch.run import program_python
-    from tpupod.transport.base import join_command
+    from tpupod.transport.base import join_command, program_python
 
-    env = {**parse_env(args.env), **extra_env}
-    names = [*env, *target.spec.env]
+    # the names of -e NAME=VALUE (parse_env below reads the values, and refuses bad ones)
+    names = [*(item.partition("=")[0] for item in args.env), *extra_env, *target.spec.env]
     container = container_from_options(args.image, args.mounts, args.engine, args.privileged, names)
+    line = join_command(args.command)
     # In a container the program's python is the image's, not the host's.
     python = args.worker_python or (None if container else program_python(args.command))
-    return _Program(join_command(args.command), env, container, python)
+    return line, {**parse_env(args.env), **extra_env}, container, python
 
 
 def report_attempt(args: RunArgs, result: RunResult) -> int:
@@ -191,25 +185,25 @@ async def launch_attempt(
     (``interrupt``: an attempt's own, in place of the command's)."""
     from tpupod.fanout.context import Context
     from tpupod.fanout.execute import Policy
-    from tpupod.launch.run import run as launch_run
+    from tpupod.launch.run import run
 
-    program = _program(args, target, extra_env)
+    line, env, container, python = _program(args, target, extra_env)
     notice = _silent if args.quiet else sinks.on_notice
     attempt = Sinks(sinks.on_line, notice, interrupt or sinks.interrupt)
     async with Context(target, attempt) as ctx:
-        return await launch_run(
+        return await run(
             ctx,
-            program.line,
+            line,
             workers=target.select(args.worker),
-            env=program.env,
+            env=env,
             policy=Policy(args.on_fail, args.timeout, args.grace),
             coordinator_port=args.coordinator_port,
             sync_dir=args.sync,
             rendezvous_on=args.rendezvous_on.value,
-            worker_python=program.python,
+            worker_python=python,
             show_chatter=args.verbose,
             collateral_in_logs_only=not args.verbose,
-            container=program.container,
+            container=container,
             on_launch=on_launch,
         )
 

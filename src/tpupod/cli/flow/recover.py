@@ -20,13 +20,25 @@ from tpupod.recovery.policy import (
     Cause,
     Counters,
     RetryPolicy,
-    parse_exit_codes,
 )
 from tpupod.recovery.record import RecoveryRecord
 
 if TYPE_CHECKING:
     from tpupod.fanout.context import Sinks
     from tpupod.pod.record import Pod
+
+
+def parse_exit_codes(text: str | None) -> frozenset[int]:
+    """``--retry-exit-codes 42,75`` -> {42, 75}; a ValueError names a bad item."""
+    if not text:
+        return frozenset()
+    codes = set()
+    for word in text.split(","):
+        item = word.strip()
+        if not item.isdigit() or not 0 < int(item) < 256:
+            raise ValueError(item)
+        codes.add(int(item))
+    return frozenset(codes)
 
 
 def policy_of(args: RunArgs) -> RetryPolicy:
@@ -60,17 +72,17 @@ def run_recovering(args: RunArgs) -> int:
     from tpupod.recovery.loop import Recovery
 
     state = StateDir()
+    record: RecoveryRecord | None = None
     if args.resume:
         record, args = _resumed(state, args)
-        policy = policy_of(args)
-        _check(args, state.load(record.pod), policy)
+        pod = state.load(record.pod)
     else:
-        target = state.resolve(args.pod)
-        target.select(args.worker)
-        policy = policy_of(args)
-        _check(args, target, policy)  # bad input leaves no record behind
-        record = RecoveryRecord.new(state, target.name, list(args.command), _options(args))
-    pod = state.load(record.pod)
+        pod = state.resolve(args.pod)
+    pod.select(args.worker)
+    policy = policy_of(args)
+    options = _checked(args, pod, policy)  # bad input leaves no record behind
+    if record is None:
+        record = RecoveryRecord.new(state, pod.name, list(args.command), options)
     if policy.retries and pod.provider == "gcp":
         # A notice TERMs every process of a preempted VM, the program's shell too: the first
         # worker to end must not cut the others' save at the preemption sync point short.
@@ -108,11 +120,13 @@ def run_recovering(args: RunArgs) -> int:
     return run_live(pod.select(args.worker), False, body)
 
 
-def _check(args: RunArgs, pod: Pod, policy: RetryPolicy) -> None:
-    """Refuse what would fail every attempt the same way, before any work (a UsageError)."""
+def _checked(args: RunArgs, pod: Pod, policy: RetryPolicy) -> dict[str, Any]:
+    """The run's options as its record keeps them (for --resume), once what would fail
+    every attempt the same way is refused, before any work (a UsageError)."""
     from tpupod.cli.flow.attempt import check_args
     from tpupod.recovery.loop import head_commit
 
+    options = _options(args)
     check_args(args, pod)
     if args.setup and not Path(args.setup).is_file():
         raise UsageError(
@@ -127,6 +141,7 @@ def _check(args: RunArgs, pod: Pod, policy: RetryPolicy) -> None:
             f"--zones: pod {pod.name!r} is a {pod.provider} pod, which is never created again",
             hint="leave --zones out: on local and SSH pods --retries reruns on the same hosts",
         )
+    return options
 
 
 def _options(args: RunArgs) -> dict[str, Any]:
