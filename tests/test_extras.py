@@ -9,6 +9,7 @@ which CI runs, checks the same in a real venv made by ``make demo``.)"""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -198,3 +199,26 @@ def test_serve_up_names_the_workers_whose_python_lacks_an_extra(
     )
     assert "hint: pip install 'tpupod[model]'" in result.err
     assert [p for p in pod_processes(name) if "tpupod.serve" in " ".join(p.cmdline())] == []
+
+
+@pytest.mark.local
+def test_init_jax_on_a_worker_without_jax_says_which_extra(
+    state_home: Path,
+    hiding: Callable[..., dict[str, str]],
+    make_pod: Callable[..., object],
+    tmp_path: Path,
+) -> None:
+    """A program run on a pod whose workers' Python lacks jax: each worker said
+    ModuleNotFoundError in a traceback from tpupod's own jaxinit.py (a new user's trial).
+    It is the extra's two lines, on every worker, and the run's first failure names it."""
+    pod = make_pod(workers=2)
+    program = tmp_path / "prog.py"
+    program.write_text("import tpupod\ntpupod.init_jax()\nprint('never')\n")
+    result = run(hiding("jax"), "run", "--pod", pod.name, "--", sys.executable, str(program))  # type: ignore[attr-defined]
+    assert result.code == 1, result
+    assert "Traceback" not in result.err and "never" not in result.out, result.err
+    # The first to fail says it; the other is stopped, its same two lines kept in its log.
+    said = "] error: 'tpupod.init_jax()' needs the jax extra on this worker (not installed: jax)"
+    assert said in result.err and "] hint: pip install 'tpupod[jax]'" in result.err, result.err
+    first = re.findall(r"^(w\d) .* exit 1 .*hint: pip install 'tpupod\[jax\]'$", result.err, re.M)
+    assert len(first) >= 1 and f"first failure: {first[0]} " in result.err, result.err

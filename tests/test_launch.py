@@ -411,7 +411,29 @@ def test_logs_follow_a_running_launch(
     follow = cli("logs", "--pod", pod.name, "--follow", timeout=30)
     run.wait(timeout=30)
     assert sorted(follow.out.splitlines()) == ["[w0] one", "[w0] two", "[w1] one", "[w1] two"]
-    assert "ended with exit code 0" in follow.err
+    assert "ended with exit code 0" in follow.err and follow.code == 0
+
+
+def test_logs_follow_ends_with_the_runs_exit_code(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    """A script that follows a run learns how it ended (a trial: -f exited 0 for a failed
+    run as for one that went well)."""
+    pod = make_pod(2)
+    program = "import time; time.sleep(1); raise SystemExit(3)"
+    run = subprocess.Popen(
+        tpupod_argv("run", "--pod", pod.name, "-q", "--", PYTHON, "-c", program),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    runs_dir = state_home / "pods" / pod.name / "runs"
+    deadline = time.monotonic() + 10
+    while not (runs_dir.exists() and any(runs_dir.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    follow = cli("logs", "--pod", pod.name, "--follow", timeout=30)
+    assert run.wait(timeout=30) == 3
+    assert follow.code == 3 and "ended with exit code 3" in follow.err, follow
+    assert cli("logs", "--pod", pod.name).code == 0  # without -f: the logs were shown
 
 
 @pytest.mark.parametrize("kind", ["local", "ssh"])

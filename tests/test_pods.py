@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -170,7 +171,11 @@ def test_down_refuses_a_pod_a_run_is_using_and_with_force_stops_it(
         refused = cli("down", "--pod", "dev")
         assert refused.code == 1 and run.poll() is None, refused.err
         assert "error: pod 'dev' is in use by tpupod run " in refused.err
-        assert "'tpupod cancel RUN'" in refused.err and "--force" in refused.err
+        # the hint names the run to cancel (a trial: it said 'tpupod cancel RUN')
+        assert re.search(
+            r"hint: stop it first \('tpupod cancel \d{8}-\d{6}-[0-9a-f]{6}'\)", refused.err
+        )
+        assert "--force" in refused.err
         forced = cli("down", "--pod", "dev", "--force")
         assert forced.code == 0, forced.err
         assert forced.out.startswith("stopped tpupod run "), forced.out
@@ -190,6 +195,39 @@ def test_corrupt_record_is_a_clear_error(state_home: Path, cli: Callable[..., Cl
     assert result.code == 1 and "the record of pod 'dev' is unreadable" in result.err
     with pytest.raises(StateError):
         StateDir().load("dev")
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda r: {**r, "workers": []}, "no workers"),
+        (lambda r: {**r, "workers": [r["workers"][0], r["workers"][0]]}, "ids are 0, 0"),
+        (lambda r: {**r, "name": "other"}, "names pod 'other'"),
+        (lambda r: {**r, "version": 99}, "version 99"),
+        (lambda r: {**r, "spec": {**r["spec"], "workers": "two"}}, "spec.workers"),
+    ],
+    ids=["no-workers", "duplicate-ids", "another-name", "newer-version", "bad-spec"],
+)
+def test_a_hand_edited_record_that_is_still_json_is_checked(
+    state_home: Path, cli: Callable[..., CliResult], edit: Callable[..., object], said: str
+) -> None:
+    """A new user's trial edited pod.json by hand, keeping it JSON: no workers made 'run'
+    an internal error (IndexError) and 'exec' '0/0 ok'; duplicate ids ran a command twice
+    as w0; another name was listed but not found. Each is the record's error, naming what."""
+    up(LocalPodSpec(name="bad", workers=2), StateDir())
+    path = state_home / "pods" / "bad" / "pod.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    # exec's fast path reads only the shape it uses (provider, workers); run reads it all
+    commands = [["run", "--pod", "bad", "--", "true"]]
+    if said != "spec.workers":
+        commands.append(["exec", "--pod", "bad", "--", "true"])
+    for args in commands:
+        result = cli(*args)
+        assert result.code == 1, (args, result)
+        assert "the record of pod 'bad' is unreadable" in result.err, (args, result.err)
+        assert said in result.err and "internal error" not in result.err, (args, result.err)
+    listed = cli("list")
+    assert listed.code == 1 and "bad" in listed.out and said in listed.err, listed
 
 
 def test_a_broken_record_does_not_hide_the_other_pods(

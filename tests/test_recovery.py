@@ -173,8 +173,14 @@ def test_cancel_stops_a_plain_run_too(
         started = time.monotonic()
         cancelled = cli("cancel", "--pod", pod.name, launch)
         assert cancelled.code == 0, cancelled.err
-        assert cancelled.out.startswith(f"run {launch}: stopped"), cancelled.out
+        # what ended it, once: not "stopped (stopped (exit 130); its launcher ... stopped it)"
+        said = f"run {launch}: stopped (exit 130): stopped by 'tpupod cancel' (pid "
+        assert cancelled.out.startswith(said), cancelled.out
         assert run.wait(timeout=30) == 130 and time.monotonic() - started < 15
+        # the launcher's terminal names the cancel too, not "interrupted (Ctrl-C)"
+        launcher_said = run.stderr.read()  # type: ignore[union-attr]
+        assert "tpupod: stopped by 'tpupod cancel' (pid " in launcher_said, launcher_said
+        assert "Ctrl-C" not in launcher_said and "stopped by SIGINT" not in launcher_said
         assert wait_until_gone(pod.name) == []
         again = cli("cancel", "--pod", pod.name, launch)
         assert again.code == 0, again.err

@@ -59,6 +59,17 @@ def require(subject: str, *extras: str, where: str = "") -> None:
             raise MissingExtra(subject, extra, absent, where=where)
 
 
+def exit_unless_installed(subject: str, extra: str) -> None:
+    """End this process with ``require``'s two lines and exit 1 when ``extra`` is missing:
+    for the library calls a user's program makes first on a worker (``tpupod.init_jax()``),
+    where a traceback would bury the one thing to do."""
+    try:
+        require(subject, extra, where=" on this worker")
+    except MissingExtra as exc:
+        sys.stdout.flush()
+        sys.exit(f"error: {exc.message}\nhint: {exc.hint}")
+
+
 def for_missing_module(exc: BaseException, subject: str) -> MissingExtra | None:
     """The extra a failed import belongs to, as the error ``require`` would have raised."""
     if not isinstance(exc, ModuleNotFoundError) or not exc.name:

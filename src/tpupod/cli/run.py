@@ -54,7 +54,13 @@ def logs(
         typer.Option("--worker", "-w", help="Only this worker's log.", show_default=False),
     ] = None,
     follow: Annotated[
-        bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")
+        bool,
+        typer.Option(
+            "--follow",
+            "-f",
+            help="Keep printing until the run ends, then exit with its exit code "
+            "(1 if its launcher died).",
+        ),
     ] = False,
     list_runs_wanted: Annotated[
         bool, typer.Option("--list", "-l", help="List the pod's runs, oldest first.")
@@ -80,7 +86,9 @@ def logs(
             raise UsageError("--list takes no RUN, --worker or --follow", hint="tpupod logs --list")
         list_runs(state, state.resolve_name(pod))
         return
-    show_logs(state, state.resolve_name(pod), run_id, worker=worker, follow=follow)
+    raise typer.Exit(
+        show_logs(state, state.resolve_name(pod), run_id, worker=worker, follow=follow)
+    )
 
 
 @command("cancel")

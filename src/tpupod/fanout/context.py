@@ -37,6 +37,10 @@ class Interrupt:
         self.signal: int | None = None
         self.grace: float | None = None  # the stop's grace, if not the fan-out's own
         self.reason: str | None = None  # why, if not the signal's name
+        self.by: str | None = None  # who sent it, when known ('tpupod cancel' (pid 8002))
+        # Asked when a stop comes: who sent it (a launcher reads its run's stop-request file,
+        # which a cancel or the dashboard writes before its SIGINT).
+        self.who: Callable[[], str | None] | None = None
 
     def request(
         self, signum: int = signal.SIGINT, *, grace: float | None = None, reason: str | None = None
@@ -44,6 +48,9 @@ class Interrupt:
         if self.requested.is_set():
             self.forced.set()
         else:
+            self.by = self.who() if self.who is not None else None
+            if reason is None and self.by is not None:
+                reason = f"stopped by {self.by}"
             self.signal, self.grace, self.reason = signum, grace, reason
             self.requested.set()
 

@@ -166,6 +166,7 @@ class _Fanout:
             failure_order=self.failure_order,
             timed_out=self.timed_out,
             interrupt_signal=self.interrupt.signal if self.interrupt.requested.is_set() else None,
+            stopped_by=self.interrupt.by if self.interrupt.requested.is_set() else None,
         )
 
     async def _watch(self, pending: set[asyncio.Task[WorkerResult]], started: float) -> None:

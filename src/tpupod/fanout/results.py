@@ -173,7 +173,15 @@ class Ending(Plain):
 class FanoutResult(Plain):
     """How a fan-out ended: every worker's result, and which failed first."""
 
-    __slots__ = ("command", "elapsed", "failure_order", "interrupt_signal", "timed_out", "workers")
+    __slots__ = (
+        "command",
+        "elapsed",
+        "failure_order",
+        "interrupt_signal",
+        "stopped_by",
+        "timed_out",
+        "workers",
+    )
 
     def __init__(
         self,
@@ -184,6 +192,7 @@ class FanoutResult(Plain):
         *,
         timed_out: bool = False,
         interrupt_signal: int | None = None,
+        stopped_by: str | None = None,
     ) -> None:
         self.command = command
         self.workers = workers
@@ -191,6 +200,7 @@ class FanoutResult(Plain):
         self.failure_order = failure_order if failure_order is not None else []
         self.timed_out = timed_out
         self.interrupt_signal = interrupt_signal
+        self.stopped_by = stopped_by  # who sent the stopping signal, when known
 
     @property
     def ok(self) -> bool:
@@ -235,7 +245,7 @@ class FanoutResult(Plain):
             name = signal.Signals(self.interrupt_signal).name
             count = self.failed_count
             left = f"{count} workers did not finish" if count else "every worker ended by itself"
-            by = stopped_by or name
+            by = stopped_by or self.stopped_by or name
             return Ending(RunState.STOPPED, code, stopped_by=by, why=f"stopped by {by}: {left}")
         if first is None:
             return Ending(RunState.OK, 0)
@@ -292,6 +302,7 @@ def result_to_json(result: FanoutResult) -> dict[str, object]:
         "failure_order": result.failure_order,
         "timed_out": result.timed_out,
         "interrupt_signal": result.interrupt_signal,
+        "stopped_by": result.stopped_by,
         "workers": [
             {
                 "id": r.worker.id,
@@ -334,4 +345,5 @@ def result_from_json(data: dict[str, Any], workers: Mapping[int, WorkerLike]) ->
         failure_order=list(data["failure_order"]),
         timed_out=data["timed_out"],
         interrupt_signal=data["interrupt_signal"],
+        stopped_by=data.get("stopped_by"),
     )

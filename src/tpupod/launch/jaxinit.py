@@ -6,6 +6,7 @@ import socket
 import time
 
 from tpupod import settings
+from tpupod.extras import exit_unless_installed
 from tpupod.launch.client import rendezvous
 from tpupod.launch.identity import WorkerIdentity, worker
 
@@ -28,6 +29,7 @@ def init_jax(timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:
     identity = worker()
     if identity.count == 1:
         return identity
+    exit_unless_installed("'tpupod.init_jax()'", "jax")
     import jax  # importing starts no backend; every worker does it at once, before the barrier
 
     if settings.rendezvous()[0]:  # started by tpupod run: meet (and be supervised) first

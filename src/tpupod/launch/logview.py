@@ -26,11 +26,14 @@ def show_logs(
     follow: bool = False,
     out: TextIO | None = None,
     err: TextIO | None = None,
-) -> None:
+) -> int:
     """Print a run's logs (the latest run without ``run_id``), prefixed per worker, then one
     line on how it stands. A ``run --retries`` run lists its attempts first, then shows the
     logs of its latest launch. ``out``/``err`` default to the streams at call time (not at
-    import, so a caller that swaps ``sys.stdout``, as typer's test runner does, is heard)."""
+    import, so a caller that swaps ``sys.stdout``, as typer's test runner does, is heard).
+
+    Returns 0; with ``follow``, the run's own exit code (1 for a launcher that died without
+    one), so a script that follows a run learns how it ended."""
     out, err = out or sys.stdout, err or sys.stderr
     from tpupod.recovery.record import find_recovery
 
@@ -47,7 +50,14 @@ def show_logs(
     printer = LinePrinter([w for w in record.workers if w.id in ids], out, err)
     for brief, text in read_logs(record, ids, follow=follow):
         printer(brief, OutputLine(Stream.STDOUT, text))
-    print(standing(record.reread()), file=err)
+    record = record.reread()
+    print(standing(record), file=err)
+    if not follow:
+        return 0
+    ending = record.ending
+    if ending.state is RunState.LAUNCHER_GONE:
+        return 1
+    return ending.exit_code or 0
 
 
 def standing(record: RunRecord) -> str:

@@ -244,6 +244,8 @@ async def run(
     log_to.record["job"] = _job_of(env or {})
     # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
     using = podusers.using(state, pod.name, f"tpupod run {launch_id}")
+    # a stop from 'tpupod cancel' or the dashboard names its sender before its SIGINT
+    interrupt.who = lambda: _read_text(launch.run_dir / STOP_FILE)
     with log_to as log, using:
         try:
             sinks = Sinks(log.tee(on_line, show_chatter=show_chatter), notice, interrupt)
@@ -660,9 +662,7 @@ class _RunLog:
         ]
         # how it ended, typed, as the summary says it: who failed first (in time, not
         # worker order), or who stopped it (a stop's request names its sender), or its timeout
-        by = None
-        with contextlib.suppress(OSError):
-            by = (self.launch.run_dir / STOP_FILE).read_text().strip() or None
+        by = _read_text(self.launch.run_dir / STOP_FILE)
         self.record["ending"] = result.ending(stopped_by=by).to_json()
         try:
             self._save()
@@ -674,3 +674,11 @@ class _RunLog:
 
     def _save(self) -> None:
         write_atomic(self.launch.run_dir / RUN_FILE, json.dumps(self.record, indent=2) + "\n")
+
+
+def _read_text(path: Path) -> str | None:
+    """A small file's text, stripped; None when it is missing, unreadable or empty."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 DEFAULT_SPEC_FILE = "tpupod.yaml"
+RECORD_VERSION = 1  # the format of a pod's record (pod.json) this tpupod writes and reads
 
 
 class HostKeyPolicy(enum.StrEnum):

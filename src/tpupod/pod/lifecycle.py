@@ -149,10 +149,12 @@ def down(
     found = podusers.users(state, pod.name)
     if found and not force:
         first = found[0]
+        run = first.what.removeprefix("tpupod run ") if first.what.startswith("tpupod run ") else ""
+        stop = f"'tpupod cancel {run}'" if run else f"kill -TERM {first.pid}"
         raise StateError(
             f"pod {pod.name!r} is in use by {', '.join(user.describe() for user in found)}",
-            hint=f"stop it first (kill -TERM {first.pid}; a run: 'tpupod cancel RUN'), or add "
-            "--force: a job runner gives its running job back to the queue, a run stops",
+            hint=f"stop it first ({stop}), or add --force: a job runner gives its running job "
+            "back to the queue, a run stops",
         )
     left = podusers.stop(state, pod.name, found, stop_s) if found else []
     if before is not None:

@@ -8,10 +8,9 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tpupod.pod.choices import RECORD_VERSION
 from tpupod.pod.selection import select_ids
 from tpupod.pod.spec import PodSpec, SshHost
-
-RECORD_VERSION = 1
 
 
 class Worker(BaseModel):

@@ -20,6 +20,7 @@ import os
 from tpupod import settings
 from tpupod.base.plain import TYPE_CHECKING, Plain
 from tpupod.errors import PodNotFound, StateError, UsageError
+from tpupod.pod.choices import RECORD_VERSION
 from tpupod.pod.names import POD_NAME_RE
 
 if TYPE_CHECKING:
@@ -107,21 +108,48 @@ class StateDir:
         from tpupod.pod.record import Pod
 
         data = self.read_record(name)
-        if isinstance(data, dict):
-            data.setdefault("uid", "")  # a record from before uids: not a new one each load
+        self._check_shape(name, data)
+        data.setdefault("uid", "")  # a record from before uids: not a new one each load
         try:
             return Pod.model_validate(data)
         except ValidationError as exc:
-            raise self._unreadable(name) from exc
+            first = exc.errors()[0]
+            parts = [str(part) for part in first["loc"]]
+            if parts[:1] == ["spec"] and len(parts) > 2:  # pydantic names the spec's kind
+                del parts[1]  # ("spec", "local", "workers"): spec.workers, as in the file
+            raise self._unreadable(name, f"{'.'.join(parts)}: {first['msg']}") from exc
 
     def load_brief(self, name: str) -> PodBrief:
         """The little the CLI's fast path needs (provider, workers), without validating it all."""
         data = self.read_record(name)
+        self._check_shape(name, data)
         try:
             workers = tuple(WorkerBrief(int(w["id"]), str(w["hostname"])) for w in data["workers"])
             return PodBrief(name, str(data["spec"]["provider"]), workers)
         except (KeyError, TypeError, ValueError) as exc:
             raise self._unreadable(name) from exc
+
+    def _check_shape(self, name: str, data: Any) -> None:
+        """What the full model cannot say (and the fast path needs): a record of this pod,
+        in a format this tpupod reads, with workers 0..N-1 in order. A hand edit that kept
+        the JSON whole could break each (no workers made 'run' an internal error)."""
+        if not isinstance(data, dict):
+            raise self._unreadable(name, "it is not a JSON object")
+        version, workers = data.get("version", RECORD_VERSION), data.get("workers")
+        if not isinstance(version, int) or version > RECORD_VERSION:
+            raise self._unreadable(
+                name, f"it is version {version}, this tpupod reads up to {RECORD_VERSION}"
+            )
+        if data.get("name") != name:
+            raise self._unreadable(name, f"it names pod {data.get('name')!r}")
+        if not isinstance(workers, list) or not workers:
+            raise self._unreadable(name, "it has no workers")
+        ids = [w.get("id") if isinstance(w, dict) else None for w in workers]
+        if ids != list(range(len(ids))):
+            said = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
+            raise self._unreadable(
+                name, f"its workers' ids are {said}, not 0..{len(ids) - 1} in order"
+            )
 
     def read_record(self, name: str) -> Any:
         """The pod's record as plain JSON (not validated)."""
@@ -135,9 +163,10 @@ class StateDir:
         except ValueError as exc:
             raise self._unreadable(name) from exc
 
-    def _unreadable(self, name: str) -> StateError:
+    def _unreadable(self, name: str, why: str | None = None) -> StateError:
         return StateError(
-            f"the record of pod {name!r} is unreadable: {self.record_path(name)}",
+            f"the record of pod {name!r} is unreadable: {self.record_path(name)}"
+            + (f" ({why})" if why else ""),
             hint="fix or delete that file (tpupod writes it whole, so a hand edit broke it)",
         )
 

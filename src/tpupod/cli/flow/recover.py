@@ -256,5 +256,6 @@ def _stop_plain(pod: str, run_id: str) -> str:
     if run.ended():
         return f"run {run_id} is already over: {run.reread().ending.describe()}"
     ended = run.stop(CANCEL_WAIT_S, by=f"'tpupod cancel' (pid {os.getpid()})")
-    how = run.reread().state() if ended else "still stopping"
-    return f"run {run_id}: stopped ({how}; its launcher, pid {run.launcher_pid}, stopped it)"
+    if ended:  # stopped (exit 130): stopped by 'tpupod cancel' (pid 8002): 2 workers did not ...
+        return f"run {run_id}: {run.reread().ending.describe()}"
+    return f"run {run_id}: still stopping (its launcher, pid {run.launcher_pid}, was told to stop)"
