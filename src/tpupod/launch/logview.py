@@ -12,6 +12,7 @@ from tpupod.fanout.report import LinePrinter, print_columns
 from tpupod.fanout.results import RunState
 from tpupod.launch.records import RunRecord, get_run, read_logs, runs
 from tpupod.pod.state import StateDir
+from tpupod.recovery.record import find_recovery
 from tpupod.transport import OutputLine, Stream
 
 COMMAND_WIDTH = 60  # characters of a run's command in the list
@@ -32,8 +33,6 @@ def show_logs(
     logs of its latest launch. ``out``/``err`` default to the streams at call time (not at
     import, so a caller that swaps ``sys.stdout``, as typer's test runner does, is heard)."""
     out, err = out or sys.stdout, err or sys.stderr
-    from tpupod.recovery.record import find_recovery
-
     recovery = find_recovery(state, pod, run_id)
     if recovery is not None:
         print("\n".join(recovery.lines()), file=err)
