@@ -28,6 +28,7 @@ from tests.checkpoints import CUT_AT, padding_checkpoint
 from tests.conftest import CliResult, pod_processes, tpupod_argv, wait_until_gone
 from tpupod.errors import DataError, ExtractError
 from tpupod.extract import arc, plan, runner
+from tpupod.extract import launcher as extract_launcher
 from tpupod.extract.data import Sample, read_samples
 from tpupod.extract.runner import ExtractOptions, prepare
 from tpupod.model import load_model
@@ -117,7 +118,11 @@ def test_the_workers_flags_parse_back_to_the_same_options(
     argv = worker_argv(options, "python3")
     assert argv[:4] == ["python3", "-m", "tpupod", "extract"]
     seen: list[ExtractOptions] = []
-    monkeypatch.setattr(runner, "run_worker", lambda parsed, say, mark=None: seen.append(parsed))
+
+    def worker(parsed: ExtractOptions, say: object, mark: object = None) -> None:
+        seen.append(parsed)
+
+    monkeypatch.setattr(extract_launcher, "run_worker", worker)
     monkeypatch.delenv("TPUPOD_WORKER_ID", raising=False)
     load_commands(["extract"])
     result = CliRunner().invoke(app, argv[3:])

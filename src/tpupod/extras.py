@@ -97,6 +97,7 @@ def _findable(module: str) -> bool:
 
 def _run_on_worker(argv: list[str]) -> int:
     """``python -m tpupod.extras EXTRAS MODULE ARGS...``: check, then run MODULE as __main__."""
+    # a worker's only: every command's start imports this module
     import runpy
 
     extras, module, *args = argv

@@ -1,4 +1,9 @@
-"""Every environment variable tpupod itself reads, in one place."""
+"""Every environment variable tpupod itself reads, in one place.
+
+Deferred imports: every command's start, fast paths included, imports this module: pathlib
+(exec's local fast path does without it) and the recovery policy's defaults are imported by
+the settings that use them.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,8 +19,6 @@ def copy_atomic(src: Path, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(staging_name(dest))
     try:
-        import shutil  # here: exec's fast path imports this module, not shutil's codecs
-
         if src.is_dir():
             shutil.copytree(src, staged, symlinks=True)
         else:
@@ -70,8 +69,6 @@ def write_atomic(
 def remove_path(path: Path) -> None:
     """Remove a file or a folder, if it is there."""
     if path.is_dir() and not path.is_symlink():
-        import shutil
-
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
@@ -83,8 +80,6 @@ def replace(staged: Path, dest: Path) -> None:
         old = Path(staging_name(dest))
         os.rename(dest, old)
         os.rename(staged, dest)
-        import shutil
-
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, dest)

@@ -8,6 +8,9 @@ for mypy.
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (mypy reads it as True)
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -24,13 +27,9 @@ def attributes(
         home = homes.get(name)
         if home is None:  # a submodule (``from package import part``) is then imported as usual
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        import importlib
-
         return getattr(importlib.import_module(home), name)
 
     def dir_() -> list[str]:
-        import sys
-
         return sorted({*vars(sys.modules[package]), *homes})
 
     return getattr_, dir_

@@ -39,6 +39,7 @@ def join(location: str, *parts: str) -> str:
 def filesystem(url: str) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the path in it; a one-line error without fsspec."""
     try:
+        # an extra's (model, checkpoint-bench): where a path is opened, a clear error without it
         import fsspec
     except ImportError as exc:
         raise UsageError(

@@ -24,8 +24,9 @@ from tpupod.bench.wire import Collector, Plan
 from tpupod.errors import BenchError, UsageError
 from tpupod.extras import worker_argv
 from tpupod.fanout.context import Context, Sinks
-from tpupod.fanout.execute import Policy
+from tpupod.fanout.execute import Policy, execute_async
 from tpupod.fanout.results import OnFail
+from tpupod.launch.records import runs
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
 from tpupod.pod.record import Pod, Worker
@@ -137,8 +138,6 @@ async def run_bench(
 def _ended_launches(pod: Pod) -> list[str]:
     """This pod's benchmark launches that are over (ended, or their launcher is gone):
     their scratch checkpoints, where left, are nobody's."""
-    from tpupod.launch.records import runs
-
     return [
         r.launch_id
         for r in runs(pod.name)
@@ -156,8 +155,6 @@ async def remove_scratch(pod: Pod, checkpoints: str, launches: list[str]) -> Non
         for launch in set(launches) & set(storage.names(checkpoints)):
             storage.remove_tree(storage.join(checkpoints, launch))
         return
-    from tpupod.fanout.execute import execute_async
-
     folders = [f"{checkpoints}/{launch}" for launch in launches]
     await execute_async(pod, shlex.join(["rm", "-rf", "--", *folders]), timeout=60)
 

@@ -26,6 +26,7 @@ import re
 import sys
 import types
 import typing
+from importlib.metadata import version
 from typing import Any
 
 from tpupod.extras import require
@@ -275,6 +276,4 @@ def _number(value: object) -> bool:
 
 def versions() -> dict[str, str]:
     """The versions that decide what was measured."""
-    from importlib.metadata import version
-
     return {name: version(name) for name in ("orbax-checkpoint", "jax", "jaxlib", "tensorstore")}

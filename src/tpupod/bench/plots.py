@@ -4,6 +4,9 @@ seconds of each operation Orbax timed.
 
 Bars are the pod's mean over repeats with the std as error bars; dots are each
 host's mean, so a slow host shows. matplotlib's Agg backend: no display needed.
+
+Deferred imports: matplotlib (the checkpoint-bench extra) is imported where a plot is drawn,
+so the rest of the launcher imports without it.
 """
 
 from __future__ import annotations

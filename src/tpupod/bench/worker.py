@@ -12,6 +12,7 @@ runs now); worker 0 also prints, once per repeat, what it measured.
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import re
@@ -21,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from tpupod import settings
 from tpupod.bench import orbax_harness
@@ -65,6 +68,7 @@ def main() -> int:
 
 def _quiet_absl() -> None:
     """Orbax logs through absl at INFO and WARNING on every call; keep the output for results."""
+    # absl comes with Orbax (the checkpoint-bench extra), which orbax_harness loads on first use
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)
@@ -125,8 +129,6 @@ class _Runner:
         return (None, mesh) if isinstance(mesh, str) else (mesh, "")
 
     def _sample(self, combo: Combination, mesh: Any, repeat: int) -> Sample:
-        import jax
-
         spec = self.config.checkpoints[combo.checkpoint]
         directory = self.root / f"c{combo.index}" / f"r{repeat}"
         directory.mkdir(parents=True, exist_ok=True)
@@ -199,8 +201,6 @@ def _fit(label: str, room: int) -> str:
 def _folder(location: str) -> Any:
     """The checkpoint folder as Orbax takes it (an ``etils.epath.Path``): a local folder, or a
     ``gs://`` URL (Orbax writes arrays there through tensorstore, metadata through epath)."""
-    import importlib
-
     epath = importlib.import_module("etils.epath")  # untyped
     if "://" in location:
         return epath.Path(location)
@@ -226,8 +226,6 @@ def _figures(sample: Sample) -> str:
 
 
 def _delete(leaf: Any) -> None:
-    import jax
-
     if isinstance(leaf, jax.Array) and not leaf.is_deleted():
         leaf.delete()
 
@@ -272,8 +270,6 @@ def _sample_of(
 
 def _mesh_or_why(mesh: dict[str, Any]) -> Any:
     """The mesh, or why this pod cannot have it (Orbax skips such meshes too)."""
-    import jax
-
     need = mesh_devices(mesh)
     if need != jax.device_count():
         return f"the mesh has {need} devices, the pod {jax.device_count()}"
@@ -315,14 +311,10 @@ def _results(
 
 
 def _device_count() -> int:
-    import jax
-
     return int(jax.device_count())
 
 
 def _machine() -> dict[str, Any]:
-    import jax
-
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),

@@ -14,6 +14,9 @@ from tpupod.cli.flow.live import run_live
 from tpupod.cli.options import PodOption, QuietOption, TimeoutOption
 from tpupod.errors import BenchError
 from tpupod.fanout.context import Sinks
+from tpupod.fanout.report import print_summary
+from tpupod.pod.spec import LocalPodSpec
+from tpupod.pod.state import StateDir
 
 if TYPE_CHECKING:
     from tpupod.bench.baseline import Change, Comparison
@@ -142,8 +145,6 @@ def checkpoint(
     from tpupod.bench.config import check_fits, load_config
     from tpupod.bench.launcher import checkpoint_dir as where
     from tpupod.bench.launcher import raise_for_failures, run_bench
-    from tpupod.pod.spec import LocalPodSpec
-    from tpupod.pod.state import StateDir
 
     suite = load_config(config)  # every problem before anything starts
     earlier = _baseline_path(baseline, output, suite.suite_name)
@@ -182,8 +183,6 @@ def checkpoint(
 
     done = run_live(workers, quiet, body)
     if done.results is None:
-        from tpupod.fanout.report import print_summary
-
         print_summary(done.run.fanout, sys.stderr, title=f"bench {done.run.launch.launch_id}")
         code = done.run.fanout.exit_code()
         if code:

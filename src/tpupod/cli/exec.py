@@ -10,10 +10,11 @@ from tpupod.cli.app import command
 from tpupod.cli.flow.exec import ExecArgs, finish, plan_exec, run_held
 from tpupod.cli.flow.live import run_live
 from tpupod.cli.typed import takes
-from tpupod.fanout.context import Sinks
-from tpupod.fanout.execute import Policy
+from tpupod.fanout.context import Context, Sinks
+from tpupod.fanout.execute import Policy, run_on
 from tpupod.fanout.results import FanoutResult
 from tpupod.image.options import container_from_options
+from tpupod.pod.state import StateDir
 
 if TYPE_CHECKING:
     from tpupod.image.containerize import Container
@@ -48,8 +49,6 @@ def exec_command(args: ExecArgs) -> None:
 def run_exec(args: ExecArgs) -> None:
     """The exec command proper: through the pod's connection holder for SSH pods, else here;
     in a container on every worker with ``--image`` (never through the holder)."""
-    from tpupod.pod.state import StateDir
-
     state = StateDir()
     plan = plan_exec(args, state)
     if plan.held and args.image is None:
@@ -85,8 +84,6 @@ def run_with_signals(
     container: Container | None = None,
 ) -> FanoutResult:
     """Run a fan-out with its output printed; SIGINT/SIGTERM stop every worker cleanly."""
-    from tpupod.fanout.context import Context
-    from tpupod.fanout.execute import run_on
     from tpupod.image.containerize import execute_in_containers
 
     async def body(sinks: Sinks) -> FanoutResult:

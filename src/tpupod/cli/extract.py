@@ -12,6 +12,7 @@ import typer
 from tpupod.cli.app import command
 from tpupod.errors import ExtractError
 from tpupod.extras import require
+from tpupod.fanout.report import print_summary
 
 if TYPE_CHECKING:
     from tpupod.extract.runner import ExtractOptions
@@ -186,7 +187,6 @@ def _on_pod(pod: str, options: ExtractOptions, worker_python: str | None) -> int
     from tpupod.extract.launcher import plan_launch, run_extract, said_progress
     from tpupod.fanout.context import Sinks
     from tpupod.fanout.progress import PodProgress
-    from tpupod.fanout.report import print_summary
     from tpupod.launch.run import RunResult
     from tpupod.pod.state import StateDir
 

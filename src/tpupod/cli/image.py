@@ -9,6 +9,7 @@ import typer
 
 from tpupod.cli.app import app, command
 from tpupod.cli.options import EngineOption, PodOption
+from tpupod.fanout.report import format_duration, notice
 
 image_app = typer.Typer(
     name="image",
@@ -61,7 +62,6 @@ def build(
 
       tpupod image build -t app:1 -f docker/Dockerfile --on-each .
     """
-    from tpupod.fanout.report import format_duration, notice
     from tpupod.image.build import BuildRequest, run_build
     from tpupod.image.container_engine import check_engine
     from tpupod.pod.state import StateDir

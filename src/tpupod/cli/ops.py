@@ -18,6 +18,7 @@ from tpupod.fanout.context import Sinks
 from tpupod.fanout.report import print_summary
 from tpupod.fanout.results import FanoutResult
 from tpupod.ops import defaults
+from tpupod.pod.state import StateDir
 
 
 def _finish(result: FanoutResult, title: str) -> None:
@@ -43,7 +44,6 @@ def put(
       tpupod put ./data/ /mnt/data/          # into /mnt/data/data
     """
     from tpupod.ops.transfer import put as put_op
-    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
@@ -67,7 +67,6 @@ def get(
       tpupod get results/ ./results          # ./results/worker-0/results, ...
     """
     from tpupod.ops.transfer import get as get_op
-    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
@@ -129,7 +128,6 @@ def sync(
       tpupod sync --from-local --dir ~/code     # unpushed commits too
     """
     from tpupod.ops import sync as sync_ops
-    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)
@@ -222,9 +220,7 @@ def setup(
 
       tpupod setup --docker        # a container engine for 'run --image'
     """
-    from tpupod.errors import UsageError
     from tpupod.ops import setup as setup_ops
-    from tpupod.pod.state import StateDir
 
     if (script is None) == (not docker):
         raise UsageError(
@@ -290,7 +286,6 @@ def free_tpu(
       tpupod free-tpu -w 3
     """
     from tpupod.ops import free_tpu as free_tpu_ops
-    from tpupod.pod.state import StateDir
 
     target = StateDir().resolve(pod)
     workers = target.select(worker)

@@ -11,6 +11,8 @@ from tpupod.cli.flow.attempt import RunArgs
 from tpupod.cli.flow.run import run_command
 from tpupod.cli.options import PodOption
 from tpupod.cli.typed import takes
+from tpupod.errors import UsageError
+from tpupod.pod.state import StateDir
 
 
 @command("run", context_settings={"allow_interspersed_args": False})
@@ -76,9 +78,7 @@ def logs(
 
       tpupod logs --list              # every run: when, how it ended, what ran
     """
-    from tpupod.errors import UsageError
     from tpupod.launch.logview import list_runs, show_logs
-    from tpupod.pod.state import StateDir
 
     state = StateDir()
     if list_runs_wanted:

@@ -13,7 +13,8 @@ import typer
 from tpupod import settings
 from tpupod.cli.app import app, command
 from tpupod.cli.options import PodOption
-from tpupod.fanout.report import notice, print_columns
+from tpupod.errors import ServeError, UsageError
+from tpupod.fanout.report import LinePrinter, notice, print_columns
 from tpupod.serve import defaults
 
 if TYPE_CHECKING:
@@ -192,8 +193,6 @@ def up(
 def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> None:
     """A table: worker, server, backend, state, restarts, requests, tokens/s; then the router
     (exit 1 when it is down and nothing starts it again)."""
-    from tpupod.errors import ServeError
-
     found = _fleet(pod).status()
     print_columns(_status_table(found), sys.stdout)
     print(_router_line(found))
@@ -263,8 +262,6 @@ def logs(
     ] = False,
 ) -> None:
     """The servers' log lines, prefixed by worker (tail -F with --follow)."""
-    from tpupod.fanout.report import LinePrinter
-
     fleet = _fleet(pod)
     printer = LinePrinter(fleet.pod.select(workers), sys.stdout, sys.stderr)
     fleet.logs(printer, workers=workers, port=port, lines=lines, follow=follow, router=router)
@@ -360,8 +357,6 @@ def fanout(
     if registry_url is None:
         record = _fleet(pod).record()
         if record.router != "builtin":  # sgl-router keeps no seed-000 registry at /backends
-            from tpupod.errors import UsageError
-
             raise UsageError(
                 f"the fleet on pod {record.pod!r} runs sgl-router, which has no registry of "
                 "backends (/backends) to fan out to",

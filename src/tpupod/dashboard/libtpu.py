@@ -12,7 +12,11 @@ here instead of generated code: no protoc at build time, no tpu-info on the host
 ``python -m tpupod.dashboard.libtpu [ADDR]`` is what the dashboard's probe runs on a worker
 that has TPU devices; it prints ``tpu idle`` or one ``tpu DEVICE USED TOTAL DUTY`` line per
 device (probe.py reads them); on a host without grpcio or protobuf (the ``tpu`` extra),
-``tpu missing PACKAGE``: the page says there are no TPU metrics and how to get them."""
+``tpu missing PACKAGE``: the page says there are no TPU metrics and how to get them.
+
+Deferred imports: grpcio and protobuf (the tpu extra) are imported where used, so a host
+without them still runs this module and answers ``tpu missing PACKAGE``.
+"""
 
 from __future__ import annotations
 

@@ -15,10 +15,11 @@ import uvicorn
 
 from tpupod import settings
 from tpupod.base import storage
-from tpupod.dashboard.app import Config
+from tpupod.dashboard.app import Config, create_app
 from tpupod.dashboard.feed import Closing
 from tpupod.dashboard.guard import check_bind, check_token, is_loopback, is_wildcard
 from tpupod.errors import UsageError
+from tpupod.jobs.api import listen
 
 TOKEN_ENV = "TPUPOD_DASHBOARD_TOKEN"
 MIN_INTERVAL_S = 0.2
@@ -93,9 +94,6 @@ def serve(config: Config, *, open_browser: bool = False, on_ready: Callable[[str
     """Serve the dashboard on ``config``'s address until interrupted; the exit code (130
     after Ctrl-C). ``on_ready`` hears where (never the token); with ``open_browser`` the
     token travels in the URL's fragment, which browsers do not send to the server."""
-    from tpupod.dashboard.app import create_app
-    from tpupod.jobs.api import listen
-
     config = check_options(config)
     token = config.token
     listening = listen(config.host, config.port)  # a busy port is one error line

@@ -85,6 +85,7 @@ def _data_files(path: str) -> list[tuple[str, bytes]]:
 
 
 def _remote_files(path: str) -> list[tuple[str, bytes]]:
+    # the model extra's: remote data (gs://) only
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(path)

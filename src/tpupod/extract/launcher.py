@@ -18,11 +18,14 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpupod.extract.runner import ExtractOptions, Say, check_output, prepare
+from tpupod import settings
+from tpupod.extract.runner import ExtractOptions, Say, check_output, prepare, run_worker
 from tpupod.fanout.context import Context, Sinks
+from tpupod.fanout.progress import PodProgress
 from tpupod.launch.run import RunResult
 from tpupod.launch.run import run as launch_run
 from tpupod.pod.record import Pod, Worker
+from tpupod.transport import OutputLine, Stream
 
 
 @dataclass(frozen=True)
@@ -97,16 +100,10 @@ def run_here(options: ExtractOptions, say: Say, *, live: bool) -> None:
     """All of it in this process: as a worker of 'tpupod run' (progress markers go to the
     launcher), or alone (a live view where ``live``: a terminal; worker 0's plain lines
     otherwise)."""
-    from tpupod import settings
-    from tpupod.extract.runner import run_worker
-
     on_a_pod = "TPUPOD_WORKER_ID" in settings.environment()  # a worker of 'tpupod run'
     if on_a_pod or not live:
         run_worker(options, say, mark=say if on_a_pod else None)
         return
-    from tpupod.fanout.progress import PodProgress
-    from tpupod.transport import OutputLine, Stream
-
     here = _Here()
     with PodProgress("extract", [here], None, hide=said_progress) as view:
 

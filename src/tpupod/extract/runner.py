@@ -14,6 +14,10 @@ steps in the same order (the same shards left, checked on every host first),
 passing the same batch as JAX's multi-process arrays need, and writes the
 shards whose index is its own. The shard plan and files are the same as in the
 default mode, so either mode resumes the other's output.
+
+Deferred imports: the launcher and the CLI import this module too (``ExtractOptions``,
+``prepare``) and need neither JAX, the model nor the rendezvous client: the worker's half
+imports them where it uses them.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ class TensorFile:
 
 def _dtype(code: str) -> np.dtype[Any]:
     if code == "BF16":
+        # comes with JAX (the model extra): bfloat16 only
         import ml_dtypes
 
         bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)

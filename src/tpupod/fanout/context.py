@@ -99,7 +99,7 @@ class Context:
     def connector(self) -> Connector:
         """The pod's connector (opened here on first use)."""
         if self._connector is None:
-            from tpupod.providers import provider_for
+            from tpupod.providers import provider_for  # a command that connects: not --help
 
             self._connector = provider_for(self.pod.provider).connect(self.pod, self.state)
             self._opened = True

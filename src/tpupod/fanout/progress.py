@@ -15,6 +15,9 @@ output and shows them:
 Rate and ETA are measured on the launcher's clock, from each host's first
 marker to its latest, so a worker need not keep time for it, and a finished
 host's rate stays what it was.
+
+Deferred imports: rich is imported when a live view opens: workers import this module for
+``marker``, and a view to a pipe prints plain lines.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
+from tpupod.fanout.report import LinePrinter
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
@@ -139,8 +143,6 @@ class PodProgress:
         if self.tty:
             from rich.console import Console
             from rich.live import Live
-
-            from tpupod.fanout.report import LinePrinter
 
             console = self.console or Console(file=self.stream)
             self._live = Live(

@@ -244,6 +244,7 @@ def report_failure(exc: Exception, subject: str = "this command") -> int:
     bug: one ``internal error:`` line. The traceback is shown only with ``--debug``.
     """
     if debug_requested():
+        # --debug only: every command's start imports this module
         import traceback
 
         traceback.print_exception(exc)

@@ -32,7 +32,8 @@ from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.image.containerize import IMAGE_LINE, check_script
 from tpupod.image.containerize import Container as _Container
 from tpupod.pod.record import Pod, Worker
-from tpupod.providers import Connector
+from tpupod.pod.state import StateDir
+from tpupod.providers import Connector, provider_for
 from tpupod.transport import OutputLine, Transport
 
 BUILD_TIMEOUT_S = 3600.0
@@ -311,8 +312,6 @@ def _raise_for(result: FanoutResult, what: str) -> None:
 
 def run_build(pod: Pod, request: BuildRequest, progress: Progress) -> list[WorkerImage]:
     """Blocking form, with its own connections (the CLI's)."""
-    from tpupod.pod.state import StateDir
-    from tpupod.providers import provider_for
 
     async def go() -> list[WorkerImage]:
         connector = provider_for(pod.provider).connect(pod, StateDir())

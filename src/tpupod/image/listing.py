@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,7 +11,8 @@ from tpupod.fanout.execute import execute_async
 from tpupod.fanout.report import columns
 from tpupod.image.container_engine import pick_engine, raise_unusable
 from tpupod.pod.record import Pod, Worker
-from tpupod.providers import Connector
+from tpupod.pod.state import StateDir
+from tpupod.providers import Connector, provider_for
 from tpupod.transport import OutputLine
 
 LIST_TIMEOUT_S = 60.0
@@ -97,10 +99,6 @@ def _workers(ids: tuple[int, ...]) -> str:
 
 def images_table(pod: Pod, engine: str | None) -> str:
     """Blocking form with its own connections (the CLI's): ``tpupod image ls``'s table."""
-    import asyncio
-
-    from tpupod.pod.state import StateDir
-    from tpupod.providers import provider_for
 
     async def go() -> str:
         connector = provider_for(pod.provider).connect(pod, StateDir())

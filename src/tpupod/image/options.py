@@ -31,6 +31,7 @@ def container_from_options(
                 hint="add --image TAG ('tpupod image ls' lists them)",
             )
         return None
+    # --image only: --help and exec's start import this module, not the containers' code
     from tpupod.image.containerize import Container, Mount
 
     return Container(

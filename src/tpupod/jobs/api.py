@@ -19,13 +19,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Annotated, Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from tpupod import settings
 from tpupod.base.envargs import parse_pairs
+from tpupod.base.files import write_atomic
 from tpupod.errors import JobNotFound, JobStoreError, PodNotFound, UsageError
 from tpupod.jobs.models import JobRequest, JobStatus, LogLine
 from tpupod.jobs.rows import check_pod
@@ -144,15 +147,11 @@ TOKEN_FILE = "jobs-token"
 
 def api_token() -> tuple[str, str]:
     """The API's token and where it came from: $TPUPOD_JOBS_TOKEN, else a file of ours (0600)."""
-    from tpupod import settings
-
     given = settings.jobs_token()
     if given:
         return given, "$TPUPOD_JOBS_TOKEN"
     path = settings.state_home() / TOKEN_FILE
     if not path.exists():
-        from tpupod.base.files import write_atomic
-
         write_atomic(path, secrets.token_urlsafe(32) + "\n")  # 0600
     return path.read_text().strip(), str(path)
 
@@ -162,8 +161,6 @@ def serve_api(
 ) -> None:
     """Serve the API on ``host:port`` until interrupted; ``on_ready`` hears where, and where
     the token came from (never the token)."""
-    import uvicorn
-
     token, source = api_token()
     app = create_app(store, token)
     listening = listen(host, port)  # ours, so a busy port is one error line

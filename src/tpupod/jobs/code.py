@@ -40,6 +40,7 @@ def render_result(value: Any) -> str | None:
 
 def job_logger(stream: TextIO) -> logging.Logger:
     """The ``logger`` a job's source sees: INFO and up, one line each, to ``stream``."""
+    # a code job's worker only: jobs submit's fast path imports this module
     import logging
 
     logger = logging.getLogger("job")

@@ -1,5 +1,9 @@
 """How one attempt of a job runs: here (the local runner) or on every worker of a pod,
-in the vocabulary of ``attempt.py``."""
+in the vocabulary of ``attempt.py``.
+
+Deferred imports: ``tpupod run``'s launcher (the fan-out context and policy, ``launch.run``)
+is imported by the pod executor when it runs an attempt: the local runner does without it.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from tpupod.fanout.results import Outcome as WorkerOutcome
 from tpupod.jobs.attempt import GRACE_S, Executor, Hooks, Marks, Outcome, describe_exit
 from tpupod.jobs.code import STARTED
 from tpupod.jobs.models import Job, JobStatus
+from tpupod.pod.state import StateDir
+from tpupod.pod.users import Watch, using
 from tpupod.transport.base import Stream, command_script
 from tpupod.transport.lines import read_lines
 from tpupod.transport.local import kill_process_group
@@ -26,8 +32,6 @@ from tpupod.transport.local import kill_process_group
 if TYPE_CHECKING:
     from tpupod.fanout.context import Interrupt
     from tpupod.pod.record import Pod
-    from tpupod.pod.state import StateDir
-    from tpupod.pod.users import Watch
 
 
 def job_env(job: Job, attempt: int) -> dict[str, str]:
@@ -123,9 +127,6 @@ class PodExecutor:
     def serving(self) -> Iterator[None]:
         """While a runner serves the pod: it is the pod's registered user (``tpupod down``
         refuses, or with --force asks it to let go) and watches that the pod is there."""
-        from tpupod.pod.state import StateDir
-        from tpupod.pod.users import Watch, using
-
         state = self.state or StateDir()
         if not state.exists(self.pod.name):  # not a pod of this state directory
             yield

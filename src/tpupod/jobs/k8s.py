@@ -181,8 +181,6 @@ class Cluster:
 
 @contextlib.contextmanager
 def _translated(what: str) -> Any:
-    from kubernetes.client.exceptions import ApiException
-
     try:
         yield
     except ApiException as exc:

@@ -65,6 +65,7 @@ def check_pod(pod: str | None, remote: bool, how: str = "add --remote-pod") -> N
     comes: refused, unless its runner is elsewhere (``--remote-pod``; ``how`` says so)."""
     if pod is None or remote:
         return
+    # a job for a pod only: jobs submit's fast path imports this module
     from tpupod.pod.state import StateDir
 
     state = StateDir()
@@ -97,6 +98,7 @@ def insert_sql(columns: list[str], mark: str) -> str:
 
 
 def _insert_sqlite(path: str, row: dict[str, Any]) -> int | None:
+    # a SQLite store only: --help imports this module too
     import sqlite3
 
     if path in ("", ":memory:") or not Path(path).is_file():
@@ -118,6 +120,7 @@ def _insert_sqlite(path: str, row: dict[str, Any]) -> int | None:
 
 def _insert_postgres(url: str, row: dict[str, Any]) -> int | None:
     try:
+        # the jobs extra's: a PostgreSQL store only
         import psycopg
     except ImportError:
         return None

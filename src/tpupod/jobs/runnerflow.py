@@ -2,7 +2,12 @@
 executor (here, with or without the warm pool; a pod through ``tpupod run``; a GKE slice
 through JobSets) and a ``Runner`` serving it until it is done or told to stop (SIGINT,
 SIGTERM: it gives its jobs back), with the pool warm before the first job and closed after
-the last."""
+the last.
+
+Deferred imports: each executor's modules are imported when it is chosen: the warm pool, a
+pod's executor (``tpupod run``'s launcher), the Kubernetes one (the kubernetes client, the
+slowest import here); ``--preview`` only the manifest.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from tpupod.errors import PodNotFound, UsageError
 from tpupod.jobs.runner import DEFAULT_LEASE_S, Runner
 from tpupod.jobs.service import open_store
 from tpupod.jobs.store import START_WAIT_S, Store
+from tpupod.pod.state import StateDir
 
 if TYPE_CHECKING:
     from tpupod.jobs.attempt import Executor
@@ -140,8 +146,6 @@ def _executor(
 
 def runner_pod(pod: str | None) -> Pod:
     """The pod a runner serves; without a name, a hint that also offers ``--local``."""
-    from tpupod.pod.state import StateDir
-
     try:
         return StateDir().resolve(pod)
     except PodNotFound as exc:

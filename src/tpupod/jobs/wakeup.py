@@ -50,6 +50,7 @@ class Wakeup:
                 return
 
     async def _listen(self, timeout: float) -> None:
+        # the jobs extra's: a PostgreSQL store only
         import psycopg
 
         if self.conn is None or self.conn.closed:

@@ -107,6 +107,7 @@ def _jax_distributed_started() -> bool:
     """True when this process joined JAX's distributed runtime (and so waits for it at exit)."""
     if "jax" not in sys.modules:
         return False
+    # only where the program loaded JAX: this hook runs in every worker
     from jax._src import distributed
 
     return distributed.global_state.client is not None

@@ -12,6 +12,7 @@ from tpupod.fanout.report import LinePrinter, print_columns
 from tpupod.fanout.results import RunState
 from tpupod.launch.records import RunRecord, get_run, read_logs, runs
 from tpupod.pod.state import StateDir
+from tpupod.recovery.record import find_recovery
 from tpupod.transport import OutputLine, Stream
 
 COMMAND_WIDTH = 60  # characters of a run's command in the list
@@ -35,8 +36,6 @@ def show_logs(
     Returns 0; with ``follow``, the run's own exit code (1 for a launcher that died without
     one), so a script that follows a run learns how it ended."""
     out, err = out or sys.stdout, err or sys.stderr
-    from tpupod.recovery.record import find_recovery
-
     recovery = find_recovery(state, pod, run_id)
     if recovery is not None:
         print("\n".join(recovery.lines()), file=err)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tpupod import settings
 from tpupod.errors import CheckpointError
 from tpupod.model.config import QwenConfig
 
@@ -96,9 +97,8 @@ def localize(path: str | Path) -> Path:
 
 
 def _download(url: str) -> Path:
+    # a remote (gs://) checkpoint only
     import fsspec
-
-    from tpupod import settings
 
     cache = settings.model_cache_dir()
     digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
@@ -169,6 +169,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def iter_tensors(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
     """Every tensor of the checkpoint as (Hugging Face name, numpy array)."""
+    # the tensors only: a checkpoint's config and digest do without
     from safetensors import safe_open
 
     for path in _safetensors_files(folder):

@@ -4,6 +4,10 @@ The template is rendered the way transformers renders it (a sandboxed jinja2
 environment with trim_blocks and lstrip_blocks, ``raise_exception``, a
 ``tojson`` that keeps non-ASCII text), so a prompt built here tokenizes to the
 same ids as ``apply_chat_template``.
+
+Deferred imports: tokenizers (the model extra) when a tokenizer is made, jinja2 and its
+sandbox when a chat template is first rendered: this module imports without the model extra,
+and a caller that renders no chat never loads jinja2.
 """
 
 from __future__ import annotations

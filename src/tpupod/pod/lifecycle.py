@@ -17,7 +17,7 @@ from tpupod.pod.record import Pod
 from tpupod.pod.spec import GcpPodSpec, PodSpec, UpFlags, adoption, spec_from_flags
 from tpupod.pod.state import StateDir
 from tpupod.pod.users import PodUser
-from tpupod.providers import provider_for
+from tpupod.providers import gcp_api, provider_for
 
 if TYPE_CHECKING:
     from tpupod.providers.gcp_api import ApiRequest
@@ -38,8 +38,9 @@ def spec_for(flags: UpFlags, state: StateDir | None = None) -> PodSpec:
     adopted = None
     target = adoption(flags)
     if target is not None:
+        # adopting a pod only: the GCP provider brings the gcp extra
         from tpupod.providers.gcp import describe_existing
-        from tpupod.providers.ssh import check_key_file
+        from tpupod.providers.ssh import check_key_file  # the SSH provider: asyncssh
 
         check_key_file(str(flags.key))  # before the API is asked
         adopted = describe_existing(*target)
@@ -51,8 +52,6 @@ def create_request(spec: PodSpec) -> ApiRequest | None:
     without credentials; it refuses what neither TPU API makes."""
     if not isinstance(spec, GcpPodSpec):
         return None
-    from tpupod.providers import gcp_api
-
     return gcp_api.create_request(
         spec, _project(spec), f"{spec.user}:<the pod's public key> {spec.user}"
     )
@@ -63,8 +62,6 @@ def delete_request(pod: Pod) -> ApiRequest | None:
     which ``down`` never deletes)."""
     if not isinstance(pod.spec, GcpPodSpec) or pod.spec.adopted:
         return None
-    from tpupod.providers import gcp_api
-
     return gcp_api.delete_request(pod.spec, _project(pod.spec))
 
 

@@ -79,7 +79,7 @@ class Pod(BaseModel):
     def identity_env(self, worker: Worker) -> dict[str, str]:
         """The variables that tell a process which worker of which pod it is (see
         ``tpupod.pod.identity``, which the local fast path shares)."""
-        from tpupod.pod.identity import identity_env
+        from tpupod.pod.identity import identity_env  # not for --help or a pod's reading
 
         addresses = [w.internal_address for w in self.workers]
         return identity_env(self.name, self.uid, worker.id, addresses)

@@ -194,6 +194,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
     @field_validator("tpu_type")
     @classmethod
     def _check_type(cls, value: str) -> str:
+        # the accelerator table: a spec that names a type only, not --help
         from tpupod.pod.accelerators import lookup
 
         try:
@@ -203,6 +204,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
 
     @property
     def accelerator(self) -> AcceleratorType:
+        # the accelerator table: a spec that names a type only, not --help
         from tpupod.pod.accelerators import lookup
 
         return lookup(self.tpu_type)

@@ -9,6 +9,10 @@ Layout::
 
 A pod folder exists only while its record does: ``up`` claims the folder with
 an atomic ``mkdir``, so two concurrent ``up`` calls cannot both create a pod.
+
+Deferred imports: exec's fast path reads pods through this module without pathlib, pydantic
+(the pod record) or the file writers; those are imported by the calls that load or write a
+whole record, fcntl and procfs by the holder's lock.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 
 from tpupod import settings
 from tpupod.base.plain import TYPE_CHECKING, Plain
@@ -218,7 +223,6 @@ class StateDir:
         end, ``kill -9`` included (an flock). Another holder: a UsageError naming it and
         ``stop``, how to stop it. Holding it again is a no-op."""
         import fcntl
-        import time
 
         lock = os.path.join(self.home, "pods", name, HOLDER_LOCK)
         if lock in _held:

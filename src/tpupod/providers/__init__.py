@@ -1,6 +1,9 @@
 """Where pods come from. A provider creates and destroys pods and hands out transports.
 
 Design notes: docs/gcp.md (the gcp provider).
+
+Deferred imports: a provider's module is imported when a pod of its kind is used: the SSH
+one brings asyncssh, the GCP one the gcp extra's client.
 """
 
 from __future__ import annotations

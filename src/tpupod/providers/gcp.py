@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import difflib
 import importlib
+import json
 import re
 import tempfile
 import time
@@ -552,8 +553,6 @@ def _post(session: TpuSession, path: str, body: dict[str, Any]) -> None:
 
 
 def _json(body: dict[str, Any]) -> str:
-    import json
-
     return json.dumps(body)
 
 

@@ -12,6 +12,7 @@ import binascii
 from pathlib import Path
 
 from tpupod.errors import SpecError, TpupodError, WorkerError
+from tpupod.holder.client import stop_holder
 from tpupod.pod.record import Pod, Worker
 from tpupod.pod.spec import GcpPodSpec, PodSpec, SshHost, SshPodSpec
 from tpupod.pod.state import StateDir
@@ -60,8 +61,6 @@ class SshProvider:
 
     async def destroy(self, pod: Pod, state: StateDir) -> None:
         """The hosts are not ours to delete: close the pod's held connections, and forget it."""
-        from tpupod.holder.client import stop_holder
-
         await asyncio.to_thread(stop_holder, state, pod.name)
 
     async def live_state(self, pod: Pod) -> str | None:

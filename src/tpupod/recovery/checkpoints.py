@@ -38,6 +38,7 @@ def latest_checkpoint(directory: str | Path) -> int | None:
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
+    # an extra's: a remote checkpoint folder only
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url)

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpupod import settings
@@ -483,8 +483,6 @@ def _killed_from_outside(result: WorkerResult) -> bool:
 
 
 def _one_try(policy: RetryPolicy) -> RetryPolicy:
-    from dataclasses import replace
-
     return replace(policy, probe_tries=1)
 
 

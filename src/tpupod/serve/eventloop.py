@@ -18,6 +18,7 @@ def use_uvloop() -> None:
     if not settings.use_uvloop():
         return
     try:
+        # optional (the serve extra's): asyncio's own loop without it
         import uvloop
     except ImportError:
         return

@@ -16,6 +16,7 @@ __all__ = ["ExitStatus", "OutputLine", "RemoteProcess", "Stream", "Transport"]
 
 def __getattr__(name: str) -> object:
     if name in ("RemoteProcess", "Transport"):
+        # typing's Protocol: not on exec's fast path
         from tpupod.transport import protocol
 
         return getattr(protocol, name)

@@ -182,6 +182,7 @@ async def read_lines(streams: list[tuple[Stream, ByteReader]]) -> AsyncIterator[
 async def split_lines(reader: ByteReader) -> AsyncIterator[str]:
     """The lines of one stream as its chunks arrive, and a stuck bar's state once it is
     due (the read waits no longer than that). A read that fails with OSError ends it."""
+    # here: the splitter serves exec's event-loop-free fast path too
     import asyncio
 
     splitter = LineSplitter()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import getpass
 import math
 import os
 import posixpath
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import cast
 
 import asyncssh
+from asyncssh.encryption import get_default_encryption_algs
+from asyncssh.kex import get_default_kex_algs
 
 from tpupod.base.files import put_target, remove_path, replace, staging_name
 from tpupod.errors import WorkerError
@@ -693,17 +696,12 @@ def kill_script(pgid: int, grace: float) -> str:
 
 def _preferring(preferred: tuple[str, ...], kind: str) -> list[str]:
     """``preferred`` first, then the rest of asyncssh's defaults for ``kind`` (kex, encryption)."""
-    from asyncssh.encryption import get_default_encryption_algs
-    from asyncssh.kex import get_default_kex_algs
-
     defaults = get_default_kex_algs() if kind == "kex" else get_default_encryption_algs()
     rest = [alg.decode() for alg in defaults if alg.decode() not in preferred]
     return [*preferred, *rest]
 
 
 def _local_user() -> str:
-    import getpass
-
     return getpass.getuser()
 
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tpupod.base.envargs import parse_env
 from tpupod.cli.args import (
     ENGINE,
     ENV,
@@ -22,9 +23,10 @@ from tpupod.cli.args import (
     rest,
 )
 from tpupod.cli.flow.exec import ExecArgs
-from tpupod.fanout.context import Sinks
+from tpupod.fanout.context import Context, Sinks
 from tpupod.fanout.results import OnFail
 from tpupod.pod.choices import RendezvousOn
+from tpupod.transport.base import join_command, program_python
 
 if TYPE_CHECKING:
     from tpupod.fanout.context import Interrupt
@@ -148,9 +150,7 @@ def _program(
 ) -> tuple[str, dict[str, str], Container | None, str | None]:
     """What the options make of one launch: the command line, its environment, the
     container it runs in, the python that has tpupod on worker 0."""
-    from tpupod.base.envargs import parse_env
     from tpupod.image.options import container_from_options
-    from tpupod.transport.base import join_command, program_python
 
     # the names of -e NAME=VALUE (parse_env below reads the values, and refuses bad ones)
     names = [*(item.partition("=")[0] for item in args.env), *extra_env, *target.spec.env]
@@ -183,7 +183,6 @@ async def launch_attempt(
 ) -> RunResult:
     """One launch of the program on ``target``'s selected workers, its output to ``sinks``
     (``interrupt``: an attempt's own, in place of the command's)."""
-    from tpupod.fanout.context import Context
     from tpupod.fanout.execute import Policy
     from tpupod.launch.run import run
 

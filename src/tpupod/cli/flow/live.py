@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -24,8 +25,6 @@ def run_live(
     Output lines are printed with their worker prefix unless ``quiet``; if our
     stdout goes away (``| head``), the run is stopped as by SIGPIPE.
     """
-
-    import asyncio
 
     async def go() -> T:
         interrupt = Interrupt()

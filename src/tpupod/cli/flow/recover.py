@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpupod import settings
 from tpupod.base import procfs
-from tpupod.cli.flow.attempt import RunArgs, launch_attempt, report_attempt
+from tpupod.cli.flow.attempt import RunArgs, check_args, launch_attempt, report_attempt
 from tpupod.errors import UsageError
 from tpupod.fanout.results import FanoutResult, OnFail
 from tpupod.pod.choices import RendezvousOn
@@ -123,7 +126,6 @@ def run_recovering(args: RunArgs) -> int:
 def _checked(args: RunArgs, pod: Pod, policy: RetryPolicy) -> dict[str, Any]:
     """The run's options as its record keeps them (for --resume), once what would fail
     every attempt the same way is refused, before any work (a UsageError)."""
-    from tpupod.cli.flow.attempt import check_args
     from tpupod.recovery.loop import head_commit
 
     options = _options(args)
@@ -218,10 +220,6 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
     """Stop a --retries run: its launcher is told as by Ctrl-C (it stops the workers and
     deletes what the recovery was creating); a launcher that is gone is done for. Returns
     what happened, in words."""
-    import asyncio
-    import signal
-    import time
-
     from tpupod.recovery.loop import delete_unfinished
 
     state = StateDir()

@@ -9,19 +9,17 @@ validator per option: 0.1 to 0.2 s) on every plain ``tpupod run``.
 
 from __future__ import annotations
 
-from tpupod.cli.flow.attempt import RunArgs
+from tpupod.cli.flow.attempt import RunArgs, check_args, launch_attempt, report_attempt
 from tpupod.cli.flow.exec import env_ok
+from tpupod.errors import UsageError
+from tpupod.pod.state import StateDir
 
 
 def run_command(args: RunArgs) -> int:
     """What ``tpupod run`` does, whichever reader read its arguments; the exit code."""
-    from tpupod.cli.flow.attempt import check_args, launch_attempt, report_attempt
     from tpupod.cli.flow.live import run_live
-    from tpupod.pod.state import StateDir
 
     if bool(args.command) == bool(args.resume):
-        from tpupod.errors import UsageError
-
         raise UsageError(
             "run takes a command, or --resume RUN without one",
             hint="tpupod run -- python train.py",

@@ -13,6 +13,7 @@ INSERT; tests check that both paths store the same row and refuse the same input
 from __future__ import annotations
 
 import math
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -110,8 +111,6 @@ def _fields(args: SubmitArgs, *, dashed: bool) -> dict[str, Any] | None:
             return None  # an option after the arguments: typer reads those
         if not any(arg.strip() for arg in rest):
             return None
-        import shlex
-
         command = rest[0] if len(rest) == 1 else shlex.join(rest)
     elif rest[0].endswith(".py") and Path(rest[0]).is_file():
         code = Path(rest[0]).read_text()

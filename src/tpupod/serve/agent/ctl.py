@@ -39,6 +39,8 @@ from typing import Any
 
 from tpupod import settings
 from tpupod.base import procfs
+from tpupod.errors import UsageError
+from tpupod.extras import missing
 from tpupod.serve import services
 from tpupod.serve.agent import respawn
 from tpupod.serve.services import STATE_DIR, read_info, token
@@ -171,6 +173,7 @@ def _kill_recorded_groups(state: Path) -> int:
 
 def call(state: Path, service: str, method: str, path: str, body: str | None) -> dict[str, Any]:
     """One request to the local service with its token; its status and JSON answer."""
+    # the serve extra's: a call only, not every ctl command on the worker
     import httpx
 
     info = read_info(state, service)
@@ -205,6 +208,7 @@ def view(state: Path) -> dict[str, Any]:
     ``/backends``, or sgl-router's workers, health and circuits (``sglrouter.view``)."""
     info = read_info(state, "router")
     if info is not None and info.get("kind") == "sgl":
+        # an sgl router's only
         from tpupod.serve.router.sgl import view as sgl_view
 
         answer = sgl_view(info, token(state, "router"))
@@ -272,8 +276,7 @@ def preflight(
     fleet's process groups, for a launcher whose workers share one host (a local pod: a
     port may be held by another worker's server). ``free_shifts``: the ``shifts`` that
     would move all the servers' ports to free ones (a --base-port to suggest)."""
-    from tpupod.errors import UsageError
-    from tpupod.extras import missing
+    # the preflight only (pydantic's models): not every ctl command
     from tpupod.serve.backends import Backend, check_model
 
     answer: dict[str, Any] = {"model": None, "taken": [], "free_shifts": [], "extra": None}

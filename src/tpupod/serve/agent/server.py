@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
@@ -138,8 +139,6 @@ def make_app(state: Path, token: str) -> FastAPI:
 
 def serve(state: Path, host: str, port: int) -> None:
     """Listen on ``host:port`` (0: any free port), record it, serve until SIGTERM."""
-    import uvicorn
-
     token = services.token(state, "agent")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -24,6 +24,11 @@ SIGTERM (or SIGINT): every request in flight or waiting gets an error at once
 end, the process exits 0. With ``--no-split``, an engine that owes requests
 and finishes no turn for ``--stall-timeout`` s (a hung device call) fails
 them with the reason and the process exits 4, for its agent to restart it.
+
+Deferred imports: the keeper (``split.py``) imports this module to read its arguments and
+bind the ports, and runs no model: JAX, the model and the engine are imported by the engine
+process (``build_engines``), the HTTP app and uvicorn by the front end, httpx (the serve
+extra) for the readiness check.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ the process group the fleet stops, so ``serve status``, ``serve restart`` and
 ``serve down`` see one server as before. The sockets' folder (in the temp
 folder, mode 0700) is named after the keeper's pid: one that ``kill -9`` left
 is removed by the next keeper to start.
+
+Deferred imports: each process imports its own side: the engine process the link's host, the
+front end the link's client and the HTTP app; the keeper neither.
 """
 
 from __future__ import annotations

@@ -255,7 +255,7 @@ class Fleet:
             self._remote(chosen, lambda f: f.down(progress))
         finally:
             if record is not None and not self.pod.on_this_machine:
-                from tpupod.holder.client import close_forward
+                from tpupod.holder.client import close_forward  # an SSH pod's forward only
 
                 close_forward(
                     self.state, self.pod.name, worker=0, host=record.router_host,
@@ -329,7 +329,7 @@ class Fleet:
 
     def _forwarded(self, record: FleetRecord, progress: Progress) -> str:
         """A local URL forwarded to the router over worker 0's SSH connection."""
-        from tpupod.holder.client import forward_port
+        from tpupod.holder.client import forward_port  # an SSH pod's only: not serve status
 
         host, port = record.router_host, record.router_port
         if not settings.holder_enabled():  # the holder is what keeps a forward open

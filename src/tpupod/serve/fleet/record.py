@@ -95,8 +95,9 @@ def up_options(
 ) -> UpOptions:
     """``serve up``'s options from flag values: the backend, router and policy named as
     strings (no policy: the router's default)."""
+    # serve up's options only: serve status reads the record without the routers
     from tpupod.serve.router.server import Policy
-    from tpupod.serve.router.sgl import POLICIES
+    from tpupod.serve.router.sgl import POLICIES  # serve up only, as above
 
     policies = {"builtin": [p.value for p in Policy], "sgl": list(POLICIES)}
     if router not in policies:

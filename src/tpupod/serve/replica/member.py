@@ -34,6 +34,11 @@ processes and heartbeats go on is not seen by the side channel: the leader's
 engine then finishes no turn, and after ``--stall-timeout`` s with requests
 owed the leader fails them with the reason and exits 4 (the followers see it
 go at once).
+
+Deferred imports: JAX, the model and the engines are imported once the members have met
+(``start_jax``), so a member binds its ports and joins the rendezvous at once, and what
+reads its arguments (``model_axis``, the tests) imports no JAX; the builtin server's modules
+when this member leads.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from jax.experimental import multihost_utils
 
 from tpupod.model import sharding
 from tpupod.serve.builtin.engine import Engine, Request
@@ -50,8 +51,6 @@ class LockstepEngine(Engine):
         member gathers them (a collective; the followers run the same methods)."""
         if array.is_fully_addressable or array.is_fully_replicated:
             return np.asarray(array)
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
     # -- the leader's side: broadcast, then run ------------------------------------------

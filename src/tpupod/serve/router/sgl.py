@@ -114,6 +114,7 @@ def child(argv: list[str]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:
         return
+    # the sgl extra's, in the child only
     from sglang_router.launch_router import launch_router, parse_router_args
 
     args = parse_router_args(argv)
@@ -125,8 +126,9 @@ def view(info: dict[str, Any], token: str) -> dict[str, Any]:
     """sgl-router's view of its workers, as ``ctl call`` answers (status and body): the
     body has the builtin router's shape (``backends``: the healthy ones; ``health``: each
     one's state and requests) and sgl-router's own health and circuit states."""
+    # a view of the router only (the serve extra): not the child that runs it
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families  # a view only
 
     host, port = info["host"], info["port"]
     auth = {"Authorization": f"Bearer {token}"}
