@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, ParamSpec, TypeVar
@@ -59,6 +60,12 @@ class Group(TyperGroup):
             return super().invoke(ctx)
         except ClickException as exc:
             raise typer.Exit(report_usage_error(exc)) from exc
+
+    def list_commands(self, ctx: Context) -> list[str]:
+        """The top level's commands in COMMAND_MODULES's order; a group's as registered."""
+        names = super().list_commands(ctx)
+        order = list(COMMAND_MODULES)
+        return sorted(names, key=lambda name: order.index(name) if name in order else len(order))
 
 
 class Command(TyperCommand):
@@ -198,37 +205,52 @@ def command(
 
     def register(func: Callable[P, R]) -> Callable[P, R]:
         checked = reporting_errors(func, label=label, needs=needs)
+        checked.__doc__ = kept_as_written(func.__doc__)
         owner.command(name, cls=Command, **settings)(checked)  # type: ignore[arg-type]
         return func
 
     return register
 
 
+def kept_as_written(doc: str | None) -> str | None:
+    """A command's docstring with its indented paragraphs (the examples) marked for click
+    to print as written: it re-wraps every paragraph at 80 columns, and an example broke in
+    the middle of its command line."""
+    if doc is None:
+        return None
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(
+        f"\b\n{p}" if all(line.startswith(" ") for line in p.splitlines()) else p
+        for p in paragraphs
+    )
+
+
 # Which module registers each command: a call loads only its command's module (each costs
 # 5 to 40 ms to import; a bare `tpupod run` paid for all of them), help loads them all.
+# In the order `tpupod --help` lists them: as a user meets them, `down` last.
 COMMAND_MODULES = {
-    "bench": "bench",
-    "dashboard": "dashboard",
-    "exec": "exec",
-    "extract": "extract",
-    "image": "image",
-    "jobs": "jobs",
-    "free-tpu": "ops",
-    "get": "ops",
-    "put": "ops",
-    "setup": "ops",
-    "sync": "ops",
-    "down": "pods",
-    "hosts": "pods",
+    "up": "pods",
     "list": "pods",
     "status": "pods",
-    "up": "pods",
-    "cancel": "run",
-    "logs": "run",
+    "hosts": "pods",
+    "exec": "exec",
+    "put": "ops",
+    "get": "ops",
+    "sync": "ops",
+    "setup": "ops",
     "run": "run",
-    "agent": "serve",
-    "fanout": "serve",
+    "logs": "run",
+    "cancel": "run",
+    "jobs": "jobs",
     "serve": "serve",
+    "fanout": "serve",
+    "image": "image",
+    "bench": "bench",
+    "extract": "extract",
+    "dashboard": "dashboard",
+    "free-tpu": "ops",
+    "agent": "serve",
+    "down": "pods",
 }
 
 
