@@ -49,8 +49,43 @@ def test_the_command_list_names_every_command_with_its_help() -> None:
         [sys.executable, "-m", "tpupod", "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     commands = listed.split("Commands:", 1)[1].splitlines()
-    assert sorted(line.split()[0] for line in commands if line.strip()) == sorted(COMMAND_MODULES)
+    names = [line.split()[0] for line in commands if line.strip()]
+    # as a user meets them (they were in the order their modules loaded), down last; the
+    # workers' agent, which 'serve up' starts, is not listed
+    assert names == [name for name in COMMAND_MODULES if name != "agent"]
+    assert names[:5] == ["up", "list", "status", "hosts", "exec"] and names[-1] == "down"
     assert all(len(line.split()) > 1 for line in commands if line.strip())
+
+
+def help_of(*command: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "tpupod", *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "example"),
+    [
+        (["run"], "tpupod run --sync ~/code -- python train.py   "
+                  "# this repository's HEAD, on every worker"),
+        (["run"], "tpupod run --resume RUN --retry-errors 1   "
+                  "# a failed run, again from its checkpoint"),
+        (["exec"], "tpupod exec -w 0,2-3 -- 'echo $TPUPOD_WORKER_ID of $TPUPOD_NUM_WORKERS'"),
+    ],
+)  # fmt: skip
+def test_examples_are_printed_as_written(command: list[str], example: str) -> None:
+    """Click re-wrapped the examples at 80 columns, breaking them mid-command."""
+    assert f"    {example}\n" in help_of(*command)
+
+
+def test_help_says_what_each_option_is() -> None:
+    exec_help = help_of("exec")
+    assert "see below" not in exec_help  # nothing was below
+    assert "-t, --timeout S " in help_of("jobs", "submit")  # as exec's and run's
 
 
 def test_typer_builds_only_what_the_call_needs() -> None:

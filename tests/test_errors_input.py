@@ -273,3 +273,37 @@ def test_a_host_name_that_does_not_resolve_is_said_so(
     error = one_error(result)
     assert error.startswith("error: cannot listen on nosuchhost.invalid:0: "), error
     assert error.endswith("the name nosuchhost.invalid does not resolve to an address"), error
+
+
+@pytest.mark.parametrize(
+    ("argv", "said", "help_of"),
+    [
+        (["exec", "--on-fial", "kill", "--", "true"], ["--on-fial", "--on-fail"], "tpupod exec"),
+        (["exec", "--on-fail", "stop", "--", "true"], ["--on-fail", "stop", "kill", "wait"],
+         "tpupod exec"),
+        (["exec", "--timeout", "-1", "--", "true"], ["--timeout -1", "at least 0.001"],
+         "tpupod exec"),
+        (["exec", "-t", "soon", "--", "true"], ["--timeout soon", "a number"], "tpupod exec"),
+        (["exec"], ["missing", "CMD"], "tpupod exec"),
+        (["run", "--grace", "x", "--", "true"], ["--grace x", "a number"], "tpupod run"),
+        (["run", "--retries", "2x", "--", "true"], ["--retries 2x", "a whole number"],
+         "tpupod run"),
+        (["jobs", "submit", "--bogus", "--", "x"], ["--bogus"], "tpupod jobs submit"),
+        (["status", "--bogus"], ["--bogus"], "tpupod status"),
+        (["up", "--local"], ["--local", "requires an argument"], "tpupod up"),
+        (["stauts"], ["stauts"], "tpupod"),
+        (["jobs", "sumbit"], ["sumbit"], "tpupod jobs"),
+    ],
+)  # fmt: skip
+def test_a_bad_option_is_an_error_and_a_hint(
+    argv: list[str], said: list[str], help_of: str, cli: Callable[..., CliResult]
+) -> None:
+    """Click's 'Usage: ... Try ... Error: ...' block, and pydantic's wording ('Value error,',
+    'Input should be greater than or equal to'), were what a mistyped option got."""
+    result = cli(*argv)
+    error = one_error(result)
+    for text in said:
+        assert text in error, error
+    for leaked in ("Usage:", "Try '", "Error:", "Value error", "Input should"):
+        assert leaked not in result.err, result.err
+    assert result.err.splitlines()[1] == f"hint: see '{help_of} --help'", result.err

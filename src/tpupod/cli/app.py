@@ -2,7 +2,9 @@
 
 Errors raised as :class:`~tpupod.errors.TpupodError` become two lines on
 stderr (``error: ...`` and ``hint: ...``) and the error's exit code; a
-traceback is shown only with ``--debug`` (or ``TPUPOD_DEBUG=1``).
+traceback is shown only with ``--debug`` (or ``TPUPOD_DEBUG=1``). So do the
+command line's own mistakes that typer finds (:class:`Group`): an unknown
+option, a value out of range, a missing argument (exit 2).
 """
 
 from __future__ import annotations
@@ -10,22 +12,138 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import inspect
 import sys
 from collections.abc import Callable
-from typing import Annotated, ParamSpec, TypeVar
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
+from typer._click.core import Context, Parameter  # typer's own click (it vendors one)
+from typer._click.exceptions import (
+    ClickException,
+    MissingParameter,
+    NoArgsIsHelpError,
+    NoSuchOption,
+    UsageError,
+)
+from typer.core import TyperCommand, TyperGroup
 from typer.models import CommandInfo, TyperInfo
 
 from tpupod import __version__
 from tpupod.extras import require
-from tpupod.fanout.report import report_failure
+from tpupod.fanout.report import print_error, report_failure
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
+
+class Group(TyperGroup):
+    """Typer's command group, whose command line mistakes are tpupod's two lines (click
+    printed its usage, 'Try ...' and 'Error: ...', with pydantic's wording of a bad value):
+
+        error: --timeout -1: must be at least 0.001
+        hint: see 'tpupod exec --help'
+
+    Typer parses the line in ``make_context`` (the group's options) and ``invoke`` (the
+    command's, and the command itself), so both report here, for every command."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: Context | None = None, **extra: Any
+    ) -> Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except ClickException as exc:
+            raise typer.Exit(report_usage_error(exc)) from exc
+
+    def invoke(self, ctx: Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ClickException as exc:
+            raise typer.Exit(report_usage_error(exc)) from exc
+
+    def list_commands(self, ctx: Context) -> list[str]:
+        """The top level's commands in COMMAND_MODULES's order; a group's as registered."""
+        names = super().list_commands(ctx)
+        order = list(COMMAND_MODULES)
+        return sorted(names, key=lambda name: order.index(name) if name in order else len(order))
+
+
+class Command(TyperCommand):
+    """Typer's command, whose every parsing mistake knows the command (click's parser leaves
+    some without: 'requires an argument'), so that the hint names its ``--help``."""
+
+    def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except UsageError as exc:
+            if exc.ctx is None:
+                exc.ctx = ctx
+            raise
+
+
+def report_usage_error(exc: ClickException) -> int:
+    """Click's error as an ``error:`` line and a hint naming the command's ``--help``; its
+    exit code. A bare group (``tpupod jobs``) still prints its help, as click does."""
+    if isinstance(exc, NoArgsIsHelpError):
+        exc.show()
+        return exc.exit_code
+    ctx = getattr(exc, "ctx", None)
+    path = ctx.command_path if ctx is not None else "tpupod"
+    print_error(f"error: {usage_problem(exc)}", f"see '{path} --help'", sys.stderr)
+    return exc.exit_code
+
+
+def usage_problem(exc: ClickException) -> str:
+    """What is wrong, in tpupod's words: a bad value as 'FLAG VALUE: what it must be'."""
+    if isinstance(exc, typer.BadParameter) and not isinstance(exc, MissingParameter):
+        return bad_value(exc)
+    if isinstance(exc, NoSuchOption) and exc.possibilities:
+        return f"no such option {exc.option_name} (did you mean {' or '.join(exc.possibilities)}?)"
+    text = exc.format_message().removesuffix(".")
+    return text[:1].lower() + text[1:]
+
+
+# pydantic's checks (typer's, of each option's type and range) in a person's words
+PLAIN_REASONS = {
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be more than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "float_parsing": "must be a number",
+    "bool_parsing": "must be true or false",
+}
+
+
+def bad_value(exc: typer.BadParameter) -> str:
+    """``--timeout -1: must be at least 0.001``; a check's own message (``--on-fail: 'stop' is
+    not one of 'kill', 'wait'``) names the value itself."""
+    from pydantic import ValidationError
+
+    name = flag_of(exc.param) if exc.param is not None else "value"
+    cause = exc.__cause__
+    if not isinstance(cause, ValidationError) or not cause.errors():
+        return f"{name}: {exc.message.removesuffix('.')}"
+    first = cause.errors()[0]
+    if first["type"] == "value_error":
+        return f"{name}: {str(first.get('ctx', {}).get('error', first['msg'])).removesuffix('.')}"
+    plain = PLAIN_REASONS.get(first["type"])
+    reason = plain.format(**first.get("ctx", {})) if plain else first["msg"]
+    return f"{name} {first['input']}: {reason.replace('Input should be', 'must be')}"
+
+
+def flag_of(param: Parameter) -> str:
+    """How an option is named in errors: its long flag (``--timeout``, not ``-t``); an
+    argument by its metavar."""
+    if param.param_type_name != "option":
+        return param.metavar or param.name or "value"
+    return sorted(param.opts, key=lambda flag: (not flag.startswith("--"), -len(flag)))[0]
+
+
 app = typer.Typer(
     name="tpupod",
+    cls=Group,
     help="Make a multi-host accelerator pod feel like one machine.",
     no_args_is_help=True,
     add_completion=False,
@@ -87,37 +205,52 @@ def command(
 
     def register(func: Callable[P, R]) -> Callable[P, R]:
         checked = reporting_errors(func, label=label, needs=needs)
-        owner.command(name, **settings)(checked)  # type: ignore[arg-type]
+        checked.__doc__ = kept_as_written(func.__doc__)
+        owner.command(name, cls=Command, **settings)(checked)  # type: ignore[arg-type]
         return func
 
     return register
 
 
+def kept_as_written(doc: str | None) -> str | None:
+    """A command's docstring with its indented paragraphs (the examples) marked for click
+    to print as written: it re-wraps every paragraph at 80 columns, and an example broke in
+    the middle of its command line."""
+    if doc is None:
+        return None
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(
+        f"\b\n{p}" if all(line.startswith(" ") for line in p.splitlines()) else p
+        for p in paragraphs
+    )
+
+
 # Which module registers each command: a call loads only its command's module (each costs
 # 5 to 40 ms to import; a bare `tpupod run` paid for all of them), help loads them all.
+# In the order `tpupod --help` lists them: as a user meets them, `down` last.
 COMMAND_MODULES = {
-    "bench": "bench",
-    "dashboard": "dashboard",
-    "exec": "exec",
-    "extract": "extract",
-    "image": "image",
-    "jobs": "jobs",
-    "free-tpu": "ops",
-    "get": "ops",
-    "put": "ops",
-    "setup": "ops",
-    "sync": "ops",
-    "down": "pods",
-    "hosts": "pods",
+    "up": "pods",
     "list": "pods",
     "status": "pods",
-    "up": "pods",
-    "cancel": "run",
-    "logs": "run",
+    "hosts": "pods",
+    "exec": "exec",
+    "put": "ops",
+    "get": "ops",
+    "sync": "ops",
+    "setup": "ops",
     "run": "run",
-    "agent": "serve",
-    "fanout": "serve",
+    "logs": "run",
+    "cancel": "run",
+    "jobs": "jobs",
     "serve": "serve",
+    "fanout": "serve",
+    "image": "image",
+    "bench": "bench",
+    "extract": "extract",
+    "dashboard": "dashboard",
+    "free-tpu": "ops",
+    "agent": "serve",
+    "down": "pods",
 }
 
 

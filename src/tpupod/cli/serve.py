@@ -313,7 +313,7 @@ def endpoint(
     print(f"export OPENAI_API_KEY={shlex.quote(found.token)}")
 
 
-@command("agent", needs=("serve",))
+@command("agent", needs=("serve",), hidden=True)  # started on workers by 'serve up'
 def agent(
     host: Annotated[str, typer.Option("--host", help="The worker's internal address.")] = (
         "127.0.0.1"

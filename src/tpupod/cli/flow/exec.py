@@ -44,7 +44,10 @@ class ExecArgs(Args):
     """``tpupod exec``'s arguments, declared once: the typer command and the fast path
     both read them from here (``cli/args.py``)."""
 
-    command: list[str] = rest(metavar="-- CMD...", help="The command (see below).")
+    command: list[str] = rest(
+        metavar="-- CMD...",
+        help="A shell command line (one argument), or a command and its arguments.",
+    )
     pod: str | None = POD
     worker: str | None = WORKER
     on_fail: OnFail = opt(

@@ -52,7 +52,14 @@ class SubmitArgs(Args):
     name: str = opt("--name", default="", help="A name to know it by.")
     label: list[str] = opt("--label", "-l", metavar="NAME=VALUE", help="Repeatable.")
     priority: int = opt("--priority", default=0, help="Higher runs first.")
-    timeout: float | None = opt("--timeout", help="Seconds.", show_default=False)
+    # spelled as cli.args.TIMEOUT, checked by jobs.request as 'jobs wait --timeout' is
+    timeout: float | None = opt(
+        "--timeout",
+        "-t",
+        metavar="S",
+        help="Stop the job's run after S seconds.",
+        show_default=False,
+    )
     max_attempts: int | None = opt(
         "--max-attempts",
         help="Attempts in all, lost runners' too (default: 3, or --retries + 1).",
