@@ -397,6 +397,8 @@ def test_without_the_gcp_extra_says_what_to_install(
     assert lines[-2].startswith("error: talking to Cloud TPUs needs the gcp extra (not installed:")
     assert lines[-1] == "hint: pip install 'tpupod[gcp]'", result.err
     assert "Traceback" not in result.err
+    # said before any output (list --all printed its pods and a heading first)
+    assert len(lines) == 2 and "Cloud TPUs in" not in result.out, result
     dry = cli("up", "--name", "x", "--tpu-type", "v4-8", "--zone", "us-central2-b", "--dry-run")
     assert dry.code == 0, dry.err  # a dry run needs no client library
 

@@ -201,3 +201,23 @@ def test_write_atomic_writes_whole_files_and_leaves_nothing_beside(tmp_path: Pat
         write_atomic(dest, broken())
     assert dest.read_text() in texts  # the old file, whole
     assert [p.name for p in dest.parent.iterdir()] == ["results.json"]
+
+
+def test_a_tab_or_escape_in_a_last_line_keeps_the_summary_aligned() -> None:
+    """A new user's trial: a tab in a worker's last line pushed its row out of the table."""
+    import io
+
+    from tpupod.fanout.report import print_summary
+    from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
+    from tpupod.pod.record import Worker
+
+    workers = [Worker(id=i, hostname="vm", internal_address="127.0.0.1") for i in range(2)]
+    results = [
+        WorkerResult(workers[0], Outcome.FAILED, 0.2, ExitStatus(1), tail=("a\tb\x1b[31mred",)),
+        WorkerResult(workers[1], Outcome.FAILED, 0.2, ExitStatus(1), tail=("a b",)),
+    ]
+    out = io.StringIO()
+    print_summary(FanoutResult("x", results, 0.3, failure_order=[0, 1]), out, "run", color=False)
+    rows = [line for line in out.getvalue().splitlines() if line.startswith(("w0 ", "w1 "))]
+    assert rows[0].endswith("a b[31mred") and "\t" not in rows[0] and "\x1b" not in rows[0]
+    assert rows[0].index("a b") == rows[1].index("a b")

@@ -1,6 +1,7 @@
 """The ``tpupod`` console script: the fast paths for plain ``exec`` (through an SSH
 pod's holder, or on a local pod's processes), ``run`` and ``jobs submit``, else the
-full CLI (see ``plainargs``)."""
+full CLI. Each fast path reads its command's ``cli.args.Args`` class, the one typer's
+signature is made from, and gives up (None: typer decides) on anything unusual."""
 
 from __future__ import annotations
 

@@ -311,6 +311,14 @@ def list_pods(
     """
     from tpupod.pod.state import StateDir
 
+    if all_tpus:  # before any output: a missing --zone or gcp extra is said first, alone
+        if not zone:
+            raise SpecError(
+                "--all needs --zone", hint="e.g. tpupod list --all --zone us-central2-b"
+            )
+        from tpupod.extras import require
+
+        require("talking to Cloud TPUs", "gcp")
     pods, broken = StateDir().pods()
     if output is Format.JSON:
         print(json.dumps([json.loads(p.model_dump_json()) for p in pods], indent=2))
@@ -324,11 +332,7 @@ def list_pods(
         print_error(f"error: {exc.message}", exc.hint, sys.stderr)
     if broken:
         raise typer.Exit(next(iter(broken.values())).exit_code)
-    if all_tpus:
-        if not zone:
-            raise SpecError(
-                "--all needs --zone", hint="e.g. tpupod list --all --zone us-central2-b"
-            )
+    if all_tpus and zone:
         from tpupod.providers.gcp import list_tpus
 
         print(f"\nCloud TPUs in {zone}:")

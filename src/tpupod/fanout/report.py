@@ -215,6 +215,10 @@ def _join(cells: Sequence[str], widths: Sequence[int]) -> str:
 
 
 def _clip(text: str, width: int) -> str:
+    """``text`` in a table cell: control characters (a tab, a colour's escape) out, which
+    would move what follows; cut to ``width`` with an ellipsis."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else " " if c == "\t" else "" for c in text)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
