@@ -194,7 +194,7 @@ def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> N
     (exit 1 when it is down and nothing starts it again)."""
     from tpupod.errors import ServeError
 
-    found = _fleet(pod).status()
+    found = _fleet(pod).status(worker_python)
     print_columns(_status_table(found), sys.stdout)
     print(_router_line(found))
     if found.router_error is not None and found.starting is not None:
