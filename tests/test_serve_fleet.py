@@ -898,6 +898,35 @@ def test_a_signal_at_any_point_of_a_default_serve_up_stops_every_agent_and_says_
 
 @pytest.mark.local
 @pytest.mark.timeout(90)
+def test_a_serve_up_started_with_hup_and_int_ignored_keeps_them_ignored(tmp_path: Path) -> None:
+    """'nohup tpupod serve up &' (HUP ignored), or a script's background job (Ctrl-C
+    ignored): serve up took HUP anyway and stopped the fleet when the terminal closed. A
+    signal its starter ignores stays ignored; the fleet comes up."""
+    with local_pod(tmp_path, "si", 1) as (home, pod):
+        ignoring = ["/bin/sh", "-c", "trap '' HUP INT; exec \"$@\"", "sh"]  # as nohup, '&'
+        argv = ignoring + tpupod_argv(
+            "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+            "--command", STUB_COMMAND, "--base-port", str(free_base_port()),
+        )  # fmt: skip
+        env = {**os.environ, "TPUPOD_HOME": str(home)}
+        with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as up:
+            try:
+                deadline = time.monotonic() + 60
+                while not any(str(STUB) in described(p) for p in pod_processes(pod)):
+                    assert time.monotonic() < deadline and up.poll() is None
+                    time.sleep(0.05)
+                up.send_signal(signal.SIGHUP)
+                up.send_signal(signal.SIGINT)
+                assert up.wait(60) == 0
+            finally:
+                up.kill()
+        status = run_cli(home, "serve", "status", "--pod", pod)
+        assert status.returncode == 0, status.stderr
+        assert " ready " in status.stdout
+
+
+@pytest.mark.local
+@pytest.mark.timeout(90)
 def test_serve_status_names_agents_that_no_fleet_record_knows(tmp_path: Path) -> None:
     """With no fleet recorded, 'serve status' said 'no fleet is serving' without a look at
     the workers, so agents left running (by a serve up stopped before its agents answered,

@@ -152,8 +152,9 @@ class Fleet:
         """``_using`` where Ctrl-C, SIGTERM and SIGHUP stop the work: its task is cancelled,
         so ``RemoteFleet.up`` stops what it started; then a ServeError says what was left
         and exits 128+N. A second TERM or HUP while it stops is ignored (the stop is
-        bounded by ctl's timeouts); a second Ctrl-C cuts the stop short. Only the main
-        thread can take signals: elsewhere this is ``_using``."""
+        bounded by ctl's timeouts); a second Ctrl-C cuts the stop short. A signal its
+        starter ignores (nohup's HUP, Ctrl-C for a script's background job) stays ignored.
+        Only the main thread can take signals: elsewhere this is ``_using``."""
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -166,6 +167,8 @@ class Fleet:
 
         installed = []
         for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_IGN:  # nohup, a script's '&': kept so
+                continue
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 loop.add_signal_handler(signum, stop, signum)
                 installed.append(signum)
