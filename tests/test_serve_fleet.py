@@ -801,6 +801,180 @@ def test_sigterm_or_sighup_during_serve_up_leaves_nothing_and_status_saw_it_star
         assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
 
 
+# The points of a default 'serve up' (the builtin backend, the tiny checkpoint) where a
+# signal comes: its record written, the agents about to start; the agents' processes run
+# but have not answered (pinned there with SIGSTOP: an agent's imports take about a second,
+# and a stopped process cannot write its record); the servers load the checkpoint.
+STOP_POINTS = ("record", "agents", "servers")
+
+
+def tiny_up_argv(pod: str) -> list[str]:
+    """The trial's 'serve up': default options, the tiny checkpoint, small slots."""
+    return tpupod_argv(
+        "serve", "up", "--pod", pod, "--model", str(TINY), "--dtype", "float32",
+        "--base-port", str(free_base_port()), "--", "--max-batch", "4", "--max-length", "128",
+    )  # fmt: skip
+
+
+def processes_running(pod: str, module: str, count: int, up: subprocess.Popen[Any]) -> list[Any]:
+    """The pod's ``count`` processes that run ``module`` (``python -m tpupod.extras EXTRAS
+    MODULE ...``; not a command line that only names it, as ctl's), once that many run;
+    serve up must still run meanwhile."""
+    deadline = time.monotonic() + 60
+    while True:
+        found = [p for p in pod_processes(pod) if _runs(described(p).split(), module)]
+        if len(found) >= count:
+            return found
+        assert time.monotonic() < deadline and up.poll() is None, "serve up ended first"
+        time.sleep(0.02)
+
+
+def _runs(argv: list[str], module: str) -> bool:
+    return argv[1:3] == ["-m", "tpupod.extras"] and argv[4:5] == [module]
+
+
+def wait_for_path(path: Path, up: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline and up.poll() is None, "serve up ended first"
+        time.sleep(0.01)
+
+
+@pytest.mark.local
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("point", "stop"),
+    [
+        ("record", signal.SIGINT),
+        ("agents", signal.SIGTERM),
+        ("agents", signal.SIGINT),
+        ("servers", signal.SIGINT),
+    ],
+    ids=["record-INT", "agents-TERM", "agents-INT", "servers-INT"],
+)
+def test_a_signal_at_any_point_of_a_default_serve_up_stops_every_agent_and_says_so(
+    tmp_path: Path, point: str, stop: signal.Signals
+) -> None:
+    """A new-user trial: TERM or Ctrl-C 1.5 s into a default 'serve up' left both agents
+    running (an agent whose 'ctl ensure' was cancelled before it wrote its record was not
+    seen by the stop), while serve up said it had stopped what it started, and 'serve
+    status' said no fleet was serving; Ctrl-C said nothing at all. The tests of issue 36
+    signalled only once every server ran. Now every agent that may have started is
+    stopped, whatever the point, and Ctrl-C says so as TERM does (exit 128+N)."""
+    with local_pod(tmp_path, "sp", 2) as (home, pod):
+        env = {**os.environ, "TPUPOD_HOME": str(home)}
+        with subprocess.Popen(tiny_up_argv(pod), env=env, stderr=subprocess.PIPE, text=True) as up:
+            pinned: list[Any] = []
+            try:
+                if point == "record":
+                    wait_for_path(home / "pods" / pod / "serve.json", up)
+                elif point == "agents":
+                    pinned = processes_running(pod, "tpupod.serve.agent", 2, up)
+                    for agent in pinned:
+                        agent.suspend()
+                    for w in (0, 1):  # they have not answered: no agent record yet
+                        state = home / "pods" / pod / "workers" / f"w{w}" / ".tpupod" / "serve"
+                        assert not (state / "agent.json").exists()
+                else:
+                    processes_running(pod, "tpupod.serve.builtin", 2, up)
+                up.send_signal(stop)
+                assert up.wait(60) == 128 + stop
+                assert up.stderr is not None
+                said = up.stderr.read()
+            finally:
+                up.kill()
+                for agent in pinned:  # an agent left by the stop would go on from here
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        agent.resume()
+        assert f"error: serve up was stopped ({stop.name}); it stopped what it had started" in (
+            said
+        ), said
+        assert "Traceback" not in said
+        left = wait_until_gone(pod, timeout=5)
+        assert [described(p) for p in left] == []
+        gone = run_cli(home, "serve", "status", "--pod", pod)
+        assert gone.returncode == 1 and "no fleet is serving" in gone.stderr, gone.stderr
+
+
+@pytest.mark.local
+@pytest.mark.timeout(90)
+def test_a_serve_up_started_with_hup_and_int_ignored_keeps_them_ignored(tmp_path: Path) -> None:
+    """'nohup tpupod serve up &' (HUP ignored), or a script's background job (Ctrl-C
+    ignored): serve up took HUP anyway and stopped the fleet when the terminal closed. A
+    signal its starter ignores stays ignored; the fleet comes up."""
+    with local_pod(tmp_path, "si", 1) as (home, pod):
+        ignoring = ["/bin/sh", "-c", "trap '' HUP INT; exec \"$@\"", "sh"]  # as nohup, '&'
+        argv = ignoring + tpupod_argv(
+            "serve", "up", "--pod", pod, "--model", "m", "--backend", "command",
+            "--command", STUB_COMMAND, "--base-port", str(free_base_port()),
+        )  # fmt: skip
+        env = {**os.environ, "TPUPOD_HOME": str(home)}
+        with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as up:
+            try:
+                deadline = time.monotonic() + 60
+                while not any(str(STUB) in described(p) for p in pod_processes(pod)):
+                    assert time.monotonic() < deadline and up.poll() is None
+                    time.sleep(0.05)
+                up.send_signal(signal.SIGHUP)
+                up.send_signal(signal.SIGINT)
+                assert up.wait(60) == 0
+            finally:
+                up.kill()
+        status = run_cli(home, "serve", "status", "--pod", pod)
+        assert status.returncode == 0, status.stderr
+        assert " ready " in status.stdout
+
+
+@pytest.mark.local
+@pytest.mark.timeout(90)
+def test_serve_status_names_agents_that_no_fleet_record_knows(tmp_path: Path) -> None:
+    """With no fleet recorded, 'serve status' said 'no fleet is serving' without a look at
+    the workers, so agents left running (by a serve up stopped before its agents answered,
+    or started by hand) went unseen. It now names every agent that runs, one still
+    starting too (w1's, pinned before it answered, its ctl ensure stopped), and 'serve
+    down' stops them."""
+    with local_pod(tmp_path, "sn", 2) as (home, pod):
+        python = sys.executable
+        ensure = (
+            f"{python} -m tpupod.serve.agent.ctl ensure agent -- {python} -m tpupod.extras "
+            "serve tpupod.serve.agent --host 127.0.0.1 --port 0"
+        )
+        started = run_cli(home, "exec", "--pod", pod, "-w", "0", "--", ensure)
+        assert started.returncode == 0, started.stderr
+        answering = json.loads(started.stdout.split("] ", 1)[1])["pid"]
+        env = {**os.environ, "TPUPOD_HOME": str(home)}
+        argv = tpupod_argv("exec", "--pod", pod, "-w", "1", "--", ensure)
+        pinned: list[Any] = []
+        try:
+            with subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL) as starting:  # fmt: skip
+                try:
+                    agents = processes_running(pod, "tpupod.serve.agent", 2, starting)
+                    pinned = [a for a in agents if a.pid != answering]
+                    pinned[0].suspend()
+                    starting.send_signal(signal.SIGINT)  # its ctl ensure is stopped
+                    assert starting.wait(30) == 130
+                finally:
+                    starting.kill()
+            status = run_cli(home, "serve", "status", "--pod", pod)
+            assert status.returncode == 1, status.stdout
+            assert status.stderr.splitlines() == [
+                f"error: no fleet is recorded on pod {pod!r}, yet w0's agent (pid {answering}, "
+                f"0 servers) and w1's agent (pid {pinned[0].pid}, not answering yet) run",
+                f"hint: 'tpupod serve down --pod {pod}' stops them",
+            ], status.stderr
+            down = run_cli(home, "serve", "down", "--pod", pod)
+            assert down.returncode == 0, down.stderr
+            assert "w1 agent stopped" in down.stderr
+            assert wait_until_gone(pod) == []
+        finally:
+            for agent in pinned:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    agent.resume()
+        gone = run_cli(home, "serve", "status", "--pod", pod)
+        assert gone.returncode == 1 and "no fleet is serving" in gone.stderr
+
+
 @pytest.mark.local
 @pytest.mark.timeout(120)
 def test_a_serve_up_killed_hard_leaves_a_fleet_that_status_shows_and_down_stops(

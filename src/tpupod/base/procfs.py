@@ -12,6 +12,7 @@ class ProcStat:
     pid: int
     state: str
     pgrp: int
+    started: int  # clock ticks after boot: with the pid, one process (a pid is reused)
 
     @property
     def alive(self) -> bool:
@@ -36,7 +37,7 @@ def stat(pid: int) -> ProcStat | None:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
     fields = raw[raw.rfind(b")") + 2 :].split()
-    return ProcStat(pid=pid, state=fields[0].decode(), pgrp=int(fields[2]))
+    return ProcStat(pid=pid, state=fields[0].decode(), pgrp=int(fields[2]), started=int(fields[19]))
 
 
 def alive(pid: int) -> bool:

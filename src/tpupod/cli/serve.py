@@ -193,7 +193,7 @@ def up(
 def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> None:
     """A table: worker, server, backend, state, restarts, requests, tokens/s; then the router
     (exit 1 when it is down and nothing starts it again)."""
-    found = _fleet(pod).status()
+    found = _fleet(pod).status(worker_python)
     print_columns(_status_table(found), sys.stdout)
     print(_router_line(found))
     if found.router_error is not None and found.starting is not None:

@@ -1,6 +1,7 @@
 """A worker's serving services (the agent, the router) as files in its state folder: each
 records ``NAME.json`` (pid, host, port) once it listens and keeps its bearer token in
-``NAME.token`` (mode 0600); the router counts its restarts in ``router.restarts``. Log
+``NAME.token`` (mode 0600); the process ctl started for it is in ``NAME.spawned`` from
+its first moment; the router counts its restarts in ``router.restarts``. Log
 lines start with their UTC time (``stamp``). What the services write and ``ctl`` reads,
 shared by every process of the fleet on a worker, so none reaches into another's module."""
 
@@ -42,6 +43,31 @@ def remove_info(state: Path, service: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         if json.loads(path.read_text()).get("pid") == os.getpid():
             path.unlink()
+
+
+def spawned_path(state: Path, service: str) -> Path:
+    """Where ctl's ``ensure`` notes the process it started for the service (``pid ticks``),
+    written by that process itself before it runs the service: a service being started
+    is found from the moment it exists, before it records itself (``NAME.json``)."""
+    return state / f"{service}.spawned"
+
+
+def note_spawned(state: Path, service: str) -> None:
+    """Called in the started process (its pid, its start time) before it runs the service."""
+    me = procfs.stat(os.getpid())
+    noted = f"{os.getpid()} {me.started if me else 0}\n"
+    write_atomic(spawned_path(state, service), noted, mode=0o644, sync=False)
+
+
+def spawned(state: Path, service: str) -> int | None:
+    """The pid of the process ensure last started for the service, while that process runs
+    (a pid on file that is now another process's is not it)."""
+    try:
+        pid, started = map(int, spawned_path(state, service).read_text().split())
+    except (OSError, ValueError):
+        return None
+    st = procfs.stat(pid)
+    return pid if st is not None and st.alive and st.started == started else None
 
 
 def token(state: Path, service: str, given: str | None = None) -> str:

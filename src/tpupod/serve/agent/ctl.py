@@ -18,9 +18,10 @@ token from ``NAME.token`` (mode 0600), both in the state folder::
 
 The router is the builtin one (``tpupod.serve.router``) or sgl-router
 (``tpupod.serve.router.sgl`` records ``kind: sgl`` in router.json); ``view`` asks
-either for its backends. ``preflight`` is ``serve up``'s look before it starts
-anything: whether the backend can serve the model here, and which process (from
-/proc) holds a port the fleet would bind.
+either for its backends; ``running`` says what of a fleet runs, whether or not a fleet
+record knows it (a service being started included: ``services.spawned``).
+``preflight`` is ``serve up``'s look before it starts anything: whether the backend can
+serve the model here, and which process (from /proc) holds a port the fleet would bind.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +94,7 @@ def ensure(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # setsid: no SIGHUP when the SSH session ends
+            preexec_fn=_noted_session(state, service),  # noqa: PLW1509 (ctl has one thread)
             close_fds=True,
         )
     info = _wait_record(state, service, proc.pid, timeout, proc)
@@ -101,6 +103,20 @@ def ensure(
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # a respawn parent and its service with it
     return _not_started(state, service, f"did not start (exit {proc.poll()})")
+
+
+def _noted_session(state: Path, service: str) -> Callable[[], None]:
+    """What the started process does before it runs the service: note itself
+    (``services.spawned``), then leave this call's session (setsid: no SIGHUP when the SSH
+    session ends). In that order, so that a stop finds it even where this call is killed
+    the moment after the fork (a cancelled ``serve up``): while it is still in this call's
+    process group, the kill of the group ends it too."""
+
+    def note_then_setsid() -> None:
+        services.note_spawned(state, service)
+        os.setsid()
+
+    return note_then_setsid
 
 
 def _not_started(state: Path, service: str, why: str) -> dict[str, Any]:
@@ -130,7 +146,7 @@ def _wait_record(
 
 def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
     """TERM the service (its respawn parent, which passes it on), KILL it after ``grace`` s;
-    then KILL any server group it left."""
+    KILL one started that has not recorded itself yet; then KILL any server group it left."""
     info = read_info(state, service)
     parent = keeper(state, service)
     stopped = False
@@ -148,27 +164,69 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info["pid"], signal.SIGKILL)
         stopped = True
+    stopped = _kill_unrecorded(state, service) or stopped
     left = _kill_recorded_groups(state) if service == "agent" else 0
-    for path in (state / f"{service}.json", respawn.keeper_path(state, service)):
+    paths = (state / f"{service}.json", respawn.keeper_path(state, service))
+    for path in (*paths, services.spawned_path(state, service)):
         with contextlib.suppress(OSError):
             path.unlink()
     return {"stopped": stopped, "groups_killed": left}
 
 
+def _kill_unrecorded(state: Path, service: str) -> bool:
+    """KILL the session of a process ``ensure`` started that has not recorded itself (an
+    agent importing, the ensure that waited for it cancelled): nothing was handed to it
+    yet, and its record may come after this stop looked. False when none runs."""
+    pid = services.spawned(state, service)
+    if pid is None:
+        return False
+    for kill in (os.killpg, os.kill):  # its group once it left ensure's (setsid), and it
+        with contextlib.suppress(ProcessLookupError):
+            kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while procfs.alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return True
+
+
 def _kill_recorded_groups(state: Path) -> int:
     """Server groups an agent that died hard (kill -9) could not stop."""
+    killed = 0
+    for pgid in _live_recorded_groups(state):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+            killed += 1
+    return killed
+
+
+def _live_recorded_groups(state: Path) -> list[int]:
+    """The server groups on file (``servers.json``) with a live member."""
     try:
         groups = json.loads((state / "servers.json").read_text()).get("groups", [])
     except (OSError, ValueError):
-        return 0
-    killed = 0
-    for pgid in groups:
-        members = [p for p in procfs.pids() if (st := procfs.stat(p)) and st.pgrp == pgid]
-        if any(procfs.alive(p) for p in members):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-                killed += 1
-    return killed
+        return []
+    live = {st.pgrp for p in procfs.pids() if (st := procfs.stat(p)) and st.alive}
+    return [g for g in groups if g in live]
+
+
+def running(state: Path) -> dict[str, Any]:
+    """What of a fleet runs here, whatever any fleet record says: each service's pid,
+    whether it answers (has recorded itself), the agent's server count; and the server
+    groups on file that run with no agent (one killed hard)."""
+    found = []
+    for service in SERVICES:
+        info = read_info(state, service)
+        pid = info["pid"] if info else keeper(state, service) or services.spawned(state, service)
+        if pid is None:
+            continue
+        entry: dict[str, Any] = {"service": service, "pid": pid, "answers": info is not None}
+        if service == "agent" and info is not None:
+            answer = call(state, service, "GET", "/admin/status", None)
+            if answer.get("status") == 200:
+                entry["servers"] = len(answer["body"]["servers"])
+        found.append(entry)
+    agent = any(entry["service"] == "agent" for entry in found)
+    return {"running": found, "orphans": [] if agent else _live_recorded_groups(state)}
 
 
 def call(state: Path, service: str, method: str, path: str, body: str | None) -> dict[str, Any]:
@@ -410,6 +468,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("path")
     c.add_argument("--body", default=None)
     sub.add_parser("view", help="the router's view of its backends (either router)")
+    sub.add_parser("running", help="what of a fleet runs here, recorded or not")
     p = sub.add_parser("preflight", help="serve up's checks: the model, the ports")
     p.add_argument("--host", required=True, help="the address the fleet binds here")
     p.add_argument("--backend", required=True)
@@ -437,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         answer = call(state, args.service, args.method, args.path, args.body)
     elif args.action == "view":
         answer = view(state)
+    elif args.action == "running":
+        answer = running(state)
     elif args.action == "preflight":
         fixed = [_flag_port(f) for f in args.fixed]
         answer = preflight(

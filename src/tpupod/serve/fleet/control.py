@@ -42,9 +42,9 @@ from tpupod.serve.services import STATE_DIR
 
 T = TypeVar("T")
 
-# Signals that stop a 'serve up' as Ctrl-C does: what it started is stopped, then it exits
+# Signals that stop a 'serve up': what it started is stopped, it says so, then it exits
 # 128+N. SIGHUP: the terminal it ran in was closed.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # How long 'serve down' waits for a 'serve up' it stopped to stop what that one started.
 STARTER_WAIT_S = 90.0
 
@@ -138,8 +138,8 @@ class Fleet:
         self, options: UpOptions, progress: Progress = _quiet, replace: bool = False
     ) -> UpResult:
         """Start agents and servers on every worker, then the router (see ``RemoteFleet.up``).
-        SIGTERM and SIGHUP stop it as Ctrl-C does: what it started is stopped, and the
-        ServeError it then raises exits 128+N."""
+        Ctrl-C, SIGTERM and SIGHUP stop it: what it started is stopped, and the ServeError
+        it then raises says so and exits 128+N."""
         options = dataclasses.replace(options, model=self.local_model(options.model))
         began = time.monotonic()
         use = self._stoppable(options.python, lambda f: f.up(options, progress, replace))
@@ -149,29 +149,36 @@ class Fleet:
         return UpResult(record, True, time.monotonic() - began)
 
     async def _stoppable(self, python: str, use: Callable[[RemoteFleet], Awaitable[T]]) -> T:
-        """``_using`` where SIGTERM and SIGHUP stop the work as Ctrl-C does: its task is
-        cancelled, so ``RemoteFleet.up`` stops what it started; then a ServeError exits
-        128+N. A second signal while it stops is ignored: the stop is bounded (ctl's
-        timeouts). Only the main thread can take signals: elsewhere this is ``_using``."""
+        """``_using`` where Ctrl-C, SIGTERM and SIGHUP stop the work: its task is cancelled,
+        so ``RemoteFleet.up`` stops what it started; then a ServeError says what was left
+        and exits 128+N. A second TERM or HUP while it stops is ignored (the stop is
+        bounded by ctl's timeouts); a second Ctrl-C cuts the stop short. A signal its
+        starter ignores (nohup's HUP, Ctrl-C for a script's background job) stays ignored.
+        Only the main thread can take signals: elsewhere this is ``_using``."""
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
         caught: list[int] = []
 
         def stop(signum: int) -> None:
-            if not caught:
+            if not caught or (signum == signal.SIGINT and len(caught) == 1):
                 caught.append(signum)
                 task.cancel()
 
         installed = []
         for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_IGN:  # nohup, a script's '&': kept so
+                continue
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 loop.add_signal_handler(signum, stop, signum)
                 installed.append(signum)
         try:
             return await self._using(python, use)
         except asyncio.CancelledError:
-            if not caught or task.uncancel() > 0:
+            others = 1  # cancels not ours: asyncio.run's own Ctrl-C before ours was set
+            for _ in caught:
+                others = task.uncancel()
+            if others > 0:
                 raise
             raise self._stopped_by(caught[0]) from None
         finally:
@@ -198,16 +205,36 @@ class Fleet:
         stopped.exit_code = 128 + signum
         return stopped
 
-    def status(self) -> FleetStatus:
+    def status(self, python: str | None = None) -> FleetStatus:
         """Every server's state as its agent and the router see it (a worker that does not
-        answer is one whose rows say why)."""
-        return asyncio.run(self.status_async())
+        answer is one whose rows say why). With no fleet recorded, a ServeError, naming
+        what of a fleet runs on the workers anyway (``python``: theirs, for that look)."""
+        return asyncio.run(self.status_async(python))
 
-    async def status_async(self) -> FleetStatus:
+    async def status_async(self, python: str | None = None) -> FleetStatus:
         """``status()`` for a caller with an event loop running (the dashboard)."""
-        record = load_record(self.state, self.pod.name)  # a fleet starting too
+        try:
+            record = load_record(self.state, self.pod.name)  # a fleet starting too
+        except ServeError:
+            await self._refuse_unrecorded(python)
+            raise
         agents, router = await self._using(record.python, lambda f: f.status())
         return fleet_status(record, agents, router, self.starting(record))
+
+    async def _refuse_unrecorded(self, python: str | None) -> None:
+        """A ServeError naming the agents, router and servers that run on the workers
+        though no fleet is recorded (a ``serve up`` that could not stop them, one started
+        by hand); nothing when none runs."""
+        chosen = self.pod.worker_python(python)
+        found = await self._using(chosen, lambda f: f.running())
+        if found:
+            listed = ", ".join(found[:-1]) + " and " + found[-1] if len(found) > 1 else found[0]
+            raise ServeError(
+                f"no fleet is recorded on pod {self.pod.name!r}, yet {listed} "
+                f"run{'s' if len(found) == 1 else ''}",
+                hint=f"'tpupod serve down --pod {self.pod.name}' stops "
+                f"{'it' if len(found) == 1 else 'them'}",
+            )
 
     def restart(self, workers: str | None = None, port: int | None = None) -> list[str]:
         """Restart servers: all, those of some workers, or the one on ``port`` (every member

@@ -638,6 +638,23 @@ class RemoteFleet:
         *agents, router = await asyncio.gather(*asked, self.router_view())
         return agents, router
 
+    async def running(self) -> list[str]:
+        """What of a fleet runs on the workers, recorded or not, each in words (``w0's agent
+        (pid 42, 2 servers)``); a worker that does not answer is left out."""
+        answers = await asyncio.gather(
+            *(self.ctl(w, "running") for w in self.pod.workers), return_exceptions=True
+        )
+        said: list[str] = []
+        for w, answer in zip(self.pod.workers, answers, strict=True):
+            if isinstance(answer, (ServeError, WorkerError)):
+                continue
+            if isinstance(answer, BaseException):
+                raise answer
+            said += [_running_text(w, found) for found in answer[-1].get("running", [])]
+            if orphans := len(answer[-1].get("orphans", [])):
+                said.append(f"{orphans} of {w.label}'s servers (their agent was killed)")
+        return said
+
     async def router_view(self) -> dict[str, Any]:
         """The router's view of its backends, with its restarts (``restarts``); where it
         gives none, why (``error``, naming worker 0), and ``down`` when nothing runs the
@@ -738,6 +755,17 @@ def _failure(worker: Worker, service: str, what: str, answer: dict[str, Any]) ->
         why = answer.get("error") or f"HTTP {answer.get('status')}: {answer.get('body')}"
         return f"{worker.label}: the {service} refused {what}: {why}"
     return None
+
+
+def _running_text(worker: Worker, found: dict[str, Any]) -> str:
+    """``w0's agent (pid 42, 2 servers)``: one service ctl's ``running`` found."""
+    what = [f"pid {found['pid']}"]
+    if not found["answers"]:
+        what.append("not answering yet")
+    elif "servers" in found:
+        n = found["servers"]
+        what.append(f"{n} server{'' if n == 1 else 's'}")
+    return f"{worker.label}'s {found['service']} ({', '.join(what)})"
 
 
 def own_lines(log: list[str]) -> list[str]:
