@@ -46,7 +46,7 @@ def test_down_refuses_a_pod_a_runner_is_using_and_force_gives_its_job_back(
         first, hint = refused.err.splitlines()[:2]
         assert first.startswith(f"error: pod {pod.name!r} is in use by a job runner ('tpupod ")
         assert f"(pid {proc.pid}, since " in first
-        assert hint.startswith(f"hint: stop it first (kill -TERM {proc.pid}; a run: ")
+        assert hint.startswith(f"hint: stop it first (kill -TERM {proc.pid}), or add --force")
         assert store.get(job).status is JobStatus.RUNNING  # nothing was touched
         assert StateDir().exists(pod.name)
 
