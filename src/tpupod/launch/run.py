@@ -244,8 +244,10 @@ async def run(
     log_to.record["job"] = _job_of(env or {})
     # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
     using = podusers.using(state, pod.name, f"tpupod run {launch_id}")
-    # a stop from 'tpupod cancel' or the dashboard names its sender before its SIGINT
-    interrupt.who = lambda: _read_text(launch.run_dir / STOP_FILE)
+    # a stop from 'tpupod cancel' or the dashboard names its sender before its SIGINT (one
+    # the caller can tell, as a run with --retries its own cancel, when none did)
+    told = interrupt.who
+    interrupt.who = lambda: _read_text(launch.run_dir / STOP_FILE) or (told() if told else None)
     with log_to as log, using:
         try:
             sinks = Sinks(log.tee(on_line, show_chatter=show_chatter), notice, interrupt)

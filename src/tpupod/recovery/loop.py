@@ -85,7 +85,8 @@ class Recovery:
     async def run(self, *, resumed: bool = False) -> int:
         self.record.hold(self.state)  # one recovery of a pod at a time
         try:
-            return await self._attempts(resumed)
+            with self.record.using(self.state):  # 'tpupod down' refuses it, in every phase
+                return await self._attempts(resumed)
         finally:
             self.state.release(self.record.pod)
 
@@ -165,6 +166,7 @@ class Recovery:
             **({"TPUPOD_RESUMED": "1"} if resumed else {}),
         }
         inner = Interrupt()
+        inner.who = self.record.cancelled_by  # the attempt's summary names who cancelled it
         preempted: list[str] = []
 
         def on_preempted(state: str) -> None:
@@ -215,9 +217,11 @@ class Recovery:
             waiting.cancel()
 
     def _stopped_by(self) -> str:
-        """Who stopped the run: 'tpupod cancel' (it leaves a file first), or our signal."""
-        if self.record.cancel_file.exists():
-            return "cancelled by 'tpupod cancel'"
+        """Who stopped the run: 'tpupod cancel' or 'tpupod down --force' (they leave a file
+        first), or our signal."""
+        by = self.record.cancelled_by()
+        if by is not None:
+            return f"cancelled by {by}"
         if self.interrupt.signal == signal.SIGTERM:
             return "terminated (SIGTERM)"
         return "interrupted (Ctrl-C)"

@@ -230,7 +230,7 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
     if record.state in ("done", "failed", "cancelled"):
         return f"run {run_id} is already {record.state}"
     if procfs.alive(record.launcher_pid):
-        record.cancel_file.write_text(f"{os.getpid()}\n")  # so it says why, not "Ctrl-C"
+        record.cancel_file.write_text("'tpupod cancel'\n")  # so it says why, not "Ctrl-C"
         os.kill(record.launcher_pid, signal.SIGINT)
         deadline = time.monotonic() + CANCEL_WAIT_S
         ended = ("done", "failed", "cancelled")

@@ -1,0 +1,151 @@
+"""What a new user's trial of ``tpupod run --retries`` found (issue 37): ``down`` during a
+recovery, a create the API refuses (quota, permission), a rendezvous that cannot start,
+and the run's wording. Each test uses a user's default options, but for the stand-in's
+short polls (``spot_api``: none of these faults depends on their pace)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import CliResult, tpupod_argv
+from tests.fakes.tpu_api import TpuApiStandIn
+from tests.test_recovery_gcp import UP, shared_dir, spot_api
+from tpupod.pod.record import Pod
+
+__all__ = ["shared_dir", "spot_api"]  # the fixtures, shared with test_recovery_gcp
+
+SLOW = (sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)")
+
+
+@pytest.fixture
+def popen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """``tpupod ARGS`` started as a user starts it; one still running at the end is killed."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            tpupod_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def runs_of(state_home: Path, name: str) -> list[dict[str, Any]]:
+    paths = sorted((state_home / "pods" / name / "runs").glob("*/recovery.json"))
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def wait_until(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"not reached:\n{out}\n{err}")
+        time.sleep(0.05)
+
+
+def last_two(err: str) -> tuple[str, str]:
+    lines = err.strip().splitlines()
+    assert len(lines) >= 2, err
+    return lines[-2], lines[-1]
+
+
+# -- 1. down during a run with --retries ------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_down_refuses_a_pod_a_retries_run_is_running_on_and_force_cancels_it(
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    state_home: Path,
+    popen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """In its run phase: the refusal names the run (not its attempt's launch) and how to
+    cancel it; --force cancels it as 'tpupod cancel' does, and says who did."""
+    pod = make_pod(workers=2)
+    run = popen("run", "--pod", pod.name, "--retries", "2", "--", *SLOW)
+
+    def running() -> bool:
+        found = runs_of(state_home, pod.name)
+        return (
+            bool(found)
+            and found[0]["phase"] == "run"
+            and bool(found[0]["attempts"][0]["launch_id"])
+        )
+
+    wait_until(running, run, timeout=60)
+    run_id = runs_of(state_home, pod.name)[0]["run_id"]
+    refused = cli("down", "--pod", pod.name)
+    assert refused.code == 1, refused.err
+    error, hint = last_two(refused.err)
+    assert error.startswith("error: ") and f"run {run_id}" in error, refused.err
+    assert hint.startswith("hint: ") and f"tpupod cancel --pod {pod.name} {run_id}" in hint
+    assert run.poll() is None  # the run goes on
+    forced = cli("down", "--pod", pod.name, "--force", timeout=60)
+    assert forced.code == 0, forced.err
+    assert f"pod {pod.name!r} is down" in forced.out
+    _, err = run.communicate(timeout=30)
+    assert run.returncode == 130, err
+    assert "cancelled by 'tpupod down --force'" in err, err
+    assert "attempt 2" not in err
+    assert pod.name not in cli("list").out
+
+
+@pytest.mark.timeout(180)
+def test_down_during_a_recovery_waiting_for_capacity_is_refused_and_force_leaves_nothing(
+    spot_api: TpuApiStandIn,
+    cli: Callable[..., CliResult],
+    state_home: Path,
+    popen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """The repro: a recovery waits for capacity (WAITING_FOR_RESOURCES). ``down`` said "down"
+    (exit 0) and the run made the TPU again. Now it is refused, naming the run; ``--force``
+    cancels the run (the TPU it was making deleted) and nothing is made afterwards. The TPU
+    is preempted before the run starts (the run makes it first): no program needs to run."""
+    assert cli(*UP, "--name", "sp", "--tpu-type", "v4-16", "--spot").code == 0
+    spot_api.preempt("sp")
+    spot_api.no_capacity = 10_000
+    run = popen("run", "--pod", "sp", "--retries", "3", "--", "true")
+
+    def waiting() -> bool:
+        found = runs_of(state_home, "sp")
+        return (
+            bool(found)
+            and found[0]["phase"] == "create"
+            and (spot_api.calls.count(("POST", "queuedResources/")) == 2)
+        )
+
+    wait_until(waiting, run, timeout=60)
+    run_id = runs_of(state_home, "sp")[0]["run_id"]
+    refused = cli("down", "--pod", "sp", timeout=60)
+    assert refused.code == 1, refused.out + refused.err
+    error, hint = last_two(refused.err)
+    assert error.startswith("error: ") and f"run {run_id}" in error, refused.err
+    assert hint.startswith("hint: ") and f"tpupod cancel --pod sp {run_id}" in hint
+    assert "is down" not in refused.out and run.poll() is None
+    assert "sp" in spot_api.alive()  # nothing was deleted
+    forced = cli("down", "--pod", "sp", "--force", timeout=120)
+    assert forced.code == 0, forced.err
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "cancelled by 'tpupod down --force'" in err, err
+    assert runs_of(state_home, "sp") == []  # the pod's folder went with it
+    time.sleep(1)  # nothing comes back afterwards
+    assert spot_api.resources == {}, err
+    assert spot_api.calls.count(("POST", "queuedResources/")) == 2
+    assert "sp" not in cli("list").out
