@@ -149,3 +149,72 @@ def test_down_during_a_recovery_waiting_for_capacity_is_refused_and_force_leaves
     assert spot_api.resources == {}, err
     assert spot_api.calls.count(("POST", "queuedResources/")) == 2
     assert "sp" not in cli("list").out
+
+
+# -- 2. a create the API refuses ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("status", "message", "said"),
+    [
+        (
+            "RESOURCE_EXHAUSTED",
+            "Quota 'TPUV4_SPOT_PODS' exhausted. Limit 0.0 in region us-central2.",
+            ("quota", "--zones"),
+        ),
+        (
+            "PERMISSION_DENIED",
+            "Permission 'tpu.queuedResources.create' denied on 'projects/proj'.",
+            ("roles/tpu.admin",),
+        ),
+    ],
+)
+def test_a_create_refused_for_quota_or_permission_ends_the_run_with_the_apis_message(
+    status: str,
+    message: str,
+    said: tuple[str, ...],
+    spot_api: TpuApiStandIn,
+    cli: Callable[..., CliResult],
+    state_home: Path,
+) -> None:
+    """A 429 or 403 to the recovery's create was taken for a preemption (the TPU then reads
+    GONE) and retried at once, every retry spent in a second, the verdict "preempted again"
+    without the API's word. Now it ends the run at once: one error with the API's message,
+    a hint that says what to do, the attempt recorded as an error. The TPU is preempted
+    before the run starts (the run makes it first): no program needs to run."""
+    assert cli(*UP, "--name", "sp", "--tpu-type", "v4-16", "--spot").code == 0
+    spot_api.preempt("sp")
+    for _ in range(4):  # every create the run could try
+        spot_api.fail("POST", "queuedResources", status, message)
+    result = cli("run", "--pod", "sp", "--retries", "3", "--", "true", timeout=90)
+    assert result.code == 1, result.err
+    error, hint = last_two(result.err)
+    assert error.startswith("error: ") and message in error, result.err
+    assert hint.startswith("hint: ") and all(word in hint for word in said), hint
+    assert ": preempted" not in result.err and "preempted again" not in result.err
+    [record] = runs_of(state_home, "sp")
+    assert [a["cause"] for a in record["attempts"]] == ["error"], result.err
+    assert record["state"] == "failed" and record["counters"].get("recoveries", 0) == 0
+    assert spot_api.calls.count(("POST", "queuedResources/")) == 2  # up's, and one try
+
+
+# -- 3. a rendezvous that cannot start ---------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_rendezvous_that_cannot_start_ends_a_retries_run_as_it_ends_a_plain_one(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    """Default options on a Cloud TPU: the rendezvous on worker 0, run by its python3, which
+    has no tpupod. The plain run says so and how to fix it; the --retries run called it a
+    program error and offered a rerun that would fail the same way."""
+    assert cli(*UP, "--name", "rz", "--tpu-type", "v4-16", "--spot").code == 0
+    plain = cli("run", "--pod", "rz", "--", "true", timeout=90)
+    assert plain.code != 0 and "--worker-python" in plain.err, plain.err
+    retried = cli("run", "--pod", "rz", "--retries", "2", "--", "true", timeout=90)
+    assert retried.code == plain.code, retried.err
+    assert last_two(retried.err) == last_two(plain.err), retried.err
+    assert "--retry-errors 1" not in retried.err and "program error" not in retried.err
+    [record] = runs_of(state_home, "rz")
+    assert [a["cause"] for a in record["attempts"]] == ["error"], retried.err

@@ -399,6 +399,7 @@ class _Worker0Rendezvous:
             command, {"TPUPOD_RENDEZVOUS_TOKEN": token}, guard=True
         )
         lines = self.proc.lines()
+        ended = False  # the service ended without a word of READY (not only slow to start)
         try:
             async with asyncio.timeout(RENDEZVOUS_START_S):
                 async for line in lines:
@@ -406,14 +407,17 @@ class _Worker0Rendezvous:
                         self.relay = asyncio.create_task(self._relay(lines))
                         return line.text.split()[1]
                     self.notice(f"rendezvous on {self.first.label}: {line.text}")
+                ended = True
         except TimeoutError:
             pass
         await self.close()
-        raise PreflightError(
+        failed = PreflightError(
             f"the rendezvous service did not start on {self.first.label} ({self.first.hostname})",
             hint=f"tpupod must be importable by {self.python} there ('--worker-python PATH'), "
             "or use --rendezvous-on launcher when the workers can reach this machine",
         )
+        failed.lasting = ended  # its python cannot run it: every launch would end the same
+        raise failed
 
     async def _relay(self, lines: AsyncIterator[OutputLine]) -> None:
         codes: dict[int, int] = {}  # worker -> the exit code it gave itself, before its failure

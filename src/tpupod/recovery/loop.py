@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpupod import settings
-from tpupod.errors import TpupodError, UsageError
+from tpupod.errors import GcpError, TpupodError, UsageError
 from tpupod.fanout.context import Interrupt, NoticeHandler
 from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
 from tpupod.fanout.worker import LineHandler
@@ -56,6 +56,7 @@ class Ending:
     exit_code: int
     detail: str = ""
     silent: tuple[int, ...] = ()  # workers still silent at the end of the probe budget
+    error: TpupodError | None = None  # what ended a FATAL attempt (the run ends with it)
 
 
 class Recovery:
@@ -156,6 +157,9 @@ class Recovery:
         except UsageError:
             raise
         except TpupodError as exc:
+            if exc.lasting and not self.interrupt.requested.is_set():
+                where = f"during {self.record.phase}: {exc}"
+                return Ending(Cause.FATAL, exc.exit_code or 1, where, error=exc)
             return await self._classify_error(exc)
 
     async def _launch(self, phases: dict[str, float], resumed: bool) -> Ending:
@@ -388,6 +392,8 @@ class Recovery:
         if ending.cause is Cause.PREEMPTED and self.record.options.get("created"):
             self.notice(f"deleting {self.pod.name!r}: preempted, and the recovery made it")
             await provider_for(self.pod.provider).destroy(self.pod, self.state)
+        if ending.error is not None:
+            raise _ends_the_run(self.record.run_id, ending.error)
         if ending.silent:
             raise HostsSilent(self.record, ending, self.pod)
         if ending.cause in (Cause.PREEMPTED, Cause.LOST):
@@ -405,6 +411,17 @@ async def delete_unfinished(record: RecoveryRecord, state: StateDir) -> str | No
         return None
     await provider_for(pod.provider).destroy(pod, state)
     return pod.name
+
+
+def _ends_the_run(run_id: str, error: TpupodError) -> TpupodError:
+    """The error an attempt ended with that no rerun fixes: as a plain run says it; a cloud
+    refusal (quota, permission: fixed outside the run) also says how to go on after."""
+    if not isinstance(error, GcpError):
+        return error
+    resume = f"'tpupod run --resume {run_id}' goes on from its checkpoint"
+    ended = GcpError(f"run {run_id}: {error.message}", hint=f"{error.hint}; then {resume}")
+    ended.lasting = True
+    return ended
 
 
 class _Interrupted(Exception):

@@ -20,6 +20,9 @@ class Cause(enum.StrEnum):
     LOST = "lost worker"  # a worker stopped answering, no preemption confirmed
     LISTED = "listed exit code"  # the program exited with one of --retry-exit-codes
     ERROR = "program error"
+    # an error no rerun fixes (TpupodError.lasting: the API refused the create for quota or
+    # permission, the rendezvous cannot start): the run ends with it
+    FATAL = "error"
     INTERRUPTED = "interrupted"  # Ctrl-C, tpupod cancel
     LAUNCHER_LOST = "launcher lost"  # the launcher died during it (then --resume)
 

@@ -201,7 +201,8 @@ def _rerun_failed(record: RecoveryRecord, policy: RetryPolicy) -> None:
     if cause is Cause.ERROR and last.exit_code in policy.retry_exit_codes:
         cause = Cause.LISTED
     counters = Counters()
-    if not counters.allow(cause, policy):
+    # an error no rerun fixes (quota, permission) ended it: fixed since, it goes on as it was
+    if cause is not Cause.FATAL and not counters.allow(cause, policy):
         flag = {Cause.PREEMPTED: "--retries 1", Cause.LOST: "--retries 1"}.get(
             cause, "--retry-errors 1"
         )
