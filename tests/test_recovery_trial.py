@@ -6,6 +6,7 @@ short polls (``spot_api``: none of these faults depends on their pace)."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -218,3 +219,74 @@ def test_a_rendezvous_that_cannot_start_ends_a_retries_run_as_it_ends_a_plain_on
     assert "--retry-errors 1" not in retried.err and "program error" not in retried.err
     [record] = runs_of(state_home, "rz")
     assert [a["cause"] for a in record["attempts"]] == ["error"], retried.err
+
+
+# -- 4. wording --------------------------------------------------------------------------------
+
+
+def test_counts_have_one_correct_plural_and_an_attempt_line_no_dangling_separator() -> None:
+    from tpupod.recovery.policy import Counters
+    from tpupod.recovery.record import AttemptRecord, RecoveryRecord
+
+    assert Counters(1, 1, 2).describe() == (
+        "1 recovery (preempted or lost), 1 rerun after errors, 2 after listed exit codes"
+    )
+    assert Counters(2, 0, 1).describe() == (
+        "2 recoveries (preempted or lost), 0 reruns after errors, 1 after listed exit codes"
+    )
+    lost = AttemptRecord(1, 0.0, launch_id="L1", cause="launcher lost")  # no phase timed
+    record = RecoveryRecord("R", "p", ["true"], {}, 0.0, 1, attempts=[lost])
+    assert record.lines() == ["attempt 1: launcher lost; launch L1"]
+
+
+@pytest.mark.timeout(60)
+def test_a_passing_api_failure_is_said_without_stray_punctuation(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    spot_api.unavailable(1.0)  # the API's message ends with a full stop
+    made = cli(*UP, "--name", "un", "--tpu-type", "v4-8", "--spot", timeout=60)
+    assert made.code == 0, made.err
+    assert "The service is currently unavailable; retrying for up to" in made.err, made.err
+    assert ".;" not in made.err
+
+
+@pytest.mark.timeout(60)
+def test_a_cancel_in_the_run_phase_is_named_in_the_attempts_summary_too(
+    make_pod: Callable[..., Pod],
+    cli: Callable[..., CliResult],
+    state_home: Path,
+    popen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """The attempt's summary said "stopped by SIGINT" under "cancelled by 'tpupod cancel'"."""
+    pod = make_pod(workers=2)
+    run = popen("run", "--pod", pod.name, "--retries", "1", "--", *SLOW)
+    logs = state_home / "pods" / pod.name / "runs"
+    wait_until(lambda: any("started" in p.read_text() for p in logs.glob("*/w*.log")), run, 60)
+    run_id = runs_of(state_home, pod.name)[0]["run_id"]
+    assert cli("cancel", "--pod", pod.name, run_id, timeout=60).code == 0
+    _, err = run.communicate(timeout=30)
+    assert run.returncode == 130, err
+    assert "stopped by 'tpupod cancel': 2 workers did not finish" in err, err
+    assert "SIGINT" not in err
+
+
+@pytest.mark.timeout(90)
+def test_recreate_of_a_healthy_tpu_names_an_up_command_that_works(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    """The hint said "then 'tpupod up' again", which lacks the --gcp flags: it names the
+    whole command now, and that command (after the down it names) makes the TPU again."""
+    made = ("--name", "hr", "--tpu-type", "v4-8", "--spot", "--internal")
+    assert cli(*UP, *made).code == 0
+    refused = cli("up", "--recreate", "--name", "hr", timeout=60)
+    assert refused.code != 0, refused.err
+    _, hint = last_two(refused.err)
+    assert "'tpupod down --pod hr', then '" in hint, hint
+    command = hint.split("then '", 1)[1].split("'", 1)[0]
+    assert command.startswith("tpupod up --gcp "), hint
+    assert cli("down", "--pod", "hr", timeout=60).code == 0
+    again = cli(*shlex.split(command)[1:], timeout=60)
+    assert again.code == 0, again.err
+    assert spot_api.tier("hr") == "spot"
+    hosts = json.loads(cli("hosts", "--pod", "hr", "--format", "json").out)
+    assert len(hosts) == 1

@@ -111,7 +111,7 @@ class GcpProvider:
                 if not _passing(exc) or spent >= budget:
                     raise _after_retries(exc, spent) if tries else exc  # noqa: B904
                 if not tries:
-                    self.progress(f"{exc}; retrying for up to {budget:.0f}s")
+                    self.progress(f"{str(exc).rstrip('.')}; retrying for up to {budget:.0f}s")
                 await asyncio.sleep(min(_backoff(tries), budget - spent))
                 tries += 1
                 continue
@@ -155,7 +155,7 @@ class GcpProvider:
             raise GcpError(
                 f"TPU {spec.name!r} is {found}: --recreate replaces a preempted or failed one",
                 hint=f"it is not broken; to replace it anyway: 'tpupod down --pod {spec.name}', "
-                "then 'tpupod up' again",
+                f"then '{spec.up_command()}'",
             )
         raise GcpError(
             f"a TPU named {spec.name!r} already exists ({found})",

@@ -31,7 +31,7 @@ from tpupod.pod.spec import GcpPodSpec
 from tpupod.pod.state import StateDir
 from tpupod.providers import GONE, provider_for
 from tpupod.recovery import confirm
-from tpupod.recovery.policy import Cause, Counters, RetryPolicy
+from tpupod.recovery.policy import Cause, Counters, RetryPolicy, counted
 from tpupod.recovery.record import RecoveryRecord
 from tpupod.recovery.replace import recreate, rerun_setup, timed
 
@@ -437,8 +437,8 @@ class RetriesSpent(TpupodError):
         run = record.run_id
         if policy.retries:
             what = (
-                f"run {run}: {ending.cause} again after {policy.retries} "
-                f"recover{'y' if policy.retries == 1 else 'ies'} (--retries {policy.retries})"
+                f"run {run}: {ending.cause} again after "
+                f"{counted(policy.retries, 'recovery', 'recoveries')} (--retries {policy.retries})"
             )
         else:
             what = f"run {run}: {ending.cause} ({ending.detail}); not rerun without --retries"

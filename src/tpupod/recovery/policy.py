@@ -64,6 +64,12 @@ class Counters:
 
     def describe(self) -> str:
         return (
-            f"{self.recoveries} recoveries (preempted or lost), {self.error_reruns} reruns "
-            f"after errors, {self.listed_reruns} after listed exit codes"
+            f"{counted(self.recoveries, 'recovery', 'recoveries')} (preempted or lost), "
+            f"{counted(self.error_reruns, 'rerun', 'reruns')} after errors, "
+            f"{self.listed_reruns} after listed exit codes"
         )
+
+
+def counted(count: int, one: str, many: str) -> str:
+    """``1 recovery``, ``2 recoveries``."""
+    return f"{count} {one if count == 1 else many}"

@@ -173,8 +173,8 @@ class RecoveryRecord:
             phases = ", ".join(f"{name} {secs:.1f}s" for name, secs in a.phases.items())
             cause = a.cause or f"running ({self.phase})"
             code = "" if a.exit_code is None else f", exit {a.exit_code}"
-            launch = a.launch_id or "-"
-            rows.append(f"attempt {a.attempt}: {cause}{code}; launch {launch}; {phases}")
+            parts = [f"attempt {a.attempt}: {cause}{code}", f"launch {a.launch_id or '-'}", phases]
+            rows.append("; ".join(part for part in parts if part))
         return rows
 
 
