@@ -76,7 +76,7 @@ def test_a_program_error_on_a_spot_tpu_recreates_nothing(
     assert result.code == 3, result.err
     again = cli(*fails, "--retry-errors", "1", "--", *program, timeout=120)
     assert again.code == 3, again.err
-    assert "1 reruns after errors" in again.err
+    assert "1 rerun after errors" in again.err
     assert spot_api.calls.count(("POST", "nodes/")) == 1  # the first, by `up`
     assert not [call for call in spot_api.calls if call[0] == "DELETE"]
 

@@ -146,7 +146,7 @@ def test_preempted_once_mid_run_finishes_with_the_same_result(
     record = record_of(state_home, "sp")
     causes = [a["cause"] for a in record["attempts"]]
     assert causes == ["preempted", "ok"], err
-    assert "--retries 2" in err and "1 recoveries" in err
+    assert "--retries 2" in err and "1 recovery (preempted or lost)" in err
     detail = record["attempts"][0]["detail"]
     assert ("instance/preempted is TRUE on w0, w1" in detail) == (seen_by == "metadata"), detail
     # the notice was honoured: the step under way was saved, no step was done twice
@@ -262,7 +262,7 @@ def test_an_api_outage_after_a_preemption_costs_one_recovery(
     assert (shared_dir / "final").read_text() == str(expected_value(16))
     [record] = runs_of(state_home, "ou")
     assert [a["cause"] for a in record["attempts"]] == ["preempted", "ok"], err
-    assert record["counters"]["recoveries"] == 1 and "1 recoveries" in err
+    assert record["counters"]["recoveries"] == 1 and "1 recovery (preempted or lost)" in err
     assert spot_api.unavailable_answers > 10, "the recovery never met the outage"
     assert spot_api.calls.count(("POST", "queuedResources/")) == 2  # up's, the recovery's
     assert set(spot_api.alive()) == {"ou"}

@@ -20,6 +20,7 @@ translated into these at the seam where they arise, chained with ``from``.
     ├── RendezvousError          exit 1   a barrier timed out, workers disagree, or one was refused
     ├── PreflightError           exit 1   a worker is not ready for a launch; nothing started
     ├── GcpError                 exit 1   the Cloud TPU API refused, or a TPU is in a bad state
+    │   └── GcpRefused           exit 1   ... for quota or permission: no retry changes that
     ├── ModelError               exit 1   the model: bad arguments, generation limits
     │   └── CheckpointError      exit 1   a folder that is not a loadable Qwen checkpoint
     ├── BenchError               exit 1   a checkpoint benchmark that failed or restored wrong data
@@ -43,6 +44,9 @@ class TpupodError(Exception):
     """Base of every error tpupod raises on purpose."""
 
     exit_code: int = 1
+    # Another try fails the same way until the user changes something (a quota, a
+    # permission, a worker's python without tpupod): a run with --retries ends with it.
+    lasting: bool = False
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
@@ -155,6 +159,17 @@ class PreflightError(TpupodError):
 
 class GcpError(TpupodError):
     """The Cloud TPU API refused, or a TPU ended up in a state it cannot be used in."""
+
+
+class GcpRefused(GcpError):
+    """The Cloud TPU API refused for quota (429, RESOURCE_EXHAUSTED) or permission (403):
+    until the user changes that, every try is refused the same way."""
+
+    lasting = True
+
+    def __init__(self, message: str, hint: str | None = None, *, quota: bool = False) -> None:
+        super().__init__(message, hint)
+        self.quota = quota
 
 
 class ModelError(TpupodError):

@@ -242,14 +242,14 @@ def down(
         bool,
         typer.Option(
             "--force",
-            help="Also a pod a job runner is using: the runner gives its job back to the "
-            "queue and exits first.",
+            help="Also a pod in use: a job runner gives its job back to the queue and exits "
+            "first, a run stops, a run with --retries is cancelled (as 'tpupod cancel').",
         ),
     ] = False,
 ) -> None:
     """Take a pod down and forget it (a local pod's leftover processes are killed;
     a Cloud TPU is deleted unless it was adopted). A pod that a job runner
-    ('tpupod jobs worker --pod P') is using is refused without --force.
+    ('tpupod jobs worker --pod P') or a run is using is refused without --force.
 
     Examples:
 

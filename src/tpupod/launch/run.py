@@ -244,8 +244,10 @@ async def run(
     log_to.record["job"] = _job_of(env or {})
     # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
     using = podusers.using(state, pod.name, f"tpupod run {launch_id}")
-    # a stop from 'tpupod cancel' or the dashboard names its sender before its SIGINT
-    interrupt.who = lambda: _read_text(launch.run_dir / STOP_FILE)
+    # a stop from 'tpupod cancel' or the dashboard names its sender before its SIGINT (one
+    # the caller can tell, as a run with --retries its own cancel, when none did)
+    told = interrupt.who
+    interrupt.who = lambda: _read_text(launch.run_dir / STOP_FILE) or (told() if told else None)
     with log_to as log, using:
         try:
             sinks = Sinks(log.tee(on_line, show_chatter=show_chatter), notice, interrupt)
@@ -397,6 +399,7 @@ class _Worker0Rendezvous:
             command, {"TPUPOD_RENDEZVOUS_TOKEN": token}, guard=True
         )
         lines = self.proc.lines()
+        ended = False  # the service ended without a word of READY (not only slow to start)
         try:
             async with asyncio.timeout(RENDEZVOUS_START_S):
                 async for line in lines:
@@ -404,14 +407,17 @@ class _Worker0Rendezvous:
                         self.relay = asyncio.create_task(self._relay(lines))
                         return line.text.split()[1]
                     self.notice(f"rendezvous on {self.first.label}: {line.text}")
+                ended = True
         except TimeoutError:
             pass
         await self.close()
-        raise PreflightError(
+        failed = PreflightError(
             f"the rendezvous service did not start on {self.first.label} ({self.first.hostname})",
             hint=f"tpupod must be importable by {self.python} there ('--worker-python PATH'), "
             "or use --rendezvous-on launcher when the workers can reach this machine",
         )
+        failed.lasting = ended  # its python cannot run it: every launch would end the same
+        raise failed
 
     async def _relay(self, lines: AsyncIterator[OutputLine]) -> None:
         codes: dict[int, int] = {}  # worker -> the exit code it gave itself, before its failure

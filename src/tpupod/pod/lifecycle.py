@@ -143,27 +143,48 @@ def down(
     stops its workers, up to ``stop_s``).
     ``before`` runs once the pod may go, before its workers do (the CLI stops a serving
     fleet there: on hosts that outlive the pod it would run on with no record)."""
-    found = podusers.users(state, pod.name)
+    found = one_per_run(podusers.users(state, pod.name))
     if found and not force:
-        first = found[0]
-        run = first.what.removeprefix("tpupod run ") if first.what.startswith("tpupod run ") else ""
-        stop = f"'tpupod cancel {run}'" if run else f"kill -TERM {first.pid}"
-        raise StateError(
-            f"pod {pod.name!r} is in use by {', '.join(user.describe() for user in found)}",
-            hint=f"stop it first ({stop}), or add --force: a job runner gives its running job "
-            "back to the queue, a run stops",
-        )
-    left = podusers.stop(state, pod.name, found, stop_s) if found else []
-    if before is not None:
-        before()
-    podusers.mark_going_down(state, pod.name)  # a user that did not let go stops now
+        raise _in_use(pod.name, found)
+    by = f"'tpupod down --force' (pid {os.getpid()})"
+    left = podusers.stop(state, pod.name, found, stop_s, by) if found else []
+    # Held while it goes: a recovery or 'up --recreate' that still holds it is named (it
+    # would make the TPU again), and none may begin meanwhile.
+    state.hold(pod.name, "tpupod down", f"kill {os.getpid()}")
     try:
-        asyncio.run(provider_for(pod.provider).destroy(pod, state))
-    except BaseException:
-        podusers.unmark_going_down(state, pod.name)
-        raise
-    state.remove(pod.name)
+        if before is not None:
+            before()
+        podusers.mark_going_down(state, pod.name)  # a user that did not let go stops now
+        try:
+            asyncio.run(provider_for(pod.provider).destroy(pod, state))
+        except BaseException:
+            podusers.unmark_going_down(state, pod.name)
+            raise
+        state.remove(pod.name)
+    finally:
+        state.release(pod.name)
     return found, left
+
+
+def one_per_run(found: list[PodUser]) -> list[PodUser]:
+    """The users, those that say how to stop them first; a run with --retries and its
+    attempt's launch are one run (its cancel stops both): the launch is left out."""
+    stoppable = {user.pid for user in found if user.stop}
+    kept = [user for user in found if user.stop or user.pid not in stoppable]
+    return sorted(kept, key=lambda user: not user.stop)
+
+
+def _in_use(pod: str, found: list[PodUser]) -> StateError:
+    """The refusal of a pod in use, naming its users and how to stop the first."""
+    first = found[0]
+    run = first.what.removeprefix("tpupod run ") if first.what.startswith("tpupod run ") else ""
+    command = first.stop or (f"tpupod cancel {run}" if run else "")
+    stop = f"'{command}'" if command else f"kill -TERM {first.pid}"
+    return StateError(
+        f"pod {pod!r} is in use by {', '.join(user.describe() for user in found)}",
+        hint=f"stop it first ({stop}), or add --force: a job runner gives its running job "
+        "back to the queue, a run stops",
+    )
 
 
 def _describe(spec: PodSpec) -> str:

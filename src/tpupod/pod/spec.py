@@ -9,6 +9,7 @@ the rest): one clear line beats a wall of them.
 from __future__ import annotations
 
 import difflib
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -202,6 +203,29 @@ class GcpPodSpec(_SpecBase, _SshOptions):
         except TpupodError as exc:
             raise ValueError(f"unknown TPU type: {exc.hint}") from None
 
+    def up_command(self) -> str:
+        """The ``tpupod up`` command that makes this pod (its flags, as a user types them),
+        for a hint to run after a ``down``, which forgets the pod's record."""
+        words = ["--gcp", "--name", self.name, "--tpu-type", self.tpu_type, "--zone", self.zone]
+        options = {
+            "--project": self.project,
+            "--runtime-version": self.runtime_version,
+            "--capacity": None if self.capacity is Capacity.ON_DEMAND else self.capacity.value,
+            "--node-count": str(self.node_count) if self.node_count > 1 else None,
+            "--api": self.api.value if self.api is not None else None,
+            "--network": self.network,
+            "--subnetwork": self.subnetwork,
+            "--user": None if self.user == "tpupod" else self.user,
+            "--key": self.key,
+            "--host-keys": None if self.host_keys is HostKeyPolicy.TOFU else self.host_keys.value,
+        }
+        words += [word for flag, value in options.items() if value for word in (flag, value)]
+        words += [word for tag in self.tags for word in ("--tag", tag)]
+        words += [word for k, v in self.labels.items() for word in ("--label", f"{k}={v}")]
+        words += [word for k, v in self.env.items() for word in ("--env", f"{k}={v}")]
+        words += ["--internal"] if self.internal else []
+        return "tpupod up " + shlex.join(words)
+
     @property
     def accelerator(self) -> AcceleratorType:
         # the accelerator table: a spec that names a type only, not --help
@@ -227,7 +251,8 @@ class GcpPodSpec(_SpecBase, _SshOptions):
 
     def summary(self) -> str:
         slices = f" x {self.node_count} slices" if self.node_count > 1 else ""
-        return f"{self.tpu_type}{slices} in {self.zone}, {self.workers} workers ({self.capacity})"
+        workers = f"{self.workers} worker{'' if self.workers == 1 else 's'}"
+        return f"{self.tpu_type}{slices} in {self.zone}, {workers} ({self.capacity})"
 
 
 def parse_host(text: str) -> dict[str, Any]:

@@ -4,10 +4,13 @@ that ``tpupod down`` can refuse to pull the pod from under it, or (with ``--forc
 to let go first.
 
 A user holds an exclusive ``flock`` on a file of its own, ``users/PID.N.json`` in the pod's
-folder (what it is, since when). The lock goes with the process, even on ``kill -9``: a
-file whose lock can be taken is a leftover, and whoever finds it removes it. While a pod
-goes down, ``going-down`` in its folder tells a user that missed the request that its
-pod is going (its job fails as the workers are stopped: that is the pod, not the job).
+folder (what it is, since when; a run with --retries, a user from its start to its end,
+recoveries included, also its cancel command and the file it reads for who stopped it, so
+that ``down --force`` cancels it as ``tpupod cancel`` does). The lock goes with the
+process, even on ``kill -9``: a file whose lock can be taken is a leftover, and whoever
+finds it removes it. While a pod goes down, ``going-down`` in its folder tells a user that
+missed the request that its pod is going (its job fails as the workers are stopped: that
+is the pod, not the job).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class PodUser:
     pid: int
     what: str
     since: float
+    stop: str = ""  # the command that stops it ('tpupod cancel --pod P RUN'), if any
+    request: str = ""  # a file it reads, when stopped, for who stopped it
 
     def describe(self) -> str:
         since = time.strftime("%H:%M:%S", time.localtime(self.since))
@@ -43,8 +48,11 @@ class PodUser:
 
 
 @contextlib.contextmanager
-def using(state: StateDir, pod: str, what: str) -> Iterator[None]:
-    """Register this process as a user of ``pod`` for the block."""
+def using(
+    state: StateDir, pod: str, what: str, *, stop: str = "", request: Path | None = None
+) -> Iterator[None]:
+    """Register this process as a user of ``pod`` for the block; ``stop`` says how to stop
+    it, and ``request`` is the file it reads for who stopped it (see :func:`stop`)."""
     folder = state.pod_dir(pod) / USERS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     # one file a use: a job runner's run is a use of its own (users/PID.N.json)
@@ -54,7 +62,8 @@ def using(state: StateDir, pod: str, what: str) -> Iterator[None]:
     with open(staged, "w") as handle:
         # locked and written before it has its name: no reader ever sees it unlocked
         fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.write(json.dumps({"pid": os.getpid(), "what": what, "since": time.time()}))
+        said = {"pid": os.getpid(), "what": what, "since": time.time(), "stop": stop}
+        handle.write(json.dumps({**said, "request": str(request or "")}))
         handle.flush()
         staged.rename(path)
         try:
@@ -85,7 +94,13 @@ def _live(path: Path) -> PodUser | None:
         except BlockingIOError:  # held: its process is alive
             try:
                 data = json.loads(handle.read())
-                return PodUser(int(data["pid"]), str(data["what"]), float(data["since"]))
+                return PodUser(
+                    int(data["pid"]),
+                    str(data["what"]),
+                    float(data["since"]),
+                    str(data.get("stop", "")),
+                    str(data.get("request", "")),
+                )
             except (ValueError, KeyError, TypeError):  # not ours: someone wrote it by hand
                 pid = int(path.stem.split(".")[0])
                 return PodUser(pid, "a process", path.stat().st_mtime)
@@ -93,12 +108,26 @@ def _live(path: Path) -> PodUser | None:
         return None
 
 
-def stop(state: StateDir, pod: str, found: list[PodUser], timeout: float) -> list[PodUser]:
-    """Ask each user to let go (SIGTERM: a job runner gives its job back and exits) and
-    wait up to ``timeout`` s; returns those still there."""
+def stop(
+    state: StateDir, pod: str, found: list[PodUser], timeout: float, by: str = ""
+) -> list[PodUser]:
+    """Ask each user to let go (SIGTERM: a job runner gives its job back and exits, a run
+    stops) and wait up to ``timeout`` s; returns those still there. A user with a stop
+    command of its own (a run with --retries: ``tpupod cancel``) is stopped as that command
+    does: ``by`` (who asks) in its request file, so that it says who stopped it, then
+    SIGINT. A process is signalled once, however many uses it has: a second signal would
+    force its stop (a run's workers KILLed without their grace)."""
+    signals: dict[int, int] = {}
     for user in found:
+        if user.stop:
+            if by and user.request:
+                with contextlib.suppress(OSError):
+                    Path(user.request).write_text(by + "\n")
+            signals[user.pid] = signal.SIGINT
+        signals.setdefault(user.pid, signal.SIGTERM)
+    for pid, signum in signals.items():
         with contextlib.suppress(ProcessLookupError):
-            os.kill(user.pid, signal.SIGTERM)
+            os.kill(pid, signum)
     deadline = time.monotonic() + timeout
     left = users(state, pod)
     while left and time.monotonic() < deadline:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tpupod import settings
-from tpupod.errors import GcpError, UsageError
+from tpupod.errors import GcpError, GcpRefused, UsageError
 from tpupod.extras import require
 from tpupod.fanout.report import notice
 from tpupod.pod.record import Pod, Worker
@@ -111,7 +111,7 @@ class GcpProvider:
                 if not _passing(exc) or spent >= budget:
                     raise _after_retries(exc, spent) if tries else exc  # noqa: B904
                 if not tries:
-                    self.progress(f"{exc}; retrying for up to {budget:.0f}s")
+                    self.progress(f"{str(exc).rstrip('.')}; retrying for up to {budget:.0f}s")
                 await asyncio.sleep(min(_backoff(tries), budget - spent))
                 tries += 1
                 continue
@@ -155,7 +155,7 @@ class GcpProvider:
             raise GcpError(
                 f"TPU {spec.name!r} is {found}: --recreate replaces a preempted or failed one",
                 hint=f"it is not broken; to replace it anyway: 'tpupod down --pod {spec.name}', "
-                "then 'tpupod up' again",
+                f"then '{spec.up_command()}'",
             )
         raise GcpError(
             f"a TPU named {spec.name!r} already exists ({found})",
@@ -452,6 +452,7 @@ ROLE_HINT = "the account needs roles/tpu.admin on the project, and the TPU API e
 QUOTA_HINT = "ask for TPU quota in this zone, try another zone, or use --capacity spot"
 EXISTS_HINT = "pick another --name, or 'tpupod up --adopt NAME' to record that TPU"
 ARGUMENT_HINT = "check the type, the zone and the runtime version"
+REFUSED = ("PermissionDenied", "Forbidden", "ResourceExhausted", "TooManyRequests")
 API_HINTS = {
     "PermissionDenied": ROLE_HINT,
     "Forbidden": ROLE_HINT,
@@ -475,10 +476,11 @@ def _api_errors(name: str) -> Iterator[None]:
         yield
     except exceptions.GoogleAPICallError as exc:
         reason = type(exc).__name__
-        raise GcpError(
-            f"Cloud TPU API ({name}): {reason}: {_without_url(exc.message)}",
-            hint=API_HINTS.get(reason, "'tpupod status' shows the TPU's state"),
-        ) from exc
+        message = f"Cloud TPU API ({name}): {reason}: {_without_url(exc.message)}"
+        hint = API_HINTS.get(reason, "'tpupod status' shows the TPU's state")
+        if reason in REFUSED:
+            raise GcpRefused(message, hint, quota=hint == QUOTA_HINT) from exc
+        raise GcpError(message, hint=hint) from exc
     except requests.RequestException as exc:
         raise GcpError(
             f"Cloud TPU API ({name}): no answer: {exc}", hint="check the network and try again"

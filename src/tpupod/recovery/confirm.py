@@ -60,10 +60,12 @@ async def with_budget(
             tries += 1
             delay = another_try(policy, tries, started)
             if delay is None:
-                notice(f"{what}: no answer within the budget ({exc}); not a preemption")
+                said = str(exc).rstrip(".")  # the API's message may end a sentence
+                notice(f"{what}: no answer within the budget ({said}); not a preemption")
                 return None
             if tries == 1:
-                notice(f"{what}: {exc}; retrying for up to {policy.probe_s:.0f}s")
+                said = str(exc).rstrip(".")
+                notice(f"{what}: {said}; retrying for up to {policy.probe_s:.0f}s")
             await asyncio.sleep(delay)
             continue
         if tries:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpupod import settings
-from tpupod.errors import TpupodError, UsageError
+from tpupod.errors import GcpError, TpupodError, UsageError
 from tpupod.fanout.context import Interrupt, NoticeHandler
 from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
 from tpupod.fanout.worker import LineHandler
@@ -31,7 +31,7 @@ from tpupod.pod.spec import GcpPodSpec
 from tpupod.pod.state import StateDir
 from tpupod.providers import GONE, provider_for
 from tpupod.recovery import confirm
-from tpupod.recovery.policy import Cause, Counters, RetryPolicy
+from tpupod.recovery.policy import Cause, Counters, RetryPolicy, counted
 from tpupod.recovery.record import RecoveryRecord
 from tpupod.recovery.replace import recreate, rerun_setup, timed
 
@@ -56,6 +56,7 @@ class Ending:
     exit_code: int
     detail: str = ""
     silent: tuple[int, ...] = ()  # workers still silent at the end of the probe budget
+    error: TpupodError | None = None  # what ended a FATAL attempt (the run ends with it)
 
 
 class Recovery:
@@ -85,7 +86,8 @@ class Recovery:
     async def run(self, *, resumed: bool = False) -> int:
         self.record.hold(self.state)  # one recovery of a pod at a time
         try:
-            return await self._attempts(resumed)
+            with self.record.using(self.state):  # 'tpupod down' refuses it, in every phase
+                return await self._attempts(resumed)
         finally:
             self.state.release(self.record.pod)
 
@@ -155,6 +157,9 @@ class Recovery:
         except UsageError:
             raise
         except TpupodError as exc:
+            if exc.lasting and not self.interrupt.requested.is_set():
+                where = f"during {self.record.phase}: {exc}"
+                return Ending(Cause.FATAL, exc.exit_code or 1, where, error=exc)
             return await self._classify_error(exc)
 
     async def _launch(self, phases: dict[str, float], resumed: bool) -> Ending:
@@ -165,6 +170,7 @@ class Recovery:
             **({"TPUPOD_RESUMED": "1"} if resumed else {}),
         }
         inner = Interrupt()
+        inner.who = self.record.cancelled_by  # the attempt's summary names who cancelled it
         preempted: list[str] = []
 
         def on_preempted(state: str) -> None:
@@ -215,9 +221,11 @@ class Recovery:
             waiting.cancel()
 
     def _stopped_by(self) -> str:
-        """Who stopped the run: 'tpupod cancel' (it leaves a file first), or our signal."""
-        if self.record.cancel_file.exists():
-            return "cancelled by 'tpupod cancel'"
+        """Who stopped the run: 'tpupod cancel' or 'tpupod down --force' (they leave a file
+        first), or our signal."""
+        by = self.record.cancelled_by()
+        if by is not None:
+            return f"cancelled by {by}"
         if self.interrupt.signal == signal.SIGTERM:
             return "terminated (SIGTERM)"
         return "interrupted (Ctrl-C)"
@@ -384,6 +392,8 @@ class Recovery:
         if ending.cause is Cause.PREEMPTED and self.record.options.get("created"):
             self.notice(f"deleting {self.pod.name!r}: preempted, and the recovery made it")
             await provider_for(self.pod.provider).destroy(self.pod, self.state)
+        if ending.error is not None:
+            raise _ends_the_run(self.record.run_id, ending.error)
         if ending.silent:
             raise HostsSilent(self.record, ending, self.pod)
         if ending.cause in (Cause.PREEMPTED, Cause.LOST):
@@ -403,6 +413,17 @@ async def delete_unfinished(record: RecoveryRecord, state: StateDir) -> str | No
     return pod.name
 
 
+def _ends_the_run(run_id: str, error: TpupodError) -> TpupodError:
+    """The error an attempt ended with that no rerun fixes: as a plain run says it; a cloud
+    refusal (quota, permission: fixed outside the run) also says how to go on after."""
+    if not isinstance(error, GcpError):
+        return error
+    resume = f"'tpupod run --resume {run_id}' goes on from its checkpoint"
+    ended = GcpError(f"run {run_id}: {error.message}", hint=f"{error.hint}; then {resume}")
+    ended.lasting = True
+    return ended
+
+
 class _Interrupted(Exception):
     """Ctrl-C or cancel during a recovery phase."""
 
@@ -416,8 +437,8 @@ class RetriesSpent(TpupodError):
         run = record.run_id
         if policy.retries:
             what = (
-                f"run {run}: {ending.cause} again after {policy.retries} "
-                f"recover{'y' if policy.retries == 1 else 'ies'} (--retries {policy.retries})"
+                f"run {run}: {ending.cause} again after "
+                f"{counted(policy.retries, 'recovery', 'recoveries')} (--retries {policy.retries})"
             )
         else:
             what = f"run {run}: {ending.cause} ({ending.detail}); not rerun without --retries"

@@ -20,6 +20,9 @@ class Cause(enum.StrEnum):
     LOST = "lost worker"  # a worker stopped answering, no preemption confirmed
     LISTED = "listed exit code"  # the program exited with one of --retry-exit-codes
     ERROR = "program error"
+    # an error no rerun fixes (TpupodError.lasting: the API refused the create for quota or
+    # permission, the rendezvous cannot start): the run ends with it
+    FATAL = "error"
     INTERRUPTED = "interrupted"  # Ctrl-C, tpupod cancel
     LAUNCHER_LOST = "launcher lost"  # the launcher died during it (then --resume)
 
@@ -61,6 +64,12 @@ class Counters:
 
     def describe(self) -> str:
         return (
-            f"{self.recoveries} recoveries (preempted or lost), {self.error_reruns} reruns "
-            f"after errors, {self.listed_reruns} after listed exit codes"
+            f"{counted(self.recoveries, 'recovery', 'recoveries')} (preempted or lost), "
+            f"{counted(self.error_reruns, 'rerun', 'reruns')} after errors, "
+            f"{self.listed_reruns} after listed exit codes"
         )
+
+
+def counted(count: int, one: str, many: str) -> str:
+    """``1 recovery``, ``2 recoveries``."""
+    return f"{count} {one if count == 1 else many}"

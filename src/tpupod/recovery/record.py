@@ -11,9 +11,11 @@ before its record is made (or from its resume) to its end, so that a second run 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 from tpupod.base import procfs
 from tpupod.base.files import write_atomic
 from tpupod.errors import StateError, UsageError
+from tpupod.pod import users as podusers
 from tpupod.pod.names import new_launch_id
 from tpupod.pod.state import StateDir
 
@@ -101,6 +104,24 @@ class RecoveryRecord:
         """Hold the pod for this run (a UsageError when another run or command holds it)."""
         state.hold(self.pod, *_holding(self.pod, self.run_id))
 
+    @contextlib.contextmanager
+    def using(self, state: StateDir) -> Iterator[None]:
+        """This run is a user of its pod for the block (every phase: launch, run, recovery),
+        so that ``tpupod down`` refuses it, naming the run and its cancel, and ``down
+        --force`` cancels it (it writes the cancel file, then TERMs)."""
+        what, stop = _holding(self.pod, self.run_id)
+        with podusers.using(state, self.pod, what, stop=stop, request=self.cancel_file):
+            yield
+
+    def cancelled_by(self) -> str | None:
+        """Who cancelled the run ("'tpupod cancel'", "'tpupod down --force' (pid N)"), from
+        the cancel file; None when nobody did."""
+        try:
+            text = self.cancel_file.read_text().strip()
+        except OSError:
+            return None
+        return text if text.startswith("'") else "'tpupod cancel'"  # it wrote its pid only
+
     @property
     def current(self) -> AttemptRecord:
         return self.attempts[-1]
@@ -124,7 +145,8 @@ class RecoveryRecord:
 
     @property
     def cancel_file(self) -> Path:
-        """Left by 'tpupod cancel' before it interrupts the launcher: why it was stopped."""
+        """Left by 'tpupod cancel' (or 'tpupod down --force') before it interrupts the
+        launcher: who stopped it."""
         return self.path.parent / CANCEL_FILE
 
     @property
@@ -151,8 +173,8 @@ class RecoveryRecord:
             phases = ", ".join(f"{name} {secs:.1f}s" for name, secs in a.phases.items())
             cause = a.cause or f"running ({self.phase})"
             code = "" if a.exit_code is None else f", exit {a.exit_code}"
-            launch = a.launch_id or "-"
-            rows.append(f"attempt {a.attempt}: {cause}{code}; launch {launch}; {phases}")
+            parts = [f"attempt {a.attempt}: {cause}{code}", f"launch {a.launch_id or '-'}", phases]
+            rows.append("; ".join(part for part in parts if part))
         return rows
 
 

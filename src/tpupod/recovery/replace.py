@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from tpupod.errors import GcpError, TpupodError
+from tpupod.errors import GcpError, GcpRefused, TpupodError
 from tpupod.fanout.context import NoticeHandler
 from tpupod.fanout.worker import LineHandler
 from tpupod.ops.setup import setup
@@ -50,7 +50,8 @@ async def recreate(
     on_phase("delete")
     await timed(phases, "delete", delete_tpu(pod, state, notice))
     zones = [pod.spec.zone, *(z for z in policy.zones if z != pod.spec.zone)]
-    errors = []
+    errors: list[str] = []
+    refusals: list[GcpError] = []
     on_phase("create")
     for zone in zones:
         spec = pod.spec.model_copy(update={"zone": zone})
@@ -60,14 +61,30 @@ async def recreate(
             new = await timed(phases, "create", provider.create(spec, state, recreate=True))
         except GcpError as exc:
             errors.append(f"{zone}: {exc}")
+            refusals += [exc] if exc.lasting else []
             notice(f"{zone}: {exc}; trying the next zone" if zone != zones[-1] else str(exc))
             continue
         state.save(new)
         return new
-    raise GcpError(
-        f"could not create {pod.name!r} again: {'; '.join(errors)}",
-        hint="--zones z1,z2 lets the recovery try other zones",
-    )
+    failed = f"could not create {pod.name!r} again: {'; '.join(errors)}"
+    if len(refusals) == len(zones):  # refused everywhere: no retry changes that
+        raise GcpRefused(failed, _refused_hint(refusals[-1]), quota=_quota(refusals[-1]))
+    raise GcpError(failed, hint="--zones z1,z2 lets the recovery try other zones")
+
+
+def _quota(error: GcpError) -> bool:
+    return isinstance(error, GcpRefused) and error.quota
+
+
+def _refused_hint(error: GcpError) -> str:
+    """What to do about a create refused everywhere: quota to ask for, or zones to add; the
+    account's permissions."""
+    if _quota(error):
+        return (
+            "ask for more TPU quota (https://console.cloud.google.com/iam-admin/quotas), or "
+            "name zones that have it with --zones Z1,Z2"
+        )
+    return error.hint or "'tpupod status' shows the TPU's state"
 
 
 async def rerun_setup(

@@ -201,7 +201,8 @@ def _rerun_failed(record: RecoveryRecord, policy: RetryPolicy) -> None:
     if cause is Cause.ERROR and last.exit_code in policy.retry_exit_codes:
         cause = Cause.LISTED
     counters = Counters()
-    if not counters.allow(cause, policy):
+    # an error no rerun fixes (quota, permission) ended it: fixed since, it goes on as it was
+    if cause is not Cause.FATAL and not counters.allow(cause, policy):
         flag = {Cause.PREEMPTED: "--retries 1", Cause.LOST: "--retries 1"}.get(
             cause, "--retry-errors 1"
         )
@@ -230,7 +231,7 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
     if record.state in ("done", "failed", "cancelled"):
         return f"run {run_id} is already {record.state}"
     if procfs.alive(record.launcher_pid):
-        record.cancel_file.write_text(f"{os.getpid()}\n")  # so it says why, not "Ctrl-C"
+        record.cancel_file.write_text("'tpupod cancel'\n")  # so it says why, not "Ctrl-C"
         os.kill(record.launcher_pid, signal.SIGINT)
         deadline = time.monotonic() + CANCEL_WAIT_S
         ended = ("done", "failed", "cancelled")
