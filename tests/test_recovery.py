@@ -80,6 +80,18 @@ def test_a_listed_exit_code_is_rerun(
         "listed exit code",
         "ok",
     ]
+    # its id (what --resume and cancel take) can be found again: a trial found only launches
+    run_id = attempts_of(state_home, pod)["run_id"]
+    listed = cli("logs", "--pod", pod.name, "--list")
+    assert listed.code == 0, listed.err
+    # a launch's command as given, not behind the workdir's "cd /path &&"
+    assert "&& bash -c" not in listed.out.splitlines()[1], listed.out
+    section = listed.out.split("runs with --retries (--resume and cancel take these ids):\n")
+    assert len(section) == 2, listed.out
+    row = section[1].splitlines()[1].split()
+    assert row[0] == run_id and row[3] == "done" and row[4] == "2:", listed.out
+    unknown = cli("run", "--pod", pod.name, "--resume", "20990101-000000-abcdef")
+    assert unknown.code == 2 and "'tpupod logs --list' lists them" in unknown.err, unknown.err
     bad = cli("run", "--pod", pod.name, "--retry-exit-codes", "42,x", "--", "true")
     assert bad.code == 2 and "'x' is not an exit code" in bad.err and "Traceback" not in bad.err
 

@@ -144,7 +144,10 @@ class RendezvousClient:
             self._replies.put(message)
         self._replies.put(None)
         if not self._leaving:
-            _leave(f"{LEAVING} w{self.identity.id}: its launcher is gone (the rendezvous closed)")
+            # not "its launcher is gone": a launcher that stops a run for a lost worker
+            # closes the rendezvous too (a trial read it as the launcher dying)
+            closed = "the rendezvous closed (its launcher ended the run, or is gone)"
+            _leave(f"{LEAVING} w{self.identity.id}: {closed}")
 
 
 def _leave(why: str) -> NoReturn:

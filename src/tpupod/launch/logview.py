@@ -12,7 +12,7 @@ from tpupod.fanout.report import LinePrinter, print_columns
 from tpupod.fanout.results import RunState
 from tpupod.launch.records import RunRecord, get_run, read_logs, runs
 from tpupod.pod.state import StateDir
-from tpupod.recovery.record import find_recovery
+from tpupod.recovery.record import find_recovery, recoveries
 from tpupod.transport import OutputLine, Stream
 
 COMMAND_WIDTH = 60  # characters of a run's command in the list
@@ -82,10 +82,13 @@ def _standing(record: RunRecord) -> str:
 def list_runs(
     state: StateDir, pod: str, out: TextIO | None = None, err: TextIO | None = None
 ) -> None:
-    """One line per run, oldest first: its id, start, workers, how it stands, what it ran."""
+    """One line per run, oldest first: its id, start, workers, how it stands, what it ran;
+    then the ``--retries`` runs (the ids ``--resume`` and ``cancel`` take), each with its
+    state and launches."""
     out, err = out or sys.stdout, err or sys.stderr
     found = runs(pod, state)
-    if not found:
+    retried = recoveries(state, pod)
+    if not found and not retried:
         print(f"pod {pod!r} has no runs yet", file=err)
         return
     rows = [["run", "started", "workers", "state", "command"]]
@@ -95,4 +98,21 @@ def list_runs(
         if len(command) > COMMAND_WIDTH:
             command = command[: COMMAND_WIDTH - 1] + "…"
         rows.append([record.launch_id, started, str(len(record.workers)), record.state(), command])
-    print_columns(rows, out)
+    if found:
+        print_columns(rows, out)
+    if retried:
+        if found:
+            print(file=out)
+        print("runs with --retries (--resume and cancel take these ids):", file=out)
+        table = [["run", "started", "state", "attempts", "command"]]
+        for retry in retried:
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(retry.started))
+            state_said = retry.state if retry.ended else f"{retry.state} ({retry.phase})"
+            launches = ", ".join(a.launch_id for a in retry.attempts if a.launch_id) or "-"
+            command = " ".join(retry.command)
+            if len(command) > COMMAND_WIDTH:
+                command = command[: COMMAND_WIDTH - 1] + "…"
+            table.append(
+                [retry.run_id, started, state_said, f"{len(retry.attempts)}: {launches}", command]
+            )
+        print_columns(table, out)

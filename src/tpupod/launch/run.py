@@ -203,6 +203,7 @@ async def run(
         # `tpupod run -- python examples/x.py` means what it says.
         workdir = shlex.quote(os.getcwd())
     launch_id = new_launch_id()
+    given = command  # what the run's record and 'logs --list' show: the user's command
     command = _in_workdir(command, workdir, container, launch_id)
     token = secrets.token_hex(16)
     # Workers report their own failures to the rendezvous before JAX's shutdown can hold
@@ -240,7 +241,7 @@ async def run(
     run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
     # Once one fails and the others are stopped, their fall stays in the logs.
     collateral = collateral_in_logs_only and OnFail(policy.on_fail) is OnFail.KILL
-    log_to = _RunLog(launch, command, selected, supervision if collateral else None, notice)
+    log_to = _RunLog(launch, given, selected, supervision if collateral else None, notice)
     log_to.record["job"] = _job_of(env or {})
     # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
     using = podusers.using(state, pod.name, f"tpupod run {launch_id}")

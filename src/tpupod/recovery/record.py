@@ -93,7 +93,8 @@ class RecoveryRecord:
         except FileNotFoundError:
             raise UsageError(
                 f"run {run_id!r} of pod {pod!r} has no recovery record",
-                hint="RUN is the id that 'tpupod run --retries' printed first",
+                hint="RUN is the id that 'tpupod run --retries' printed first "
+                "('tpupod logs --list' lists them)",
             ) from None
         except (OSError, ValueError) as exc:
             raise StateError(f"cannot read {path}: {exc}", hint="it may be damaged") from exc
@@ -188,6 +189,12 @@ def find_recovery(state: StateDir, pod: str, run_id: str | None) -> RecoveryReco
     if run_id is None or not (state.pod_dir(pod) / RUNS_DIR / run_id / RECORD_FILE).is_file():
         return None
     return RecoveryRecord.load(state, pod, run_id)
+
+
+def recoveries(state: StateDir, pod: str) -> list[RecoveryRecord]:
+    """The pod's ``--retries`` runs, oldest first (run ids sort by their start)."""
+    found = sorted((state.pod_dir(pod) / RUNS_DIR).glob(f"*/{RECORD_FILE}"))
+    return [RecoveryRecord.load(state, pod, path.parent.name) for path in found]
 
 
 def latest_recovery(state: StateDir, pod: str) -> RecoveryRecord | None:
