@@ -88,6 +88,26 @@ def test_help_says_what_each_option_is() -> None:
     assert "-t, --timeout S " in help_of("jobs", "submit")  # as exec's and run's
 
 
+EVERY_COMMAND = [
+    [*words.split()]
+    for words in (
+        "up", "list", "status", "hosts", "exec", "put", "get", "sync", "setup", "run", "logs",
+        "cancel", "jobs submit", "jobs ls", "jobs worker", "jobs serve", "serve up",
+        "serve status", "serve logs", "fanout", "image build", "bench checkpoint", "extract",
+        "dashboard", "free-tpu", "down",
+    )
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", EVERY_COMMAND, ids=" ".join)
+def test_help_names_values_as_a_user_reads_them(command: list[str]) -> None:
+    """A trial: typer's type labels leaked (`--pod <str>`, `--retries <int>`, `-- CMD...
+    <list[str]>`, `<float range>`); each value is named (POD, N, S, PORT, PATH, kill|wait)."""
+    shown = help_of(*command)
+    for label in ("<str>", "<int", "<float", "<list[", "<path>", "<bool>"):
+        assert label not in shown, (label, shown)
+
+
 def test_typer_builds_only_what_the_call_needs() -> None:
     load_commands(["--help"])
     listing = typer.main.get_command(app_for(None))

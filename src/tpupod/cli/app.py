@@ -26,7 +26,7 @@ from typer._click.exceptions import (
     NoSuchOption,
     UsageError,
 )
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from typer.models import CommandInfo, TyperInfo
 
 from tpupod import __version__
@@ -79,6 +79,44 @@ class Command(TyperCommand):
             if exc.ctx is None:
                 exc.ctx = ctx
             raise
+
+    def format_help(self, ctx: Context, formatter: Any) -> None:
+        """Help where each value is named as a person reads it (typer showed its types:
+        ``--pod <str>``, ``--retries <int>``, ``-- CMD... <list[str]>``)."""
+        for param in self.params:
+            if isinstance(param, TyperArgument):
+                param.__class__ = _NamedArgument  # its metavar says it; no type after it
+            elif isinstance(param, TyperOption) and param.metavar is None and not param.is_flag:
+                param.metavar = None if param.count else readable_metavar(param, ctx)
+        super().format_help(ctx, formatter)
+
+
+class _NamedArgument(TyperArgument):
+    """An argument shown by its metavar alone (``-- CMD...``), without typer's type label."""
+
+    def display_type_rich(self, ctx: Context) -> str | None:
+        return None
+
+
+# float options that are durations in seconds, by a word of their name
+SECONDS_WORDS = ("timeout", "interval", "lease", "backoff", "grace", "wait", "every", "notice")
+
+
+def readable_metavar(option: TyperOption, ctx: Context) -> str:
+    """A value's name for help: its choices (``kill|wait``), ``N``, ``PORT``, ``S`` (seconds),
+    ``X``, ``PATH``, else the last word of the option's name (``--tpu-type``: ``TYPE``)."""
+    label = option.display_type(ctx).strip("<>")
+    name = max(option.opts, key=len).lstrip("-")
+    word = name.rsplit("-", 1)[-1].upper()
+    if "|" in label:
+        return label
+    if label.startswith("int"):
+        return "PORT" if "port" in name else "N"
+    if label.startswith("float"):
+        return "S" if any(w in name for w in SECONDS_WORDS) else "X"
+    if label == "path":
+        return "PATH"
+    return word
 
 
 def report_usage_error(exc: ClickException) -> int:
