@@ -185,3 +185,21 @@ def test_a_run_on_workers_that_do_not_start_at_0_prints_their_output(
     result = cli("run", "--pod", pod.name, "-w", "2,3", "--", "echo", "hi")
     assert result.code == 0, result.err
     assert sorted(result.out.splitlines()) == ["[w0] hi", "[w1] hi"]
+
+
+def test_an_ssh_pod_of_two_slices_of_two_hosts(
+    make_ssh_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    pod = make_ssh_pod(4, slices=2)
+    addresses = [w.internal_address for w in pod.workers]
+    assert [w.slice for w in pod.workers] == [0, 0, 1, 1]
+    result = cli("run", "--pod", pod.name, "--", PYTHON, "-c", SHOW_ENV, timeout=60)
+    assert result.code == 0, result.err
+    seen = envs(result)
+    for worker, env in seen.items():
+        assert env["TPUPOD_WORKER_ID"] == str(worker)
+        assert env["MEGASCALE_SLICE_ID"] == env["TPUPOD_SLICE_ID"] == str(worker // 2)
+        assert env["MEGASCALE_COORDINATOR_ADDRESS"] == f"{addresses[0]}:8080"
+        mine = addresses[2 * (worker // 2) : 2 * (worker // 2) + 2]
+        assert env["TPU_WORKER_HOSTNAMES"] == ",".join(mine)
+    assert sorted(seen) == [0, 1, 2, 3]
