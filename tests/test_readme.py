@@ -32,6 +32,7 @@ TOUR = "A tour of the CLI"
 SSH = "SSH pods: hosts that already exist"
 GCP = "Cloud TPUs: no gcloud needed"
 RUN = "Lockstep programs: `tpupod run`"
+SLICES = "Slices: one run across several slices"
 JOBS = "Queued jobs: `tpupod jobs`"
 BENCH = "Checkpoint benchmarks: `tpupod bench checkpoint`"
 EXTRACT = "Activation extraction: `tpupod extract`"
@@ -239,7 +240,7 @@ def take_down(env: dict[str, str], *pods: str) -> None:
 
 
 def test_every_command_is_run_or_listed_with_a_reason() -> None:
-    known = {TOP, INSTALL, TOUR, SSH, GCP, RUN, BENCH, JOBS, EXTRACT, SERVE}
+    known = {TOP, INSTALL, TOUR, SSH, GCP, RUN, SLICES, BENCH, JOBS, EXTRACT, SERVE}
     found = blocks()
     assert set(found) <= known, f"README blocks this test does not run: {set(found) - known}"
     listed = {(heading, command.key) for heading, cmds in found.items() for command in cmds}
@@ -310,6 +311,18 @@ def test_lockstep_run_and_logs(state_home: Path) -> None:
     finally:
         take_down(env, "dev")
     assert "[w1]" in logs.stdout and "[w0]" not in logs.stdout
+
+
+@pytest.mark.local
+@pytest.mark.timeout(300)
+def test_slices(state_home: Path) -> None:
+    env = environment()
+    try:
+        _up, run, exec_, _down = run_block(SLICES, Setting(REPO, env))
+    finally:
+        take_down(env, "ms")
+    assert "mesh {'data': 2, 'fsdp': 4}" in run.stdout
+    assert sorted(exec_.stdout.split()) == ["1", "1", "[w2]", "[w3]"]
 
 
 @pytest.mark.local

@@ -15,6 +15,7 @@ A program started on every worker by ``tpupod run`` meets the others with::
 
     identity = tpupod.init_jax()        # rendezvous, then jax.distributed.initialize
     tpupod.assert_same(config, "config")  # raises on every worker if one differs
+    mesh = tpupod.mesh(ici={"fsdp": -1}, dcn={"data": -1})  # within and across slices
 
 and the launcher reads its runs back with ``tpupod.get_run("dev")`` (the latest)
 or ``tpupod.runs("dev")`` (all, oldest first). A program run with ``--retries`` resumes
@@ -48,6 +49,7 @@ __all__ = [
     "get_run",
     "init_jax",
     "latest_checkpoint",
+    "mesh",
     "pod_status",
     "rendezvous",
     "runs",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from tpupod.launch.client import assert_same, rendezvous
     from tpupod.launch.identity import worker
     from tpupod.launch.jaxinit import init_jax
+    from tpupod.launch.mesh import mesh
     from tpupod.launch.records import RunOutcome, RunRecord, get_run, runs
     from tpupod.ops.status import PodStatus, WorkerStatus, pod_status
     from tpupod.pod.record import Pod, Worker
@@ -85,6 +88,7 @@ _LAZY = {
     "rendezvous": "tpupod.launch.client",
     "assert_same": "tpupod.launch.client",
     "init_jax": "tpupod.launch.jaxinit",
+    "mesh": "tpupod.launch.mesh",
     "RunRecord": "tpupod.launch.records",
     "RunOutcome": "tpupod.launch.records",
     "runs": "tpupod.launch.records",

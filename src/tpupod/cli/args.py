@@ -247,7 +247,7 @@ WORKER = opt(
     "--worker",
     "-w",
     metavar="SEL",
-    help="Workers to use, e.g. 0,2-3 (default: all).",
+    help="Workers to use, e.g. 0,2-3, or a pod's slices: s1, s0-1 (default: all).",
     show_default=False,
 )
 TIMEOUT = opt(

@@ -45,13 +45,23 @@ def up(
             show_default=False,
         ),
     ] = None,
+    slices: Annotated[
+        int | None,
+        typer.Option(
+            "--slices",
+            metavar="S",
+            help="Split the workers, in order, into S slices of the same size.",
+            show_default=False,
+        ),
+    ] = None,
     ssh: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             "--ssh",
             metavar="HOST[,HOST...]",
             show_default=False,
-            help="Existing hosts over SSH, [user@]host[:port]; worker ids follow the order.",
+            help="Existing hosts over SSH, [user@]host[:port]; worker ids follow the order. "
+            "Given again: one slice each.",
         ),
     ] = None,
     user: Annotated[
@@ -191,6 +201,8 @@ def up(
 
       tpupod up --name lab --ssh root@10.0.0.5,root@10.0.0.6 --key ~/.ssh/id_ed25519
 
+      tpupod up --name ms --local 4 --slices 2     # 2 slices of 2 workers
+
       tpupod up -f tpupod.yaml --name dev-2      # flags override the file
     """
     given = dict(locals())  # first: the parameters, named as UpFlags' fields
@@ -218,7 +230,7 @@ def _up_flags(given: dict[str, Any]) -> UpFlags:
     from tpupod.pod.spec import UpFlags
 
     flags = {k: v for k, v in given.items() if k not in ("dry_run", "recreate")}
-    for repeated in ("tags", "labels", "env"):
+    for repeated in ("ssh", "tags", "labels", "env"):
         flags[repeated] = tuple(flags[repeated] or ())
     return UpFlags(**flags)
 
@@ -341,7 +353,8 @@ def list_pods(
 
 @command("hosts")
 def hosts(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
-    """Show every worker: id, hostname, internal and external address (nothing is contacted).
+    """Show every worker: id, slice (on a pod of slices), hostname, internal and external
+    address (nothing is contacted).
 
     Examples:
 
@@ -355,11 +368,11 @@ def hosts(pod: PodOption = None, output: FormatOption = Format.TEXT) -> None:
     if output is Format.JSON:
         print(json.dumps([w.model_dump(exclude={"workdir"}) for w in target.workers], indent=2))
         return
-    rows = [("WORKER", "HOSTNAME", "INTERNAL", "EXTERNAL")]
-    rows += [
-        (str(w.id), w.hostname, w.internal_address, w.external_address or "-")
-        for w in target.workers
-    ]
+    sliced = target.slices > 1
+    rows = [("WORKER", *(("SLICE",) if sliced else ()), "HOSTNAME", "INTERNAL", "EXTERNAL")]
+    for w in target.workers:
+        where = (str(w.slice),) if sliced else ()
+        rows.append((str(w.id), *where, w.hostname, w.internal_address, w.external_address or "-"))
     _print_columns(rows)
 
 

@@ -341,6 +341,7 @@ async def run_on(
     guard: bool = False,
     supervision: Supervision | None = None,
     chatter: Callable[[Worker], Callable[[str], str | None]] | None = None,
+    worker_env: Callable[[Worker], dict[str, str]] | None = None,
 ) -> FanoutResult:
     """Run ``command`` (a bash command line) on the selected workers of the context's pod
     at once, its output to the context's sinks; returns when every worker's command has
@@ -352,7 +353,7 @@ async def run_on(
     cleaner of its lines (it may keep state from one line to the next) that takes a
     runtime's own noise out of a line, or returns None for a line of nothing else:
     ``on_line`` still gets every line as it came, the summary's last lines only what the
-    cleaner kept.
+    cleaner kept. ``worker_env`` gives each worker variables of its own (``env`` wins).
     """
     pod, sinks = ctx.pod, ctx.sinks
     provider = provider_for(pod.provider)
@@ -362,9 +363,10 @@ async def run_on(
         sinks.on_notice(f"warning: {short}")
     runs = []
     for worker in selected:
-        worker_env = worker_environment(pod, worker, env, provider)
+        own = worker_env(worker) if worker_env is not None else {}
+        environment = worker_environment(pod, worker, {**own, **(env or {})}, provider)
         transport = ctx.connector.transport(worker)
-        run = WorkerRun(worker, transport, command, worker_env, sinks.on_line, guard=guard)
+        run = WorkerRun(worker, transport, command, environment, sinks.on_line, guard=guard)
         run.chatter = chatter(worker) if chatter is not None else None
         runs.append(run)
     fanout = _Fanout(

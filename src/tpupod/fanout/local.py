@@ -49,10 +49,10 @@ def local_env(record: dict[str, Any], index: int, extra: dict[str, str]) -> dict
     ``worker_env`` + ``extra``), from the raw record; tests compare it with the full path's."""
     workers, spec = record["workers"], record["spec"]
     addresses = [str(w["internal_address"]) for w in workers]
+    slices = [w.get("slice") for w in workers]
+    name, uid = str(record["name"]), str(record.get("uid", ""))
     return {
-        **identity_env(
-            str(record["name"]), str(record.get("uid", "")), int(workers[index]["id"]), addresses
-        ),
+        **identity_env(name, uid, int(workers[index]["id"]), addresses, slices),
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": str(spec["devices_per_worker"]),
         **{str(k): str(v) for k, v in spec.get("env", {}).items()},

@@ -9,7 +9,7 @@ from tpupod import settings
 from tpupod.base.plain import TYPE_CHECKING
 from tpupod.errors import TpupodError
 from tpupod.extras import for_missing_module
-from tpupod.fanout.results import RunState
+from tpupod.fanout.results import RunState, place, slice_of
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
@@ -139,21 +139,28 @@ def _span(run: list[WorkerResult]) -> str:
 
 
 def _table(result: FanoutResult, file: TextIO, paint: Callable[[str, str], str]) -> list[str]:
-    """The per-worker rows, under their header."""
-    lines: list[str] = []
-    header = ("worker", "host", "result", "time")
+    """The per-worker rows, under their header (with each worker's slice on a pod of slices)."""
+    sliced = any(slice_of(r.worker) is not None for r in result.workers)
+    header = ("worker", *(("slice",) if sliced else ()), "host", "result", "time")
     rows = [
-        (r.worker.label, r.worker.hostname, r.outcome_text(), format_duration(r.duration))
+        (
+            r.worker.label,
+            *((str(slice_of(r.worker)),) if sliced else ()),
+            r.worker.hostname,
+            r.outcome_text(),
+            format_duration(r.duration),
+        )
         for r in result.workers
     ]
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
     room = max(16, min(LAST_LINE_WIDTH, _width(file) - sum(widths) - 2 * len(widths)))
-    lines.append(paint("1", _join(header, widths) + "  last line"))
+    lines = [paint("1", _join(header, widths) + "  last line")]
+    outcome_at = header.index("result")
     for r, row in zip(result.workers, rows, strict=True):
-        label = paint(str(worker_color(r.worker.id)), row[0].ljust(widths[0]))
-        outcome = paint("32" if r.ok else "31", row[2].ljust(widths[2]))
-        cells = "  ".join([label, row[1].ljust(widths[1]), outcome, row[3].ljust(widths[3])])
-        lines.append(f"{cells}  {_clip(r.last_line, room)}".rstrip())
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+        cells[0] = paint(str(worker_color(r.worker.id)), cells[0])
+        cells[outcome_at] = paint("32" if r.ok else "31", cells[outcome_at])
+        lines.append(f"{'  '.join(cells)}  {_clip(r.last_line, room)}".rstrip())
     return lines
 
 
@@ -181,7 +188,7 @@ def _verdict(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str
             paint(
                 "1;31",
                 (
-                    f"first failure: {first.worker.label} ({first.worker.hostname}) "
+                    f"first failure: {first.worker.label} ({place(first.worker)}) "
                     f"{first.outcome_text()}{why} after {format_duration(first.duration)}"
                 ),
             )

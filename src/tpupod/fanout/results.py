@@ -32,6 +32,19 @@ if TYPE_CHECKING:
 DEFAULT_GRACE_S = 5.0
 
 
+def slice_of(worker: WorkerLike) -> int | None:
+    """The worker's slice on a pod of several, else None (a light stand-in may have none)."""
+    found = getattr(worker, "slice", None)
+    return None if found is None else int(found)
+
+
+def place(worker: WorkerLike) -> str:
+    """Where a worker is, for a person: its host, and its slice on a pod of slices
+    (``slice 1, host-2``)."""
+    found = slice_of(worker)
+    return worker.hostname if found is None else f"slice {found}, {worker.hostname}"
+
+
 class OnFail(enum.StrEnum):
     KILL = "kill"
     WAIT = "wait"
@@ -259,7 +272,7 @@ class FanoutResult(Plain):
             if first.error
             else (f": {first.last_line}" if first.last_line else "")
         )
-        why = f"{first.worker.label} ({first.worker.hostname}) {first.outcome_text()}{said}"
+        why = f"{first.worker.label} ({place(first.worker)}) {first.outcome_text()}{said}"
         return Ending(RunState.FAILED, code, first_failure=first.worker.id, why=why)
 
     def raise_for_failures(self) -> FanoutResult:
@@ -269,7 +282,7 @@ class FanoutResult(Plain):
         assert first is not None, "a failed result names its first failure"
         raise FanoutFailed(
             f"{self.failed_count} of {len(self.workers)} workers did not succeed; "
-            f"first: w{first.worker.id} ({first.worker.hostname}) {first.outcome_text()}",
+            f"first: w{first.worker.id} ({place(first.worker)}) {first.outcome_text()}",
             self.exit_code(),
             self,
         )

@@ -33,6 +33,8 @@ class WorkerIdentity:
     coordinator: str | None = None  # host:port of JAX's coordinator (worker 0)
     launch_id: str | None = None
     pod: str | None = None
+    slice: int = 0  # on a pod of slices (tpupod's TPUPOD_SLICE_ID), else 0
+    slices: int = 1
 
     @property
     def is_coordinator(self) -> bool:
@@ -129,6 +131,8 @@ def _checked(
         coordinator=env.get("TPUPOD_COORDINATOR"),
         launch_id=env.get("TPUPOD_LAUNCH_ID"),
         pod=env.get("TPUPOD_POD"),
+        slice=_int(env, "TPUPOD_SLICE_ID", []) if "TPUPOD_SLICE_ID" in env else 0,
+        slices=_int(env, "TPUPOD_NUM_SLICES", []) if "TPUPOD_NUM_SLICES" in env else 1,
     )
 
 

@@ -153,7 +153,9 @@ def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
         folder=folder,
         launch_id=str(data["launch_id"]),
         command=str(data["command"]),
-        workers=tuple(WorkerBrief(int(w["id"]), str(w["hostname"])) for w in data["workers"]),
+        workers=tuple(
+            WorkerBrief(int(w["id"]), str(w["hostname"]), w.get("slice")) for w in data["workers"]
+        ),
         coordinator=str(data["coordinator"]),
         started=float(data["started"]),
         finished=None if data.get("finished") is None else float(data["finished"]),

@@ -50,6 +50,7 @@ from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
 from tpupod.ops.sync import shell_path, sync_local
 from tpupod.pod import users as podusers
+from tpupod.pod.identity import megascale_env
 from tpupod.pod.names import new_launch_id
 from tpupod.pod.record import Pod, Worker
 from tpupod.pod.spec import GcpPodSpec
@@ -66,6 +67,7 @@ STOP_FILE = "stop-request"  # who asks the launcher to stop (cancel, the dashboa
 # so a reader can tell a running launch from one whose launcher is gone (``records.py``).
 LAUNCHER_LOCK = "launcher.lock"
 PREFLIGHT_TIMEOUT_S = 30.0
+DEFAULT_MEGASCALE_PORT = 8080  # libtpu's own default for MEGASCALE_PORT
 RENDEZVOUS_START_S = 30.0
 CLOSE_GRACE_S = 1.0  # a service on worker 0 still serving a worker that hangs up late
 
@@ -179,6 +181,8 @@ async def run(
     pod, state, connector = ctx.pod, ctx.state, ctx.connector
     on_line, notice, interrupt = ctx.sinks.on_line, ctx.sinks.on_notice, ctx.sinks.interrupt
     selected = list(workers) if workers is not None else list(pod.workers)
+    # A run's identity is the selected workers, renumbered 0..N-1 in order (slices too).
+    sub_pod = pod.subset(selected)
     port = coordinator_port or _coordinator_port(pod)
     checks: list[Awaitable[object]] = [_preflight(pod, connector, selected, port)]
     if container is not None:  # at the same time: its fan-out costs no launch time then
@@ -232,8 +236,6 @@ async def run(
         "TPUPOD_RENDEZVOUS_TOKEN": token,
         "TPUPOD_COORDINATOR": launch.coordinator,
     }
-    # A run's identity is the selected workers, renumbered 0..N-1 in order.
-    sub_pod = pod if len(selected) == len(pod.workers) else _subset(pod, selected)
     workers_said = f"{len(selected)} worker{'s' if len(selected) != 1 else ''}"
     notice(f"launch {launch_id}: {workers_said}, logs in {launch.run_dir}")
     if on_launch is not None:
@@ -260,6 +262,7 @@ async def run(
                 guard=True,  # a supervised program never outlives its launcher
                 supervision=supervision,
                 chatter=lambda worker: TailCleaner(lambda: log.collateral(worker.id)),
+                worker_env=_megascale(sub_pod),
             )
         finally:
             await server.close()
@@ -451,8 +454,10 @@ class _Worker0Rendezvous:
 
 def _coordinator_port(pod: Pod) -> int:
     """Local pods share this machine: take a free port. Real hosts: the TPU firewall's port."""
-    if not pod.on_this_machine:
-        return DEFAULT_COORDINATOR_PORT
+    return _free_port() if pod.on_this_machine else DEFAULT_COORDINATOR_PORT
+
+
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -525,10 +530,20 @@ async def _sync(
     return result.expected
 
 
-def _subset(pod: Pod, selected: Sequence[Worker]) -> Pod:
-    """A pod of just the selected workers, numbered 0..N-1 (JAX wants dense process ids)."""
-    renumbered = tuple(w.model_copy(update={"id": i}) for i, w in enumerate(selected))
-    return pod.model_copy(update={"workers": renumbered})
+def _megascale(pod: Pod) -> Callable[[Worker], dict[str, str]] | None:
+    """Each worker's ``MEGASCALE_*`` variables on a pod of slices that tpupod made (local,
+    SSH): the coordinator is slice 0's worker 0 at its internal address. A multislice
+    queued resource gets them from GCP (its ``tpu-env``), which tpupod does not override."""
+    if pod.slices < 2 or isinstance(pod.spec, GcpPodSpec):
+        return None
+    first = pod.workers[0].internal_address
+    port = _free_port() if pod.on_this_machine else DEFAULT_MEGASCALE_PORT
+
+    def env(worker: Worker) -> dict[str, str]:
+        assert worker.slice is not None
+        return megascale_env(worker.slice, pod.slices, first, port)
+
+    return env
 
 
 class _Renumbered:
@@ -567,7 +582,7 @@ class _RunLog:
         self.record: dict[str, Any] = {
             "launch_id": launch.launch_id,
             "command": command,
-            "workers": [{"id": i, "hostname": w.hostname} for i, w in enumerate(workers)],
+            "workers": [_worker_entry(i, w) for i, w in enumerate(workers)],
             "coordinator": launch.coordinator,
             "started": time.time(),
             "finished": None,
@@ -681,6 +696,12 @@ class _RunLog:
 
     def _save(self) -> None:
         write_atomic(self.launch.run_dir / RUN_FILE, json.dumps(self.record, indent=2) + "\n")
+
+
+def _worker_entry(run_id: int, worker: Worker) -> dict[str, Any]:
+    """A worker in the run's record: its id in the run, its host, its slice (if any)."""
+    entry: dict[str, Any] = {"id": run_id, "hostname": worker.hostname}
+    return entry if worker.slice is None else {**entry, "slice": worker.slice}
 
 
 def _read_text(path: Path) -> str | None:

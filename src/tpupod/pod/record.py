@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import secrets
 import sys
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tpupod.errors import UsageError
 from tpupod.pod.choices import RECORD_VERSION
 from tpupod.pod.selection import select_ids
 from tpupod.pod.spec import PodSpec, SshHost
@@ -23,7 +25,9 @@ class Worker(BaseModel):
     internal_address: str
     external_address: str | None = None
     workdir: str | None = Field(default=None, description="the directory commands start in")
-    slice: int | None = Field(default=None, description="which slice of a multislice TPU")
+    slice: int | None = Field(
+        default=None, description="its slice, on a pod of several (a multislice TPU, --slices)"
+    )
     ssh: SshHost | None = Field(
         default=None, description="how to log in, for workers reached over SSH"
     )
@@ -34,6 +38,12 @@ class Worker(BaseModel):
     @property
     def label(self) -> str:
         return f"w{self.id}"
+
+
+def slice_of(worker: int, workers: int, slices: int) -> int | None:
+    """The slice of worker ``worker`` when ``workers`` are split in order into ``slices``
+    of the same size (slice 0's workers first); None on a pod of one slice."""
+    return worker // (workers // slices) if slices > 1 else None
 
 
 class Pod(BaseModel):
@@ -62,6 +72,11 @@ class Pod(BaseModel):
         return self.name, self.provider, str(len(self.workers)), created, self.spec.summary()
 
     @property
+    def slices(self) -> int:
+        """How many slices the pod has (1: no slices)."""
+        return len({w.slice for w in self.workers})
+
+    @property
     def on_this_machine(self) -> bool:
         """The workers are processes here (a local pod): they share this machine's files,
         Python, ports and container engine, so what holds for one holds for all."""
@@ -73,8 +88,29 @@ class Pod(BaseModel):
         return given or (sys.executable if self.on_this_machine else "python3")
 
     def select(self, selection: str | None) -> list[Worker]:
-        """The workers named by a selection such as ``"0,2-3"`` (``None`` or ``"all"``: all)."""
-        return [self.workers[i] for i in select_ids(selection, len(self.workers))]
+        """The workers a selection such as ``"0,2-3"`` or ``"s1"`` names (None, "all": all)."""
+        slices = [w.slice for w in self.workers]
+        return [self.workers[i] for i in select_ids(selection, len(self.workers), slices)]
+
+    def subset(self, selected: Sequence[Worker]) -> Pod:
+        """The pod a run on ``selected`` sees: just those workers, numbered 0..N-1 (JAX wants
+        dense process ids), their slices too (itself when all are selected). Slices of
+        different sizes are refused: JAX's process ids and a hybrid mesh need them equal."""
+        if len(selected) == len(self.workers):
+            return self
+        order = list(dict.fromkeys(w.slice for w in selected))
+        sizes = {s: sum(w.slice == s for w in selected) for s in order}
+        if len(set(sizes.values())) > 1:
+            said = ", ".join(f"{n} of slice {s}" for s, n in sizes.items())
+            raise UsageError(
+                f"the selected workers are {said}: a run over slices needs as many from each",
+                hint="select whole slices (-w s0-1), or the same number of workers from each",
+            )
+        renumbered = tuple(
+            w.model_copy(update={"id": i, "slice": order.index(w.slice) if order[1:] else None})
+            for i, w in enumerate(selected)
+        )
+        return self.model_copy(update={"workers": renumbered})
 
     def identity_env(self, worker: Worker) -> dict[str, str]:
         """The variables that tell a process which worker of which pod it is (see
@@ -82,4 +118,5 @@ class Pod(BaseModel):
         from tpupod.pod.identity import identity_env  # not for --help or a pod's reading
 
         addresses = [w.internal_address for w in self.workers]
-        return identity_env(self.name, self.uid, worker.id, addresses)
+        slices = [w.slice for w in self.workers]
+        return identity_env(self.name, self.uid, worker.id, addresses, slices)

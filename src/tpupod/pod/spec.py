@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -47,6 +48,18 @@ def _refuse_bool(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_refuse_bool)]
 Float = Annotated[float, BeforeValidator(_refuse_bool)]
+
+
+def check_slices(slices: int, workers: int | None) -> int:
+    """Slices hold the same number of workers each: ``slices`` must divide ``workers``
+    (None: the workers were invalid, and their own error is the one to show)."""
+    if workers is not None and workers % slices:
+        fits = [n for n in range(1, workers + 1) if workers % n == 0]
+        raise ValueError(
+            f"{workers} workers do not divide into {slices} slices of the same size "
+            f"(they divide into {', '.join(map(str, fits))})"
+        )
+    return slices
 
 
 def check_pod_name(name: str) -> str:
@@ -90,13 +103,27 @@ class LocalPodSpec(_SpecBase):
     devices_per_worker: Int = Field(
         default=1, ge=1, le=64, description="CPU devices JAX sees on each worker"
     )
+    slices: Int = Field(
+        default=1, ge=1, le=MAX_LOCAL_WORKERS, description="slices, each of workers/slices"
+    )
+
+    @field_validator("slices")
+    @classmethod
+    def _check_slices(cls, slices: int, info: ValidationInfo) -> int:
+        return check_slices(slices, info.data.get("workers"))
 
     def summary(self) -> str:
         workers = "s" if self.workers != 1 else ""
         devices = "s" if self.devices_per_worker != 1 else ""
         return (
-            f"{self.workers} local worker{workers}, {self.devices_per_worker} device{devices} each"
+            f"{self.workers} local worker{workers}{slices_text(self.slices)}, "
+            f"{self.devices_per_worker} device{devices} each"
         )
+
+
+def slices_text(slices: int) -> str:
+    """`` in 2 slices`` for a spec's summary (nothing for one slice)."""
+    return f" in {slices} slices" if slices > 1 else ""
 
 
 class SshHost(BaseModel):
@@ -144,6 +171,13 @@ class SshPodSpec(_SpecBase, _SshOptions):
     key: str | None = Field(
         default=None, description="private key file (default: ssh-agent, ~/.ssh)"
     )
+    slices: Int = Field(default=1, ge=1, le=4096, description="slices: the hosts in order")
+
+    @field_validator("slices")
+    @classmethod
+    def _check_slices(cls, slices: int, info: ValidationInfo) -> int:
+        hosts = info.data.get("hosts")
+        return check_slices(slices, None if hosts is None else len(hosts))
 
     @property
     def workers(self) -> int:
@@ -151,7 +185,7 @@ class SshPodSpec(_SpecBase, _SshOptions):
 
     def summary(self) -> str:
         hosts = f"{len(self.hosts)} host{'s' if len(self.hosts) != 1 else ''}"
-        return f"{hosts} over SSH, host keys {self.host_keys.value}"
+        return f"{hosts}{slices_text(self.slices)} over SSH, host keys {self.host_keys.value}"
 
     def repeated_hosts(self) -> list[str]:
         """A line for each host named more than once (same address and port)."""
@@ -288,6 +322,7 @@ FIELD_HINTS = {
     "zone": "a zone such as us-central2-b",
     "capacity": "one of on-demand (default), spot, preemptible, reserved, best-effort",
     "node_count": "the number of slices, 1 to 64",
+    "slices": "a number of slices that divides the workers: --local 4 --slices 2 makes 2 of 2",
     "api": "tpu-vm or queued-resource",
     "key": "the path of a private key file, e.g. ~/.ssh/id_ed25519",
     "user": "a login user name, e.g. root",
@@ -415,7 +450,8 @@ class UpFlags:
     name: str | None = None
     local: int | None = None
     devices_per_worker: int | None = None
-    ssh: str | None = None
+    slices: int | None = None
+    ssh: tuple[str, ...] = ()
     port: int | None = None
     user: str | None = None
     key: str | None = None
@@ -459,8 +495,8 @@ def flag(attribute: str) -> str:
 CHOOSERS = {"local": "local", "ssh": "ssh", "gcp": "gcp", "tpu_type": "gcp", "adopt": "gcp"}
 SSH_LOGIN_FLAGS = ("user", "key", "host_keys")
 KIND_FLAGS = {
-    "local": ("local", "devices_per_worker"),
-    "ssh": ("ssh", "port", *SSH_LOGIN_FLAGS),
+    "local": ("local", "devices_per_worker", "slices"),
+    "ssh": ("ssh", "port", "slices", *SSH_LOGIN_FLAGS),
     "gcp": (
         *("gcp", "tpu_type", "adopt", "zone", "project", "runtime_version", "capacity"),
         *("spot", "preemptible", "reserved", "best_effort", "node_count", "api", "network"),
@@ -481,7 +517,7 @@ CAPACITY_FLAGS = ("capacity", "spot", "preemptible", "reserved", "best_effort")
 FIELD_FLAGS = {
     "workers": "local",
     "hosts": "ssh",
-    **{name: name for name in ("name", "devices_per_worker", "env", *SSH_LOGIN_FLAGS)},
+    **{name: name for name in ("name", "devices_per_worker", "slices", "env", *SSH_LOGIN_FLAGS)},
     **{name: name for name in KIND_FLAGS["gcp"] if name not in (*CAPACITY_FLAGS, "gcp", "adopt")},
 }
 
@@ -572,8 +608,9 @@ def _flag_fields(flags: UpFlags, kind: str, adopted: Mapping[str, Any] | None) -
     fields |= {name: getattr(flags, name) for name in SSH_LOGIN_FLAGS}
     if kind == "local":
         fields |= {"workers": flags.local, "devices_per_worker": flags.devices_per_worker}
+        fields |= {"slices": flags.slices}
     elif kind == "ssh":
-        fields |= {"provider": "ssh", "hosts": _ssh_hosts(flags)}
+        fields |= {"provider": "ssh", "hosts": _ssh_hosts(flags), "slices": _ssh_slices(flags)}
     elif kind == "gcp":
         fields |= _gcp_fields(flags)
     if adopted is not None:
@@ -597,18 +634,45 @@ def _gcp_fields(flags: UpFlags) -> dict[str, Any]:
 
 
 def _ssh_hosts(flags: UpFlags) -> list[dict[str, Any]] | None:
-    """``--ssh`` (and ``--port`` for hosts that name none) as host fields."""
-    if flags.ssh is None:
+    """``--ssh`` (and ``--port`` for hosts that name none) as host fields: every ``--ssh``
+    in order (each one slice, when it is given more than once)."""
+    if not flags.ssh:
         if flags.port is not None:
             raise SpecError("--port goes with --ssh", hint="in a spec file, write host:port")
         return None
     if flags.port is not None and not 1 <= flags.port <= 65535:
         raise SpecError(f"--port: {flags.port} is not a port", hint="a port is 1 to 65535")
-    hosts = [parse_host(item.strip()) for item in flags.ssh.split(",") if item.strip()]
+    hosts = [host for group in _ssh_groups(flags) for host in group]
     for host in hosts:
         if flags.port is not None:
             host.setdefault("port", flags.port)
     return hosts
+
+
+def _ssh_groups(flags: UpFlags) -> list[list[dict[str, Any]]]:
+    return [[parse_host(item.strip()) for item in g.split(",") if item.strip()] for g in flags.ssh]
+
+
+def _ssh_slices(flags: UpFlags) -> int | None:
+    """The slices of an SSH pod: ``--slices N``, or one a ``--ssh`` when it is repeated
+    (each with as many hosts as the first; both given: they must agree)."""
+    groups = _ssh_groups(flags)
+    if len(groups) < 2:
+        return flags.slices
+    sizes = [len(group) for group in groups]
+    odd = next((i for i, size in enumerate(sizes) if size != sizes[0]), None)
+    if odd is not None:
+        raise SpecError(
+            f"--ssh: slice {odd} has {sizes[odd]} host{'s' if sizes[odd] != 1 else ''}, "
+            f"slice 0 has {sizes[0]}",
+            hint="every slice has the same number of hosts: give each --ssh as many",
+        )
+    if flags.slices is not None and flags.slices != len(groups):
+        raise SpecError(
+            f"--slices {flags.slices} but --ssh is given {len(groups)} times (one slice each)",
+            hint="leave out --slices, or give --ssh once with every host",
+        )
+    return len(groups)
 
 
 def _capacity(flags: UpFlags) -> Capacity | None:

@@ -42,13 +42,14 @@ _held: dict[str, int] = {}  # lock path -> its open descriptor, in this process
 
 
 class WorkerBrief(Plain):
-    """A worker as the fast paths know it: its id and host."""
+    """A worker as the fast paths know it: its id, host and slice."""
 
-    __slots__ = ("hostname", "id")
+    __slots__ = ("hostname", "id", "slice")
 
-    def __init__(self, id: int, hostname: str) -> None:
+    def __init__(self, id: int, hostname: str, slice: int | None = None) -> None:
         self.id = id
         self.hostname = hostname
+        self.slice = slice
 
     @property
     def label(self) -> str:
@@ -129,7 +130,10 @@ class StateDir:
         data = self.read_record(name)
         self._check_shape(name, data)
         try:
-            workers = tuple(WorkerBrief(int(w["id"]), str(w["hostname"])) for w in data["workers"])
+            workers = tuple(
+                WorkerBrief(int(w["id"]), str(w["hostname"]), _slice(w.get("slice")))
+                for w in data["workers"]
+            )
             return PodBrief(name, str(data["spec"]["provider"]), workers)
         except (KeyError, TypeError, ValueError) as exc:
             raise self._unreadable(name) from exc
@@ -296,3 +300,7 @@ class StateDir:
 def get_pod(name: str | None = None) -> Pod:
     """The pod named ``name`` from the state directory (or the only one)."""
     return StateDir().resolve(name)
+
+
+def _slice(value: object) -> int | None:
+    return None if value is None else int(value)  # type: ignore[call-overload]

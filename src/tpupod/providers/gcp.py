@@ -618,7 +618,7 @@ async def _workers(
                 internal_address=endpoint.ip_address,
                 external_address=endpoint.access_config.external_ip or None,
                 ssh=target,
-                slice=slice_id,
+                slice=slice_id if len(nodes) > 1 else None,  # a slice of a multislice TPU
                 login_shell=shell,
             )
         )

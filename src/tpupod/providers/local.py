@@ -15,7 +15,7 @@ import socket
 import time
 
 from tpupod.base import procfs
-from tpupod.pod.record import Pod, Worker
+from tpupod.pod.record import Pod, Worker, slice_of
 from tpupod.pod.spec import LocalPodSpec, PodSpec
 from tpupod.pod.state import StateDir
 from tpupod.transport.local import LocalConnector
@@ -33,7 +33,13 @@ class LocalProvider:
             workdir = state.pod_dir(spec.name) / "workers" / f"w{i}"
             workdir.mkdir(parents=True, exist_ok=True)
             workers.append(
-                Worker(id=i, hostname=hostname, internal_address=LOOPBACK, workdir=str(workdir))
+                Worker(
+                    id=i,
+                    hostname=hostname,
+                    internal_address=LOOPBACK,
+                    workdir=str(workdir),
+                    slice=slice_of(i, spec.workers, spec.slices),
+                )
             )
         return Pod(name=spec.name, spec=spec, workers=tuple(workers))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tpupod.errors import SpecError, TpupodError, WorkerError
 from tpupod.holder.client import stop_holder
-from tpupod.pod.record import Pod, Worker
+from tpupod.pod.record import Pod, Worker, slice_of
 from tpupod.pod.spec import GcpPodSpec, PodSpec, SshHost, SshPodSpec
 from tpupod.pod.state import StateDir
 from tpupod.transport.ssh import ConnectOptions, SshConnector, SshPool, probe
@@ -54,6 +54,7 @@ class SshProvider:
                 internal_address=host.address,
                 ssh=target,
                 login_shell=host.login_shell,
+                slice=slice_of(i, len(targets), spec.slices),
             )
             for i, (target, host) in enumerate(zip(targets, found, strict=True))
         ]

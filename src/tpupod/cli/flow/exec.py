@@ -96,7 +96,7 @@ def plan_exec(args: ExecArgs, state: StateDir) -> ExecPlan:
     """Check exec's arguments against the pod's record (a light read, no pydantic)."""
     name = state.resolve_name(args.pod)
     brief = state.load_brief(name)
-    ids = select_ids(args.worker, len(brief.workers))
+    ids = select_ids(args.worker, len(brief.workers), [w.slice for w in brief.workers])
     return ExecPlan(name, brief, ids, join_command(args.command), parse_env(args.env))
 
 

@@ -81,7 +81,7 @@ def run_recovering(args: RunArgs) -> int:
         pod = state.load(record.pod)
     else:
         pod = state.resolve(args.pod)
-    pod.select(args.worker)
+    pod.subset(pod.select(args.worker))
     policy = policy_of(args)
     options = _checked(args, pod, policy)  # bad input leaves no record behind
     if record is None:
@@ -120,7 +120,7 @@ def run_recovering(args: RunArgs) -> int:
         )
         return await recovery.run(resumed=bool(args.resume))
 
-    return run_live(pod.select(args.worker), False, body)
+    return run_live(pod.subset(pod.select(args.worker)).workers, False, body)
 
 
 def _checked(args: RunArgs, pod: Pod, policy: RetryPolicy) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def run_command(args: RunArgs) -> int:
 
         return run_recovering(args)
     target = StateDir().resolve(args.pod)
-    workers = target.select(args.worker)
+    workers = target.subset(target.select(args.worker)).workers  # as the run numbers them
     check_args(args, target)  # every option is checked before any work
     result = run_live(workers, False, lambda live: launch_attempt(args, target, live, {}, None))
     return report_attempt(args, result)
