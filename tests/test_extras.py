@@ -221,4 +221,5 @@ def test_init_jax_on_a_worker_without_jax_says_which_extra(
     said = "] error: 'tpupod.init_jax()' needs the jax extra on this worker (not installed: jax)"
     assert said in result.err and "] hint: pip install 'tpupod[jax]'" in result.err, result.err
     first = re.findall(r"^(w\d) .* exit 1 .*hint: pip install 'tpupod\[jax\]'$", result.err, re.M)
-    assert len(first) >= 1 and f"first failure: {first[0]} " in result.err, result.err
+    failed_first = re.search(r"^first failure: (w\d) ", result.err, re.M)
+    assert failed_first and failed_first.group(1) in first, result.err

@@ -243,7 +243,9 @@ def test_counts_have_one_correct_plural_and_an_attempt_line_no_dangling_separato
 def test_a_passing_api_failure_is_said_without_stray_punctuation(
     spot_api: TpuApiStandIn, cli: Callable[..., CliResult]
 ) -> None:
-    spot_api.unavailable(1.0)  # the API's message ends with a full stop
+    # the next create gets a 503 whose message ends with a full stop (a 1 s outage from
+    # now was over on a loaded machine before 'up' had started and made its first call)
+    spot_api.fail("POST", "queuedResources", "UNAVAILABLE", "The service is currently unavailable.")
     made = cli(*UP, "--name", "un", "--tpu-type", "v4-8", "--spot", timeout=60)
     assert made.code == 0, made.err
     assert "The service is currently unavailable; retrying for up to" in made.err, made.err

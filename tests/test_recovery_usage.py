@@ -191,19 +191,24 @@ def test_cancel_is_called_cancel_and_status_names_the_running_launch(
 ) -> None:
     pod = make_pod(workers=2)
     run = popen("run", "--pod", pod.name, "--retries", "1", "--", *stepper(tmp_path, 10_000))
-    wait_for((tmp_path / "1.step").exists, run, timeout=60)
-    record = record_of(state_home, pod)
-    [launch] = [p.name for p in (state_home / "pods" / pod.name / "runs").iterdir()
-                if (p / "run.json").exists()]  # fmt: skip
-    shown = cli("status", "--pod", pod.name).out
-    assert f"  attempt 1: running (run); launch {launch}; " in shown, shown
-    cancelled = cli("cancel", "--pod", pod.name, record["run_id"], timeout=60)
-    assert cancelled.code == 0, cancelled.err
-    _, err = run.communicate(timeout=60)
-    assert run.returncode == 130, err
-    assert "cancelled by 'tpupod cancel': stopping 2 workers" in err, err
-    assert "Ctrl-C" not in err
-    assert "attempt 1: interrupted (cancelled by 'tpupod cancel')" in err
+    try:
+        wait_for((tmp_path / "1.step").exists, run, timeout=60)
+        record = record_of(state_home, pod)
+        [launch] = [p.name for p in (state_home / "pods" / pod.name / "runs").iterdir()
+                    if (p / "run.json").exists()]  # fmt: skip
+        shown = cli("status", "--pod", pod.name).out
+        # the attempt's line as it stands: no phase times yet, so no dangling "; "
+        assert f"  attempt 1: running (run); launch {launch}\n" in shown, shown
+        cancelled = cli("cancel", "--pod", pod.name, record["run_id"], timeout=60)
+        assert cancelled.code == 0, cancelled.err
+        _, err = run.communicate(timeout=60)
+        assert run.returncode == 130, err
+        assert "cancelled by 'tpupod cancel': stopping 2 workers" in err, err
+        assert "Ctrl-C" not in err
+        assert "attempt 1: interrupted (cancelled by 'tpupod cancel')" in err
+    finally:  # a failed assertion must not leave the run (and its pipes) to a later test
+        run.kill()
+        run.communicate()
 
 
 @pytest.mark.timeout(60)
