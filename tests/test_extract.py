@@ -250,7 +250,7 @@ def test_the_help_says_where_extraction_runs_without_pod(cli: Callable[..., CliR
     """--pod's help said "(default: the only pod)", yet without it this machine extracts."""
     shown = " ".join(_ok(cli("extract", "--help")).out.split())
     assert "the only pod" not in shown, shown
-    assert "--pod <str> Run on every worker of this pod (default: on this machine alone)" in shown
+    assert "--pod POD Run on every worker of this pod (default: on this machine alone)" in shown
 
 
 # ---- ARC ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import socket
@@ -462,7 +463,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         )  # fmt: skip
         assert up.returncode == 0, up.stderr
         assert "2 replicas ready" in up.stderr
-        base = int(up.stderr.split("w0 :", 1)[1].split()[0])
+        # w0's own line (a follower's line naming its leader, "w0 :P)", may come first)
+        found = re.search(r"\bw0 :(\d+) \(replica 0\) ready", up.stderr)
+        assert found, up.stderr
+        base = int(found.group(1))
         for leader, follower, g in [(0, 1, 0), (2, 3, 1)]:  # a follower has no port
             port = base + 3 * g
             assert f"w{leader} :{port} (replica {g}) ready (" in up.stderr, up.stderr
