@@ -101,6 +101,18 @@ def described(proc: psutil.Process) -> str:
         return ""  # FileNotFoundError: psutil read /proc/PID/stat as the process went
 
 
+def wait_until(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
+    """Poll ``check`` until true; fail the test with ``run``'s output (killed) when it ends
+    first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"not reached:\n{out}\n{err}")
+        time.sleep(0.05)
+
+
 def wait_until_gone(pod_name: str, timeout: float = 3.0) -> list[psutil.Process]:
     """Processes of the pod still alive after ``timeout`` (the answer should be none)."""
     deadline = time.monotonic() + timeout

@@ -394,11 +394,9 @@ def test_preflight_refuses_when_the_accelerator_is_held(
     assert "started" not in result.out
 
 
-def test_logs_follow_a_running_launch(
-    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
-) -> None:
-    pod = make_pod(2)
-    program = "import time; print('one', flush=True); time.sleep(1.5); print('two', flush=True)"
+def start_quiet_run(pod: Pod, program: str, state_home: Path) -> subprocess.Popen[bytes]:
+    """``tpupod run -q`` of a Python ``program`` in the background, returned once its run
+    folder exists (so that ``logs`` finds it)."""
     run = subprocess.Popen(
         tpupod_argv("run", "--pod", pod.name, "-q", "--", PYTHON, "-c", program),
         stdout=subprocess.DEVNULL,
@@ -408,6 +406,15 @@ def test_logs_follow_a_running_launch(
     deadline = time.monotonic() + 10
     while not (runs_dir.exists() and any(runs_dir.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return run
+
+
+def test_logs_follow_a_running_launch(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    pod = make_pod(2)
+    program = "import time; print('one', flush=True); time.sleep(1.5); print('two', flush=True)"
+    run = start_quiet_run(pod, program, state_home)
     follow = cli("logs", "--pod", pod.name, "--follow", timeout=30)
     run.wait(timeout=30)
     assert sorted(follow.out.splitlines()) == ["[w0] one", "[w0] two", "[w1] one", "[w1] two"]
@@ -421,15 +428,7 @@ def test_logs_follow_ends_with_the_runs_exit_code(
     run as for one that went well)."""
     pod = make_pod(2)
     program = "import time; time.sleep(1); raise SystemExit(3)"
-    run = subprocess.Popen(
-        tpupod_argv("run", "--pod", pod.name, "-q", "--", PYTHON, "-c", program),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    runs_dir = state_home / "pods" / pod.name / "runs"
-    deadline = time.monotonic() + 10
-    while not (runs_dir.exists() and any(runs_dir.iterdir())) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    run = start_quiet_run(pod, program, state_home)
     follow = cli("logs", "--pod", pod.name, "--follow", timeout=30)
     assert run.wait(timeout=30) == 3
     assert follow.code == 3 and "ended with exit code 3" in follow.err, follow

@@ -5,7 +5,6 @@ waiting for capacity, and a launcher killed mid-recovery (then ``--resume``)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -13,22 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult
+from tests.conftest import CliResult, wait_until
 from tests.fakes.tpu_api import TpuApiStandIn
 from tests.test_recovery_gcp import UP, expected_value, record_of, shared_dir, spot_api, start_run
 from tpupod.sim import SimPod
 
 __all__ = ["shared_dir", "spot_api"]  # the fixtures, shared with test_recovery_gcp
-
-
-def wait_until(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if run.poll() is not None or time.monotonic() > deadline:
-            run.kill()
-            out, err = run.communicate()
-            pytest.fail(f"not reached:\n{out}\n{err}")
-        time.sleep(0.05)
 
 
 def running_attempt(state_home: Path, name: str, attempt: int, ckpt: Path) -> Callable[[], bool]:

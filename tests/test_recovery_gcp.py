@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv
+from tests.conftest import CliResult, tpupod_argv, wait_until
 from tests.fakes.tpu_api import TpuApiStandIn, on_sim_hosts
 from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
@@ -226,16 +226,6 @@ def runs_of(state_home: Path, name: str) -> list[dict[str, Any]]:
     """Every --retries run's record of the pod, oldest first."""
     paths = sorted((state_home / "pods" / name / "runs").glob("*/recovery.json"))
     return [json.loads(path.read_text()) for path in paths]
-
-
-def wait_until(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if run.poll() is not None or time.monotonic() > deadline:
-            run.kill()
-            out, err = run.communicate()
-            pytest.fail(f"not reached:\n{out}\n{err}")
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(400)  # a minute of outage inside a recovery, on a busy machine

@@ -12,13 +12,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv
+from tests.conftest import CliResult, tpupod_argv, wait_until
 from tests.fakes.tpu_api import TpuApiStandIn
-from tests.test_recovery_gcp import UP, shared_dir, spot_api
+from tests.test_recovery_gcp import UP, runs_of, shared_dir, spot_api
 from tpupod.pod.record import Pod
 
 __all__ = ["shared_dir", "spot_api"]  # the fixtures, shared with test_recovery_gcp
@@ -43,21 +42,6 @@ def popen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-
-
-def runs_of(state_home: Path, name: str) -> list[dict[str, Any]]:
-    paths = sorted((state_home / "pods" / name / "runs").glob("*/recovery.json"))
-    return [json.loads(path.read_text()) for path in paths]
-
-
-def wait_until(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if run.poll() is not None or time.monotonic() > deadline:
-            run.kill()
-            out, err = run.communicate()
-            pytest.fail(f"not reached:\n{out}\n{err}")
-        time.sleep(0.05)
 
 
 def last_two(err: str) -> tuple[str, str]:

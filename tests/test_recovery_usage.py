@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv
+from tests.conftest import CliResult, tpupod_argv, wait_until
 from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
 
@@ -64,23 +64,13 @@ def popen(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def wait_for(check: Callable[[], bool], run: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if run.poll() is not None or time.monotonic() > deadline:
-            run.kill()
-            out, err = run.communicate()
-            pytest.fail(f"not reached:\n{out}\n{err}")
-        time.sleep(0.05)
-
-
 @pytest.mark.timeout(120)
 def test_a_worker_killed_from_outside_is_lost_and_rerun(
     make_pod: Callable[..., Pod], state_home: Path, tmp_path: Path
 ) -> None:
     pod = make_pod(workers=2)
     run = popen("run", "--pod", pod.name, "--retries", "1", "--", *stepper(tmp_path, 15))
-    wait_for((tmp_path / "3.step").exists, run, timeout=60)
+    wait_until((tmp_path / "3.step").exists, run, timeout=60)
     os.kill(int((tmp_path / "pid-w1-1").read_text()), signal.SIGKILL)  # the OOM killer, say
     out, err = run.communicate(timeout=90)
     assert run.returncode == 0, err
@@ -131,7 +121,7 @@ def test_a_host_unplugged_for_good_gets_a_verdict_within_the_probe_budget(
     pod = make_ssh_pod(2)
     run = popen("run", "--pod", pod.name, "--retries", "2", "--", *stepper(shared, 10_000))
     try:
-        wait_for((shared / "3.step").exists, run, timeout=90)
+        wait_until((shared / "3.step").exists, run, timeout=90)
         sim_hosts_up.unplug(1)  # for good
         unplugged = time.monotonic()
         _, err = run.communicate(timeout=DEFAULT_PROBE_S + 90)
@@ -192,7 +182,7 @@ def test_cancel_is_called_cancel_and_status_names_the_running_launch(
     pod = make_pod(workers=2)
     run = popen("run", "--pod", pod.name, "--retries", "1", "--", *stepper(tmp_path, 10_000))
     try:
-        wait_for((tmp_path / "1.step").exists, run, timeout=60)
+        wait_until((tmp_path / "1.step").exists, run, timeout=60)
         record = record_of(state_home, pod)
         [launch] = [p.name for p in (state_home / "pods" / pod.name / "runs").iterdir()
                     if (p / "run.json").exists()]  # fmt: skip
