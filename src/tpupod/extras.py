@@ -59,12 +59,13 @@ def require(subject: str, *extras: str, where: str = "") -> None:
             raise MissingExtra(subject, extra, absent, where=where)
 
 
-def exit_unless_installed(subject: str, extra: str) -> None:
-    """End this process with ``require``'s two lines and exit 1 when ``extra`` is missing:
-    for the library calls a user's program makes first on a worker (``tpupod.init_jax()``),
-    where a traceback would bury the one thing to do."""
+def exit_unless_installed(subject: str, *extras: str) -> None:
+    """End this process with ``require``'s two lines and exit 1 when one of ``extras`` is
+    missing: on a worker, before its tpupod module runs (``python -m tpupod.extras``) or
+    where a user's program first calls tpupod (``tpupod.init_jax()``), where a traceback
+    would bury the one thing to do."""
     try:
-        require(subject, extra, where=" on this worker")
+        require(subject, *extras, where=" on this worker")
     except MissingExtra as exc:
         sys.stdout.flush()
         sys.exit(f"error: {exc.message}\nhint: {exc.hint}")
@@ -101,12 +102,7 @@ def _run_on_worker(argv: list[str]) -> int:
     import runpy
 
     extras, module, *args = argv
-    try:
-        require(_label(module), *extras.split(","), where=" on this worker")
-    except MissingExtra as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        print(f"hint: {exc.hint}", file=sys.stderr, flush=True)
-        return exc.exit_code
+    exit_unless_installed(_label(module), *extras.split(","))
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0

@@ -94,10 +94,15 @@ def list_runs(
     rows = [["run", "started", "workers", "state", "command"]]
     for record in found:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started))
-        command = record.command
-        if len(command) > COMMAND_WIDTH:
-            command = command[: COMMAND_WIDTH - 1] + "…"
-        rows.append([record.launch_id, started, str(len(record.workers)), record.state(), command])
+        rows.append(
+            [
+                record.launch_id,
+                started,
+                str(len(record.workers)),
+                record.state(),
+                _short(record.command),
+            ]
+        )
     if found:
         print_columns(rows, out)
     if retried:
@@ -109,10 +114,13 @@ def list_runs(
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(retry.started))
             state_said = retry.state if retry.ended else f"{retry.state} ({retry.phase})"
             launches = ", ".join(a.launch_id for a in retry.attempts if a.launch_id) or "-"
-            command = " ".join(retry.command)
-            if len(command) > COMMAND_WIDTH:
-                command = command[: COMMAND_WIDTH - 1] + "…"
+            command = _short(" ".join(retry.command))
             table.append(
                 [retry.run_id, started, state_said, f"{len(retry.attempts)}: {launches}", command]
             )
         print_columns(table, out)
+
+
+def _short(command: str) -> str:
+    """A command as the run list shows it: cut to COMMAND_WIDTH with an ellipsis."""
+    return command if len(command) <= COMMAND_WIDTH else command[: COMMAND_WIDTH - 1] + "…"
