@@ -67,7 +67,8 @@ STOP_FILE = "stop-request"  # who asks the launcher to stop (cancel, the dashboa
 # so a reader can tell a running launch from one whose launcher is gone (``records.py``).
 LAUNCHER_LOCK = "launcher.lock"
 PREFLIGHT_TIMEOUT_S = 30.0
-DEFAULT_MEGASCALE_PORT = 8080  # libtpu's own default for MEGASCALE_PORT
+# the port multislice launchers (xpk) name; not checked against libtpu here
+DEFAULT_MEGASCALE_PORT = 8080
 RENDEZVOUS_START_S = 30.0
 CLOSE_GRACE_S = 1.0  # a service on worker 0 still serving a worker that hangs up late
 
