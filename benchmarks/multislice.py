@@ -125,13 +125,13 @@ def measure_launch(args: argparse.Namespace) -> None:
             finally:
                 for pod in (one, sliced):
                     stop_holder(StateDir(), pod)
-        print_rows(hosts, samples[one], "one slice (the anchor)", samples[one])
-        print_rows(hosts, samples[sliced], f"{slices} slices of {per_slice}", samples[one])
+        print_row(hosts, samples[one], "one slice (the anchor)", samples[one])
+        print_row(hosts, samples[sliced], f"{slices} slices of {per_slice}", samples[one])
         for pod, runs in samples.items():
             print(f"  {pod}, each run's first step, s: {' '.join(f'{s:.2f}' for _, s in runs)}")
 
 
-def print_rows(
+def print_row(
     hosts: int, runs: list[tuple[float, float]], label: str, anchor: list[tuple[float, float]]
 ) -> None:
     """One table row: the medians, their ratio to the anchor's first step, and the median of
