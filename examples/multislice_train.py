@@ -10,11 +10,22 @@ across slices (one per slice), ``fsdp`` over the devices of a slice. The first l
 weights are sharded over ``fsdp`` and the batch over both, so the only traffic across
 slices is the gradients' reduction. The loss is the same as one process's with every
 device and the same global batch.
+
+With ``--ckpt`` it survives preemption as ``examples/preemptible_train.py`` does: an Orbax
+``CheckpointManager`` saves every ``--save-every`` steps and at JAX's preemption sync
+point (the step every process reaches after ``tpupod run --retries`` sent the notice's
+TERM), and a new attempt restores the newest complete step (``tpupod.latest_checkpoint``)
+into the mesh it is given, however the slices were replaced meanwhile::
+
+    tpupod run --retries 3 -- python examples/multislice_train.py --ckpt gs://b/run1 --steps 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
 
 import numpy as np
 
@@ -26,6 +37,10 @@ parser.add_argument("--batch", type=int, default=64, help="the global batch")
 parser.add_argument("--dim", type=int, default=16)
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--lr", type=float, default=0.1)
+parser.add_argument("--ckpt", help="checkpoint folder (a path, or gs://...): resumable")
+parser.add_argument("--save-every", type=int, default=10)
+parser.add_argument("--step-seconds", type=float, default=0.0, help="slow it down (demos)")
+parser.add_argument("--out", help="worker 0 writes the final parameters here (.npz)")
 args = parser.parse_args()
 
 identity = tpupod.init_jax()
@@ -65,11 +80,44 @@ def step(params: dict[str, jax.Array], x: jax.Array, y: jax.Array):  # type: ign
 
 state = {name: place(name, value) for name, value in params.items()}
 x, y = place("x", data["x"]), place("y", data["y"])
-for i in range(args.steps):
+start, manager = 0, None
+if args.ckpt:
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(save_interval_steps=args.save_every, max_to_keep=3)
+    manager = ocp.CheckpointManager(args.ckpt, options=options)
+    last = tpupod.latest_checkpoint(args.ckpt)
+    if last is not None:  # into this mesh's shardings, whatever the saving run's were
+        state = manager.restore(last, args=ocp.args.StandardRestore(state))
+        start = last + 1
+    print(
+        f"worker {identity.id}: run {os.environ.get('TPUPOD_RUN_ID')} attempt "
+        f"{os.environ.get('TPUPOD_ATTEMPT')}, from step {start}",
+        flush=True,
+    )
+loss = jnp.zeros(())
+for i in range(start, args.steps):
     loss, state = step(state, x, y)
     if identity.is_coordinator:
         print(f"step {i} loss {float(loss.addressable_data(0)):.9f}", flush=True)
+    if args.step_seconds:
+        jax.block_until_ready(state)
+        time.sleep(args.step_seconds)
+    if manager is not None and manager.should_save(i):  # the interval, and a preemption
+        manager.save(i, args=ocp.args.StandardSave(state))
+    if manager is not None and manager.reached_preemption(i):
+        manager.wait_until_finished()
+        print(f"worker {identity.id}: preempted, saved step {i}", flush=True)
+        sys.exit(143)
+if manager is not None:
+    manager.wait_until_finished()
 print(
     f"worker {identity.id} (slice {identity.slice} of {identity.slices}): "
     f"mesh {dict(mesh.shape)}, final loss {float(loss.addressable_data(0)):.9f}"
 )
+if args.out:  # every worker takes part in the gather; worker 0 writes
+    from jax.experimental import multihost_utils
+
+    final = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in state.items()}
+    if identity.id == 0:
+        np.savez(args.out, **{k: np.asarray(v) for k, v in final.items()})

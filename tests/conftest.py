@@ -509,3 +509,60 @@ def _answers_health(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# -- the Cloud TPU API stand-in (tests/fakes/tpu_api.py), for every test of GCP pods ---------
+
+NOTICE_S = 3.0  # the stand-in's notice window: TERM, then this long before the hosts go
+
+
+@pytest.fixture
+def tpu_api(sim_hosts_up: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The stand-in Cloud TPU API, handing out the simulated hosts as TPU workers."""
+    from tests.fakes.tpu_api import TpuApiStandIn  # the gcp extra: only tests of GCP pods
+
+    api = TpuApiStandIn(
+        [(h.address, h.address) for h in sim_hosts_up.hosts], on_ssh_keys=sim_hosts_up.authorize
+    )
+    monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start())
+    monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.01")
+    yield api
+    api.stop()
+
+
+@pytest.fixture
+def bare_tpu_api() -> Iterator[tuple[Any, str]]:
+    """The stand-in alone (addresses nobody answers on): for bodies, not for SSH."""
+    from tests.fakes.tpu_api import TpuApiStandIn  # the gcp extra: only tests of GCP pods
+
+    api = TpuApiStandIn([(f"10.9.0.{i}", f"34.9.0.{i}") for i in range(1, 9)])
+    yield api, api.start()
+    api.stop()
+
+
+@pytest.fixture
+def spot_api(sim_hosts_up: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The stand-in, handing out the simulated hosts and preempting them as GCE does."""
+    from tests.fakes.tpu_api import on_sim_hosts  # the gcp extra: only tests of GCP pods
+
+    sim = sim_hosts_up
+    api = on_sim_hosts(sim, NOTICE_S)
+    monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start("0.0.0.0"))
+    monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.05")
+    monkeypatch.setenv("TPUPOD_RECOVERY_WATCH_S", "0.3")
+    metadata = f"http://{sim.gateway}:{api.port}/computeMetadata/v1"
+    monkeypatch.setenv("TPUPOD_METADATA_URL", metadata)
+    yield api
+    api.stop()
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A folder every simulated host sees and writes (their /tmp and home are their own):
+    where a real run keeps checkpoints (a bucket)."""
+    import uuid
+
+    path = Path("/dev/shm") / f"tpupod-recovery-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

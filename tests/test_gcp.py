@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,18 +109,6 @@ def test_a_wrong_type_names_the_right_one(cli_in_process: Callable[..., CliResul
     )
     assert result.code == 2
     assert "the API calls it v5litepod-256" in result.err
-
-
-@pytest.fixture
-def tpu_api(sim_hosts_up: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuApiStandIn]:
-    """The stand-in Cloud TPU API, handing out the simulated hosts as TPU workers."""
-    api = TpuApiStandIn(
-        [(h.address, h.address) for h in sim_hosts_up.hosts], on_ssh_keys=sim_hosts_up.authorize
-    )
-    monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start())
-    monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.01")
-    yield api
-    api.stop()
 
 
 UP = ("up", "--gcp", "--zone", "us-central2-b", "--project", "proj", "--user", "root")
@@ -443,6 +431,7 @@ SHAPES = {
     "tpu-vm": ("--api", "tpu-vm"),
     "queued": ("--api", "queued-resource"),
     "multislice": ("--node-count", "2"),
+    "separate": ("--slices", "2"),  # two TPUs, NAME-0 and NAME-1: each one of the above
 }
 CAPACITIES = ("on-demand", "preemptible", "spot", "reserved", "best-effort")
 # What neither API makes: (capacity, shape) -> the error's words.
@@ -466,6 +455,25 @@ QUEUED_TIER = {
 
 def capacity_args(name: str, capacity: str, shape: str) -> tuple[str, ...]:
     return ("--name", name, "--tpu-type", "v4-8", "--capacity", capacity, *SHAPES[shape])
+
+
+def one_tpu_shape(capacity: str, shape: str) -> str:
+    """What each TPU of a pod of separate slices is: a TPU VM where the capacity lets it,
+    else a queued resource (as for a pod of one slice)."""
+    if shape != "separate":
+        return shape
+    return "tpu-vm" if capacity in ("on-demand", "preemptible") else "queued"
+
+
+def shown_requests(out: str) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """(API line, method, url, body) of each request a dry run printed."""
+    chunks = out.split("API: ")[1:]
+    found = []
+    for chunk in chunks:
+        api, request, body = chunk.split("\n", 2)
+        method, url = request.split()
+        found.append((api, method, url, json.loads(body)))
+    return found
 
 
 def check_body(capacity: str, shape: str, name: str, version: str, body: dict[str, Any]) -> None:
@@ -497,14 +505,6 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
 
 
-@pytest.fixture
-def bare_tpu_api() -> Iterator[tuple[TpuApiStandIn, str]]:
-    """The stand-in alone (addresses nobody answers on): for bodies, not for SSH."""
-    api = TpuApiStandIn([(f"10.9.0.{i}", f"34.9.0.{i}") for i in range(1, 9)])
-    yield api, api.start()
-    api.stop()
-
-
 @pytest.mark.parametrize(("capacity", "shape"), [(c, s) for c in CAPACITIES for s in SHAPES])
 def test_dry_run_bodies_are_what_gcloud_sends_and_the_api_takes(
     capacity: str,
@@ -522,17 +522,19 @@ def test_dry_run_bodies_are_what_gcloud_sends_and_the_api_takes(
     name = f"d-{capacity}-{shape}"
     shown = cli_in_process(*UP, *capacity_args(name, capacity, shape), "--dry-run")
     assert shown.code == 0, shown.err
-    lines = shown.out.splitlines()
-    version = lines[1].split()[3].rstrip(",")
-    method, url = lines[2].split()
-    queued = shape != "tpu-vm"
-    assert ("Queued Resources" in lines[1]) == queued and method == "POST"
-    body = dry_run_body(shown.out)
-    check_body(capacity, shape, name, version, body)
-    # The printed request, sent by hand, is one the API takes, and it reads the same capacity.
-    status, answer = post(url.replace("https://tpu.googleapis.com", endpoint), body)
-    assert status == 200, answer
-    assert api.tier(name) == capacity
+    requests = shown_requests(shown.out)
+    names = [f"{name}-0", f"{name}-1"] if shape == "separate" else [name]
+    assert len(requests) == len(names)
+    for tpu, (api_line, method, url, body) in zip(names, requests, strict=True):
+        version = api_line.split()[2].rstrip(",")
+        tpu_shape = one_tpu_shape(capacity, shape)
+        assert ("Queued Resources" in api_line) == (tpu_shape != "tpu-vm") and method == "POST"
+        assert ("(slice " in api_line) == (shape == "separate")
+        check_body(capacity, tpu_shape, tpu, version, body)
+        # The printed request, sent by hand, is one the API takes, with the same capacity.
+        status, answer = post(url.replace("https://tpu.googleapis.com", endpoint), body)
+        assert status == 200, answer
+        assert api.tier(tpu) == capacity
 
 
 def check_refused(capacity: str, shape: str, cli: Callable[..., CliResult], endpoint: str) -> None:
@@ -554,16 +556,20 @@ def test_create_each_capacity_and_shape(
     made = cli_in_process(*UP, *capacity_args(name, capacity, shape))
     assert made.code == 0, made.err
     assert not tpu_api.invalid
-    assert tpu_api.tier(name) == capacity
-    kind = "nodes" if shape == "tpu-vm" else "queuedResources"
-    assert ("POST", f"{kind}/") in tpu_api.calls
-    if shape != "tpu-vm":  # the states of the tier: reserved capacity waits for nothing
-        states = ("ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE")
-        seen = [state for state in states if f"{name}: {state}" in made.err]
-        waits = [] if capacity == "reserved" else ["WAITING_FOR_RESOURCES"]
-        assert seen == ["ACCEPTED", *waits, "PROVISIONING", "ACTIVE"], made.err
+    tpus = [f"{name}-0", f"{name}-1"] if shape == "separate" else [name]
+    tpu_shape = one_tpu_shape(capacity, shape)
+    kind = "nodes" if tpu_shape == "tpu-vm" else "queuedResources"
+    assert tpu_api.calls.count(("POST", f"{kind}/")) == len(tpus)
+    for tpu in tpus:
+        assert tpu_api.tier(tpu) == capacity
+        if tpu_shape != "tpu-vm":  # the states of the tier: reserved capacity waits for nothing
+            states = ("ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE")
+            seen = [state for state in states if f"{tpu}: {state}" in made.err]
+            waits = [] if capacity == "reserved" else ["WAITING_FOR_RESOURCES"]
+            assert seen == ["ACCEPTED", *waits, "PROVISIONING", "ACTIVE"], made.err
     hosts = json.loads(cli_in_process("hosts", "--pod", name, "--format", "json").out)
-    assert len(hosts) == (2 if shape == "multislice" else 1)
+    sliced = shape in ("multislice", "separate")
+    assert [(w["id"], w["slice"]) for w in hosts] == ([(0, 0), (1, 1)] if sliced else [(0, None)])
     gone = cli_in_process("down", "--pod", name)
     assert gone.code == 0, gone.err
     assert not tpu_api.resources

@@ -60,6 +60,24 @@ def test_identity_from_gke() -> None:
     assert (found.id, found.count, found.source) == (1, 3, "gke")
 
 
+def test_identity_on_a_multislice_gke_jobset_is_global() -> None:
+    """A multislice JobSet gives each worker its slice's TPU_WORKER_ID and hostnames, and
+    MEGASCALE_*: the global id is JAX's (id in slice + slice x workers per slice), worker
+    0 is slice 0's first, at MEGASCALE_COORDINATOR_ADDRESS's host."""
+    env = {
+        "TPU_WORKER_ID": "1",
+        "TPU_WORKER_HOSTNAMES": "s1-h0,s1-h1",
+        "MEGASCALE_SLICE_ID": "1",
+        "MEGASCALE_NUM_SLICES": "3",
+        "MEGASCALE_COORDINATOR_ADDRESS": "s0-h0:8080",
+    }
+    found = worker(env, no_metadata)
+    assert (found.id, found.count, found.slice, found.slices) == (3, 6, 1, 3)
+    assert found.first_host == "s0-h0" and not found.is_coordinator
+    with pytest.raises(IdentityError, match=r"MEGASCALE_SLICE_ID=3 is not in 0\.\.2"):
+        worker({**env, "MEGASCALE_SLICE_ID": "3"}, no_metadata)
+
+
 def test_identity_from_gce_metadata() -> None:
     data = {
         "agent-worker-number": "3",

@@ -262,14 +262,14 @@ def test_the_spec_and_dry_run_requests_are_python_calls(state_home: Path) -> Non
 
     flags = UpFlags(name="t", gcp=True, tpu_type="v4-16", zone="us-central2-b", project="p")
     tpu = lifecycle.spec_for(flags)
-    request = lifecycle.create_request(tpu)
-    assert request is not None and request.method == "POST"
+    [request] = lifecycle.create_requests(tpu)
+    assert request.method == "POST"
     assert request.url.endswith("/projects/p/locations/us-central2-b/nodes?nodeId=t")
     local = lifecycle.spec_for(UpFlags(name="dev", local=2))
     assert local == LocalPodSpec(name="dev", workers=2)
-    assert lifecycle.create_request(local) is None
+    assert lifecycle.create_requests(local) == []
     pod = up(local, StateDir()).pod
-    assert lifecycle.delete_request(pod) is None
+    assert lifecycle.delete_requests(pod) == []
 
 
 def test_a_half_made_pod_folder_is_reclaimed(state_home: Path) -> None:

@@ -18,11 +18,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import CliResult, tpupod_argv, wait_until_gone
-from tests.test_recovery_gcp import PROGRAM, expected_value, shared_dir
+from tests.test_recovery_gcp import PROGRAM, expected_value
 from tpupod.pod.record import Pod
 from tpupod.sim import SimPod
-
-__all__ = ["shared_dir"]  # the fixture, shared with test_recovery_gcp
 
 # Fails (exit $1) on its first attempt, succeeds after; prints its identity.
 FLAKY = (

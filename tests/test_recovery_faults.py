@@ -14,10 +14,8 @@ import pytest
 
 from tests.conftest import CliResult, wait_until
 from tests.fakes.tpu_api import TpuApiStandIn
-from tests.test_recovery_gcp import UP, expected_value, record_of, shared_dir, spot_api, start_run
+from tests.test_recovery_gcp import UP, expected_value, record_of, start_run
 from tpupod.sim import SimPod
-
-__all__ = ["shared_dir", "spot_api"]  # the fixtures, shared with test_recovery_gcp
 
 
 def running_attempt(state_home: Path, name: str, attempt: int, ckpt: Path) -> Callable[[], bool]:

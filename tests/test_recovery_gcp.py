@@ -10,49 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import CliResult, tpupod_argv, wait_until
-from tests.fakes.tpu_api import TpuApiStandIn, on_sim_hosts
+from tests.fakes.tpu_api import TpuApiStandIn
 from tpupod.pod.record import Pod
-from tpupod.sim import SimPod
 
 PROGRAM = str(Path(__file__).parent / "programs" / "steps.py")
 UP = ("up", "--gcp", "--zone", "us-central2-b", "--project", "proj", "--user", "root")
-NOTICE_S = 3.0  # the stand-in's notice window: TERM, then this long before the hosts go
-
-
-@pytest.fixture
-def spot_api(sim_hosts_up: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuApiStandIn]:
-    """The stand-in, handing out the simulated hosts and preempting them as GCE does."""
-    sim = sim_hosts_up
-    api = on_sim_hosts(sim, NOTICE_S)
-    monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start("0.0.0.0"))
-    monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.05")
-    monkeypatch.setenv("TPUPOD_RECOVERY_WATCH_S", "0.3")
-    metadata = f"http://{sim.gateway}:{api.port}/computeMetadata/v1"
-    monkeypatch.setenv("TPUPOD_METADATA_URL", metadata)
-    yield api
-    api.stop()
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A folder every simulated host sees and writes (their /tmp and home are their own):
-    where a real run keeps checkpoints (a bucket)."""
-    path = Path("/dev/shm") / f"tpupod-recovery-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def expected_value(steps: int) -> int:
@@ -165,6 +137,17 @@ def test_preempted_once_mid_run_finishes_with_the_same_result(
 EXAMPLE = str(Path(__file__).parents[1] / "examples" / "preemptible_train.py")
 
 
+def assert_same_arrays(got_file: Path, want_file: Path) -> None:
+    """The two .npz files hold the same arrays, bit for bit."""
+    import numpy as np
+
+    got, want = np.load(got_file), np.load(want_file)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
 def train(ckpt: Path, out: Path, steps: int, save_every: int = 5) -> tuple[str, ...]:
     every = str(save_every)
     return (sys.executable, EXAMPLE, "--ckpt", str(ckpt), "--steps", str(steps),
@@ -179,7 +162,6 @@ def test_a_preempted_jax_run_ends_bit_for_bit_as_an_uninterrupted_one(
     shared_dir: Path,
     state_home: Path,
 ) -> None:
-    import numpy as np
 
     steps = 24
     local = make_pod(workers=2)
@@ -202,10 +184,7 @@ def test_a_preempted_jax_run_ends_bit_for_bit_as_an_uninterrupted_one(
     spot_api.preempt_with_notice("jx")
     out, err = run.communicate(timeout=300)
     assert run.returncode == 0, err
-    got, want = np.load(shared_dir / "out.npz"), np.load(shared_dir / "ref.npz")
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].tobytes() == want[name].tobytes()
+    assert_same_arrays(shared_dir / "out.npz", shared_dir / "ref.npz")
     record = record_of(state_home, "jx")
     assert [a["cause"] for a in record["attempts"]] == ["preempted", "ok"]
     # The notice was honoured: saved at the preemption sync point, resumed right after it.
@@ -253,7 +232,8 @@ def test_an_api_outage_after_a_preemption_costs_one_recovery(
     [record] = runs_of(state_home, "ou")
     assert [a["cause"] for a in record["attempts"]] == ["preempted", "ok"], err
     assert record["counters"]["recoveries"] == 1 and "1 recovery (preempted or lost)" in err
-    assert spot_api.unavailable_answers > 10, "the recovery never met the outage"
+    # backoff 0.5, 1, 2, 4, 8, then 10 s: ~11 tries in the minute, fewer on a loaded machine
+    assert spot_api.unavailable_answers >= 6, "the recovery never met the outage"
     assert spot_api.calls.count(("POST", "queuedResources/")) == 2  # up's, the recovery's
     assert set(spot_api.alive()) == {"ou"}
     assert "retrying" in err and "Traceback" not in err

@@ -19,13 +19,9 @@ from tests.test_recovery_gcp import (
     UP,
     expected_value,
     record_of,
-    shared_dir,
-    spot_api,
     wait_for,
 )
 from tpupod.sim import SimPod
-
-__all__ = ["shared_dir", "spot_api"]  # the fixtures, shared with test_recovery_gcp
 
 ORBAX_PROGRAM = str(Path(__file__).parent / "programs" / "orbax_steps.py")
 

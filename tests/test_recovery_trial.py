@@ -17,10 +17,8 @@ import pytest
 
 from tests.conftest import CliResult, tpupod_argv, wait_until
 from tests.fakes.tpu_api import TpuApiStandIn
-from tests.test_recovery_gcp import UP, runs_of, shared_dir, spot_api
+from tests.test_recovery_gcp import UP, runs_of
 from tpupod.pod.record import Pod
-
-__all__ = ["shared_dir", "spot_api"]  # the fixtures, shared with test_recovery_gcp
 
 SLOW = (sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)")
 

@@ -6,7 +6,9 @@ API reports, one step every ``steps`` reads. New nodes take their workers'
 addresses from ``endpoints`` (for example the hosts of a simulated pod), and
 the ``ssh-keys`` metadata is handed to ``on_ssh_keys``, as the guest agent of a
 real TPU VM would install it. ``fail(...)`` makes the next matching call fail
-with an API error; ``preempt(name)`` preempts what the API would preempt.
+with an API error; ``preempt(name)`` preempts what the API would preempt (a slice of a
+multislice queued resource: the whole resource). ``provision_s``: no new TPU is ready
+sooner (a busy zone's provisioning).
 
 It refuses what the real API refuses, so that a test cannot pass on a body
 Google would reject:
@@ -85,6 +87,7 @@ STATUS_CODES = {
 QUEUED_TIERS = {"spot": "spot", "bestEffort": "best-effort", "reservationName": "reserved"}
 MULTISLICE = {"v2": "multisliceParams", "v2alpha1": "multiNodeParams"}
 NODE_STATES = ("CREATING", "READY")
+READY_STATES = ("READY", "ACTIVE")
 QR_STATES = ("ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE")
 RESERVED_QR_STATES = ("ACCEPTED", "PROVISIONING", "ACTIVE")
 PREEMPTIBLE = {"preemptible", "spot", "best-effort"}
@@ -105,6 +108,7 @@ class _Resource:
     tier: str
     reads: int = 0
     children: list[str] = field(default_factory=list)  # a queued resource's nodes
+    made: float = field(default_factory=time.monotonic)
 
 
 class TpuApiStandIn:
@@ -131,6 +135,8 @@ class TpuApiStandIn:
         self.unanswered_until = 0.0
         self.dropped = 0  # requests dropped unanswered by ``unanswered``
         self.no_capacity = 0  # polls a new queued resource stays WAITING_FOR_RESOURCES
+        self.provision_s = 0.0  # a new TPU is not ready before this many seconds
+        self.tpu_env_override: dict[str, str] = {}  # tpu-env values a test makes wrong
         self.resources: dict[str, _Resource] = {}
         self.operations: dict[str, dict[str, Any]] = {}
         self.failures: list[tuple[str, str, str, str]] = []  # (method, kind, status, message)
@@ -186,7 +192,7 @@ class TpuApiStandIn:
     def preempt(self, name: str) -> None:
         """Preempt a TPU as the API would; a tier the API never preempts is a ValueError."""
         with self._lock:
-            _, resource = self._find(name)
+            _, resource = self._whole(name)
             if resource.tier not in PREEMPTIBLE:
                 raise ValueError(f"{name} is {resource.tier}: the API never preempts it")
             if "tpu" not in resource.data:
@@ -202,7 +208,7 @@ class TpuApiStandIn:
         """Preempt as GCE does (see the module's text): metadata TRUE, notice, then after
         ``notice_s`` the hosts killed and taken away. Returns the hosts' addresses."""
         with self._lock:
-            _, resource = self._find(name)
+            _, resource = self._whole(name)
             nodes = [self.resources[c] for c in resource.children] or [resource]
             addresses = [
                 e["ipAddress"] for node in nodes for e in node.data.get("networkEndpoints", [])
@@ -225,10 +231,52 @@ class TpuApiStandIn:
         self.on_reclaim(gone)
 
     def metadata(self, path: str, caller: str) -> tuple[int, str]:
-        """A host's metadata server: ``instance/preempted`` (TRUE once its TPU is preempted)."""
+        """A host's metadata server: ``instance/preempted`` (TRUE once its TPU is preempted)
+        and ``instance/attributes/tpu-env`` (see ``tpu_env``)."""
         if path.rstrip("/").endswith("/instance/preempted"):
             return 200, "TRUE" if caller in self.preempted else "FALSE"
+        if path.rstrip("/").endswith("/instance/attributes/tpu-env"):
+            with self._lock:
+                text = self.tpu_env(caller)
+            return (200, text) if text is not None else (404, "not found")
         return 404, "not found"
+
+    def tpu_env(self, address: str) -> str | None:
+        """The ``tpu-env`` a TPU VM at ``address`` reads, as GCP writes it (``KEY: 'value'``
+        lines): its node and worker, and on a slice of a multislice queued resource the
+        ``MEGASCALE_*`` values (slice 0's worker 0 coordinates, port 8080), with
+        ``tpu_env_override`` over them."""
+        for key, resource in self.resources.items():
+            endpoints = [e["ipAddress"] for e in resource.data.get("networkEndpoints", [])]
+            if "/nodes/" not in key or address not in endpoints:
+                continue
+            node_id = key.rsplit("/", 1)[-1]
+            values = {
+                "ACCELERATOR_TYPE": resource.data["acceleratorType"],
+                "NODE_ID": node_id,
+                "WORKER_ID": str(endpoints.index(address)),
+                "ZONE": key.split("/locations/", 1)[1].split("/", 1)[0],
+            }
+            owner = self.resources.get(resource.data.get("queuedResource", ""))
+            siblings = owner.children if owner is not None else []
+            if len(siblings) > 1:
+                first = self.resources[siblings[0]].data["networkEndpoints"][0]["ipAddress"]
+                values |= {
+                    "MEGASCALE_COORDINATOR_ADDRESS": f"{first}:8080",
+                    "MEGASCALE_NUM_SLICES": str(len(siblings)),
+                    "MEGASCALE_SLICE_ID": str(siblings.index(key)),
+                    "MEGASCALE_PORT": "8080",
+                }
+            values |= self.tpu_env_override
+            return "".join(f"{k}: '{v}'\n" for k, v in sorted(values.items()))
+        return None
+
+    def _whole(self, name: str) -> tuple[str, _Resource]:
+        """What the API preempts for ``name``: a slice of a queued resource preempts the
+        whole resource (GCP suspends it whole); a TPU of its own, itself."""
+        key, resource = self._find(name)
+        owner = resource.data.get("queuedResource")
+        return (owner, self.resources[owner]) if owner in self.resources else (key, resource)
 
     def _find(self, name: str) -> tuple[str, _Resource]:
         """A queued resource by its id, else a node."""
@@ -297,7 +345,11 @@ class TpuApiStandIn:
         """Each read moves a resource one step closer to its final state."""
         resource = self.resources[full]
         resource.reads += 1
-        state = resource.states[min(len(resource.states) - 1, resource.reads // self.steps)]
+        step = min(len(resource.states) - 1, resource.reads // self.steps)
+        provisioning = time.monotonic() - resource.made < self.provision_s
+        if provisioning and len(resource.states) > 1 and resource.states[-1] in READY_STATES:
+            step = min(step, len(resource.states) - 2)
+        state = resource.states[step]
         waited = state in QR_STATES[2:] and resource.states == QR_STATES
         if waited and self.no_capacity and not resource.children:
             self.no_capacity -= 1  # held back: no capacity yet

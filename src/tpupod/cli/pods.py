@@ -50,7 +50,8 @@ def up(
         typer.Option(
             "--slices",
             metavar="S",
-            help="Split the workers, in order, into S slices of the same size.",
+            help="Split the workers, in order, into S slices of the same size; with --gcp, "
+            "S separate TPUs of --tpu-type (NAME-0...), each replaced alone.",
             show_default=False,
         ),
     ] = None,
@@ -127,7 +128,12 @@ def up(
     ] = False,
     node_count: Annotated[
         int | None,
-        typer.Option("--node-count", help="Slices (multislice when > 1).", show_default=False),
+        typer.Option(
+            "--node-count",
+            metavar="N",
+            help="N slices of one multislice queued resource (GCP preempts and replaces it whole).",
+            show_default=False,
+        ),
     ] = None,
     api: Annotated[
         TpuApiKind | None,
@@ -203,6 +209,8 @@ def up(
 
       tpupod up --name ms --local 4 --slices 2     # 2 slices of 2 workers
 
+      tpupod up --name big --gcp --tpu-type v5litepod-16 --zone us-west4-a --slices 2 --spot
+
       tpupod up -f tpupod.yaml --name dev-2      # flags override the file
     """
     given = dict(locals())  # first: the parameters, named as UpFlags' fields
@@ -215,9 +223,9 @@ def up(
         for line in spec.repeated_hosts():
             notice(f"warning: {line}: those workers share that host")
     if dry_run:
-        request = lifecycle.create_request(spec)  # first: it refuses what neither API makes
+        requests = lifecycle.create_requests(spec)  # first: they refuse what no API makes
         print(f"dry run: would create pod {spec.name!r}: {spec.summary()}")
-        _print_request(request)
+        _print_requests(requests)
         return
     result = lifecycle.up(spec, StateDir(), recreate=recreate)
     verb = "is up" if result.created else "was already up"
@@ -235,13 +243,14 @@ def _up_flags(given: dict[str, Any]) -> UpFlags:
     return UpFlags(**flags)
 
 
-def _print_request(request: ApiRequest | None) -> None:
-    if request is None:
-        return
-    print(f"API: Cloud TPU {request.version}, {request.api}")
-    print(f"{request.method} {request.url}")
-    if request.body is not None:
-        print(json.dumps(request.body, indent=2))
+def _print_requests(requests: list[ApiRequest]) -> None:
+    """Each request, numbered when there are several (one per separate slice)."""
+    for i, request in enumerate(requests):
+        which = f" (slice {i} of {len(requests)})" if len(requests) > 1 else ""
+        print(f"API: Cloud TPU {request.version}, {request.api}{which}")
+        print(f"{request.method} {request.url}")
+        if request.body is not None:
+            print(json.dumps(request.body, indent=2))
 
 
 @command("down")
@@ -276,7 +285,7 @@ def down(
     target = state.resolve(pod)
     if dry_run:
         print(f"dry run: would take pod {target.name!r} down: {target.spec.summary()}")
-        _print_request(lifecycle.delete_request(target))
+        _print_requests(lifecycle.delete_requests(target))
         return
     asked, left = lifecycle.down(
         target, state, force=force, before=lambda: _stop_fleet(target, state)

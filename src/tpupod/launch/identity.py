@@ -1,7 +1,8 @@
 """Which worker of which pod this process is, from the most reliable source available.
 
 Sources, in order: tpupod's own variables (set by ``tpupod run``), GKE's
-``TPU_WORKER_ID`` + ``TPU_WORKER_HOSTNAMES``, the GCE metadata server
+``TPU_WORKER_ID`` + ``TPU_WORKER_HOSTNAMES`` (with ``MEGASCALE_*`` on a multislice
+JobSet, where they are the slice's: the global id is then JAX's), the GCE metadata server
 (``agent-worker-number``, ``worker-network-endpoints``; only tried on a GCE
 VM, with a short timeout), and last ``CLOUD_TPU_TASK_ID``. A machine with none
 of them is worker 0 of 1. Never a silent guess: conflicting or incomplete
@@ -13,7 +14,7 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpupod import settings
@@ -35,6 +36,7 @@ class WorkerIdentity:
     pod: str | None = None
     slice: int = 0  # on a pod of slices (tpupod's TPUPOD_SLICE_ID), else 0
     slices: int = 1
+    first_host: str | None = None  # worker 0's host where ``hostnames`` are one slice's
 
     @property
     def is_coordinator(self) -> bool:
@@ -80,7 +82,30 @@ def _from_gke(env: Mapping[str, str], tried: list[str]) -> WorkerIdentity | None
         tried.append("TPU_WORKER_ID + TPU_WORKER_HOSTNAMES (not both set)")
         return None
     hostnames = _split(env["TPU_WORKER_HOSTNAMES"])
-    return _checked(_int(env, "TPU_WORKER_ID", tried), len(hostnames), hostnames, "gke", env)
+    in_slice = _int(env, "TPU_WORKER_ID", tried)
+    if "MEGASCALE_NUM_SLICES" not in env:
+        return _checked(in_slice, len(hostnames), hostnames, "gke", env)
+    # A multislice JobSet: the TPU variables are the slice's; the global id is JAX's
+    # (cloud_tpu_cluster.py): id in the slice + slice id x workers per slice.
+    slices, slice_id = (
+        _int(env, "MEGASCALE_NUM_SLICES", tried),
+        _int(env, "MEGASCALE_SLICE_ID", tried),
+    )
+    if not 0 <= slice_id < slices:
+        raise IdentityError(
+            f"MEGASCALE_SLICE_ID={slice_id} is not in 0..{slices - 1} (gke)",
+            hint="the JobSet set inconsistent variables",
+        )
+    found = _checked(in_slice, len(hostnames), hostnames, "gke", env)
+    first = env.get("MEGASCALE_COORDINATOR_ADDRESS", "").rsplit(":", 1)[0] or None
+    return replace(
+        found,
+        id=slice_id * len(hostnames) + in_slice,
+        count=slices * len(hostnames),
+        slice=slice_id,
+        slices=slices,
+        first_host=first,
+    )
 
 
 def _from_metadata(metadata: Metadata | None, tried: list[str]) -> WorkerIdentity | None:

@@ -38,7 +38,8 @@ def init_jax(timeout: float = DEFAULT_TIMEOUT_S) -> WorkerIdentity:
     # initialize, at the coordinator, is the barrier.
     if settings.jax_on_cpu():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
-    coordinator = identity.coordinator or f"{identity.hostnames[0]}:{DEFAULT_COORDINATOR_PORT}"
+    first = identity.first_host or identity.hostnames[0]
+    coordinator = identity.coordinator or f"{first}:{DEFAULT_COORDINATOR_PORT}"
     if not identity.is_coordinator:
         _wait_for_port(coordinator, timeout)
     jax.distributed.initialize(

@@ -44,13 +44,13 @@ from tpupod.image.containerize import (
 )
 from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
+from tpupod.launch.megascale import check_tpu_env, worker_megascale
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
 from tpupod.launch.rendezvous_main import EXIT_CODE, FAILED, READY
 from tpupod.ops import defaults
 from tpupod.ops.free_tpu import free_tpu_script
 from tpupod.ops.sync import shell_path, sync_local
 from tpupod.pod import users as podusers
-from tpupod.pod.identity import megascale_env
 from tpupod.pod.names import new_launch_id
 from tpupod.pod.record import Pod, Worker
 from tpupod.pod.spec import GcpPodSpec
@@ -67,8 +67,6 @@ STOP_FILE = "stop-request"  # who asks the launcher to stop (cancel, the dashboa
 # so a reader can tell a running launch from one whose launcher is gone (``records.py``).
 LAUNCHER_LOCK = "launcher.lock"
 PREFLIGHT_TIMEOUT_S = 30.0
-# the port multislice launchers (xpk) name; not checked against libtpu here
-DEFAULT_MEGASCALE_PORT = 8080
 RENDEZVOUS_START_S = 30.0
 CLOSE_GRACE_S = 1.0  # a service on worker 0 still serving a worker that hangs up late
 
@@ -185,7 +183,10 @@ async def run(
     # A run's identity is the selected workers, renumbered 0..N-1 in order (slices too).
     sub_pod = pod.subset(selected)
     port = coordinator_port or _coordinator_port(pod)
-    checks: list[Awaitable[object]] = [_preflight(pod, connector, selected, port)]
+    checks: list[Awaitable[object]] = [
+        _preflight(pod, connector, selected, port),
+        check_tpu_env(pod, selected, sub_pod, connector),
+    ]
     if container is not None:  # at the same time: its fan-out costs no launch time then
         checks.append(check_workers(pod, connector, selected, container))
     for outcome in await asyncio.gather(*checks, return_exceptions=True):
@@ -263,7 +264,7 @@ async def run(
                 guard=True,  # a supervised program never outlives its launcher
                 supervision=supervision,
                 chatter=lambda worker: TailCleaner(lambda: log.collateral(worker.id)),
-                worker_env=_megascale(sub_pod),
+                worker_env=worker_megascale(sub_pod, *_local_port(sub_pod)),
             )
         finally:
             await server.close()
@@ -458,6 +459,11 @@ def _coordinator_port(pod: Pod) -> int:
     return _free_port() if pod.on_this_machine else DEFAULT_COORDINATOR_PORT
 
 
+def _local_port(pod: Pod) -> tuple[int, ...]:
+    """A free port on a local pod (its workers share this machine's ports); else none."""
+    return (_free_port(),) if pod.on_this_machine else ()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -529,22 +535,6 @@ async def _sync(
     assert result.expected is not None
     notice(f"every worker at {result.expected[:12]} in {directory}")
     return result.expected
-
-
-def _megascale(pod: Pod) -> Callable[[Worker], dict[str, str]] | None:
-    """Each worker's ``MEGASCALE_*`` variables on a pod of slices that tpupod made (local,
-    SSH): the coordinator is slice 0's worker 0 at its internal address. A multislice
-    queued resource gets them from GCP (its ``tpu-env``), which tpupod does not override."""
-    if pod.slices < 2 or isinstance(pod.spec, GcpPodSpec):
-        return None
-    first = pod.workers[0].internal_address
-    port = _free_port() if pod.on_this_machine else DEFAULT_MEGASCALE_PORT
-
-    def env(worker: Worker) -> dict[str, str]:
-        assert worker.slice is not None
-        return megascale_env(worker.slice, pod.slices, first, port)
-
-    return env
 
 
 class _Renumbered:

@@ -47,22 +47,22 @@ def spec_for(flags: UpFlags, state: StateDir | None = None) -> PodSpec:
     return spec_from_flags(flags, adopted)
 
 
-def create_request(spec: PodSpec) -> ApiRequest | None:
-    """The Cloud TPU API request ``up`` would send for ``spec`` (None for other pods), made
-    without credentials; it refuses what neither TPU API makes."""
+def create_requests(spec: PodSpec) -> list[ApiRequest]:
+    """The Cloud TPU API requests ``up`` would send for ``spec`` (one per TPU: a pod of
+    separate slices has several; none for other pods), made without credentials; they
+    refuse what neither TPU API makes."""
     if not isinstance(spec, GcpPodSpec):
-        return None
-    return gcp_api.create_request(
-        spec, _project(spec), f"{spec.user}:<the pod's public key> {spec.user}"
-    )
+        return []
+    keys = f"{spec.user}:<the pod's public key> {spec.user}"
+    return [gcp_api.create_request(tpu, _project(spec), keys) for tpu in spec.tpus()]
 
 
-def delete_request(pod: Pod) -> ApiRequest | None:
-    """The Cloud TPU API request ``down`` would send (None: not a TPU, or an adopted one,
+def delete_requests(pod: Pod) -> list[ApiRequest]:
+    """The Cloud TPU API requests ``down`` would send (none: not a TPU, or an adopted one,
     which ``down`` never deletes)."""
     if not isinstance(pod.spec, GcpPodSpec) or pod.spec.adopted:
-        return None
-    return gcp_api.delete_request(pod.spec, _project(pod.spec))
+        return []
+    return [gcp_api.delete_request(tpu, _project(pod.spec)) for tpu in pod.spec.tpus()]
 
 
 def _project(spec: GcpPodSpec) -> str:

@@ -213,7 +213,12 @@ class GcpPodSpec(_SpecBase, _SshOptions):
     project: str | None = None
     runtime_version: str | None = None
     capacity: Capacity = Capacity.ON_DEMAND
-    node_count: Int = Field(default=1, ge=1, le=64, description="slices (multislice when > 1)")
+    node_count: Int = Field(
+        default=1, ge=1, le=64, description="slices of one multislice queued resource"
+    )
+    slices: Int = Field(
+        default=1, ge=1, le=64, description="separate TPUs NAME-0..NAME-N-1, one per slice"
+    )
     api: TpuApiKind | None = Field(default=None, description="unset: from capacity and slices")
     network: str | None = None
     subnetwork: str | None = None
@@ -237,6 +242,35 @@ class GcpPodSpec(_SpecBase, _SshOptions):
         except TpupodError as exc:
             raise ValueError(f"unknown TPU type: {exc.hint}") from None
 
+    @field_validator("slices")
+    @classmethod
+    def _one_form_of_slices(cls, slices: int, info: ValidationInfo) -> int:
+        count = info.data.get("node_count") or 1
+        name = info.data.get("name") or ""
+        if slices > 1 and len(f"{name}-{slices - 1}") > 63:
+            raise ValueError(
+                f"the slices' TPUs are named {name}-0..{name}-{slices - 1}: "
+                "longer than the API's 63 characters; pick a shorter name"
+            )
+        if slices > 1 and count > 1:
+            raise ValueError(
+                f"{slices} separate slices and a multislice queued resource of {count}: "
+                "pick one form (separate TPUs are replaced one at a time; a queued resource "
+                "is preempted and replaced whole)"
+            )
+        return slices
+
+    def tpus(self) -> list[GcpPodSpec]:
+        """The TPUs the pod is made of, in slice order: itself, or one per slice when its
+        slices are separate TPUs (``NAME-0``, ``NAME-1``, ...: the node ids a multislice
+        queued resource gives its slices too)."""
+        if self.slices == 1:
+            return [self]
+        return [
+            self.model_copy(update={"name": f"{self.name}-{k}", "slices": 1})
+            for k in range(self.slices)
+        ]
+
     def up_command(self) -> str:
         """The ``tpupod up`` command that makes this pod (its flags, as a user types them),
         for a hint to run after a ``down``, which forgets the pod's record."""
@@ -246,6 +280,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
             "--runtime-version": self.runtime_version,
             "--capacity": None if self.capacity is Capacity.ON_DEMAND else self.capacity.value,
             "--node-count": str(self.node_count) if self.node_count > 1 else None,
+            "--slices": str(self.slices) if self.slices > 1 else None,
             "--api": self.api.value if self.api is not None else None,
             "--network": self.network,
             "--subnetwork": self.subnetwork,
@@ -269,7 +304,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
 
     @property
     def workers(self) -> int:
-        return self.accelerator.workers * self.node_count
+        return self.accelerator.workers * self.node_count * self.slices
 
     @property
     def queued(self) -> bool:
@@ -285,6 +320,7 @@ class GcpPodSpec(_SpecBase, _SshOptions):
 
     def summary(self) -> str:
         slices = f" x {self.node_count} slices" if self.node_count > 1 else ""
+        slices += f" x {self.slices} separate slices" if self.slices > 1 else ""
         workers = f"{self.workers} worker{'' if self.workers == 1 else 's'}"
         return f"{self.tpu_type}{slices} in {self.zone}, {workers} ({self.capacity})"
 
@@ -321,8 +357,9 @@ FIELD_HINTS = {
     "tpu_type": "a Cloud TPU type such as v4-16, v5litepod-64 or v6e-16",
     "zone": "a zone such as us-central2-b",
     "capacity": "one of on-demand (default), spot, preemptible, reserved, best-effort",
-    "node_count": "the number of slices, 1 to 64",
-    "slices": "a number of slices that divides the workers: --local 4 --slices 2 makes 2 of 2",
+    "node_count": "the slices of one multislice queued resource, 1 to 64",
+    "slices": "slices of the same size: --local 4 --slices 2 makes 2 of 2; with --gcp, "
+    "--slices N makes N separate TPUs",
     "api": "tpu-vm or queued-resource",
     "key": "the path of a private key file, e.g. ~/.ssh/id_ed25519",
     "user": "a login user name, e.g. root",
@@ -499,7 +536,8 @@ KIND_FLAGS = {
     "ssh": ("ssh", "port", "slices", *SSH_LOGIN_FLAGS),
     "gcp": (
         *("gcp", "tpu_type", "adopt", "zone", "project", "runtime_version", "capacity"),
-        *("spot", "preemptible", "reserved", "best_effort", "node_count", "api", "network"),
+        *("spot", "preemptible", "reserved", "best_effort", "node_count", "slices", "api"),
+        "network",
         *("subnetwork", "tags", "labels", "internal", *SSH_LOGIN_FLAGS),
     ),
 }
@@ -625,6 +663,7 @@ def _gcp_fields(flags: UpFlags) -> dict[str, Any]:
         "provider": "gcp",
         **{name: getattr(flags, name) for name in ("tpu_type", "zone", "project")},
         **{name: getattr(flags, name) for name in ("runtime_version", "node_count", "api")},
+        "slices": flags.slices,
         **{name: getattr(flags, name) for name in ("network", "subnetwork")},
         "capacity": _capacity(flags),
         "tags": list(flags.tags) or None,

@@ -28,7 +28,7 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,31 +66,89 @@ class GcpProvider:
         if spec.key:
             await asyncio.to_thread(check_key_file, spec.key)
         spec = spec.model_copy(update={"project": self.session.project(spec.project)})
-        api = TpuApi(spec, self.session)
+        apis = [TpuApi(tpu, self.session) for tpu in spec.tpus()]
         if not spec.adopted:
-            await self._call(api.check_zone_offers)
-            await self._make_room(api, spec, state, recreate)
-            key_line = _pod_key(spec, state)
-            await self._call(lambda: api.create(f"{spec.user}:{key_line}"), _already_made)
-        await self._wait(api, spec)
-        nodes = await self._call(api.nodes)
-        workers = await _workers(spec, state, nodes, self.progress)
+            await self._call(apis[0].check_zone_offers)
+            for api in apis:
+                await self._make_room(api, spec, state, recreate)
+            await self._make(apis, _pod_key(spec, state))
+        else:
+            await self._wait(apis[0], spec)
+        nodes = [node for api in apis for node in await self._call(api.nodes)]
+        workers = await _workers(spec, state, list(enumerate(nodes)), self.progress)
         return Pod(name=spec.name, spec=spec, workers=tuple(workers))
+
+    async def delete_slices(self, pod: Pod, slices: Sequence[int]) -> None:
+        """Delete the TPUs of ``slices`` (a pod of separate slices), the others untouched."""
+        apis = self._slice_apis(pod, slices)
+        names = ", ".join(api.spec.name for api in apis)
+        self.progress(f"deleting {names} (slice {', '.join(map(str, slices))} of {pod.slices})")
+        await asyncio.gather(*(self._delete(api) for api in apis))
+
+    async def make_slices(self, pod: Pod, state: StateDir, slices: Sequence[int]) -> Pod:
+        """The pod with the TPUs of ``slices`` made again (deleted first: ``delete_slices``);
+        the other slices' workers keep their ids and addresses, and the pod its uid."""
+        apis = self._slice_apis(pod, slices)
+        assert isinstance(pod.spec, GcpPodSpec)
+        names = ", ".join(api.spec.name for api in apis)
+        self.progress(f"creating {names} again in {pod.spec.zone}")
+        await self._make(apis, _pod_key(pod.spec, state))
+        nodes = [
+            (k, node)
+            for k, api in zip(slices, apis, strict=True)
+            for node in await self._call(api.nodes)
+        ]
+        new = await _workers(pod.spec, state, nodes, self.progress)
+        kept = [w for w in pod.workers if w.slice not in slices]
+        workers = tuple(sorted([*kept, *new], key=lambda w: w.id))
+        return pod.model_copy(update={"workers": workers})
+
+    def _slice_apis(self, pod: Pod, slices: Sequence[int]) -> list[TpuApi]:
+        assert isinstance(pod.spec, GcpPodSpec) and pod.spec.slices > 1
+        tpus = pod.spec.tpus()
+        return [TpuApi(tpus[k], self.session) for k in slices]
 
     async def destroy(self, pod: Pod, state: StateDir) -> None:
         assert isinstance(pod.spec, GcpPodSpec)
         if pod.spec.adopted:
             self.progress(f"{pod.name!r} was adopted: forgetting it, not deleting the TPU")
             return
-        self.progress(f"deleting {pod.spec.tpu_type} {pod.name!r} in {pod.spec.zone}")
-        await self._delete(TpuApi(pod.spec, self.session))
+        what = pod.spec.tpu_type + (f" x {pod.spec.slices}" if pod.spec.slices > 1 else "")
+        self.progress(f"deleting {what} {pod.name!r} in {pod.spec.zone}")
+        apis = [TpuApi(tpu, self.session) for tpu in pod.spec.tpus()]
+        await asyncio.gather(*(self._delete(api) for api in apis))
 
     async def live_state(self, pod: Pod) -> str | None:
         """The TPU's state (``GONE`` when the API has no such TPU), read once: callers
-        that must know retry it themselves, and a watch simply reads again later."""
+        that must know retry it themselves, and a watch simply reads again later. A pod of
+        separate slices: the state of its worst slice (see ``slice_states``)."""
+        return worst_state(await self.slice_states(pod))
+
+    async def slice_states(self, pod: Pod) -> list[str]:
+        """Each of the pod's TPUs' state, in slice order (one, unless its slices are
+        separate TPUs), read at once."""
         assert isinstance(pod.spec, GcpPodSpec)
-        state = await asyncio.to_thread(TpuApi(pod.spec, self.session).state_or_none)
-        return GONE if state is None else state
+        apis = [TpuApi(tpu, self.session) for tpu in pod.spec.tpus()]
+        found = await asyncio.gather(*(asyncio.to_thread(api.state_or_none) for api in apis))
+        return [GONE if state is None else state for state in found]
+
+    async def _make(self, apis: list[TpuApi], key_line: str) -> None:
+        """Create the TPUs and wait until each is ready. When one of several fails, those
+        made by this call are deleted (a pod is never left half made) and its error raised."""
+
+        async def make(api: TpuApi) -> None:
+            await self._call(lambda: api.create(f"{api.spec.user}:{key_line}"), _already_made)
+            await self._wait(api, api.spec)
+
+        outcomes = await asyncio.gather(*(make(api) for api in apis), return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if not failed:
+            return
+        if len(apis) > 1:
+            names = ", ".join(api.spec.name for api in apis)
+            self.progress(f"{failed[0]}; deleting what this call made ({names})")
+            await asyncio.gather(*(self._delete(api) for api in apis), return_exceptions=True)
+        raise failed[0]
 
     async def _call(
         self, call: Callable[[], T], went_through: Callable[[GcpError], bool] | None = None
@@ -137,29 +195,32 @@ class GcpProvider:
     async def _make_room(
         self, api: TpuApi, spec: GcpPodSpec, state: StateDir, recreate: bool
     ) -> None:
-        """An existing TPU of that name: deleted if broken and --recreate, else an error
-        (before anything is changed)."""
+        """An existing TPU of ``api``'s name (the pod's, or one of its slices'): deleted if
+        broken and --recreate, else an error (before anything is changed)."""
         found = await self._call(api.state_or_none)
+        tpu = api.spec.name
         if found is None:
             return
         if found in BROKEN and recreate:
-            self.progress(f"{spec.name}: {found}; deleting it to create it again")
+            self.progress(f"{tpu}: {found}; deleting it to create it again")
             await self._delete(api)
             return
         if found in BROKEN:
             raise GcpError(
-                f"TPU {spec.name!r} exists and is {found}",
+                f"TPU {tpu!r} exists and is {found}",
                 hint="'tpupod up --recreate' deletes it and creates it again",
             )
         if recreate and state.exists(spec.name):
             raise GcpError(
-                f"TPU {spec.name!r} is {found}: --recreate replaces a preempted or failed one",
+                f"TPU {tpu!r} is {found}: --recreate replaces a preempted or failed one",
                 hint=f"it is not broken; to replace it anyway: 'tpupod down --pod {spec.name}', "
                 f"then '{spec.up_command()}'",
             )
         raise GcpError(
-            f"a TPU named {spec.name!r} already exists ({found})",
-            hint=f"'tpupod up --adopt {spec.name}' records it, or pick another --name",
+            f"a TPU named {tpu!r} already exists ({found})",
+            hint=f"'tpupod up --adopt {tpu}' records it, or pick another --name"
+            if tpu == spec.name
+            else "pick another --name",
         )
 
     def connect(self, pod: Pod, state: StateDir) -> SshConnector:
@@ -583,28 +644,35 @@ def _as_ssh(spec: GcpPodSpec, state: StateDir) -> Any:
 
 
 async def _workers(
-    spec: GcpPodSpec, state: StateDir, nodes: list[Any], progress: Callable[[str], None]
+    spec: GcpPodSpec,
+    state: StateDir,
+    nodes: list[tuple[int, Any]],
+    progress: Callable[[str], None],
 ) -> list[Worker]:
-    """Every worker of every slice, in order, with the hostname it reports over SSH."""
-    targets: list[tuple[int, Any, SshHost]] = []
-    for slice_id, node in enumerate(nodes):
-        for endpoint in node.network_endpoints:
+    """Every worker of ``nodes`` ((slice, node), in order), with the hostname it reports
+    over SSH. Ids are global: a slice's workers follow the slices before it."""
+    per_slice = spec.accelerator.workers
+    sliced = spec.node_count * spec.slices > 1
+    targets: list[tuple[int, int, Any, SshHost]] = []
+    for slice_id, node in nodes:
+        for index, endpoint in enumerate(node.network_endpoints):
             address = (
                 endpoint.ip_address
                 if spec.internal
                 else (endpoint.access_config.external_ip or endpoint.ip_address)
             )
-            targets.append((slice_id, endpoint, SshHost(host=address, user=spec.user)))
+            worker_id = slice_id * per_slice + index
+            targets.append((worker_id, slice_id, endpoint, SshHost(host=address, user=spec.user)))
     pool = SshPool(connect_options(_as_ssh(spec, state), state))
     try:
         answers = await asyncio.gather(
-            *(probe(pool, target, i) for i, (_, _, target) in enumerate(targets)),
+            *(probe(pool, target, i) for i, _, _, target in targets),
             return_exceptions=True,
         )
     finally:
         await pool.close()
     workers = []
-    for i, ((slice_id, endpoint, target), answer) in enumerate(zip(targets, answers, strict=True)):
+    for (i, slice_id, endpoint, target), answer in zip(targets, answers, strict=True):
         shell = None  # not known: taken as bash, a TPU VM's
         if isinstance(answer, BaseException):
             progress(f"w{i} ({target.host}) does not answer over SSH yet: {answer}")
@@ -618,8 +686,18 @@ async def _workers(
                 internal_address=endpoint.ip_address,
                 external_address=endpoint.access_config.external_ip or None,
                 ssh=target,
-                slice=slice_id if len(nodes) > 1 else None,  # a slice of a multislice TPU
+                slice=slice_id if sliced else None,
                 login_shell=shell,
             )
         )
     return workers
+
+
+def worst_state(states: Sequence[str]) -> str:
+    """One state for a pod of several TPUs: a preempted or broken slice's first, then a
+    gone one's, then one not yet ready, else READY (the first's, for one TPU)."""
+    for wanted in (BROKEN, {GONE}):
+        found = [state for state in states if state in wanted]
+        if found:
+            return found[0]
+    return next((state for state in states if state not in READY), states[0])

@@ -33,7 +33,7 @@ from tpupod.providers import GONE, provider_for
 from tpupod.recovery import confirm
 from tpupod.recovery.policy import Cause, Counters, RetryPolicy, counted
 from tpupod.recovery.record import RecoveryRecord
-from tpupod.recovery.replace import recreate, rerun_setup, timed
+from tpupod.recovery.replace import lost_slices, recreate, rerun_setup, timed
 
 # (pod, the attempt's extra environment, its interrupt, told the launch id once it exists)
 # -> (launch id, result)
@@ -133,6 +133,7 @@ class Recovery:
         phases = self.record.current.phases
         try:
             if recreate_first:
+                slices = await self._slices_to_replace()
                 self.pod = await self._interruptible(
                     recreate(
                         self.pod,
@@ -141,14 +142,16 @@ class Recovery:
                         phases,
                         notice=self.notice,
                         on_phase=self._phase,
+                        slices=slices,
                     )
                 )
-                self.record.options["created"] = True
+                self._made(slices)
             if self.setup_script is not None and (recreate_first or not resumed):
                 self._phase("setup")
                 setup = rerun_setup(self.pod, self.setup_script, phases, self.on_line)
                 await self._interruptible(setup)
             self._check_code()
+            self.record.options["replacing"] = []  # what a recovery stopped now would delete
             self._phase("run")
             return await self._launch(phases, resumed)
         except _Interrupted:
@@ -161,6 +164,32 @@ class Recovery:
                 where = f"during {self.record.phase}: {exc}"
                 return Ending(Cause.FATAL, exc.exit_code or 1, where, error=exc)
             return await self._classify_error(exc)
+
+    async def _slices_to_replace(self) -> list[int]:
+        """The slices to make again (empty: the whole pod): those a recovery the dead
+        launcher left half-done was replacing, else those the API says are lost."""
+        replacing = self.record.options.get("replacing")
+        if self.record.phase in ("delete", "create", "setup") and replacing:
+            return list(replacing)
+        slices = await lost_slices(self.pod, self.policy, self.notice)
+        if slices:
+            kept = [k for k in range(self.pod.slices) if k not in slices]
+            self.notice(
+                f"replacing slice {', '.join(map(str, slices))} alone; "
+                f"slice {', '.join(map(str, kept))} stay{'s' if len(kept) == 1 else ''} up"
+            )
+        self.record.options["replacing"] = slices
+        self.record.save()
+        return slices
+
+    def _made(self, slices: list[int]) -> None:
+        """Remember what the recovery made (the whole pod, or some of its slices): what a
+        run that ends preempted deletes."""
+        if slices:
+            made = set(self.record.options.get("made_slices", [])) | set(slices)
+            self.record.options["made_slices"] = sorted(made)
+        else:
+            self.record.options["created"] = True
 
     async def _launch(self, phases: dict[str, float], resumed: bool) -> Ending:
         attempt = self.record.current
@@ -389,9 +418,8 @@ class Recovery:
         self.record.phase = ""
         self.record.save()
         self.notice(f"{self.record.headline()}; {self.counters.describe()}")
-        if ending.cause is Cause.PREEMPTED and self.record.options.get("created"):
-            self.notice(f"deleting {self.pod.name!r}: preempted, and the recovery made it")
-            await provider_for(self.pod.provider).destroy(self.pod, self.state)
+        if ending.cause is Cause.PREEMPTED:
+            await delete_what_recovery_made(self.record, self.pod, self.state, self.notice)
         if ending.error is not None:
             raise _ends_the_run(self.record.run_id, ending.error)
         if ending.silent:
@@ -403,12 +431,36 @@ class Recovery:
         return code
 
 
+async def delete_what_recovery_made(
+    record: RecoveryRecord, pod: Pod, state: StateDir, notice: NoticeHandler
+) -> None:
+    """A run that ends preempted leaves no TPU its recovery made: the whole pod, or the
+    slices it made again (the others were the user's, and stay)."""
+    made = record.options.get("made_slices") or []
+    if record.options.get("created"):
+        notice(f"deleting {pod.name!r}: preempted, and the recovery made it")
+        await provider_for(pod.provider).destroy(pod, state)
+    elif made:
+        from tpupod.providers.gcp import GcpProvider  # Cloud TPUs only: asyncssh, google
+
+        which = ", ".join(map(str, made))
+        notice(f"deleting slice {which} of {pod.name!r}: preempted, and the recovery made it")
+        await GcpProvider().delete_slices(pod, made)
+
+
 async def delete_unfinished(record: RecoveryRecord, state: StateDir) -> str | None:
     """Delete the TPU a recovery was making when it stopped (deleting the old one, creating
-    or setting up the new); its name, or None when there was none."""
+    or setting up the new; only the slices it was replacing, on a pod of separate slices);
+    what it deleted, or None when there was none."""
     pod = state.load(record.pod)
     if not isinstance(pod.spec, GcpPodSpec) or record.phase not in ("delete", "create", "setup"):
         return None
+    replacing = record.options.get("replacing") or []
+    if replacing:
+        from tpupod.providers.gcp import GcpProvider  # Cloud TPUs only: asyncssh, google
+
+        await GcpProvider().delete_slices(pod, replacing)
+        return f"{pod.name} slice {', '.join(map(str, replacing))}"
     await provider_for(pod.provider).destroy(pod, state)
     return pod.name
 
