@@ -398,8 +398,9 @@ def status(
     zone: Annotated[str | None, typer.Option("--zone", show_default=False)] = None,
     project: Annotated[str | None, typer.Option("--project", show_default=False)] = None,
 ) -> None:
-    """Show a pod and check that every worker answers (runs 'hostname' on each); with the
-    pod's latest 'run --retries' run: its attempts, their causes and each phase's time.
+    """Show a pod (on a pod of slices, each worker's slice) and check that every worker
+    answers (runs 'hostname' on each); with the pod's latest 'run --retries' run: its
+    attempts, their causes and each phase's time.
 
     Examples:
 
@@ -435,17 +436,14 @@ def _print_status(found: PodStatus) -> None:
         f"created {target.created_at:%Y-%m-%d %H:%M:%S} UTC"
         + (f", cloud state {found.cloud_state}" if found.cloud_state else "")
     )
-    rows = [("WORKER", "HOSTNAME", "REACHABLE", "ANSWER", "TIME")]
-    rows += [
-        (
-            str(w.worker),
-            w.hostname,
-            "yes" if w.reachable else "NO",
-            w.answer,
-            f"{w.seconds:.3f}s",
-        )
-        for w in found.workers
-    ]
+    sliced = target.slices > 1
+    if sliced:
+        print(target.slice_layout())
+    rows = [("WORKER", *(("SLICE",) if sliced else ()), "HOSTNAME", "REACHABLE", "ANSWER", "TIME")]
+    for w in found.workers:
+        where = (str(w.slice),) if sliced else ()
+        reachable = "yes" if w.reachable else "NO"
+        rows.append((str(w.worker), *where, w.hostname, reachable, w.answer, f"{w.seconds:.3f}s"))
     _print_columns(rows)
 
 

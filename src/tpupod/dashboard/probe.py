@@ -14,7 +14,7 @@ from typing import Any
 from tpupod import settings
 from tpupod.dashboard import libtpu
 from tpupod.fanout.execute import execute_async
-from tpupod.fanout.results import FanoutResult
+from tpupod.fanout.results import FanoutResult, slice_of
 from tpupod.pod.record import Pod
 from tpupod.providers import Connector
 
@@ -51,6 +51,7 @@ class WorkerSample:
     memory: float | None = None  # share of memory in use, 0..1
     accelerator: str = "no TPU"  # on TPU hosts: HBM and duty cycle, or "idle" (libtpu.summary)
     error: str = ""
+    slice: int | None = None  # on a pod of slices
 
     def to_json(self) -> dict[str, Any]:
         # its fields are plain values: a copy of them, where asdict's deep copy of 256
@@ -97,8 +98,13 @@ async def sample_pod(pod: Pod, connector: Connector, timeout: float) -> list[Wor
         accelerator = libtpu.summary(lines) or "no TPU"
         error = "" if r.ok else f"{r.outcome_text()}: {r.last_line}".strip(": ")
         w = r.worker
-        samples.append(WorkerSample(w.id, w.hostname, r.ok, now, load, memory, accelerator, error))
+        samples.append(
+            WorkerSample(w.id, w.hostname, r.ok, now, load, memory, accelerator, error, slice_of(w))
+        )
     if pod.on_this_machine:
         one = samples[0]
-        return [dataclasses.replace(one, worker=w.id, hostname=w.hostname) for w in pod.workers]
+        return [
+            dataclasses.replace(one, worker=w.id, hostname=w.hostname, slice=w.slice)
+            for w in pod.workers
+        ]
     return samples

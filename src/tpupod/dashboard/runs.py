@@ -191,6 +191,7 @@ def summary(record: RunRecord, pod: str) -> dict[str, Any]:
         "finished": end,
         "seconds": None if end is None else round(end - record.started, 3),
         "workers": len(record.workers),
+        "slices": len({w.slice for w in record.workers}),
         "first_failure": judged.first_failure,
         "job": None if record.job is None else {"id": record.job[0], "attempt": record.job[1]},
     }
@@ -220,6 +221,7 @@ def detail(record: RunRecord, pod: str) -> dict[str, Any]:
             {
                 "worker": w.id,
                 "hostname": w.hostname,
+                "slice": w.slice,
                 "state": r.outcome if r else overall,
                 "ok": ok(r.outcome) if r else None,
                 "last_line": r.last_line if r else "",

@@ -115,6 +115,8 @@ class Sampler:
         return {
             "name": name,
             "provider": pod.provider,
+            "slices": pod.slices,
+            "layout": pod.slice_layout(),  # "2 slices of 2 workers: w0-w1, w2-w3"
             "workers": [s.to_json() for s in samples],
             "reachable": sum(s.reachable for s in samples),
         }

@@ -9,7 +9,7 @@ from tpupod import settings
 from tpupod.base.plain import TYPE_CHECKING
 from tpupod.errors import TpupodError
 from tpupod.extras import for_missing_module
-from tpupod.fanout.results import RunState, place, slice_of
+from tpupod.fanout.results import Outcome, RunState, place, slice_of
 from tpupod.transport import OutputLine, Stream
 
 if TYPE_CHECKING:
@@ -90,7 +90,8 @@ def print_summary(
     The workers are a table (worker, host, result, time, last line) on a small
     pod, or with ``verbose``. A success with no output is the headline alone;
     beyond ``GROUPED_ABOVE`` workers, identical results are grouped
-    ("3 failed: w17, w90, w201 (exit 2)"): 256 rows are read by nobody.
+    ("3 failed: w17, w90, w201 (exit 2)"): 256 rows are read by nobody; on a pod of
+    slices, a line per slice (``slice 2  w32-w47  15 ok, 1 failed (w40: exit 1)``).
     Plain aligned text with ANSI colors in a terminal: no table library on the
     path every command takes (it costs more to import than the table takes to print).
     """
@@ -100,6 +101,8 @@ def print_summary(
     silent = result.failed_count == 0 and not any(r.last_line for r in result.workers)
     if verbose or not (silent or len(result.workers) > GROUPED_ABOVE):
         lines.extend(_table(result, file, paint))
+    elif not silent and _sliced(result):
+        lines.extend(_slices(result, paint))
     else:
         lines.extend(_groups(result, paint))
     lines.extend(_verdict(result, paint))
@@ -117,6 +120,91 @@ def _groups(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str]
         paint("31", f"{len(group)} failed: {worker_names(group)} ({outcome})")
         for outcome, group in sorted(by_outcome.items(), key=lambda item: -len(item[1]))
     ]
+
+
+def _sliced(result: FanoutResult) -> bool:
+    return any(slice_of(r.worker) is not None for r in result.workers)
+
+
+# a slice's outcomes in the order its line names them: ok, then the workers' own failures,
+# then the workers stopped or interrupted because of another's
+OUTCOME_ORDER = (
+    Outcome.OK,
+    Outcome.FAILED,
+    Outcome.TIMED_OUT,
+    Outcome.UNREACHABLE,
+    Outcome.INTERRUPTED,
+    Outcome.STOPPED,
+)
+OWN_FAILURES = (Outcome.FAILED, Outcome.TIMED_OUT, Outcome.UNREACHABLE)
+
+
+def _slices(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str]:
+    """One line per slice, its workers counted by outcome: the slice that failed first,
+    then any other with a failure of its own, then those only stopped, then the ok ones."""
+    by_slice: dict[int, list[WorkerResult]] = {}
+    for r in result.workers:
+        by_slice.setdefault(slice_of(r.worker) or 0, []).append(r)
+    first = result.first_failure
+    first_slice = None if first is None else slice_of(first.worker)
+
+    def rank(item: tuple[int, list[WorkerResult]]) -> tuple[int, int]:
+        found, group = item
+        outcomes = {r.outcome for r in group}
+        if found == first_slice:
+            return 0, found
+        if outcomes & set(OWN_FAILURES):
+            return 1, found
+        return (2 if outcomes != {Outcome.OK} else 3), found
+
+    ordered = sorted(by_slice.items(), key=rank)
+    rows = [(f"slice {found}", worker_names(group)) for found, group in ordered]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    lines = []
+    for row, (_, group) in zip(rows, ordered, strict=True):
+        counted = _counts(group)
+        ok = all(r.ok for r in group)
+        lines.append(f"{_join(row, widths)}  {paint('32' if ok else '31', counted)}")
+    return lines
+
+
+def _counts(group: Sequence[WorkerResult]) -> str:
+    """``15 ok, 1 failed (w40: exit 1)``: a slice's workers by outcome, those that did not
+    succeed named with how they ended."""
+    parts = []
+    for outcome in OUTCOME_ORDER:
+        ended = [r for r in group if r.outcome is outcome]
+        if not ended:
+            continue
+        said = f"{len(ended)} {outcome.value}"
+        if outcome is not Outcome.OK:
+            said += f" ({_ways(ended, outcome, whole=len(ended) == len(group) > 1)})"
+        parts.append(said)
+    return ", ".join(parts)
+
+
+def _ways(ended: Sequence[WorkerResult], outcome: Outcome, whole: bool) -> str:
+    """Workers of one outcome named by how each ended: ``w40: exit 1; w41, w42: exit 2``
+    (the outcome's own word left out: ``stopped after w40 failed`` reads ``after w40 failed``;
+    the names too where all of a slice ended one way: its line names its workers)."""
+    by_way: dict[str, list[WorkerResult]] = {}
+    for r in ended:
+        by_way.setdefault(_way(r, outcome), []).append(r)
+    if whole and len(by_way) == 1:
+        return next(iter(by_way)) or worker_names(ended)
+    return "; ".join(
+        f"{worker_names(rs)}: {way}" if way else worker_names(rs) for way, rs in by_way.items()
+    )
+
+
+def _way(r: WorkerResult, outcome: Outcome) -> str:
+    text = r.outcome_text()
+    if text == outcome.value:
+        return ""
+    rest = text.removeprefix(f"{outcome.value} ")
+    if rest != text and rest.startswith("(") and rest.endswith(")") and rest.count("(") == 1:
+        rest = rest[1:-1]
+    return rest
 
 
 def worker_names(results: Sequence[WorkerResult]) -> str:

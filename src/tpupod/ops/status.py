@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import asdict, dataclass
 
 from tpupod.fanout.execute import execute_async
-from tpupod.fanout.results import FanoutResult
+from tpupod.fanout.results import FanoutResult, slice_of
 from tpupod.pod.record import Pod
 from tpupod.providers import GONE, provider_for
 
@@ -29,6 +29,7 @@ class WorkerStatus:
     reachable: bool
     answer: str
     seconds: float
+    slice: int | None = None  # on a pod of slices
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class PodStatus:
         return {
             "pod": self.pod.name,
             "provider": self.pod.provider,
+            "slices": self.pod.slices,
             "workers": [asdict(w) for w in self.workers],
             "cloud_state": self.cloud_state,
             "healthy": self.healthy,
@@ -83,7 +85,9 @@ def pod_status(pod: Pod, *, timeout: float = PROBE_TIMEOUT_S) -> PodStatus:
 
 
 def _gone(pod: Pod) -> tuple[WorkerStatus, ...]:
-    return tuple(WorkerStatus(w.id, w.hostname, False, "its TPU is gone", 0.0) for w in pod.workers)
+    return tuple(
+        WorkerStatus(w.id, w.hostname, False, "its TPU is gone", 0.0, w.slice) for w in pod.workers
+    )
 
 
 def _answers(probe: FanoutResult) -> tuple[WorkerStatus, ...]:
@@ -94,6 +98,7 @@ def _answers(probe: FanoutResult) -> tuple[WorkerStatus, ...]:
             reachable=r.ok,
             answer=r.last_line if r.ok else f"{r.outcome_text()}: {r.last_line}",
             seconds=round(r.duration, 3),
+            slice=slice_of(r.worker),
         )
         for r in probe.workers
     )

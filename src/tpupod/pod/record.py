@@ -76,6 +76,18 @@ class Pod(BaseModel):
         """How many slices the pod has (1: no slices)."""
         return len({w.slice for w in self.workers})
 
+    def slice_layout(self) -> str:
+        """A pod of slices in one line, ``2 slices of 2 workers: w0-w1, w2-w3`` ("" for one
+        slice)."""
+        if self.slices < 2:
+            return ""
+        spans = []
+        for found in dict.fromkeys(w.slice for w in self.workers):
+            ids = [w.id for w in self.workers if w.slice == found]
+            spans.append(f"w{ids[0]}-w{ids[-1]}" if len(ids) > 1 else f"w{ids[0]}")
+        per = len(self.workers) // self.slices
+        return f"{self.slices} slices of {per} worker{'s' if per != 1 else ''}: {', '.join(spans)}"
+
     @property
     def on_this_machine(self) -> bool:
         """The workers are processes here (a local pod): they share this machine's files,
