@@ -238,3 +238,36 @@ def test_a_multislice_jax_run_survives_a_slice_replaced_with_the_same_parameters
     assert [c for m, c in spot_api.calls if m == "DELETE"] == ["queuedResources/jx-1"]
     resumed = re.findall(r"attempt 2, from step (\d+)", out)
     assert resumed and int(resumed[0]) > 4, out
+
+
+def test_status_and_recreate_see_each_separate_slice(
+    tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    """One slice's TPU gone: status names it, asks only the other slice's workers, and
+    `up --recreate` makes that slice alone again, keeping the other."""
+    up = (*UP, "--name", "st", "--tpu-type", "v4-8", "--spot", "--slices", "2")
+    assert cli(*up).code == 0
+    kept = addresses(cli, "st")[0]
+    tpu_api.preempt("st-1")
+    tpu_api.handle(
+        "DELETE", "/v2/projects/proj/locations/us-central2-b/queuedResources/st-1", {}, {}
+    )
+    found = cli("status", "--pod", "st")
+    assert found.code == 255, found.err
+    assert "cloud state st-0 ACTIVE, st-1 GONE" in found.out, found.out
+    rows = [line.split() for line in found.out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert rows[0][3] == "yes" and rows[1][3] == "NO" and "its TPU is gone" in found.out
+    assert "hint: the TPU of slice 1 no longer exists" in found.err, found.err
+    data = json.loads(cli("status", "--pod", "st", "--format", "json").out)
+    assert data["slice_states"] == ["ACTIVE", "GONE"] and not data["healthy"]
+    posts = tpu_api.calls.count(("POST", "queuedResources/"))
+    again = cli(*up, "--recreate")
+    assert again.code == 0, again.err
+    assert "st-0: ACTIVE; kept" in again.err, again.err
+    assert tpu_api.calls.count(("POST", "queuedResources/")) == posts + 1
+    assert addresses(cli, "st")[0] == kept
+    assert cli("status", "--pod", "st").code == 0
+    # nothing broken: --recreate refuses, as for one TPU
+    refused = cli(*up, "--recreate")
+    assert refused.code != 0 and "--recreate replaces a preempted or failed one" in refused.err
+    assert cli("down", "--pod", "st").code == 0

@@ -434,7 +434,7 @@ def _print_status(found: PodStatus) -> None:
     print(
         f"pod {target.name!r}: {target.spec.summary()}, "
         f"created {target.created_at:%Y-%m-%d %H:%M:%S} UTC"
-        + (f", cloud state {found.cloud_state}" if found.cloud_state else "")
+        + (f", cloud state {found.cloud_text}" if found.cloud_state else "")
     )
     sliced = target.slices > 1
     if sliced:

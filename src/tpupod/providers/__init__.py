@@ -54,6 +54,11 @@ class Provider(Protocol):
         resource: deleted, or never made); None where there is no cloud."""
         ...
 
+    async def slice_states(self, pod: Pod) -> list[str]:
+        """The cloud state of each of the pod's cloud resources, in slice order: one, or
+        one per slice where its slices are separate TPUs; empty where there is no cloud."""
+        ...
+
     def connect(self, pod: Pod, state: StateDir) -> Connector:
         """Transports for the pod's workers; close the connector when done."""
         ...

@@ -39,15 +39,22 @@ from tpupod.fanout.report import notice
 from tpupod.pod.record import Pod, Worker
 from tpupod.pod.spec import GcpPodSpec, PodSpec, SshHost
 from tpupod.pod.state import StateDir
-from tpupod.providers.gcp_api import API_ROOT, GONE, check_api_choice, create_request, parent
+from tpupod.providers.gcp_api import (
+    API_ROOT,
+    BROKEN,
+    GONE,
+    READY,
+    check_api_choice,
+    create_request,
+    parent,
+    worst_state,
+)
 from tpupod.providers.ssh import check_key_file, connect_options
 from tpupod.transport.ssh import SshConnector, SshPool, generate_key, probe, public_key_line
 
 KEY_FILE = "id_ed25519"
 WAIT_S = 3600.0
 MAX_POLL_S = 30.0  # the longest pause between two reads of a TPU's state
-READY = {"READY", "ACTIVE"}
-BROKEN = {"FAILED", "SUSPENDING", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
 CALL_TIMEOUT_S = 60.0  # one request: a hung connection is a failed try, not a hung command
 MAX_BACKOFF_S = 10.0
 T = TypeVar("T")
@@ -69,9 +76,9 @@ class GcpProvider:
         apis = [TpuApi(tpu, self.session) for tpu in spec.tpus()]
         if not spec.adopted:
             await self._call(apis[0].check_zone_offers)
-            for api in apis:
-                await self._make_room(api, spec, state, recreate)
-            await self._make(apis, _pod_key(spec, state))
+            made = await self._to_make(apis, spec, state, recreate)
+            await self._make(made, _pod_key(spec, state))
+            await asyncio.gather(*(self._wait(api, api.spec) for api in apis if api not in made))
         else:
             await self._wait(apis[0], spec)
         nodes = [node for api in apis for node in await self._call(api.nodes)]
@@ -191,6 +198,29 @@ class GcpProvider:
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, MAX_POLL_S)
+
+    async def _to_make(
+        self, apis: list[TpuApi], spec: GcpPodSpec, state: StateDir, recreate: bool
+    ) -> list[TpuApi]:
+        """The pod's TPUs to create (see ``_make_room``). ``up --recreate`` of a pod of
+        separate slices makes only the broken or gone ones again and keeps the others;
+        when none is broken, it is refused as for one TPU."""
+        if not (recreate and spec.slices > 1 and state.exists(spec.name)):
+            for api in apis:
+                await self._make_room(api, spec, state, recreate)
+            return apis
+        states = [await self._call(api.state_or_none) for api in apis]
+        lost = [
+            api for api, found in zip(apis, states, strict=True) if found is None or found in BROKEN
+        ]
+        if not lost:
+            await self._make_room(apis[0], spec, state, recreate)  # raises: it is healthy
+        for api, found in zip(apis, states, strict=True):
+            if api in lost:
+                await self._make_room(api, spec, state, recreate)
+            else:
+                self.progress(f"{api.spec.name}: {found}; kept")
+        return lost
 
     async def _make_room(
         self, api: TpuApi, spec: GcpPodSpec, state: StateDir, recreate: bool
@@ -691,13 +721,3 @@ async def _workers(
             )
         )
     return workers
-
-
-def worst_state(states: Sequence[str]) -> str:
-    """One state for a pod of several TPUs: a preempted or broken slice's first, then a
-    gone one's, then one not yet ready, else READY (the first's, for one TPU)."""
-    for wanted in (BROKEN, {GONE}):
-        found = [state for state in states if state in wanted]
-        if found:
-            return found[0]
-    return next((state for state in states if state not in READY), states[0])

@@ -13,6 +13,7 @@ Best-effort exists only in v2alpha1, which names multislice ``multiNodeParams``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ from tpupod.pod.choices import Capacity
 from tpupod.pod.spec import GcpPodSpec
 
 GONE = "GONE"  # what live_state says of a cloud resource the cloud no longer has (a 404)
+READY = {"READY", "ACTIVE"}
+BROKEN = {"FAILED", "SUSPENDING", "SUSPENDED", "PREEMPTED", "TERMINATED", "STOPPED"}
 
 API_ROOT = "https://tpu.googleapis.com"
 NOT_TPU_VM = "--api tpu-vm (api: tpu-vm in a spec file)"
@@ -133,3 +136,13 @@ def delete_request(spec: GcpPodSpec, project: str) -> ApiRequest:
             "Queued Resources", "v2", "DELETE", f"{where}/queuedResources/{spec.name}?force=true"
         )
     return ApiRequest("TPU VM (nodes)", "v2", "DELETE", f"{where}/nodes/{spec.name}")
+
+
+def worst_state(states: Sequence[str]) -> str:
+    """One state for a pod of several TPUs: a preempted or broken slice's first, then a
+    gone one's, then one not yet ready, else READY (the first's, for one TPU)."""
+    for wanted in (BROKEN, {GONE}):
+        found = [state for state in states if state in wanted]
+        if found:
+            return found[0]
+    return next((state for state in states if state not in READY), states[0])

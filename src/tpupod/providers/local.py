@@ -50,6 +50,9 @@ class LocalProvider:
     async def live_state(self, pod: Pod) -> str | None:
         return None
 
+    async def slice_states(self, pod: Pod) -> list[str]:
+        return []
+
     def connect(self, pod: Pod, state: StateDir) -> LocalConnector:
         return LocalConnector()
 

@@ -67,6 +67,9 @@ class SshProvider:
     async def live_state(self, pod: Pod) -> str | None:
         return None
 
+    async def slice_states(self, pod: Pod) -> list[str]:
+        return []
+
     def connect(self, pod: Pod, state: StateDir) -> SshConnector:
         assert isinstance(pod.spec, SshPodSpec)
         return SshConnector(SshPool(connect_options(pod.spec, state)))
