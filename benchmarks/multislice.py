@@ -17,14 +17,25 @@ Sections, one subcommand each:
    worker's time less the time the command was started. The two pods take turns,
    run by run, the order swapped every round (A B, B A, ...), after one warm-up each.
 
-2. (to come) ``recovery``: one preempted slice replaced beside the whole pod
-   recreated, on the TPU API stand-in. It goes in as a second ``measure_*`` function
-   and an entry in ``SECTIONS``.
+2. ``recovery``: slice 1 of a spot pod of 2 slices of v4-16 (2 workers each) preempted as
+   GCE does (TERM, the hosts taken 30 s later) on the TPU API stand-in over 8 simulated
+   hosts, its provisioning delay set to 60 s for every new TPU: separate TPUs
+   (``--slices 2``: slice 1 deleted and made again alone) beside one multislice queued
+   resource (``--node-count 2``: GCP suspends it whole; the anchor, whole pod recreated),
+   the two taking turns. ``tpupod run --retries 1`` of tests/programs/steps.py with a
+   user's default options (a step every 0.5 s, a checkpoint every 10 steps and one at
+   the notice); the notice comes 4 steps past a periodic save. Reported: notice ->
+   attempt ended, confirmed -> first step after restore, its delete and create phases
+   (the recovery's own timings), the TPUs deleted and created, the hosts provisioned
+   afresh (booted with nothing from before), and the steps redone.
+
+    .venv/bin/python benchmarks/multislice.py recovery --runs 1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -34,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from common import TPUPOD, sim_pod
 
@@ -146,9 +158,112 @@ def print_row(
     )
 
 
-# One entry a section; the recovery section (issue 39) is added beside launch.
+REPO = Path(__file__).resolve().parents[1]
+STEPS_PROGRAM = REPO / "tests" / "programs" / "steps.py"
+STEPS, STEP_S, SAVE_EVERY, NOTICE_AT = 40, 0.5, 10, 13  # the notice 4 steps past a save
+NOTICE_S, PROVISION_S = 30.0, 60.0
+RECOVERIES = {  # label: the pod's shape
+    "separate TPUs, slice 1 replaced alone": ("--slices", "2"),
+    "anchor: one queued resource, recreated whole": ("--node-count", "2"),
+}
+
+
+def steps_done(ckpt: Path) -> list[tuple[int, float]]:
+    """Worker 0's steps, in order: (step, when it ended)."""
+    log = ckpt / "steps-w0.log"
+    rows = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+    return [(int(step), float(at)) for step, at in rows]
+
+
+def one_recovery(sim: SimPod, n: int, shape: tuple[str, ...]) -> dict[str, float]:
+    """One preempted run on a pod of ``shape``: its recovery's phases and costs."""
+    sys.path.insert(0, str(REPO))
+    from tests.fakes.tpu_api import on_sim_hosts  # the stand-in: this section only
+
+    api = on_sim_hosts(sim, NOTICE_S, steps=1)
+    env = {
+        **os.environ,
+        "TPUPOD_TPU_API_ENDPOINT": api.start("0.0.0.0"),
+        "TPUPOD_GCP_POLL_S": "0.5",
+        "TPUPOD_METADATA_URL": f"http://{sim.gateway}:{api.port}/computeMetadata/v1",
+    }
+    name = f"rec{n}"
+    ckpt = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="tpupod-bench-"))
+    try:
+        up = [TPUPOD, "up", "--gcp", "--zone", "us-central2-b", "--project", "p", "--user",
+              "root", "--name", name, "--tpu-type", "v4-16", "--spot", *shape]  # fmt: skip
+        subprocess.run(up, env=env, check=True, capture_output=True)
+        api.provision_s = PROVISION_S  # a busy zone, for every TPU made from now on
+        program = [sys.executable, str(STEPS_PROGRAM), str(ckpt), str(STEPS), str(STEP_S),
+                   str(SAVE_EVERY)]  # fmt: skip
+        run = subprocess.Popen(
+            [TPUPOD, "run", "--pod", name, "--retries", "1", "--", *program],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        while not any(step == NOTICE_AT for step, _ in steps_done(ckpt)):
+            if run.poll() is not None:
+                raise SystemExit(f"the run ended early: {run.returncode}")
+            time.sleep(0.05)
+        notice = time.time()
+        calls = len(api.calls)
+        provisioned: list[str] = []
+        boot = api.on_provision
+        api.on_provision = lambda hosts: (provisioned.extend(hosts), boot(hosts))[-1]
+        api.preempt_with_notice(f"{name}-1")
+        _, err = run.communicate(timeout=900)
+        if run.returncode != 0:
+            raise SystemExit(err)
+        [path] = (Path(os.environ["TPUPOD_HOME"]) / "pods" / name / "runs").glob("*/recovery.json")
+        first, second = json.loads(path.read_text())["attempts"]
+        resumed_at = int((ckpt / "started-2").read_text())
+        done = steps_done(ckpt)
+        first_step = [at for step, at in done if step == resumed_at][-1]
+        steps = [step for step, _ in done]
+        later = api.calls[calls:]
+        return {
+            "notice -> attempt ended": first["ended"] - notice,
+            "confirmed -> first step after restore": first_step - first["ended"],
+            "delete": second["phases"].get("delete", 0.0),
+            "create": second["phases"].get("create", 0.0),
+            "TPUs deleted": float(sum(method == "DELETE" for method, _ in later)),
+            "TPUs created": float(sum(method == "POST" for method, _ in later)),
+            "hosts provisioned": float(len(provisioned)),
+            "steps redone": float(len(steps) - len(set(steps))),
+        }
+    finally:
+        subprocess.run([TPUPOD, "down", "--pod", name], env=env, capture_output=True, check=False)
+        api.stop()  # after the down: it deletes the TPUs through it
+        subprocess.run(["rm", "-rf", str(ckpt)], check=False)
+
+
+def measure_recovery(args: argparse.Namespace) -> None:
+    results: dict[str, list[dict[str, float]]] = {label: [] for label in RECOVERIES}
+    order = list(RECOVERIES)
+    with SimPod(8) as sim:
+        for n in range(args.runs):
+            for label in order:
+                number = len(results[label]) * 2 + list(RECOVERIES).index(label)
+                found = one_recovery(sim, number, RECOVERIES[label])
+                results[label].append(found)
+                shown = ", ".join(f"{k} {v:.1f}" for k, v in found.items())
+                print(f"run {n + 1}, {label}: {shown}", flush=True)
+            order.reverse()
+    keys = list(next(iter(results.values()))[0])
+    print(f"\nmedians of {args.runs} run(s); provisioning delay {PROVISION_S:.0f} s for both")
+    print("| pod | " + " | ".join(keys) + " | recovery vs the anchor |")
+    print("|---|" + "--:|" * (len(keys) + 1))
+    restored = "confirmed -> first step after restore"
+    anchor = statistics.median(r[restored] for r in results[list(RECOVERIES)[1]])
+    for label, runs in results.items():
+        cells = [f"{statistics.median(r[k] for r in runs):.1f}" for k in keys]
+        mine = statistics.median(r[restored] for r in runs)
+        print(f"| {label} | " + " | ".join(cells) + f" | {mine / anchor:.2f}x |")
+
+
+# One entry a section.
 SECTIONS: dict[str, tuple[str, Callable[[argparse.Namespace], None]]] = {
     "launch": ("tpupod run to the first step, slices beside one slice", measure_launch),
+    "recovery": ("one preempted slice replaced beside the whole pod", measure_recovery),
 }
 
 
@@ -162,6 +277,8 @@ def main() -> None:
         "--shapes", type=parse_shape, nargs="+", default=[(2, 2), (4, 4)], metavar="SxW"
     )
     launch.add_argument("--runs", type=int, default=8, help="each pod's; even: each order as often")
+    recovery = sections.add_parser("recovery", help=SECTIONS["recovery"][0])
+    recovery.add_argument("--runs", type=int, default=1, help="each shape's (~2 minutes a run)")
     args = parser.parse_args()
     print(
         f"machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}, "

@@ -90,12 +90,9 @@ if args.ckpt:
     if last is not None:  # into this mesh's shardings, whatever the saving run's were
         state = manager.restore(last, args=ocp.args.StandardRestore(state))
         start = last + 1
-    print(
-        f"worker {identity.id}: run {os.environ.get('TPUPOD_RUN_ID')} attempt "
-        f"{os.environ.get('TPUPOD_ATTEMPT')}, from step {start}",
-        flush=True,
-    )
-loss = jnp.zeros(())
+    run = os.environ.get("TPUPOD_RUN_ID")  # set by run --retries: the same on every attempt
+    attempt = f"run {run} attempt {os.environ.get('TPUPOD_ATTEMPT')}, " if run else ""
+    print(f"worker {identity.id}: {attempt}from step {start}", flush=True)
 for i in range(start, args.steps):
     loss, state = step(state, x, y)
     if identity.is_coordinator:
@@ -111,6 +108,7 @@ for i in range(start, args.steps):
         sys.exit(143)
 if manager is not None:
     manager.wait_until_finished()
+loss = jax.jit(loss_fn)(state, x, y)  # of the final parameters (no step may have run here)
 print(
     f"worker {identity.id} (slice {identity.slice} of {identity.slices}): "
     f"mesh {dict(mesh.shape)}, final loss {float(loss.addressable_data(0)):.9f}"

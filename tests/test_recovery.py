@@ -202,3 +202,30 @@ def test_cancel_stops_a_plain_run_too(
         run.stderr.close()  # type: ignore[union-attr]
     unknown = cli("cancel", "--pod", pod.name, "20990101-000000-abcdef")
     assert unknown.code == 2 and "no run '20990101-000000-abcdef'" in unknown.err
+
+
+def test_a_worker_killed_from_outside_is_lost_even_when_a_peer_failed_first() -> None:
+    """From the slices trial: w2 killed by kill -9; w0's collective failed at once and its
+    report reached the launcher first. The attempt was lost (rerun), not a program error."""
+    from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
+    from tpupod.pod.record import Worker
+    from tpupod.recovery.loop import ended_by
+    from tpupod.recovery.policy import Cause, RetryPolicy
+    from tpupod.transport.base import ExitStatus
+
+    workers = [Worker(id=i, hostname=f"h{i}", internal_address="127.0.0.1") for i in range(4)]
+    gloo = "JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: Connection reset by peer"
+    rows = [
+        WorkerResult(workers[0], Outcome.FAILED, 7.0, ExitStatus(1), tail=(gloo,)),
+        WorkerResult(workers[1], Outcome.STOPPED, 7.1, ExitStatus(None, 15), stopped_by=0),
+        WorkerResult(workers[2], Outcome.FAILED, 7.0, ExitStatus(None, 9)),
+        WorkerResult(workers[3], Outcome.STOPPED, 7.1, ExitStatus(None, 15), stopped_by=0),
+    ]
+    ending = ended_by(FanoutResult("train", rows, 7.1, [0, 2, 1, 3]), RetryPolicy(retries=2))
+    assert ending.cause is Cause.LOST, ending
+    assert ending.detail == "w2 (h2) killed by SIGKILL", ending.detail
+    # a program's own error, the others stopped by tpupod: an error, not rerun
+    own = [rows[0], rows[1], WorkerResult(workers[2], Outcome.STOPPED, 7.1, ExitStatus(None, 9),
+                                          stopped_by=0), rows[3]]  # fmt: skip
+    ending = ended_by(FanoutResult("train", own, 7.1, [0, 1, 2, 3]), RetryPolicy(retries=2))
+    assert ending.cause is Cause.ERROR

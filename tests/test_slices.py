@@ -203,3 +203,19 @@ def test_an_ssh_pod_of_two_slices_of_two_hosts(
         mine = addresses[2 * (worker // 2) : 2 * (worker // 2) + 2]
         assert env["TPU_WORKER_HOSTNAMES"] == ",".join(mine)
     assert sorted(seen) == [0, 1, 2, 3]
+
+
+def test_logs_of_a_run_on_one_slice_says_how_it_numbered_its_workers(
+    cli: Callable[..., CliResult],
+) -> None:
+    """From the slices trial: 'logs RUN -w 2' of a run on slice 1 said "see 'tpupod hosts'",
+    whose list has a worker 2; the run numbered the pod's w2, w3 as its w0, w1."""
+    up_slices(cli)
+    ran = cli("run", "--pod", "ms", "-w", "s1", "--", "true")
+    assert ran.code == 0, ran.err
+    launch = re.search(r"launch (\S+):", ran.err)
+    assert launch is not None, ran.err
+    found = cli("logs", "--pod", "ms", launch[1], "-w", "2")
+    assert found.code == 2, found.err
+    assert f"error: run {launch[1]} has no worker 2" in found.err
+    assert "hint: its workers are w0 to w1: the pod's w2, w3, numbered from 0" in found.err

@@ -47,6 +47,8 @@ PYTHON = sys.executable
         (("--node-count", "65"), "--node-count: Input should be less than or equal to 64"),
         (("--slices", "0"), "--slices: Input should be greater than or equal to 1"),
         (("--name", "a" * 62, "--slices", "2"), "longer than the API's 63 characters"),
+        # a queued resource names its slices' nodes NAME-0..N-1 too (from the slices trial)
+        (("--name", "a" * 62, "--node-count", "2"), "longer than the API's 63 characters"),
     ],
 )
 def test_bad_slices_are_one_line_before_any_call(

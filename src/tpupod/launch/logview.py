@@ -43,9 +43,7 @@ def show_logs(
     record = get_run(pod, run_id, state)
     ids = [w.id for w in record.workers if worker is None or w.id == worker]
     if not ids:
-        raise UsageError(
-            f"run {record.launch_id} has no worker {worker}", hint="see 'tpupod hosts'"
-        )
+        raise UsageError(f"run {record.launch_id} has no worker {worker}", hint=_numbering(record))
     printer = LinePrinter([w for w in record.workers if w.id in ids], out, err)
     for brief, text in read_logs(record, ids, follow=follow):
         printer(brief, OutputLine(Stream.STDOUT, text))
@@ -124,3 +122,14 @@ def list_runs(
 def _short(command: str) -> str:
     """A command as the run list shows it: cut to COMMAND_WIDTH with an ellipsis."""
     return command if len(command) <= COMMAND_WIDTH else command[: COMMAND_WIDTH - 1] + "…"
+
+
+def _numbering(record: RunRecord) -> str:
+    """How a run numbered its workers: w0 to w{N-1}, and on part of a pod, which they were."""
+    count = len(record.workers)
+    said = f"its workers are w0 to w{count - 1}" if count > 1 else "its one worker is w0"
+    moved = [w for w in record.workers if w.pod_id is not None and w.pod_id != w.id]
+    if not moved:
+        return said
+    pod_ids = ", ".join(f"w{w.pod_id}" for w in record.workers)
+    return f"{said}: the pod's {pod_ids}, numbered from 0 for the run (a run on part of a pod)"

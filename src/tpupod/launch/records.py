@@ -154,7 +154,8 @@ def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
         launch_id=str(data["launch_id"]),
         command=str(data["command"]),
         workers=tuple(
-            WorkerBrief(int(w["id"]), str(w["hostname"]), w.get("slice")) for w in data["workers"]
+            WorkerBrief(int(w["id"]), str(w["hostname"]), w.get("slice"), w.get("pod_id"))
+            for w in data["workers"]
         ),
         coordinator=str(data["coordinator"]),
         started=float(data["started"]),

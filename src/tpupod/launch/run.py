@@ -690,8 +690,9 @@ class _RunLog:
 
 
 def _worker_entry(run_id: int, worker: Worker) -> dict[str, Any]:
-    """A worker in the run's record: its id in the run, its host, its slice (if any)."""
-    entry: dict[str, Any] = {"id": run_id, "hostname": worker.hostname}
+    """A worker in the run's record: its id in the run and in the pod, its host, its slice
+    in the pod (if any)."""
+    entry: dict[str, Any] = {"id": run_id, "hostname": worker.hostname, "pod_id": worker.id}
     return entry if worker.slice is None else {**entry, "slice": worker.slice}
 
 

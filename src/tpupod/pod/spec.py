@@ -217,7 +217,10 @@ class GcpPodSpec(_SpecBase, _SshOptions):
         default=1, ge=1, le=64, description="slices of one multislice queued resource"
     )
     slices: Int = Field(
-        default=1, ge=1, le=64, description="separate TPUs NAME-0..NAME-N-1, one per slice"
+        default=1,
+        ge=1,
+        le=64,
+        description="separate TPUs NAME-0..NAME-N-1, one per slice",
     )
     api: TpuApiKind | None = Field(default=None, description="unset: from capacity and slices")
     network: str | None = None
@@ -242,16 +245,17 @@ class GcpPodSpec(_SpecBase, _SshOptions):
         except TpupodError as exc:
             raise ValueError(f"unknown TPU type: {exc.hint}") from None
 
+    @field_validator("node_count")
+    @classmethod
+    def _node_names_fit(cls, count: int, info: ValidationInfo) -> int:
+        _check_tpu_names(info.data.get("name") or "", count)
+        return count
+
     @field_validator("slices")
     @classmethod
     def _one_form_of_slices(cls, slices: int, info: ValidationInfo) -> int:
         count = info.data.get("node_count") or 1
-        name = info.data.get("name") or ""
-        if slices > 1 and len(f"{name}-{slices - 1}") > 63:
-            raise ValueError(
-                f"the slices' TPUs are named {name}-0..{name}-{slices - 1}: "
-                "longer than the API's 63 characters; pick a shorter name"
-            )
+        _check_tpu_names(info.data.get("name") or "", slices)
         if slices > 1 and count > 1:
             raise ValueError(
                 f"{slices} separate slices and a multislice queued resource of {count}: "
@@ -323,6 +327,16 @@ class GcpPodSpec(_SpecBase, _SshOptions):
         slices += f" x {self.slices} separate slices" if self.slices > 1 else ""
         workers = f"{self.workers} worker{'' if self.workers == 1 else 's'}"
         return f"{self.tpu_type}{slices} in {self.zone}, {workers} ({self.capacity})"
+
+
+def _check_tpu_names(name: str, slices: int) -> None:
+    """A pod of slices names them NAME-0..NAME-N-1 (separate TPUs, or a queued resource's
+    nodes): each within the API's 63 characters."""
+    if slices > 1 and len(f"{name}-{slices - 1}") > 63:
+        raise ValueError(
+            f"its slices would be named {name}-0..{name}-{slices - 1}: "
+            "longer than the API's 63 characters; pick a shorter name"
+        )
 
 
 def parse_host(text: str) -> dict[str, Any]:

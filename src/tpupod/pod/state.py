@@ -42,14 +42,18 @@ _held: dict[str, int] = {}  # lock path -> its open descriptor, in this process
 
 
 class WorkerBrief(Plain):
-    """A worker as the fast paths know it: its id, host and slice."""
+    """A worker as the fast paths know it: its id, host and slice (and in a run's record,
+    its id in the pod, where the run had part of it and numbered its workers from 0)."""
 
-    __slots__ = ("hostname", "id", "slice")
+    __slots__ = ("hostname", "id", "pod_id", "slice")
 
-    def __init__(self, id: int, hostname: str, slice: int | None = None) -> None:
+    def __init__(
+        self, id: int, hostname: str, slice: int | None = None, pod_id: int | None = None
+    ) -> None:
         self.id = id
         self.hostname = hostname
         self.slice = slice
+        self.pod_id = pod_id
 
     @property
     def label(self) -> str:

@@ -277,18 +277,10 @@ class Recovery:
                 return Ending(Cause.PREEMPTED, code or 1, f"the TPU is {state}")
         if result.ok:
             return Ending(Cause.OK, 0)
-        # Lost only when a silent or killed worker ended the attempt (a stopped worker slow
-        # to answer its stop, after another one failed, is not).
         first = result.first_failure
         if first is not None and first.outcome is Outcome.UNREACHABLE:
             return await self._silent(first.worker.label)
-        if first is not None and _killed_from_outside(first):
-            assert first.status is not None
-            how = first.status.describe()
-            return Ending(Cause.LOST, code, f"{first.worker.label} ({first.worker.hostname}) {how}")
-        if code in self.policy.retry_exit_codes:
-            return Ending(Cause.LISTED, code, f"exit code {code}")
-        return Ending(Cause.ERROR, code, result.ending().why)
+        return ended_by(result, self.policy)
 
     async def _silent(self, who: str, when: str = "") -> Ending:
         """A worker stopped answering: probe the pod within the budget. Lost either way; if
@@ -541,6 +533,28 @@ def rerun_advice(run_id: str, ending: Ending, policy: RetryPolicy) -> str:
         f"{spent} (--retry-errors N reruns after the program's own failures{listed}); "
         f"'tpupod run --resume {run_id} --retry-errors 1' reruns it from its checkpoint"
     )
+
+
+def ended_by(result: FanoutResult, policy: RetryPolicy) -> Ending:
+    """Why a failed attempt on reachable workers ended. Lost when a worker was killed from
+    outside: first, or after a peer's error its death caused (a collective fails on the
+    others at once, and their report may reach the launcher before its exit does); a
+    worker tpupod stopped, after another one failed, is not. Else a listed exit code, else
+    the program's own error."""
+    code = result.exit_code()
+    order = {worker: i for i, worker in enumerate(result.failure_order)}
+    killed = sorted(
+        (r for r in result.workers if _killed_from_outside(r)),
+        key=lambda r: order.get(r.worker.id, len(order)),
+    )
+    if killed:
+        status = killed[0].status
+        assert status is not None
+        who = f"{killed[0].worker.label} ({killed[0].worker.hostname})"
+        return Ending(Cause.LOST, code, f"{who} {status.describe()}")
+    if code in policy.retry_exit_codes:
+        return Ending(Cause.LISTED, code, f"exit code {code}")
+    return Ending(Cause.ERROR, code, result.ending().why)
 
 
 def _killed_from_outside(result: WorkerResult) -> bool:
