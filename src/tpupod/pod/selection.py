@@ -32,7 +32,7 @@ def parse_worker_selection(
     ids: set[int] = set()
     for token in (t.strip() for t in selection.split(",")):
         if token.startswith("s"):
-            ids.update(_slice_workers(selection, token, slices))
+            ids.update(_slice_workers(selection, token, slices, count))
             continue
         lo, hi = _range(selection, token)
         if lo < 0 or hi >= count:
@@ -45,15 +45,19 @@ def parse_worker_selection(
     return sorted(ids)
 
 
-def _slice_workers(selection: str, token: str, slices: Sequence[int | None]) -> list[int]:
+def _slice_workers(
+    selection: str, token: str, slices: Sequence[int | None], count: int
+) -> list[int]:
     """The workers of the slices ``sK`` or ``sK-M`` names."""
     known = sorted({s for s in slices if s is not None})
-    if not known:
-        raise UsageError(
-            f"bad worker selection {selection!r}: {token!r} names a slice, and the pod has none",
-            hint="select workers by id (0,2-3); 'tpupod up --slices S' makes a pod of slices",
-        )
     lo, hi = _range(selection, token[1:], token)
+    if not known:  # a pod of one slice is slice 0: a script for pods of slices runs here too
+        if hi > 0:
+            raise UsageError(
+                f"slice {hi} does not exist: the pod is one slice, s0",
+                hint="'tpupod up --slices S' makes a pod of slices",
+            )
+        return list(range(count))
     if lo < 0 or hi > known[-1]:
         bad = lo if lo < 0 or lo > known[-1] else hi
         raise UsageError(
