@@ -19,7 +19,8 @@ A program started on every worker by ``tpupod run`` meets the others with::
 
 and the launcher reads its runs back with ``tpupod.get_run("dev")`` (the latest)
 or ``tpupod.runs("dev")`` (all, oldest first). A program run with ``--retries`` resumes
-from ``tpupod.latest_checkpoint(ckpt_dir)`` (the newest complete Orbax step, or None).
+from ``tpupod.latest_checkpoint(ckpt_dir)`` (the newest complete Orbax step, or None),
+and says how far it got with ``tpupod.heartbeat(step)`` (for ``run --hang-timeout``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "execute_async",
     "get_pod",
     "get_run",
+    "heartbeat",
     "init_jax",
     "latest_checkpoint",
     "mesh",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
     from tpupod.errors import FanoutFailed, TpupodError
     from tpupod.fanout.execute import execute, execute_async
     from tpupod.fanout.results import FanoutResult, WorkerResult
+    from tpupod.hang.heartbeat import heartbeat
     from tpupod.launch.client import assert_same, rendezvous
     from tpupod.launch.identity import worker
     from tpupod.launch.jaxinit import init_jax
@@ -88,6 +91,7 @@ _LAZY = {
     "rendezvous": "tpupod.launch.client",
     "assert_same": "tpupod.launch.client",
     "init_jax": "tpupod.launch.jaxinit",
+    "heartbeat": "tpupod.hang.heartbeat",
     "mesh": "tpupod.launch.mesh",
     "RunRecord": "tpupod.launch.records",
     "RunOutcome": "tpupod.launch.records",

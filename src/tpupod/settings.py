@@ -166,6 +166,11 @@ def rendezvous() -> tuple[str | None, str]:
     )
 
 
+def launch_id() -> str | None:
+    """The launch this process is part of (``TPUPOD_LAUNCH_ID``; set by ``tpupod run``)."""
+    return os.environ.get("TPUPOD_LAUNCH_ID") or None
+
+
 def program_identity() -> tuple[str, str]:
     """What besides the command line makes two workers' programs the same: the synced commit
     (``TPUPOD_CODE_COMMIT``) and the user's ``TPUPOD_CONFIG_DIGEST``."""

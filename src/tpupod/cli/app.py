@@ -278,6 +278,7 @@ COMMAND_MODULES = {
     "setup": "ops",
     "run": "run",
     "logs": "run",
+    "stacks": "run",
     "cancel": "run",
     "jobs": "jobs",
     "serve": "serve",

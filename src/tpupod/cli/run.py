@@ -1,7 +1,9 @@
-"""``tpupod run`` (a program on every worker in lockstep) and ``tpupod logs``."""
+"""``tpupod run`` (a program on every worker in lockstep), ``tpupod logs``, ``tpupod stacks``
+and ``tpupod cancel``."""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -9,7 +11,7 @@ import typer
 from tpupod.cli.app import command
 from tpupod.cli.flow.attempt import RunArgs
 from tpupod.cli.flow.run import run_command
-from tpupod.cli.options import PodOption
+from tpupod.cli.options import PodOption, WorkerOption
 from tpupod.cli.typed import takes
 from tpupod.errors import UsageError
 from tpupod.pod.state import StateDir
@@ -89,6 +91,43 @@ def logs(
     raise typer.Exit(
         show_logs(state, state.resolve_name(pod), run_id, worker=worker, follow=follow)
     )
+
+
+@command("stacks")
+def stacks(
+    run_id: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[RUN]", help="A running launch (default: the latest run).", show_default=False
+        ),
+    ] = None,
+    pod: PodOption = None,
+    worker: WorkerOption = None,
+    native: Annotated[
+        bool, typer.Option("--native", help="Also C/C++ frames (py-spy --native).")
+    ] = False,
+) -> None:
+    """Every worker's Python stacks, taken at once (py-spy on each worker), grouped by
+    identical stack with the odd ones first; the whole dump is saved in the run's folder.
+
+    Examples:
+
+      tpupod stacks                   # the latest run: where is each worker now?
+
+      tpupod stacks -w s1 --native    # slice 1's workers, with C/C++ frames
+    """
+    from tpupod.hang.digest import hints, lines
+    from tpupod.hang.ofrun import stacks_of_run
+
+    found, took, saved = stacks_of_run(
+        StateDir(), StateDir().resolve_name(pod), run_id, worker, native
+    )
+    print("\n".join(lines(found)))
+    for hint in hints(found):
+        print(f"hint: {hint}", file=sys.stderr)
+    print(f"stacks of {len(found)} workers in {took:.1f}s, saved in {saved}", file=sys.stderr)
+    if all(w.problem is not None for w in found):
+        raise typer.Exit(1)
 
 
 @command("cancel")

@@ -267,7 +267,7 @@ def _verdict(result: FanoutResult, paint: Callable[[str, str], str]) -> list[str
     first = result.first_failure
     ending = result.ending()
     lines: list[str] = []
-    if ending.state in (RunState.STOPPED, RunState.TIMED_OUT):
+    if ending.state in (RunState.STOPPED, RunState.TIMED_OUT, RunState.HUNG):
         # a timeout stopped every worker still running at once: none of them failed first
         lines.append(paint("1;31", ending.why))
     elif first is not None:

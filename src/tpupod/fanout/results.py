@@ -138,6 +138,7 @@ class RunState(enum.StrEnum):
     FAILED = "failed"
     STOPPED = "stopped"  # by a signal: Ctrl-C, a cancel, a stop, a pod taken down
     TIMED_OUT = "timed out"
+    HUNG = "hung"  # no worker progressed for --hang-timeout: the watchdog stopped it
     LAUNCHER_GONE = "launcher gone"  # it died without writing the end (kill -9)
 
 
@@ -190,6 +191,7 @@ class FanoutResult(Plain):
         "command",
         "elapsed",
         "failure_order",
+        "hung",
         "interrupt_signal",
         "stopped_by",
         "timed_out",
@@ -206,9 +208,11 @@ class FanoutResult(Plain):
         timed_out: bool = False,
         interrupt_signal: int | None = None,
         stopped_by: str | None = None,
+        hung: str | None = None,
     ) -> None:
         self.command = command
         self.workers = workers
+        self.hung = hung  # why the hang watchdog stopped it (``tpupod.hang``), if it did
         self.elapsed = elapsed
         self.failure_order = failure_order if failure_order is not None else []
         self.timed_out = timed_out
@@ -231,11 +235,14 @@ class FanoutResult(Plain):
     def exit_code(self) -> int:
         """0 when every worker succeeded; else a code that says why, as shells do.
 
-        Interrupted: 128 + the signal. Otherwise the first failure decides:
-        its exit code (128 + signal when killed), 124 for a timeout (as
-        ``timeout(1)``), 255 for an unreachable worker (as ``ssh``).
+        Hung (stopped by the hang watchdog): 124, as a timeout (``timeout(1)``); its cause
+        is the record's ``hung``, not the code. Interrupted: 128 + the signal. Otherwise the
+        first failure decides: its exit code (128 + signal when killed), 124 for a timeout,
+        255 for an unreachable worker (as ``ssh``).
         """
         first = self.first_failure
+        if self.hung is not None:
+            return 124
         if first is None:
             return 0
         if self.interrupt_signal is not None:
@@ -252,6 +259,8 @@ class FanoutResult(Plain):
         """How it ended, typed (``stopped_by``: who sent the stopping signal, when known: a
         ``tpupod cancel``, a stop from the dashboard)."""
         code, first = self.exit_code(), self.first_failure
+        if self.hung is not None:
+            return Ending(RunState.HUNG, code, why=self.hung)
         if self.interrupt_signal is not None:
             import signal  # here: only a stopped run needs the names
 
@@ -316,6 +325,7 @@ def result_to_json(result: FanoutResult) -> dict[str, object]:
         "timed_out": result.timed_out,
         "interrupt_signal": result.interrupt_signal,
         "stopped_by": result.stopped_by,
+        "hung": result.hung,
         "workers": [
             {
                 "id": r.worker.id,
@@ -359,4 +369,5 @@ def result_from_json(data: dict[str, Any], workers: Mapping[int, WorkerLike]) ->
         timed_out=data["timed_out"],
         interrupt_signal=data["interrupt_signal"],
         stopped_by=data.get("stopped_by"),
+        hung=data.get("hung"),
     )

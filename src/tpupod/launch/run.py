@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -35,6 +36,13 @@ from tpupod.fanout.execute import Policy, Supervision, run_on
 from tpupod.fanout.report import DISK_FULL, DISK_FULL_HINT
 from tpupod.fanout.results import FanoutResult, OnFail
 from tpupod.fanout.worker import LineHandler
+from tpupod.hang.digest import hints as stack_hints
+from tpupod.hang.digest import lines as digest_lines
+from tpupod.hang.digest import odd_workers
+from tpupod.hang.digest import save as save_stacks
+from tpupod.hang.progress import Progress
+from tpupod.hang.stacks import take as take_stacks
+from tpupod.hang.watchdog import Stacks, Watchdog
 from tpupod.image.containerize import (
     Container,
     check_workers,
@@ -167,6 +175,7 @@ async def run(
     collateral_in_logs_only: bool = False,
     container: Container | None = None,
     on_launch: Callable[[Launch], None] | None = None,
+    hang_timeout: float | None = None,
 ) -> RunResult:
     """Launch ``command`` on the context's pod (its selected ``workers``) in lockstep and
     supervise it to the end; output to the context's sinks, over its connections.
@@ -176,6 +185,9 @@ async def run(
     With ``collateral_in_logs_only`` (a terminal's view, not a job's log), what the others
     print after the first failure reaches the logs only (``_RunLog.collateral``).
     ``on_launch`` is told the launch once its id exists, before the workers start.
+    Each worker's progress (heartbeats, else lines) goes to the run's ``progress.json``;
+    with ``hang_timeout``, a run where none progresses that long is stopped as hung
+    (``tpupod.hang``).
     """
     pod, state, connector = ctx.pod, ctx.state, ctx.connector
     on_line, notice, interrupt = ctx.sinks.on_line, ctx.sinks.on_notice, ctx.sinks.interrupt
@@ -183,31 +195,8 @@ async def run(
     # A run's identity is the selected workers, renumbered 0..N-1 in order (slices too).
     sub_pod = pod.subset(selected)
     port = coordinator_port or _coordinator_port(pod)
-    checks: list[Awaitable[object]] = [
-        _preflight(pod, connector, selected, port),
-        check_tpu_env(pod, selected, sub_pod, connector),
-    ]
-    if container is not None:  # at the same time: its fan-out costs no launch time then
-        checks.append(check_workers(pod, connector, selected, container))
-    for outcome in await asyncio.gather(*checks, return_exceptions=True):
-        if isinstance(outcome, BaseException):
-            raise outcome
-    workdir = ""
-    if sync_dir is not None:
-        commit = await _sync(
-            pod,
-            connector=connector,
-            workers=selected,
-            repo=repo or Path.cwd(),
-            directory=sync_dir,
-            notice=notice,
-        )
-        env = {**(env or {}), "TPUPOD_CODE_COMMIT": commit}
-        workdir = shell_path(sync_dir)
-    elif pod.on_this_machine:
-        # Local workers share this machine's files: start where the launcher stands, so
-        # `tpupod run -- python examples/x.py` means what it says.
-        workdir = shlex.quote(os.getcwd())
+    await _checks(pod, connector, selected, sub_pod, port=port, container=container)
+    workdir, env = await _workdir(ctx, selected, sync_dir, repo, env)
     launch_id = new_launch_id()
     given = command  # what the run's record and 'logs --list' show: the user's command
     command = _in_workdir(command, workdir, container, launch_id)
@@ -253,9 +242,13 @@ async def run(
     # the caller can tell, as a run with --retries its own cancel, when none did)
     told = interrupt.who
     interrupt.who = lambda: _read_text(launch.run_dir / STOP_FILE) or (told() if told else None)
+    progress = Progress([w.id for w in sub_pod.workers])
+    watchdog = _watchdog(hang_timeout, progress, sub_pod, launch, run_connector, ctx.sinks)
     with log_to as log, using:
+        watching = asyncio.create_task(watchdog.watch()) if watchdog is not None else None
         try:
-            sinks = Sinks(log.tee(on_line, show_chatter=show_chatter), notice, interrupt)
+            tee = log.tee(on_line, show_chatter=show_chatter, progress=progress)
+            sinks = Sinks(tee, notice, interrupt)
             result = await run_on(
                 Context(sub_pod, sinks, connector=run_connector, state=state),
                 command,
@@ -267,15 +260,70 @@ async def run(
                 worker_env=worker_megascale(sub_pod, *_local_port(sub_pod)),
             )
         finally:
+            if watching is not None:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
             await server.close()
             if container is not None:
                 await remove_containers(
                     sub_pod, run_connector, sub_pod.workers, container.engine, launch_id
                 )
+        _hang_ending(result, watchdog, log.record)
+        progress.save(launch.run_dir, force=progress.any_heartbeat)
         log.finish(result)
         if log.held:
             notice(log.held_note())
     return RunResult(launch, explain(result) if container is not None else result)
+
+
+async def _checks(
+    pod: Pod,
+    connector: Connector,
+    selected: list[Worker],
+    sub_pod: Pod,
+    *,
+    port: int,
+    container: Container | None,
+) -> None:
+    """The preflight, the GCP multislice variables and the image, at once (the image's
+    fan-out then costs no launch time); the first to fail raises."""
+    checks: list[Awaitable[object]] = [
+        _preflight(pod, connector, selected, port),
+        check_tpu_env(pod, selected, sub_pod, connector),
+    ]
+    if container is not None:
+        checks.append(check_workers(pod, connector, selected, container))
+    for outcome in await asyncio.gather(*checks, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+async def _workdir(
+    ctx: Context,
+    selected: list[Worker],
+    sync_dir: str | None,
+    repo: Path | None,
+    env: dict[str, str] | None,
+) -> tuple[str, dict[str, str] | None]:
+    """Where the program starts (a shell word, or ""), and its environment: with
+    ``sync_dir``, this repository's HEAD shipped there first (the commit in the
+    environment); on a local pod, where the launcher stands."""
+    pod = ctx.pod
+    if sync_dir is not None:
+        commit = await _sync(
+            pod,
+            connector=ctx.connector,
+            workers=selected,
+            repo=repo or Path.cwd(),
+            directory=sync_dir,
+            notice=ctx.sinks.on_notice,
+        )
+        return shell_path(sync_dir), {**(env or {}), "TPUPOD_CODE_COMMIT": commit}
+    if pod.on_this_machine:
+        # Local workers share this machine's files: start where the launcher stands, so
+        # `tpupod run -- python examples/x.py` means what it says.
+        return shlex.quote(os.getcwd()), env
+    return "", env
 
 
 def _job_of(env: dict[str, str]) -> dict[str, int] | None:
@@ -629,12 +677,19 @@ class _RunLog:
             f"'tpupod logs {self.launch.launch_id} -w {min(self.held)}'"
         )
 
-    def tee(self, on_line: LineHandler | None, *, show_chatter: bool) -> LineHandler:
+    def tee(
+        self, on_line: LineHandler | None, *, show_chatter: bool, progress: Progress | None = None
+    ) -> LineHandler:
         """Every line to the worker's log; to ``on_line`` too, but chatter only if asked,
-        and collateral lines never (they are counted)."""
+        and collateral lines never (they are counted). Every line is ``progress`` too; a
+        heartbeat marker is only that (kept in ``progress.json``, not in the log)."""
         hide = {worker: Chatter() for worker in self.files}
 
         def handle(worker: Worker, line: OutputLine) -> None:
+            if progress is not None and progress.seen(worker.id, line.text):
+                with contextlib.suppress(OSError):
+                    progress.save(self.launch.run_dir)
+                return
             if self.cut is None:
                 try:
                     file = self.files[worker.id]
@@ -687,6 +742,50 @@ class _RunLog:
 
     def _save(self) -> None:
         write_atomic(self.launch.run_dir / RUN_FILE, json.dumps(self.record, indent=2) + "\n")
+
+
+async def _take_stacks(pod: Pod, launch: Launch, connector: Connector) -> Stacks:
+    """The watchdog's stacks: every worker's, digested, saved in the run's folder."""
+    found, _ = await take_stacks(pod, launch.launch_id, pod.workers, connector=connector)
+    lines = digest_lines(found)
+    saved = save_stacks(launch.run_dir, found, lines)
+    return Stacks([*lines, *(f"hint: {h}" for h in stack_hints(found))], saved, odd_workers(found))
+
+
+def _watchdog(  # noqa: PLR0917 (each is the run's own)
+    timeout: float | None,
+    progress: Progress,
+    pod: Pod,
+    launch: Launch,
+    connector: Connector,
+    sinks: Sinks,
+) -> Watchdog | None:
+    """The run's hang watchdog (``--hang-timeout``), stopping it through its interrupt."""
+    if timeout is None:
+        return None
+    interrupt = sinks.interrupt
+    return Watchdog(
+        progress,
+        timeout,
+        take=lambda: _take_stacks(pod, launch, connector),
+        stop=lambda why: interrupt.request(signal.SIGTERM, reason=why),
+        notice=sinks.on_notice,
+    )
+
+
+def _hang_ending(result: FanoutResult, watchdog: Watchdog | None, record: dict[str, Any]) -> None:
+    """A run the watchdog stopped ended hung: the result says so, and the record keeps why,
+    the digest, where the dump is and the odd workers."""
+    if watchdog is None or watchdog.why is None:
+        return
+    result.hung = watchdog.why
+    found = watchdog.stacks
+    record["hung"] = {
+        "why": watchdog.why,
+        "digest": found.digest if found else [],
+        "stacks": str(found.saved) if found and found.saved else None,
+        "odd": found.odd if found else [],
+    }
 
 
 def _worker_entry(run_id: int, worker: Worker) -> dict[str, Any]:

@@ -82,6 +82,24 @@ class _SpecBase(BaseModel):
 
     _check_name = field_validator("name")(check_pod_name)
 
+    hang_timeout: float | None = Field(
+        default=None,
+        description="a run with no progress this long is hung (seconds, or 20s, 10m): "
+        "run --hang-timeout's default",
+    )
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _check_hang_timeout(cls, value: Any) -> float | None:
+        if value is None:
+            return None
+        from tpupod.base.durations import parse_duration  # a spec that sets it only
+
+        try:
+            return parse_duration(value, "hang_timeout")
+        except TpupodError as exc:
+            raise ValueError(str(exc).removeprefix("hang_timeout: ")) from None
+
     @field_validator("env")
     @classmethod
     def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
@@ -366,6 +384,7 @@ FIELD_HINTS = {
     "workers": f"the number of workers, 1 to {MAX_LOCAL_WORKERS}",
     "devices_per_worker": "the number of CPU devices per worker, 1 to 64",
     "env": "a mapping of NAME: value",
+    "hang_timeout": "seconds, or a duration such as 20s, 10m or 1h",
     "hosts": "a list of hosts: 'user@host:port' strings or {host, port, user} items",
     "host_keys": "one of tofu (default), strict, insecure",
     "tpu_type": "a Cloud TPU type such as v4-16, v5litepod-64 or v6e-16",

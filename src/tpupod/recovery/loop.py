@@ -275,6 +275,8 @@ class Recovery:
             state = await confirm.api_state(self.pod, budget, self.notice)
             if state in confirm.REPLACE_STATES:
                 return Ending(Cause.PREEMPTED, code or 1, f"the TPU is {state}")
+        if result.hung is not None:
+            return Ending(Cause.HUNG, result.exit_code(), result.hung.removeprefix("hung: "))
         if result.ok:
             return Ending(Cause.OK, 0)
         first = result.first_failure
@@ -420,6 +422,16 @@ class Recovery:
             raise RetriesSpent(self.record, ending, self.policy, cloud=self.cloud)
         if ending.cause is Cause.ERROR:
             self.notice(f"not rerun: {rerun_advice(self.record.run_id, ending, self.policy)}")
+        if ending.cause is Cause.HUNG:
+            spent = (
+                f", --retry-hangs {self.policy.retry_hangs} spent"
+                if self.policy.retry_hangs
+                else ""
+            )
+            self.notice(
+                f"not rerun: hung{spent} (--retry-hangs N reruns after hangs); 'tpupod run "
+                f"--resume {self.record.run_id} --retry-hangs 1' reruns it from its checkpoint"
+            )
         return code
 
 

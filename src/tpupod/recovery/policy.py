@@ -20,6 +20,7 @@ class Cause(enum.StrEnum):
     LOST = "lost worker"  # a worker stopped answering, no preemption confirmed
     LISTED = "listed exit code"  # the program exited with one of --retry-exit-codes
     ERROR = "program error"
+    HUNG = "hung"  # no worker progressed for --hang-timeout: the watchdog stopped it
     # an error no rerun fixes (TpupodError.lasting: the API refused the create for quota or
     # permission, the rendezvous cannot start): the run ends with it
     FATAL = "error"
@@ -31,6 +32,7 @@ class Cause(enum.StrEnum):
 class RetryPolicy:
     retries: int = 0  # recoveries from preemption or a lost worker
     retry_errors: int = 0  # reruns after the program's own failures
+    retry_hangs: int = 0  # reruns after a hang (--hang-timeout)
     retry_exit_codes: frozenset[int] = field(default_factory=frozenset)  # always rerun
     zones: tuple[str, ...] = ()  # where to recreate when the first zone has no capacity
     notice_grace: float = DEFAULT_NOTICE_GRACE_S
@@ -40,7 +42,7 @@ class RetryPolicy:
     @property
     def active(self) -> bool:
         """Does the run recover at all (else it is one plain attempt)?"""
-        return bool(self.retries or self.retry_errors or self.retry_exit_codes)
+        return bool(self.retries or self.retry_errors or self.retry_exit_codes or self.retry_hangs)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Counters:
     recoveries: int = 0  # preemptions and lost workers recovered from
     error_reruns: int = 0  # reruns after the program's own failures
     listed_reruns: int = 0  # reruns after a listed exit code
+    hang_reruns: int = 0  # reruns after a hang
 
     def allow(self, cause: Cause, policy: RetryPolicy) -> bool:
         """Count one more rerun for ``cause`` if its budget allows it; False when spent."""
@@ -56,6 +59,7 @@ class Counters:
             Cause.LOST: ("recoveries", policy.retries),
             Cause.LISTED: ("listed_reruns", LISTED_MAX),
             Cause.ERROR: ("error_reruns", policy.retry_errors),
+            Cause.HUNG: ("hang_reruns", policy.retry_hangs),
         }.get(cause, ("", 0))
         if not name or getattr(self, name) >= budget:
             return False
@@ -67,6 +71,11 @@ class Counters:
             f"{counted(self.recoveries, 'recovery', 'recoveries')} (preempted or lost), "
             f"{counted(self.error_reruns, 'rerun', 'reruns')} after errors, "
             f"{self.listed_reruns} after listed exit codes"
+            + (
+                f", {counted(self.hang_reruns, 'rerun', 'reruns')} after hangs"
+                if self.hang_reruns
+                else ""
+            )
         )
 
 

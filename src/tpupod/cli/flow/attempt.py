@@ -131,6 +131,19 @@ class RunArgs(ExecArgs):
         help="The pod's setup script: run first, and again on a recreated TPU.",
         show_default=False,
     )
+    hang_timeout: str | None = opt(
+        "--hang-timeout",
+        metavar="S",
+        help="A run where no worker progresses this long (20s, 10m; a heartbeat's step, or "
+        "a line) is hung: its stacks are taken and printed, then it is stopped (exit 124). "
+        "Default: the pod spec's hang_timeout, else none.",
+        show_default=False,
+    )
+    retry_hangs: int = opt(
+        "--retry-hangs",
+        default=0,
+        help="Rerun up to N times after a hang (--hang-timeout), with the same run id.",
+    )
     resume: str | None = opt(
         "--resume",
         metavar="RUN",
@@ -143,6 +156,16 @@ class RunArgs(ExecArgs):
 def check_args(args: RunArgs, target: Pod) -> None:
     """Refuse bad options before any work (each attempt reads them again)."""
     _program(args, target, {})
+    hang_timeout(args, target)
+
+
+def hang_timeout(args: RunArgs, target: Pod) -> float | None:
+    """--hang-timeout in seconds, else the pod spec's, else None (no watchdog)."""
+    from tpupod.base.durations import parse_duration
+
+    if args.hang_timeout is not None:
+        return parse_duration(args.hang_timeout, "--hang-timeout")
+    return target.spec.hang_timeout
 
 
 def _program(
@@ -204,6 +227,7 @@ async def launch_attempt(
             collateral_in_logs_only=not args.verbose,
             container=container,
             on_launch=on_launch,
+            hang_timeout=hang_timeout(args, target),
         )
 
 

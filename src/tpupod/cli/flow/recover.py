@@ -53,14 +53,17 @@ def policy_of(args: RunArgs) -> RetryPolicy:
             f"--retry-exit-codes: {exc.args[0]!r} is not an exit code",
             hint="a comma-separated list of codes from 1 to 255, e.g. 42,75",
         ) from None
-    if args.retries < 0 or args.retry_errors < 0:
-        raise UsageError("--retries and --retry-errors count from 0", hint="e.g. --retries 3")
+    if min(args.retries, args.retry_errors, args.retry_hangs) < 0:
+        raise UsageError(
+            "--retries, --retry-errors and --retry-hangs count from 0", hint="e.g. --retries 3"
+        )
     zones = tuple(z.strip() for z in (args.zones or "").split(",") if z.strip())
     grace = DEFAULT_NOTICE_GRACE_S if args.notice_grace is None else args.notice_grace
     probe_s, probe_tries = settings.recovery_probe()
     return RetryPolicy(
         args.retries,
         args.retry_errors,
+        args.retry_hangs,
         codes,
         zones,
         notice_grace=grace,
@@ -186,7 +189,14 @@ def _resumed(state: StateDir, args: RunArgs) -> tuple[RecoveryRecord, RunArgs]:
     return record, resumed
 
 
-RETRY_FLAGS = ("retries", "retry_errors", "retry_exit_codes", "zones", "notice_grace")
+RETRY_FLAGS = (
+    "retries",
+    "retry_errors",
+    "retry_hangs",
+    "retry_exit_codes",
+    "zones",
+    "notice_grace",
+)
 
 
 def _default(name: str) -> Any:
@@ -203,9 +213,11 @@ def _rerun_failed(record: RecoveryRecord, policy: RetryPolicy) -> None:
     counters = Counters()
     # an error no rerun fixes (quota, permission) ended it: fixed since, it goes on as it was
     if cause is not Cause.FATAL and not counters.allow(cause, policy):
-        flag = {Cause.PREEMPTED: "--retries 1", Cause.LOST: "--retries 1"}.get(
-            cause, "--retry-errors 1"
-        )
+        flag = {
+            Cause.PREEMPTED: "--retries 1",
+            Cause.LOST: "--retries 1",
+            Cause.HUNG: "--retry-hangs 1",
+        }.get(cause, "--retry-errors 1")
         raise UsageError(
             f"run {record.run_id} failed ({cause}, exit {last.exit_code}): nothing given reruns it",
             hint=f"'tpupod run --resume {record.run_id} {flag}' reruns it from its checkpoint",

@@ -1,0 +1,144 @@
+"""The launcher's view of each worker's progress: the hang and straggler rules.
+
+A worker progresses when its heartbeat's step grows (``tpupod.heartbeat``), or, for a
+program that never calls it, when it prints a line. The run is hung when no worker has
+progressed for the timeout. A straggler is a worker with a heartbeat that has stood still
+for half the timeout while another worker's step went past it: named once, before the
+timeout, so a slow host is seen before the whole run stops.
+
+The state goes to the run's ``progress.json`` (at most every ``SAVE_S``): each worker's
+step, steps/s and seconds since its last progress, which ``tpupod status``, the summary
+and the dashboard read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpupod.base.files import write_atomic
+from tpupod.hang.heartbeat import MARKER
+
+PROGRESS_FILE = "progress.json"
+SAVE_S = 2.0
+RATE_WINDOW = 10  # steps/s over the last this many heartbeats
+
+
+@dataclass
+class WorkerProgress:
+    last: float  # monotonic time of its last progress
+    step: int | None = None  # its heartbeat's last step (None: no heartbeat yet)
+    beats: list[tuple[float, int]] = field(default_factory=list)  # (wall time, step)
+    straggling: bool = False  # named as a straggler already
+
+    @property
+    def rate(self) -> float | None:
+        """Steps per second over the last heartbeats (None: fewer than two)."""
+        if len(self.beats) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.beats[0], self.beats[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+
+
+class Progress:
+    """Each worker's progress, fed every output line (``seen``); the clock is monotonic."""
+
+    def __init__(self, workers: list[int], clock: float | None = None) -> None:
+        now = time.monotonic() if clock is None else clock
+        self.workers = {w: WorkerProgress(now) for w in workers}
+        self._saved = 0.0
+
+    def seen(self, worker: int, text: str, now: float | None = None) -> bool:
+        """A line from ``worker``; True when it is a heartbeat marker (kept out of the
+        terminal, the logs and the summary)."""
+        now = time.monotonic() if now is None else now
+        state = self.workers.get(worker)
+        if text.startswith(MARKER + " "):
+            if state is not None:
+                _beat(state, text, now)
+            return True
+        if state is not None and state.step is None:
+            state.last = now  # no heartbeat: a line is progress
+        return False
+
+    @property
+    def any_heartbeat(self) -> bool:
+        return any(state.step is not None for state in self.workers.values())
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds since any worker last progressed."""
+        now = time.monotonic() if now is None else now
+        return now - max(state.last for state in self.workers.values())
+
+    def stragglers(self, after: float, now: float | None = None) -> list[int]:
+        """Workers newly found straggling: a heartbeat that stood still ``after`` seconds
+        while another worker's step went past it (each named once)."""
+        now = time.monotonic() if now is None else now
+        steps = [s.step for s in self.workers.values() if s.step is not None]
+        if not steps:
+            return []
+        ahead = max(steps)
+        found = []
+        for worker, state in self.workers.items():
+            behind = state.step is not None and state.step < ahead
+            if behind and not state.straggling and now - state.last >= after:
+                state.straggling = True
+                found.append(worker)
+        return found
+
+    def describe(self, worker: int, now: float | None = None) -> str:
+        """``at step 41 (2.5 steps/s), 12 s ago``, or ``last line 3 s ago``."""
+        now = time.monotonic() if now is None else now
+        state = self.workers[worker]
+        ago = f"{now - state.last:.0f} s ago"
+        if state.step is None:
+            return f"last line {ago}"
+        rate = f" ({state.rate:.2f} steps/s)" if state.rate is not None else ""
+        return f"at step {state.step}{rate}, last step {ago}"
+
+    def save(self, run_dir: Path, *, force: bool = False) -> None:
+        """``progress.json`` in the run's folder once a heartbeat came, at most every SAVE_S
+        (``force``: now)."""
+        now = time.monotonic()
+        if not force and (now - self._saved < SAVE_S or not self.any_heartbeat):
+            return
+        self._saved = now
+        wall = time.time()
+        data = {
+            "at": wall,
+            "workers": {
+                str(w): {
+                    "step": s.step,
+                    "steps_per_s": s.rate,
+                    "last_progress": wall - (now - s.last),
+                }
+                for w, s in self.workers.items()
+            },
+        }
+        if self.any_heartbeat or force:
+            write_atomic(run_dir / PROGRESS_FILE, json.dumps(data))
+
+
+def _beat(state: WorkerProgress, text: str, now: float) -> None:
+    try:
+        _, step_text, at_text = text.split()
+        step, at = int(step_text), float(at_text)
+    except ValueError:
+        return  # not ours after all: a line that merely starts the same
+    if state.step is None or step != state.step:
+        state.last = now
+        state.straggling = False
+    state.step = step
+    state.beats = [*state.beats[-(RATE_WINDOW - 1) :], (at, step)]
+
+
+def read(run_dir: Path) -> dict[int, dict[str, float | int | None]]:
+    """A run's ``progress.json``: worker id -> step, steps_per_s, last_progress (wall
+    time); empty when the run has none (no heartbeat, or an older run)."""
+    try:
+        data = json.loads((run_dir / PROGRESS_FILE).read_text())
+        return {int(w): dict(v) for w, v in data["workers"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
