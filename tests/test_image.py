@@ -311,6 +311,38 @@ def test_run_image_lockstep_jax_across_two_workers(
     assert containers() == []
 
 
+@pytest.mark.timeout(120)
+def test_stacks_of_a_hung_program_in_containers(
+    podman_env: str, make_pod: Callable[..., Pod], cli: Callable[..., CliResult], state_home: Path
+) -> None:
+    """Issue 40: `tpupod stacks` reads a program inside its container (py-spy on the host
+    finds it by the environment the container passes through) and names the odd worker."""
+    require(shutil.which("py-spy", path=str(Path(".venv/bin").resolve())) is not None, "py-spy")
+    pod = make_pod(2)
+    run = subprocess.Popen(
+        tpupod_argv("run", "--pod", pod.name, "--image", podman_env, *PYTHON_MOUNTS, "--",
+                    ".venv/bin/python", "tests/programs/hang_plain.py", "hang"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        logs = state_home / "pods" / pod.name / "runs"
+        deadline = time.monotonic() + 60
+        # w0 waits for its peer past step 4 (as the launcher's progress.json has it: what
+        # orders two groups of one worker each), w1 is stuck loading step 3
+        while not any('"step": 4' in p.read_text() for p in logs.glob("*/progress.json")):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.2)
+        taken = cli("stacks", "--pod", pod.name, timeout=60)
+        assert taken.code == 0, taken.err
+        lines = taken.out.splitlines()
+        assert lines[0].startswith("w1 (1 of 2): next_batch hang_plain.py:"), taken.out
+        assert lines[1].startswith("w0 (1 of 2): wait_for_peers hang_plain.py:"), taken.out
+    finally:
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=60)
+    assert wait_no_containers() == []
+
+
 @pytest.mark.timeout(60)
 def test_a_failing_container_stops_the_others_and_none_is_left(
     podman_env: str,

@@ -116,13 +116,14 @@ def stacks(
 
       tpupod stacks -w s1 --native    # slice 1's workers, with C/C++ frames
     """
-    from tpupod.hang.digest import hints, lines
+    from tpupod.hang.digest import hints
     from tpupod.hang.ofrun import stacks_of_run
 
-    found, took, saved = stacks_of_run(
-        StateDir(), StateDir().resolve_name(pod), run_id, worker, native
+    state = StateDir()
+    found, lines, took, saved = stacks_of_run(
+        state, state.resolve_name(pod), run_id, worker, native
     )
-    print("\n".join(lines(found)))
+    print("\n".join(lines))
     for hint in hints(found):
         print(f"hint: {hint}", file=sys.stderr)
     print(f"stacks of {len(found)} workers in {took:.1f}s, saved in {saved}", file=sys.stderr)

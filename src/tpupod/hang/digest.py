@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tpupod.fanout.report import worker_names
@@ -22,29 +22,42 @@ from tpupod.hang.stacks import Frame, WorkerStacks, threads_of
 SHOWN_FRAMES = 4  # innermost first: where it is, and the calls that led there
 
 
-def groups(stacks: Sequence[WorkerStacks]) -> list[tuple[tuple[Frame, ...], list[WorkerStacks]]]:
-    """Workers grouped by their main thread's frames, smallest group first (then by the
-    first worker's id); workers without stacks are left out (see ``problems``)."""
+Rank = Callable[[int], float]  # how far along a worker is (lower: further behind)
+
+
+def groups(
+    stacks: Sequence[WorkerStacks], rank: Rank | None = None
+) -> list[tuple[tuple[Frame, ...], list[WorkerStacks]]]:
+    """Workers grouped by their main thread's frames, smallest group first; groups of the
+    same size by ``rank`` (the group with the worker furthest behind first: the watchdog
+    knows each worker's progress), then by the first worker's id. Workers without stacks
+    are left out (see ``lines``)."""
     found: dict[tuple[Frame, ...], list[WorkerStacks]] = {}
     for worker in stacks:
         main = worker.main
         if worker.problem is None and main is not None:
             found.setdefault(main.frames, []).append(worker)
-    return sorted(found.items(), key=lambda item: (len(item[1]), item[1][0].worker.id))
+
+    def order(item: tuple[tuple[Frame, ...], list[WorkerStacks]]) -> tuple[int, float, int]:
+        members = item[1]
+        behind = min(rank(w.worker.id) for w in members) if rank is not None else 0.0
+        return len(members), behind, members[0].worker.id
+
+    return sorted(found.items(), key=order)
 
 
-def odd_workers(stacks: Sequence[WorkerStacks]) -> list[int]:
-    """The workers not where most are (none when all are in one place), and those whose
-    stacks could not be taken."""
-    odd = [w.worker.id for _, members in groups(stacks)[:-1] for w in members]
+def odd_workers(stacks: Sequence[WorkerStacks], rank: Rank | None = None) -> list[int]:
+    """The workers not where most are (none when all are in one place; of two groups the
+    same size, the one behind), and those whose stacks could not be taken."""
+    odd = [w.worker.id for _, members in groups(stacks, rank)[:-1] for w in members]
     return sorted(odd + [w.worker.id for w in stacks if w.problem is not None])
 
 
-def lines(stacks: Sequence[WorkerStacks]) -> list[str]:
+def lines(stacks: Sequence[WorkerStacks], rank: Rank | None = None) -> list[str]:
     """The digest: one line a group, the odd ones first, then one a worker without stacks."""
     total = len(stacks)
     out = []
-    for frames, members in groups(stacks):
+    for frames, members in groups(stacks, rank):
         names = worker_names(members)  # type: ignore[arg-type]
         out.append(f"{names} ({len(members)} of {total}): {shown(frames)}")
     for worker in stacks:

@@ -13,6 +13,7 @@ that goes on printing while its steps stand still is hung all the same.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import time
 
@@ -26,6 +27,7 @@ class _Beat:
     """The last step printed, and when (module state: one program, one heartbeat)."""
 
     step: int | None = None
+    latest: int | None = None  # the last step given, printed or not
     printed = -EVERY_S
     active: bool | None = None  # under tpupod run (read once)
 
@@ -33,12 +35,26 @@ class _Beat:
 def heartbeat(step: int) -> None:
     """Tell the launcher this worker reached ``step`` (an int that grows; cheap: call it
     every step)."""
+    _Beat.latest = step
     now = time.monotonic()
     if step == _Beat.step or now - _Beat.printed < EVERY_S:
         return
     if _Beat.active is None:
         _Beat.active = settings.launch_id() is not None
+        if _Beat.active:
+            atexit.register(_last_beat)
     _Beat.step, _Beat.printed = step, now
     if _Beat.active:
-        sys.stdout.write(f"{MARKER} {int(step)} {time.time():.3f}\n")
-        sys.stdout.flush()
+        _write(step)
+
+
+def _write(step: int, end: str = "") -> None:
+    sys.stdout.write(f"{MARKER} {int(step)} {time.time():.3f}{end}\n")
+    sys.stdout.flush()
+
+
+def _last_beat() -> None:
+    """At a normal exit: the last step, marked as the end (the launcher then stops counting
+    this worker among those that should progress)."""
+    if _Beat.latest is not None:
+        _write(_Beat.latest, " end")

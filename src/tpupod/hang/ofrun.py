@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from tpupod.errors import UsageError
-from tpupod.hang import digest
+from tpupod.hang import digest, progress
 from tpupod.hang.stacks import WorkerStacks, take
 from tpupod.launch.records import RunRecord, get_run
 from tpupod.pod.state import StateDir
@@ -16,10 +16,11 @@ from tpupod.providers import provider_for
 
 def stacks_of_run(
     state: StateDir, pod_name: str, run_id: str | None, selection: str | None, native: bool
-) -> tuple[list[WorkerStacks], float, Path]:
+) -> tuple[list[WorkerStacks], list[str], float, Path]:
     """The stacks of a running run (the pod's latest without ``run_id``) on its selected
-    workers (``selection`` as the run numbered them), the seconds they took, and where the
-    dump was saved."""
+    workers (``selection`` as the run numbered them), their digest (groups that tie in size
+    ordered by the workers' steps, where the run has heartbeats), the seconds they took,
+    and where the dump was saved."""
     record = get_run(pod_name, run_id, state)
     if record.ended():
         raise UsageError(
@@ -27,7 +28,9 @@ def stacks_of_run(
             hint="'tpupod logs --list' lists the runs; a hung run's stacks are in its folder",
         )
     found, took = asyncio.run(_take(state, pod_name, record, selection, native))
-    return found, took, digest.save(record.folder, found, digest.lines(found))
+    steps = {w: v.get("step") for w, v in progress.read(record.folder).items()}
+    lines = digest.lines(found, lambda w: float(steps.get(w) or 0))
+    return found, lines, took, digest.save(record.folder, found, lines)
 
 
 async def _take(

@@ -13,6 +13,8 @@ and the dashboard read.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from tpupod.base.files import write_atomic
 from tpupod.hang.heartbeat import MARKER
 
 PROGRESS_FILE = "progress.json"
-SAVE_S = 2.0
+SAVE_S = 1.0
 RATE_WINDOW = 10  # steps/s over the last this many heartbeats
 
 
@@ -32,6 +34,7 @@ class WorkerProgress:
     step: int | None = None  # its heartbeat's last step (None: no heartbeat yet)
     beats: list[tuple[float, int]] = field(default_factory=list)  # (wall time, step)
     straggling: bool = False  # named as a straggler already
+    ended: bool = False  # its program said its last step (a normal exit)
 
     @property
     def rate(self) -> float | None:
@@ -49,6 +52,7 @@ class Progress:
         now = time.monotonic() if clock is None else clock
         self.workers = {w: WorkerProgress(now) for w in workers}
         self._saved = 0.0
+        self._pending = False
 
     def seen(self, worker: int, text: str, now: float | None = None) -> bool:
         """A line from ``worker``; True when it is a heartbeat marker (kept out of the
@@ -82,11 +86,17 @@ class Progress:
         ahead = max(steps)
         found = []
         for worker, state in self.workers.items():
-            behind = state.step is not None and state.step < ahead
+            behind = state.step is not None and state.step < ahead and not state.ended
             if behind and not state.straggling and now - state.last >= after:
                 state.straggling = True
                 found.append(worker)
         return found
+
+    def rank(self, worker: int) -> float:
+        """How far along ``worker`` is, to order workers whose stacks tie: its step, else
+        when it last printed (lower: further behind)."""
+        state = self.workers[worker]
+        return float(state.step) if state.step is not None else state.last
 
     def describe(self, worker: int, now: float | None = None) -> str:
         """``at step 41 (2.5 steps/s), 12 s ago``, or ``last line 3 s ago``."""
@@ -100,9 +110,16 @@ class Progress:
 
     def save(self, run_dir: Path, *, force: bool = False) -> None:
         """``progress.json`` in the run's folder once a heartbeat came, at most every SAVE_S
-        (``force``: now)."""
+        (``force``: now); a save too soon after the last is made SAVE_S later, so the last
+        heartbeat before a hang is on disk too."""
         now = time.monotonic()
-        if not force and (now - self._saved < SAVE_S or not self.any_heartbeat):
+        if not self.any_heartbeat and not force:
+            return
+        if not force and now - self._saved < SAVE_S:
+            if not self._pending:
+                with contextlib.suppress(RuntimeError):  # no running loop: the next beat saves
+                    asyncio.get_running_loop().call_later(SAVE_S, self._later, run_dir)
+                    self._pending = True
             return
         self._saved = now
         wall = time.time()
@@ -117,16 +134,21 @@ class Progress:
                 for w, s in self.workers.items()
             },
         }
-        if self.any_heartbeat or force:
-            write_atomic(run_dir / PROGRESS_FILE, json.dumps(data))
+        write_atomic(run_dir / PROGRESS_FILE, json.dumps(data))
+
+    def _later(self, run_dir: Path) -> None:
+        self._pending = False
+        with contextlib.suppress(OSError):  # a full disk: the run goes on without it
+            self.save(run_dir, force=True)
 
 
 def _beat(state: WorkerProgress, text: str, now: float) -> None:
+    words = text.split()
     try:
-        _, step_text, at_text = text.split()
-        step, at = int(step_text), float(at_text)
-    except ValueError:
+        step, at = int(words[1]), float(words[2])
+    except (ValueError, IndexError):
         return  # not ours after all: a line that merely starts the same
+    state.ended = words[3:] == ["end"]
     if state.step is None or step != state.step:
         state.last = now
         state.straggling = False

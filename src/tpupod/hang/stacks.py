@@ -6,7 +6,8 @@ not be installed there), which finds the run's processes by their environment
 every process it starts, inside ``--image`` containers too: the host sees a container's
 processes and their environment) and dumps each Python one with py-spy (``--json``; all
 threads; ``--native`` adds C/C++ frames). py-spy is looked for on ``PATH``, beside the
-program's own interpreter and beside the script's. A worker where it cannot be done (no
+program's own interpreter (through ``/proc/PID/root``: a container's files, seen from the
+host) and beside the script's. A worker where it cannot be done (no
 py-spy, ptrace refused, the program gone) says why, on its own line; the others are shown.
 
 Why py-spy: it reads any CPython process from outside (no cooperation from the program,
@@ -77,9 +78,13 @@ for pid in os.listdir("/proc"):
         continue
     found[pid] = argv
 places = [shutil.which("py-spy")]
-for argv in found.values():
-    if argv and os.path.isabs(argv[0]):
-        places.append(os.path.join(os.path.dirname(argv[0]), "py-spy"))
+for pid, argv in found.items():  # beside the program's python, seen through its root
+    if argv and "/" in argv[0]:  # (a container's files, from the host)
+        try:
+            where = os.path.join(os.readlink("/proc/%s/cwd" % pid), argv[0])
+        except OSError:
+            continue
+        places.append("/proc/%s/root%s" % (pid, os.path.join(os.path.dirname(where), "py-spy")))
 places += [os.path.join(os.path.dirname(sys.executable), "py-spy"),
            os.path.expanduser("~/.local/bin/py-spy")]
 spy = next((p for p in places if p and os.access(p, os.X_OK)), None)

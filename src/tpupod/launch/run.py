@@ -744,12 +744,16 @@ class _RunLog:
         write_atomic(self.launch.run_dir / RUN_FILE, json.dumps(self.record, indent=2) + "\n")
 
 
-async def _take_stacks(pod: Pod, launch: Launch, connector: Connector) -> Stacks:
-    """The watchdog's stacks: every worker's, digested, saved in the run's folder."""
+async def _take_stacks(
+    pod: Pod, launch: Launch, connector: Connector, progress: Progress
+) -> Stacks:
+    """The watchdog's stacks: every worker's, digested (groups that tie in size ordered by
+    each worker's progress), saved in the run's folder."""
     found, _ = await take_stacks(pod, launch.launch_id, pod.workers, connector=connector)
-    lines = digest_lines(found)
+    lines = digest_lines(found, progress.rank)
     saved = save_stacks(launch.run_dir, found, lines)
-    return Stacks([*lines, *(f"hint: {h}" for h in stack_hints(found))], saved, odd_workers(found))
+    hints = [f"hint: {h}" for h in stack_hints(found)]
+    return Stacks([*lines, *hints], saved, odd_workers(found, progress.rank))
 
 
 def _watchdog(  # noqa: PLR0917 (each is the run's own)
@@ -767,7 +771,7 @@ def _watchdog(  # noqa: PLR0917 (each is the run's own)
     return Watchdog(
         progress,
         timeout,
-        take=lambda: _take_stacks(pod, launch, connector),
+        take=lambda: _take_stacks(pod, launch, connector, progress),
         stop=lambda why: interrupt.request(signal.SIGTERM, reason=why),
         notice=sinks.on_notice,
     )

@@ -24,7 +24,13 @@ def run_command(args: RunArgs) -> int:
             "run takes a command, or --resume RUN without one",
             hint="tpupod run -- python train.py",
         )
-    if args.retries or args.retry_errors or args.retry_exit_codes or args.resume:
+    if (
+        args.retries
+        or args.retry_errors
+        or args.retry_hangs
+        or args.retry_exit_codes
+        or args.resume
+    ):
         from tpupod.cli.flow.recover import run_recovering
 
         return run_recovering(args)
