@@ -1,6 +1,6 @@
 """``tpupod.heartbeat(step)``: a program says how far it got, for the launcher's watchdog.
 
-A call costs a clock read and a comparison (~0.1 us): it prints a marker line,
+A call costs a clock read and a comparison (BENCHMARKS.md): it prints a marker line,
 ``tpupod-heartbeat STEP TIME``, only when the step changed and a second has passed since
 the last one (and at the first call). The launcher already reads every worker's output:
 no other channel, over SSH and inside containers alike; it takes the markers out of the
