@@ -17,7 +17,13 @@ import httpx
 import pytest
 
 from tests.conftest import CliResult, tpupod_argv
-from tests.dashboard_server import TOKEN, Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
+from tests.dashboard_server import (  # noqa: F401 (fixtures)
+    TOKEN,
+    Browser,
+    Dashboard,
+    browser_fixture,
+    dashboard_fixture,
+)
 from tpupod.launch.standing import HEARTBEAT, LINE, START, WorkerStanding
 from tpupod.pod.record import Pod
 from tpupod.pod.state import StateDir
@@ -292,3 +298,45 @@ def test_the_runs_folder_is_the_launcher_s() -> None:
     from tpupod.launch import run, standing
 
     assert standing.RUNS_DIR == run.RUNS_DIR
+
+
+def test_in_a_browser_the_steps_move_without_a_reload_and_the_button_shows_the_digest(
+    make_pod: Callable[..., Pod],
+    dashboard: Callable[..., Dashboard],
+    browser: Callable[[], Browser],
+    running: Callable[[subprocess.Popen[str]], subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    pod = make_pod(3)
+    running(start_run(pod, tmp_path, PROGRAM, "30", "one"))
+    board = dashboard()
+    launch_id = poll(lambda: board.get("/api/runs").json()["data"]["runs"], "the run")[0]["id"]
+    seen = browser()
+    page = seen.page
+    page.goto(f"{board.url}/runs/{launch_id}")
+    step = page.locator('#run-workers tr[data-worker="0"] td.step')
+    page.wait_for_function(
+        "() => Number(document.querySelector('#run-workers tr[data-worker=\"0\"] td.step')"
+        ".textContent) > 0",
+        timeout=30_000,
+    )
+    before = int(step.inner_text())
+    updated = page.evaluate("() => document.getElementById('content').dataset.updated || ''")
+    page.wait_for_function(  # by the follow's progress events, not a reload of the page
+        f"() => Number(document.querySelector('#run-workers tr[data-worker=\"0\"] td.step')"
+        f".textContent) > {before}",
+        timeout=10_000,
+    )
+    assert page.evaluate("() => document.getElementById('content').dataset.updated || ''") == (
+        updated
+    )
+    page.locator('#run-workers tr[data-worker="1"] td.progress.stalled').wait_for(timeout=30_000)
+
+    page.fill("#token", TOKEN)
+    page.dispatch_event("#token", "change")
+    page.locator("#take-stacks button").click()
+    digest = page.locator("#stacks-digest")
+    digest.wait_for(timeout=30_000)
+    assert digest.inner_text().startswith("w1 (1 of 3): next_batch prog.py:9 <- <module>")
+    assert "stacks taken in" in page.locator("#action-result").inner_text()
+    assert not seen.errors
