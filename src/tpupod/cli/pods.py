@@ -399,13 +399,16 @@ def status(
     project: Annotated[str | None, typer.Option("--project", show_default=False)] = None,
 ) -> None:
     """Show a pod (on a pod of slices, each worker's slice) and check that every worker
-    answers (runs 'hostname' on each); with the pod's latest 'run --retries' run: its
+    answers (runs 'hostname' on each); each running run: every worker's step and steps/s
+    (tpupod.heartbeat) or its last line, and its latest stacks; the latest run if it ended
+    hung: why, and the digest of its stacks; with the pod's latest 'run --retries' run: its
     attempts, their causes and each phase's time.
 
     Examples:
 
       tpupod status --pod dev
     """
+    from tpupod.launch.standing import pod_standings
     from tpupod.ops.status import pod_status
     from tpupod.pod.state import StateDir
     from tpupod.recovery.record import latest_recovery
@@ -416,11 +419,15 @@ def status(
     state = StateDir()
     found = pod_status(state.resolve(pod))
     recovery = latest_recovery(state, found.pod.name)
+    standings = pod_standings(state, found.pod.name)
     if output is Format.JSON:
-        as_json = {**found.to_json(), "recovery": recovery and recovery.to_json()}
+        shown = [s.to_json() for s in standings]
+        as_json = {**found.to_json(), "runs": shown, "recovery": recovery and recovery.to_json()}
         print(json.dumps(as_json, indent=2))
     else:
         _print_status(found)
+        for run in standings:
+            print("\n".join(run.lines()))
         if recovery is not None:
             print("\n  ".join([recovery.headline(), *recovery.lines()]))
         if found.advice:

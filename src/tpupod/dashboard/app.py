@@ -380,6 +380,12 @@ def _api(app: FastAPI, feed: Feed, closing: Closing) -> None:
         find_run(feed, launch_id).stop(by="a stop from the dashboard")
         return {"stopping": launch_id}
 
+    @app.post("/api/runs/{launch_id}/stacks")
+    def api_run_stacks(launch_id: str) -> dict[str, Any]:
+        """Every worker's stacks now (py-spy on each, as ``tpupod stacks``): the digest,
+        saved in the run's folder, where the run page shows it."""
+        return runs.take_stacks(feed.state, find_run(feed, launch_id))
+
     @app.get("/api/jobs")
     def api_jobs(status: str | None = None, before: int | None = None) -> dict[str, Any]:
         return feed.jobs.page(status or None, before)
@@ -510,8 +516,11 @@ async def _follow_run(record: RunRecord, cursor: str | None) -> AsyncIterator[st
     threading.Thread(target=pump, name=f"follow {record.launch_id}", daemon=True).start()
     try:
         while (batch := await batches.get()) is not None:
-            data = json.dumps({"lines": batch.lines, "reset": batch.reset})
-            yield f"id: {batch.cursor}\nevent: lines\ndata: {data}\n\n"
+            if batch.lines or batch.reset or batch.first:
+                data = json.dumps({"lines": batch.lines, "reset": batch.reset})
+                yield f"id: {batch.cursor}\nevent: lines\ndata: {data}\n\n"
+            if batch.progress is not None:  # no id: a reconnect resumes after the lines
+                yield f"event: progress\ndata: {json.dumps(batch.progress)}\n\n"
         yield "event: end\ndata: {}\n\n"
     finally:
         stop.set()

@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +15,11 @@ from typing import Any
 
 from tpupod.errors import StateError
 from tpupod.fanout.results import RunState
+from tpupod.hang import digest
+from tpupod.hang.ofrun import stacks_of_run
 from tpupod.launch.records import EndWatch, RunRecord, run_record
 from tpupod.launch.run import RUNS_DIR
+from tpupod.launch.standing import ProgressWatch, latest_stacks, worker_progress
 from tpupod.pod.state import StateDir
 from tpupod.recovery.record import RecoveryRecord, find_recovery
 
@@ -210,10 +214,14 @@ def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
 
 
 def detail(record: RunRecord, pod: str) -> dict[str, Any]:
-    """The run with every worker's state and exit, the first failure first."""
+    """The run with every worker's state, exit and progress (step, steps/s, its last
+    progress), the first failure first; its latest stacks' digest; why it hung."""
     outcomes = {r.worker: r for r in record.results}
     shown = summary(record, pod)  # once: it looks at the launcher (a lock file) each time
     failed, overall = shown["first_failure"], shown["state"]
+    at = record.finished or time.time()  # an ended run's ages: to its end
+    progress = {p.worker: p.to_json(at) for p in worker_progress(record)}
+    stacks = latest_stacks(record)
     workers = []
     for w in record.workers:
         r = outcomes.get(w.id)
@@ -226,10 +234,29 @@ def detail(record: RunRecord, pod: str) -> dict[str, Any]:
                 "ok": ok(r.outcome) if r else None,
                 "last_line": r.last_line if r else "",
                 "tail": tail(record.log_file(w.id)),
+                "progress": progress[w.id],
             }
         )
     workers.sort(key=lambda w: (w["worker"] != failed, w["worker"]))
-    return {**shown, "worker_list": workers}
+    return {
+        **shown,
+        "worker_list": workers,
+        "stepping": any(p["step"] is not None for p in progress.values()),
+        "stacks": None if stacks is None else stacks.to_json(),
+        "hung": None if record.hung is None else record.hung.why,
+    }
+
+
+def take_stacks(state: StateDir, record: RunRecord) -> dict[str, Any]:
+    """Every worker's stacks of a running run, now (``tpupod stacks``): the digest, the
+    hints for the workers without stacks, the seconds they took, where they are saved."""
+    found, lines, took, saved = stacks_of_run(state, pod_of(record), record.launch_id, None, False)
+    return {
+        "digest": lines,
+        "hints": digest.hints(found),
+        "seconds": round(took, 3),
+        "saved": str(saved),
+    }
 
 
 def pod_of(record: RunRecord) -> str:
@@ -262,6 +289,8 @@ class Batch:
     lines: list[tuple[int, str]] = field(default_factory=list)
     reset: list[int] = field(default_factory=list)
     cursor: str = ""
+    progress: list[dict[str, Any]] | None = None  # the workers' progress, when it changed
+    first: bool = False  # the follow's first (its lines' event goes even when empty)
 
 
 def tail_lines(workers: int) -> int:
@@ -316,6 +345,7 @@ class RunLogs:
         resumed = decode(cursor, self.workers)
         self.offsets = resumed or {w: tail_start(p, self.keep) for w, p in self.paths.items()}
         self.resumed = resumed is not None
+        self.progress = ProgressWatch(record)
 
     def batches(self, stop: threading.Event, poll_s: float = POLL_S) -> Iterator[Batch]:
         ended = EndWatch(self.record)
@@ -323,7 +353,9 @@ class RunLogs:
         while True:
             last = ended()  # ended before this pass: it reads all there is, and it is the last
             batch = self._pass(last=last, first=first)
-            if batch.lines or batch.reset or first:
+            batch.first = first
+            batch.progress = None if last else self.progress.poll(grew=bool(batch.lines))
+            if batch.lines or batch.reset or batch.progress or first:
                 yield batch
             first = False
             if last or stop.wait(poll_s):

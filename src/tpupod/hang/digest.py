@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tpupod.fanout.report import worker_names
@@ -123,3 +124,24 @@ def save(run_dir: Path, stacks: Sequence[WorkerStacks], digest: Sequence[str]) -
     ]
     path.with_suffix(".json").write_text(json.dumps({"digest": list(digest), "workers": data}))
     return path
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Stacks saved in a run's folder: the text file, its digest, when they were taken."""
+
+    path: Path
+    digest: list[str]
+    taken: float
+
+
+def latest(run_dir: Path) -> Saved | None:
+    """The newest stacks saved in a run's folder (None: none, or none readable)."""
+    for path in sorted(run_dir.glob("stacks-*.json"), reverse=True):
+        try:
+            data = json.loads(path.read_text())
+            digest = [str(line) for line in data["digest"]]
+            return Saved(path.with_suffix(".txt"), digest, path.stat().st_mtime)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None

@@ -43,6 +43,17 @@ class RunOutcome:
 
 
 @dataclass(frozen=True)
+class Hung:
+    """Why the hang watchdog stopped a run (``run --hang-timeout``): its words, the digest it
+    printed, where the dump is, the workers not where the others were."""
+
+    why: str
+    digest: tuple[str, ...]
+    stacks: str | None
+    odd: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """One launch, as its ``run.json`` describes it (``finished`` is None while it runs)."""
 
@@ -59,6 +70,7 @@ class RunRecord:
     logs_cut: str | None = None  # why its logs stopped early (a full disk), if they did
     written: Ending | None = None  # how it ended, as its launcher wrote it (None: running)
     job: tuple[int, int] | None = None  # (job id, attempt) when a job runner launched it
+    hung: Hung | None = None  # the watchdog's record, when it stopped the run as hung
 
     @property
     def ending(self) -> Ending:
@@ -169,6 +181,19 @@ def _from_json(folder: Path, data: dict[str, Any]) -> RunRecord:
         logs_cut=None if data.get("logs_cut") is None else str(data["logs_cut"]),
         written=None if not data.get("ending") else Ending.from_json(data["ending"]),
         job=None if not data.get("job") else (int(data["job"]["id"]), int(data["job"]["attempt"])),
+        hung=_hung(data.get("hung")),
+    )
+
+
+def _hung(data: dict[str, Any] | None) -> Hung | None:
+    if not data:
+        return None
+    stacks = data.get("stacks")
+    return Hung(
+        why=str(data["why"]),
+        digest=tuple(str(line) for line in data.get("digest") or ()),
+        stacks=None if stacks is None else str(stacks),
+        odd=tuple(int(w) for w in data.get("odd") or ()),
     )
 
 

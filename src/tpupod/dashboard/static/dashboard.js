@@ -98,9 +98,21 @@
     if (form.dataset.confirm && !window.confirm(form.dataset.confirm)) return;
     const token = sessionStorage.getItem(KEY) || tokenInput.value;
     const headers = token ? { Authorization: "Bearer " + token } : {};  // else the cookie, if any
-    const r = await fetch(form.action, { method: "POST", headers });
-    const body = await r.json().catch(() => ({}));
-    say(r.ok ? "done: " + form.action.split("/api/")[1] : r.status + ": " + (body.detail || r.statusText));
+    const button = form.querySelector("button");
+    if (button) button.disabled = true;  // an action may take seconds (stacks: py-spy on every worker)
+    say("working: " + form.action.split("/api/")[1]);
+    let r, body;
+    try {
+      r = await fetch(form.action, { method: "POST", headers });
+      body = await r.json().catch(() => ({}));
+    } catch (err) {
+      say("could not reach the dashboard: " + err);
+      return;
+    } finally {
+      if (button) button.disabled = false;
+    }
+    const done = body.digest ? "stacks taken in " + body.seconds + " s, saved in " + body.saved : "done: " + form.action.split("/api/")[1];
+    say(r.ok ? done : r.status + ": " + (body.detail || r.statusText));
     if (r.ok) refresh();
   });
 
@@ -148,6 +160,24 @@
       if (pane.lines.length > KEEP) pane.lines.splice(0, pane.lines.length - KEEP);
     }
     if (needle) drawAll(); else touched.forEach(draw);
+  });
+  // each worker's step, steps/s and last progress, sent when they change
+  const SOURCES = { heartbeat: "step", line: "line", start: "no output yet" };
+  follow.addEventListener("progress", (e) => {
+    for (const p of JSON.parse(e.data)) {
+      const row = document.querySelector(`#run-workers tr[data-worker="${p.worker}"]`);
+      if (!row) continue;
+      row.querySelector("td.step").textContent = p.step === null ? "–" : p.step;
+      row.querySelector("td.rate").textContent = p.steps_per_s === null ? "–" : p.steps_per_s.toFixed(2) + (p.stalled ? " (before)" : "");
+      const cell = row.querySelector("td.progress");
+      cell.classList.toggle("stalled", p.stalled);
+      cell.title = p.text;
+      const since = cell.querySelector("[data-since]");
+      if (since) since.dataset.since = p.last_progress;
+      const source = cell.querySelector(".source");
+      if (source) source.textContent = SOURCES[p.source] || p.source;
+    }
+    tick();
   });
   follow.addEventListener("end", () => {
     follow.close();
