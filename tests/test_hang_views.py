@@ -294,12 +294,6 @@ def test_a_worker_s_progress_in_words(standing: WorkerStanding, text: str) -> No
     assert standing.stalled(100.0) is ("no step" in text)
 
 
-def test_the_runs_folder_is_the_launcher_s() -> None:
-    from tpupod.launch import run, standing
-
-    assert standing.RUNS_DIR == run.RUNS_DIR
-
-
 def test_in_a_browser_the_steps_move_without_a_reload_and_the_button_shows_the_digest(
     make_pod: Callable[..., Pod],
     dashboard: Callable[..., Dashboard],

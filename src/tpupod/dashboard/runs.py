@@ -17,8 +17,7 @@ from tpupod.errors import StateError
 from tpupod.fanout.results import RunState
 from tpupod.hang import digest
 from tpupod.hang.ofrun import stacks_of_run
-from tpupod.launch.records import EndWatch, RunRecord, run_record
-from tpupod.launch.run import RUNS_DIR
+from tpupod.launch.records import RUNS_DIR, EndWatch, RunRecord, run_record
 from tpupod.launch.standing import ProgressWatch, latest_stacks, worker_progress
 from tpupod.pod.state import StateDir
 from tpupod.recovery.record import RecoveryRecord, find_recovery

@@ -27,8 +27,14 @@ from typing import Any
 
 from tpupod.errors import StateError, UsageError
 from tpupod.fanout.results import Ending, RunState
-from tpupod.launch.run import LAUNCHER_LOCK, RUN_FILE, RUNS_DIR, STOP_FILE
 from tpupod.pod.state import StateDir, WorkerBrief
+
+RUNS_DIR = "runs"
+RUN_FILE = "run.json"
+STOP_FILE = "stop-request"  # who asks the launcher to stop (cancel, the dashboard), before SIGINT
+# Held (flock) by the launcher while it runs: the kernel lets go when it dies, even by kill -9,
+# so a reader can tell a running launch from one whose launcher is gone.
+LAUNCHER_LOCK = "launcher.lock"
 
 FOLLOW_POLL_S = 0.2
 

@@ -53,6 +53,7 @@ from tpupod.image.containerize import (
 from tpupod.launch.client import LEAVING
 from tpupod.launch.jaxinit import DEFAULT_COORDINATOR_PORT
 from tpupod.launch.megascale import check_tpu_env, worker_megascale
+from tpupod.launch.records import LAUNCHER_LOCK, RUN_FILE, RUNS_DIR, STOP_FILE
 from tpupod.launch.rendezvous import FailureHandler, RendezvousServer
 from tpupod.launch.rendezvous_main import EXIT_CODE, FAILED, READY
 from tpupod.ops import defaults
@@ -68,12 +69,6 @@ from tpupod.transport import OutputLine, RemoteProcess
 # What runtimes print for themselves at every start: kept in the per-worker logs, but off the
 # terminal (unless asked for) and out of the summary's last lines.
 
-RUNS_DIR = "runs"
-RUN_FILE = "run.json"
-STOP_FILE = "stop-request"  # who asks the launcher to stop (cancel, the dashboard), before SIGINT
-# Held (flock) by the launcher while it runs: the kernel lets go when it dies, even by kill -9,
-# so a reader can tell a running launch from one whose launcher is gone (``records.py``).
-LAUNCHER_LOCK = "launcher.lock"
 PREFLIGHT_TIMEOUT_S = 30.0
 RENDEZVOUS_START_S = 30.0
 CLOSE_GRACE_S = 1.0  # a service on worker 0 still serving a worker that hangs up late

@@ -16,20 +16,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tpupod.base.durations import format_seconds
 from tpupod.fanout.results import RunState
 from tpupod.hang import digest, progress
+from tpupod.launch.records import RUNS_DIR, RunRecord, runs
 from tpupod.pod.state import StateDir
 
-if TYPE_CHECKING:
-    from tpupod.launch.records import RunRecord
-
 STALL_S = 5.0  # a heartbeat prints at most once a second; the launcher saves every 2 s
-# launch.run.RUNS_DIR (tested equal): importing it, or the records, brings the launcher's
-# modules (the image package among them) into `tpupod status` of a pod that never ran
-RUNS_DIR = "runs"
 HEARTBEAT, LINE, START = "heartbeat", "line", "start"  # what a worker's last progress was
 
 
@@ -210,9 +205,6 @@ def pod_standings(state: StateDir, pod_name: str) -> list[RunStanding]:
     it ended hung (oldest first)."""
     if not any((state.pod_dir(pod_name) / RUNS_DIR).glob("*/run.json")):
         return []
-    # deferred: the launcher's modules, only for a pod with runs (see RUNS_DIR)
-    from tpupod.launch.records import runs
-
     found = runs(pod_name, state)
     shown = [r for r in found if r.ending.state is RunState.RUNNING]
     if found and found[-1].hung is not None and found[-1] not in shown:
