@@ -126,9 +126,8 @@ def stacks(
     print("\n".join(lines))
     for hint in hints(found):
         print(f"hint: {hint}", file=sys.stderr)
-    print(f"stacks of {len(found)} workers in {took:.1f}s, saved in {saved}", file=sys.stderr)
-    if all(w.problem is not None for w in found):
-        raise typer.Exit(1)
+    workers = f"{len(found)} worker{'s' if len(found) != 1 else ''}"
+    print(f"stacks of {workers} in {took:.1f}s, saved in {saved}", file=sys.stderr)
 
 
 @command("cancel")

@@ -209,20 +209,25 @@ def _way(r: WorkerResult, outcome: Outcome) -> str:
 
 def worker_names(results: Sequence[WorkerResult]) -> str:
     """Workers' labels, runs of consecutive ids shortened: ``w0-w3, w7, w9-w10``."""
+    return worker_list([r.worker.id for r in results])
+
+
+def worker_list(ids: Sequence[int]) -> str:
+    """Worker ids as labels, runs of consecutive ids shortened: ``w0-w3, w7, w9, w10``."""
     parts: list[str] = []
-    run: list[WorkerResult] = []
-    for r in sorted(results, key=lambda r: r.worker.id):
-        if run and r.worker.id != run[-1].worker.id + 1:
+    run: list[int] = []
+    for worker in sorted(ids):
+        if run and worker != run[-1] + 1:
             parts.append(_span(run))
             run = []
-        run.append(r)
+        run.append(worker)
     if run:
         parts.append(_span(run))
     return ", ".join(parts)
 
 
-def _span(run: list[WorkerResult]) -> str:
-    first, last = run[0].worker.label, run[-1].worker.label
+def _span(run: list[int]) -> str:
+    first, last = f"w{run[0]}", f"w{run[-1]}"
     return first if len(run) == 1 else f"{first}{'-' if len(run) > 2 else ', '}{last}"
 
 

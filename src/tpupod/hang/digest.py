@@ -21,6 +21,7 @@ from tpupod.fanout.report import worker_names
 from tpupod.hang.stacks import Frame, WorkerStacks, threads_of
 
 SHOWN_FRAMES = 4  # innermost first: where it is, and the calls that led there
+SHOWN_CHILDREN = 3  # a worker's other Python processes shown under its group
 
 
 Rank = Callable[[int], float]  # how far along a worker is (lower: further behind)
@@ -49,18 +50,24 @@ def groups(
 
 def odd_workers(stacks: Sequence[WorkerStacks], rank: Rank | None = None) -> list[int]:
     """The workers not where most are (none when all are in one place; of two groups the
-    same size, the one behind), and those whose stacks could not be taken."""
-    odd = [w.worker.id for _, members in groups(stacks, rank)[:-1] for w in members]
-    return sorted(odd + [w.worker.id for w in stacks if w.problem is not None])
+    same size, the one behind). Workers without stacks are not among them: a finished one
+    is not the cause, and one without py-spy says nothing."""
+    return sorted(w.worker.id for _, members in groups(stacks, rank)[:-1] for w in members)
 
 
 def lines(stacks: Sequence[WorkerStacks], rank: Rank | None = None) -> list[str]:
     """The digest: one line a group, the odd ones first, then one a worker without stacks."""
     total = len(stacks)
     out = []
-    for frames, members in groups(stacks, rank):
+    grouped = groups(stacks, rank)
+    for i, (frames, members) in enumerate(grouped):
         names = worker_names(members)  # type: ignore[arg-type]
         out.append(f"{names} ({len(members)} of {total}): {shown(frames)}")
+        if i == len(grouped) - 1 and len(grouped) > 1:
+            continue  # where most are: their children would only repeat it
+        for member in members[:SHOWN_CHILDREN]:  # its other Python processes (a loader's)
+            for pid, thread in member.children()[:SHOWN_CHILDREN]:
+                out.append(f"  {member.worker.label} child {pid}: {shown(thread.frames)}")
     for worker in stacks:
         if worker.problem is not None:
             out.append(f"{worker.worker.label}: no stacks: {worker.problem}")
@@ -110,8 +117,11 @@ def save(run_dir: Path, stacks: Sequence[WorkerStacks], digest: Sequence[str]) -
     """The dump in the run's folder (``stacks-TIME.txt``, the digest first; and ``.json``);
     returns the text file's path."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    now = time.time()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f"-{int(now % 1 * 1000):03d}"
     path = run_dir / f"stacks-{stamp}.txt"
+    while path.exists():  # two takes in one millisecond (the CLI, the dashboard, the watchdog)
+        path = path.with_name(f"{path.stem}x.txt")
     path.write_text("\n".join(digest) + "\n\n" + full_text(stacks))
     data = [
         {

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tpupod.errors import UsageError
+from tpupod.errors import TpupodError, UsageError
+from tpupod.fanout.report import worker_list
 from tpupod.hang import digest, progress
 from tpupod.hang.stacks import WorkerStacks, take
 from tpupod.launch.records import RunRecord, get_run
@@ -28,6 +29,16 @@ def stacks_of_run(
             hint="'tpupod logs --list' lists the runs; a hung run's stacks are in its folder",
         )
     found, took = asyncio.run(_take(state, pod_name, record, selection, native))
+    if all(w.problem is not None for w in found):
+        first = found[0]
+        same = [w.worker.id for w in found if w.problem == first.problem]
+        more = (
+            f" ({len(found) - len(same)} more for other reasons)" if len(same) < len(found) else ""
+        )
+        raise TpupodError(
+            f"no stacks taken: {worker_list(same)}: {first.problem}{more}",
+            hint=first.hint or "check the workers and retry",
+        )
     steps = {w: v.get("step") for w, v in progress.read(record.folder).items()}
     lines = digest.lines(found, lambda w: float(steps.get(w) or 0))
     return found, lines, took, digest.save(record.folder, found, lines)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,18 +55,22 @@ class Progress:
         self._saved = 0.0
         self._pending = False
 
-    def seen(self, worker: int, text: str, now: float | None = None) -> bool:
-        """A line from ``worker``; True when it is a heartbeat marker (kept out of the
-        terminal, the logs and the summary)."""
+    def seen(self, worker: int, text: str, now: float | None = None) -> str | None:
+        """A line from ``worker``: what is left of it once a heartbeat marker is taken out
+        (None: nothing; the marker is kept out of the terminal, the logs and the summary).
+        A marker may end a line the program had begun without ending it (``print(x,
+        end="")``, a progress bar's ``\\r``): the text before it is the line."""
         now = time.monotonic() if now is None else now
         state = self.workers.get(worker)
-        if text.startswith(MARKER + " "):
+        found = _MARKER_AT_END.search(text)
+        if found is not None:
             if state is not None:
-                _beat(state, text, now)
-            return True
+                _beat(state, found, now)
+            text = text[: found.start()]
+            return text if text.strip() else None
         if state is not None and state.step is None:
             state.last = now  # no heartbeat: a line is progress
-        return False
+        return text
 
     @property
     def any_heartbeat(self) -> bool:
@@ -86,8 +91,11 @@ class Progress:
         ahead = max(steps)
         found = []
         for worker, state in self.workers.items():
-            behind = state.step is not None and state.step < ahead and not state.ended
-            if behind and not state.straggling and now - state.last >= after:
+            # behind: a step below another's, or none yet while another has passed step 0
+            behind = (state.step is None and ahead > 0) or (
+                state.step is not None and state.step < ahead
+            )
+            if behind and not state.ended and not state.straggling and now - state.last >= after:
                 state.straggling = True
                 found.append(worker)
         return found
@@ -99,12 +107,12 @@ class Progress:
         return float(state.step) if state.step is not None else state.last
 
     def describe(self, worker: int, now: float | None = None) -> str:
-        """``at step 41 (2.5 steps/s), 12 s ago``, or ``last line 3 s ago``."""
+        """``at step 41 (2.5 steps/s), 12 s ago``, or ``no step yet, last line 3 s ago``."""
         now = time.monotonic() if now is None else now
         state = self.workers[worker]
         ago = f"{now - state.last:.0f} s ago"
         if state.step is None:
-            return f"last line {ago}"
+            return f"no step yet, last line {ago}"
         rate = f" ({state.rate:.2f} steps/s)" if state.rate is not None else ""
         return f"at step {state.step}{rate}, last step {ago}"
 
@@ -142,13 +150,12 @@ class Progress:
             self.save(run_dir, force=True)
 
 
-def _beat(state: WorkerProgress, text: str, now: float) -> None:
-    words = text.split()
-    try:
-        step, at = int(words[1]), float(words[2])
-    except (ValueError, IndexError):
-        return  # not ours after all: a line that merely starts the same
-    state.ended = words[3:] == ["end"]
+_MARKER_AT_END = re.compile(re.escape(MARKER) + r" (-?\d+) ([0-9.]+)( end)?$")
+
+
+def _beat(state: WorkerProgress, found: re.Match[str], now: float) -> None:
+    step, at = int(found[1]), float(found[2])
+    state.ended = found[3] is not None
     if state.step is None or step != state.step:
         state.last = now
         state.straggling = False

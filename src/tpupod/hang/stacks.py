@@ -45,6 +45,7 @@ PTRACE_HINT = (
     "add CAP_SYS_PTRACE (podman run --cap-add SYS_PTRACE)"
 )
 GONE_HINT = "the run's program is not running there: 'tpupod logs' shows how it ended"
+NOT_PY = "py-spy reads Python programs; for others, log in and use gdb or eu-stack"
 
 # Runs on each worker: argv = launch id, worker id, native (0/1). Prints one marker line.
 _SCRIPT = r"""
@@ -59,7 +60,7 @@ def read(pid, what):
 def parent(pid):
     stat = read(pid, "stat").decode(errors="replace")
     return stat.rsplit(")", 1)[-1].split()[1] if ")" in stat else "0"
-found = {}
+found, others = {}, []
 for pid in os.listdir("/proc"):
     if not pid.isdigit() or int(pid) == os.getpid():
         continue
@@ -73,6 +74,9 @@ for pid in os.listdir("/proc"):
         exe = argv[0] if argv else ""
     if not os.path.basename(exe).startswith("python") and not (
         argv and os.path.basename(argv[0]).startswith("python")):
+        name = os.path.basename(exe) or "?"
+        if name not in ("bash", "sh", "cat"):  # not tpupod's own wrapper and guard
+            others.append("%s (pid %s)" % (name, pid))
         continue
     if any(a.startswith("tpupod.") for a in argv[1:3]):  # tpupod's own services
         continue
@@ -88,9 +92,9 @@ for pid, argv in found.items():  # beside the program's python, seen through its
 places += [os.path.join(os.path.dirname(sys.executable), "py-spy"),
            os.path.expanduser("~/.local/bin/py-spy")]
 spy = next((p for p in places if p and os.access(p, os.X_OK)), None)
-out = {"processes": [], "error": None}
+out = {"processes": [], "error": None, "others": others[:4]}
 if not found:
-    out["error"] = "gone"
+    out["error"] = "not-python" if others else "gone"  # (a wrapper alone: it is ending)
 elif spy is None:
     out["error"] = "no-py-spy"
 for pid, argv in sorted(found.items(), key=lambda kv: int(kv[0])):
@@ -148,14 +152,33 @@ class WorkerStacks:
     def main(self) -> Thread | None:
         """The program's main thread: the first process (the one not started by another of
         them: a data loader's children come after) whose main thread py-spy read."""
+        found = self._main()
+        return found[1] if found else None
+
+    def children(self) -> list[tuple[int, Thread]]:
+        """(pid, main thread) of the program's other Python processes (a data loader's
+        workers): where a parent waits on them, they are where it hangs."""
+        found = self._main()
+        out = []
+        for process in self.processes:
+            if found is None or process["pid"] != found[0]:
+                main = _main_thread(threads_of(process))
+                if main is not None:
+                    out.append((int(process["pid"]), main))
+        return out
+
+    def _main(self) -> tuple[int, Thread] | None:
         pids = {p["pid"] for p in self.processes}
         roots = [p for p in self.processes if p["parent"] not in pids] or self.processes
         for process in roots + self.processes:
-            threads = threads_of(process)
-            main = next((t for t in threads if t.name == "MainThread"), None)
-            if main is not None or threads:
-                return main or threads[0]
+            main = _main_thread(threads_of(process))
+            if main is not None:
+                return int(process["pid"]), main
         return None
+
+
+def _main_thread(threads: list[Thread]) -> Thread | None:
+    return next((t for t in threads if t.name == "MainThread"), threads[0] if threads else None)
 
 
 def threads_of(process: dict[str, Any]) -> list[Thread]:
@@ -226,6 +249,9 @@ def _parsed(worker: WorkerLike, data: dict[str, Any]) -> WorkerStacks:
     error = data.get("error")
     if error == "gone":
         return WorkerStacks(worker, problem="its program is not running", hint=GONE_HINT)
+    if error == "not-python":
+        running = ", ".join(data.get("others", []))
+        return WorkerStacks(worker, problem=f"its program is not Python ({running})", hint=NOT_PY)
     if error == "no-py-spy":
         return WorkerStacks(worker, processes, "py-spy is not installed there", PY_SPY_HINT)
     read = [p for p in processes if "threads" in p]

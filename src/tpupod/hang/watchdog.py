@@ -16,10 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpupod.base.durations import format_seconds
-from tpupod.errors import TpupodError
+from tpupod.errors import TpupodError, UsageError
 from tpupod.hang.progress import Progress
 
 CHECK_S = 1.0
+MIN_TIMEOUT_S = 2.0  # a heartbeat comes at most once a second: less would find steady runs hung
+
+
+def check_timeout(seconds: float, what: str) -> float:
+    """``seconds`` as a hang timeout, or a UsageError naming ``what`` when it is too short."""
+    if seconds < MIN_TIMEOUT_S:
+        raise UsageError(
+            f"{what}: {format_seconds(seconds)} is shorter than {format_seconds(MIN_TIMEOUT_S)}",
+            hint="a heartbeat comes at most once a second: give the run a few, e.g. 30s or 10m",
+        )
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,7 @@ class Stacks:
     digest: list[str]
     saved: Path | None
     odd: list[int]
+    said: str = ""  # the odd ones in words: "not where the others are: w3"
 
 
 class Watchdog:
@@ -75,7 +87,7 @@ class Watchdog:
                 self.notice(f"  {line}")
             if self.stacks.saved is not None:
                 self.notice(f"stacks saved in {self.stacks.saved}")
-            if self.stacks.odd:
-                odd = f"; not where the others are: {', '.join(f'w{w}' for w in self.stacks.odd)}"
+            if self.stacks.said:
+                odd = f"; {self.stacks.said}"
         self.why = f"hung: {said}{odd}"
         self.stop(self.why)

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from tpupod import settings
+from tpupod.base.durations import format_seconds
 from tpupod.base.files import remove_path, write_atomic
 from tpupod.errors import PreflightError, StateError, TpupodError
 from tpupod.fanout.context import Context, NoticeHandler, Sinks
 from tpupod.fanout.execute import Policy, Supervision, run_on
-from tpupod.fanout.report import DISK_FULL, DISK_FULL_HINT
+from tpupod.fanout.report import DISK_FULL, DISK_FULL_HINT, worker_list
 from tpupod.fanout.results import FanoutResult, OnFail
 from tpupod.fanout.worker import LineHandler
 from tpupod.hang.digest import hints as stack_hints
@@ -41,6 +42,7 @@ from tpupod.hang.digest import lines as digest_lines
 from tpupod.hang.digest import odd_workers
 from tpupod.hang.digest import save as save_stacks
 from tpupod.hang.progress import Progress
+from tpupod.hang.stacks import GONE_HINT
 from tpupod.hang.stacks import take as take_stacks
 from tpupod.hang.watchdog import Stacks, Watchdog
 from tpupod.image.containerize import (
@@ -238,7 +240,7 @@ async def run(
     told = interrupt.who
     interrupt.who = lambda: _read_text(launch.run_dir / STOP_FILE) or (told() if told else None)
     progress = Progress([w.id for w in sub_pod.workers])
-    watchdog = _watchdog(hang_timeout, progress, sub_pod, launch, run_connector, ctx.sinks)
+    watchdog = _watchdog(hang_timeout, progress, sub_pod, launch, run_connector, ctx.sinks, log_to)
     with log_to as log, using:
         watching = asyncio.create_task(watchdog.watch()) if watchdog is not None else None
         try:
@@ -264,7 +266,7 @@ async def run(
                     sub_pod, run_connector, sub_pod.workers, container.engine, launch_id
                 )
         _hang_ending(result, watchdog, log.record)
-        progress.save(launch.run_dir, force=progress.any_heartbeat)
+        progress.save(launch.run_dir, force=True)  # each worker's last progress, kept
         log.finish(result)
         if log.held:
             notice(log.held_note())
@@ -612,6 +614,7 @@ class _RunLog:
         self.supervision = supervision  # to keep collateral output off the terminal
         self.notice = notice
         self.held: dict[int, int] = {}  # collateral lines kept off it, per worker
+        self.hung = False  # the hang watchdog stopped the run: what follows is collateral
         self.cut: str | None = None  # why the logs stopped being written (a full disk)
         self.record: dict[str, Any] = {
             "launch_id": launch.launch_id,
@@ -658,17 +661,22 @@ class _RunLog:
         itself (its own report, or its exit, learned before the others can see it gone), so
         what this one prints now is the others' fall (gloo's "Connection closed" tracebacks
         as their peer vanishes, their stop), which would bury the real error."""
-        first = self.supervision.first_failed if self.supervision is not None else None
+        if self.supervision is None:
+            return False
+        if self.hung:  # the watchdog stopped them: what they print now is their fall
+            return True
+        first = self.supervision.first_failed
         return first is not None and first != worker
 
     def held_note(self) -> str:
         """What the terminal did not show, and where it is."""
         assert self.supervision is not None
         count = sum(self.held.values())
-        names = ", ".join(f"w{w}" for w in sorted(self.held))
+        names = worker_list(sorted(self.held))
+        when = "the run was found hung" if self.hung else f"w{self.supervision.first_failed} failed"
         return (
             f"{names} printed {count} more line{'s' if count != 1 else ''} after "
-            f"w{self.supervision.first_failed} failed, kept in the logs: "
+            f"{when}, kept in the logs: "
             f"'tpupod logs {self.launch.launch_id} -w {min(self.held)}'"
         )
 
@@ -681,10 +689,15 @@ class _RunLog:
         hide = {worker: Chatter() for worker in self.files}
 
         def handle(worker: Worker, line: OutputLine) -> None:
-            if progress is not None and progress.seen(worker.id, line.text):
-                with contextlib.suppress(OSError):
-                    progress.save(self.launch.run_dir)
-                return
+            # the stop's own lines (the worker's "stopping", what follows a hang) are no progress
+            if progress is not None and not self.hung and not line.text.startswith(LEAVING):
+                left = progress.seen(worker.id, line.text)
+                if left != line.text:  # a heartbeat's marker: kept out, the rest goes on
+                    with contextlib.suppress(OSError):
+                        progress.save(self.launch.run_dir)
+                    if left is None:
+                        return
+                    line = OutputLine(line.stream, left)
             if self.cut is None:
                 try:
                     file = self.files[worker.id]
@@ -748,7 +761,17 @@ async def _take_stacks(
     lines = digest_lines(found, progress.rank)
     saved = save_stacks(launch.run_dir, found, lines)
     hints = [f"hint: {h}" for h in stack_hints(found)]
-    return Stacks([*lines, *hints], saved, odd_workers(found, progress.rank))
+    odd = odd_workers(found, progress.rank)
+    ended = [w.worker.id for w in found if w.hint == GONE_HINT]
+    running = [w.worker.id for w in found if w.worker.id not in ended]
+    if odd:
+        said = f"not where the others are: {worker_list(odd)}"
+    elif ended and running:
+        said = f"still running while the others ended: {worker_list(running)}"
+        odd = running
+    else:
+        said = ""
+    return Stacks([*lines, *hints], saved, odd, said)
 
 
 def _watchdog(  # noqa: PLR0917 (each is the run's own)
@@ -758,16 +781,24 @@ def _watchdog(  # noqa: PLR0917 (each is the run's own)
     launch: Launch,
     connector: Connector,
     sinks: Sinks,
+    log: _RunLog,
 ) -> Watchdog | None:
-    """The run's hang watchdog (``--hang-timeout``), stopping it through its interrupt."""
+    """The run's hang watchdog (``--hang-timeout``), stopping it through its interrupt; what
+    the workers print from then on is their fall, kept in the logs only."""
     if timeout is None:
         return None
     interrupt = sinks.interrupt
+    sinks.on_notice(f"hang watchdog: no progress for {format_seconds(timeout)} stops the run")
+
+    def stop(why: str) -> None:
+        log.hung = True
+        interrupt.request(signal.SIGTERM, reason=why)
+
     return Watchdog(
         progress,
         timeout,
         take=lambda: _take_stacks(pod, launch, connector, progress),
-        stop=lambda why: interrupt.request(signal.SIGTERM, reason=why),
+        stop=stop,
         notice=sinks.on_notice,
     )
 

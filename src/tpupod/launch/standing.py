@@ -182,7 +182,9 @@ def worker_progress(record: RunRecord) -> tuple[WorkerStanding, ...]:
                 )
             )
             continue
-        written = _last_write(record.log_file(worker.id))
+        # the launcher's own time of the worker's last line (kept at the run's end: a log's
+        # mtime then is when the stop was written into it), else the log's last write
+        written = float(last) if last is not None else _last_write(record.log_file(worker.id))
         source, when = (LINE, written) if written is not None else (START, record.started)
         found.append(WorkerStanding(worker.id, worker.hostname, None, None, when, source))
     return tuple(found)

@@ -93,12 +93,17 @@ class _SpecBase(BaseModel):
     def _check_hang_timeout(cls, value: Any) -> float | None:
         if value is None:
             return None
-        from tpupod.base.durations import parse_duration  # a spec that sets it only
+        # a spec that sets it only
+        from tpupod.base.durations import parse_duration
+        from tpupod.hang.watchdog import check_timeout
 
         try:
-            return parse_duration(value, "hang_timeout")
+            return check_timeout(parse_duration(value, "hang_timeout"), "hang_timeout")
         except TpupodError as exc:
-            raise ValueError(str(exc).removeprefix("hang_timeout: ")) from None
+            said = str(exc).removeprefix("hang_timeout: ")  # without the value: shown after
+            raise ValueError(
+                said.split(" ", 1)[1] if said.startswith(("'", "True", "False")) else said
+            ) from None
 
     @field_validator("env")
     @classmethod

@@ -23,6 +23,7 @@ from tpupod.cli.args import (
     rest,
 )
 from tpupod.cli.flow.exec import ExecArgs
+from tpupod.errors import UsageError
 from tpupod.fanout.context import Context, Sinks
 from tpupod.fanout.results import OnFail
 from tpupod.pod.choices import RendezvousOn
@@ -136,7 +137,7 @@ class RunArgs(ExecArgs):
         metavar="S",
         help="A run where no worker progresses this long (20s, 10m; a heartbeat's step, or "
         "a line) is hung: its stacks are taken and printed, then it is stopped (exit 124). "
-        "Default: the pod spec's hang_timeout, else none.",
+        "Default: the pod spec's hang_timeout ('off' turns it off), else none.",
         show_default=False,
     )
     retry_hangs: int = opt(
@@ -156,15 +157,22 @@ class RunArgs(ExecArgs):
 def check_args(args: RunArgs, target: Pod) -> None:
     """Refuse bad options before any work (each attempt reads them again)."""
     _program(args, target, {})
-    hang_timeout(args, target)
+    if hang_timeout(args, target) is None and args.retry_hangs:
+        raise UsageError(
+            "--retry-hangs reruns a hung run, and nothing finds one hung here",
+            hint="add --hang-timeout S (or hang_timeout: in the pod spec), e.g. --hang-timeout 10m",
+        )
 
 
 def hang_timeout(args: RunArgs, target: Pod) -> float | None:
-    """--hang-timeout in seconds, else the pod spec's, else None (no watchdog)."""
+    """--hang-timeout in seconds ("off": none), else the pod spec's, else None."""
     from tpupod.base.durations import parse_duration
+    from tpupod.hang.watchdog import check_timeout
 
+    if args.hang_timeout is not None and args.hang_timeout.strip().lower() in ("off", "none"):
+        return None
     if args.hang_timeout is not None:
-        return parse_duration(args.hang_timeout, "--hang-timeout")
+        return check_timeout(parse_duration(args.hang_timeout, "--hang-timeout"), "--hang-timeout")
     return target.spec.hang_timeout
 
 

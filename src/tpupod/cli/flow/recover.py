@@ -108,7 +108,9 @@ def run_recovering(args: RunArgs) -> int:
 
         notice(
             f"run {record.run_id}: --retries {policy.retries}, --retry-errors "
-            f"{policy.retry_errors}; if this launcher dies: tpupod run --resume {record.run_id}"
+            f"{policy.retry_errors}"
+            + (f", --retry-hangs {policy.retry_hangs}" if policy.retry_hangs else "")
+            + f"; if this launcher dies: tpupod run --resume {record.run_id}"
         )
         recovery = Recovery(
             record,
