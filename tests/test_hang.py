@@ -169,6 +169,8 @@ def test_a_straggler_is_named_before_the_timeout(
     assert said is not None, result.err
     assert int(said[1]) < int(said[2])
     assert result.err.count("is straggling") == 1
+    # the summary's line of steps (each worker's last, as its heartbeat said at exit)
+    assert re.search(r"^steps: w0-w2 at 19; [0-9.]+ steps/s \(median\)$", result.err, re.M)
 
 
 @pytest.mark.timeout(60)

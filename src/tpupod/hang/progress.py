@@ -171,3 +171,21 @@ def read(run_dir: Path) -> dict[int, dict[str, float | int | None]]:
         return {int(w): dict(v) for w, v in data["workers"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+
+
+def summary_line(run_dir: Path) -> str | None:
+    """The run summary's line of steps, for a run with heartbeats: each step reached and
+    its workers, the ones behind first, and the median steps/s (None: no heartbeats)."""
+    found = {w: v for w, v in read(run_dir).items() if v.get("step") is not None}
+    if not found:
+        return None
+    from tpupod.fanout.report import worker_list  # the summary's naming: when printing only
+
+    by_step: dict[int, list[int]] = {}
+    for worker, values in found.items():
+        by_step.setdefault(int(values["step"] or 0), []).append(worker)
+    shown = [f"{worker_list(ws)} at {step}" for step, ws in sorted(by_step.items())]
+    more = f", {len(shown) - 4} more" if len(shown) > 4 else ""
+    rates = sorted(float(r) for v in found.values() if (r := v.get("steps_per_s")) is not None)
+    rate = f"; {rates[len(rates) // 2]:.2f} steps/s (median)" if rates else ""
+    return f"steps: {', '.join(shown[:4])}{more}{rate}"

@@ -195,11 +195,15 @@ def _program(
 def report_attempt(args: RunArgs, result: RunResult) -> int:
     """The summary of one attempt (-q: of tpupod's only why the run failed)."""
     from tpupod.fanout.report import print_summary, print_verdict
+    from tpupod.hang.progress import summary_line
 
     if args.quiet:
         print_verdict(result.fanout, sys.stderr)
     else:
         print_summary(result.fanout, sys.stderr, title=f"run {result.launch.launch_id}")
+        steps = summary_line(result.launch.run_dir)  # with tpupod.heartbeat: each one's step
+        if steps is not None:
+            print(steps, file=sys.stderr)
     return result.fanout.exit_code()
 
 
