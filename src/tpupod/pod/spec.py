@@ -93,9 +93,8 @@ class _SpecBase(BaseModel):
     def _check_hang_timeout(cls, value: Any) -> float | None:
         if value is None:
             return None
-        # a spec that sets it only
-        from tpupod.base.durations import parse_duration
-        from tpupod.hang.watchdog import check_timeout
+        from tpupod.base.durations import parse_duration  # a spec that sets it only
+        from tpupod.hang.watchdog import check_timeout  # a spec that sets it only
 
         try:
             return check_timeout(parse_duration(value, "hang_timeout"), "hang_timeout")
