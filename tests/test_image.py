@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import resource
 import shutil
@@ -326,11 +327,11 @@ def test_stacks_of_a_hung_program_in_containers(
     )  # fmt: skip
     try:
         logs = state_home / "pods" / pod.name / "runs"
-        deadline = time.monotonic() + 60
-        # w0 waits for its peer past step 4 (as the launcher's progress.json has it: what
-        # orders two groups of one worker each), w1 is stuck loading step 3
-        while not any('"step": 4' in p.read_text() for p in logs.glob("*/progress.json")):
-            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        deadline = time.monotonic() + 90
+        # w0 waits for its peer (it logged step 5), w1 is stuck loading step 3, and the
+        # launcher's progress.json has w0 ahead: what orders two groups of one worker each
+        while not (waiting(logs) and ahead(logs)):
+            assert run.poll() is None and time.monotonic() < deadline, "never blocked"
             time.sleep(0.2)
         taken = cli("stacks", "--pod", pod.name, timeout=60)
         assert taken.code == 0, taken.err
@@ -339,8 +340,27 @@ def test_stacks_of_a_hung_program_in_containers(
         assert lines[1].startswith("w0 (1 of 2): wait_for_peers hang_plain.py:"), taken.out
     finally:
         run.send_signal(signal.SIGINT)
-        run.communicate(timeout=60)
+        try:
+            run.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            run.communicate()
     assert wait_no_containers() == []
+
+
+def waiting(runs: Path) -> bool:
+    """w0 logged step 5 (then it waits for its peer) and w1 is loading step 3."""
+    w0, w1 = (list(runs.glob(f"*/w{i}.log")) for i in (0, 1))
+    return bool(w0 and w1) and "step 5" in w0[0].read_text() and "loading" in w1[0].read_text()
+
+
+def ahead(runs: Path) -> bool:
+    """The launcher's progress.json has w0's step past w1's."""
+    for path in runs.glob("*/progress.json"):
+        steps = {w: v.get("step") for w, v in json.loads(path.read_text())["workers"].items()}
+        if steps.get("0") is not None and (steps.get("1") or 0) < steps["0"]:
+            return True
+    return False
 
 
 @pytest.mark.timeout(60)
