@@ -168,16 +168,10 @@ RECOVERIES = {  # label: the pod's shape
 }
 
 
-def steps_done(ckpt: Path) -> list[tuple[int, float]]:
-    """Worker 0's steps, in order: (step, when it ended)."""
-    log = ckpt / "steps-w0.log"
-    rows = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
-    return [(int(step), float(at)) for step, at in rows]
-
-
 def one_recovery(sim: SimPod, n: int, shape: tuple[str, ...]) -> dict[str, float]:
     """One preempted run on a pod of ``shape``: its recovery's phases and costs."""
     sys.path.insert(0, str(REPO))
+    from preemption import steps_done  # the preemption benchmark's reader: this section only
     from tests.fakes.tpu_api import on_sim_hosts  # the stand-in: this section only
 
     api = on_sim_hosts(sim, NOTICE_S, steps=1)

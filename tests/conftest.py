@@ -566,3 +566,15 @@ def shared_dir() -> Iterator[Path]:
     path.mkdir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def end_run(run: subprocess.Popen[str], wait_s: float = 30) -> tuple[str, str]:
+    """Stop a `tpupod run` as Ctrl-C does (its workers with it) and wait for its launcher;
+    killed when it does not end within ``wait_s``. Its output, as far as read."""
+    if run.poll() is None:
+        run.send_signal(signal.SIGINT)
+    try:
+        return run.communicate(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        return run.communicate()

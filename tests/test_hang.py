@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv, wait_until
+from tests.conftest import CliResult, end_run, tpupod_argv, wait_until
 from tests.test_launch import needs_jax
 from tpupod.pod.record import Pod
 
@@ -50,12 +50,6 @@ def logs_say(state_home: Path, pod: str, text: str, count: int) -> Callable[[], 
         return sum(text in log.read_text() for log in latest.glob("w*.log")) >= count
 
     return check
-
-
-def stop(run: subprocess.Popen[str]) -> tuple[str, str]:
-    if run.poll() is None:
-        run.send_signal(2)
-    return run.communicate(timeout=30)
 
 
 @needs_py_spy
@@ -93,7 +87,7 @@ def test_stacks_name_the_worker_that_is_not_where_the_others_are(
         alone = cli("stacks", "--pod", pod.name, "-w", "3", timeout=60)
         assert alone.out.startswith("w3 (1 of 1): next_batch"), alone.out
     finally:
-        stop(run)
+        end_run(run)
 
 
 @needs_py_spy
@@ -196,7 +190,7 @@ def test_a_worker_without_py_spy_is_named_with_a_hint(
         assert "hint: install py-spy where the program runs" in taken.err
         assert "Traceback" not in taken.err and taken.out == ""
     finally:
-        stop(run)
+        end_run(run)
 
 
 def test_a_refused_ptrace_is_named_with_its_hint() -> None:
@@ -327,7 +321,7 @@ def test_stacks_of_a_program_that_is_not_python(
         ), taken.err
         assert "hint: py-spy reads Python programs" in taken.err
     finally:
-        stop(run)
+        end_run(run)
 
 
 @needs_py_spy
@@ -349,7 +343,7 @@ def test_a_data_loader_child_is_shown_under_its_worker(
         saved = {re.search(r"saved in (\S+)", r.err)[1] for r in (first, second)}  # type: ignore[index]
         assert len(saved) == 2
     finally:
-        stop(run)
+        end_run(run)
 
 
 def test_hang_options_that_cannot_work_are_refused(

@@ -5,7 +5,6 @@ CLI as a user runs it, a real dashboard process over HTTP."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv
+from tests.conftest import CliResult, end_run, tpupod_argv
 from tests.dashboard_server import (  # noqa: F401 (fixtures)
     TOKEN,
     Browser,
@@ -80,23 +79,12 @@ def start_run(
     )
 
 
-def end(run: subprocess.Popen[str]) -> None:
-    """Stop a run as Ctrl-C does (its workers with it) and wait for its launcher."""
-    if run.poll() is None:
-        run.send_signal(signal.SIGINT)
-    try:
-        run.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        run.kill()
-        run.communicate()
-
-
 @pytest.fixture(name="running")
 def running_fixture() -> Iterator[Callable[[subprocess.Popen[str]], subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield lambda run: started.append(run) or run  # type: ignore[func-returns-value]
     for run in started:
-        end(run)
+        end_run(run)
 
 
 def poll(check: Callable[[], T | None], what: str, timeout: float = 60) -> T:
@@ -203,7 +191,7 @@ def test_a_hung_run_shows_why_and_its_digest_in_status_and_on_its_page(
     try:
         run.communicate(timeout=60)
     finally:
-        end(run)
+        end_run(run)
     assert run.returncode == 124
 
     shown = status_json(cli_in_process, pod)["runs"]

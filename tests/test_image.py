@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
+from tests.conftest import CliResult, end_run, require, sim_leftovers, tpupod_argv
 from tpupod.errors import UsageError
 from tpupod.fanout.report import print_summary
 from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
@@ -339,12 +339,7 @@ def test_stacks_of_a_hung_program_in_containers(
         assert lines[0].startswith("w1 (1 of 2): next_batch hang_plain.py:"), taken.out
         assert lines[1].startswith("w0 (1 of 2): wait_for_peers hang_plain.py:"), taken.out
     finally:
-        run.send_signal(signal.SIGINT)
-        try:
-            run.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            run.kill()
-            run.communicate()
+        end_run(run)
     assert wait_no_containers() == []
 
 
