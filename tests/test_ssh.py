@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -185,3 +186,16 @@ def test_connections_are_reused_across_calls(make_ssh_pod: Callable[..., Pod]) -
 
     cold, warm = asyncio.run(go())
     assert warm < cold
+
+
+@pytest.mark.unit
+def test_the_ssh_transport_imports_without_a_warning() -> None:
+    """cryptography 51 deprecated DSA and warns when asyncssh (2.24) builds its DSA keys at
+    import: every command on an SSH pod printed two lines a user can do nothing about."""
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import tpupod.transport.ssh"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr) == (0, "")

@@ -78,7 +78,7 @@ def asyncssh_imports() -> list[str]:
 
 def test_only_transport_imports_asyncssh() -> None:
     found = asyncssh_imports()
-    assert any(line.startswith("tpupod/transport/ssh.py:") for line in found)  # the scan works
+    assert any(line.startswith("tpupod/transport/sshlib.py:") for line in found)  # the scan works
     outside = [line for line in found if not line.startswith("tpupod/transport/")]
     assert outside == [], "asyncssh is imported outside transport/"
 

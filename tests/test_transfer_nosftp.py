@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import asyncssh
 import pytest
 
 from tests.conftest import CliResult, require
@@ -29,6 +28,7 @@ from tpupod.pod.state import StateDir
 from tpupod.providers import connect
 from tpupod.sim import SimPod, missing_prerequisites
 from tpupod.transport import tarstream
+from tpupod.transport.sshlib import asyncssh
 
 pytestmark = pytest.mark.ssh
 

@@ -1,6 +1,8 @@
 """Commands over SSH (asyncssh): one persistent connection per host, many channels on it.
 
-With tarstream.py (files as a tar stream), the only module that imports asyncssh.
+With tarstream.py (files as a tar stream), the only module that uses asyncssh (imported
+by sshlib.py, without cryptography's DSA warning).
+
 Every remote command is wrapped so that
 
 * it runs in a process group of its own (sshd's session, else ``setsid``),
@@ -30,10 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-import asyncssh
-from asyncssh.encryption import get_default_encryption_algs
-from asyncssh.kex import get_default_kex_algs
-
 from tpupod.base.files import put_target, remove_path, replace, staging_name
 from tpupod.errors import WorkerError
 from tpupod.pod.choices import HostKeyPolicy
@@ -49,6 +47,7 @@ from tpupod.transport.base import (
     for_login_shell,
 )
 from tpupod.transport.lines import LineSplitter
+from tpupod.transport.sshlib import asyncssh
 
 PGID_MARKER = b"\x1etpupod-pgid "
 PGID_TEXT = PGID_MARKER.decode()
@@ -696,7 +695,11 @@ def kill_script(pgid: int, grace: float) -> str:
 
 def _preferring(preferred: tuple[str, ...], kind: str) -> list[str]:
     """``preferred`` first, then the rest of asyncssh's defaults for ``kind`` (kex, encryption)."""
-    defaults = get_default_kex_algs() if kind == "kex" else get_default_encryption_algs()
+    defaults = (
+        asyncssh.kex.get_default_kex_algs()
+        if kind == "kex"
+        else asyncssh.encryption.get_default_encryption_algs()
+    )
     rest = [alg.decode() for alg in defaults if alg.decode() not in preferred]
     return [*preferred, *rest]
 

@@ -29,10 +29,9 @@ import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import asyncssh
-
 from tpupod.base.files import staging_name
 from tpupod.transport.base import BEGIN_MARK
+from tpupod.transport.sshlib import asyncssh
 
 if TYPE_CHECKING:
     from collections.abc import Callable
