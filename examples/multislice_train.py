@@ -95,10 +95,13 @@ if args.ckpt:
     print(f"worker {identity.id}: {attempt}from step {start}", flush=True)
 for i in range(start, args.steps):
     loss, state = step(state, x, y)
+    # Every worker waits for its step. On CPU (gloo) two steps in flight at once could
+    # run their collectives in a different order on two processes: 2 workers of 2
+    # devices hung at step 1 for good, each waiting in a different step's collective.
+    jax.block_until_ready(state)
     if identity.is_coordinator:
         print(f"step {i} loss {float(loss.addressable_data(0)):.9f}", flush=True)
     if args.step_seconds:
-        jax.block_until_ready(state)
         time.sleep(args.step_seconds)
     if manager is not None and manager.should_save(i):  # the interval, and a preemption
         manager.save(i, args=ocp.args.StandardSave(state))

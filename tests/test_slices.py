@@ -104,6 +104,21 @@ def test_training_across_slices_matches_one_process_with_every_device(
     assert all(abs(loss - reference[0]) <= 1e-6 for loss in losses), (losses, reference)
 
 
+def test_many_steps_without_sleeps_do_not_hang_on_cpu(
+    cli: Callable[..., CliResult], make_pod: Callable[..., Pod]
+) -> None:
+    """The chaos harness's anchor run (issue 41): 2 workers of 2 devices, no
+    --step-seconds. Steps left in flight hung every such run of 100 steps or more for good
+    (gloo: each process waiting in a different step's collective)."""
+    needs_jax()
+    pod = make_pod(2, devices=2)
+    result = cli(
+        "run", "--pod", pod.name, "-q", "--", PYTHON, str(TRAIN), "--steps", "150", timeout=60
+    )
+    assert result.code == 0, result.err[-2000:]
+    assert len(final_losses(result)) == 2
+
+
 def test_a_failure_in_slice_1_ends_the_run_naming_slice_and_worker(
     cli: Callable[..., CliResult],
 ) -> None:
