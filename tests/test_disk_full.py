@@ -114,3 +114,37 @@ def test_a_job_submitted_to_a_full_disk_names_the_file_and_the_store_stays_whole
     filler.unlink()
     listed = cli("jobs", "ls")
     assert listed.code == 0 and len(listed.out.splitlines()) == 2, listed.out  # header, first
+
+
+def test_a_run_with_retries_waits_for_space_to_go_on(
+    small_home: Path, make_pod: Callable[..., Pod]
+) -> None:
+    """The chaos harness (issue 41): a worker killed while the state directory's disk was
+    full ended `run --retries` at once ('error: No space left on device: .../progress.json',
+    exit 1) where it should wait for space and go on with the next attempt."""
+    pod = make_pod(2)
+    filler = small_home / "filler"
+    program = (
+        f'if [ "$TPUPOD_ATTEMPT" = 1 ] && [ "$TPUPOD_WORKER_ID" = 1 ]; then '
+        f"{' '.join(DD)} of={filler} 2>/dev/null; kill -9 $$; fi; "
+        'echo "attempt $TPUPOD_ATTEMPT done"'
+    )
+    proc = subprocess.Popen(
+        tpupod_argv("run", "--pod", pod.name, "--retries", "2", "--", program),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        if "waiting for space" in line:
+            filler.unlink()
+            break
+    out, err = proc.communicate(timeout=60)
+    err = "".join(said) + err
+    assert proc.returncode == 0, err
+    assert "internal error" not in err and "Traceback" not in err
+    assert f"{small_home}" in "".join(said[-1:]), said[-1:]  # the wait names the disk
+    assert "[w0] attempt 2 done" in out and "[w1] attempt 2 done" in out, out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Iterable
@@ -88,3 +89,25 @@ def replace(staged: Path, dest: Path) -> None:
 def put_target(local: Path, remote: str) -> str:
     """``REMOTE`` as a path: a trailing slash means "inside that folder", as with cp."""
     return remote + local.name if remote.endswith("/") else remote
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+ROOM_PROBE_BYTES = 256 * 1024  # a run's records and its next launch's first lines
+
+
+def no_room(folder: Path) -> OSError | None:
+    """Why ``folder``'s disk cannot take a few hundred KB now (full, or over quota), or
+    None: a probe file is written, synced and removed."""
+    probe = Path(staging_name(folder / "room-probe"))
+    try:
+        with probe.open("wb") as f:
+            f.write(bytes(ROOM_PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.errno in FULL_DISK:
+            return exc
+        raise
+    finally:
+        probe.unlink(missing_ok=True)
+    return None

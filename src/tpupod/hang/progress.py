@@ -142,12 +142,12 @@ class Progress:
                 for w, s in self.workers.items()
             },
         }
-        write_atomic(run_dir / PROGRESS_FILE, json.dumps(data))
+        with contextlib.suppress(OSError):  # a full disk: the run goes on without it
+            write_atomic(run_dir / PROGRESS_FILE, json.dumps(data))
 
     def _later(self, run_dir: Path) -> None:
         self._pending = False
-        with contextlib.suppress(OSError):  # a full disk: the run goes on without it
-            self.save(run_dir, force=True)
+        self.save(run_dir, force=True)
 
 
 _MARKER_AT_END = re.compile(re.escape(MARKER) + r" (-?\d+) ([0-9.]+)( end)?$")

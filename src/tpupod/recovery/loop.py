@@ -13,6 +13,7 @@ pod that cannot be recreated is only rerun. The state is kept in the run directo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpupod import settings
+from tpupod.base.files import no_room
 from tpupod.errors import GcpError, TpupodError, UsageError
 from tpupod.fanout.context import Interrupt, NoticeHandler
 from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
@@ -48,6 +50,7 @@ Launcher = Callable[
 # ...) are the program's own errors.
 LOST_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP})
 UNREACHABLE_EXIT = 255  # as ssh, and every tpupod command, for a worker that cannot be reached
+ROOM_POLL_S = 1.0  # how often a recovery waiting for a full disk looks again
 
 
 @dataclass
@@ -123,11 +126,37 @@ class Recovery:
             self.record.counters = vars(self.counters).copy()
             if not again:
                 return await self._finish(ending)
+            if not await self._room_for(attempt.attempt + 1):
+                stopped = f"{self._stopped_by()} while waiting for space"
+                return await self._finish(Ending(Cause.INTERRUPTED, 130, stopped))
             self.record.state = "recovering"
             self.record.save()
             recreate_next = ending.cause is Cause.PREEMPTED and self.cloud
             if not recreate_next:
                 await self._free_accelerator()
+
+    async def _room_for(self, attempt: int) -> bool:
+        """Wait while the state directory's disk is full (the run's records and the next
+        launch's logs live there): a disk that filled for a while ended the whole run when
+        it should only delay the next attempt. False: interrupted while waiting."""
+        folder = self.record.path.parent
+        full = no_room(folder)
+        if full is None:
+            return True
+        self.notice(
+            f"run {self.record.run_id}: the disk of {folder} is full ({full.strerror}): "
+            f"waiting for space to start attempt {attempt} (Ctrl-C stops the run)"
+        )
+        started = time.monotonic()
+        while (full := no_room(folder)) is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.interrupt.requested.wait(), ROOM_POLL_S)
+            if self.interrupt.requested.is_set():
+                return False
+        self.notice(
+            f"run {self.record.run_id}: space again after {time.monotonic() - started:.0f} s"
+        )
+        return True
 
     async def _attempt(self, recreate_first: bool, *, resumed: bool) -> Ending:
         phases = self.record.current.phases
