@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,3 +224,47 @@ def test_run_help_says_what_counts_as_lost_and_what_reruns_a_programs_own_end(
     assert "A host still silent after the probe budget ends the run (exit 255)" in shown
     assert "143 for a program that saves on SIGTERM and exits 143 itself" in shown
     assert "a run that failed, with the flag that reruns its end" in shown
+
+
+# Attempt 1: worker 0 holds the coordinator port (as JAX's coordinator in it does) and every
+# worker waits; attempt 2 ends at once.
+PORT_HOLDER = """
+import os, socket, time
+if os.environ["TPUPOD_ATTEMPT"] == "1":
+    if os.environ["TPUPOD_WORKER_ID"] == "0":
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("0.0.0.0", 8476))
+        held.listen()
+        print("holding 8476", flush=True)
+    time.sleep(600)
+print("attempt", os.environ["TPUPOD_ATTEMPT"], "done", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_what_an_attempt_left_on_a_host_that_came_back_is_stopped_before_the_next(
+    make_ssh_pod: Callable[..., Pod], sim_hosts_up: SimPod, state_home: Path
+) -> None:
+    """The chaos harness (issue 41): w0's network down for 30 s; the attempt ended 'lost
+    worker (w0 stopped answering, then came back)', but its program on w0 still ran, held
+    JAX's coordinator port, and the next attempt's preflight ended the run as a program
+    error ('port 8476 (JAX's coordinator) is in use on w0')."""
+    pod = make_ssh_pod(2)
+    w0 = next(h.index for h in sim_hosts_up.hosts if h.address == pod.workers[0].internal_address)
+    run = popen("run", "--pod", pod.name, "--retries", "2", "--", PYTHON, "-c", PORT_HOLDER)
+    assert run.stdout is not None
+    try:
+        for line in run.stdout:
+            if "holding 8476" in line:
+                break
+        sim_hosts_up.unplug(w0)
+        time.sleep(20)
+        sim_hosts_up.plug(w0)
+        out, err = run.communicate(timeout=180)
+    finally:
+        sim_hosts_up.plug(w0)
+        run.kill()
+    assert run.returncode == 0, err
+    assert "[w0] attempt 2 done" in out and "[w1] attempt 2 done" in out, out
+    assert re.search(r"stopped \d+ process\(es\) attempt 1 left on w0\n", err), err

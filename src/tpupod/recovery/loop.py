@@ -33,6 +33,7 @@ from tpupod.pod.spec import GcpPodSpec
 from tpupod.pod.state import StateDir
 from tpupod.providers import GONE, provider_for
 from tpupod.recovery import confirm
+from tpupod.recovery.leftovers import stop_leftovers
 from tpupod.recovery.policy import Cause, Counters, RetryPolicy, counted
 from tpupod.recovery.record import RecoveryRecord
 from tpupod.recovery.replace import lost_slices, recreate, rerun_setup, timed
@@ -105,6 +106,7 @@ class Recovery:
             (resumed and unfinished) or await self._needs_new_tpu(resumed)
         )
         while True:
+            await self._stop_leftovers()
             attempt = self.record.begin_attempt()
             ending = await self._attempt(recreate_next, resumed=attempt.attempt > 1)
             attempt.cause, attempt.exit_code, attempt.detail = (
@@ -134,6 +136,17 @@ class Recovery:
             recreate_next = ending.cause is Cause.PREEMPTED and self.cloud
             if not recreate_next:
                 await self._free_accelerator()
+
+    async def _stop_leftovers(self) -> None:
+        """Before each attempt after the first (and a resumed run's): what the earlier
+        attempts left running on the workers is killed (see recovery/leftovers.py)."""
+        attempts = {a.launch_id: a.attempt for a in self.record.attempts if a.launch_id}
+        found = await stop_leftovers(self.pod, list(attempts))
+        for label, launches in found.items():
+            for launch_id, count in launches.items():
+                self.notice(
+                    f"stopped {count} process(es) attempt {attempts[launch_id]} left on {label}"
+                )
 
     async def _room_for(self, attempt: int) -> bool:
         """Wait while the state directory's disk is full (the run's records and the next
