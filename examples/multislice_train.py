@@ -37,7 +37,9 @@ parser.add_argument("--batch", type=int, default=64, help="the global batch")
 parser.add_argument("--dim", type=int, default=16)
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--lr", type=float, default=0.1)
-parser.add_argument("--ckpt", help="checkpoint folder (a path, or gs://...): resumable")
+parser.add_argument(
+    "--ckpt", help="checkpoint folder every worker sees (gs://..., a shared path): resumable"
+)
 parser.add_argument("--save-every", type=int, default=10)
 parser.add_argument("--step-seconds", type=float, default=0.0, help="slow it down (demos)")
 parser.add_argument("--out", help="worker 0 writes the final parameters here (.npz)")

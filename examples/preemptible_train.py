@@ -32,7 +32,9 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--ckpt", required=True, help="checkpoint folder (a path, or gs://...)")
+parser.add_argument(
+    "--ckpt", required=True, help="checkpoint folder every worker sees (gs://..., a shared path)"
+)
 parser.add_argument("--steps", type=int, default=100)
 parser.add_argument("--save-every", type=int, default=10)
 parser.add_argument("--step-seconds", type=float, default=0.0, help="slow it down (demos)")
