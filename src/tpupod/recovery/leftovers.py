@@ -23,25 +23,35 @@ from tpupod.pod.record import Pod
 TIMEOUT_S = 20.0  # a worker that does not answer is the next launch's to report
 
 # One line per launch with processes found: "LAUNCH_ID COUNT". Each match is killed
-# at once (SIGKILL): a program of an attempt that already ended has nothing to save.
+# at once (SIGKILL): a program of an attempt that already ended has nothing to save. The
+# script ends once none is left but zombies (a big process takes a moment to exit and
+# free its ports), or after WAIT_S.
+WAIT_S = 5
 SCRIPT = """
-for id in {ids}; do
-  n=0
+for d in /proc/[0-9]*; do
+  p=${{d#/proc/}}
+  [ "$p" = "$$" ] && continue
+  id=$({{ tr '\\0' '\\n' < "$d/environ"; }} 2>/dev/null | grep -m1 -xF {patterns})
+  [ -n "$id" ] && kill -KILL "$p" 2>/dev/null && echo "${{id#*=}}"
+done | sort | uniq -c | awk '{{print $2, $1}}'
+i=0
+while [ $i -lt {polls} ]; do
+  alive=""
   for d in /proc/[0-9]*; do
-    p=${{d#/proc/}}
-    [ "$p" = "$$" ] && continue
-    if tr '\\0' '\\n' < "$d/environ" 2>/dev/null | grep -qxF "TPUPOD_LAUNCH_ID=$id"; then
-      kill -KILL "$p" 2>/dev/null && n=$((n + 1))
-    fi
+    id=$({{ tr '\\0' '\\n' < "$d/environ"; }} 2>/dev/null | grep -m1 -xF {patterns})
+    [ -z "$id" ] && continue
+    state=$(sed 's/.*) //' "$d/stat" 2>/dev/null | cut -c1) && [ "$state" != Z ] && alive=1
   done
-  [ "$n" -gt 0 ] && echo "$id $n"
+  [ -z "$alive" ] && break
+  sleep 0.1; i=$((i + 1))
 done
 exit 0
 """
 
 
 def leftovers_script(launch_ids: Sequence[str]) -> str:
-    return SCRIPT.format(ids=" ".join(shlex.quote(i) for i in launch_ids))
+    patterns = " ".join(f"-e {shlex.quote('TPUPOD_LAUNCH_ID=' + i)}" for i in launch_ids)
+    return SCRIPT.format(patterns=patterns, polls=WAIT_S * 10)
 
 
 async def stop_leftovers(pod: Pod, launch_ids: Sequence[str]) -> dict[str, dict[str, int]]:
