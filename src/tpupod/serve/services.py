@@ -1,7 +1,8 @@
 """A worker's serving services (the agent, the router) as files in its state folder: each
 records ``NAME.json`` (pid, host, port) once it listens and keeps its bearer token in
 ``NAME.token`` (mode 0600); the process ctl started for it is in ``NAME.spawned`` from
-its first moment; the router counts its restarts in ``router.restarts``. Log
+its first moment; the router counts its restarts in ``router.restarts`` and its requests
+in ``router.counts``. Log
 lines start with their UTC time (``stamp``). What the services write and ``ctl`` reads,
 shared by every process of the fleet on a worker, so none reaches into another's module."""
 
@@ -92,6 +93,12 @@ def unstamped(line: str) -> str:
     """A log line without the time it starts with."""
     head, sep, rest = line.partition("Z ")
     return rest if sep and len(head) == 23 and head[10:11] == "T" else line
+
+
+def counts_path(state: Path) -> Path:
+    """The router's request counts per backend (``router/counts.py``): kept across its
+    restarts, begun anew with a new fleet's router."""
+    return state / "router.counts"
 
 
 def restarts(state: Path, service: str) -> int:
