@@ -183,12 +183,17 @@ def test_status_records_say_each_servers_state_and_why_a_worker_did_not_answer()
     )  # fmt: skip
     silent = "w1 (h1): unreachable: cannot connect: no answer in 5s"
     agents: list[Any] = [
-        {"servers": [{"name": "a", "ports": [1], "state": "ready", "pid": 5, "restarts": 2}]},
+        {"servers": [{"name": "a", "ports": [1], "state": "ready", "pid": 5, "restarts": 2,
+                      "child_restarts": {"front end": 0, "engine": 1}}]},
         silent,
-    ]
+    ]  # fmt: skip
     router = {"backends": ["h0:1"], "health": {"h0:1": {"requests": 3, "tokens_per_s": 1.5}}}
     found = fleet_status(record, agents, router)
-    assert found.servers[0] == ServerStatus(0, "h0:1", "command", "ready", 5, 2, 3, 1.5)
+    # every restart of any of its processes, and which (the agent's of the whole server)
+    restarted = (("server", 2), ("engine", 1))
+    assert found.servers[0] == ServerStatus(
+        0, "h0:1", "command", "ready", 5, 3, 3, 1.5, restarted=restarted
+    )
     assert found.servers[1] == ServerStatus(1, "h1:1", "command", silent, None, None, None, None)
     assert (found.healthy, found.router_error, found.replicated) == (1, None, False)
     assert fleet_status(record, agents, "w0: no router").router_error == "w0: no router"
@@ -1739,3 +1744,63 @@ def test_a_router_killed_with_9_under_load_fails_only_the_requests_in_flight_in_
     assert "started again at once (restart 1)" in log, log
     status = run_cli(fleet.home, "serve", "status", "--pod", fleet.pod).stdout
     assert "2/2 backends healthy; 1 restart)" in status, status
+
+
+def builtin_child(pod: str, worker: int, role: str) -> psutil.Process:
+    """The engine or the front end (``role``) of the builtin server on ``worker``."""
+    found = [
+        p
+        for p in pod_processes(pod)
+        if "tpupod.serve.builtin" in p.cmdline() and f"--role {role}" in " ".join(p.cmdline())
+        and Path(p.cwd()).name == f"w{worker}"
+    ]  # fmt: skip
+    assert len(found) == 1, [p.cmdline() for p in found]
+    return found[0]
+
+
+def status_row(fleet: Fleet, worker: int) -> str:
+    out = run_cli(fleet.home, "serve", "status", "--pod", fleet.pod).stdout
+    return next(line for line in out.splitlines() if line.startswith(f"w{worker} "))
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_engine_and_front_end_kills_are_counted_in_serve_status_and_named_in_the_log(
+    builtin_fleet: Fleet,
+) -> None:
+    """The builtin server restarts its own engine and front end: serve status showed
+    RESTARTS 0 after any number of them. Each is counted now, with the process that
+    restarted (``1 (front end 1)``), and the server's log names it within a second or
+    two; the row's request count is not reset by them. The agent's restart of a whole
+    server is named the same way (``server``)."""
+    fleet = builtin_fleet
+    assert re.search(r"\bready +\d+ +0 ", status_row(fleet, 0))
+    before = backends(fleet)["health"]
+    wall = time.time()
+    builtin_child(fleet.pod, 0, "frontend").kill()
+    wait_for(lambda: " 1 (front end 1) " in status_row(fleet, 0), 20, "front end restart")
+    lines = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "0").stdout
+    said = logged_after(lines.splitlines(), wall, "the front end process was killed (SIGKILL)")
+    assert said is not None and said < 2.0, lines
+    restarting = r"killed \(SIGKILL\) after [\d.]+s; starting it again in [\d.]+s \(restart 1\)$"
+    assert re.search(restarting, lines, re.M), lines
+    wall = time.time()
+    builtin_child(fleet.pod, 0, "engine").kill()
+    wait_for(lambda: " 2 (engine 1, front end 1) " in status_row(fleet, 0), 20, "engine restart")
+    lines = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "0").stdout
+    said = logged_after(lines.splitlines(), wall, "the engine process was killed (SIGKILL)")
+    assert said is not None and said < 2.0, lines
+    after = backends(fleet)["health"]
+    assert all(after[a]["requests"] >= before[a]["requests"] for a in before)
+    # the whole server (its keeper, and so its children) killed: its agent starts it again
+    (keeper,) = [
+        p for p in pod_processes(fleet.pod)
+        if p.cmdline()[2:5:2] == ["tpupod.extras", "tpupod.serve.builtin"]
+        and Path(p.cwd()).name == "w1"
+    ]  # fmt: skip
+    wall = time.time()
+    keeper.kill()
+    wait_for(lambda: " 1 (server 1) " in status_row(fleet, 1), 20, "the server's restart")
+    lines = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "1").stdout
+    said = logged_after(lines.splitlines(), wall, "[tpupod agent] the server exited (killed by")
+    assert said is not None and said < 2.0, lines

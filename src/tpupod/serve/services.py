@@ -112,3 +112,29 @@ def restarts(state: Path, service: str) -> int:
 def count_restarts(state: Path, service: str, count: int) -> None:
     """Set the count (0: a fleet's first start; one more at each start after it died)."""
     write_atomic(state / f"{service}.restarts", f"{count}\n")
+
+
+# Where a server's own keeper (the builtin server's: it restarts its engine and front end
+# itself) counts those restarts, by process: the agent names the file in this variable and
+# shows the counts beside its own restarts of the server (``serve status``); the keeper
+# reads it with ``settings.child_restarts_file``.
+CHILD_RESTARTS_ENV = "TPUPOD_SERVE_CHILD_RESTARTS"
+
+
+def child_restarts(path: Path) -> dict[str, int]:
+    """The restarts on file, by process (``{"engine": 2, "front end": 1}``)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): v for k, v in found.items() if isinstance(v, int)}
+
+
+def count_child_restart(path: Path, process: str) -> int:
+    """One more restart of ``process`` on file; its count now."""
+    found = child_restarts(path)
+    found[process] = found.get(process, 0) + 1
+    write_atomic(path, json.dumps(found) + "\n", mode=0o644, sync=False)
+    return found[process]
