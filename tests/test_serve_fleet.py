@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -182,12 +183,17 @@ def test_status_records_say_each_servers_state_and_why_a_worker_did_not_answer()
     )  # fmt: skip
     silent = "w1 (h1): unreachable: cannot connect: no answer in 5s"
     agents: list[Any] = [
-        {"servers": [{"name": "a", "ports": [1], "state": "ready", "pid": 5, "restarts": 2}]},
+        {"servers": [{"name": "a", "ports": [1], "state": "ready", "pid": 5, "restarts": 2,
+                      "child_restarts": {"front end": 0, "engine": 1}}]},
         silent,
-    ]
+    ]  # fmt: skip
     router = {"backends": ["h0:1"], "health": {"h0:1": {"requests": 3, "tokens_per_s": 1.5}}}
     found = fleet_status(record, agents, router)
-    assert found.servers[0] == ServerStatus(0, "h0:1", "command", "ready", 5, 2, 3, 1.5)
+    # every restart of any of its processes, and which (the agent's of the whole server)
+    restarted = (("server", 2), ("engine", 1))
+    assert found.servers[0] == ServerStatus(
+        0, "h0:1", "command", "ready", 5, 3, 3, 1.5, restarted=restarted
+    )
     assert found.servers[1] == ServerStatus(1, "h1:1", "command", silent, None, None, None, None)
     assert (found.healthy, found.router_error, found.replicated) == (1, None, False)
     assert fleet_status(record, agents, "w0: no router").router_error == "w0: no router"
@@ -205,6 +211,88 @@ def test_restarts_wait_longer_each_time_and_a_router_keeps_its_port() -> None:
     assert with_port(argv, 4321) == [*argv[:4], "4321", "--policy", "p"]
     assert with_port(argv, None) == argv
     assert with_port(["sgl", "--host", "h"], 4321) == ["sgl", "--host", "h"]
+
+
+SERVICE = """
+import os, signal, sys, time
+from pathlib import Path
+from tpupod.serve import services
+state = Path(sys.argv[1])
+runs = state / "runs"
+run = len(runs.read_text()) if runs.exists() else 0
+runs.write_text("x" * (run + 1))
+services.write_info(state, "svc", "127.0.0.1", 1)
+print(f"run {run} listens", flush=True)
+if run == 0:
+    os.kill(os.getpid(), signal.SIGKILL)  # served, then killed: started again at once
+if run == 1:
+    sys.exit(3)  # failed by itself: started again after a wait
+time.sleep(60)
+"""
+
+
+@pytest.mark.local
+@pytest.mark.timeout(30)
+def test_respawn_starts_a_killed_service_at_once_and_a_failing_one_after_a_wait(
+    tmp_path: Path,
+) -> None:
+    """The router's respawn parent waited 1, 2, 4 s (reset after 60 s of running) before
+    each start, a kill -9 too: the endpoint refused requests meanwhile. A run that
+    listened and was killed by a signal is now started again at once; one that exits by
+    itself still waits (it may fail again). Each is said in one stamped line and counted."""
+    service = tmp_path / "svc.py"
+    service.write_text(SERVICE)
+    log = tmp_path / "svc.log"
+    with open(log, "wb") as out:
+        keeper = subprocess.Popen(
+            [sys.executable, "-m", "tpupod.serve.agent.respawn", "--state-dir", str(tmp_path),
+             "svc", "--", sys.executable, str(service), str(tmp_path)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "run 2 listens" in log.read_text(), 20, "third run")
+    finally:
+        keeper.terminate()
+        assert keeper.wait(15) == 0
+    lines = log.read_text().splitlines()
+    times = {}
+    for line in lines:
+        stamp, _, text = line.partition("Z ")
+        times[text] = datetime.fromisoformat(stamp).timestamp()
+    assert (tmp_path / "svc.restarts").read_text() == "2\n"
+    killed = (
+        r"the svc exited \(killed by SIGKILL\) after [\d.]+s; started again at once \(restart 1\)"
+    )
+    failed = r"the svc exited \(exit 3\) after [\d.]+s; starting it again in 1s \(restart 2\)"
+    said = [text for text in times if text.startswith("[tpupod respawn]")]
+    assert len(said) == 2 and re.search(killed, said[0]) and re.search(failed, said[1]), lines
+    assert times["run 1 listens"] - times["run 0 listens"] < 0.9  # no wait
+    assert times["run 2 listens"] - times[said[1]] >= 1.0  # the wait
+
+
+@pytest.mark.unit
+def test_request_counts_outlive_the_router_and_begin_anew_for_other_backends(
+    tmp_path: Path,
+) -> None:
+    """serve status' REQUESTS are the router's counts: they began at 0 again with each
+    restart of the router. They are kept in a file the router maps (every count there
+    the moment it is made), which the next router goes on from."""
+    from tpupod.serve.router.registry import Counts, HealthPolicy, Registry
+
+    path, addresses = tmp_path / "router.counts", ["h:1", "h:2"]
+    killed = Registry(addresses, "m", HealthPolicy(), Counts(addresses, path))
+    b = killed.backends["h:2"]
+    for ok in (True, False):
+        killed.begin(b)
+        killed.end(b, ok=ok, error=None if ok else "HTTP 500", tokens=5 if ok else 0)
+    again = Registry(addresses, "m", HealthPolicy(), Counts(addresses, path)).describe()
+    counted = {k: again["health"]["h:2"][k] for k in ("requests", "failures", "completion_tokens")}
+    assert counted == {"requests": 2, "failures": 1, "completion_tokens": 5}
+    assert again["health"]["h:1"]["requests"] == 0
+    other = Registry(addresses[:1], "m", HealthPolicy(), Counts(addresses[:1], path))
+    assert other.backends["h:1"].requests == 0  # another fleet's counts are not taken
+    other.begin(other.backends["h:1"])
+    assert Counts(addresses[:1], path).of(0).tolist() == [1, 0, 0]
 
 
 def test_policies_choose_among_available_backends() -> None:
@@ -1186,9 +1274,9 @@ def test_a_router_killed_with_9_is_started_again_on_its_port_and_no_server_resta
 ) -> None:
     """The router is one process in front of every server: killed (kill -9, the OOM
     killer) it left the endpoint refusing every request until the next serve up, which
-    restarted the whole fleet. Its respawn parent now starts it again on the same port
-    (its first run chose it: --port 0); serve status says so meanwhile; serve down stops
-    both (local_pod checks that nothing of the pod is left)."""
+    restarted the whole fleet. Its respawn parent now starts it again at once on the same
+    port (which it holds: --port 0 picked one once); serve down stops both (local_pod
+    checks that nothing of the pod is left)."""
     with local_pod(tmp_path, "rk", 2) as (home, pod):
         assert stub_up(home, pod).returncode == 0
         exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
@@ -1200,17 +1288,9 @@ def test_a_router_killed_with_9_is_started_again_on_its_port_and_no_server_resta
         router.kill()
         killed = time.monotonic()
         router.wait(10)
-        said = run_cli(home, "serve", "status", "--pod", pod).stdout.splitlines()[-1]
-        assert "router: w0: the router ended and is being started again" in said or (
-            "2/2 backends healthy" in said  # the status came after the new one was up
-        ), said
-        while True:
-            try:
-                assert client.models.list().data
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() - killed < 20, "the router did not come back"
-                time.sleep(0.1)
+        # a connection meanwhile waits in the backlog of the socket its parent holds
+        assert client.models.list().data
+        assert time.monotonic() - killed < 10, "the router did not come back"
         (again,) = router_processes(pod)
         assert again.pid != router.pid
         assert stub_pids(pod) == servers  # the servers went on
@@ -1222,8 +1302,11 @@ def test_a_router_killed_with_9_is_started_again_on_its_port_and_no_server_resta
             time.sleep(0.2)
         assert "2/2 backends healthy; 1 restart)" in status  # counted (it was nowhere)
         log = run_cli(home, "serve", "logs", "--pod", pod, "--router").stdout.splitlines()
-        said = "[tpupod respawn] the router ended (killed by SIGKILL); starting it again in 1s"
-        assert [line for line in log if line.endswith(said)], log
+        said = re.compile(
+            r"\[tpupod respawn\] the router exited \(killed by SIGKILL\) after [\d.]+s; "
+            r"started again at once \(restart 1\)$"
+        )
+        assert [line for line in log if said.search(line)], log
         assert sum("ready port=" in line for line in log) == 2, log  # the first run, the next
         # each line after its UTC time, as the servers' logs (it had none)
         stamped = re.compile(r"\[w0\] \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z \S")
@@ -1522,3 +1605,202 @@ def test_down_of_an_ssh_pod_stops_its_fleet_first(
     assert down.returncode == 0, down.stderr
     assert "stopping its serving fleet first" in down.stderr
     assert sim_leftovers(sim) == []
+
+
+# -- a default builtin fleet under kills (issue 41) -----------------------------------------
+
+TINY = Path(__file__).parent / "fixtures" / "qwen2-tiny"
+STAMPED = re.compile(r"\[w(\d)\] (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z (.*)$")
+
+
+@pytest.fixture(scope="module")
+def builtin_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A fleet as the README starts one: ``up --local 2``, ``serve up --model`` of the tiny
+    checkpoint (the builtin backend), every other option its default but the ports."""
+    home = tmp_path_factory.mktemp("builtin") / "state"
+    pod = f"bk{os.getpid()}"
+    assert run_cli(home, "up", "--name", pod, "--local", "2").returncode == 0
+    try:
+        up = run_cli(
+            home, "serve", "up", "--pod", pod, "--model", str(TINY),
+            "--base-port", str(free_base_port()),  # other fleets may run on this machine
+            "--", "--max-batch", "4", "--max-length", "128", timeout=240,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr
+        exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
+        values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+        base_url, token = values["OPENAI_BASE_URL"], values["OPENAI_API_KEY"]
+        yield Fleet(home, pod, base_url, token, base_url.removesuffix("/v1"))
+    finally:
+        run_cli(home, "serve", "down", "--pod", pod)
+        run_cli(home, "down", "--pod", pod)
+        assert wait_until_gone(pod) == []
+
+
+@dataclass
+class Asked:
+    began: float
+    ended: float
+    error: str | None  # None: a whole answer
+
+
+class Clients:
+    """Threads asking the router again as soon as each has its answer (half streaming),
+    with the real openai client and no retries (a retry would hide the fault)."""
+
+    def __init__(self, fleet: Fleet, count: int) -> None:
+        self.done: list[Asked] = []
+        self.stop = threading.Event()
+        self.model = openai_client(fleet.base_url, fleet.token).models.list().data[0].id
+        clients = [openai_client(fleet.base_url, fleet.token, timeout=60) for _ in range(count)]
+        self.threads = [
+            threading.Thread(target=self.ask, args=(c, i % 2 == 1)) for i, c in enumerate(clients)
+        ]
+
+    def __enter__(self) -> Clients:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def ask(self, client: Any, stream: bool) -> None:
+        messages: Any = [{"role": "user", "content": "hello"}]
+        while not self.stop.is_set():
+            began, error = time.monotonic(), None
+            try:
+                answer = client.chat.completions.create(
+                    model=self.model, messages=messages, max_tokens=8, stream=stream
+                )
+                if stream:
+                    ends = [c.choices[0].finish_reason for c in answer if c.choices]
+                    error = None if ends and ends[-1] else "the stream ended unfinished"
+            except Exception as exc:  # what the client saw is the result
+                cause = exc.__cause__ or exc.__context__
+                error = f"{type(exc).__name__} <- {type(cause).__name__}: {cause}"
+            self.done.append(Asked(began, time.monotonic(), error))
+
+    def answered_after(self, moment: float) -> int:
+        return sum(a.error is None and a.ended > moment for a in self.done)
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} after {timeout:g}s"
+        time.sleep(0.05)
+
+
+def logged_after(lines: list[str], wall: float, text: str) -> float | None:
+    """Seconds from ``wall`` (time.time()) to the first stamped line that contains ``text``."""
+    for line in lines:
+        m = STAMPED.match(line)
+        if m and text in m.group(3):
+            at = datetime.fromisoformat(m.group(2)).replace(tzinfo=UTC).timestamp()
+            return at - wall
+    return None
+
+
+def requests_counted(fleet: Fleet) -> int:
+    return sum(h["requests"] for h in backends(fleet)["health"].values())
+
+
+@pytest.mark.local
+@pytest.mark.timeout(180)
+def test_a_router_killed_with_9_under_load_fails_only_the_requests_in_flight_in_it(
+    builtin_fleet: Fleet,
+) -> None:
+    """A kill -9 of the router was a total outage: every request refused for 1.5-4.9 s
+    until its respawn parent started it again after a backoff (1, 2, 4 s). The parent now
+    holds the listening socket and hands it to each router, so new connections wait in
+    the backlog, and a router that died by a signal is started again at once: only the
+    requests in flight in the killed router fail (the client sees the connection close:
+    APIConnectionError, or a stream cut short); the router's request counts go on; the
+    router's log names the restart within a second or two."""
+    fleet = builtin_fleet
+    (router,) = router_processes(fleet.pod)
+    with Clients(fleet, 8) as clients:
+        wait_for(lambda: clients.answered_after(0) >= 16, 60, "answers before the kill")
+        counted = requests_counted(fleet)
+        wall = time.time()
+        router.kill()
+        router.wait(10)  # gone: every connection it had is closed
+        dead = time.monotonic()
+        wait_for(lambda: clients.answered_after(dead) >= 16, 30, "answers after the kill")
+    failed = [a for a in clients.done if a.error is not None]
+    begun_after = [a for a in failed if a.began >= dead]
+    # before: refused until the respawn, 1.5-4.9 s
+    assert begun_after == [], f"{len(begun_after)} failed, first: {begun_after[0]}"
+    # each sent to the killed router (on a connection it had accepted): a client's next
+    # request goes on a new connection, which waits in the backlog: one failure a client
+    assert len(failed) <= 8, failed
+    assert requests_counted(fleet) >= counted + 16  # kept: they began again at 0
+    log = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "--router").stdout
+    said = logged_after(log.splitlines(), wall, "the router exited (killed by SIGKILL)")
+    assert said is not None and said < 2.0, log
+    assert "started again at once (restart 1)" in log, log
+    status = run_cli(fleet.home, "serve", "status", "--pod", fleet.pod).stdout
+    assert "2/2 backends healthy; 1 restart)" in status, status
+
+
+def builtin_child(pod: str, worker: int, role: str) -> psutil.Process:
+    """The engine or the front end (``role``) of the builtin server on ``worker``."""
+    found = [
+        p
+        for p in pod_processes(pod)
+        if "tpupod.serve.builtin" in p.cmdline() and f"--role {role}" in " ".join(p.cmdline())
+        and Path(p.cwd()).name == f"w{worker}"
+    ]  # fmt: skip
+    assert len(found) == 1, [p.cmdline() for p in found]
+    return found[0]
+
+
+def status_row(fleet: Fleet, worker: int) -> str:
+    out = run_cli(fleet.home, "serve", "status", "--pod", fleet.pod).stdout
+    return next(line for line in out.splitlines() if line.startswith(f"w{worker} "))
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
+def test_engine_and_front_end_kills_are_counted_in_serve_status_and_named_in_the_log(
+    builtin_fleet: Fleet,
+) -> None:
+    """The builtin server restarts its own engine and front end: serve status showed
+    RESTARTS 0 after any number of them. Each is counted now, with the process that
+    restarted (``1 (front end 1)``), and the server's log names it within a second or
+    two; the row's request count is not reset by them. The agent's restart of a whole
+    server is named the same way (``server``)."""
+    fleet = builtin_fleet
+    assert re.search(r"\bready +\d+ +0 ", status_row(fleet, 0))
+    before = backends(fleet)["health"]
+    wall = time.time()
+    builtin_child(fleet.pod, 0, "frontend").kill()
+    wait_for(lambda: " 1 (front end 1) " in status_row(fleet, 0), 20, "front end restart")
+    lines = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "0").stdout
+    said = logged_after(lines.splitlines(), wall, "the front end process was killed (SIGKILL)")
+    assert said is not None and said < 2.0, lines
+    restarting = r"killed \(SIGKILL\) after [\d.]+s; starting it again in [\d.]+s \(restart 1\)$"
+    assert re.search(restarting, lines, re.M), lines
+    wall = time.time()
+    builtin_child(fleet.pod, 0, "engine").kill()
+    wait_for(lambda: " 2 (engine 1, front end 1) " in status_row(fleet, 0), 20, "engine restart")
+    lines = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "0").stdout
+    said = logged_after(lines.splitlines(), wall, "the engine process was killed (SIGKILL)")
+    assert said is not None and said < 2.0, lines
+    after = backends(fleet)["health"]
+    assert all(after[a]["requests"] >= before[a]["requests"] for a in before)
+    # the whole server (its keeper, and so its children) killed: its agent starts it again
+    (keeper,) = [
+        p for p in pod_processes(fleet.pod)
+        if p.cmdline()[2:5:2] == ["tpupod.extras", "tpupod.serve.builtin"]
+        and Path(p.cwd()).name == "w1"
+    ]  # fmt: skip
+    wall = time.time()
+    keeper.kill()
+    wait_for(lambda: " 1 (server 1) " in status_row(fleet, 1), 20, "the server's restart")
+    lines = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "1").stdout
+    said = logged_after(lines.splitlines(), wall, "[tpupod agent] the server exited (killed by")
+    assert said is not None and said < 2.0, lines

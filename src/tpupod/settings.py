@@ -240,6 +240,13 @@ def take(variable: str) -> str | None:
     return os.environ.pop(variable, None) or None
 
 
+def child_restarts_file() -> str | None:
+    """``TPUPOD_SERVE_CHILD_RESTARTS``: where the builtin server's keeper counts its
+    engine's and front end's restarts (the fleet's agent names the file; serve status
+    shows the counts)."""
+    return os.environ.get("TPUPOD_SERVE_CHILD_RESTARTS") or None
+
+
 def use_uvloop() -> bool:
     """``TPUPOD_NO_UVLOOP`` unset: the serving router and the builtin server's HTTP side run
     on uvloop where it is installed (serve/eventloop.py)."""

@@ -19,7 +19,7 @@ from tpupod.serve import defaults
 
 if TYPE_CHECKING:
     from tpupod.serve.fleet.control import Fleet
-    from tpupod.serve.fleet.status import FleetStatus
+    from tpupod.serve.fleet.status import FleetStatus, ServerStatus
 
 serve_app = typer.Typer(
     name="serve",
@@ -227,7 +227,7 @@ def _status_table(found: FleetStatus) -> list[list[str]]:
     header = ["WORKER", "SERVER", "BACKEND", "STATE", "PID", "RESTARTS", "REQUESTS", "TOK/S"]
     table = [
         [
-            f"w{s.worker}", s.address, s.backend, s.state, _cell(s.pid), _cell(s.restarts),
+            f"w{s.worker}", s.address, s.backend, s.state, _cell(s.pid), _restarts_cell(s),
             _cell(s.requests), _cell(s.tokens_per_s),
         ]
         for s in found.servers
@@ -245,6 +245,14 @@ def _status_table(found: FleetStatus) -> list[list[str]]:
 
 def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
+
+
+def _restarts_cell(s: ServerStatus) -> str:
+    """``3 (engine 1, front end 1, server 1)``: the restarts, and of which process (the
+    agent's of the whole server, the server's own keeper's of its engine or front end)."""
+    if s.restarts is None or s.restarts == 0:
+        return _cell(s.restarts)
+    return f"{s.restarts} ({', '.join(f'{process} {n}' for process, n in s.restarted)})"
 
 
 @command("logs", group=serve_app)

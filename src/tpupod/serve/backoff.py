@@ -23,3 +23,8 @@ class Backoff:
         wait = self._next
         self._next = min(wait * 2, self.most)
         return wait
+
+    def reset(self) -> None:
+        """The process served well (it was killed, it did not fail): the next wait is the
+        first again."""
+        self._next = self.first

@@ -1,7 +1,8 @@
 """A worker's serving services (the agent, the router) as files in its state folder: each
 records ``NAME.json`` (pid, host, port) once it listens and keeps its bearer token in
 ``NAME.token`` (mode 0600); the process ctl started for it is in ``NAME.spawned`` from
-its first moment; the router counts its restarts in ``router.restarts``. Log
+its first moment; the router counts its restarts in ``router.restarts`` and its requests
+in ``router.counts``. Log
 lines start with their UTC time (``stamp``). What the services write and ``ctl`` reads,
 shared by every process of the fleet on a worker, so none reaches into another's module."""
 
@@ -94,6 +95,12 @@ def unstamped(line: str) -> str:
     return rest if sep and len(head) == 23 and head[10:11] == "T" else line
 
 
+def counts_path(state: Path) -> Path:
+    """The router's request counts per backend (``router/counts.py``): kept across its
+    restarts, begun anew with a new fleet's router."""
+    return state / "router.counts"
+
+
 def restarts(state: Path, service: str) -> int:
     """How many times the service was started again since its fleet first started it."""
     try:
@@ -105,3 +112,29 @@ def restarts(state: Path, service: str) -> int:
 def count_restarts(state: Path, service: str, count: int) -> None:
     """Set the count (0: a fleet's first start; one more at each start after it died)."""
     write_atomic(state / f"{service}.restarts", f"{count}\n")
+
+
+# Where a server's own keeper (the builtin server's: it restarts its engine and front end
+# itself) counts those restarts, by process: the agent names the file in this variable and
+# shows the counts beside its own restarts of the server (``serve status``); the keeper
+# reads it with ``settings.child_restarts_file``.
+CHILD_RESTARTS_ENV = "TPUPOD_SERVE_CHILD_RESTARTS"
+
+
+def child_restarts(path: Path) -> dict[str, int]:
+    """The restarts on file, by process (``{"engine": 2, "front end": 1}``)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): v for k, v in found.items() if isinstance(v, int)}
+
+
+def count_child_restart(path: Path, process: str) -> int:
+    """One more restart of ``process`` on file; its count now."""
+    found = child_restarts(path)
+    found[process] = found.get(process, 0) + 1
+    write_atomic(path, json.dumps(found) + "\n", mode=0o644, sync=False)
+    return found[process]

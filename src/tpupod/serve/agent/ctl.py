@@ -53,6 +53,9 @@ STOP_GRACE_S = 8.0
 SERVICES = ("agent", "router")
 LISTEN = "0A"  # a socket's state in /proc/net/tcp
 SHOWN_CHARS = 80  # of a port holder's command line
+# the builtin router serves on the listening socket its respawn parent holds (--listen):
+# sgl-router binds its own
+BUILTIN_ROUTER = "tpupod.serve.router"
 
 
 def keeper(state: Path, service: str) -> int | None:
@@ -70,8 +73,9 @@ def ensure(
 ) -> dict[str, Any]:
     """Start the service detached unless it runs; its record once it listens. The router
     runs under ``respawn``, which starts it again when it dies (the agent does not: a new
-    agent would not know its servers). ``again``: the fleet's router was lost (its parent
-    too), and this start is one more restart of it; else its count begins at 0."""
+    agent would not know its servers), the builtin one on the socket respawn holds.
+    ``again``: the fleet's router was lost (its parent too), and this start is one more
+    restart of it, its request counts kept; else its restarts and counts begin at 0."""
     running = read_info(state, service)
     if running is None and (parent := keeper(state, service)) is not None:
         running = _wait_record(state, service, parent, timeout)  # it is being started again
@@ -83,11 +87,14 @@ def ensure(
     if service == "agent":  # servers of an agent that was killed hard would hold their ports
         _kill_recorded_groups(state)
     if service == "router":
-        keeping = ["-m", "tpupod.serve.agent.respawn", "--state-dir", str(state), service, "--"]
-        argv = [sys.executable, *keeping, *argv]
+        keeping = ["-m", "tpupod.serve.agent.respawn", "--state-dir", str(state)]
+        keeping += ["--listen"] if argv[1:3] == ["-m", BUILTIN_ROUTER] else []
+        argv = [sys.executable, *keeping, service, "--", *argv]
         services.count_restarts(
             state, service, services.restarts(state, service) + 1 if again else 0
         )
+        if not again:  # a new fleet's router: its request counts begin at 0
+            services.counts_path(state).unlink(missing_ok=True)
     with open(state / f"{service}.log", "ab") as log:
         proc = subprocess.Popen(
             argv,

@@ -3,7 +3,9 @@
 The agent holds one :class:`ManagedServer` per :class:`ServerSpec`. A server
 that exits while it should run is restarted after a wait that doubles from
 ``restart_backoff_s`` up to 30 s (reset once a run lasted a minute: ``backoff.py``),
-and every restart is counted. Stopping sends TERM to the
+and every restart is counted and said in its log; the restarts its own keeper makes of
+its processes (the builtin server's engine and front end) are counted by that keeper in
+``NAME.restarts`` beside the log (``services.CHILD_RESTARTS_ENV``). Stopping sends TERM to the
 whole group, then KILL after a grace period (JAX ignores TERM). Output goes,
 line by line through a pipe the agent reads, to a log file per server, each
 line after its UTC time (``2026-01-31T12:00:00.123Z ``), so ``serve logs``
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import enum
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,7 +28,7 @@ from pathlib import Path
 from tpupod.serve.backends import ServerSpec, render, render_env
 from tpupod.serve.backoff import Backoff
 from tpupod.serve.eventloop import cancelled
-from tpupod.serve.services import stamp
+from tpupod.serve.services import CHILD_RESTARTS_ENV, child_restarts, stamp
 from tpupod.transport.local import kill_process_group
 
 READY_POLL_S = 0.2
@@ -65,6 +68,9 @@ class ManagedServer:
         self.spec = spec
         self.on_spawn = on_spawn or (lambda: None)
         self.log_path = log_dir / f"{spec.name}.log"
+        # the restarts the server's own keeper makes of its processes (the builtin server's
+        # engine and front end), by process: beside its log, kept while the log goes on
+        self.children_path = log_dir / f"{spec.name}.restarts"
         self.base_env = base_env
         self.state = ServerState.STARTING
         self.restarts = 0  # after the server exited by itself
@@ -83,6 +89,7 @@ class ManagedServer:
         if fresh:
             with contextlib.suppress(FileNotFoundError):
                 self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
+            self.children_path.unlink(missing_ok=True)
         self._task = asyncio.create_task(self._supervise())
 
     async def _supervise(self) -> None:
@@ -103,8 +110,12 @@ class ManagedServer:
             if self._stopping:
                 break
             self.state = ServerState.BACKOFF
-            wait = backoff.after(time.monotonic() - began)
-            self._note(f"exited with {code}; restarting in {wait:g}s")
+            ran = time.monotonic() - began
+            wait = backoff.after(ran)
+            self._note(
+                f"the server exited ({_exit_text(code)}) after {ran:.1f}s; "
+                f"starting it again in {wait:g}s (restart {self.restarts + 1})"
+            )
             await asyncio.sleep(wait)
             if not self._stopping:
                 self.restarts += 1
@@ -118,7 +129,11 @@ class ManagedServer:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env={**self.base_env, **render_env(self.spec)},
+            env={
+                **self.base_env,
+                **render_env(self.spec),
+                CHILD_RESTARTS_ENV: str(self.children_path),
+            },
             start_new_session=True,  # its own group: stop and restart take all its children
         )
         self.pid = self._proc.pid
@@ -211,12 +226,23 @@ class ManagedServer:
             "pid": self.pid,
             "state": self.state.value,
             "restarts": self.restarts,
+            "child_restarts": child_restarts(self.children_path),
             "user_restarts": self.user_restarts,
             "uptime_s": round(uptime, 1) if uptime is not None else None,
             "last_exit": self.last_exit,
             "answer": self.answer if self.state is ServerState.STARTING else None,
             "log": tail(self.log_path, log_lines),
         }
+
+
+def _exit_text(code: int) -> str:
+    """``exit 3``, or ``killed by SIGKILL``."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _url_host(host: str) -> str:

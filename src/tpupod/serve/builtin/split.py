@@ -32,6 +32,11 @@ is removed by the next keeper to start.
 
 Deferred imports: each process imports its own side: the engine process the link's host, the
 front end the link's client and the HTTP app; the keeper neither.
+
+Each restart is said in the server's log when the death is seen (``the engine process
+was killed (SIGKILL) after 41.2s; starting it again in 0.5s (restart 2)``) and counted,
+by process, in the file the fleet's agent names (``TPUPOD_SERVE_CHILD_RESTARTS``), which
+``serve status`` shows beside the agent's own restarts of the server.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ import threading
 import time
 from pathlib import Path
 
-from tpupod.serve import eventloop
+from tpupod import settings
+from tpupod.serve import eventloop, services
 from tpupod.serve.backoff import Backoff
 from tpupod.serve.builtin import server
 
@@ -63,17 +69,27 @@ FOLDER_PREFIX = "tpupod-builtin-"
 
 
 class _Child:
-    """One child process of the keeper and its restarts."""
+    """One child process of the keeper and its restarts: counted in the file the agent
+    names (``services.CHILD_RESTARTS_ENV``), which ``serve status`` shows, and said in the
+    server's log as each death is seen."""
 
-    def __init__(self, role: str, argv: list[str], fds: tuple[int, ...]) -> None:
-        self.role, self.argv, self.fds = role, argv, fds
+    def __init__(
+        self, role: str, argv: list[str], fds: tuple[int, ...], counted: Path | None
+    ) -> None:
+        self.role, self.argv, self.fds, self.counted = role, argv, fds, counted
         self.proc: subprocess.Popen[bytes] | None = None
         self.began = 0.0
         self.backoff = Backoff(RESTART_BACKOFF_S, MAX_BACKOFF_S)
         self.due: float | None = None  # when a restart is due
+        # on file: this server's keeper may be a new one (the agent restarted the server)
+        self.restarts = services.child_restarts(counted).get(role, 0) if counted else 0
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, pass_fds=self.fds, stdin=subprocess.DEVNULL)
+        if self.due is not None:  # a restart
+            self.restarts += 1
+            if self.counted is not None:
+                self.restarts = services.count_child_restart(self.counted, self.role)
         self.began = time.monotonic()
         self.due = None
 
@@ -85,8 +101,13 @@ class _Child:
         return code
 
     def schedule_restart(self, code: int) -> None:
-        _say(f"the {self.role} process was killed ({_signal_name(code)}); restarting it")
-        self.due = time.monotonic() + self.backoff.after(time.monotonic() - self.began)
+        ran = time.monotonic() - self.began
+        wait = self.backoff.after(ran)
+        _say(
+            f"the {self.role} process was killed ({_signal_name(code)}) after {ran:.1f}s; "
+            f"starting it again in {wait:g}s (restart {self.restarts + 1})"
+        )
+        self.due = time.monotonic() + wait
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -144,8 +165,10 @@ def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
     folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))  # 0700: ours alone
     base = [sys.executable, "-m", "tpupod.serve.builtin", *_passed_on(args), "--ipc", str(folder)]
     fds = tuple(s.fileno() for s in sockets)
-    engine = _Child("engine", [*base, "--role", "engine"], ())
-    front = _Child("front end", [*base, "--role", "frontend", "--fds", _join(fds)], fds)
+    named = settings.child_restarts_file()
+    counted = Path(named) if named else None
+    engine = _Child("engine", [*base, "--role", "engine"], (), counted)
+    front = _Child("front end", [*base, "--role", "frontend", "--fds", _join(fds)], fds, counted)
     children = [front, engine]
     probe = _Probe(args.host, server.parse_ports(args.ports)[0]) if args.stall_timeout else None
     stopping: list[int] = []

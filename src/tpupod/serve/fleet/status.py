@@ -32,12 +32,15 @@ class ServerStatus:
     backend: str
     state: str  # ready, starting, restarting, stopped, ...; or why the agent did not answer
     pid: int | None
-    restarts: int | None
+    restarts: int | None  # after a crash, of any of its processes (``restarted``: which)
     requests: int | None  # the router's counts (None: the router does not know it)
     tokens_per_s: float | None
     followers: tuple[int, ...] = ()  # a replica's other members' workers
     follower_restarts: tuple[int | None, ...] = ()
     user_restarts: int | None = None  # restarts asked for (``restarts``: after a crash)
+    # the restarts by process, those not 0: ``server`` (the agent started it again), and
+    # those its own keeper made (the builtin server's ``engine`` and ``front end``)
+    restarted: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,19 +110,29 @@ def _server(
     state = ", ".join([state, *(f"w{f}: {m}" for f, m in pairs if m != "ready")])
     if managed and seen.get("state") == "down":
         state = f"{state}, router: down"
+    restarted = by_process(managed) if managed else ()
     return ServerStatus(
         worker=s.worker,
         address=s.address,
         backend=record.backend.value,
         state=state,
         pid=managed["pid"] if managed else None,
-        restarts=managed["restarts"] if managed else None,
+        restarts=sum(n for _, n in restarted) if managed else None,
         requests=seen.get("requests"),
         tokens_per_s=seen.get("tokens_per_s"),
         followers=tuple(s.followers),
         follower_restarts=tuple(member_restarts(agents, f, s.name) for f in s.followers),
         user_restarts=managed.get("user_restarts") if managed else None,
+        restarted=restarted,
     )
+
+
+def by_process(managed: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """A server's restarts by process, those not 0: the agent's of the whole server
+    (``server``), then its own keeper's of its processes (by name)."""
+    found = [("server", int(managed["restarts"]))]
+    found += sorted((str(k), int(v)) for k, v in managed.get("child_restarts", {}).items())
+    return tuple((process, n) for process, n in found if n)
 
 
 def member(agents: list[AgentAnswer], worker: int, name: str) -> AgentAnswer:
@@ -139,4 +152,4 @@ def member_state(agents: list[AgentAnswer], worker: int, name: str) -> str:
 
 def member_restarts(agents: list[AgentAnswer], worker: int, name: str) -> int | None:
     found = member(agents, worker, name)
-    return None if isinstance(found, str) else int(found["restarts"])
+    return None if isinstance(found, str) else sum(n for _, n in by_process(found))

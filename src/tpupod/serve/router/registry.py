@@ -10,6 +10,9 @@ Health comes from two sides:
   of them in a row open it for ``cooldown`` s (no traffic), after which one
   request may try it (half-open). A 4xx is the client's fault and never counts.
 
+Each backend's requests, failures and completion tokens are counted in a file the router
+maps (``router.counts``), so a router killed and started again goes on from them.
+
 The answer of ``/backends`` keeps seed 000's shape
 (``{"ok": true, "model": M, "backends": ["host:port", ...]}``, the healthy
 ones) and adds each backend's health under ``"health"``.
@@ -20,9 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
+import mmap
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,14 +43,77 @@ class Health(enum.StrEnum):
     DOWN = "down"
 
 
+# -- counts kept across the router's restarts -------------------------------------------
+# serve status' REQUESTS (and the dashboard's requests/s) are these counts. They lived in
+# the router's memory, so each restart of the router (a kill -9, the OOM killer) began
+# them at 0 again. Each is now a 64-bit integer in ``router.counts``
+# (``services.counts_path``), mapped shared: a count is in the page cache the moment it
+# is made, so a router killed at any point and started again by its respawn parent goes
+# on from every count the killed one made. A file for other backends (another fleet: the
+# header holds a digest of their addresses) is begun anew; ctl removes the file when a
+# new fleet's router starts.
+
+MAGIC = b"tpupod router counts 1\n"
+FIELDS = ("requests", "failures", "completion_tokens")  # per backend, in this order
+WIDTH = 8  # bytes of a count
+
+
+HEADER = 64  # bytes: the counts after it are aligned
+
+
+def _header(addresses: list[str]) -> bytes:
+    return (MAGIC + hashlib.sha256(",".join(addresses).encode()).digest()).ljust(HEADER, b"\0")
+
+
+class Counts:
+    """``len(FIELDS)`` counts for each backend, in ``path`` (None: in memory only). The
+    mapping lasts as long as the process (it is never unmapped: views of it are out)."""
+
+    def __init__(self, addresses: list[str], path: Path | None = None) -> None:
+        header = _header(addresses)
+        size = len(header) + WIDTH * len(FIELDS) * len(addresses)
+        buffer = bytearray(size) if path is None else _mapped(path, header, size)
+        self._counts = memoryview(buffer)[len(header) :].cast("q")
+
+    def of(self, index: int) -> memoryview:
+        """The counts of the backend at ``index`` (in the order given), as a view to write."""
+        n = len(FIELDS)
+        return self._counts[index * n : (index + 1) * n]
+
+
+def _mapped(path: Path, header: bytes, size: int) -> mmap.mmap:
+    """``path`` mapped, as it is when it holds these backends' counts, else zeroed."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if os.fstat(fd).st_size != size or os.pread(fd, len(header), 0) != header:
+            os.ftruncate(fd, 0)  # another fleet's, or torn: begin anew
+            os.ftruncate(fd, size)
+            os.pwrite(fd, header, 0)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class Counted:
+    """A backend's count, kept in its ``counts`` (``counts.py``: a file the router maps, so
+    the count outlives a router killed and started again)."""
+
+    def __init__(self, name: str) -> None:
+        self.index = FIELDS.index(name)
+
+    def __get__(self, backend: Backend, owner: type[Backend]) -> int:
+        return int(backend.counts[self.index])
+
+    def __set__(self, backend: Backend, value: int) -> None:
+        backend.counts[self.index] = value
+
+
 @dataclass
 class Backend:
     address: str  # host:port
+    counts: memoryview = field(default_factory=lambda: Counts([""]).of(0), repr=False)
     health: Health = Health.UP
     outstanding: int = 0
-    requests: int = 0
-    failures: int = 0
-    completion_tokens: int = 0
     checks_failed: int = 0  # in a row
     checks_ok: int = 0  # in a row
     errors_in_row: int = 0  # passive: connect errors and 5xx in a row
@@ -52,6 +122,10 @@ class Backend:
     last_error: str | None = None
     changed_at: float = field(default_factory=time.time)
     token_window: list[tuple[float, int]] = field(default_factory=list)
+
+    requests = Counted("requests")
+    failures = Counted("failures")
+    completion_tokens = Counted("completion_tokens")
 
     @property
     def url(self) -> str:
@@ -74,8 +148,12 @@ class HealthPolicy:
 
 
 class Registry:
-    def __init__(self, addresses: list[str], model: str, policy: HealthPolicy) -> None:
-        self.backends = {a: Backend(a) for a in addresses}
+    def __init__(
+        self, addresses: list[str], model: str, policy: HealthPolicy, counts: Counts | None = None
+    ) -> None:
+        """``counts``: where the backends' counts are kept (in this order); else in memory."""
+        counts = counts or Counts(addresses)
+        self.backends = {a: Backend(a, counts.of(i)) for i, a in enumerate(addresses)}
         self.model = model
         self.policy = policy
         self._task: asyncio.Task[None] | None = None

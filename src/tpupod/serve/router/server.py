@@ -20,7 +20,9 @@ waits on Nagle). Per request:
    dropped connection does in 3 and 4; a stream still flowing goes on.
 
 Also ``/v1/models``, seed 000's ``/backends`` and ``/health``, and Prometheus
-``/metrics``.
+``/metrics``. Under its respawn parent (``serve up``) it serves on the listening socket
+that parent holds (``--fd``), so a connection that comes while it is being started again
+waits in the backlog instead of being refused.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from tpupod.serve import defaults, eventloop, services
 from tpupod.serve.openai_errors import error_body, path_error
 from tpupod.serve.router import upstream
-from tpupod.serve.router.registry import Backend, HealthPolicy, Registry
+from tpupod.serve.router.registry import Backend, Counts, HealthPolicy, Registry
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Not passed on to a backend: hop-by-hop, framing (the router frames its own request),
@@ -416,19 +418,24 @@ async def _write_quietly(out: web.StreamResponse, data: bytes) -> None:
         await out.write(data)
 
 
+def bound(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 async def run_router(
-    router: Router, host: str, port: int, on_listening: Callable[[int], None]
+    router: Router, sock: socket.socket, on_listening: Callable[[int], None]
 ) -> None:
+    """Serve on ``sock`` (bound; listening already where it was handed down) until TERM."""
     # a client that hangs up cancels its handler: the request to the backend is closed
     # with it, and the backend frees the slot (aiohttp's default lets the handler run on)
     runner = web.AppRunner(
         router.app(), access_log=None, handle_signals=False, handler_cancellation=True
     )
     await runner.setup()
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
     site = web.SockSite(runner, sock, backlog=1024)
     await site.start()
     on_listening(sock.getsockname()[1])
@@ -456,13 +463,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eject-after", type=int, default=defaults.EJECT_AFTER)
     parser.add_argument("--cooldown", type=float, default=defaults.COOLDOWN_S)
     parser.add_argument("--no-auth", action="store_true", help="no token (benchmarks only)")
+    parser.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        help="serve on this listening socket (its respawn parent's), not a new one",
+    )
     args = parser.parse_args(argv)
     state = Path(args.state_dir).expanduser().absolute()
     policy = HealthPolicy(
         args.health_interval, args.health_timeout, args.fall, args.rise,
         args.eject_after, args.cooldown,
     )  # fmt: skip
-    registry = Registry([a for a in args.backends.split(",") if a], args.model, policy)
+    state.mkdir(parents=True, exist_ok=True)
+    addresses = [a for a in args.backends.split(",") if a]
+    counts = Counts(addresses, services.counts_path(state))  # kept across its restarts
+    registry = Registry(addresses, args.model, policy, counts)
     token = None if args.no_auth else services.token(state, "router")
     router = Router(registry, token, Policy(args.policy), args.retries)
 
@@ -472,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         eventloop.use_uvloop()
-        asyncio.run(run_router(router, args.host, args.port, listening))
+        sock = bound(args.host, args.port) if args.fd is None else socket.socket(fileno=args.fd)
+        asyncio.run(run_router(router, sock, listening))
     finally:
         services.remove_info(state, "router")
