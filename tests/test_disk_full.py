@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -148,3 +149,35 @@ def test_a_run_with_retries_waits_for_space_to_go_on(
     assert "internal error" not in err and "Traceback" not in err
     assert f"{small_home}" in "".join(said[-1:]), said[-1:]  # the wait names the disk
     assert "[w0] attempt 2 done" in out and "[w1] attempt 2 done" in out, out
+
+
+def test_a_disk_that_fills_under_a_run_is_said_at_once(
+    small_home: Path, make_pod: Callable[..., Pod]
+) -> None:
+    """The chaos harness (issue 41): the log files' last pages have room for ~100 more
+    short lines each, so a disk that filled was said only when they ran out, 10-20 s
+    later; the run's logs now stop (and it is said) within a second or two."""
+    pod = make_pod(1)
+    program = "for i in $(seq 600); do echo step $i; sleep 0.1; done"
+    proc = subprocess.Popen(
+        tpupod_argv("run", "--pod", pod.name, "--", program),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None and proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if "step 20" in line:
+                break
+        filled = time.monotonic()
+        filler = fill(small_home)
+        for line in proc.stderr:
+            if "cannot write the run's logs" in line:
+                break
+        said_after = time.monotonic() - filled
+        filler.unlink()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert said_after < 3.0, said_after

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -73,6 +74,7 @@ from tpupod.transport import OutputLine, RemoteProcess
 
 PREFLIGHT_TIMEOUT_S = 30.0
 RENDEZVOUS_START_S = 30.0
+ROOM_CHECK_S = 1.0  # how often a run's logs look whether their disk is full
 CLOSE_GRACE_S = 1.0  # a service on worker 0 still serving a worker that hangs up late
 
 # Is the port taken on the worker? (bash's /dev/tcp: no nc or ss needed.)
@@ -616,6 +618,7 @@ class _RunLog:
         self.held: dict[int, int] = {}  # collateral lines kept off it, per worker
         self.hung = False  # the hang watchdog stopped the run: what follows is collateral
         self.cut: str | None = None  # why the logs stopped being written (a full disk)
+        self.room_checked = float("-inf")  # when _check_room last looked
         self.record: dict[str, Any] = {
             "launch_id": launch.launch_id,
             "command": command,
@@ -700,6 +703,7 @@ class _RunLog:
                     line = OutputLine(line.stream, left)
             if self.cut is None:
                 try:
+                    self._check_room()
                     file = self.files[worker.id]
                     file.write(line.text + "\n")
                     file.flush()
@@ -716,6 +720,17 @@ class _RunLog:
             on_line(worker, line if shown == line.text else OutputLine(line.stream, shown))
 
         return handle
+
+    def _check_room(self) -> None:
+        """At most once a ROOM_CHECK_S: a disk with no free block is full now, though the
+        logs' last pages still take ~100 short lines each (a disk that filled was said
+        10-20 s late, when they ran out)."""
+        now = time.monotonic()
+        if now - self.room_checked < ROOM_CHECK_S:
+            return
+        self.room_checked = now
+        if os.statvfs(self.launch.run_dir).f_bavail == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def _stop_keeping(self, exc: OSError) -> None:
         """A log write failed (a full disk): the run goes on, its output still shown; the
