@@ -37,12 +37,11 @@ from tpupod.jobs.k8s_manifest import (
     Target,
     jobset_name,
     render_jobset,
-    store_label,
     tpu_slice,
 )
 from tpupod.jobs.models import Claim, Job, JobRequest, JobStatus
 from tpupod.jobs.runner import Runner
-from tpupod.jobs.store import Store
+from tpupod.jobs.store import Store, store_label
 
 TOKEN = "standin-token"
 REPO = Path(__file__).resolve().parents[1]  # where ``python -m tests.fakes...`` runs

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import re
 import socket
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_base_port, tpupod_argv
-from tests.postgres import Postgres, new_database, postgres_cluster
+from tests.postgres import LostCommitAnswer, Postgres, new_database, postgres_cluster
 from tests.test_jobs import _wait_for, command_job, runner
 from tpupod.errors import JobStoreAway
 from tpupod.jobs import claims
@@ -38,8 +39,9 @@ OUTAGE_S = 6.0  # longer than the runners' lease (4 s): their jobs must survive 
 
 
 @pytest.fixture
-def pg() -> Iterator[Postgres]:
-    """A cluster of this test's own: stopping it disturbs no other test."""
+def pg(state_home: Path) -> Iterator[Postgres]:
+    """A cluster of this test's own: stopping it disturbs no other test (and a state
+    directory of its own, where its runners keep their journals)."""
     with postgres_cluster() as server:
         yield server
 
@@ -224,6 +226,138 @@ def test_logs_follow_and_wait_ride_out_an_outage(
         assert said.count("retrying until it is back") == 1, said
         assert said.count("the job store is back after") == 1, said
     assert result == "" and store.get(job).status is JobStatus.COMPLETED  # a command: no result
+
+
+def _jobs(*args: str) -> subprocess.CompletedProcess[str]:
+    """``tpupod jobs ARGS`` as a user runs it."""
+    return subprocess.run(
+        tpupod_argv("jobs", *args), capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def _submitted(url: str, command: str) -> int:
+    done = _jobs("submit", "--db", url, "--", command)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+def _ran(path: Path) -> list[int]:
+    """The job ids the jobs wrote to ``path`` (a file the test owns): one per execution."""
+    return [int(word) for word in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.timeout(150)  # a cluster of its own, two runners, an outage
+def test_a_job_that_ended_while_postgres_was_down_is_not_run_again_when_its_runner_is_killed(
+    pg: Postgres, tmp_path: Path
+) -> None:
+    """The chaos run's duplicate: a job ran to its end while PostgreSQL was away; its runner
+    was killed (-9) before it could record that; the next runner ran the job again
+    ('completed after 2 attempts'). Its outcome and the lines the store did not have are
+    in the runner's journal from the moment it ended: the next runner records them, once,
+    and the job does not run again."""
+    url = new_database(pg)
+    store = Store.open(url)
+    ran = tmp_path / "ran"
+    body = f"for i in $(seq 1 30); do echo line $i; sleep 0.05; done; echo $TPUPOD_JOB_ID >> {ran}"
+    job = _submitted(url, body)
+    first = runner(url, "--local")  # as a user starts one: default lease, no --until-empty
+    said = StderrLines(first)
+    try:
+        _wait_for(lambda: len(store.logs(job)) >= 3, timeout=30)
+        pg.stop()  # the rest of its lines and its end come while the store is away
+        _wait_for(lambda: _ran(ran) == [job], timeout=30)
+        with contextlib.suppress(AssertionError):  # the old runner never said so
+            said.wait_for(f"job {job} attempt 1: completed; kept in", timeout=5)
+    finally:
+        first.kill()  # kill -9, before the store is back
+        said.finish()
+    pg.start()
+    second = runner(url, "--local", "--until-empty")
+    _, err = second.communicate(timeout=90)
+    assert second.returncode == 0, err
+    assert _ran(ran) == [job], err  # once: it was not run again
+    done = store.get(job)
+    assert (done.status, done.attempt) == (JobStatus.COMPLETED, 1), (done, err)
+    assert [line.line for line in store.logs(job)] == [f"line {i}" for i in range(1, 31)]
+    assert f"job {job} attempt 1: completed; kept in" in said.text()
+    owner = f"runner {done.runner}"
+    assert f"recorded job {job} attempt 1 (completed) for {owner}, which is gone" in err, err
+    shown = _jobs("show", str(job), "--db", url).stdout.splitlines()
+    assert shown[1] == "  status    completed", shown
+    assert re.fullmatch(
+        rf"  attempts  1: completed on {owner}; recorded by runner \S+:{second.pid}:\S+: "
+        rf"{done.runner} was gone before the job store took it \(.* UTC\)",
+        shown[4],
+    ), shown
+    store.close()
+
+
+def _submit(*args: str) -> subprocess.Popen[str]:
+    argv = tpupod_argv("jobs", "submit", *args)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_submit_while_postgres_is_down_waits_for_it_and_is_acknowledged_once_stored(
+    pg: Postgres,
+) -> None:
+    """'jobs submit' failed at once while the store was away, where runners wait. It waits
+    as they do (up to 60 s), saying so once and when the store is back, and prints the id
+    only once the job is stored."""
+    url = new_database(pg)
+    Store.open(url).close()  # the schema is there: the fast path's submit
+    pg.stop()
+    proc = _submit("--db", url, "--", "echo hello")
+    said = StderrLines(proc)
+    try:
+        said.wait_for("waiting up to 60 s for it")
+        time.sleep(1)
+        assert proc.poll() is None, said.text()  # still waiting
+        pg.start()
+        err = said.finish()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            said.finish()
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.stdout.close()
+    assert proc.returncode == 0, err
+    assert err.count("waiting up to 60 s for it") == 1 and "Connection refused" in err, err
+    assert re.search(r"the job store is back after [\d.]+ s", err), err
+    store = Store.open(url)
+    assert [job.id for job in store.find()] == [int(out)]
+    assert store.get(int(out)).command == "echo hello"
+    store.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("path", ["fast", "typer"])
+def test_a_submit_whose_commit_answer_is_lost_is_tried_again_and_stored_once(
+    pg: Postgres, path: str, tmp_path: Path
+) -> None:
+    """The connection drops after the server committed the job, before its answer came:
+    the old submit failed ('did not confirm the submit'; a script then submitted again: two
+    jobs). The submit's key lets the next try find the job the first one added: one job,
+    its id printed, exit 0. The fast path (psycopg) and the typer command (a .json job)."""
+    url = new_database(pg)
+    Store.open(url).close()
+    proxy = LostCommitAnswer(int(url.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        if path == "fast":
+            what = ["--", "echo hello"]
+        else:
+            job = tmp_path / "job.json"
+            job.write_text(json.dumps({"command": "echo hello"}))
+            what = [str(job)]
+        out, err = _submit("--db", proxy.url(url), *what).communicate(timeout=60)
+    finally:
+        proxy.close()
+    assert proxy.cut == 1, err  # the answer to the commit was lost
+    assert err.count("waiting up to 60 s for it") == 1, err
+    store = Store.open(url)
+    assert [job.id for job in store.find()] == [int(out)], err
+    store.close()
 
 
 def _refusing(url: str) -> str | None:
