@@ -9,12 +9,14 @@ import contextlib
 import functools
 import json
 import os
+import random
 import re
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -556,3 +558,135 @@ def test_what_counts_as_a_store_away(said: str, away: bool) -> None:
 
     error = OperationalError(None, None, psycopg.OperationalError(f"connection failed: {said}"))
     assert _away(error) is away
+
+
+# -- chaos: runners killed at random while PostgreSQL stops and starts ---------------------
+
+
+@dataclass
+class ChaosVerdict:
+    """A Jepsen-style count after the drain: each acknowledged submit against the
+    executions the jobs themselves wrote down, outside tpupod."""
+
+    acknowledged: list[int]
+    executions: dict[int, int]  # job id -> times it ran to its end
+    injections: list[str]
+    named_reruns: list[int]  # jobs run twice whose history names the lost attempt
+
+    @property
+    def lost(self) -> list[int]:
+        return [job for job in self.acknowledged if not self.executions.get(job)]
+
+    @property
+    def duplicated(self) -> list[int]:
+        return [job for job, count in self.executions.items() if count > 1]
+
+    @property
+    def unexpected(self) -> list[int]:
+        return sorted(set(self.executions) - set(self.acknowledged))
+
+
+def job_chaos(
+    pg: Postgres, url: str, folder: Path, *, seconds: float, seed: int, queued: int = 30
+) -> ChaosVerdict:
+    """``queued`` jobs submitted first, two local runners (default options, 2 slots each)
+    and a thread submitting more through the CLI, for ``seconds``; meanwhile, at random
+    (``seed``), every 2-5 s, a runner killed -9 (another started) or PostgreSQL stopped at
+    once and started 2-6 s later. Each job prints a line at its start and at its end and
+    appends its id to a file of the test's just before it ends. Then the drain: every job
+    ended, its last attempt's log whole, the runners stopped (TERM), the verdict counted."""
+    rng = random.Random(seed)
+    ran = folder / "ran"
+    body = (
+        'echo "begin $TPUPOD_JOB_ID"; sleep $((RANDOM % 30 / 10)).$((RANDOM % 10)); '
+        f'echo "end $TPUPOD_JOB_ID"; echo $TPUPOD_JOB_ID >> {ran}'
+    )
+    store = Store.open(url)
+    acknowledged = store.submit_many([command_job(body) for _ in range(queued)])
+    runners = [runner(url, "--local", "-c", "2") for _ in range(2)]
+    stop = threading.Event()
+    submitter = threading.Thread(target=_submitting, args=(url, body, acknowledged, stop))
+    submitter.start()
+    try:
+        injections = _inject(pg, url, runners, rng, seconds)
+        stop.set()
+        submitter.join(90)
+        _wait_for(lambda: claims.remaining(store, None) == 0, timeout=120)
+        named = _drained(store)
+    finally:
+        stop.set()
+        for proc in runners:
+            proc.terminate()
+        for proc in runners:
+            proc.communicate(timeout=60)
+        store.close()
+    executions: dict[int, int] = {}
+    for job in _ran(ran):
+        executions[job] = executions.get(job, 0) + 1
+    return ChaosVerdict(acknowledged, executions, injections, named)
+
+
+def _submitting(url: str, body: str, acknowledged: list[int], stop: threading.Event) -> None:
+    """Submit through the CLI until ``stop``; an id printed is a job acknowledged."""
+    while not stop.is_set():
+        done = _jobs("submit", "--db", url, "--", body)
+        if done.returncode == 0:  # acknowledged: it must run exactly once
+            acknowledged.append(int(done.stdout))
+
+
+def _inject(
+    pg: Postgres,
+    url: str,
+    runners: list[subprocess.Popen[str]],
+    rng: random.Random,
+    seconds: float,
+) -> list[str]:
+    """The injections, each logged with its time and target."""
+    began = time.monotonic()
+    injections: list[str] = []
+    while time.monotonic() - began < seconds:
+        time.sleep(rng.uniform(2, 5))
+        at = f"{time.monotonic() - began:.1f}s"
+        if rng.random() < 0.6:
+            victim = rng.randrange(len(runners))
+            runners[victim].kill()
+            runners[victim].communicate()
+            runners[victim] = runner(url, "--local", "-c", "2")
+            injections.append(f"{at} kill -9 runner {victim}")
+        else:
+            down = rng.uniform(2, 6)
+            injections.append(f"{at} PostgreSQL down {down:.1f}s")
+            pg.stop()
+            time.sleep(down)
+            pg.start()
+    return injections
+
+
+def _drained(store: Store) -> list[int]:
+    """Every job completed, its last attempt's log whole; the jobs whose history names an
+    attempt lost with its runner (a rerun that may have run the job twice)."""
+    named = []
+    for job in store.find(limit=100_000):
+        assert job.status is JobStatus.COMPLETED, job
+        last = [line.line for line in store.logs(job.id, attempt=job.attempt)]
+        assert last == [f"begin {job.id}", f"end {job.id}"], (job, last)
+        if any(entry.how == "lost" for entry in job.history):
+            named.append(job.id)
+    return named
+
+
+@pytest.mark.timeout(400)
+def test_jobs_under_random_runner_kills_and_postgres_outages_run_exactly_once(
+    pg: Postgres, tmp_path: Path
+) -> None:
+    """Issue 41's jobs part, bounded (40 s, a fixed seed): every acknowledged submit ran,
+    none ran twice unless its first runner was killed while it ran (the job had not ended;
+    the rerun is named in its history), nothing ran that was not acknowledged, and the log
+    of each job's last attempt is whole."""
+    url = new_database(pg)
+    Store.open(url).close()
+    verdict = job_chaos(pg, url, tmp_path, seconds=40, seed=41)
+    said = (verdict.injections, verdict.executions)
+    assert len(verdict.injections) >= 6 and len(verdict.acknowledged) >= 40, said
+    assert verdict.lost == [] and verdict.unexpected == [], said
+    assert set(verdict.duplicated) <= set(verdict.named_reruns), said
