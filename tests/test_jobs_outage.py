@@ -244,8 +244,9 @@ def _submitted(url: str, command: str) -> int:
 
 
 def _ran(path: Path) -> list[int]:
-    """The job ids the jobs wrote to ``path`` (a file the test owns): one per execution."""
-    return [int(word) for word in path.read_text().split()] if path.exists() else []
+    """The job ids the jobs wrote to ``path`` (a file the test owns): one line (starting
+    with the id) per execution."""
+    return [int(line.split()[0]) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.mark.timeout(150)  # a cluster of its own, two runners, an outage
@@ -599,7 +600,8 @@ def job_chaos(
     ran = folder / "ran"
     body = (
         'echo "begin $TPUPOD_JOB_ID"; sleep $((RANDOM % 30 / 10)).$((RANDOM % 10)); '
-        f'echo "end $TPUPOD_JOB_ID"; echo $TPUPOD_JOB_ID >> {ran}'
+        'echo "end $TPUPOD_JOB_ID"; '
+        f'echo "$TPUPOD_JOB_ID $TPUPOD_JOB_ATTEMPT $(date +%s.%N)" >> {ran}'  # id, attempt, when
     )
     store = Store.open(url)
     acknowledged = store.submit_many([command_job(body) for _ in range(queued)])
@@ -646,7 +648,7 @@ def _inject(
     injections: list[str] = []
     while time.monotonic() - began < seconds:
         time.sleep(rng.uniform(2, 5))
-        at = f"{time.monotonic() - began:.1f}s"
+        at = f"{time.monotonic() - began:.1f}s (at {time.time():.3f})"
         if rng.random() < 0.6:
             victim = rng.randrange(len(runners))
             runners[victim].kill()

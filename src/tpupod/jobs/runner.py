@@ -471,7 +471,7 @@ class Runner:
                 outcome = Outcome(JobStatus.FAILED, error=error)
             plan = self._plan(attempt, outcome)
             if plan.kept:
-                await self._keep(attempt, plan, outcome)
+                self._keep(attempt, plan, outcome)
             await self._write_rest(attempt)
             ended = await self._end(attempt, plan)
             if plan.kept:
@@ -558,7 +558,7 @@ class Runner:
             return _Plan("release", reason=f"attempt {claim.attempt}: its runner stopped")
         return _Plan("retry", reason=outcome.error or "the attempt was lost")
 
-    async def _keep(self, attempt: _Attempt, plan: _Plan, outcome: Outcome) -> None:
+    def _keep(self, attempt: _Attempt, plan: _Plan, outcome: Outcome) -> None:
         """Put the attempt's outcome in the journal, with every line the store may not have,
         before the first try to write it: from now on it survives this runner."""
         if self.journal is None:
@@ -575,17 +575,21 @@ class Runner:
             plan.ending.error if plan.ending is not None else plan.reason,
             time.time(),
         )
-        async with attempt.writing:  # not while a write of its lines is under way
-            try:
-                self.journal.keep(kept, attempt.next_seq, attempt.lines.snapshot(WRITE_BATCH))
-                if self.outage.since is not None:  # it may wait there a while
-                    self.journal.sync()
-            except OSError as exc:  # a full disk: the store may take it all the same
-                self.say(
-                    f"runner {self.owner}: cannot keep job {claim.job.id}'s outcome in "
-                    f"{self.journal.path}: {exc.strerror or exc}"
-                )
-                return
+        # no await from here to the write: the buffer's first line is at next_seq, even
+        # while a write of its lines is under way (those stay in the buffer until it
+        # returns; the journal has them too, and a recovery's resume skips what the store
+        # took). Not waiting for that write keeps the window where a kill loses the
+        # outcome to the microseconds since the executor returned.
+        try:
+            self.journal.keep(kept, attempt.next_seq, attempt.lines.snapshot(WRITE_BATCH))
+            if self.outage.since is not None:  # it may wait there a while
+                self.journal.sync()
+        except OSError as exc:  # a full disk: the store may take it all the same
+            self.say(
+                f"runner {self.owner}: cannot keep job {claim.job.id}'s outcome in "
+                f"{self.journal.path}: {exc.strerror or exc}"
+            )
+            return
         if self.outage.since is not None:
             self.say(
                 f"job {claim.job.id} attempt {claim.attempt}: {status}; kept in "
