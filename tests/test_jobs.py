@@ -634,6 +634,7 @@ def test_an_idle_runner_wakes_for_a_new_job_at_once(store: Store, db_url: str) -
 
 def test_postgres_restarted_under_load_loses_nothing_and_runs_nothing_twice(
     tmp_path: Path,
+    state_home: Path,  # where its runners keep their journals
 ) -> None:
     with postgres_cluster() as server:  # its own: a restart disturbs no other test
         _restarted_under_load(server, tmp_path)

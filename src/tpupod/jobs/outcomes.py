@@ -88,10 +88,16 @@ class Journal:
     it waits for the store (kept for the next runner otherwise)."""
 
     def __init__(self, folder: Path, owner: str) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / _file_name(owner)
         self.owner = owner
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        for tries_left in range(3, 0, -1):  # another runner may remove the folder meanwhile
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                break
+            except FileNotFoundError:
+                if tries_left == 1:
+                    raise
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody has it
         self.pending: set[Key] = set()
         self._dirty = False  # written since the last fsync
@@ -123,10 +129,13 @@ class Journal:
             self._dirty = False
 
     def close(self) -> None:
-        """Removed when nothing waits in it; else left (synced) for the next runner."""
+        """Removed when nothing waits in it (and its folder, if no other runner's is
+        there); else left (synced) for the next runner."""
         if not self.pending:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+            with contextlib.suppress(OSError):  # not empty: another runner's journal
+                self.path.parent.rmdir()
         else:
             self.sync()
         os.close(self._fd)
