@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sqlalchemy import update
 
 from tests.conftest import CliResult, tpupod_argv
 from tests.postgres import Postgres, new_database, postgres_cluster
@@ -392,6 +393,47 @@ def test_a_runner_killed_mid_job_is_named_with_what_became_of_each_of_its_jobs(
     )
     refused = cli("jobs", "logs", str(again), "--db", db_url, "--attempt", "3")
     assert refused.code == 2 and refused.err.startswith(f"error: job {again} had 2 attempts, not 3")
+
+
+def test_a_gone_runners_journal_is_recorded_unless_the_job_went_on_without_it(
+    store: Store, db_url: str
+) -> None:
+    """What the next runner does with a journal whose runner is gone, when the store had
+    already moved on: a job the reaper requeued that nobody took since is recorded as its
+    journal says (its lines, its ending, attempt 1); a job another runner took meanwhile
+    (and ran) keeps its own ending, and its history says attempt 1 had ended too, late."""
+    from tpupod.jobs.outcomes import Journal, Kept, journal_folder
+    from tpupod.jobs.schema import jobs
+
+    requeued, taken = (store.submit(command_job("true")) for _ in range(2))
+    journal = Journal(journal_folder(db_url), "gone-runner")
+    for job in (requeued, taken):
+        claim = claims.claim(store, "gone-runner", pod=None, lease_s=0.01)
+        assert claim is not None and claim.job.id == job
+        claims.append_logs(store, claim, 1, [(0, "first")])
+        kept = Kept(job, 1, "gone-runner", "end", "completed", '"done"', None, time.time())
+        journal.keep(kept, 2, [[(0, "second"), (0, "third")]])
+    journal.close()  # as a kill -9 leaves it: the lock goes, the file stays
+    time.sleep(0.05)
+    assert len(claims.reap(store)) == 2
+    with store.write() as conn:  # another runner takes the second job at once, and ends it
+        conn.execute(update(jobs).where(jobs.c.id == taken).values(run_after=0.0))
+    again = claims.claim_many(store, "other", pod=None, lease_s=30, limit=1)
+    assert [c.job.id for c in again] == [taken]
+    claims.finish(store, again[0], JobStatus.COMPLETED, result='"again"')
+    proc = runner(db_url, "--local", "--until-empty")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    done = store.get(requeued)
+    assert (done.status, done.attempt, done.result) == (JobStatus.COMPLETED, 1, "done"), done
+    assert [line.line for line in store.logs(requeued)] == ["first", "second", "third"]
+    assert [entry.how for entry in done.history] == ["recovered"], done.history
+    late = store.get(taken)
+    assert (late.status, late.attempt, late.result) == (JobStatus.COMPLETED, 2, "again")
+    assert [(entry.attempt, entry.how) for entry in late.history] == [(1, "late")]
+    assert "the job store learned it only after the job had gone on" in late.history[0].why
+    assert f"recorded job {requeued} attempt 1 (completed) for runner gone-runner" in err, err
+    assert not list(journal_folder(db_url).glob("*.journal"))  # recorded: removed
 
 
 # -- the CLI --------------------------------------------------------------------------
