@@ -572,7 +572,8 @@ class ChaosVerdict:
     acknowledged: list[int]
     executions: dict[int, int]  # job id -> times it ran to its end
     injections: list[str]
-    named_reruns: list[int]  # jobs run twice whose history names the lost attempt
+    named_reruns: list[int]  # jobs whose history names an attempt lost with its runner
+    recorded: int  # endings a runner recorded from a gone runner's journal
 
     @property
     def lost(self) -> list[int]:
@@ -605,12 +606,21 @@ def job_chaos(
     )
     store = Store.open(url)
     acknowledged = store.submit_many([command_job(body) for _ in range(queued)])
-    runners = [runner(url, "--local", "-c", "2") for _ in range(2)]
+    started = iter(range(1_000_000))
+
+    def start_runner() -> subprocess.Popen[str]:
+        """A runner as a user starts one; what it says goes to a file (a pipe nobody reads
+        would fill and stop it)."""
+        with (folder / f"runner-{next(started)}.err").open("w") as said:
+            argv = tpupod_argv("jobs", "worker", "--db", url, "--local", "-c", "2")
+            return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=said, text=True)
+
+    runners = [start_runner() for _ in range(2)]
     stop = threading.Event()
     submitter = threading.Thread(target=_submitting, args=(url, body, acknowledged, stop))
     submitter.start()
     try:
-        injections = _inject(pg, url, runners, rng, seconds)
+        injections = _inject(pg, start_runner, runners, rng, seconds)
         stop.set()
         submitter.join(90)
         _wait_for(lambda: claims.remaining(store, None) == 0, timeout=120)
@@ -625,7 +635,9 @@ def job_chaos(
     executions: dict[int, int] = {}
     for job in _ran(ran):
         executions[job] = executions.get(job, 0) + 1
-    return ChaosVerdict(acknowledged, executions, injections, named)
+    said = "".join(path.read_text() for path in folder.glob("runner-*.err"))
+    recorded = len(re.findall(r": recorded job \d+ attempt \d+ ", said))
+    return ChaosVerdict(acknowledged, executions, injections, named, recorded)
 
 
 def _submitting(url: str, body: str, acknowledged: list[int], stop: threading.Event) -> None:
@@ -638,7 +650,7 @@ def _submitting(url: str, body: str, acknowledged: list[int], stop: threading.Ev
 
 def _inject(
     pg: Postgres,
-    url: str,
+    start_runner: Callable[[], subprocess.Popen[str]],
     runners: list[subprocess.Popen[str]],
     rng: random.Random,
     seconds: float,
@@ -653,7 +665,7 @@ def _inject(
             victim = rng.randrange(len(runners))
             runners[victim].kill()
             runners[victim].communicate()
-            runners[victim] = runner(url, "--local", "-c", "2")
+            runners[victim] = start_runner()
             injections.append(f"{at} kill -9 runner {victim}")
         else:
             down = rng.uniform(2, 6)
