@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,3 +103,65 @@ def postgres_cluster() -> Iterator[Postgres]:
     finally:
         subprocess.run([*pg_ctl, "-m", "immediate", "stop"], capture_output=True)
         shutil.rmtree(data, ignore_errors=True)
+
+
+class LostCommitAnswer:
+    """A TCP proxy in front of a PostgreSQL server that loses the answer to one COMMIT: it
+    forwards the first COMMIT of a transaction that added a job, lets the server commit it,
+    and closes the client's connection before the answer comes back (the commit happened;
+    the client cannot tell). Every other connection and message goes through as is."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = int(self.listener.getsockname()[1])
+        self.armed = True
+        self.cut = 0  # connections closed after their COMMIT
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, database_url: str) -> str:
+        """``database_url`` (on the server) through this proxy."""
+        return database_url.replace(f":{self.target}/", f":{self.port}/")
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.open:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self.open += [client, server]
+            lost = threading.Event()  # the server's answers stop reaching the client
+            threading.Thread(target=self._up, args=(client, server, lost), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, lost), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, lost: threading.Event) -> None:
+        added = False  # this connection sent the INSERT of a job
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                added = added or b"INSERT INTO tpupod_jobs" in data
+                if self.armed and added and b"COMMIT" in data:
+                    self.armed = False
+                    lost.set()
+                    server.sendall(data)
+                    time.sleep(0.5)  # the server commits and answers; the answer is dropped
+                    self.cut += 1
+                    client.shutdown(socket.SHUT_RDWR)
+                    server.shutdown(socket.SHUT_RDWR)
+                    return
+                server.sendall(data)
+
+    def _down(self, server: socket.socket, client: socket.socket, lost: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if lost.is_set():
+                    return
+                client.sendall(data)

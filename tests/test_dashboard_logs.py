@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import CliResult
 from tests.dashboard_server import Dashboard, dashboard_fixture  # noqa: F401 (a fixture)
 from tests.fakes.runs import write_runs
-from tests.test_jobs_cli import MARKED, job_with_a_lost_runner
+from tests.test_jobs_cli import MARKED, job_with_a_lost_runner, plain
 from tpupod.jobs import claims
 from tpupod.jobs.models import JobRequest
 from tpupod.jobs.store import Store
@@ -129,11 +129,12 @@ def test_a_job_log_marks_each_attempt_as_jobs_logs_does(
     """A job run again after its runner was lost: its page's log and its download mark
     where each attempt begins, with the lines 'tpupod jobs logs' shows."""
     job = job_with_a_lost_runner(cli)
-    assert cli("jobs", "logs", job).out.splitlines() == MARKED
+    shown = cli("jobs", "logs", job).out.splitlines()
+    assert plain(shown) == MARKED
     board = dashboard()
     _, data = first_batch(board, f"/api/jobs/{job}/follow")
-    assert [text for _, text in data["lines"]] == MARKED  # type: ignore[attr-defined]
-    assert board.get(f"/api/jobs/{job}/log").text.splitlines() == MARKED
+    assert [text for _, text in data["lines"]] == shown  # type: ignore[attr-defined]
+    assert board.get(f"/api/jobs/{job}/log").text.splitlines() == shown
 
 
 def test_the_whole_log_downloads(

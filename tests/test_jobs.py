@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sqlalchemy import update
 
 from tests.conftest import CliResult, tpupod_argv
 from tests.postgres import Postgres, new_database, postgres_cluster
@@ -35,8 +37,9 @@ def postgres(postgres_server: Postgres) -> Postgres:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty job store on each database."""
+def db_url(request: pytest.FixtureRequest, tmp_path: Path, state_home: Path) -> str:
+    """A fresh, empty job store on each database (runners keep their journals in this
+    test's own state directory)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'jobs.db'}"
     return new_database(request.getfixturevalue("postgres"))
@@ -95,10 +98,14 @@ def test_an_expired_lease_is_requeued_with_backoff_and_the_old_runner_is_fenced(
     assert old is not None
     claims.started(store, old)
     time.sleep(0.1)
-    assert claims.reap(store) == 1
+    [reaped] = claims.reap(store)
+    assert reaped.what == f"job {job} requeued for attempt 2"
     requeued = store.get(job)
     assert requeued.status is JobStatus.PENDING
-    assert "attempt 1 lost its runner dead-runner" in (requeued.error or "")
+    lost = "runner dead-runner lost (its lease expired) while running"
+    assert requeued.error == f"attempt 1: {lost}"
+    [entry] = requeued.history  # jobs show and jobs logs say it
+    assert (entry.attempt, entry.runner, entry.how, entry.why) == (1, "dead-runner", "lost", lost)
     assert claims.claim(store, "new", pod=None, lease_s=30) is None  # backoff: 1 s
     time.sleep(claims.backoff_s(1))
     new = claims.claim(store, "new", pod=None, lease_s=30)
@@ -123,7 +130,8 @@ def test_a_job_that_loses_its_runner_max_attempts_times_fails_with_the_reason(
     job = store.submit(command_job("true", max_attempts=1))
     assert claims.claim(store, "r1", pod=None, lease_s=0.01) is not None
     time.sleep(0.05)
-    claims.reap(store)
+    [reaped] = claims.reap(store)
+    assert reaped.what == f"job {job} failed after 1 attempt"
     failed = store.get(job)
     assert failed.status is JobStatus.FAILED
     assert "gave up after 1 attempts" in (failed.error or "")
@@ -149,7 +157,7 @@ def _take_over(store: Store, job_id: int) -> Claim:
 
     with store.write() as conn:
         conn.execute(update(jobs).where(jobs.c.id == job_id).values(lease_expires_at=0.0))
-    assert claims.reap(store) == 1
+    assert len(claims.reap(store)) == 1
     with store.write() as conn:
         conn.execute(update(jobs).where(jobs.c.id == job_id).values(run_after=0.0))
     taken = claims.claim_many(store, "b", pod=None, lease_s=30, limit=1)
@@ -324,6 +332,108 @@ def test_a_runner_killed_mid_job_loses_the_job_to_another_and_its_late_writes_ar
         claims.finish(store, stale, JobStatus.FAILED, error="from the dead")
     assert store.get(job).status is JobStatus.COMPLETED
     assert len(store.logs(job)) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_runner_killed_mid_job_is_named_with_what_became_of_each_of_its_jobs(
+    store: Store, db_url: str, tmp_path: Path, cli: Callable[..., CliResult]
+) -> None:
+    """Issue 41: 'requeued or failed 2 job(s) whose runner was lost' named neither the
+    jobs, nor the runner, nor which of the two happened, and 'jobs show' said 'completed
+    after 2 attempts', nothing of why. A runner killed (-9) on this state directory is known
+    gone at once (the lock on its journal went with its process): the next runner takes its
+    jobs back without waiting out its lease (15 s), says which runner, why and what became
+    of each job, and 'show' and 'logs' name each attempt's runner and how it ended."""
+    ran = tmp_path / "ran"
+    again = store.submit(
+        command_job(
+            f'echo "start $TPUPOD_JOB_ATTEMPT"; [ $TPUPOD_JOB_ATTEMPT = 1 ] && sleep 60; '
+            f"echo $TPUPOD_JOB_ID >> {ran}"
+        )
+    )
+    once = store.submit(command_job("echo start; sleep 60", max_attempts=1))
+    first = runner(db_url, "--local", "-c", "2")  # the default lease: 15 s
+    _wait_for(lambda: all(len(store.logs(job)) == 1 for job in (again, once)), timeout=30)
+    lost = store.get(again).lease_owner
+    first.kill()
+    first.communicate()
+    began = time.monotonic()
+    second = runner(db_url, "--local", "--until-empty")
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    assert time.monotonic() - began < 12, err  # no lease waited out
+    assert ran.read_text().split() == [str(again)]  # the requeued job ran once more, to its end
+    said = f"runner {lost} lost (its process is gone): job {again} requeued for attempt 2; "
+    assert said + f"job {once} failed after 1 attempt" in err, err
+    done, failed = store.get(again), store.get(once)
+    assert (done.status, done.attempt, failed.status) == (
+        JobStatus.COMPLETED,
+        2,
+        JobStatus.FAILED,
+    )
+    shown = cli("jobs", "show", str(again), "--db", db_url).out.splitlines()
+    assert shown[1] == "  status    completed after 2 attempts", shown
+    assert re.fullmatch(
+        rf"  attempts  1: runner {re.escape(lost or '')} lost \(its process is gone\) while "
+        r"running \(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d to \d\d:\d\d:\d\d UTC\)",
+        shown[4],
+    ), shown
+    assert re.fullmatch(
+        rf"            2: completed on runner {re.escape(done.runner or '')} \(started .* UTC\)",
+        shown[5],
+    ), shown
+    header = r"--- attempt {} \(runner {}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC\) ---"
+    logs = cli("jobs", "logs", str(again), "--db", db_url).out.splitlines()
+    assert len(logs) == 4 and logs[1::2] == ["start 1", "start 2"], logs
+    assert re.fullmatch(header.format(1, re.escape(lost or "")), logs[0]), logs
+    assert re.fullmatch(header.format(2, re.escape(done.runner or "")), logs[2]), logs
+    assert (
+        cli("jobs", "logs", str(again), "--db", db_url, "--attempt", "2").out.splitlines()
+        == (logs[2:])
+    )
+    refused = cli("jobs", "logs", str(again), "--db", db_url, "--attempt", "3")
+    assert refused.code == 2 and refused.err.startswith(f"error: job {again} had 2 attempts, not 3")
+
+
+def test_a_gone_runners_journal_is_recorded_unless_the_job_went_on_without_it(
+    store: Store, db_url: str
+) -> None:
+    """What the next runner does with a journal whose runner is gone, when the store had
+    already moved on: a job the reaper requeued that nobody took since is recorded as its
+    journal says (its lines, its ending, attempt 1); a job another runner took meanwhile
+    (and ran) keeps its own ending, and its history says attempt 1 had ended too, late."""
+    from tpupod.jobs.outcomes import Journal, Kept, journal_folder
+    from tpupod.jobs.schema import jobs
+
+    requeued, taken = (store.submit(command_job("true")) for _ in range(2))
+    journal = Journal(journal_folder(db_url), "gone-runner")
+    for job in (requeued, taken):
+        claim = claims.claim(store, "gone-runner", pod=None, lease_s=0.01)
+        assert claim is not None and claim.job.id == job
+        claims.append_logs(store, claim, 1, [(0, "first")])
+        kept = Kept(job, 1, "gone-runner", "end", "completed", '"done"', None, time.time())
+        journal.keep(kept, 2, [[(0, "second"), (0, "third")]])
+    journal.close()  # as a kill -9 leaves it: the lock goes, the file stays
+    time.sleep(0.05)
+    assert len(claims.reap(store)) == 2
+    with store.write() as conn:  # another runner takes the second job at once, and ends it
+        conn.execute(update(jobs).where(jobs.c.id == taken).values(run_after=0.0))
+    again = claims.claim_many(store, "other", pod=None, lease_s=30, limit=1)
+    assert [c.job.id for c in again] == [taken]
+    claims.finish(store, again[0], JobStatus.COMPLETED, result='"again"')
+    proc = runner(db_url, "--local", "--until-empty")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    done = store.get(requeued)
+    assert (done.status, done.attempt, done.result) == (JobStatus.COMPLETED, 1, "done"), done
+    assert [line.line for line in store.logs(requeued)] == ["first", "second", "third"]
+    assert [entry.how for entry in done.history] == ["recovered"], done.history
+    late = store.get(taken)
+    assert (late.status, late.attempt, late.result) == (JobStatus.COMPLETED, 2, "again")
+    assert [(entry.attempt, entry.how) for entry in late.history] == [(1, "late")]
+    assert "the job store learned it only after the job had gone on" in late.history[0].why
+    assert f"recorded job {requeued} attempt 1 (completed) for runner gone-runner" in err, err
+    assert not list(journal_folder(db_url).glob("*.journal"))  # recorded: removed
 
 
 # -- the CLI --------------------------------------------------------------------------
@@ -566,6 +676,7 @@ def test_an_idle_runner_wakes_for_a_new_job_at_once(store: Store, db_url: str) -
 
 def test_postgres_restarted_under_load_loses_nothing_and_runs_nothing_twice(
     tmp_path: Path,
+    state_home: Path,  # where its runners keep their journals
 ) -> None:
     with postgres_cluster() as server:  # its own: a restart disturbs no other test
         _restarted_under_load(server, tmp_path)

@@ -26,7 +26,8 @@ TOKEN = "test-token-not-secret"
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
+def store(tmp_path: Path, state_home: Path) -> Iterator[Store]:
+    """A store of the test's own; its runners keep their journals in its state directory."""
     opened = Store.open(f"sqlite:///{tmp_path / 'jobs.db'}")
     yield opened
     opened.close()

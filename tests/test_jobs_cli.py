@@ -105,17 +105,20 @@ def test_retries_need_attempts_to_run_them(cli: Cli, tmp_path: Path) -> None:
     )
 
 
-def test_a_store_of_schema_1_gains_retries_on_open(db_url: str) -> None:  # noqa: F811
+def test_a_store_of_schema_1_gains_retries_and_attempts_on_open(db_url: str) -> None:  # noqa: F811
     store = Store.open(db_url)
     old = store.submit(quick_request("true"))
-    with store.write() as conn:  # as tpupod made it before retries
-        conn.execute(text(f"ALTER TABLE {rows.JOBS_TABLE} DROP COLUMN retries"))
+    with store.write() as conn:  # as tpupod made it before retries (and attempts' history)
+        conn.execute(text("DROP INDEX tpupod_jobs_submit_key"))
+        for column in ("retries", "runner", "history", "submit_key"):
+            conn.execute(text(f"ALTER TABLE {rows.JOBS_TABLE} DROP COLUMN {column}"))
         conn.execute(text(f"UPDATE {rows.VERSION_TABLE} SET version = 1"))
     store.close()
     again = Store.open(db_url)
-    assert again.get(old).retries == 0
+    job = again.get(old)
+    assert (job.retries, job.runner, job.history) == (0, None, ())
     with again.write() as conn:
-        assert schema.current_version(conn) == schema.LATEST == 2
+        assert schema.current_version(conn) == schema.LATEST == 3
     again.close()
 
 
@@ -323,6 +326,18 @@ TWO_ATTEMPTS = (  # the first attempt hangs until its runner is killed; the seco
     'if [ "$TPUPOD_JOB_ATTEMPT" = 1 ]; then sleep 60; fi; echo "end $TPUPOD_JOB_ATTEMPT"'
 )
 MARKED = ["--- attempt 1 ---", "start 1", "--- attempt 2 ---", "start 2", "end 2"]
+HEADER = re.compile(r"--- attempt (\d+) \(runner \S+:\d+:\w+, started [\d-]+ [\d:]+ UTC\) ---")
+
+
+def plain(lines: list[str]) -> list[str]:
+    """``lines`` with each attempt's header as ``--- attempt N ---``: which runner ran an
+    attempt and when differs from run to run (each header must name them, though)."""
+    out = []
+    for line in lines:
+        found = HEADER.fullmatch(line)
+        assert found is not None or not line.startswith("--- attempt "), line
+        out.append(f"--- attempt {found.group(1)} ---" if found else line)
+    return out
 
 
 def job_with_a_lost_runner(cli: Cli, *db: str) -> str:
@@ -351,9 +366,9 @@ def test_logs_mark_where_each_attempt_begins(cli: Cli, tmp_path: Path) -> None:
     """After a lost runner, attempt 1's and attempt 2's lines came back to back."""
     db = ("--db", _sqlite(tmp_path))
     job_id = job_with_a_lost_runner(cli, *db)
-    assert cli("jobs", "logs", job_id, *db).out.splitlines() == MARKED
+    assert plain(cli("jobs", "logs", job_id, *db).out.splitlines()) == MARKED
     # from an offset inside attempt 2: its mark still says whose lines these are
-    assert cli("jobs", "logs", job_id, *db, "--offset", "1").out.splitlines() == MARKED[2:]
+    assert plain(cli("jobs", "logs", job_id, *db, "--offset", "1").out.splitlines()) == MARKED[2:]
     one = cli("jobs", "submit", *db, "--", "echo once").out.strip()
     assert cli("jobs", "worker", *db, "--local", "--until-empty", "-q").code == 0
     assert cli("jobs", "logs", one, *db).out == "once\n"  # one attempt: nothing to tell apart
@@ -411,6 +426,7 @@ def _row(store: Store, job_id: int) -> dict[str, Any]:
     values = dict(row._mapping)
     for varying in ("id", "created_at", "updated_at"):
         values.pop(varying)
+    assert len(values.pop("submit_key")) == 32  # a new key each submit, unless --key
     return values
 
 
@@ -441,6 +457,46 @@ def test_the_fast_path_and_the_typer_command_store_the_same_row(
         assert typer_made.returncode == 0, typer_made.stderr
         assert _row(store, int(fast.out)) == _row(store, int(typer_made.stdout))
     assert store.get(int(fast.out)).command == "echo 'a b'"
+    store.close()
+
+
+def test_a_submit_key_given_again_adds_no_second_job(
+    cli: Cli,
+    db_url: str,  # noqa: F811  (the fixture imported above)
+) -> None:
+    """A script that did not get a submit's answer (its own process killed, a timeout) sends
+    it again with the same --key: the job the first one added, its id, no second job; on
+    the fast path, the typer command and the API alike. A key names one job: the same key
+    for another command is refused."""
+    store = Store.open(db_url)  # the fast path needs the store made
+    first = cli("jobs", "submit", "--db", db_url, "--key", "nightly-1", "--", "echo a")
+    assert first.code == 0, first.err
+    argv = ["jobs", "submit", "--db", db_url, "--key", "nightly-1", "--", "echo a"]
+    typer_made = subprocess.run(
+        [sys.executable, "-c", TYPER_ONLY, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (typer_made.returncode, typer_made.stdout) == (0, first.out), typer_made.stderr
+    keyed = {"Idempotency-Key": "nightly-1"}
+    with serving(store) as api:
+        again = api.post("/jobs", json={"command": "echo a"}, headers=keyed)
+        assert again.json() == {"id": int(first.out)}, again.text
+        other = api.post("/jobs", json={"command": "echo b"}, headers=keyed)
+        assert other.status_code == 422 and "runs something else" in other.text
+    assert [job.id for job in store.find()] == [int(first.out)]
+    _one_error(
+        cli("jobs", "submit", "--db", db_url, "--key", "nightly-1", "--", "echo b"),
+        2,
+        f"the submit key 'nightly-1' is job {first.out.strip()}'s, which runs something else",
+    )
+    _one_error(
+        cli("jobs", "submit", "--db", db_url, "--key", "x" * 65, "--", "echo b"),
+        2,
+        f"the submit key {'x' * 65!r} is not 1 to 64 printable ASCII characters",
+    )
+    assert len(store.find()) == 1
     store.close()
 
 

@@ -37,12 +37,11 @@ from tpupod.jobs.k8s_manifest import (
     Target,
     jobset_name,
     render_jobset,
-    store_label,
     tpu_slice,
 )
 from tpupod.jobs.models import Claim, Job, JobRequest, JobStatus
 from tpupod.jobs.runner import Runner
-from tpupod.jobs.store import Store
+from tpupod.jobs.store import Store, store_label
 
 TOKEN = "standin-token"
 REPO = Path(__file__).resolve().parents[1]  # where ``python -m tests.fakes...`` runs
@@ -183,7 +182,8 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandIn]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
+def store(tmp_path: Path, state_home: Path) -> Iterator[Store]:
+    """A store of the test's own; its runners keep their journals in its state directory."""
     opened = Store.open(f"sqlite:///{tmp_path / 'jobs.db'}")
     yield opened
     opened.close()

@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
+import random
 import re
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -21,7 +24,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_base_port, tpupod_argv
-from tests.postgres import Postgres, new_database, postgres_cluster
+from tests.postgres import LostCommitAnswer, Postgres, new_database, postgres_cluster
 from tests.test_jobs import _wait_for, command_job, runner
 from tpupod.errors import JobStoreAway
 from tpupod.jobs import claims
@@ -38,8 +41,9 @@ OUTAGE_S = 6.0  # longer than the runners' lease (4 s): their jobs must survive 
 
 
 @pytest.fixture
-def pg() -> Iterator[Postgres]:
-    """A cluster of this test's own: stopping it disturbs no other test."""
+def pg(state_home: Path) -> Iterator[Postgres]:
+    """A cluster of this test's own: stopping it disturbs no other test (and a state
+    directory of its own, where its runners keep their journals)."""
     with postgres_cluster() as server:
         yield server
 
@@ -224,6 +228,139 @@ def test_logs_follow_and_wait_ride_out_an_outage(
         assert said.count("retrying until it is back") == 1, said
         assert said.count("the job store is back after") == 1, said
     assert result == "" and store.get(job).status is JobStatus.COMPLETED  # a command: no result
+
+
+def _jobs(*args: str) -> subprocess.CompletedProcess[str]:
+    """``tpupod jobs ARGS`` as a user runs it."""
+    return subprocess.run(
+        tpupod_argv("jobs", *args), capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def _submitted(url: str, command: str) -> int:
+    done = _jobs("submit", "--db", url, "--", command)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+def _ran(path: Path) -> list[int]:
+    """The job ids the jobs wrote to ``path`` (a file the test owns): one line (starting
+    with the id) per execution."""
+    return [int(line.split()[0]) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(150)  # a cluster of its own, two runners, an outage
+def test_a_job_that_ended_while_postgres_was_down_is_not_run_again_when_its_runner_is_killed(
+    pg: Postgres, tmp_path: Path
+) -> None:
+    """The chaos run's duplicate: a job ran to its end while PostgreSQL was away; its runner
+    was killed (-9) before it could record that; the next runner ran the job again
+    ('completed after 2 attempts'). Its outcome and the lines the store did not have are
+    in the runner's journal from the moment it ended: the next runner records them, once,
+    and the job does not run again."""
+    url = new_database(pg)
+    store = Store.open(url)
+    ran = tmp_path / "ran"
+    body = f"for i in $(seq 1 30); do echo line $i; sleep 0.05; done; echo $TPUPOD_JOB_ID >> {ran}"
+    job = _submitted(url, body)
+    first = runner(url, "--local")  # as a user starts one: default lease, no --until-empty
+    said = StderrLines(first)
+    try:
+        _wait_for(lambda: len(store.logs(job)) >= 3, timeout=30)
+        pg.stop()  # the rest of its lines and its end come while the store is away
+        _wait_for(lambda: _ran(ran) == [job], timeout=30)
+        with contextlib.suppress(AssertionError):  # the old runner never said so
+            said.wait_for(f"job {job} attempt 1: completed; kept in", timeout=5)
+    finally:
+        first.kill()  # kill -9, before the store is back
+        said.finish()
+    pg.start()
+    second = runner(url, "--local", "--until-empty")
+    _, err = second.communicate(timeout=90)
+    assert second.returncode == 0, err
+    assert _ran(ran) == [job], err  # once: it was not run again
+    done = store.get(job)
+    assert (done.status, done.attempt) == (JobStatus.COMPLETED, 1), (done, err)
+    assert [line.line for line in store.logs(job)] == [f"line {i}" for i in range(1, 31)]
+    assert f"job {job} attempt 1: completed; kept in" in said.text()
+    owner = f"runner {done.runner}"
+    assert f"recorded job {job} attempt 1 (completed) for {owner}, which is gone" in err, err
+    shown = _jobs("show", str(job), "--db", url).stdout.splitlines()
+    assert shown[1] == "  status    completed", shown
+    assert re.fullmatch(
+        rf"  attempts  1: completed on {owner}; recorded by runner \S+:{second.pid}:\S+: "
+        rf"{done.runner} was gone before the job store took it \(.* UTC\)",
+        shown[4],
+    ), shown
+    store.close()
+
+
+def _submit(*args: str) -> subprocess.Popen[str]:
+    argv = tpupod_argv("jobs", "submit", *args)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_submit_while_postgres_is_down_waits_for_it_and_is_acknowledged_once_stored(
+    pg: Postgres,
+) -> None:
+    """'jobs submit' failed at once while the store was away, where runners wait. It waits
+    as they do (up to 60 s), saying so once and when the store is back, and prints the id
+    only once the job is stored."""
+    url = new_database(pg)
+    Store.open(url).close()  # the schema is there: the fast path's submit
+    pg.stop()
+    proc = _submit("--db", url, "--", "echo hello")
+    said = StderrLines(proc)
+    try:
+        said.wait_for("waiting up to 60 s for it")
+        time.sleep(1)
+        assert proc.poll() is None, said.text()  # still waiting
+        pg.start()
+        err = said.finish()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            said.finish()
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.stdout.close()
+    assert proc.returncode == 0, err
+    assert err.count("waiting up to 60 s for it") == 1 and "Connection refused" in err, err
+    assert re.search(r"the job store is back after [\d.]+ s", err), err
+    store = Store.open(url)
+    assert [job.id for job in store.find()] == [int(out)]
+    assert store.get(int(out)).command == "echo hello"
+    store.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("path", ["fast", "typer"])
+def test_a_submit_whose_commit_answer_is_lost_is_tried_again_and_stored_once(
+    pg: Postgres, path: str, tmp_path: Path
+) -> None:
+    """The connection drops after the server committed the job, before its answer came:
+    the old submit failed ('did not confirm the submit'; a script then submitted again: two
+    jobs). The submit's key lets the next try find the job the first one added: one job,
+    its id printed, exit 0. The fast path (psycopg) and the typer command (a .json job)."""
+    url = new_database(pg)
+    Store.open(url).close()
+    proxy = LostCommitAnswer(int(url.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        if path == "fast":
+            what = ["--", "echo hello"]
+        else:
+            job = tmp_path / "job.json"
+            job.write_text(json.dumps({"command": "echo hello"}))
+            what = [str(job)]
+        out, err = _submit("--db", proxy.url(url), *what).communicate(timeout=60)
+    finally:
+        proxy.close()
+    assert proxy.cut == 1, err  # the answer to the commit was lost
+    assert err.count("waiting up to 60 s for it") == 1, err
+    store = Store.open(url)
+    assert [job.id for job in store.find()] == [int(out)], err
+    store.close()
 
 
 def _refusing(url: str) -> str | None:
@@ -422,3 +559,166 @@ def test_what_counts_as_a_store_away(said: str, away: bool) -> None:
 
     error = OperationalError(None, None, psycopg.OperationalError(f"connection failed: {said}"))
     assert _away(error) is away
+
+
+# -- chaos: runners killed at random while PostgreSQL stops and starts ---------------------
+
+
+@dataclass
+class ChaosVerdict:
+    """A Jepsen-style count after the drain: each acknowledged submit against the
+    executions the jobs themselves wrote down, outside tpupod."""
+
+    acknowledged: list[int]
+    executions: dict[int, int]  # job id -> times it ran to its end
+    injections: list[str]
+    named_reruns: list[int]  # jobs whose history names an attempt lost with its runner
+    recorded: int  # endings a runner recorded from a gone runner's journal
+
+    @property
+    def lost(self) -> list[int]:
+        return [job for job in self.acknowledged if not self.executions.get(job)]
+
+    @property
+    def duplicated(self) -> list[int]:
+        return [job for job, count in self.executions.items() if count > 1]
+
+    @property
+    def unexpected(self) -> list[int]:
+        return sorted(set(self.executions) - set(self.acknowledged))
+
+
+def job_chaos(
+    pg: Postgres, url: str, folder: Path, *, seconds: float, seed: int, queued: int = 30
+) -> ChaosVerdict:
+    """``queued`` jobs submitted first, two local runners (default options, 2 slots each)
+    and a thread submitting more through the CLI, for ``seconds``; meanwhile, at random
+    (``seed``), every 2-5 s, a runner killed -9 (another started) or PostgreSQL stopped at
+    once and started 2-6 s later, half the time with a runner killed in the outage. Each
+    job prints a line at its start and at its end and appends its id to a file of the
+    test's just before it ends. Then the drain: every job ended, its last attempt's log
+    whole, the runners stopped (TERM), the verdict counted."""
+    rng = random.Random(seed)
+    ran = folder / "ran"
+    body = (
+        'echo "begin $TPUPOD_JOB_ID"; sleep $((RANDOM % 30 / 10)).$((RANDOM % 10)); '
+        'echo "end $TPUPOD_JOB_ID"; '
+        f'echo "$TPUPOD_JOB_ID $TPUPOD_JOB_ATTEMPT $(date +%s.%N)" >> {ran}'  # id, attempt, when
+    )
+    store = Store.open(url)
+    acknowledged = store.submit_many([command_job(body) for _ in range(queued)])
+    started = iter(range(1_000_000))
+
+    def start_runner() -> subprocess.Popen[str]:
+        """A runner as a user starts one; what it says goes to a file (a pipe nobody reads
+        would fill and stop it)."""
+        with (folder / f"runner-{next(started)}.err").open("w") as said:
+            argv = tpupod_argv("jobs", "worker", "--db", url, "--local", "-c", "2")
+            return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=said, text=True)
+
+    runners = [start_runner() for _ in range(2)]
+    stop = threading.Event()
+    submitter = threading.Thread(target=_submitting, args=(url, body, acknowledged, stop))
+    submitter.start()
+    try:
+        injections = _inject(pg, start_runner, runners, rng, seconds)
+        stop.set()
+        submitter.join(90)
+        _wait_for(lambda: claims.remaining(store, None) == 0, timeout=120)
+        named = _drained(store)
+    finally:
+        stop.set()
+        for proc in runners:
+            proc.terminate()
+        for proc in runners:
+            proc.communicate(timeout=60)
+        store.close()
+    executions: dict[int, int] = {}
+    for job in _ran(ran):
+        executions[job] = executions.get(job, 0) + 1
+    said = "".join(path.read_text() for path in folder.glob("runner-*.err"))
+    recorded = len(re.findall(r": recorded job \d+ attempt \d+ ", said))
+    return ChaosVerdict(acknowledged, executions, injections, named, recorded)
+
+
+def _submitting(url: str, body: str, acknowledged: list[int], stop: threading.Event) -> None:
+    """Submit through the CLI until ``stop``; an id printed is a job acknowledged."""
+    while not stop.is_set():
+        done = _jobs("submit", "--db", url, "--", body)
+        if done.returncode == 0:  # acknowledged: it must run exactly once
+            acknowledged.append(int(done.stdout))
+
+
+def _inject(
+    pg: Postgres,
+    start_runner: Callable[[], subprocess.Popen[str]],
+    runners: list[subprocess.Popen[str]],
+    rng: random.Random,
+    seconds: float,
+) -> list[str]:
+    """Every 2-5 s: a runner killed -9 (and another started), or PostgreSQL stopped at
+    once for 2-6 s, half the time with a runner killed -9 in the middle of it; each
+    injection logged with its time and target."""
+    began = time.monotonic()
+    injections: list[str] = []
+    while time.monotonic() - began < seconds:
+        time.sleep(rng.uniform(2, 5))
+        at = f"{time.monotonic() - began:.1f}s (at {time.time():.3f})"
+        victim = rng.randrange(len(runners))
+        if rng.random() < 0.5:
+            _kill_and_replace(runners, victim, start_runner)
+            injections.append(f"{at} kill -9 runner {victim}")
+            continue
+        down = rng.uniform(2, 6)
+        pg.stop()
+        if rng.random() < 0.5:  # the chaos run's finding: jobs end, then their runner dies
+            time.sleep(down / 2)
+            _kill_and_replace(runners, victim, start_runner)
+            injections.append(f"{at} PostgreSQL down {down:.1f}s, kill -9 runner {victim} in it")
+            time.sleep(down / 2)
+        else:
+            injections.append(f"{at} PostgreSQL down {down:.1f}s")
+            time.sleep(down)
+        pg.start()
+    return injections
+
+
+def _kill_and_replace(
+    runners: list[subprocess.Popen[str]],
+    victim: int,
+    start_runner: Callable[[], subprocess.Popen[str]],
+) -> None:
+    runners[victim].kill()
+    runners[victim].communicate()
+    runners[victim] = start_runner()
+
+
+def _drained(store: Store) -> list[int]:
+    """Every job completed, its last attempt's log whole; the jobs whose history names an
+    attempt lost with its runner (a rerun that may have run the job twice)."""
+    named = []
+    for job in store.find(limit=100_000):
+        assert job.status is JobStatus.COMPLETED, job
+        last = [line.line for line in store.logs(job.id, attempt=job.attempt)]
+        assert last == [f"begin {job.id}", f"end {job.id}"], (job, last)
+        if any(entry.how == "lost" for entry in job.history):
+            named.append(job.id)
+    return named
+
+
+@pytest.mark.timeout(400)
+def test_jobs_under_random_runner_kills_and_postgres_outages_run_exactly_once(
+    pg: Postgres, tmp_path: Path
+) -> None:
+    """Issue 41's jobs part, bounded (40 s, a fixed seed): every acknowledged submit ran,
+    none ran twice unless its first runner was killed while it ran (the job had not ended;
+    the rerun is named in its history), nothing ran that was not acknowledged, and the log
+    of each job's last attempt is whole."""
+    url = new_database(pg)
+    Store.open(url).close()
+    verdict = job_chaos(pg, url, tmp_path, seconds=40, seed=41)
+    said = (verdict.injections, verdict.executions)
+    assert len(verdict.injections) >= 6 and len(verdict.acknowledged) >= 40, said
+    assert verdict.recorded >= 1, said  # a runner killed in an outage left endings to record
+    assert verdict.lost == [] and verdict.unexpected == [], said
+    assert set(verdict.duplicated) <= set(verdict.named_reruns), said

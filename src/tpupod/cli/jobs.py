@@ -46,7 +46,9 @@ def submit(args: SubmitArgs) -> None:
     """Queue a job; print its id alone on stdout (id=$(tpupod jobs submit ...))."""
     from tpupod.jobs import service
     from tpupod.jobs.request import build_request
+    from tpupod.jobs.rows import check_key, new_submit_key
 
+    key = new_submit_key() if args.key is None else check_key(args.key)
     request = build_request(
         args.what,
         dashed="--" in sys.argv,  # click drops the "--": after it, everything is the command
@@ -58,7 +60,7 @@ def submit(args: SubmitArgs) -> None:
         retries=args.retries,
         pod=args.pod,
     )
-    job_id = service.submit(request, db=args.db, remote_pod=args.remote_pod)
+    job_id = service.submit(request, db=args.db, remote_pod=args.remote_pod, key=key, say=notice)
     print(job_id, flush=True)
     if args.wait:
         _print_result(service.wait(service.open_store(args.db), job_id, say=notice))
@@ -117,6 +119,8 @@ def show(
     print(f"  status    {service.status_text(job)}")
     print(f"  runs      {job.command if job.command is not None else 'Python code'}")
     print(f"  pod       {job.pod or 'any runner'}")
+    for number, text in enumerate(service.attempt_texts(job)):
+        print(f"  {'attempts' if number == 0 else '':<9} {text}")
     if job.result is not None:
         print(f"  result    {service.result_text(job.result)}")
     if job.error:
@@ -129,15 +133,24 @@ def logs(
     db: DbOption = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Until the job ends.")] = False,
     offset: Annotated[int, typer.Option("--offset", help="Only lines after this offset.")] = 0,
+    attempt: Annotated[
+        int | None,
+        typer.Option("--attempt", metavar="N", help="Only attempt N's lines.", show_default=False),
+    ] = None,
 ) -> None:
-    """A job's output lines ([wN] shows the worker on a pod; '--- attempt N ---' where each
-    attempt begins, when it ran more than once)."""
+    """A job's output lines ([wN] shows the worker on a pod; '--- attempt N (runner R,
+    started T) ---' where each attempt begins, when it ran more than once)."""
     from tpupod.jobs import service
 
     ident = service.job_id(job_id)
     store = service.open_store(db)
-    view = service.LogView(store.get(ident))
-    for page in service.log_pages(store, ident, after=offset, until_end=follow, say=notice):
+    job = store.get(ident)
+    service.check_attempt(job, attempt)
+    view = service.LogView(job)
+    pages = service.log_pages(
+        store, ident, after=offset, until_end=follow, say=notice, attempt=attempt
+    )
+    for page in pages:
         sys.stdout.write("".join(text + "\n" for _, text in view.lines(page)))
         sys.stdout.flush()
 
@@ -306,7 +319,8 @@ def serve(
     Every request needs 'Authorization: Bearer TOKEN' ($TPUPOD_JOBS_TOKEN, else the
     token file in the state directory, which this prints the path of, never the token)."""
     from tpupod.jobs.api import serve_api
-    from tpupod.jobs.store import START_WAIT_S, Store
+    from tpupod.jobs.rows import START_WAIT_S
+    from tpupod.jobs.store import Store
 
     # a service started beside a database restart (or before its server) waits for it
     store = Store.open_waiting(db, create=True, wait_s=START_WAIT_S, say=notice)

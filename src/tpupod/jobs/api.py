@@ -31,7 +31,7 @@ from tpupod.base.envargs import parse_pairs
 from tpupod.base.files import write_atomic
 from tpupod.errors import JobNotFound, JobStoreError, PodNotFound, UsageError
 from tpupod.jobs.models import JobRequest, JobStatus, LogLine
-from tpupod.jobs.rows import check_pod
+from tpupod.jobs.rows import check_key, check_pod
 from tpupod.jobs.service import follow
 from tpupod.jobs.store import Store
 
@@ -73,14 +73,21 @@ def create_app(store: Store, token: str) -> FastAPI:
         return JSONResponse({"detail": exc.message}, status_code=503)
 
     @app.post("/jobs", status_code=201)
-    def submit(body: JobRequest, remote_pod: bool = False) -> dict[str, int]:
+    def submit(
+        body: JobRequest,
+        remote_pod: bool = False,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> dict[str, int]:
         """Queue a job; for a pod this machine does not know only with ``remote_pod`` (its
-        runner is elsewhere), as 'tpupod jobs submit --remote-pod'."""
+        runner is elsewhere), as 'tpupod jobs submit --remote-pod'. A request sent again
+        with the same ``Idempotency-Key`` (its answer lost) adds nothing and answers the
+        job the first one added, as 'jobs submit --key'."""
         try:
             check_pod(body.pod, remote_pod, how="POST /jobs?remote_pod=true")
-        except PodNotFound as exc:
+            key = None if idempotency_key is None else check_key(idempotency_key)
+            return {"id": store.submit(body, key=key)}
+        except (PodNotFound, UsageError) as exc:
             raise HTTPException(422, f"{exc.message}; {exc.hint}") from exc
-        return {"id": store.submit(body)}
 
     @app.get("/jobs")
     def listing(
@@ -105,23 +112,26 @@ def create_app(store: Store, token: str) -> FastAPI:
         return store.cancel(job_id).to_dict()
 
     @app.get("/jobs/{job_id}/logs", response_model=None)
-    def logs(
+    def logs(  # noqa: PLR0917 (FastAPI reads each parameter as a query or a header)
         job_id: int,
         offset: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=PAGE_MAX)] = PAGE,
         follow: bool = False,
+        attempt: Annotated[int | None, Query(ge=1)] = None,
         last_event_id: Annotated[int | None, Header()] = None,
     ) -> StreamingResponse | JSONResponse:
         store.get(job_id)  # 404 before a stream starts
         after = last_event_id if last_event_id is not None else offset
         if follow:
-            return StreamingResponse(_follow(store, job_id, after), media_type="text/event-stream")
-        return _page(store.logs(job_id, after=after, limit=limit + 1), job_id, limit)
+            lines = _follow(store, job_id, after, attempt)
+            return StreamingResponse(lines, media_type="text/event-stream")
+        page = store.logs(job_id, after=after, limit=limit + 1, attempt=attempt)
+        return _page(page, job_id, limit, attempt)
 
     return app
 
 
-def _page(lines: list[LogLine], job_id: int, limit: int) -> JSONResponse:
+def _page(lines: list[LogLine], job_id: int, limit: int, attempt: int | None) -> JSONResponse:
     """Up to ``limit`` lines; when more are there already, the next page's offset in
     ``X-Next-Offset`` and a ``Link: <...>; rel="next"`` to it (absent: that was all)."""
     page = lines[:limit]
@@ -129,13 +139,15 @@ def _page(lines: list[LogLine], job_id: int, limit: int) -> JSONResponse:
     if len(lines) > limit:
         after = page[-1].seq
         headers["X-Next-Offset"] = str(after)
-        headers["Link"] = f'</jobs/{job_id}/logs?offset={after}&limit={limit}>; rel="next"'
+        one = f"&attempt={attempt}" if attempt is not None else ""
+        headers["Link"] = f'</jobs/{job_id}/logs?offset={after}&limit={limit}{one}>; rel="next"'
     return JSONResponse([asdict(line) for line in page], headers=headers)
 
 
-async def _follow(store: Store, job_id: int, after: int) -> AsyncIterator[str]:
-    """Lines after ``after`` as they come, then an ``end`` event with the job's status."""
-    async for lines in follow(store, job_id, after=after, page=PAGE):
+async def _follow(store: Store, job_id: int, after: int, attempt: int | None) -> AsyncIterator[str]:
+    """Lines after ``after`` (of ``attempt`` only, if given) as they come, then an ``end``
+    event with the job's status."""
+    async for lines in follow(store, job_id, after=after, page=PAGE, attempt=attempt):
         for line in lines:
             yield f"id: {line.seq}\nevent: line\ndata: {json.dumps(asdict(line))}\n\n"
     status = (await asyncio.to_thread(store.get, job_id)).status.value

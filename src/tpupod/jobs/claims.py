@@ -23,6 +23,7 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    false,
     func,
     insert,
     literal_column,
@@ -34,6 +35,15 @@ from sqlalchemy import (
 from sqlalchemy.sql.dml import UpdateBase
 
 from tpupod.errors import LeaseLost
+from tpupod.jobs.history import (
+    GIVEN_BACK,
+    LOST,
+    RECOVERED,
+    RETRIED,
+    Entry,
+    add_entry,
+    lost_cause,
+)
 from tpupod.jobs.models import LEASED, Claim, Job, JobStatus
 from tpupod.jobs.schema import jobs, log_lines
 from tpupod.jobs.store import Store
@@ -142,6 +152,7 @@ def _claim_statement(postgres: bool, running: bool, for_pod: bool) -> UpdateBase
         "status": status.value,
         "attempt": jobs.c.attempt + 1,
         "lease_owner": bindparam("owner", type_=String),
+        "runner": bindparam("owner", type_=String),  # kept when the attempt ends
         "lease_expires_at": bindparam("expires", type_=Float),
         "scheduled_at": now,
         "updated_at": now,
@@ -359,11 +370,14 @@ def _finish(conn: Connection, endings: Sequence[Ending]) -> set[Attempt]:
 
 
 def retry(store: Store, claim: Claim, reason: str) -> JobStatus:
-    """End an attempt that the infrastructure broke (a pod evicted or preempted): the job
-    runs again after the backoff, or fails with the reason once it had max_attempts."""
+    """End an attempt that failed but may run again (a pod evicted or preempted, a program
+    failure ``--retries`` covers): the job runs again after the backoff, or fails with the
+    reason once it had max_attempts."""
     now = time.time()
-    common = {"lease_owner": None, "lease_expires_at": None}
+    common: dict[str, object] = {"lease_owner": None, "lease_expires_at": None}
     with store.write() as conn:
+        why = f"failed on runner {claim.owner}: {reason}"
+        common["history"] = _with_entry(conn, store.postgres, claim, RETRIED, why)
         if claim.attempt >= claim.job.max_attempts:
             status = JobStatus.FAILED
             failed = f"{reason}; gave up after {claim.job.max_attempts} attempts"
@@ -385,6 +399,7 @@ def retry(store: Store, claim: Claim, reason: str) -> JobStatus:
 def release(store: Store, claim: Claim, reason: str) -> None:
     """Give the job back at once (a runner told to stop while holding it)."""
     with store.write() as conn:
+        why = f"runner {claim.owner} stopped and gave it back"
         given = _fenced_update(
             conn,
             claim,
@@ -393,45 +408,166 @@ def release(store: Store, claim: Claim, reason: str) -> None:
             lease_expires_at=None,
             run_after=0.0,
             error=reason,
+            history=_with_entry(conn, store.postgres, claim, GIVEN_BACK, why),
         )
         if given:
             store.notify(conn)
 
 
-def reap(store: Store, *, spare: str | None = None) -> int:
-    """Requeue attempts whose lease expired (with backoff), or fail them after max_attempts;
-    not those of the runner ``spare`` (the one reaping: it knows its own are alive).
-    Returns how many jobs it changed."""
+def _with_entry(conn: Connection, postgres: bool, claim: Claim, how: str, why: str) -> str:
+    """The claimed job's history with an entry for this attempt (ending now)."""
+    query = select(jobs.c.history, jobs.c.scheduled_at).where(jobs.c.id == claim.job.id)
+    if postgres:
+        query = query.with_for_update()
+    row = conn.execute(query).first()
+    stored, began = (row.history, row.scheduled_at) if row is not None else (None, None)
+    entry = Entry(claim.attempt, claim.owner, began, time.time(), how, why)
+    return add_entry(stored, entry)
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """An attempt the reaper took from its lost runner: the job runs again (``requeued``,
+    as attempt ``attempt + 1``) or failed, having had ``max_attempts``."""
+
+    job_id: int
+    attempt: int
+    owner: str
+    cause: str  # why the runner is taken for lost: "its process is gone", "its lease expired"
+    requeued: bool
+    max_attempts: int
+
+    @property
+    def what(self) -> str:
+        """What happened to the job, in a person's words."""
+        if self.requeued:
+            return f"job {self.job_id} requeued for attempt {self.attempt + 1}"
+        many = "s" if self.max_attempts != 1 else ""
+        return f"job {self.job_id} failed after {self.max_attempts} attempt{many}"
+
+
+def reap(
+    store: Store,
+    *,
+    spare: str | None = None,
+    dead: frozenset[str] = frozenset(),
+    expired: bool = True,
+) -> list[Reaped]:
+    """Requeue attempts whose runner is lost (with backoff), or fail them after max_attempts:
+    those whose lease expired (``expired``), and any of the runners in ``dead`` (known gone:
+    their lease need not run out); not those of the runner ``spare`` (the one reaping: it
+    knows its own are alive). Each attempt gets an entry in its job's history saying why."""
     now = time.time()
-    expired = (
-        select(jobs.c.id, jobs.c.attempt, jobs.c.max_attempts, jobs.c.lease_owner)
-        .where(_status_is(JobStatus.SCHEDULED, JobStatus.RUNNING), jobs.c.lease_expires_at < now)
+    lost_runner: ColumnElement[bool] = jobs.c.lease_expires_at < now if expired else false()
+    if dead:
+        lost_runner = or_(lost_runner, jobs.c.lease_owner.in_(sorted(dead)))
+    expired_rows = (
+        select(
+            jobs.c.id,
+            jobs.c.attempt,
+            jobs.c.max_attempts,
+            jobs.c.lease_owner,
+            jobs.c.status,
+            jobs.c.scheduled_at,
+            jobs.c.history,
+        )
+        .where(_status_is(JobStatus.SCHEDULED, JobStatus.RUNNING), lost_runner)
+        .order_by(jobs.c.id)
         .limit(100)
     )
     if spare is not None:
-        expired = expired.where(jobs.c.lease_owner != spare)
+        expired_rows = expired_rows.where(jobs.c.lease_owner != spare)
     if store.postgres:
-        expired = expired.with_for_update(skip_locked=True)
+        expired_rows = expired_rows.with_for_update(skip_locked=True)
+    reaped: list[Reaped] = []
     with store.write() as conn:
-        rows = conn.execute(expired).all()
-        for row in rows:
-            lost = f"attempt {row.attempt} lost its runner {row.lease_owner} (lease expired)"
+        for row in conn.execute(expired_rows).all():
+            owner = str(row.lease_owner)
+            cause = lost_cause(owner, dead)
+            lost = f"runner {owner} lost ({cause}) while {row.status}"
+            entry = Entry(row.attempt, owner, row.scheduled_at, now, LOST, lost)
             base = update(jobs).where(jobs.c.id == row.id, jobs.c.attempt == row.attempt)
-            common = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
-            if row.attempt >= row.max_attempts:
-                failed = f"{lost}; gave up after {row.max_attempts} attempts"
+            common = {
+                "lease_owner": None,
+                "lease_expires_at": None,
+                "updated_at": now,
+                "history": add_entry(row.history, entry),
+            }
+            requeued = row.attempt < row.max_attempts
+            if requeued:
+                again = now + backoff_s(row.attempt)
+                pending = JobStatus.PENDING.value
+                error = f"attempt {row.attempt}: {lost}"
+                conn.execute(base.values(status=pending, error=error, run_after=again, **common))
+            else:
+                failed = f"attempt {row.attempt}: {lost}; gave up after {row.max_attempts} attempts"
                 conn.execute(
                     base.values(
                         status=JobStatus.FAILED.value, error=failed, completed_at=now, **common
                     )
                 )
-            else:
-                again = now + backoff_s(row.attempt)
-                pending = JobStatus.PENDING.value
-                conn.execute(base.values(status=pending, error=lost, run_after=again, **common))
-        if rows:
+            reaped.append(Reaped(row.id, row.attempt, owner, cause, requeued, row.max_attempts))
+        if reaped:
             store.notify(conn)
-    return len(rows)
+    return reaped
+
+
+def adopt(
+    store: Store, key: Attempt, owner: str, *, lease_s: float, note: str
+) -> tuple[Claim | None, Job]:
+    """Hold again, in the name of a runner that is gone, an attempt it ran to its end and
+    could not record (the journal it left says how it ended), so that its ending is
+    written fenced, as that runner would have written it; ``note`` (why another runner
+    records it) goes into the job's history.
+
+    The attempt is taken when the job is still leased by that runner at that attempt (the
+    lease is renewed), or when the reaper took it for lost and nobody has taken the job
+    since: pending at that attempt, or failed having had max_attempts (it is leased by that
+    runner again). Otherwise (another attempt began, or its ending was recorded after all)
+    the claim is None; the job is returned as found."""
+    job_id, attempt = key
+    query = select(jobs).where(jobs.c.id == job_id)
+    if store.postgres:
+        query = query.with_for_update()
+    now = time.time()
+    with store.write() as conn:
+        row = conn.execute(query).first()
+        if row is None:
+            raise LeaseLost(f"job {job_id} is no longer in the store", hint="it was deleted")
+        job = Job.from_row(row)
+        reaped = [e for e in job.history if e.attempt == attempt and e.how == LOST]
+        ours = job.attempt == attempt and (
+            (job.status in LEASED and job.lease_owner == owner)
+            or (job.status in (JobStatus.PENDING, JobStatus.FAILED) and bool(reaped))
+        )
+        if not ours:
+            return None, job
+        began = reaped[0].started if reaped else job.scheduled_at
+        entry = Entry(attempt, owner, began, now, RECOVERED, note)
+        conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.attempt == attempt)
+            .values(
+                status=JobStatus.RUNNING.value,
+                lease_owner=owner,
+                lease_expires_at=now + lease_s,
+                completed_at=None,
+                updated_at=now,
+                history=add_entry(row.history, entry),
+            )
+        )
+        last = select(func.max(log_lines.c.seq)).where(log_lines.c.job_id == job_id)
+        next_seq = (conn.execute(last).scalar() or 0) + 1
+    return Claim(job=job, attempt=attempt, owner=owner, next_seq=next_seq), job
+
+
+def add_note(store: Store, job_id: int, entry: Entry) -> None:
+    """Put ``entry`` in the job's history (in place of one of the same attempt's)."""
+    with store.write() as conn:
+        stored = conn.execute(select(jobs.c.history).where(jobs.c.id == job_id)).scalar()
+        conn.execute(
+            update(jobs).where(jobs.c.id == job_id).values(history=add_entry(stored, entry))
+        )
 
 
 def _lost(claim: Claim) -> LeaseLost:

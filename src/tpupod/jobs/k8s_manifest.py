@@ -11,7 +11,6 @@ VM's chips (``google.com/tpu``) and lands on the slice's node pool through GKE's
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 from tpupod.errors import UsageError
 from tpupod.jobs.execute import job_command, job_env
 from tpupod.jobs.models import Job, JobStatus
-from tpupod.jobs.store import Store, redact
+from tpupod.jobs.store import Store
 from tpupod.pod import accelerators
 
 GROUP = "jobset.x-k8s.io"
@@ -97,12 +96,6 @@ def _default_topology(generation: str, chips: int) -> str | None:
         return "x".join(str(d) for d in dims)
     side = 2 ** (bits // 2)
     return f"{side}x{chips // side}"  # 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16
-
-
-def store_label(store_url: str) -> str:
-    """A short name for a job store, put on every object so runners of another store that
-    share the namespace never take this store's objects for orphans."""
-    return hashlib.sha256(redact(store_url).encode()).hexdigest()[:12]
 
 
 def jobset_name(job_id: int, attempt: int, store: str = "") -> str:

@@ -17,6 +17,7 @@ import json
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import IO
 
 MEMORY_BYTES = 16 << 20
@@ -80,6 +81,26 @@ class LineBuffer:
                 assert self._spill is not None
                 self._spill.truncate(0)
                 self._read_at = self._write_at = 0
+
+    def snapshot(self, batch: int) -> Iterator[list[Line]]:
+        """Every line waiting (a drop marker where it belongs), in batches, oldest first,
+        without removing any: what an ended attempt's journal keeps. Nothing may be added
+        meanwhile (the attempt has ended)."""
+        self._note_drops()
+        head = list(self._head)
+        for start in range(0, len(head), batch):
+            yield head[start : start + batch]
+        if self._spill is None or self._write_at == self._read_at:
+            return
+        at = self._read_at
+        while at < self._write_at:
+            self._spill.seek(at)
+            lines: list[Line] = []
+            while len(lines) < batch and self._spill.tell() < self._write_at:
+                worker, text = json.loads(self._spill.readline())
+                lines.append((worker, text))
+            at = self._spill.tell()
+            yield lines
 
     def close(self) -> None:
         if self._spill is not None:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpupod.base.jsontext import lone_surrogate
 from tpupod.jobs.code import syntax_problem
+from tpupod.jobs.history import Entry, load_history
 from tpupod.jobs.rows import MAX_ATTEMPTS
 
 
@@ -105,6 +106,8 @@ class Job:
     error: str | None
     metadata: dict[str, Any] = field(default_factory=dict)
     retries: int = 0  # program failures that run it again (max_attempts bounds all attempts)
+    runner: str | None = None  # the runner of the latest attempt (kept after it ends)
+    history: tuple[Entry, ...] = ()  # attempts that did not simply end the job
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
@@ -133,11 +136,14 @@ class Job:
             result=decode_result(values["result"]),
             error=values["error"],
             metadata=json.loads(values["metadata"]),
+            runner=values.get("runner"),
+            history=load_history(values.get("history")),
         )
 
     def to_dict(self) -> dict[str, Any]:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data["status"] = self.status.value
+        data["history"] = [entry.to_dict() for entry in self.history]
         return data
 
 

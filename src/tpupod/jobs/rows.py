@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tpupod import settings
-from tpupod.errors import JobStoreError, PodNotFound
+from tpupod.errors import JobStoreAway, JobStoreError, PodNotFound, UsageError
 
-SCHEMA_VERSION = 2  # schema.py's latest migration: it checks they agree
+SCHEMA_VERSION = 3  # schema.py's latest migration: it checks they agree
 JOBS_TABLE = "tpupod_jobs"
 VERSION_TABLE = "tpupod_jobs_schema"
 NOTIFY_CHANNEL = "tpupod_jobs"
@@ -27,13 +29,63 @@ DB_FILE = "jobs.db"
 MAX_ATTEMPTS = 100  # what a job may ask for (JobRequest's bound)
 
 
+RETRY_S = 0.5  # while the store is away
+START_WAIT_S = 60.0  # a service (runner, API) starting waits this long for a store away
+# what PostgreSQL answers a connection it cannot take now (SQLSTATE 57P03, 53300)
+_NOT_NOW = re.compile(
+    r"FATAL:\s+(the database system is|sorry, too many clients|remaining connection slots)"
+)
+
+
+def away_words(text: str, sqlstate: str | None) -> bool:
+    """libpq's words (``text``) for a server that is not answering now: a connection that
+    failed without the server's word (refused, reset, timed out) or with its word that it
+    cannot take one now. libpq gives a failed connect no SQLSTATE; a query the server
+    rejected has one."""
+    if sqlstate:
+        return False
+    return "FATAL:" not in text or _NOT_NOW.search(text) is not None
+
+
+class Outage:
+    """The store's absence as a person hears of it: one line when it starts (``away``),
+    one when it ends with its length (``back``), nothing between the retries."""
+
+    def __init__(self, say: Callable[[str], None] | None, prefix: str = "") -> None:
+        self.say = say or (lambda text: None)
+        self.prefix = prefix
+        self.since: float | None = None  # away since (monotonic)
+        self.back_at = float("-inf")  # when it last came back (monotonic)
+
+    def away(self, exc: JobStoreError, then: str = "retrying until it is back") -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            self.say(f"{self.prefix}{exc.message}; {then}")
+
+    def back(self) -> None:
+        if self.since is not None:
+            took = time.monotonic() - self.since
+            self.since, self.back_at = None, time.monotonic()
+            self.say(f"{self.prefix}the job store is back after {took:.1f} s")
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
+
+
 def default_url() -> str:
     """``TPUPOD_JOBS_DB``, else ``jobs.db`` (SQLite) in the state directory."""
     return settings.jobs_db() or f"sqlite:///{settings.state_home() / DB_FILE}"
 
 
-def job_row(fields: Mapping[str, Any], now: float) -> dict[str, Any]:
-    """The row a new job is stored as (``fields``: a ``JobRequest``'s)."""
+def job_row(fields: Mapping[str, Any], now: float, key: str | None = None) -> dict[str, Any]:
+    """The row a new job is stored as (``fields``: a ``JobRequest``'s; ``key``: the
+    submitter's idempotency key, if any)."""
     who = {"submitted_by": f"{getpass.getuser()}@{socket.gethostname()}"}
     return {
         "name": fields["name"],
@@ -52,7 +104,46 @@ def job_row(fields: Mapping[str, Any], now: float) -> dict[str, Any]:
         "updated_at": now,
         "run_after": 0.0,
         "metadata": json.dumps(who | dict(fields["metadata"]), sort_keys=True, default=str),
+        "submit_key": key,
     }
+
+
+KEY_CHARS = 64  # the column's width
+
+
+def new_submit_key() -> str:
+    """A key for one submit: the same submit sent again (its answer lost: a connection
+    dropped at the commit) finds the job it added instead of adding another."""
+    import secrets
+
+    return secrets.token_hex(16)
+
+
+def check_key(key: str) -> str:
+    """A submitter's own key (``--key``, the API's ``Idempotency-Key``), checked."""
+    if not 1 <= len(key) <= KEY_CHARS or not key.isprintable() or not key.isascii():
+        raise UsageError(
+            f"the submit key {key[:80]!r} is not 1 to {KEY_CHARS} printable ASCII characters",
+            hint="e.g. --key nightly-2026-01-05 (the same key again adds no second job)",
+        )
+    return key
+
+
+def find_sql(mark: str) -> str:
+    """The job a submit key already added: id, code, command."""
+    return f"SELECT id, code, command FROM {JOBS_TABLE} WHERE submit_key = {mark}"
+
+
+def same_submit(found: Sequence[Any], row: Mapping[str, Any]) -> bool:
+    """Whether the job ``found`` (``find_sql``'s row) is the one ``row`` would add."""
+    return (found[1], found[2]) == (row["code"], row["command"])
+
+
+def key_taken(key: str, job_id: int) -> UsageError:
+    return UsageError(
+        f"the submit key {key!r} is job {job_id}'s, which runs something else",
+        hint="a key stands for one job: give a new key for a new job",
+    )
 
 
 def attempts_for(retries: int) -> int:
@@ -79,13 +170,16 @@ def check_pod(pod: str | None, remote: bool, how: str = "add --remote-pod") -> N
     )
 
 
-def insert(url: str, row: dict[str, Any]) -> int | None:
+def insert(url: str, row: dict[str, Any], say: Callable[[str], None] | None = None) -> int | None:
     """Insert ``row`` into an existing store at this schema version; its id, or None
-    (nothing written) when the typer command should do it."""
+    (nothing written) when the typer command should do it. A PostgreSQL server that is
+    away is waited for (up to ``START_WAIT_S``; ``say`` hears when that starts and ends);
+    the row's ``submit_key`` makes a try sent again after a dropped connection find the
+    job the first one added, if it did."""
     if url.startswith("sqlite:///"):
         return _insert_sqlite(url.split("sqlite:///", 1)[1], row)
     if url.startswith(("postgresql://", "postgres://")):
-        return _insert_postgres(url, row)
+        return _insert_postgres(url, row, say)
     return None
 
 
@@ -109,6 +203,9 @@ def _insert_sqlite(path: str, row: dict[str, Any]) -> int | None:
         conn.execute("BEGIN IMMEDIATE")
         if conn.execute(f"SELECT version FROM {VERSION_TABLE}").fetchone() != (SCHEMA_VERSION,):
             return None  # closing rolls back
+        found = conn.execute(find_sql("?"), [row["submit_key"]]).fetchone()
+        if found is not None:  # a key given again (--key)
+            return int(found[0]) if same_submit(found, row) else None
         job_id = int(conn.execute(insert_sql(list(row), "?"), list(row.values())).fetchone()[0])
         conn.execute("COMMIT")
     except sqlite3.Error:
@@ -118,33 +215,73 @@ def _insert_sqlite(path: str, row: dict[str, Any]) -> int | None:
     return job_id
 
 
-def _insert_postgres(url: str, row: dict[str, Any]) -> int | None:
+class _Away(Exception):
+    """The PostgreSQL server is not answering now, or the connection broke."""
+
+
+def _insert_postgres(
+    url: str, row: dict[str, Any], say: Callable[[str], None] | None
+) -> int | None:
     try:
         # the jobs extra's: a PostgreSQL store only
         import psycopg
     except ImportError:
         return None
+    outage = Outage(say)
+    began = time.monotonic()
+    while True:
+        try:
+            job_id = _postgres_once(psycopg, url, row)
+        except _Away as exc:
+            away = JobStoreAway(
+                f"job store {redact(url)}: {exc}",
+                hint="check that the database is up and reachable (--db or TPUPOD_JOBS_DB)",
+            )
+            if time.monotonic() - began >= START_WAIT_S:
+                raise away from exc
+            outage.away(away, f"waiting up to {START_WAIT_S:.0f} s for it")
+            time.sleep(RETRY_S)
+            continue
+        outage.back()
+        return job_id
+
+
+def _postgres_once(psycopg: Any, url: str, row: dict[str, Any]) -> int | None:
+    """One try: the job's id (added now, or found by its key: an earlier try's commit
+    whose answer was lost), or None (nothing written: the typer command explains).
+    ``_Away`` when the server is away or the connection broke, even at the commit: the
+    next try finds by the key whether that commit happened."""
     try:
         conn = psycopg.connect(url, connect_timeout=10)
+    except psycopg.OperationalError as exc:
+        if away_words(str(exc), exc.sqlstate):
+            raise _Away(_first_line(exc)) from exc
+        return None
     except psycopg.Error:
         return None
     with conn:
         try:
-            found = conn.execute(f"SELECT version FROM {VERSION_TABLE}").fetchone()
-            if found != (SCHEMA_VERSION,):
+            if conn.execute(f"SELECT version FROM {VERSION_TABLE}").fetchone() != (SCHEMA_VERSION,):
                 conn.rollback()
                 return None
+            found = conn.execute(find_sql("%s"), [row["submit_key"]]).fetchone()
+            if found is not None:
+                conn.rollback()
+                return int(found[0]) if same_submit(found, row) else None
             added = conn.execute(insert_sql(list(row), "%s"), list(row.values()))
-            job_id = int(added.fetchone()[0])  # type: ignore[index]
+            job_id = int(added.fetchone()[0])
             conn.execute(f"NOTIFY {NOTIFY_CHANNEL}")  # wakes idle runners at the commit
-        except psycopg.Error:
+            conn.commit()
+        except psycopg.OperationalError as exc:
+            if conn.broken or away_words(str(exc), exc.sqlstate):
+                raise _Away(_first_line(exc)) from exc
             conn.rollback()
             return None
-        try:
-            conn.commit()
-        except psycopg.Error as exc:  # written or not, we cannot tell: never submit twice
-            raise JobStoreError(
-                f"the job store did not confirm the submit: {str(exc).strip()}",
-                hint="'tpupod jobs ls' shows whether the job is there",
-            ) from exc
+        except psycopg.Error:  # refused before its commit: nothing written
+            conn.rollback()
+            return None
     return job_id
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -12,6 +12,11 @@ While the store is away (a database restart, an outage) the runner keeps its job
 and holds what they print (``LineBuffer``: memory, then its disk), retries quietly and says
 two lines: when the outage starts and when it ends, with its length. When the store is
 back, the held lines are written in order, exactly once, before each attempt's ending.
+
+An attempt's outcome is kept in the runner's journal (``outcomes.py``) the moment the
+attempt ends, with the lines the store does not have yet, until the store has its ending:
+a runner killed in between (say, while the database was away) leaves it there, and the
+next runner on this state directory records it instead of running the job again.
 """
 
 from __future__ import annotations
@@ -25,14 +30,18 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tpupod.errors import JobError, JobStoreError, LeaseLost
 from tpupod.jobs import claims
 from tpupod.jobs.attempt import Executor, Hooks, Outcome
 from tpupod.jobs.claims import Ending
+from tpupod.jobs.history import LATE, Entry
 from tpupod.jobs.linebuffer import LineBuffer
 from tpupod.jobs.models import Claim, JobStatus
-from tpupod.jobs.store import RETRY_S, Outage, Store
+from tpupod.jobs.outcomes import Journal, Kept, Orphan, journal_folder, orphans
+from tpupod.jobs.rows import RETRY_S, Outage
+from tpupod.jobs.store import Store
 from tpupod.jobs.wakeup import Wakeup
 
 DEFAULT_LEASE_S = 15.0
@@ -84,6 +93,22 @@ class _Attempt:
         self.stop.set()
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What an ended attempt's runner writes: its ending (``end``), a retry (``retry``: run
+    again, or fail at max_attempts), the job given back (``release``: the runner stops),
+    or nothing (``lost``: its lease is gone)."""
+
+    action: str
+    ending: Ending | None = None
+    reason: str = ""
+
+    @property
+    def kept(self) -> bool:
+        """An outcome the journal keeps until the store has it: the program ran to an end."""
+        return self.action in ("end", "retry")
+
+
 class Runner:
     def __init__(
         self,
@@ -96,6 +121,7 @@ class Runner:
         on_event: Callable[[str], None] | None = None,
         concurrency: int = 1,
         buffer: Callable[[], LineBuffer] = LineBuffer,
+        journal: Path | None = None,
     ) -> None:
         self.store, self.executor, self.pod = store, executor, pod
         self.lease_s = lease_s
@@ -116,6 +142,10 @@ class Runner:
         self._failures = 0  # store errors in a row
         self.gone: str | None = None  # why the pod this runner serves is gone
         self.outage = Outage(self.say, prefix=f"runner {self.owner}: ")
+        # where it keeps outcomes the store does not have yet (the state directory's)
+        self.journal_folder = journal or journal_folder(store.url)
+        self.journal: Journal | None = None
+        self._orphans: list[Orphan] = []  # gone runners' journals, locked, not yet reaped
 
     async def serve(self, *, until_empty: bool = False, max_jobs: int | None = None) -> int:
         """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``).
@@ -123,8 +153,12 @@ class Runner:
         A pod runner is its pod's registered user while it serves (``tpupod down`` can
         tell); if the pod goes, it gives its job back and stops (``JobError``)."""
         serving = getattr(self.executor, "serving", None)
-        with serving() if serving is not None else contextlib.nullcontext():
-            done = await self._serve(until_empty=until_empty, max_jobs=max_jobs)
+        self._open_journal()
+        try:
+            with serving() if serving is not None else contextlib.nullcontext():
+                done = await self._serve(until_empty=until_empty, max_jobs=max_jobs)
+        finally:
+            self._close_journal()
         if self.gone is not None:
             raise JobError(
                 f"{self.gone}: this runner stopped",
@@ -149,8 +183,8 @@ class Runner:
         try:
             while not self.shutdown.is_set():
                 self._changed.clear()
-                if time.monotonic() - reaped_at > self.lease_s / 3 and not self._just_back():
-                    await self._reap()
+                if time.monotonic() - reaped_at > self.lease_s / 3:
+                    await self._recover_and_reap()
                     reaped_at = time.monotonic()
                 free = self.concurrency - self._active
                 if max_jobs is not None:
@@ -237,24 +271,128 @@ class Runner:
             told.set_result("lease lost, not recorded" if lost_it else "")
         return got
 
-    async def _reap(self) -> None:
+    async def _recover_and_reap(self) -> None:
+        """Record what gone runners' journals kept, then reap: those runners' attempts at
+        once (their processes are gone), and others' whose lease expired (not in the lease
+        after an outage: see ``_just_back``)."""
         try:
-            # never its own: after an outage longer than a lease, this runner's jobs are
-            # still running here, and its next heartbeat renews them
-            if reaped := await asyncio.to_thread(claims.reap, self.store, spare=self.owner):
-                self.say(f"requeued or failed {reaped} job(s) whose runner was lost")
+            recorded = await self._recover()
+            dead = frozenset(orphan.owner for orphan in self._orphans)
+            expired = not self._just_back()
+            if not (recorded or dead or expired):
+                return  # nothing asked of the store: it may still be away
+            if dead or expired:
+                reaped = await asyncio.to_thread(
+                    # never its own: after an outage longer than a lease, this runner's
+                    # jobs are still running here, and its next heartbeat renews them
+                    functools.partial(
+                        claims.reap, self.store, spare=self.owner, dead=dead, expired=expired
+                    )
+                )
+                self._say_reaped(reaped)
+                for orphan in self._orphans:
+                    orphan.remove()
+                self._orphans = []
             self._store_back()
             tidy = getattr(self.executor, "tidy", None)  # what a lost runner left running
-            if tidy is not None:
+            if tidy is not None and expired:
                 await tidy(self.store)
         except JobStoreError as exc:  # the next round retries
             self._store_away(exc)
         except JobError as exc:  # the cluster is away: the next round retries
             self.say(f"runner {self.owner}: {exc.message}")
 
+    def _say_reaped(self, reaped: list[claims.Reaped]) -> None:
+        """One line per lost runner: why it is taken for lost, what became of each job."""
+        by_runner: dict[tuple[str, str], list[str]] = {}
+        for one in reaped:
+            by_runner.setdefault((one.owner, one.cause), []).append(one.what)
+        for (owner, cause), what in by_runner.items():
+            self.say(f"runner {self.owner}: runner {owner} lost ({cause}): {'; '.join(what)}")
+
+    async def _recover(self) -> int:
+        """Lock the journals of this store's runners that are gone (on this state
+        directory) and record the outcomes they kept; how many. Raises ``JobStoreError``."""
+        if self.journal is None:
+            return 0
+        recorded = 0
+        held = [orphan.path for orphan in self._orphans] + [self.journal.path]
+        self._orphans += await asyncio.to_thread(orphans, self.journal_folder, skip=held)
+        for orphan in self._orphans:
+            for kept in list(orphan.pending.values()):
+                try:
+                    said = await asyncio.to_thread(self._record_kept, orphan, kept)
+                except LeaseLost as exc:  # the job went (deleted), or was taken meanwhile
+                    said = exc.message
+                del orphan.pending[kept.key]
+                recorded += 1
+                if said:
+                    self.say(f"runner {self.owner}: {said}")
+        return recorded
+
+    def _record_kept(self, orphan: Orphan, kept: Kept) -> str | None:
+        """Write a gone runner's kept outcome as it would have (its lines, then its ending),
+        unless the job went on without it; what to say (None: the store had it already)."""
+        gone = kept.owner
+        named = f"job {kept.job_id} attempt {kept.attempt} ({kept.status})"
+        note = (
+            f"{kept.status} on runner {gone}; recorded by runner {self.owner}: "
+            f"{gone} was gone before the job store took it"
+        )
+        claim, job = claims.adopt(self.store, kept.key, gone, lease_s=self.lease_s, note=note)
+        if claim is None:
+            if job.attempt == kept.attempt and job.status.finished and job.runner == gone:
+                return None  # it was recorded; its runner died before noting so
+            late = (
+                f"{kept.status} on runner {gone}, but the job store learned it only after "
+                f"the job had gone on without it ({job.status.value}, attempt {job.attempt}): "
+                f"{gone} was gone before the job store took it"
+            )
+            entry = Entry(kept.attempt, gone, None, kept.ended, LATE, late)
+            claims.add_note(self.store, kept.job_id, entry)
+            return f"{named} ended on runner {gone}, which is gone; too late: {late}"
+        for first, batch in orphan.lines(kept):
+            claims.append_logs(self.store, claim, first, batch, resume=True)
+        if kept.action == "retry":
+            claims.retry(self.store, claim, kept.error or "the attempt failed")
+        else:
+            status = JobStatus(kept.status)
+            ending = Ending(claim, status, result=kept.result, error=kept.error)
+            if claims.finish_many(self.store, [ending]):
+                return f"{named}: lost again while recording it"
+        return f"recorded {named} for runner {gone}, which is gone (kept in {orphan.path})"
+
+    def _open_journal(self) -> None:
+        try:
+            self.journal = Journal(self.journal_folder, self.owner)
+        except OSError as exc:  # a read-only state directory: run without one
+            self.say(
+                f"runner {self.owner}: cannot keep a journal in {self.journal_folder} "
+                f"({exc.strerror or exc}): an outcome the job store does not take at once "
+                "is lost with this runner"
+            )
+
+    def _close_journal(self) -> None:
+        for orphan in self._orphans:  # not recorded yet: the next runner does it
+            orphan.file.close()
+        self._orphans = []
+        if self.journal is not None:
+            with contextlib.suppress(OSError):
+                self.journal.close()
+            self.journal = None
+
+    def _sync_journal(self) -> None:
+        if self.journal is not None:
+            try:
+                self.journal.sync()
+            except OSError as exc:
+                self.say(f"runner {self.owner}: cannot sync {self.journal.path}: {exc}")
+
     def _store_away(self, exc: JobStoreError) -> None:
-        """Say that the store is away once, when the outage starts; retry quietly."""
+        """Say that the store is away once, when the outage starts; retry quietly. What
+        the journal keeps goes to the disk now: it may wait there a while."""
         self.outage.away(exc)
+        self._sync_journal()
 
     def _just_back(self) -> bool:
         """The store is away, or came back less than a lease ago: leases that expired
@@ -331,8 +469,13 @@ class Runner:
             except Exception as exc:  # a bug in running it: recorded on the job, not hidden
                 error = f"runner error: {type(exc).__name__}: {exc}"
                 outcome = Outcome(JobStatus.FAILED, error=error)
+            plan = self._plan(attempt, outcome)
+            if plan.kept:
+                self._keep(attempt, plan, outcome)
             await self._write_rest(attempt)
-            ended = await self._end(attempt, outcome)
+            ended = await self._end(attempt, plan)
+            if plan.kept:
+                self._settle(attempt, outcome, ended)
         finally:
             del self.held[attempt.key]
             attempt.lines.close()
@@ -393,12 +536,11 @@ class Runner:
         self._store_back()
         return True
 
-    async def _end(self, attempt: _Attempt, outcome: Outcome) -> str:
-        """Record how the attempt ended (its slot is free from now); returns what to say."""
+    def _plan(self, attempt: _Attempt, outcome: Outcome) -> _Plan:
+        """What to write for an ended attempt."""
         claim = attempt.claim
         if attempt.why == "lost":
-            self._free_slot(attempt)
-            return "lease lost, not recorded"
+            return _Plan("lost")
         # a job that failed as its pod went away (its workers stopped) did not fail itself
         if outcome.status is JobStatus.FAILED and self._pod_gone():
             attempt.stop_for("shutdown")
@@ -406,21 +548,86 @@ class Runner:
         stopped = outcome.status is JobStatus.CANCELLED or (
             self.gone is not None and outcome.status is JobStatus.FAILED
         )
-        given_back = attempt.why == "shutdown" and stopped
         if attempt.why == "cancel":
-            ending = Ending(claim, JobStatus.CANCELLED, error="cancelled by request")
-        elif not given_back and not outcome.retry and not _retried(claim, outcome):
+            return _Plan("end", Ending(claim, JobStatus.CANCELLED, error="cancelled by request"))
+        given_back = attempt.why == "shutdown" and stopped
+        if not given_back and not outcome.retry and not _retried(claim, outcome):
             ending = Ending(claim, outcome.status, result=outcome.result, error=outcome.error)
-        else:
+            return _Plan("end", ending)
+        if attempt.why == "shutdown":
+            return _Plan("release", reason=f"attempt {claim.attempt}: its runner stopped")
+        return _Plan("retry", reason=outcome.error or "the attempt was lost")
+
+    def _keep(self, attempt: _Attempt, plan: _Plan, outcome: Outcome) -> None:
+        """Put the attempt's outcome in the journal, with every line the store may not have,
+        before the first try to write it: from now on it survives this runner."""
+        if self.journal is None:
+            return
+        claim = attempt.claim
+        status = plan.ending.status.value if plan.ending is not None else outcome.status.value
+        kept = Kept(
+            claim.job.id,
+            claim.attempt,
+            claim.owner,
+            plan.action,
+            status,
+            plan.ending.result if plan.ending is not None else None,
+            plan.ending.error if plan.ending is not None else plan.reason,
+            time.time(),
+        )
+        # no await from here to the write: the buffer's first line is at next_seq, even
+        # while a write of its lines is under way (those stay in the buffer until it
+        # returns; the journal has them too, and a recovery's resume skips what the store
+        # took). Not waiting for that write keeps the window where a kill loses the
+        # outcome to the microseconds since the executor returned.
+        try:
+            self.journal.keep(kept, attempt.next_seq, attempt.lines.snapshot(WRITE_BATCH))
+            if self.outage.since is not None:  # it may wait there a while
+                self.journal.sync()
+        except OSError as exc:  # a full disk: the store may take it all the same
+            self.say(
+                f"runner {self.owner}: cannot keep job {claim.job.id}'s outcome in "
+                f"{self.journal.path}: {exc.strerror or exc}"
+            )
+            return
+        if self.outage.since is not None:
+            self.say(
+                f"job {claim.job.id} attempt {claim.attempt}: {status}; kept in "
+                f"{self.journal.path} until the job store takes it"
+            )
+
+    def _settle(self, attempt: _Attempt, outcome: Outcome, ended: str) -> None:
+        """The journal's part once the attempt's end was written, or could not be."""
+        if self.journal is None or ended.startswith("not recorded"):
+            return  # left in the journal: this runner's next start, or another, records it
+        if ended.startswith("lease lost"):  # another attempt began: say so on the job
+            claim = attempt.claim
+            late = (
+                f"{outcome.status.value} on runner {self.owner}, after its lease was lost "
+                f"(the job had gone on without it)"
+            )
+            entry = Entry(claim.attempt, self.owner, None, time.time(), LATE, late)
+            with contextlib.suppress(JobStoreError):
+                claims.add_note(self.store, claim.job.id, entry)
+        with contextlib.suppress(OSError):
+            self.journal.done(attempt.key)
+
+    async def _end(self, attempt: _Attempt, plan: _Plan) -> str:
+        """Record how the attempt ended (its slot is free from now); returns what to say."""
+        if plan.action == "lost":
+            self._free_slot(attempt)
+            return "lease lost, not recorded"
+        if plan.action in ("retry", "release"):
             try:
-                said = await self._give_back(attempt, outcome)
+                said = await self._give_back(attempt, plan)
             finally:
                 self._free_slot(attempt)
-            return said or ("given back" if given_back else "retried")
+            return said or ("given back" if plan.action == "release" else "retried")
+        assert plan.ending is not None
         told: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._endings.append((ending, told))
+        self._endings.append((plan.ending, told))
         self._free_slot(attempt)
-        return await told or ending.status.value
+        return await told or plan.ending.status.value
 
     def _free_slot(self, attempt: _Attempt) -> None:
         if not attempt.freed:
@@ -428,18 +635,16 @@ class Runner:
             self._active -= 1
             self._changed.set()
 
-    async def _give_back(self, attempt: _Attempt, outcome: Outcome) -> str | None:
+    async def _give_back(self, attempt: _Attempt, plan: _Plan) -> str | None:
         """A runner stopping releases the job; a broken attempt is retried (one at a time:
         both are rare)."""
         claim = attempt.claim
         for _ in range(END_TRIES):
             try:
-                if attempt.why == "shutdown":
-                    reason = f"attempt {claim.attempt}: its runner stopped"
-                    await asyncio.to_thread(claims.release, self.store, claim, reason)
+                if plan.action == "release":
+                    await asyncio.to_thread(claims.release, self.store, claim, plan.reason)
                 else:
-                    reason = outcome.error or "the attempt was lost"
-                    await asyncio.to_thread(claims.retry, self.store, claim, reason)
+                    await asyncio.to_thread(claims.retry, self.store, claim, plan.reason)
                 self._store_back()
                 return None
             except LeaseLost:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tpupod.errors import PodNotFound, UsageError
+from tpupod.jobs.rows import START_WAIT_S
 from tpupod.jobs.runner import DEFAULT_LEASE_S, Runner
 from tpupod.jobs.service import open_store
-from tpupod.jobs.store import START_WAIT_S, Store
+from tpupod.jobs.store import Store
 from tpupod.pod.state import StateDir
 
 if TYPE_CHECKING:
@@ -156,7 +157,8 @@ def runner_pod(pod: str | None) -> Pod:
 
 
 def _k8s_target(store: Store, options: RunnerOptions, k8s: K8sOptions) -> Target:
-    from tpupod.jobs.k8s_manifest import Target, store_label, tpu_slice
+    from tpupod.jobs.k8s_manifest import Target, tpu_slice
+    from tpupod.jobs.store import store_label
 
     if k8s.tpu is None or k8s.image is None:
         raise UsageError(

@@ -66,6 +66,11 @@ jobs = Table(
     Column("result", Text),
     Column("error", Text),
     Column("metadata", Text, nullable=False, default="{}"),  # JSON, e.g. submitted_by
+    # v3: the runner of the latest attempt (kept when it ends), the attempts before it and
+    # how each ended (JSON list, see ``history.py``), and the submitter's idempotency key
+    Column("runner", String(200)),
+    Column("history", Text),
+    Column("submit_key", String(64)),
     CheckConstraint(f"status IN ({STATUSES})", name="tpupod_jobs_status"),
     CheckConstraint("(code IS NULL) <> (command IS NULL)", name="tpupod_jobs_one_body"),
 )
@@ -85,6 +90,8 @@ Index(
     sqlite_where=jobs.c.status.in_(["scheduled", "running"]),
 )
 Index("tpupod_jobs_created", jobs.c.created_at)
+# a submit sent again (its answer lost) finds its job instead of adding it twice
+SUBMIT_KEY = Index("tpupod_jobs_submit_key", jobs.c.submit_key, unique=True)
 
 log_lines = Table(
     "tpupod_job_logs",
@@ -110,8 +117,20 @@ def _v2(conn: Connection) -> None:
         )
 
 
+def _v3(conn: Connection) -> None:
+    """``runner``, ``history``, ``submit_key`` and its unique index (a store made by this
+    tpupod's ``_v1`` has them already)."""
+    have = {c["name"] for c in inspect(conn).get_columns(JOBS_TABLE)}
+    added = (("runner", "VARCHAR(200)"), ("history", "TEXT"), ("submit_key", "VARCHAR(64)"))
+    for name, kind in added:
+        if name not in have:
+            conn.execute(text(f"ALTER TABLE {JOBS_TABLE} ADD COLUMN {name} {kind}"))
+    if SUBMIT_KEY.name not in {i["name"] for i in inspect(conn).get_indexes(JOBS_TABLE)}:
+        SUBMIT_KEY.create(conn)
+
+
 # version -> what brings the schema from version - 1 to it
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1, 2: _v2}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1, 2: _v2, 3: _v3}
 LATEST = max(MIGRATIONS)
 if LATEST != SCHEMA_VERSION:  # the fast submit checks a store's version against rows.py's
     raise AssertionError(f"rows.SCHEMA_VERSION is {SCHEMA_VERSION}; the migrations reach {LATEST}")

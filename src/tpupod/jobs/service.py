@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tpupod.errors import JobError, JobStoreAway, UsageError
+from tpupod.jobs.history import when
 from tpupod.jobs.models import AttemptLines, Job, JobRequest, JobStatus, LogLine
-from tpupod.jobs.rows import check_pod
-from tpupod.jobs.store import RETRY_S, Outage, Store
+from tpupod.jobs.rows import RETRY_S, START_WAIT_S, Outage, check_pod
+from tpupod.jobs.store import Store
 
 POLL_S = 0.2  # a follower and a waiter read the store again after this long
 LOG_PAGE = 5000  # lines per read while following
@@ -100,6 +101,43 @@ def status_text(job: Job) -> str:
     return job.status.value
 
 
+def attempt_texts(job: Job) -> list[str]:
+    """One line per attempt (``jobs show``): how each ended, on which runner and when, for a
+    job that ran more than once or whose ending another runner recorded; none otherwise."""
+    entries = {entry.attempt: entry for entry in job.history}
+    if job.attempt <= 1 and not entries:
+        return []
+    texts = []
+    for number in range(1, job.attempt + 1):
+        entry = entries.get(number)
+        if entry is not None:
+            texts.append(f"{number}: {entry.why} ({_span(entry.started, entry.ended)})")
+        elif number == job.attempt:
+            on = f" on runner {job.runner}" if job.runner else ""
+            texts.append(f"{number}: {job.status.value}{on} (started {when(job.scheduled_at)})")
+        else:  # a job from before attempts were kept (schema version 3)
+            texts.append(f"{number}: not recorded")
+    return texts
+
+
+def _span(started: float | None, ended: float) -> str:
+    if started is None:
+        return f"ended {when(ended)}"
+    first, last = when(started), when(ended)
+    if first[:10] == last[:10]:  # the same day: its time only
+        last = last[11:]
+    return f"{first[:-4]} to {last}"
+
+
+def check_attempt(job: Job, attempt: int | None) -> None:
+    """``logs --attempt N`` of a job that had fewer attempts is a usage error."""
+    if attempt is not None and not 1 <= attempt <= max(job.attempt, 1):
+        had = f"had {job.attempt} attempt{'s' if job.attempt != 1 else ''}"
+        raise UsageError(
+            f"job {job.id} {had}, not {attempt}", hint=f"'tpupod jobs show {job.id}' lists them"
+        )
+
+
 def result_text(value: object) -> str:
     """A result as a person (or ``$(...)``) reads it: a string as is, the rest as JSON."""
     return value if isinstance(value, str) else json.dumps(value)
@@ -114,16 +152,20 @@ async def follow(
     page: int = LOG_PAGE,
     poll_s: float = POLL_S,
     say: Callable[[str], None] | None = None,
+    attempt: int | None = None,
 ) -> AsyncIterator[list[LogLine]]:
-    """The job's lines after offset ``after``, in pages as they are written; it ends when
-    the job has ended and every line is read (``until_end=False``: when every line written
-    so far is read). Pages already written are read back to back, without waiting. While
-    the store is away it waits (``say`` hears when that starts and ends), as runners do."""
+    """The job's lines after offset ``after`` (of one ``attempt``, or all), in pages as they
+    are written; it ends when the job has ended and every line is read (``until_end=False``:
+    when every line written so far is read). Pages already written are read back to back,
+    without waiting. While the store is away it waits (``say`` hears when that starts and
+    ends), as runners do."""
     outage = Outage(say)
     while True:
         try:
             ended = not until_end or (await asyncio.to_thread(store.get, ident)).status.finished
-            lines = await asyncio.to_thread(store.logs, ident, after=after, limit=page)
+            lines = await asyncio.to_thread(
+                store.logs, ident, after=after, limit=page, attempt=attempt
+            )
         except JobStoreAway as exc:
             outage.away(exc)
             await asyncio.sleep(RETRY_S)
@@ -148,6 +190,7 @@ class LogView:
     of one attempt reads as its program printed it."""
 
     def __init__(self, job: Job) -> None:
+        self.job = job
         self.labelled = job.pod is not None
         self.several = job.attempt > 1
         self.last: int | None = None  # the attempt of the line shown last
@@ -159,14 +202,26 @@ class LogView:
             if line.attempt != self.last and (
                 self.last is not None or self.several or line.attempt > 1
             ):
-                yield None, attempt_mark(line.attempt)
+                yield None, attempt_mark(line.attempt, *_attempt_runner(self.job, line.attempt))
             self.last = line.attempt
             yield line.worker, f"[w{line.worker}] {line.line}" if self.labelled else line.line
 
 
-def attempt_mark(attempt: int) -> str:
-    """The line that says attempt ``attempt``'s lines begin."""
-    return f"--- attempt {attempt} ---"
+def attempt_mark(attempt: int, runner: str | None = None, started: float | None = None) -> str:
+    """The line that says attempt ``attempt``'s lines begin (on ``runner``, from ``started``)."""
+    if runner is None:
+        return f"--- attempt {attempt} ---"
+    return f"--- attempt {attempt} (runner {runner}, started {when(started)}) ---"
+
+
+def _attempt_runner(job: Job, attempt: int) -> tuple[str | None, float | None]:
+    """The runner of one of the job's attempts and when it took it, where known."""
+    for entry in job.history:
+        if entry.attempt == attempt:
+            return entry.runner, entry.started
+    if attempt == job.attempt:
+        return job.runner, job.scheduled_at
+    return None, None
 
 
 def log_pages(
@@ -176,9 +231,10 @@ def log_pages(
     after: int = 0,
     until_end: bool = False,
     say: Callable[[str], None] | None = None,
+    attempt: int | None = None,
 ) -> Iterator[list[LogLine]]:
     """``follow`` for a caller without an event loop (the CLI)."""
-    pages = follow(store, ident, after=after, until_end=until_end, say=say)
+    pages = follow(store, ident, after=after, until_end=until_end, say=say, attempt=attempt)
 
     async def step() -> list[LogLine] | None:
         return await anext(pages, None)
@@ -221,12 +277,36 @@ def wait(
     return job
 
 
-def submit(request: JobRequest, *, db: str | None = None, remote_pod: bool = False) -> int:
+def submit(
+    request: JobRequest,
+    *,
+    db: str | None = None,
+    remote_pod: bool = False,
+    key: str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> int:
     """Queue ``request`` in the store at ``db`` (made if none is there); its id. A job for a
-    pod this machine does not know is refused unless its runner is elsewhere (``remote_pod``)."""
+    pod this machine does not know is refused unless its runner is elsewhere (``remote_pod``).
+
+    A store that is away is waited for, up to ``START_WAIT_S`` in all (``say`` hears when
+    that starts and ends), as runners wait; the id comes only once the job is stored. With
+    ``key``, a try sent again (the connection dropped, perhaps after the commit) finds the
+    job the first one added instead of adding it twice."""
     check_pod(request.pod, remote_pod)
-    store = open_store(db, create=True)
+    began = time.monotonic()
+    store = Store.open_waiting(db, create=True, wait_s=START_WAIT_S, say=say)
+    outage = Outage(say)
     try:
-        return store.submit(request)
+        while True:
+            try:
+                job_id = store.submit(request, key=key)
+            except JobStoreAway as exc:
+                if key is None or time.monotonic() - began >= START_WAIT_S:
+                    raise  # without a key, another try could add it twice
+                outage.away(exc, f"waiting up to {START_WAIT_S:.0f} s for it")
+                time.sleep(RETRY_S)
+                continue
+            outage.back()
+            return job_id
     finally:
         store.close()

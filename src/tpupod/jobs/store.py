@@ -9,7 +9,7 @@ never wait for writers. Database errors are translated into ``JobStoreError`` he
 from __future__ import annotations
 
 import contextlib
-import re
+import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,7 +21,19 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, Operati
 from tpupod.errors import JobNotFound, JobStoreAway, JobStoreError, UsageError
 from tpupod.jobs import schema
 from tpupod.jobs.models import FINISHED, AttemptLines, Job, JobRequest, JobStatus, LogLine
-from tpupod.jobs.rows import NOTIFY_CHANNEL, default_url, insert_sql, job_row
+from tpupod.jobs.rows import (
+    NOTIFY_CHANNEL,
+    RETRY_S,
+    Outage,
+    away_words,
+    default_url,
+    find_sql,
+    insert_sql,
+    job_row,
+    key_taken,
+    redact,
+    same_submit,
+)
 from tpupod.jobs.schema import jobs, log_lines
 
 
@@ -97,36 +109,6 @@ def open_engine(url: str, *, create: bool = True) -> Engine:
         ) from exc
 
 
-class Outage:
-    """The store's absence as a person hears of it: one line when it starts (``away``),
-    one when it ends with its length (``back``), nothing between the retries."""
-
-    def __init__(self, say: Callable[[str], None] | None, prefix: str = "") -> None:
-        self.say = say or (lambda text: None)
-        self.prefix = prefix
-        self.since: float | None = None  # away since (monotonic)
-        self.back_at = float("-inf")  # when it last came back (monotonic)
-
-    def away(self, exc: JobStoreError, then: str = "retrying until it is back") -> None:
-        if self.since is None:
-            self.since = time.monotonic()
-            self.say(f"{self.prefix}{exc.message}; {then}")
-
-    def back(self) -> None:
-        if self.since is not None:
-            took = time.monotonic() - self.since
-            self.since, self.back_at = None, time.monotonic()
-            self.say(f"{self.prefix}the job store is back after {took:.1f} s")
-
-
-RETRY_S = 0.5  # while the store is away
-START_WAIT_S = 60.0  # a service (runner, API) starting waits this long for a store away
-# what PostgreSQL answers a connection it cannot take now (SQLSTATE 57P03, 53300)
-_NOT_NOW = re.compile(
-    r"FATAL:\s+(the database system is|sorry, too many clients|remaining connection slots)"
-)
-
-
 def _away(exc: DBAPIError) -> bool:
     """The server is not answering now (``JobStoreAway``): a connection it broke, or one
     that failed without the server's word (refused, reset, timed out) or with its word
@@ -134,19 +116,16 @@ def _away(exc: DBAPIError) -> bool:
     server rejected has one."""
     if exc.connection_invalidated:
         return True
-    if not isinstance(exc, OperationalError) or getattr(exc.orig, "sqlstate", None):
+    if not isinstance(exc, OperationalError):
         return False
-    text = str(exc.orig)
-    return "FATAL:" not in text or _NOT_NOW.search(text) is not None
+    return away_words(str(exc.orig), getattr(exc.orig, "sqlstate", None))
 
 
-def redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
+def store_label(store_url: str) -> str:
+    """A short name for a job store (a hash of its URL, password left out): on the objects a
+    runner makes (Kubernetes JobSets, the outcome journals in the state directory) so that
+    runners of another store never take them for theirs."""
+    return hashlib.sha256(redact(store_url).encode()).hexdigest()[:12]
 
 
 class Store:
@@ -236,19 +215,39 @@ class Store:
 
     # -- the queries people make --------------------------------------------------
 
-    def submit(self, request: JobRequest) -> int:
-        return self.submit_many([request])[0]
+    def submit(self, request: JobRequest, *, key: str | None = None) -> int:
+        """Queue one job; with ``key`` (the submitter's idempotency key), a key the store
+        has already gives that job's id and adds nothing (``UsageError`` when that job
+        runs something else)."""
+        return self.submit_many([request], keys=[key])[0]
 
-    def submit_many(self, requests: Sequence[JobRequest]) -> list[int]:
+    def submit_many(
+        self, requests: Sequence[JobRequest], keys: Sequence[str | None] = ()
+    ) -> list[int]:
         """Queue jobs in one transaction (one commit, one notice); their ids, in order."""
         now = time.time()
-        rows = [job_row(request.model_dump(), now) for request in requests]
+        given = list(keys) or [None] * len(requests)
+        rows = [
+            job_row(request.model_dump(), now, key)
+            for request, key in zip(requests, given, strict=True)
+        ]
         # the one INSERT the fast submit runs too (rows.insert_sql), through this connection
-        add = insert_sql(list(rows[0]), "%s" if self.postgres else "?") if rows else ""
+        mark = "%s" if self.postgres else "?"
+        add = insert_sql(list(rows[0]), mark) if rows else ""
         with self.write() as conn:
-            ids = [int(conn.exec_driver_sql(add, tuple(r.values())).scalar_one()) for r in rows]
+            ids = [self._add(conn, add, mark, row) for row in rows]
             self.notify(conn)
         return ids
+
+    def _add(self, conn: Connection, add: str, mark: str, row: dict[str, Any]) -> int:
+        key = row["submit_key"]
+        if key is not None:
+            found = conn.exec_driver_sql(find_sql(mark), (key,)).first()
+            if found is not None:
+                if not same_submit(found, row):
+                    raise key_taken(key, int(found[0]))
+                return int(found[0])
+        return int(conn.exec_driver_sql(add, tuple(row.values())).scalar_one())
 
     def notify(self, conn: Connection) -> None:
         """Wake idle runners (PostgreSQL; sent when the transaction commits)."""
@@ -287,14 +286,19 @@ class Store:
         found = [Job.from_row(row) for row in rows]
         return [job for job in found if wanted <= job.labels.items()][:limit]
 
-    def logs(self, job_id: int, *, after: int = 0, limit: int = 1000) -> list[LogLine]:
-        """Lines with offset (``seq``) greater than ``after``, in order."""
+    def logs(
+        self, job_id: int, *, after: int = 0, limit: int = 1000, attempt: int | None = None
+    ) -> list[LogLine]:
+        """Lines with offset (``seq``) greater than ``after`` (of ``attempt`` only, if given),
+        in order."""
         query = (
             select(log_lines)
             .where(log_lines.c.job_id == job_id, log_lines.c.seq > after)
             .order_by(log_lines.c.seq)
             .limit(limit)
         )
+        if attempt is not None:
+            query = query.where(log_lines.c.attempt == attempt)
         with self.read() as conn:
             rows = conn.execute(query).all()
         return [LogLine(r.seq, r.attempt, r.worker, r.line) for r in rows]

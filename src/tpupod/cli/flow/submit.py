@@ -5,9 +5,10 @@ SQLAlchemy cost it about a second before any work. When the arguments are plain 
 store exists at this tpupod's schema version, the console script checks the request here
 and adds the row with the database's own driver (``jobs/rows.py``). Anything else
 (``--help``, ``--wait``, a JSON document, anything to explain, a store to create or
-migrate, a database that does not answer) gives None, and the typer command, the
-reference for what the options mean, does it. Both write ``rows.job_row`` with the one
-INSERT; tests check that both paths store the same row and refuse the same input.
+migrate) gives None, and the typer command, the reference for what the options mean,
+does it. A PostgreSQL server that is away is waited for here, as by the typer command.
+Both write ``rows.job_row`` with the one INSERT; tests check that both paths store the
+same row and refuse the same input.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from tpupod.cli.args import Args, opt, rest
 from tpupod.errors import JobStoreError, PodNotFound, UsageError
 from tpupod.extras import missing
 from tpupod.jobs.code import syntax_problem
-from tpupod.jobs.rows import MAX_ATTEMPTS, attempts_for, check_pod, default_url, insert, job_row
+from tpupod.jobs.rows import (
+    MAX_ATTEMPTS,
+    attempts_for,
+    check_key,
+    check_pod,
+    default_url,
+    insert,
+    job_row,
+    new_submit_key,
+)
 
 DB = opt(  # every jobs command's
     "--db",
@@ -69,6 +79,14 @@ class SubmitArgs(Args):
         "--retries", default=0, help="Run it again when the program fails, this many times."
     )
     wait: bool = opt("--wait", default=False, help="Wait, then print the result.")
+    key: str | None = opt(
+        "--key",
+        metavar="KEY",
+        help="An idempotency key: a submit whose key the store has already adds no job and "
+        "prints that job's id (default: a new key, so a try sent again after a dropped "
+        "connection never adds the job twice).",
+        show_default=False,
+    )
     remote_pod: bool = opt(
         "--remote-pod", default=False, help="--pod names a pod whose runner is on another machine."
     )
@@ -86,10 +104,12 @@ def fast_submit(argv: list[str]) -> int | None:
         return None
     try:
         check_pod(args.pod, args.remote_pod)
-    except PodNotFound:
+        key = new_submit_key() if args.key is None else check_key(args.key)
+    except (PodNotFound, UsageError):
         return None  # the typer command says why
     try:
-        job_id = insert(args.db or default_url(), job_row(fields, time.time()))
+        row = job_row(fields, time.time(), key)
+        job_id = insert(args.db or default_url(), row, say=_notice)
     except JobStoreError as exc:
         from tpupod.fanout.report import report_failure
 
@@ -98,6 +118,13 @@ def fast_submit(argv: list[str]) -> int | None:
         return None
     print(job_id, flush=True)
     return 0
+
+
+def _notice(text: str) -> None:
+    """What the submit says while it waits for the store (rarely: imported then)."""
+    from tpupod.fanout.report import notice
+
+    notice(text)
 
 
 def _fields(args: SubmitArgs, *, dashed: bool) -> dict[str, Any] | None:
