@@ -12,6 +12,7 @@ from __future__ import annotations
 import getpass
 import json
 import re
+import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -114,8 +115,6 @@ KEY_CHARS = 64  # the column's width
 def new_submit_key() -> str:
     """A key for one submit: the same submit sent again (its answer lost: a connection
     dropped at the commit) finds the job it added instead of adding another."""
-    import secrets
-
     return secrets.token_hex(16)
 
 
