@@ -64,6 +64,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 from common import TPUPOD, sim_pod  # noqa: E402
+from tests.conftest import free_base_port  # noqa: E402
 from tests.postgres import Postgres, new_database, postgres_cluster  # noqa: E402
 
 from tpupod.sim import SimPod  # noqa: E402
@@ -547,9 +548,10 @@ class Chaos:
             self.trainings.append(Training("chaos-ssh", self.work, steps, self.heard, self.env))
         self.pg = stack.enter_context(postgres_cluster())
         self.jobs = Jobs(new_database(self.pg), self.work, self.heard, self.env)
+        # the README's serve up; a free --base-port, as 31000 may be another fleet's here
         self.serve_up = [
-            "serve", "up", "--pod", "chaos", "--model", str(TINY), "--",
-            "--max-batch", "4", "--max-length", "128",
+            "serve", "up", "--pod", "chaos", "--model", str(TINY),
+            "--base-port", str(free_base_port()), "--", "--max-batch", "4", "--max-length", "128",
         ]  # fmt: skip
         stack.callback(self.tpupod, "serve", "down", "--pod", "chaos")
         say("serve up")
