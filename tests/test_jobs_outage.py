@@ -295,6 +295,56 @@ def test_a_job_that_ended_while_postgres_was_down_is_not_run_again_when_its_runn
     store.close()
 
 
+@pytest.mark.timeout(150)  # a cluster of its own, two runners, an outage
+def test_a_gone_runners_journal_met_in_an_outage_is_recorded_by_whichever_runner_reaps_next(
+    pg: Postgres, tmp_path: Path
+) -> None:
+    """Found by the chaos harness: a runner met a gone runner's journal while the store was
+    away and kept it locked until its next round, seconds after the store was back; a runner
+    started then took the locked journal for a live runner's, requeued its job once its
+    lease expired, and the job ran again. A journal that cannot be recorded now is let go:
+    the next runner to reap records it first."""
+    from tpupod.jobs.outcomes import Journal, Kept, journal_folder
+
+    url = new_database(pg)
+    store = Store.open(url)
+    ran = tmp_path / "ran"
+    job = _submitted(url, f"echo $TPUPOD_JOB_ID >> {ran}")
+    claim = claims.claim(store, "gone-runner", pod=None, lease_s=25)
+    assert claim is not None and claim.job.id == job
+    journal = Journal(journal_folder(url), "gone-runner")  # held: its runner lives
+    journal.keep(
+        Kept(job, 1, "gone-runner", "end", "completed", None, None, time.time()),
+        1,
+        [[(0, "it ended while the store was away")]],
+    )
+    first = runner(url, "--local", "--lease", "30")  # rounds of reaping 10 s apart
+    said = StderrLines(first)
+    try:
+        ready = _submitted(url, "true")
+        _wait_for(lambda: store.get(ready).status is JobStatus.COMPLETED, timeout=30)
+        pg.stop()
+        journal.close()  # its runner dies with the store away: the lock goes, the file stays
+        try:
+            said.wait_for("runner gone-runner is gone; recording the 1 ending(s)", timeout=30)
+        except AssertionError:
+            raise AssertionError(said.text()) from None
+        assert claim.job.lease_expires_at is not None
+        _wait_for(lambda: time.time() > (claim.job.lease_expires_at or 0) + 0.5, timeout=30)
+        pg.start()
+        second = runner(url, "--local", "--until-empty")  # not in an outage: it reaps at once
+        _, err = second.communicate(timeout=60)
+        assert second.returncode == 0, err
+    finally:
+        first.terminate()
+        said.finish()
+    done = store.get(job)
+    assert (done.status, done.attempt) == (JobStatus.COMPLETED, 1), (done, err, said.text())
+    assert not ran.exists()  # it never ran again
+    assert [line.line for line in store.logs(job)] == ["it ended while the store was away"]
+    store.close()
+
+
 def _submit(*args: str) -> subprocess.Popen[str]:
     argv = tpupod_argv("jobs", "submit", *args)
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -606,7 +656,8 @@ def job_chaos(
         f'echo "$TPUPOD_JOB_ID $TPUPOD_JOB_ATTEMPT $(date +%s.%N)" >> {ran}'  # id, attempt, when
     )
     store = Store.open(url)
-    acknowledged = store.submit_many([command_job(body) for _ in range(queued)])
+    # runners die every few seconds here: a job may lose more than the default 3 attempts
+    acknowledged = store.submit_many([command_job(body, max_attempts=10) for _ in range(queued)])
     started = iter(range(1_000_000))
 
     def start_runner() -> subprocess.Popen[str]:
@@ -644,7 +695,7 @@ def job_chaos(
 def _submitting(url: str, body: str, acknowledged: list[int], stop: threading.Event) -> None:
     """Submit through the CLI until ``stop``; an id printed is a job acknowledged."""
     while not stop.is_set():
-        done = _jobs("submit", "--db", url, "--", body)
+        done = _jobs("submit", "--db", url, "--max-attempts", "10", "--", body)
         if done.returncode == 0:  # acknowledged: it must run exactly once
             acknowledged.append(int(done.stdout))
 
@@ -694,8 +745,9 @@ def _kill_and_replace(
 
 
 def _drained(store: Store) -> list[int]:
-    """Every job completed, its last attempt's log whole; the jobs whose history names an
-    attempt lost with its runner (a rerun that may have run the job twice)."""
+    """Every job completed (none failed: each had 10 attempts), its last attempt's log
+    whole; the jobs whose history names an attempt lost with its runner (a rerun that may
+    have run the job twice)."""
     named = []
     for job in store.find(limit=100_000):
         assert job.status is JobStatus.COMPLETED, job

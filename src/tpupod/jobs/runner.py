@@ -36,9 +36,9 @@ from tpupod.errors import JobError, JobStoreError, LeaseLost
 from tpupod.jobs import claims
 from tpupod.jobs.attempt import Executor, Hooks, Outcome
 from tpupod.jobs.claims import Ending
-from tpupod.jobs.history import LATE, Entry
+from tpupod.jobs.history import LATE, LOST, Entry
 from tpupod.jobs.linebuffer import LineBuffer
-from tpupod.jobs.models import Claim, JobStatus
+from tpupod.jobs.models import Claim, Job, JobStatus
 from tpupod.jobs.outcomes import Journal, Kept, Orphan, journal_folder, orphans
 from tpupod.jobs.rows import RETRY_S, Outage
 from tpupod.jobs.store import Store
@@ -56,6 +56,16 @@ WRITE_BATCH = 5000  # log lines per transaction
 def _retried(claim: Claim, outcome: Outcome) -> bool:
     """A program failure the job's ``retries`` cover (the retry fails it at max_attempts)."""
     return outcome.status is JobStatus.FAILED and claim.attempt <= claim.job.retries
+
+
+def _recorded(job: Job, kept: Kept) -> bool:
+    """Whether the store has the ending ``kept`` already (found as ``job``)."""
+    if job.attempt == kept.attempt and job.status.finished and job.runner == kept.owner:
+        return True
+    return any(
+        entry.attempt == kept.attempt and entry.runner == kept.owner and entry.how != LOST
+        for entry in job.history
+    )
 
 
 def new_owner() -> str:
@@ -146,6 +156,7 @@ class Runner:
         self.journal_folder = journal or journal_folder(store.url)
         self.journal: Journal | None = None
         self._orphans: list[Orphan] = []  # gone runners' journals, locked, not yet reaped
+        self._announced: set[str] = set()  # gone runners whose journal it said it records
 
     async def serve(self, *, until_empty: bool = False, max_jobs: int | None = None) -> int:
         """Run jobs until ``shutdown`` is set (or the queue is empty, or ``max_jobs``).
@@ -298,9 +309,18 @@ class Runner:
             if tidy is not None and expired:
                 await tidy(self.store)
         except JobStoreError as exc:  # the next round retries
+            # the gone runners' journals are let go: whichever runner of this state
+            # directory reaps next records them first (held, they would look alive, and
+            # another runner could requeue their jobs once their leases expired)
+            self._release_orphans()
             self._store_away(exc)
         except JobError as exc:  # the cluster is away: the next round retries
             self.say(f"runner {self.owner}: {exc.message}")
+
+    def _release_orphans(self) -> None:
+        for orphan in self._orphans:
+            orphan.file.close()
+        self._orphans = []
 
     def _say_reaped(self, reaped: list[claims.Reaped]) -> None:
         """One line per lost runner: why it is taken for lost, what became of each job."""
@@ -317,7 +337,15 @@ class Runner:
             return 0
         recorded = 0
         held = [orphan.path for orphan in self._orphans] + [self.journal.path]
-        self._orphans += await asyncio.to_thread(orphans, self.journal_folder, skip=held)
+        found = await asyncio.to_thread(orphans, self.journal_folder, skip=held)
+        for orphan in found:
+            if orphan.pending and orphan.owner not in self._announced:
+                self._announced.add(orphan.owner)
+                self.say(
+                    f"runner {self.owner}: runner {orphan.owner} is gone; recording the "
+                    f"{len(orphan.pending)} ending(s) its journal {orphan.path} kept"
+                )
+        self._orphans += found
         for orphan in self._orphans:
             for kept in list(orphan.pending.values()):
                 try:
@@ -341,8 +369,8 @@ class Runner:
         )
         claim, job = claims.adopt(self.store, kept.key, gone, lease_s=self.lease_s, note=note)
         if claim is None:
-            if job.attempt == kept.attempt and job.status.finished and job.runner == gone:
-                return None  # it was recorded; its runner died before noting so
+            if _recorded(job, kept):
+                return None  # by its runner, which died before noting so, or by another
             late = (
                 f"{kept.status} on runner {gone}, but the job store learned it only after "
                 f"the job had gone on without it ({job.status.value}, attempt {job.attempt}): "
@@ -373,9 +401,7 @@ class Runner:
             )
 
     def _close_journal(self) -> None:
-        for orphan in self._orphans:  # not recorded yet: the next runner does it
-            orphan.file.close()
-        self._orphans = []
+        self._release_orphans()  # not recorded yet: the next runner does it
         if self.journal is not None:
             with contextlib.suppress(OSError):
                 self.journal.close()
