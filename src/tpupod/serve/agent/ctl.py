@@ -71,9 +71,10 @@ def keeper(state: Path, service: str) -> int | None:
 def ensure(
     state: Path, service: str, argv: list[str], timeout: float, again: bool = False
 ) -> dict[str, Any]:
-    """Start the service detached unless it runs; its record once it listens. The router
-    runs under ``respawn``, which starts it again when it dies (the agent does not: a new
-    agent would not know its servers), the builtin one on the socket respawn holds.
+    """Start the service detached unless it runs; its record once it listens. Both run
+    under ``respawn``, which starts them again when they die: the builtin router on the
+    socket respawn holds, the agent on its port (it takes over the servers the one before
+    left).
     ``again``: the fleet's router was lost (its parent too), and this start is one more
     restart of it, its request counts kept; else its restarts and counts begin at 0."""
     running = read_info(state, service)
@@ -84,17 +85,13 @@ def ensure(
     if running is not None:
         return {**running, "started_now": False}
     state.mkdir(parents=True, exist_ok=True)
-    if service == "agent":  # servers of an agent that was killed hard would hold their ports
-        _kill_recorded_groups(state)
-    if service == "router":
-        keeping = ["-m", "tpupod.serve.agent.respawn", "--state-dir", str(state)]
-        keeping += ["--listen"] if argv[1:3] == ["-m", BUILTIN_ROUTER] else []
-        argv = [sys.executable, *keeping, service, "--", *argv]
-        services.count_restarts(
-            state, service, services.restarts(state, service) + 1 if again else 0
-        )
-        if not again:  # a new fleet's router: its request counts begin at 0
-            services.counts_path(state).unlink(missing_ok=True)
+    # the servers an agent killed hard left are taken over by the new agent (server.py)
+    keeping = ["-m", "tpupod.serve.agent.respawn", "--state-dir", str(state)]
+    keeping += ["--listen"] if argv[1:3] == ["-m", BUILTIN_ROUTER] else []
+    argv = [sys.executable, *keeping, service, "--", *argv]
+    services.count_restarts(state, service, services.restarts(state, service) + 1 if again else 0)
+    if service == "router" and not again:  # a new fleet's router: its counts begin at 0
+        services.counts_path(state).unlink(missing_ok=True)
     with open(state / f"{service}.log", "ab") as log:
         proc = subprocess.Popen(
             argv,
