@@ -174,13 +174,14 @@ def router_pid(pod: str) -> int | None:
     return None
 
 
-def agent_pid(pod: str, worker: int = 0) -> int | None:
-    """The agent of ``worker`` (its working folder is the worker's), not its keeper."""
+def agent_pid(pod: str, worker: int = 0, module: str = "tpupod.serve.agent") -> int | None:
+    """The agent of ``worker`` (its working folder is the worker's), not its keeper; or
+    the process of another ``module`` run the same way (the builtin server's keeper)."""
     for proc in psutil.process_iter(["cmdline"]):
         try:
             argv = proc.info["cmdline"]
             if (
-                argv[2:5:2] == ["tpupod.extras", "tpupod.serve.agent"]
+                argv[2:5:2] == ["tpupod.extras", module]
                 and proc.environ().get("TPUPOD_POD") == pod
                 and Path(proc.cwd()).name == f"w{worker}"
                 and proc.status() != "zombie"
@@ -218,6 +219,7 @@ def one_kill(
         if time.monotonic() > deadline:
             raise SystemExit(f"no {target} process to kill after 30s")
         time.sleep(0.05)
+    server = agent_pid(pod, 0, "tpupod.serve.builtin")
     before = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
@@ -239,6 +241,9 @@ def one_kill(
         "next_answer_s": round(min(r.ended for r in after) - dead, 3) if after else None,
         "gap_s": round(longest_gap(load.between(before - 1, end), before - 1, end), 3),
         "back": find(pod) is not None,
+        # w0's server: the same process at the end of the window (not stopped and started)
+        "w0_server_kept": server is not None
+        and agent_pid(pod, 0, "tpupod.serve.builtin") == server,
     }
 
 
@@ -333,6 +338,8 @@ def report(r: dict[str, Any]) -> None:
         worst = f"{max(known):g}" if known else "-"
         each = " ".join("-" if v is None else f"{v:g}" for v in values)
         print(f"{label:<26}{median(values):>8}{worst:>8}   {each}")
+    kept = sum(bool(k.get("w0_server_kept")) for k in r["kills"])
+    print(f"w0's server the same process after the kill: {kept} of {len(r['kills'])} kills")
     print()
     kinds = sorted({k for kill in r["kills"] for k in kill["failed_kinds"]})
     for k in kinds:

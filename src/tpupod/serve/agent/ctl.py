@@ -170,7 +170,9 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
         stopped = True
     stopped = _kill_unrecorded(state, service) or stopped
     left = _kill_recorded_groups(state) if service == "agent" else 0
-    paths = (state / f"{service}.json", respawn.keeper_path(state, service))
+    paths = [state / f"{service}.json", respawn.keeper_path(state, service)]
+    if service == "agent":  # stopped: no agent after it is to take these servers over
+        paths.append(state / "servers.json")
     for path in (*paths, services.spawned_path(state, service)):
         with contextlib.suppress(OSError):
             path.unlink()
@@ -220,7 +222,8 @@ def running(state: Path) -> dict[str, Any]:
     found = []
     for service in SERVICES:
         info = read_info(state, service)
-        pid = info["pid"] if info else keeper(state, service) or services.spawned(state, service)
+        parent = keeper(state, service)
+        pid = info["pid"] if info else _kept(parent) or services.spawned(state, service)
         if pid is None:
             continue
         entry: dict[str, Any] = {"service": service, "pid": pid, "answers": info is not None}
@@ -231,6 +234,19 @@ def running(state: Path) -> dict[str, Any]:
         found.append(entry)
     agent = any(entry["service"] == "agent" for entry in found)
     return {"running": found, "orphans": [] if agent else _live_recorded_groups(state)}
+
+
+def _kept(parent: int | None) -> int | None:
+    """The service its keeper (``parent``, a session leader) runs, in the keeper's process
+    group (the agent's servers have groups of their own); else the keeper itself (between
+    two runs), or None without one."""
+    if parent is None:
+        return None
+    for pid in procfs.pids():
+        st = procfs.stat(pid)
+        if st is not None and st.alive and st.pgrp == parent and pid != parent:
+            return pid
+    return parent
 
 
 def call(state: Path, service: str, method: str, path: str, body: str | None) -> dict[str, Any]:
