@@ -1,7 +1,14 @@
-"""What a ``kill -9`` of the fleet's router costs the clients (issue 41).
+"""What a ``kill -9`` of the fleet's router (or of worker 0's agent) costs the clients
+(issue 41).
 
     .venv/bin/python benchmarks/serve_router_kill.py                  # about 2 minutes
     .venv/bin/python benchmarks/serve_router_kill.py --src /tmp/before/src   # other code
+    .venv/bin/python benchmarks/serve_router_kill.py --kill agent --serve-again --every 45
+
+``--kill agent`` kills worker 0's agent instead (``python -m tpupod.extras serve
+tpupod.serve.agent``, not its keeper); ``--serve-again`` runs the user's ``serve up``
+(the same options) 1 s after each kill, in the background, as the chaos harness does:
+before agents had a keeper, that was what brought one back.
 
 A fleet as a user starts it (``tpupod up --local 2``, ``tpupod serve up --model
 tests/fixtures/qwen2-tiny``, every other option its default but ``--base-port``) under a
@@ -167,6 +174,24 @@ def router_pid(pod: str) -> int | None:
     return None
 
 
+def agent_pid(pod: str, worker: int = 0, module: str = "tpupod.serve.agent") -> int | None:
+    """The agent of ``worker`` (its working folder is the worker's), not its keeper; or
+    the process of another ``module`` run the same way (the builtin server's keeper)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            argv = proc.info["cmdline"]
+            if (
+                argv[2:5:2] == ["tpupod.extras", module]
+                and proc.environ().get("TPUPOD_POD") == pod
+                and Path(proc.cwd()).name == f"w{worker}"
+                and proc.status() != "zombie"
+            ):
+                return int(proc.pid)
+        except (psutil.Error, TypeError):
+            continue
+    return None
+
+
 def phase(load: Load, start: float, end: float) -> dict[str, Any]:
     done = load.between(start, end)
     failed: dict[str, int] = {}
@@ -183,18 +208,25 @@ def phase(load: Load, start: float, end: float) -> dict[str, Any]:
     }
 
 
-def one_kill(load: Load, pod: str, every: float) -> dict[str, Any]:
-    """Kill the router now; what it cost, measured over the next ``every`` seconds."""
+def one_kill(
+    load: Load, pod: str, every: float, target: str = "router", again: Any = None
+) -> dict[str, Any]:
+    """Kill the router (or w0's agent) now; what it cost, over the next ``every`` seconds;
+    ``again``: what to run 1 s after the kill (the user's serve up), in a thread."""
+    find = router_pid if target == "router" else agent_pid
     deadline = time.monotonic() + 30
-    while (pid := router_pid(pod)) is None:
+    while (pid := find(pod)) is None:
         if time.monotonic() > deadline:
-            raise SystemExit("no router process to kill after 30s")
+            raise SystemExit(f"no {target} process to kill after 30s")
         time.sleep(0.05)
+    server = agent_pid(pod, 0, "tpupod.serve.builtin")
     before = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
         time.sleep(0.001)
     dead = time.monotonic()
+    if again is not None:
+        threading.Timer(1.0, again).start()
     time.sleep(every)
     end = time.monotonic()
     window = load.between(before, end)
@@ -208,7 +240,10 @@ def one_kill(load: Load, pod: str, every: float) -> dict[str, Any]:
         "failed_kinds": sorted({r.error for r in failed if r.error}),
         "next_answer_s": round(min(r.ended for r in after) - dead, 3) if after else None,
         "gap_s": round(longest_gap(load.between(before - 1, end), before - 1, end), 3),
-        "router_back": router_pid(pod) is not None,
+        "back": find(pod) is not None,
+        # w0's server: the same process at the end of the window (not stopped and started)
+        "w0_server_kept": server is not None
+        and agent_pid(pod, 0, "tpupod.serve.builtin") == server,
     }
 
 
@@ -222,7 +257,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         cli(env, "up", "--name", pod, "--local", "2")
         base = ["--base-port", str(free_base_port())]  # other fleets may serve on 31000
-        cli(env, "serve", "up", "--pod", pod, "--model", str(MODEL), *base, timeout=600)
+        up = ["serve", "up", "--pod", pod, "--model", str(MODEL), *base]
+        cli(env, *up, timeout=600)
+        ups: list[str] = []
+
+        def serve_again() -> None:
+            done = subprocess.run(
+                [TPUPOD, *up], env=env, capture_output=True, text=True, check=False
+            )
+            ups.append(f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+
+        again = serve_again if args.serve_again else None
         exports = cli(env, "serve", "endpoint", "--pod", pod).splitlines()
         values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
         load = Load(values["OPENAI_BASE_URL"], values["OPENAI_API_KEY"], args.clients,
@@ -236,11 +281,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         kills_start = time.monotonic()
         kills = []
         for n in range(args.kills):
-            kills.append(one_kill(load, pod, args.every))
+            kills.append(one_kill(load, pod, args.every, args.kill, again))
             print(f"kill {n + 1}: {kills[-1]}", file=sys.stderr, flush=True)
         under_kills = phase(load, kills_start, time.monotonic())
         load.stop()
-        log = cli(env, "serve", "logs", "--pod", pod, "--router", "-n", "40").splitlines()
+        which = "--router" if args.kill == "router" else "--agent"
+        log = subprocess.run(  # code before agents had a keeper has no --agent
+            [TPUPOD, "serve", "logs", "--pod", pod, which, "-n", "40"],
+            env=env, capture_output=True, text=True, check=False,
+        ).stdout.splitlines()  # fmt: skip
         restarts = [line for line in log if "respawn" in line]
         status = cli(env, "serve", "status", "--pod", pod)
     finally:
@@ -254,7 +303,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "anchor": anchor,
         "kills": kills,
         "under_kills": under_kills,
+        "killed": args.kill,
         "router_log": restarts,
+        "serve_again": ups,
         "status": status,
     }
 
@@ -268,7 +319,7 @@ def report(r: dict[str, Any]) -> None:
     print(f"code: {r['src']}; {r['clients']} clients (half streaming), openai, no retries")
     print()
     print(f"{'phase':<24}{'requests':>9}{'ok':>7}{'failed':>8}{'longest gap s':>15}")
-    for name, p in (("anchor (no kill)", r["anchor"]), (f"{len(r['kills'])} router kills",
+    for name, p in (("anchor (no kill)", r["anchor"]), (f"{len(r['kills'])} {r['killed']} kills",
                                                          r["under_kills"])):  # fmt: skip
         print(f"{name:<24}{p['requests']:>9}{p['ok']:>7}{p['failed']:>8}{p['longest_gap_s']:>15}")
     print()
@@ -287,12 +338,16 @@ def report(r: dict[str, Any]) -> None:
         worst = f"{max(known):g}" if known else "-"
         each = " ".join("-" if v is None else f"{v:g}" for v in values)
         print(f"{label:<26}{median(values):>8}{worst:>8}   {each}")
+    kept = sum(bool(k.get("w0_server_kept")) for k in r["kills"])
+    print(f"w0's server the same process after the kill: {kept} of {len(r['kills'])} kills")
     print()
     kinds = sorted({k for kill in r["kills"] for k in kill["failed_kinds"]})
     for k in kinds:
         print(f"failure: {k}")
     for line in r["router_log"][-3:]:
-        print(f"router log: {line}")
+        print(f"{r['killed']} log: {line}")
+    for line in r["serve_again"]:
+        print(f"serve up again: {line}")
     print(r["status"].rstrip())
 
 
@@ -306,6 +361,10 @@ def main() -> None:
         "--pause", type=float, default=0.1, help="a client's wait after a failed request"
     )
     parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--kill", choices=("router", "agent"), default="router")
+    parser.add_argument(
+        "--serve-again", action="store_true", help="the user's serve up 1 s after each kill"
+    )
     parser.add_argument("--src", default=None, help="run this code (its src folder)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()

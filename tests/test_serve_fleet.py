@@ -1318,13 +1318,31 @@ def by_worker(procs: list[psutil.Process]) -> dict[str, int]:
     return {Path(p.cwd()).name: p.pid for p in procs}
 
 
+def kill_agent_and_keeper(pod: str, worker: str) -> None:
+    """A worker's agent lost for good: its keeper (which would start it again) killed
+    first, then the agent."""
+    found: dict[str, psutil.Process] = {}
+    for proc in pod_processes(pod):
+        with contextlib.suppress(psutil.Error):  # a ctl call may end meanwhile
+            argv = proc.cmdline()
+            if Path(proc.cwd()).name == worker and "router" not in argv:
+                for role in ("tpupod.serve.agent.respawn", "tpupod.serve.agent"):
+                    if role in argv:
+                        found[role] = proc
+    assert sorted(found) == ["tpupod.serve.agent", "tpupod.serve.agent.respawn"], found
+    for role in ("tpupod.serve.agent.respawn", "tpupod.serve.agent"):
+        found[role].kill()
+        found[role].wait(10)
+
+
 @pytest.mark.local
 @pytest.mark.timeout(120)
 def test_serve_up_again_starts_only_what_is_lost(tmp_path: Path) -> None:
-    """A worker's agent killed with -9 (its server went on, unsupervised): a second serve
-    up with the same settings said only that worker was lost, then stopped and started
-    every server of the fleet. It now starts that worker's agent and server again and
-    touches nothing else: the other server, the router and the endpoint stay."""
+    """A worker's agent and server killed with -9 (and the agent's keeper, which would
+    start it again): a second serve up with the same settings said only that worker was
+    lost, then stopped and started every server of the fleet. It now starts that worker's
+    agent and server again and touches nothing else: the other server, the router and
+    the endpoint stay."""
     base = free_base_port()
     with local_pod(tmp_path, "rl", 2) as (home, pod):
         assert stub_up(home, pod, base=base).returncode == 0
@@ -1333,7 +1351,8 @@ def test_serve_up_again_starts_only_what_is_lost(tmp_path: Path) -> None:
         agents = by_worker([p for p in pod_processes(pod) if "tpupod.serve.agent" in p.cmdline()])
         (router,) = router_processes(pod)
         assert sorted(servers) == sorted(agents) == ["w0", "w1"]
-        lost = psutil.Process(agents["w1"])
+        kill_agent_and_keeper(pod, "w1")
+        lost = psutil.Process(servers["w1"])
         lost.kill()
         lost.wait(10)
         again = stub_up(home, pod, base=base)
@@ -1383,8 +1402,9 @@ def test_fanout_reports_backends_that_are_down_and_exits_non_zero(tmp_path: Path
         exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
         values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
         w1 = [p for p in pod_processes(pod) if p.environ().get("TPUPOD_WORKER_ID") == "1"]
-        assert len(w1) == 3  # its agent and its two servers: killed, nobody restarts them
-        for proc in w1:
+        # its agent's keeper, its agent and its two servers: killed, nobody restarts them
+        assert len(w1) == 4
+        for proc in sorted(w1, key=lambda p: "tpupod.serve.agent.respawn" not in p.cmdline()):
             proc.kill()
         auth = {"Authorization": f"Bearer {values['OPENAI_API_KEY']}"}
         registry = values["OPENAI_BASE_URL"].removesuffix("/v1") + "/backends"
@@ -1508,16 +1528,16 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
         assert f"the server on :{second} runs in one process with :{second - 1}" in one.stderr
         assert "hint: restart them together: tpupod serve restart -w 0" in one.stderr
         assert {p.pid for p in pod_processes(pod) if "tpupod.serve.builtin" in p.cmdline()} == pids
-        # its agent killed: serve up again named the lost process once per port ('w0's
-        # builtin-P, w0's builtin-P'), and said ready while the router still had it down
-        (agent,) = [p for p in pod_processes(pod) if "tpupod.serve.agent" in p.cmdline()]
-        agent.kill()
-        agent.wait(10)
+        # its agent and the agent's keeper killed: serve up again named the lost process
+        # once per port ('w0's builtin-P, w0's builtin-P'), and said ready while the router
+        # still had it down; the new agent takes the server over (it had stopped it)
+        kill_agent_and_keeper(pod, "w0")
         again = run_cli(home, *up_args, timeout=230)
         assert again.returncode == 0, again.stderr
         first = second - 1
         lost = f"but not w0's builtin-{first} (serving :{first}, :{second}): starting it again"
         assert lost in again.stderr, again.stderr
+        assert {p.pid for p in pod_processes(pod) if "tpupod.serve.builtin" in p.cmdline()} == pids
         status = run_cli(home, "serve", "status", "--pod", pod)
         assert "router: down" not in status.stdout, status.stdout
         assert "(2/2 backends healthy; 0 restarts)" in status.stdout, status.stdout
@@ -1804,3 +1824,69 @@ def test_engine_and_front_end_kills_are_counted_in_serve_status_and_named_in_the
     lines = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "1").stdout
     said = logged_after(lines.splitlines(), wall, "[tpupod agent] the server exited (killed by")
     assert said is not None and said < 2.0, lines
+
+
+def worker_agent(pod: str, worker: int) -> psutil.Process:
+    """The agent of ``worker`` (not its keeper, whose command line names the agent's)."""
+    (found,) = [
+        p for p in pod_processes(pod)
+        if p.cmdline()[2:5:2] == ["tpupod.extras", "tpupod.serve.agent"]
+        and Path(p.cwd()).name == f"w{worker}"
+    ]  # fmt: skip
+    return found
+
+
+def engine_restarts(fleet: Fleet, worker: int) -> int:
+    found = re.search(r"\bengine (\d+)", status_row(fleet, worker))
+    return int(found.group(1)) if found else 0
+
+
+def state_of(fleet: Fleet, worker: int) -> str:
+    return status_row(fleet, worker).split()[3]
+
+
+@pytest.mark.local
+@pytest.mark.timeout(180)
+def test_an_agent_killed_with_9_under_load_is_started_again_and_takes_over_its_servers(
+    builtin_fleet: Fleet,
+) -> None:
+    """A kill -9 of a worker's agent left its servers writing into a pipe nobody read: the
+    next line one wrote (an engine's restart said in its log) killed it, and no agent ran
+    to start it again until the user's serve up, which stopped the servers the dead agent
+    left and started them anew (30 s of loading on a loaded machine). The agent now runs
+    under a keeper that starts it again at once, and the new agent takes over the servers
+    still running (their output goes on into their logs): no request fails, the server
+    keeps its pid, its later restarts are made and counted; the agent's log names the
+    restart within a second or two and serve status counts it."""
+    fleet = builtin_fleet
+    # both routed to (a test before may have left one starting): w1 serves through it all
+    wait_for(lambda: state_of(fleet, 0) == state_of(fleet, 1) == "ready", 90, "both ready")
+    before = status_row(fleet, 0).split()[4]  # its pid
+    engines = engine_restarts(fleet, 0)
+    agent = worker_agent(fleet.pod, 0)
+    with Clients(fleet, 4) as clients:
+        wait_for(lambda: clients.answered_after(0) >= 8, 60, "answers before the kill")
+        wall = time.time()
+        agent.kill()
+        agent.wait(10)
+        dead = time.monotonic()
+        wait_for(lambda: clients.answered_after(dead) >= 16, 30, "answers after the kill")
+        # the server speaks after its agent died: its engine killed, its keeper says so
+        builtin_child(fleet.pod, 0, "engine").kill()
+        wait_for(lambda: state_of(fleet, 0).startswith("ready"), 20, "an agent on w0 again")
+        wait_for(lambda: engine_restarts(fleet, 0) > engines, 30, "the engine's restart")
+        assert f"  {before}  " in status_row(fleet, 0)  # the same server
+        served = clients.answered_after(time.monotonic())
+        wait_for(lambda: clients.answered_after(dead) >= served + 8, 30, "answers at the end")
+    failed = [a for a in clients.done if a.error is not None]
+    # the engine's kill fails what was in flight in it (up to --max-batch): not the agent's
+    assert len(failed) <= 4, failed
+    log = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "--agent", "-w", "0").stdout
+    said = logged_after(log.splitlines(), wall, "the agent exited (killed by SIGKILL)")
+    assert said is not None and said < 2.0, log
+    assert "started again at once (restart 1)" in log, log
+    server_log = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "0").stdout
+    assert logged_after(server_log.splitlines(), wall, "took over this server") is not None
+    assert logged_after(server_log.splitlines(), wall, "the engine process was killed") is not None
+    status = run_cli(fleet.home, "serve", "status", "--pod", fleet.pod).stdout
+    assert "agents: w0 restarted 1 time" in status, status

@@ -196,6 +196,8 @@ def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> N
     found = _fleet(pod).status(worker_python)
     print_columns(_status_table(found), sys.stdout)
     print(_router_line(found))
+    if restarted := _agents_line(found):
+        print(restarted)
     if found.router_error is not None and found.starting is not None:
         print(found.starting)
     elif found.router_down:
@@ -220,6 +222,17 @@ def _router_line(found: FleetStatus) -> str:
     seen += [f"its /health: {found.router_health}"] if found.router_health else []
     seen += [f"circuit {c}" for c in found.circuits]
     return f"router{kind}: {found.record.base_url} ({'; '.join([*seen, *restarts])})"
+
+
+def _agents_line(found: FleetStatus) -> str | None:
+    """``agents: w0 restarted 1 time``: the agents started again after they died (their
+    keeper does it at once; the servers serve on), None when none was."""
+    restarted = [
+        f"w{w} restarted {n} time{'' if n == 1 else 's'}"
+        for w, n in enumerate(found.agent_restarts)
+        if n
+    ]
+    return f"agents: {', '.join(restarted)}" if restarted else None
 
 
 def _status_table(found: FleetStatus) -> list[list[str]]:
@@ -268,11 +281,18 @@ def logs(
         bool,
         typer.Option("--router", help="The router's log instead (on w0: its starts and ends)."),
     ] = False,
+    agent: Annotated[
+        bool,
+        typer.Option("--agent", help="Each worker's agent's log instead (its starts and ends)."),
+    ] = False,
 ) -> None:
     """The servers' log lines, prefixed by worker (tail -F with --follow)."""
     fleet = _fleet(pod)
     printer = LinePrinter(fleet.pod.select(workers), sys.stdout, sys.stderr)
-    fleet.logs(printer, workers=workers, port=port, lines=lines, follow=follow, router=router)
+    fleet.logs(
+        printer, workers=workers, port=port, lines=lines, follow=follow, router=router,
+        agent=agent,
+    )  # fmt: skip
 
 
 @command("restart", group=serve_app)

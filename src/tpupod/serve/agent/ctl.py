@@ -71,9 +71,10 @@ def keeper(state: Path, service: str) -> int | None:
 def ensure(
     state: Path, service: str, argv: list[str], timeout: float, again: bool = False
 ) -> dict[str, Any]:
-    """Start the service detached unless it runs; its record once it listens. The router
-    runs under ``respawn``, which starts it again when it dies (the agent does not: a new
-    agent would not know its servers), the builtin one on the socket respawn holds.
+    """Start the service detached unless it runs; its record once it listens. Both run
+    under ``respawn``, which starts them again when they die: the builtin router on the
+    socket respawn holds, the agent on its port (it takes over the servers the one before
+    left).
     ``again``: the fleet's router was lost (its parent too), and this start is one more
     restart of it, its request counts kept; else its restarts and counts begin at 0."""
     running = read_info(state, service)
@@ -84,17 +85,13 @@ def ensure(
     if running is not None:
         return {**running, "started_now": False}
     state.mkdir(parents=True, exist_ok=True)
-    if service == "agent":  # servers of an agent that was killed hard would hold their ports
-        _kill_recorded_groups(state)
-    if service == "router":
-        keeping = ["-m", "tpupod.serve.agent.respawn", "--state-dir", str(state)]
-        keeping += ["--listen"] if argv[1:3] == ["-m", BUILTIN_ROUTER] else []
-        argv = [sys.executable, *keeping, service, "--", *argv]
-        services.count_restarts(
-            state, service, services.restarts(state, service) + 1 if again else 0
-        )
-        if not again:  # a new fleet's router: its request counts begin at 0
-            services.counts_path(state).unlink(missing_ok=True)
+    # the servers an agent killed hard left are taken over by the new agent (server.py)
+    keeping = ["-m", "tpupod.serve.agent.respawn", "--state-dir", str(state)]
+    keeping += ["--listen"] if argv[1:3] == ["-m", BUILTIN_ROUTER] else []
+    argv = [sys.executable, *keeping, service, "--", *argv]
+    services.count_restarts(state, service, services.restarts(state, service) + 1 if again else 0)
+    if service == "router" and not again:  # a new fleet's router: its counts begin at 0
+        services.counts_path(state).unlink(missing_ok=True)
     with open(state / f"{service}.log", "ab") as log:
         proc = subprocess.Popen(
             argv,
@@ -173,7 +170,9 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
         stopped = True
     stopped = _kill_unrecorded(state, service) or stopped
     left = _kill_recorded_groups(state) if service == "agent" else 0
-    paths = (state / f"{service}.json", respawn.keeper_path(state, service))
+    paths = [state / f"{service}.json", respawn.keeper_path(state, service)]
+    if service == "agent":  # stopped: no agent after it is to take these servers over
+        paths.append(state / "servers.json")
     for path in (*paths, services.spawned_path(state, service)):
         with contextlib.suppress(OSError):
             path.unlink()
@@ -223,7 +222,8 @@ def running(state: Path) -> dict[str, Any]:
     found = []
     for service in SERVICES:
         info = read_info(state, service)
-        pid = info["pid"] if info else keeper(state, service) or services.spawned(state, service)
+        parent = keeper(state, service)
+        pid = info["pid"] if info else _kept(parent) or services.spawned(state, service)
         if pid is None:
             continue
         entry: dict[str, Any] = {"service": service, "pid": pid, "answers": info is not None}
@@ -234,6 +234,19 @@ def running(state: Path) -> dict[str, Any]:
         found.append(entry)
     agent = any(entry["service"] == "agent" for entry in found)
     return {"running": found, "orphans": [] if agent else _live_recorded_groups(state)}
+
+
+def _kept(parent: int | None) -> int | None:
+    """The service its keeper (``parent``, a session leader) runs, in the keeper's process
+    group (the agent's servers have groups of their own); else the keeper itself (between
+    two runs), or None without one."""
+    if parent is None:
+        return None
+    for pid in procfs.pids():
+        st = procfs.stat(pid)
+        if st is not None and st.alive and st.pgrp == parent and pid != parent:
+            return pid
+    return parent
 
 
 def call(state: Path, service: str, method: str, path: str, body: str | None) -> dict[str, Any]:

@@ -3,9 +3,10 @@ service, started again when it dies.
 
 The router is one process on worker 0 in front of every server: when it died (``kill
 -9``, the OOM killer, a crash) the endpoint refused every request until the next
-``serve up``, which restarted the whole fleet. ctl's ``ensure`` starts it under this
-small parent, which starts it again on the port its first run bound (``--port 0`` picks
-one once: the endpoint does not move), its output to the same log.
+``serve up``, which restarted the whole fleet. ctl's ``ensure`` starts it (and each
+worker's agent, which takes over the servers the one before left) under this small
+parent, which starts it again on the port its first run bound (``--port 0`` picks one
+once: the endpoint does not move), its output to the same log.
 
 * **The socket outlives the router** (``--listen``, the builtin router): this process
   binds the service's ``--host``/``--port`` once and hands the listening socket to each

@@ -11,19 +11,23 @@ FastAPI + uvicorn, one per worker, started detached by ``tpupod serve up``
     POST /admin/restart   {"name": NAME} or {} for all; the log goes on
     GET  /admin/logs      ?name=NAME&lines=N: the last lines of a server's log
 
-SIGTERM stops every server, then the agent. The process groups of the
-servers are recorded in ``servers.json``, so ``serve down`` can still kill
-them when the agent itself was killed with -9.
+SIGTERM stops every server, then the agent. The servers are recorded in
+``servers.json`` (each one's spec, process group, start and restarts), so ``serve down``
+can still kill them when the agent itself was killed with -9, and the agent its keeper
+(``respawn``) starts again takes over those that still run and starts again those that
+ended meanwhile (``Agent.take_over``): the servers serve on through an agent's kill.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import json
 import os
 import secrets
+import signal
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,6 +38,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
+from tpupod.base import procfs
 from tpupod.base.files import write_atomic
 from tpupod.serve import defaults, services
 from tpupod.serve.agent.supervisor import ManagedServer, tail
@@ -53,8 +58,41 @@ class Agent:
         self.base_env = dict(os.environ)
 
     def record_groups(self) -> None:
+        """``servers.json``: the live groups (for ctl's stop), and what the next agent
+        needs to take each server over (``take_over``)."""
         groups = [s.pid for s in self.servers.values() if s.pid is not None]
-        write_atomic(self.state / "servers.json", json.dumps({"groups": groups}) + "\n")
+        servers = [_recorded(s) for s in self.servers.values()]
+        record = {"groups": groups, "servers": servers}
+        write_atomic(self.state / "servers.json", json.dumps(record) + "\n")
+
+    def take_over(self) -> None:
+        """The servers the agent before this one left (killed: its keeper started this one):
+        each that still runs is supervised again as it is, each that ended meanwhile is
+        started again (one more restart); a group on file with no spec (an older agent's)
+        is killed, as nothing could restart it."""
+        try:
+            recorded = json.loads((self.state / "servers.json").read_text())
+        except (OSError, ValueError):
+            return
+        kept: set[int] = set()
+        for entry in recorded.get("servers", []):
+            server = ManagedServer(
+                ServerSpec.model_validate(entry["spec"]), self.state / "logs", self.base_env,
+                self.record_groups,
+            )  # fmt: skip
+            server.restarts, server.user_restarts = entry["restarts"], entry["user_restarts"]
+            self.servers[server.spec.name] = server
+            pid = entry.get("pid")
+            st = procfs.stat(pid) if pid else None
+            if st is not None and st.alive and st.pgrp == pid and st.started == entry["ticks"]:
+                kept.add(pid)
+                server.take_over(pid, entry["started_at"], entry.get("state") == "ready")
+            else:
+                server.start_lost()
+        for pgid in set(recorded.get("groups", [])) - kept:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        self.record_groups()
 
     async def start(self, spec: ServerSpec, fresh: bool = True) -> ManagedServer:
         """Start (or replace) a server; ``fresh``: a new log, as a new fleet's server has."""
@@ -88,7 +126,23 @@ class Agent:
             # a restart asked for is no crash: ``restarts`` counts the agent's own, after exits
             restarted.restarts = s.restarts
             restarted.user_restarts = s.user_restarts + 1
+        self.record_groups()
         return [s.spec.name for s in chosen]
+
+
+def _recorded(server: ManagedServer) -> dict[str, Any]:
+    """A server as ``servers.json`` keeps it: its process with its start time (``ticks``:
+    a pid reused by another process is not it)."""
+    st = procfs.stat(server.pid) if server.pid is not None else None
+    return {
+        "spec": server.spec.model_dump(mode="json"),
+        "pid": server.pid if st is not None else None,
+        "ticks": st.started if st is not None else None,
+        "started_at": server.started_at,
+        "state": server.state.value,
+        "restarts": server.restarts,
+        "user_restarts": server.user_restarts,
+    }
 
 
 def make_app(state: Path, token: str) -> FastAPI:
@@ -96,6 +150,7 @@ def make_app(state: Path, token: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        agent.take_over()  # before it records itself: ctl's ensure returns after this
         yield
         await agent.stop(None)
 
@@ -115,7 +170,13 @@ def make_app(state: Path, token: str) -> FastAPI:
 
     @app.get("/admin/status", dependencies=auth)
     async def status() -> dict[str, Any]:
-        return {"pid": os.getpid(), "servers": [s.status() for s in agent.servers.values()]}
+        servers = [s.status() for s in agent.servers.values()]
+        # started again by its keeper after it died, since serve up started it
+        return {
+            "pid": os.getpid(),
+            "servers": servers,
+            "restarts": services.restarts(state, "agent"),
+        }
 
     @app.post("/admin/start", dependencies=auth)
     async def start(spec: ServerSpec) -> dict[str, Any]:

@@ -11,6 +11,14 @@ line by line through a pipe the agent reads, to a log file per server, each
 line after its UTC time (``2026-01-31T12:00:00.123Z ``), so ``serve logs``
 says when; the agent reports its last lines. A server started anew (not
 restarted) begins a new log: the one before is kept as ``NAME.log.1``.
+
+**A server outlives its agent.** Its output goes into a named pipe beside its log
+(``NAME.pipe``) that the server itself holds open for reading and writing as its stdout:
+with no agent reading (one killed with -9, before its keeper starts the next), its lines
+wait in the pipe (1 MiB) instead of failing its write, which had killed it at its next
+line (an engine's restart said in the log). The next agent takes the server over
+(``ManagedServer.take_over``): it reads the same pipe, watches the process (not its
+child: through a pidfd) and restarts it when it ends, as its own.
 """
 
 from __future__ import annotations
@@ -18,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import fcntl
 import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tpupod.serve.backends import ServerSpec, render, render_env
@@ -35,6 +44,7 @@ READY_POLL_S = 0.2
 STOP_GRACE_S = 5.0
 DRAIN_S = 2.0  # after a server exits, how long its output may still come (a child holds it)
 LINE_LIMIT = 64 * 1024  # a longer "line" is cut into pieces of this size
+PIPE_BYTES = 1 << 20  # a server's output kept while no agent reads it (pipe-max-size's default)
 
 
 class ServerState(enum.StrEnum):
@@ -63,10 +73,11 @@ class ManagedServer:
         spec: ServerSpec,
         log_dir: Path,
         base_env: dict[str, str],
-        on_spawn: Callable[[], None] | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.spec = spec
-        self.on_spawn = on_spawn or (lambda: None)
+        # called as it starts and once it is ready (the agent records its servers)
+        self.on_change = on_change or (lambda: None)
         self.log_path = log_dir / f"{spec.name}.log"
         # the restarts the server's own keeper makes of its processes (the builtin server's
         # engine and front end), by process: beside its log, kept while the log goes on
@@ -83,6 +94,7 @@ class ManagedServer:
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
+        self._taken_ready = False
 
     def start(self, fresh: bool = True) -> None:
         """Supervise the server; ``fresh``: a new log (the old one kept as ``NAME.log.1``)."""
@@ -92,15 +104,44 @@ class ManagedServer:
             self.children_path.unlink(missing_ok=True)
         self._task = asyncio.create_task(self._supervise())
 
-    async def _supervise(self) -> None:
+    def take_over(self, pid: int, started_at: float, ready: bool) -> None:
+        """Supervise the server an agent before started (``pid``, its process group, still
+        runs): read its output where it left it, restart it when it ends. ``ready``: it
+        answered before (an engine its keeper restarts meanwhile does not make it new)."""
+        self.pid, self.started_at = pid, started_at
+        self._taken_ready = ready
+        self._note(f"agent {os.getpid()} took over this server (pid {pid}); the agent before ended")
+        self._task = asyncio.create_task(self._supervise(taken=pid))
+
+    def start_lost(self) -> None:
+        """Start again a server that ended while no agent ran (one more restart)."""
+        self.restarts += 1
+        self._note(
+            f"the server ended while no agent ran; starting it again (restart {self.restarts})"
+        )
+        self.start(fresh=False)
+
+    async def _supervise(self, taken: int | None = None) -> None:
         backoff = Backoff(self.spec.restart_backoff_s)
         while not self._stopping:
             began = time.monotonic()
-            copying = await self._spawn()
-            ready = asyncio.create_task(self._wait_ready())
-            assert self._proc is not None
+            ended: Awaitable[int | None]
+            if taken is not None:  # it began before this agent did
+                began -= time.time() - (self.started_at or time.time())
+                copying = asyncio.create_task(self._copy(await _read_end(self.pipe_path)))
+                ended = _ended(taken)
+                taken = None
+            else:
+                copying = await self._spawn()
+                assert self._proc is not None
+                ended = self._proc.wait()
+            if self._taken_ready:
+                self.state, self._taken_ready = ServerState.READY, False
+            ready = asyncio.create_task(
+                asyncio.sleep(0) if self.state is ServerState.READY else self._wait_ready()
+            )
             try:
-                code = await self._proc.wait()
+                code = await ended
             finally:  # stop() cancels us here too: the poll ends before stop() returns
                 await cancelled(ready)
             with contextlib.suppress(TimeoutError):
@@ -121,27 +162,35 @@ class ManagedServer:
                 self.restarts += 1
         self.state = ServerState.STOPPED
 
+    @property
+    def pipe_path(self) -> Path:
+        return self.log_path.with_suffix(".pipe")
+
     async def _spawn(self) -> asyncio.Task[None]:
         """Start the server; the task that copies its output to the log, stamped."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._proc = await asyncio.create_subprocess_exec(
-            *render(self.spec),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env={
-                **self.base_env,
-                **render_env(self.spec),
-                CHILD_RESTARTS_ENV: str(self.children_path),
-            },
-            start_new_session=True,  # its own group: stop and restart take all its children
-        )
+        output = _output_pipe(self.pipe_path)
+        reading = await _read_end(self.pipe_path)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *render(self.spec),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=output,
+                stderr=asyncio.subprocess.STDOUT,
+                env={
+                    **self.base_env,
+                    **render_env(self.spec),
+                    CHILD_RESTARTS_ENV: str(self.children_path),
+                },
+                start_new_session=True,  # its own group: stop and restart take all its children
+            )
+        finally:
+            os.close(output)  # the server's alone: end of file once its group is gone
         self.pid = self._proc.pid
         self.started_at = time.time()
         self.state = ServerState.STARTING
-        self.on_spawn()
-        assert self._proc.stdout is not None
-        return asyncio.create_task(self._copy(self._proc.stdout))
+        self.on_change()
+        return asyncio.create_task(self._copy(reading))
 
     async def _copy(self, output: asyncio.StreamReader) -> None:
         """Each line the server writes, to its log after the time it came."""
@@ -194,6 +243,7 @@ class ManagedServer:
                 if waiting:
                     await asyncio.sleep(READY_POLL_S)
         self.state = ServerState.READY
+        self.on_change()
 
     def _note(self, text: str) -> None:
         with contextlib.suppress(OSError), open(self.log_path, "a", encoding="utf-8") as log:
@@ -202,9 +252,11 @@ class ManagedServer:
     async def stop(self, grace: float = STOP_GRACE_S) -> None:
         """TERM the server's group, KILL it after ``grace`` s; no restart follows."""
         self._stopping = True
-        proc = self._proc
+        proc, pid = self._proc, self.pid
         if proc is not None and proc.returncode is None:
             await stop_group(proc.pid, grace, proc)
+        elif pid is not None:  # taken over from the agent before: not our child
+            await stop_group(pid, grace, None)
         try:
             if self._task is not None:
                 # a cancel of our caller meanwhile is raised after, not swallowed with the
@@ -235,8 +287,10 @@ class ManagedServer:
         }
 
 
-def _exit_text(code: int) -> str:
+def _exit_text(code: int | None) -> str:
     """``exit 3``, or ``killed by SIGKILL``."""
+    if code is None:
+        return "how, only the agent that started it could tell"
     if code >= 0:
         return f"exit {code}"
     try:
@@ -255,3 +309,50 @@ async def stop_group(pgid: int, grace: float, proc: asyncio.subprocess.Process |
     await kill_process_group(pgid, grace)
     if proc is not None:
         await proc.wait()
+
+
+def _output_pipe(path: Path) -> int:
+    """A new named pipe at ``path``; the server's end of it (its stdout), open for reading
+    and writing: while the server holds a reader itself, a write finds no closed pipe when
+    no agent reads (it waits in the pipe, up to ``PIPE_BYTES``, then blocks)."""
+    path.unlink(missing_ok=True)
+    os.mkfifo(path, 0o600)
+    end = os.open(path, os.O_RDWR)
+    with contextlib.suppress(OSError):  # past /proc/sys/fs/pipe-max-size: the default 64 KiB
+        fcntl.fcntl(end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    return end
+
+
+async def _read_end(path: Path) -> asyncio.StreamReader:
+    """The agent's end of a server's output pipe, as a stream (end of file once no process
+    holds the server's end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    reader = asyncio.StreamReader(limit=LINE_LIMIT)
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    return reader
+
+
+async def _ended(pid: int) -> None:
+    """Until the process ``pid`` ends; it is not this process's child (an agent before
+    started it), so how it ended is not ours to read: None."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, _settle, ended)
+    try:
+        await ended
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return None
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

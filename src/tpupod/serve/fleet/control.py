@@ -306,12 +306,18 @@ class Fleet:
             time.sleep(0.1)
 
     def logs_command(
-        self, port: int | None = None, lines: int = 50, follow: bool = False, router: bool = False
+        self,
+        port: int | None = None,
+        lines: int = 50,
+        follow: bool = False,
+        router: bool = False,
+        agent: bool = False,
     ) -> str:
         """The bash line that prints (``tail``) each worker's own servers' logs (a log of
-        another fleet's server stays out), or with ``router`` worker 0's router log."""
-        if router and port is not None:
-            raise UsageError("--router and --port choose different logs: give one")
+        another fleet's server stays out), or with ``router`` worker 0's router log, with
+        ``agent`` each worker's agent's."""
+        if sum([router, agent, port is not None]) > 1:
+            raise UsageError("--router, --agent and --port choose different logs: give one")
         record = load_record(self.state, self.pod.name)  # a fleet starting too
         chosen = [s for s in record.servers if port is None or s.port == port]
         if not chosen:
@@ -319,7 +325,9 @@ class Fleet:
                 f"no server listens on port {port}", hint="'tpupod serve status' lists them"
             )
         arms = [f"0) set -- {shlex.quote(f'{STATE_DIR}/router.log')};;"] if router else []
-        for w in [] if router else self.pod.workers:
+        if agent:
+            arms = [f"*) set -- {shlex.quote(f'{STATE_DIR}/agent.log')};;"]
+        for w in [] if router or agent else self.pod.workers:
             names = sorted({s.name for s in chosen if w.id in (s.worker, *s.followers)})
             files = " ".join(shlex.quote(f"{STATE_DIR}/logs/{name}.log") for name in names)
             if names:
@@ -338,10 +346,11 @@ class Fleet:
         lines: int = 50,
         follow: bool = False,
         router: bool = False,
+        agent: bool = False,
     ) -> FanoutResult:
-        """The servers' (or the router's) log lines, each to ``on_line`` (until interrupted,
-        with ``follow``)."""
-        command = self.logs_command(port, lines, follow, router)
+        """The servers' (or the router's, or the agents') log lines, each to ``on_line``
+        (until interrupted, with ``follow``)."""
+        command = self.logs_command(port, lines, follow, router, agent)
         return asyncio.run(execute_async(self.pod, command, workers=workers, on_line=on_line))
 
     def endpoint(self, direct: bool = False, progress: Progress = _quiet) -> Endpoint:

@@ -510,7 +510,8 @@ class RemoteFleet:
         self, old: FleetRecord, options: UpOptions, lost: Lost, progress: Progress
     ) -> FleetRecord:
         """Start again what of the fleet is lost, with its settings: the servers of the
-        workers named (a new agent, where the last one is gone, stops the servers it left),
+        workers named (a new agent, where the last one is gone, takes over the servers it
+        left that still run),
         the router on its port. The rest serves on untouched; a failure stops what this
         started (the lost workers' agents, the router if it was lost) and nothing else."""
         workers = [w for w in self.pod.workers if w.id in lost.workers]
@@ -519,10 +520,12 @@ class RemoteFleet:
         checked = workers or ([self.pod.workers[0]] if lost.router else [])
         await self.preflight(checked, options, plans, router=lost.router)
         try:
-            agents = await _gather(self.ensure_agent(w, options) for w in workers)
-            running = [w for w, a in zip(workers, agents, strict=True) if not a["started_now"]]
-            await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
-            await _gather(self.start_servers(w, plans) for w in workers)
+            await _gather(self.ensure_agent(w, options) for w in workers)
+            # a new agent took over the servers the one before left: those still run
+            still = (await self.missing(old)).workers
+            starting = [w for w in workers if w.id in still]
+            await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in starting)
+            await _gather(self.start_servers(w, plans) for w in starting)
             await self.wait_all_ready(workers, options, plans, progress)
             if not lost.router:
                 await self.wait_routed(old, lost.workers, options, progress)
@@ -597,9 +600,9 @@ class RemoteFleet:
         for w, a in zip(workers, agents, strict=True):
             state = "started" if a.get("started_now") else "running"
             progress(f"{w.label} agent {state} (pid {a['pid']}, {a['host']}:{a['port']})")
-        # an agent that ran already may hold servers of a fleet before: none may stay
-        running = [w for w, a in zip(workers, agents, strict=True) if not a.get("started_now")]
-        stopped = await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in running)
+        # any agent may hold servers of a fleet before (one started now takes over those an
+        # agent killed hard left): none may stay
+        stopped = await _gather(self.call(w, "agent", "POST", "/admin/stop", {}) for w in workers)
         if count := sum(len(answer["stopped"]) for answer in stopped):
             progress(f"stopped {count} servers of the fleet before")
         await _gather(self.start_servers(w, plans) for w in workers)

@@ -57,6 +57,9 @@ class FleetStatus:
     starting: str | None = None  # the fleet's serve up has not finished: whether it runs
     router_down: bool = False  # nothing runs the router, nothing starts it again
     router_restarts: int | None = None  # since serve up started it (after it died)
+    # each worker's agent: how often its keeper started it again after it died (None: no
+    # answer), in worker order
+    agent_restarts: tuple[int | None, ...] = ()
 
     @property
     def router_kind(self) -> str:
@@ -78,13 +81,17 @@ def fleet_status(
     ``starting``: what its unfinished serve up is doing, in words."""
     health = router.get("health", {}) if isinstance(router, dict) else {}
     servers = [_server(record, s, agents, health.get(s.address, {})) for s in record.servers]
+    agent_restarts = tuple(a.get("restarts") if isinstance(a, dict) else None for a in agents)
     if isinstance(router, str):
-        return FleetStatus(record, servers, 0, router, starting=starting)
+        return FleetStatus(
+            record, servers, 0, router, starting=starting, agent_restarts=agent_restarts
+        )
     restarts = router.get("restarts")
     if "error" in router:
         return FleetStatus(
             record, servers, 0, str(router["error"]), starting=starting,
             router_down=bool(router.get("down")), router_restarts=restarts,
+            agent_restarts=agent_restarts,
         )  # fmt: skip
     circuits = tuple(
         f"{a}: {h['circuit']}" for a, h in health.items() if h.get("circuit", "closed") != "closed"
@@ -94,6 +101,7 @@ def fleet_status(
     return FleetStatus(
         record, servers, healthy, None, router.get("router_health"), circuits,
         float(at) if isinstance(at, int | float) else None, starting, router_restarts=restarts,
+        agent_restarts=agent_restarts,
     )  # fmt: skip
 
 
