@@ -286,7 +286,9 @@ class Clients:
         self.ok = 0
         self.failed: collections.Counter[str] = collections.Counter()
         self.successes: list[float] = []
-        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(count)]
+        self.threads = [
+            threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(count)
+        ]
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -840,9 +842,12 @@ def chaos(args: argparse.Namespace) -> dict[str, Any]:
         try:
             harness.start(stack)
             verdict = harness.run()
-        finally:
+        finally:  # an interrupted run stops what it started too
             harness.heard.stopping.set()
+            if hasattr(harness, "clients"):
+                harness.clients.stopping.set()
             if hasattr(harness, "jobs"):
+                harness.jobs.stopping.set()
                 harness.stop_all()
         verdict["leftovers"] = harness.leftovers()
         verdict["seed"] = args.seed
