@@ -61,13 +61,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from common import TPUPOD, sim_pod  # noqa: E402
-from tests.conftest import free_base_port  # noqa: E402
-from tests.postgres import Postgres, new_database, postgres_cluster  # noqa: E402
+try:
+    import numpy as np
+    import psutil
+    from common import TPUPOD, sim_pod
+    from tests.conftest import free_base_port
+    from tests.postgres import Postgres, new_database, postgres_cluster
 
-from tpupod.sim import SimPod  # noqa: E402
+    from tpupod.sim import SimPod
+except ImportError as missing:  # the venv `make demo` makes has no pytest, psycopg, openai
+    raise SystemExit(
+        f"error: benchmarks/chaos.py needs the test extra ({missing.name} is missing)\n"
+        "hint: run it with the venv `make test` makes (.venv/bin/python), or "
+        "pip install -e '.[test]'"
+    ) from None
 
 TRAIN = REPO / "examples" / "multislice_train.py"
 TINY = REPO / "tests" / "fixtures" / "qwen2-tiny"
@@ -860,18 +867,59 @@ def chaos(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=60)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument(
-        "--every", type=float, nargs=2, default=(10.0, 30.0), metavar=("MIN", "MAX")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The verdict goes to stdout (JSON, then a line per injection) and --json; "
+        "the exit status is 1 when a target is missed (each is said on stderr).",
     )
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--minutes", type=float, default=60, help="how long faults come")
+    parser.add_argument("--seed", type=int, default=1, help="the faults' random seed")
+    parser.add_argument(
+        "--every", type=float, nargs=2, default=(10.0, 30.0), metavar=("MIN", "MAX"),
+        help="seconds between faults, uniform in [MIN, MAX]",
+    )  # fmt: skip
+    parser.add_argument("--clients", type=int, default=4, help="concurrent chat clients")
     parser.add_argument("--submit-every", type=float, default=2.0, help="seconds between jobs")
     parser.add_argument("--drain", type=float, default=600, help="seconds the drain may take")
-    parser.add_argument("--ssh", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--ssh", action=argparse.BooleanOptionalAction, default=True,
+        help="also train on an SSH pod of simulated hosts (and unplug their network)",
+    )  # fmt: skip
     parser.add_argument("--json", help="write the verdict here too")
     return parser.parse_args(argv)
+
+
+# How soon each kind must be named. A host whose network is down sends nothing back, not
+# even a reset: the launcher knows when the SSH keepalive gives up, after the pod's
+# keepalive_interval x keepalive_count (5 s x 3 by default) and one more interval.
+NAMED_WITHIN_S = {"network": 5.0 * (3 + 1) + 5.0}
+SUCCESS_TARGET = 0.999
+GAP_TARGET_S = 10.0
+
+
+def misses(verdict: dict[str, Any]) -> list[str]:
+    """The targets a verdict misses, one line each, prefixed with its area."""
+    found = []
+    for pod, training in verdict["training"].items():
+        if not training["identical"] or training["exit"] != 0:
+            found.append(f"training {pod}: not the undisturbed run's parameters ({training})")
+    jobs = verdict["jobs"]
+    for what in ("lost", "duplicated", "unexpected", "logs_incomplete"):
+        if jobs[what]:
+            found.append(f"jobs: {what} {jobs[what]}")
+    if not jobs["acknowledged"] or jobs["statuses"] != {"completed": jobs["acknowledged"]}:
+        found.append(f"jobs: not all {jobs['acknowledged']} acknowledged completed: {jobs}")
+    requests = verdict["requests"]
+    failed = sum(requests["failed"].values())
+    if not requests["ok"] or requests["ok"] < SUCCESS_TARGET * (requests["ok"] + failed):
+        found.append(f"requests: {requests['ok']} ok, {requests['failed']} failed")
+    if requests["longest_gap_s"] > GAP_TARGET_S:
+        found.append(f"requests: {requests['longest_gap_s']} s without a successful answer")
+    for i in verdict["injections"]:
+        if i["named_s"] is None or i["named_s"] > NAMED_WITHIN_S.get(i["kind"], NAMED_S):
+            found.append(f"injections: {i['kind']} at {i['t']} s named after {i['named_s']} s")
+    found += [f"leftovers: {left}" for left in verdict["leftovers"]]
+    return found
 
 
 def report(verdict: dict[str, Any]) -> None:
@@ -889,9 +937,13 @@ def report(verdict: dict[str, Any]) -> None:
 def main() -> None:
     args = parse()
     verdict = chaos(args)
+    verdict["misses"] = misses(verdict)
     report(verdict)
     if args.json:
         Path(args.json).write_text(json.dumps(verdict, indent=2))
+    for miss in verdict["misses"]:
+        print(f"chaos: missed: {miss}", file=sys.stderr)
+    sys.exit(1 if verdict["misses"] else 0)
 
 
 if __name__ == "__main__":
