@@ -1826,6 +1826,26 @@ def test_engine_and_front_end_kills_are_counted_in_serve_status_and_named_in_the
     assert said is not None and said < 2.0, lines
 
 
+@pytest.mark.local
+@pytest.mark.timeout(300)
+def test_a_server_whose_engine_restarts_is_restarting_until_it_serves_again(
+    builtin_fleet: Fleet,
+) -> None:
+    """The new-user trial of issue 41: for the 2-3 minutes a killed engine took to come
+    back (under load), serve status said 'ready' while the server answered 503 to every
+    request, and the log said the kill but never the return."""
+    fleet = builtin_fleet
+    wait_for(lambda: re.search(r"\bready\b", status_row(fleet, 0)) is not None, 60, "ready")
+    wall = time.time()
+    builtin_child(fleet.pod, 0, "engine").kill()
+    wait_for(lambda: "restarting (engine)" in status_row(fleet, 0), 10, "restarting shown")
+    wait_for(lambda: "restarting" not in status_row(fleet, 0), 240, "serving again")
+    assert re.search(r"\bready\b", status_row(fleet, 0))
+    lines = run_cli(fleet.home, "serve", "logs", "--pod", fleet.pod, "-w", "0").stdout
+    said = logged_after(lines.splitlines(), wall, "the engine is serving again after ")
+    assert said is not None, lines
+
+
 def worker_agent(pod: str, worker: int) -> psutil.Process:
     """The agent of ``worker`` (not its keeper, whose command line names the agent's)."""
     (found,) = [

@@ -132,6 +132,29 @@ def child_restarts(path: Path) -> dict[str, int]:
     return {str(k): v for k, v in found.items() if isinstance(v, int)}
 
 
+def restarting_path(counted: Path) -> Path:
+    """Beside ``NAME.restarts``: the processes of the server being restarted now."""
+    return counted.with_suffix(".restarting")
+
+
+def child_restarting(counted: Path) -> list[str]:
+    """The processes of a server that its keeper is restarting now (``["engine"]``): each
+    from its death until the server answers its health check again."""
+    try:
+        found = json.loads(restarting_path(counted).read_text())
+    except (OSError, ValueError):
+        return []
+    return [str(p) for p in found] if isinstance(found, list) else []
+
+
+def set_child_restarting(counted: Path, processes: list[str]) -> None:
+    path = restarting_path(counted)
+    if processes:
+        write_atomic(path, json.dumps(sorted(processes)) + "\n", mode=0o644, sync=False)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def count_child_restart(path: Path, process: str) -> int:
     """One more restart of ``process`` on file; its count now."""
     found = child_restarts(path)

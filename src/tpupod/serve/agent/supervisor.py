@@ -37,7 +37,12 @@ from pathlib import Path
 from tpupod.serve.backends import ServerSpec, render, render_env
 from tpupod.serve.backoff import Backoff
 from tpupod.serve.eventloop import cancelled
-from tpupod.serve.services import CHILD_RESTARTS_ENV, child_restarts, stamp
+from tpupod.serve.services import (
+    CHILD_RESTARTS_ENV,
+    child_restarting,
+    child_restarts,
+    stamp,
+)
 from tpupod.transport.local import kill_process_group
 
 READY_POLL_S = 0.2
@@ -279,6 +284,7 @@ class ManagedServer:
             "state": self.state.value,
             "restarts": self.restarts,
             "child_restarts": child_restarts(self.children_path),
+            "restarting": child_restarting(self.children_path),
             "user_restarts": self.user_restarts,
             "uptime_s": round(uptime, 1) if uptime is not None else None,
             "last_exit": self.last_exit,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import os
 import shutil
@@ -114,6 +115,37 @@ class _Child:
             self.proc.send_signal(sig)
 
 
+class _Restarting:
+    """The children being restarted, from a death until the server answers 200 again:
+    on file for ``serve status`` (``restarting (engine)``; it said "ready" for the minutes
+    an engine took to come back), and the return said in the log."""
+
+    def __init__(self, counted: Path | None) -> None:
+        self.counted = counted
+        self.roles: list[str] = []
+        self.since: float | None = None
+
+    def mark(self, child: _Child) -> None:
+        if child.role not in self.roles:
+            self.roles.append(child.role)
+        self.since = self.since if self.since is not None else time.monotonic()
+        self._save()
+
+    def back(self, *, quiet: bool = False) -> None:
+        if self.since is None:
+            return
+        if not quiet:
+            took = time.monotonic() - self.since
+            _say(f"the {' and '.join(self.roles)} is serving again after {took:.1f}s")
+        self.roles, self.since = [], None
+        self._save()
+
+    def _save(self) -> None:
+        if self.counted is not None:
+            with contextlib.suppress(OSError):  # a full disk: status goes without it
+                services.set_child_restarting(self.counted, self.roles)
+
+
 class _Probe:
     """Asks the front end's ``/health`` every ``PROBE_S`` s (a thread: the keeper's loop
     never waits on it). Any HTTP answer counts, a 503 too: the front end is alive. A
@@ -124,11 +156,13 @@ class _Probe:
         self.address = ("::1" if host == "::" else "127.0.0.1" if host in ("0.0.0.0", "") else host,
                         port)  # fmt: skip
         self.answered: float | None = None
+        self.healthy = False  # its last answer was 200: the engine behind it serves too
         threading.Thread(target=self._run, name="front-end-probe", daemon=True).start()
 
     def reset(self) -> None:
-        """A new front end: it has not answered yet."""
+        """A new front end, or a new engine: neither has answered yet."""
         self.answered = None
+        self.healthy = False
 
     def silent(self) -> float:
         return 0.0 if self.answered is None else time.monotonic() - self.answered
@@ -139,8 +173,10 @@ class _Probe:
             try:
                 with socket.create_connection(self.address, timeout=PROBE_S) as conn:
                     conn.sendall(request)
-                    if conn.recv(12).startswith(b"HTTP/1."):
+                    head = conn.recv(12)
+                    if head.startswith(b"HTTP/1."):
                         self.answered = time.monotonic()
+                        self.healthy = head[9:12] == b"200"
             except OSError:
                 pass
             # until a first answer, often: a front end that hangs just after it starts
@@ -171,6 +207,7 @@ def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
     front = _Child("front end", [*base, "--role", "frontend", "--fds", _join(fds)], fds, counted)
     children = [front, engine]
     probe = _Probe(args.host, server.parse_ports(args.ports)[0]) if args.stall_timeout else None
+    restarting = _Restarting(counted)
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stopping.append(signum))
@@ -186,21 +223,33 @@ def keep(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
                     if child is engine:
                         for path in folder.glob("*.sock"):
                             path.unlink(missing_ok=True)
-                    elif probe is not None:  # its silence is the restart's, not a hang
-                        probe.reset()
                     child.schedule_restart(code)
+                    restarting.mark(child)
+                    if probe is not None:  # the silence is the restart's, not a hang; and
+                        probe.reset()  # a 200 from before the death is not the return
                 if child.due is not None and time.monotonic() >= child.due:
                     child.start()
-                    if child is front and probe is not None:
-                        probe.reset()
+                    _restarted(child is front, probe, restarting)
+            if restarting.since is not None and probe is not None and probe.healthy:
+                restarting.back()
             if probe is not None and probe.silent() > args.stall_timeout:
                 _say(f"the front end has not answered for {args.stall_timeout:g}s; killing it")
                 probe.reset()
                 front.signal(signal.SIGKILL)  # the loop above restarts it
         return 0
     finally:
+        restarting.back(quiet=True)
         _stop(children)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _restarted(front: bool, probe: _Probe | None, restarting: _Restarting) -> None:
+    """A child was started again: a new front end has not answered yet; without a probe
+    nothing tells when the server serves again, so its start counts as its return."""
+    if probe is None:
+        restarting.back()
+    elif front:
+        probe.reset()
 
 
 def _sweep_folders() -> None:

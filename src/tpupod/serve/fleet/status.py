@@ -113,6 +113,8 @@ def _server(
     if isinstance(agent, dict):
         managed = next((m for m in agent["servers"] if s.port in m["ports"]), None)
     state = managed["state"] if managed else (agent if isinstance(agent, str) else "gone")
+    if managed and managed.get("restarting") and state == "ready":  # its keeper restarts a part
+        state = f"restarting ({', '.join(managed['restarting'])})"
     members = [member_state(agents, f, s.name) for f in s.followers]
     pairs = zip(s.followers, members, strict=True)
     state = ", ".join([state, *(f"w{f}: {m}" for f, m in pairs if m != "ready")])
