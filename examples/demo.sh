@@ -70,13 +70,27 @@ run tpupod logs --pod "$POD" --worker 1
 
 say "Serve a model: 2 servers per worker, an agent on each worker, one router in front"
 tiny="$(cd "$(dirname "$0")/.." && pwd)/tests/fixtures/qwen2-tiny"
+# serve up's default ports (31000 on) may be another user's fleet on a shared machine: the
+# demo takes the first free range of 10 from there
+base=$(python -c '
+import socket
+for base in range(31000, 40000, 10):
+    try:
+        for port in range(base, base + 10):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    print(base)
+    break
+')
 if python -c 'import tpupod.serve.builtin.server' 2>/dev/null; then
   run tpupod serve up --pod "$POD" --model "$tiny" --servers-per-worker 2 --dtype float32 \
-    --startup-timeout 300 -- --max-batch 4 --max-length 128
+    --base-port "$base" --startup-timeout 300 -- --max-batch 4 --max-length 128
 else  # the builtin server is not in this tree yet: a stub OpenAI server stands in
   stub="$(cd "$(dirname "$0")/.." && pwd)/tests/serve_stub.py"
   run tpupod serve up --pod "$POD" --model qwen2-tiny --servers-per-worker 2 --backend command \
-    --command "{python} $stub --host {host} --port {port} --model {model}"
+    --base-port "$base" --command "{python} $stub --host {host} --port {port} --model {model}"
 fi
 run tpupod serve status --pod "$POD"
 

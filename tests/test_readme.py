@@ -10,8 +10,10 @@ failure, so a new block or command cannot go untested.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -445,12 +447,19 @@ def test_make_demo(state_home: Path) -> None:
             subprocess.run(["tpupod", "up", "--name", pod, "--local", "1"], env=env).returncode == 0
         )
     before = tree(state_home)
+    # as on a shared machine, another fleet listens on serve up's default ports: the
+    # newcomer's first command failed there ('ports in use: w0 :31000', the trial of 41)
+    other = socket.socket()
+    with contextlib.suppress(OSError):  # taken already: the same case
+        other.bind(("127.0.0.1", 31000))
+        other.listen()
     try:
         (demo,) = run_block(TOP, Setting(REPO, env, timeout=300))
         if os.geteuid() == 0:
             assert "An SSH pod" in demo.stdout and "Skipping the SSH part" not in demo.stdout
         assert tree(state_home) == before
     finally:
+        other.close()
         take_down(env, "demo", "lab")
 
 
