@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import json
 import os
@@ -619,6 +618,7 @@ class _RunLog:
         self.hung = False  # the hang watchdog stopped the run: what follows is collateral
         self.cut: str | None = None  # why the logs stopped being written (a full disk)
         self.room_checked = float("-inf")  # when _check_room last looked
+        self.full_said = False  # _check_room said the disk is full
         self.record: dict[str, Any] = {
             "launch_id": launch.launch_id,
             "command": command,
@@ -729,8 +729,12 @@ class _RunLog:
         if now - self.room_checked < ROOM_CHECK_S:
             return
         self.room_checked = now
-        if os.statvfs(self.launch.run_dir).f_bavail == 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if not self.full_said and os.statvfs(self.launch.run_dir).f_bavail == 0:
+            self.full_said = True  # said, not cut: what still fits is written
+            self.notice(
+                f"the disk of {self.launch.run_dir} is full: cannot write the run's logs "
+                "there once their last pages are used; the run goes on"
+            )
 
     def _stop_keeping(self, exc: OSError) -> None:
         """A log write failed (a full disk): the run goes on, its output still shown; the
