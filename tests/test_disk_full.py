@@ -181,3 +181,17 @@ def test_a_disk_that_fills_under_a_run_is_said_at_once(
         proc.kill()
         proc.communicate(timeout=30)
     assert said_after < 3.0, said_after
+
+
+def test_a_restart_count_on_a_full_disk_does_not_cost_the_restart(small_home: Path) -> None:
+    """The chaos harness's 30-minute run (issue 41): the router's keeper died counting a
+    restart on a full disk (ENOSPC from router.restarts), and no router ran for 34 s."""
+    from tpupod.serve import services  # the serve extra; only this test needs it
+
+    services.count_restarts(small_home, "router", 1)
+    filler = fill(small_home)
+    try:
+        services.count_restarts(small_home, "router", 2)  # said nothing, raised nothing
+    finally:
+        filler.unlink()
+    assert services.restarts(small_home, "router") in (1, 2)

@@ -110,8 +110,11 @@ def restarts(state: Path, service: str) -> int:
 
 
 def count_restarts(state: Path, service: str, count: int) -> None:
-    """Set the count (0: a fleet's first start; one more at each start after it died)."""
-    write_atomic(state / f"{service}.restarts", f"{count}\n")
+    """Set the count (0: a fleet's first start; one more at each start after it died). A
+    count is a view: on a full disk it is left as it was, never worth the restart itself
+    (the router's keeper died of it, and no router ran until the next `serve up`)."""
+    with contextlib.suppress(OSError):
+        write_atomic(state / f"{service}.restarts", f"{count}\n")
 
 
 # Where a server's own keeper (the builtin server's: it restarts its engine and front end
