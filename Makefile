@@ -51,13 +51,18 @@ DURATIONS := --durations=15 --durations-min=5
 PYTEST_JOBS ?= 3
 PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
 
+# The tests marked `alone` (the chaos harness: training, serving and jobs at once) run after
+# the others, by themselves: beside them on two cores, other tests' time bounds failed (CI).
+# No `alone` test selected (the ssh tier skipped) is pytest's exit 5, not a failure.
+SKIP_MARK := $(if $(SKIP_TIERS),not ssh and ,)
 pytest: $(STAMP_TEST)
 ifneq ($(SKIP_TIERS),)
 	@echo "make test: skipping the ssh tier: simulated hosts (network namespaces running sshd) need root"
-	$(BIN)/pytest $(DURATIONS) $(PARALLEL) -m "not ssh"
-else
-	$(BIN)/pytest $(DURATIONS) $(PARALLEL)
 endif
+	@status=0; \
+	$(BIN)/pytest $(DURATIONS) $(PARALLEL) -m "$(SKIP_MARK)not alone" || status=$$?; \
+	$(BIN)/pytest $(DURATIONS) -m "$(SKIP_MARK)alone" || [ $$? = 5 ] || status=1; \
+	exit $$status
 
 # mypy (about 20 s of one core) runs beside pytest, whose tests mostly wait on processes
 # they started; its report follows pytest's, and either failing fails the target.

@@ -24,7 +24,7 @@ CHAOS = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
 SEED = 7
 Verdict = dict[str, Any]
 
-pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
