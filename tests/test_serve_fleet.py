@@ -270,6 +270,37 @@ def test_respawn_starts_a_killed_service_at_once_and_a_failing_one_after_a_wait(
     assert times["run 2 listens"] - times[said[1]] >= 1.0  # the wait
 
 
+DEAF_SERVICE = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as deaf as a stopped (SIGSTOP) process
+print("deaf", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.local
+@pytest.mark.timeout(30)
+def test_a_stop_that_kills_the_keeper_kills_the_service_it_kept(tmp_path: Path) -> None:
+    """ctl's stop TERMs a service's keeper and KILLs it after the grace; the keeper waits
+    as long for its service before it KILLs it. Where the stop's grace ran out first (CI,
+    under load: an agent pinned before it recorded itself), the keeper died and the
+    service it kept ran on, stopped, after 'serve down' said 'w1 agent stopped'."""
+    from tpupod.serve.agent import ctl
+
+    service = tmp_path / "deaf.py"
+    service.write_text(DEAF_SERVICE)
+    argv = [sys.executable, "-m", "tpupod.serve.agent.ctl", "--state-dir", str(tmp_path)]
+    argv += ["ensure", "agent", "--", sys.executable, str(service)]
+    with subprocess.Popen(argv, stdout=subprocess.DEVNULL) as ensure:  # never recorded
+        log = tmp_path / "agent.log"
+        wait_for(lambda: log.exists() and "deaf" in log.read_text(), 20, "the service")
+        ensure.kill()  # a Ctrl-C'd serve up: nothing kills what it started
+    kept = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"][1:] == [str(service)]]
+    assert len(kept) == 1, kept
+    assert ctl.stop(tmp_path, "agent", grace=0.5)["stopped"]
+    assert psutil.wait_procs(kept, timeout=3)[1] == []
+
+
 @pytest.mark.unit
 def test_request_counts_outlive_the_router_and_begin_anew_for_other_backends(
     tmp_path: Path,

@@ -155,6 +155,8 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
     parent = keeper(state, service)
     stopped = False
     pid = parent if parent is not None else None if info is None else info["pid"]
+    st = procfs.stat(parent) if parent is not None else None
+    group = parent if st is not None and st.pgrp == parent else None  # the keeper leads one
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -164,6 +166,11 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
         if procfs.alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+            if group is not None:  # the keeper waits as long as this for its service:
+                # killed first, it left the service running (its group; the agent's servers
+                # have their own)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
         if info is not None and procfs.alive(info["pid"]):  # its parent was killed first
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info["pid"], signal.SIGKILL)
