@@ -162,7 +162,7 @@ def _server_whose_poll_unwinds_slowly(
 async def _started(server: ManagedServer) -> None:
     """Start ``server`` and return once its readiness poll waits on its request."""
     spawned = asyncio.Event()
-    server.on_spawn = spawned.set
+    server.on_change = spawned.set  # called once it is spawned (its poll never ends here)
     server.start()
     await spawned.wait()
     await asyncio.sleep(0.1)
