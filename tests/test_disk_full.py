@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -195,3 +196,93 @@ def test_a_restart_count_on_a_full_disk_does_not_cost_the_restart(small_home: Pa
     finally:
         filler.unlink()
     assert services.restarts(small_home, "router") in (1, 2)
+
+
+COUNTS_WRITER = """
+import sys
+from pathlib import Path
+from tpupod.serve.router.registry import Counts
+counts = Counts([f"h:{i}" for i in range(256)], Path(sys.argv[1]))
+if sys.argv[2] == "fill":
+    import subprocess
+    subprocess.run(["dd", "if=/dev/zero", "bs=1M", "count=8", "of=" + sys.argv[3]],
+                   capture_output=True)
+for i in range(256):
+    view = counts.of(i)
+    for k in range(len(view)):
+        view[k] = i + k
+print("counted", flush=True)
+"""
+
+
+def test_a_router_counts_on_a_full_disk_and_serves_before_its_record_fits(
+    small_home: Path, tmp_path: Path
+) -> None:
+    """The router maps its request counts from a file it sized with ftruncate (a sparse
+    file): on a disk that filled since, the first count written into a page with no
+    block behind it killed the router with SIGBUS. And a router started on a full disk
+    (its keeper's restart during the chaos harness's full disk) died writing its record
+    (ENOSPC), so no router ran until space came back and a backoff after."""
+    writer = tmp_path / "counts.py"
+    writer.write_text(COUNTS_WRITER)
+    counts, filler = small_home / "router.counts", small_home / "filler"
+    made = subprocess.run(  # made while there is room, the disk filled, then every count
+        [sys.executable, str(writer), str(counts), "fill", str(filler)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert made.returncode == 0 and made.stdout == "counted\n", made.stderr[-2000:]
+    counts.unlink()
+    fill(small_home)  # what the counts took, taken again
+    made = subprocess.run(  # no room for the file at all: counted in memory
+        [sys.executable, str(writer), str(counts), "-"], capture_output=True, text=True, timeout=30
+    )
+    assert made.returncode == 0 and made.stdout == "counted\n", made.stderr[-2000:]
+    (small_home / "router.token").unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(small_home)]
+    argv += ["--port", "0", "--backends", "127.0.0.1:9", "--no-auth"]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen(argv, **pipes) as router:  # type: ignore[call-overload]
+        try:
+            assert router.stdout is not None
+            line = router.stdout.readline()  # serves on a full disk
+            assert line.startswith("ready port="), router.stderr.read() if router.stderr else ""
+            port = int(line.split("=")[1])
+            health = subprocess.run(
+                ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                 f"http://127.0.0.1:{port}/health"],
+                capture_output=True, text=True, timeout=10,
+            )  # fmt: skip
+            assert health.stdout in ("200", "503"), health
+            assert not (small_home / "router.json").exists()
+            filler.unlink()
+            deadline = time.monotonic() + 5
+            while not (small_home / "router.json").exists():  # recorded once it fits
+                assert time.monotonic() < deadline, "no record once there was room"
+                time.sleep(0.1)
+        finally:
+            router.terminate()
+            router.wait(10)
+
+
+def test_the_agents_record_of_its_servers_waits_for_room(small_home: Path) -> None:
+    """The agent writes servers.json at each change of a server; on a full disk the write
+    raised into the server's supervisor (which then restarted nothing more)."""
+    import asyncio
+    import json
+
+    from tpupod.serve.agent.server import Agent  # the serve extra; only this test needs it
+
+    async def main() -> None:
+        agent = Agent(small_home)
+        filler = fill(small_home)
+        agent.record_groups()  # raised nothing
+        assert not (small_home / "servers.json").exists()
+        filler.unlink()
+        for _ in range(60):
+            if (small_home / "servers.json").exists():
+                break
+            await asyncio.sleep(0.1)
+        record = json.loads((small_home / "servers.json").read_text())
+        assert record == {"groups": [], "servers": []}
+
+    asyncio.run(main())

@@ -12,13 +12,16 @@ import contextlib
 import json
 import os
 import secrets
+import sys
+import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from tpupod.base import procfs
-from tpupod.base.files import write_atomic
+from tpupod.base.files import FULL_DISK, write_atomic
 
 STATE_DIR = ".tpupod/serve"  # relative: each worker's home (SSH) or work folder (local)
 
@@ -37,6 +40,40 @@ def write_info(state: Path, service: str, host: str, port: int, **extra: object)
     record = {"pid": os.getpid(), "parent": os.getppid(), "host": host, "port": port}
     record.update(started=time.time(), **extra)
     write_atomic(state / f"{service}.json", json.dumps(record) + "\n")
+
+
+_WAITING: set[str] = set()  # the writes when_room tries again, by what they write
+
+
+def when_room(write: Callable[[], None], what: str, every: float = 1.0) -> None:
+    """``write()`` now; where the disk is full, again every ``every`` s in a thread until
+    it fits, said once on stderr. A service goes on serving meanwhile: its record, or the
+    agent's record of its servers, is written late, not the service lost to a full disk
+    (its keeper's restart backing off while it lasts)."""
+    try:
+        write()
+        return
+    except OSError as exc:
+        if exc.errno not in FULL_DISK:
+            raise
+        if what in _WAITING:
+            return  # a thread tries already (and writes what is current then)
+        _WAITING.add(what)
+        print(f"[tpupod] cannot write {what} ({exc.strerror}); trying again every {every:g}s",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    def again() -> None:
+        while True:
+            time.sleep(every)
+            try:
+                write()
+            except OSError as exc:
+                if exc.errno in FULL_DISK:
+                    continue
+            _WAITING.discard(what)
+            return
+
+    threading.Thread(target=again, name=f"write {what}", daemon=True).start()
 
 
 def remove_info(state: Path, service: str) -> None:

@@ -31,6 +31,7 @@ import signal
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -60,10 +61,14 @@ class Agent:
     def record_groups(self) -> None:
         """``servers.json``: the live groups (for ctl's stop), and what the next agent
         needs to take each server over (``take_over``)."""
-        groups = [s.pid for s in self.servers.values() if s.pid is not None]
-        servers = [_recorded(s) for s in self.servers.values()]
-        record = {"groups": groups, "servers": servers}
-        write_atomic(self.state / "servers.json", json.dumps(record) + "\n")
+
+        def write() -> None:  # what is current when it fits (a full disk: later)
+            now = list(self.servers.values())
+            groups = [s.pid for s in now if s.pid is not None]
+            record = {"groups": groups, "servers": [_recorded(s) for s in now]}
+            write_atomic(self.state / "servers.json", json.dumps(record) + "\n")
+
+        services.when_room(write, "servers.json")
 
     def take_over(self) -> None:
         """The servers the agent before this one left (killed: its keeper started this one):
@@ -221,7 +226,8 @@ def serve(state: Path, host: str, port: int) -> None:
         while not server.started and not serving.done():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         if server.started:
-            services.write_info(state, "agent", host, sock.getsockname()[1])
+            record = partial(services.write_info, state, "agent", host, sock.getsockname()[1])
+            services.when_room(record, "agent.json")
         await serving
 
     try:

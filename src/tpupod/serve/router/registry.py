@@ -26,6 +26,7 @@ import enum
 import hashlib
 import mmap
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from typing import Any
 
 import aiohttp
 
+from tpupod.base.files import FULL_DISK
 from tpupod.serve import defaults
 from tpupod.serve.eventloop import cancelled
 
@@ -72,7 +74,15 @@ class Counts:
     def __init__(self, addresses: list[str], path: Path | None = None) -> None:
         header = _header(addresses)
         size = len(header) + WIDTH * len(FIELDS) * len(addresses)
-        buffer = bytearray(size) if path is None else _mapped(path, header, size)
+        buffer: bytearray | mmap.mmap = bytearray(size)
+        if path is not None:
+            try:
+                buffer = _mapped(path, header, size)
+            except OSError as exc:
+                if exc.errno not in FULL_DISK:
+                    raise
+                print(f"[tpupod] request counts kept in memory only: {path}: {exc.strerror}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         self._counts = memoryview(buffer)[len(header) :].cast("q")
 
     def of(self, index: int) -> memoryview:
@@ -89,6 +99,9 @@ def _mapped(path: Path, header: bytes, size: int) -> mmap.mmap:
             os.ftruncate(fd, 0)  # another fleet's, or torn: begin anew
             os.ftruncate(fd, size)
             os.pwrite(fd, header, 0)
+        # every block taken now (a sparse file's too, an older router's): a count written
+        # into a page with no block behind it, once the disk had filled, was a SIGBUS
+        os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)

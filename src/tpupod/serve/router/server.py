@@ -483,7 +483,12 @@ def main(argv: list[str] | None = None) -> None:
     router = Router(registry, token, Policy(args.policy), args.retries)
 
     def listening(port: int) -> None:
-        services.write_info(state, "router", args.host, port, backends=list(registry.backends))
+        services.when_room(
+            lambda: services.write_info(
+                state, "router", args.host, port, backends=list(registry.backends)
+            ),
+            "router.json",
+        )
         print(f"ready port={port}", flush=True)
 
     try:

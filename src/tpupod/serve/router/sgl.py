@@ -100,8 +100,11 @@ def run(state: Path, args: argparse.Namespace) -> int:
     while child.poll() is None and not _listening(args.host, port):
         time.sleep(0.05)
     if child.poll() is None:
-        services.write_info(state, "router", args.host, port, kind="sgl", metrics_port=metrics,
-                       child=child.pid)  # fmt: skip
+        services.when_room(
+            lambda: services.write_info(state, "router", args.host, port, kind="sgl",
+                                        metrics_port=metrics, child=child.pid),
+            "router.json",
+        )  # fmt: skip
     try:
         return child.wait()
     finally:
