@@ -83,6 +83,7 @@ NAMED_S = 10.0  # an injection must be named this soon
 HOME_MB = 512
 STEP_S = 0.25
 SAVE_EVERY = 20
+RETRY_RESUME_S = 5.0  # a run --resume refused on a full disk is tried again this late
 
 
 # -- what tpupod says -------------------------------------------------------------------
@@ -205,6 +206,8 @@ class Training:
     run_id: str | None = None
     launches: int = 0
     codes: list[int] = field(default_factory=list)
+    no_room: bool = False  # the last launch said the disk was full
+    refused_at: float | None = None  # when its refusal was seen
 
     @property
     def ckpt(self) -> Path:
@@ -226,15 +229,18 @@ class Training:
         else:
             argv += ["--retries", "1000", "--", *self.program(self.out, self.ckpt, STEP_S)]
         self.launches += 1
+        self.no_room = False
         self.launcher = subprocess.Popen(
             argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        self.heard.pipe(f"run {self.name}", self.launcher.stdout, self._run_id_from)
+        self.heard.pipe(f"run {self.name}", self.launcher.stdout, self._heard)
 
-    def _run_id_from(self, text: str) -> None:
+    def _heard(self, text: str) -> None:
         found = re.search(r"tpupod: run (\S+): --retries", text)
         if found and not self.run_id:
             self.run_id = found.group(1)
+        if text.startswith("error: No space left on device"):
+            self.no_room = True  # this launch was refused: it never began
 
     def keep_going(self) -> None:
         """A launcher killed from outside is continued (``run --resume``), as a user would."""
@@ -243,12 +249,24 @@ class Training:
         code = self.launcher.returncode
         if code == -signal.SIGKILL:
             self.start()
+        elif self.refused:  # a resume refused on a full disk: again a little later
+            self.refused_at = self.refused_at or time.monotonic()
+            if time.monotonic() - self.refused_at >= RETRY_RESUME_S:
+                self.refused_at = None
+                self.start()
         elif not self.codes or self.codes[-1] != code:
             self.codes.append(code)
 
     @property
+    def refused(self) -> bool:
+        """The last ``--resume`` was refused on a full disk: it never began."""
+        ended = self.launcher is not None and self.launcher.poll() not in (None, 0)
+        return ended and self.run_id is not None and self.no_room
+
+    @property
     def done(self) -> bool:
-        return self.launcher is not None and self.launcher.poll() not in (None, -signal.SIGKILL)
+        ended = self.launcher is not None and self.launcher.poll() not in (None, -signal.SIGKILL)
+        return ended and not self.refused
 
     def redone(self) -> int:
         """Steps run more than once (worker 0's ``step N loss`` lines, every attempt)."""

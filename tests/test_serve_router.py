@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -308,6 +309,76 @@ def test_the_router_keeps_connections_alive_and_survives_a_backend_that_closes_t
         backend.shutdown()
         backend.server_close()
         thread.join(10)
+
+
+def serve_in_thread(handler: type[BaseHTTPRequestHandler], port: int = 0) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.local
+@pytest.mark.timeout(60)
+def test_with_every_backend_marked_down_the_router_still_tries_them(tmp_path: Path) -> None:
+    """A router whose backends were all marked down answered 503 at once until a health
+    check saw one back ('rise' checks, seconds), though the backend served again: the
+    chaos harness's clients failed in those seconds after an engine came back. As Envoy
+    in its panic mode, with none up it tries them all (each once)."""
+    handler: type[Backend] = type("Handler", (Backend,), {"close": True, "ports": []})
+    backend = serve_in_thread(handler)
+    port = backend.server_address[1]
+    flags = ("--model", "m", "--retries", "0", "--health-interval", "30", "--rise", "2")
+    router, url = start_router(tmp_path, [f"127.0.0.1:{port}"], *flags)
+    try:
+        token = (tmp_path / "router.token").read_text().strip()
+        assert chat_outcome(url, token, stream=False) == "200"
+        backend.shutdown()
+        backend.server_close()
+        assert chat_outcome(url, token, stream=False) == "502"  # refused: marked down
+        health = httpx.get(f"{url}/health").json()
+        assert health["healthy"] == 0, health
+        backend = serve_in_thread(handler, port)  # back, before any health check
+        assert chat_outcome(url, token, stream=False) == "200"
+    finally:
+        router.terminate()
+        router.wait(10)
+        backend.shutdown()
+        backend.server_close()
+
+
+@pytest.mark.local
+@pytest.mark.timeout(60)
+def test_a_silent_backend_marked_down_is_not_tried_when_none_is_up(tmp_path: Path) -> None:
+    """The other half of trying backends marked down: one whose health checks timed out
+    (a stopped process, a cut link; here a socket that never answers) would hold the
+    request until the client gave up, so it is left out and the answer is 503 at once."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # connections complete in the backlog; nothing ever answers
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        argv = [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(tmp_path)]
+        argv += ["--port", str(free_base_port(1)), "--backends", address, "--model", "m"]
+        argv += ["--health-interval", "0.2", "--health-timeout", "0.3", "--fall", "1"]
+        router = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+            deadline = time.monotonic() + 20
+            while not _health_503(url):
+                assert time.monotonic() < deadline, "never marked down"
+                time.sleep(0.1)
+            token = (tmp_path / "router.token").read_text().strip()
+            began = time.monotonic()
+            assert chat_outcome(url, token, stream=False) == "503"
+            assert time.monotonic() - began < 2.0
+        finally:
+            router.terminate()
+            router.wait(10)
+
+
+def _health_503(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health", timeout=2).status_code == 503
+    return False
 
 
 def chat_outcome(

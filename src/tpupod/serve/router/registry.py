@@ -133,6 +133,7 @@ class Backend:
     open_until: float = 0.0  # circuit breaker open until this monotonic time
     half_open_trial: bool = False
     last_error: str | None = None
+    silent: bool = False  # its last health check timed out (a stopped process, a cut link)
     changed_at: float = field(default_factory=time.time)
     token_window: list[tuple[float, int]] = field(default_factory=list)
 
@@ -187,6 +188,12 @@ class Registry:
             found.append(b)
         return found
 
+    def untried(self) -> list[Backend]:
+        """With none available, the backends a request may still try: those down or
+        ejected that answer when asked (refused or with an error at once), not the silent
+        ones, where a request would hang (Envoy's panic mode, minus those)."""
+        return [b for b in self.backends.values() if not b.silent]
+
     def begin(self, backend: Backend) -> None:
         backend.outstanding += 1
         backend.requests += 1
@@ -229,11 +236,14 @@ class Registry:
         try:
             async with session.get(f"{backend.url}/health", timeout=timeout) as r:
                 ok, error = r.status == 200, f"/health answered {r.status}"
+            backend.silent = False
         except aiohttp.ClientConnectorError as exc:
+            backend.silent = isinstance(exc, TimeoutError)
             self.refused(backend, f"cannot connect: {exc.os_error or exc}")
             return
         except (aiohttp.ClientError, TimeoutError) as exc:
             ok, error = False, f"/health failed: {type(exc).__name__} {exc}".strip()
+            backend.silent = isinstance(exc, TimeoutError)
         if ok and not self.model:
             await self.discover_model(session, backend)
         if ok:

@@ -129,7 +129,11 @@ class Router:
 
     # -- choosing ----------------------------------------------------------------------
     def choose(self, exclude: set[str]) -> Backend | None:
-        candidates = [b for b in self.registry.available() if b.address not in exclude]
+        """The backend for the next try. With none available, those not silent: a health
+        check's 'down' is seconds old, and a backend back meanwhile answers; one still
+        gone refuses at once."""
+        available = self.registry.available() or self.registry.untried()
+        candidates = [b for b in available if b.address not in exclude]
         if not candidates:
             return None
         if self.policy is Policy.ROUND_ROBIN:
