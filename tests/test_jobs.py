@@ -411,7 +411,7 @@ def test_a_gone_runners_journal_is_recorded_unless_the_job_went_on_without_it(
         claim = claims.claim(store, "gone-runner", pod=None, lease_s=0.01)
         assert claim is not None and claim.job.id == job
         claims.append_logs(store, claim, 1, [(0, "first")])
-        kept = Kept(job, 1, "gone-runner", "end", "completed", '"done"', None, time.time())
+        kept = Kept(job, 1, "gone-runner", "end", "completed", '"done"', None, time.time() - 99)
         journal.keep(kept, 2, [[(0, "second"), (0, "third")]])
     journal.close()  # as a kill -9 leaves it: the lock goes, the file stays
     time.sleep(0.05)
@@ -426,6 +426,7 @@ def test_a_gone_runners_journal_is_recorded_unless_the_job_went_on_without_it(
     assert proc.returncode == 0, err
     done = store.get(requeued)
     assert (done.status, done.attempt, done.result) == (JobStatus.COMPLETED, 1, "done"), done
+    assert done.completed_at is not None and time.time() - done.completed_at > 98  # it ended
     assert [line.line for line in store.logs(requeued)] == ["first", "second", "third"]
     assert [entry.how for entry in done.history] == ["recovered"], done.history
     late = store.get(taken)

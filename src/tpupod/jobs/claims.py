@@ -90,7 +90,7 @@ _FINISH = (
         status=bindparam("new_status", type_=String),
         result=bindparam("new_result", type_=Text),
         error=bindparam("new_error", type_=Text),
-        completed_at=bindparam("now", type_=Float),
+        completed_at=bindparam("ended", type_=Float),
         updated_at=bindparam("now", type_=Float),
         lease_owner=None,
         lease_expires_at=None,
@@ -319,6 +319,7 @@ class Ending:
     status: JobStatus
     result: str | None = None
     error: str | None = None
+    ended: float | None = None  # when it ended, if not now (a gone runner's, kept)
 
 
 def finish_many(store: Store, endings: Sequence[Ending]) -> set[Attempt]:
@@ -357,12 +358,13 @@ def finish_and_claim(
 
 def _finish(conn: Connection, endings: Sequence[Ending]) -> set[Attempt]:
     now = time.time()
-    alike: dict[tuple[str, JobStatus, str | None, str | None], list[Claim]] = {}
+    alike: dict[tuple[str, JobStatus, str | None, str | None, float], list[Claim]] = {}
     for end in endings:
-        alike.setdefault((end.claim.owner, end.status, end.result, end.error), []).append(end.claim)
+        key = (end.claim.owner, end.status, end.result, end.error, end.ended or now)
+        alike.setdefault(key, []).append(end.claim)
     written: set[Attempt] = set()
-    for (owner, status, result, error), held in alike.items():
-        values: dict[str, object] = {"new_status": status.value, "now": now}
+    for (owner, status, result, error, ended), held in alike.items():
+        values: dict[str, object] = {"new_status": status.value, "now": now, "ended": ended}
         values |= {"new_result": result, "new_error": error}
         rows = conn.execute(_FINISH, {**_held(owner, held), **values})
         written |= {(int(r.id), int(r.attempt)) for r in rows}

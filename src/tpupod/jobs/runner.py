@@ -385,7 +385,7 @@ class Runner:
             claims.retry(self.store, claim, kept.error or "the attempt failed")
         else:
             status = JobStatus(kept.status)
-            ending = Ending(claim, status, result=kept.result, error=kept.error)
+            ending = Ending(claim, status, result=kept.result, error=kept.error, ended=kept.ended)
             if claims.finish_many(self.store, [ending]):
                 return f"{named}: lost again while recording it"
         return f"recorded {named} for runner {gone}, which is gone (kept in {orphan.path})"
