@@ -463,7 +463,12 @@ def test_a_cancel_asks_first_and_a_no_does_nothing(
         page.fill("#token", TOKEN)
         page.dispatch_event("#token", "change")
         asked: list[str] = []
-        page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+
+        def answer(dialog: Any) -> None:
+            asked.append(dialog.message)
+            dialog.dismiss()
+
+        page.once("dialog", answer)
         page.locator("form[data-action] button", has_text="cancel").click()
         assert asked == [f"Cancel job {job} (keep me)?"]
         assert page.locator("#action-result").inner_text() == ""  # nothing was sent

@@ -97,7 +97,7 @@ def test_a_bar_that_stops_moving_shows_where_it_stands(
     argv = tpupod_argv(how, "--pod", pod.name, "--", STUCK)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    started, arrived = time.monotonic(), {}
+    started, arrived = time.monotonic(), dict[str, float]()
     with proc.stdout:
         for line in proc.stdout:
             arrived.setdefault(line.rstrip("\n"), time.monotonic() - started)

@@ -40,7 +40,7 @@ LAYERS = ("0", "1", "3")
 F32_ATOL = 1e-4  # tests/test_model.py's tolerance against transformers
 
 
-def _reference(family: str) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+def _reference(family: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     folder = FIXTURES / f"{family}-tiny"
     return json.loads((folder / "reference.json").read_text()), dict(
         np.load(folder / "reference.npz")
@@ -51,7 +51,7 @@ def _write_data(path: Path, extra: int = 61) -> Path:
     """The fixtures' reference prompts (s0..s2) and ``extra`` varied texts (at most 32 tokens:
     two length buckets, so each process compiles two programs)."""
     meta, _ = _reference("qwen2")
-    lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(meta["prompts"])]  # type: ignore[arg-type]
+    lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(meta["prompts"])]
     words = ["run", "the", "same", "program", "on", "every", "host", "in", "lockstep", "and"]
     for i in range(extra):
         lines.append({"id": f"x{i}", "text": " ".join(words[: 1 + i % len(words)] * (1 + i % 2))})
@@ -379,13 +379,15 @@ def test_a_tokenizer_that_pads_and_truncates_gives_each_sample_its_own_tokens(
     folder = padding_checkpoint(tmp_path / "padded")
     meta, _ = _reference("qwen2")
     words = "run the same program on every host in lockstep and"
-    texts = ["a", *meta["prompts"], f"{words} " * 6, "x y", f"{words} " * 2]  # type: ignore[list-item]
+    texts = ["a", *meta["prompts"], f"{words} " * 6, "x y", f"{words} " * 2]
     lines: list[dict[str, Any]] = [{"id": f"t{i}", "text": t} for i, t in enumerate(texts)]
     lines.append({"id": "chat", "messages": meta["chat_messages"]})
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
     plain = tokenizers.Tokenizer.from_file(str(QWEN2 / "tokenizer.json"))  # "padding": null
-    chat = load_model(QWEN2).tokenizer.apply_chat_template(meta["chat_messages"])  # type: ignore[union-attr]
+    tokenizer = load_model(QWEN2).tokenizer
+    assert tokenizer is not None
+    chat = tokenizer.apply_chat_template(meta["chat_messages"])
     want = {
         line["id"]: plain.encode(text, add_special_tokens=False).ids
         for line, text in zip(lines, [*texts, chat], strict=True)
@@ -442,7 +444,7 @@ def test_single_process_output_matches_transformers(reference_run: tuple[Path, P
     ds = tpupod.extract.open(str(out))
     assert len(ds) == 64 and ds.layers == [0, 1, 3]
     assert ds.ids == [f"s{i}" for i in range(3)] + [f"x{i}" for i in range(61)]  # data order
-    for i, prompt in enumerate(meta["prompt_ids"]):  # type: ignore[arg-type]
+    for i, prompt in enumerate(meta["prompt_ids"]):
         assert ds.tokens(f"s{i}").tolist() == prompt
         for layer in ds.layers:
             got = ds.activations(f"s{i}", layer)
@@ -469,7 +471,7 @@ def test_generate_writes_each_samples_greedy_completion(
 ) -> None:
     meta, arrays = _reference("qwen2")
     data = tmp_path / "data.jsonl"
-    prompts = meta["prompts"][: meta["greedy_prompts"]]  # type: ignore[index]
+    prompts = meta["prompts"][: meta["greedy_prompts"]]
     lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(prompts)]
     lines.append({"id": "chat", "messages": meta["chat_messages"]})  # the chat template applied
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -490,7 +492,7 @@ def test_a_mesh_over_each_hosts_devices_matches_transformers(
 ) -> None:
     meta, arrays = _reference("qwen2")
     data = tmp_path / "data.jsonl"
-    lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(meta["prompts"])]  # type: ignore[arg-type]
+    lines = [{"id": f"s{i}", "text": p} for i, p in enumerate(meta["prompts"])]
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "out"
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -595,8 +597,8 @@ def test_resume_after_kill_9_at_several_points_is_identical(
     data, single = reference_run
     out = tmp_path / "out"
     for after in (0, 2):  # files staged or committed before the kill
-        proc = subprocess.Popen(tpupod_argv(*_args(data, out)), stdout=subprocess.DEVNULL)
-        _kill_when(proc, lambda after=after: _staged_or_committed(out) > after)
+        killed = subprocess.Popen(tpupod_argv(*_args(data, out)), stdout=subprocess.DEVNULL)
+        _kill_when(killed, lambda after=after: _staged_or_committed(out) > after)  # type: ignore[misc]
     proc = subprocess.run(tpupod_argv(*_args(data, out)), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert _files(out) == _files(single)

@@ -143,7 +143,7 @@ def test_the_fast_parser_agrees_with_the_cli(line: str) -> None:
     try:
         result = CliRunner().invoke(app, ["exec", *shlex.split(line)])
     finally:
-        exec_module.run_exec = original  # type: ignore[assignment]
+        exec_module.run_exec = original
     assert result.exit_code == 0, result.output
     assert seen["args"] == args
 

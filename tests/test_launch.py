@@ -17,7 +17,8 @@ import pytest
 
 from tests.conftest import CliResult, require, sim_leftovers, tpupod_argv
 from tpupod.base import limits
-from tpupod.launch.identity import IdentityError, worker
+from tpupod.errors import IdentityError
+from tpupod.launch.identity import worker
 from tpupod.launch.rendezvous import AsyncMember, RendezvousServer
 from tpupod.pod.record import Pod
 from tpupod.sim import SimPod

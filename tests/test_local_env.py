@@ -46,7 +46,7 @@ def test_identity_variables(make_pod: Callable[..., Pod]) -> None:
             "JAX_PLATFORMS": "cpu",
             "JAX_NUM_CPU_DEVICES": "2",
         }
-        assert r.tail[1] == r.worker.workdir
+        assert r.tail[1] == pod.workers[r.worker.id].workdir
 
 
 def test_jax_sees_the_devices_and_no_tpu_cluster(make_pod: Callable[..., Pod]) -> None:

@@ -231,12 +231,12 @@ def test_varied_batches_compile_a_handful_of_programs() -> None:
     from tpupod.model import compute
 
     model = load_model(FIXTURES / "qwen2-tiny")  # a fresh graphdef: its own cache entries
-    before = compute.forward._cache_size()
+    before = compute.forward._cache_size()  # type: ignore[attr-defined]
     for batch in (1, 2, 3, 4):
         for length in (3, 9, 14, 16):
             out = model.forward([[7] * length] * batch, layers=[1])
             assert out.hidden_states[1].shape == (batch, length, model.config.hidden_size)
-    assert compute.forward._cache_size() - before == 3  # batch buckets 1, 2, 4; length 16
+    assert compute.forward._cache_size() - before == 3  # type: ignore[attr-defined]  # batch buckets 1, 2, 4; length 16
 
 
 def _copy(family: str, tmp_path: Path) -> Path:
@@ -423,7 +423,7 @@ def test_presets_have_the_published_sizes(name: str, total: int, non_embedding: 
     from tpupod.model.modeling import Qwen
 
     config = PRESETS[name]()
-    shapes = nnx.eval_shape(lambda: Qwen(config, np.float32, nnx.Rngs(0)))
+    shapes = nnx.eval_shape(lambda: Qwen(config, np.dtype(np.float32), nnx.Rngs(0)))
     count = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(shapes)))
     assert count == total
     assert abs(config.non_embedding_params() - non_embedding) / non_embedding < 0.03

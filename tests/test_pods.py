@@ -102,9 +102,9 @@ def test_unknown_pod_and_ambiguous_default(cli: Callable[..., CliResult]) -> Non
         ambiguous = cli(*command)
         assert ambiguous.code == 2, (command, ambiguous.err)
         assert "2 pods exist (a, b); say which one" in ambiguous.err
-    for command in ("exec", "status", "run", "down"):
-        unknown = cli(command, "--pod", "nope", *(["--", "true"] if command in "exec run" else []))
-        assert unknown.code == 2, (command, unknown.err)
+    for name in ("exec", "status", "run", "down"):
+        unknown = cli(name, "--pod", "nope", *(["--", "true"] if name in "exec run" else []))
+        assert unknown.code == 2, (name, unknown.err)
         assert "no pod named 'nope'" in unknown.err and "known pods: a, b" in unknown.err
 
 

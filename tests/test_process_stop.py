@@ -169,7 +169,7 @@ async def _started(server: ManagedServer) -> None:
 
 
 def _others() -> set[asyncio.Task[object]]:
-    return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+    return asyncio.all_tasks() - {asyncio.current_task()}
 
 
 def test_a_stopped_server_leaves_no_readiness_poll_running(

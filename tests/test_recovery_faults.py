@@ -207,6 +207,7 @@ def test_waiting_for_capacity_is_shown_and_its_polls_back_off(
     import asyncio
     import types
 
+    from tpupod.pod.choices import Capacity
     from tpupod.pod.lifecycle import up
     from tpupod.pod.spec import GcpPodSpec
     from tpupod.pod.state import StateDir
@@ -222,7 +223,7 @@ def test_waiting_for_capacity_is_shown_and_its_polls_back_off(
     spot_api.no_capacity = 12  # twelve reads of WAITING_FOR_RESOURCES, then capacity
     spec = GcpPodSpec(
         name="wc", provider="gcp", tpu_type="v4-8", zone="us-central2-b", project="proj",
-        user="root", capacity="spot",
+        user="root", capacity=Capacity.SPOT,
     )  # fmt: skip
     up(spec, StateDir())
     shown = [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines()]
@@ -233,4 +234,4 @@ def test_waiting_for_capacity_is_shown_and_its_polls_back_off(
     # to 8 times the poll (0.4 s); a new state is read again at the poll's pace.
     waiting = pauses[1:]  # after ACCEPTED, the first read of WAITING_FOR_RESOURCES
     assert waiting[:4] == pytest.approx([0.05, 0.075, 0.1125, 0.16875]), pauses
-    assert max(pauses) == pytest.approx(0.4) and pauses.count(pytest.approx(0.4)) >= 5
+    assert max(pauses) == pytest.approx(0.4) and sum(p == pytest.approx(0.4) for p in pauses) >= 5

@@ -175,7 +175,7 @@ def literal_of(tree: ast.Module, name: str) -> object:
         if isinstance(node, ast.AnnAssign):
             targets = [node.target]
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            assert node.value is not None
+            assert isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None
             return ast.literal_eval(node.value)
     raise AssertionError(f"no {name} = ... at the top level")
 

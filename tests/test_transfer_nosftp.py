@@ -236,7 +236,7 @@ def test_sftp_is_asked_once_a_connection(
 
     def counting(self: asyncssh.SSHClientConnection, *args: object, **kwargs: object) -> object:
         asked.append(self)
-        return start(self, *args, **kwargs)  # type: ignore[arg-type]
+        return start(self, *args, **kwargs)
 
     monkeypatch.setattr(asyncssh.SSHClientConnection, "start_sftp_client", counting)
     source = tmp_path / "f.txt"

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -26,7 +27,7 @@ attempt = os.environ.get("TPUPOD_ATTEMPT", "1")
 rename = os.rename
 
 
-def held_rename(src: str, dst: str) -> None:
+def held_rename(src: Any, dst: Any, **_: Any) -> None:
     """Orbax commits a step by renaming its temporary folder: step CUT_AT's waits."""
     if Path(dst).name == str(cut_at):
         (ckpt.parent / "cut").write_text(str(src))

@@ -20,7 +20,7 @@ ckpt, steps, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 save_every = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 ckpt.mkdir(parents=True, exist_ok=True)
 worker = int(os.environ["TPUPOD_WORKER_ID"])
-stop = []
+stop: list[int] = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 if os.environ.get("TPUPOD_RENDEZVOUS"):
     import tpupod
