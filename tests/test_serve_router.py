@@ -463,3 +463,45 @@ def test_requests_in_flight_to_a_backend_that_goes_silent_are_retried_or_ended(
         for s in stubs:
             s.terminate()
             s.wait(10)
+
+
+@pytest.mark.local
+@pytest.mark.timeout(60)
+def test_the_router_log_says_each_health_change_of_a_backend_once(tmp_path: Path) -> None:
+    """The new-user trial: the router's log ('serve logs --router') said only 'ready'; a
+    backend that went down and came back left no line there. Each change is said once,
+    not each check."""
+    handler: type[Backend] = type("Handler", (Backend,), {"ports": []})
+    backend = serve_in_thread(handler)
+    port = backend.server_address[1]
+    flags = ("--model", "m", "--health-interval", "0.1", "--fall", "1", "--rise", "1")
+    log = tmp_path / "router.err"
+
+    def said(text: str) -> list[str]:
+        return [line for line in log.read_text().splitlines() if text in line]
+
+    with open(log, "wb") as err:
+        router, _ = start_router(tmp_path, [f"127.0.0.1:{port}"], *flags, stderr=err)
+    try:
+        backend.shutdown()
+        backend.server_close()
+        until(lambda: bool(said(f"backend 127.0.0.1:{port} down")), "the down line")
+        time.sleep(0.5)  # five more failed checks: no more lines
+        backend = serve_in_thread(handler, port)
+        until(lambda: bool(said(f"backend 127.0.0.1:{port} up again")), "the up line")
+        time.sleep(0.5)
+    finally:
+        router.terminate()
+        router.wait(10)
+        backend.shutdown()
+        backend.server_close()
+    down = said(f"backend 127.0.0.1:{port} down")
+    assert len(down) == 1 and "cannot connect" in down[0], log.read_text()
+    assert len(said(f"backend 127.0.0.1:{port} up again")) == 1, log.read_text()
+
+
+def until(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} after {timeout:g}s"
+        time.sleep(0.05)

@@ -171,8 +171,10 @@ class Registry:
         self.model = model
         self.policy = policy
         self._task: asyncio.Task[None] | None = None
-        # called when a backend goes down (the router breaks what waits on it there)
-        self.on_down: Callable[[Backend, str], None] | None = None
+        # called at each change of a backend's health, with why it went down (None: it is
+        # up again) and how long it was as it was: the router says it in its log and, where
+        # it went down, breaks what waits on it there
+        self.on_change: Callable[[Backend, str | None, float], None] | None = None
 
     def available(self) -> list[Backend]:
         """Backends a request may go to: up, with the circuit closed (or a half-open trial)."""
@@ -224,10 +226,11 @@ class Registry:
 
     def _set(self, backend: Backend, health: Health, error: str | None = None) -> None:
         if backend.health is not health:
+            lasted = time.time() - backend.changed_at
             backend.health = health
             backend.changed_at = time.time()
-            if health is Health.DOWN and self.on_down is not None:
-                self.on_down(backend, error or "")
+            if self.on_change is not None:
+                self.on_change(backend, (error or "") if health is Health.DOWN else None, lasted)
         if error:
             backend.last_error = error
 

@@ -38,6 +38,7 @@ import re
 import secrets
 import signal
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -114,7 +115,16 @@ class Router:
         self.session: aiohttp.ClientSession | None = None  # the registry's health checks
         self.pools: dict[str, upstream.Pool] = {}
         self._counted: dict[tuple[str, str], Any] = {}
-        registry.on_down = self.abandon
+        registry.on_change = self.changed
+
+    def changed(self, backend: Backend, down: str | None, lasted: float) -> None:
+        """A backend's health changed: one line in the router's log (``serve logs
+        --router``), and what waits on a backend that went down ends."""
+        if down is None:
+            say(f"backend {backend.address} up again (down {lasted:.1f}s)")
+            return
+        say(f"backend {backend.address} down: {down}")
+        self.abandon(backend, down)
 
     def abandon(self, backend: Backend, error: str) -> None:
         """The health checks took ``backend`` out: what waits on it ends now (a request
@@ -360,6 +370,11 @@ class Router:
             pool.close()
         if self.session is not None:
             await self.session.close()
+
+
+def say(text: str) -> None:
+    """A line of the router's own in its log (its stderr: its keeper stamps each line)."""
+    print(f"[tpupod router] {text}", file=sys.stderr, flush=True)
 
 
 def check_body(body: bytes, chat: bool) -> str | None:
