@@ -8,13 +8,17 @@ it the workers) over its own log files.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import CliResult, require, tpupod_argv
@@ -286,3 +290,78 @@ def test_the_agents_record_of_its_servers_waits_for_room(small_home: Path) -> No
         assert record == {"groups": [], "servers": []}
 
     asyncio.run(main())
+
+
+def _ctl(state: Path, *args: str) -> dict[str, Any]:
+    """``python -m tpupod.serve.agent.ctl --state-dir STATE ARGS``: its JSON answer."""
+    argv = [sys.executable, "-m", "tpupod.serve.agent.ctl", "--state-dir", str(state), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    answer: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return answer
+
+
+def _router_pid(keeper: int) -> int | None:
+    """The router its keeper runs now (a child of the keeper, in its group)."""
+    children = psutil.Process(keeper).children()
+    return children[0].pid if children else None
+
+
+def _killed_and_started_again(keeper: int, log: Path, restart: int) -> int:
+    """Kill -9 the router the keeper runs; the pid of the one it starts after it, once
+    that one serves."""
+    killed = _router_pid(keeper)
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while (pid := _router_pid(keeper)) in (None, killed) or (
+        f"(restart {restart})" not in (said := log.read_text(errors="replace"))
+        or said.count("ready port=") < restart + 1  # the new router serves
+    ):
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+        time.sleep(0.05)
+    assert pid is not None
+    return pid
+
+
+def test_a_router_restarted_on_a_full_disk_is_shown_serving_and_its_restarts_counted_later(
+    small_home: Path,
+) -> None:
+    """The new-user trial: a router killed -9 while the disk was full was started again
+    by its keeper and served on the keeper's port, but it could not write router.json
+    (it waits for room), so 'serve status' said 'the router ended and is being started
+    again' for as long as the disk stayed full; and the restarts made meanwhile were
+    never counted ('0 restarts' once the disk was freed, though the log said 'restart 1')."""
+    from tpupod.serve import services  # the serve extra; only these tests need it
+
+    state = small_home / "serve"
+    router = [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(state)]
+    router += ["--port", "0", "--backends", "127.0.0.1:9", "--health-interval", "0.2"]
+    started = _ctl(state, "ensure", "--timeout", "30", "router", "--", *router)
+    assert "error" not in started, started
+    keeper, port, log = started["parent"], started["port"], state / "router.log"
+    try:
+        filler = fill(small_home)
+        _killed_and_started_again(keeper, log, 1)
+        pid = _killed_and_started_again(keeper, log, 2)  # two restarts while it is full
+        seen = _ctl(state, "view")
+        assert seen.get("status") == 200, seen  # the new router answers on the same port
+        assert seen["restarts"] == 2, seen
+        assert "router.json" in seen["record"] and "full" in seen["record"], seen
+        assert seen["body"]["health"]["127.0.0.1:9"]["state"] in ("up", "down")
+        filler.unlink()
+        deadline = time.monotonic() + 10
+        while (
+            services.restarts(state, "router") != 2 or services.read_info(state, "router") is None
+        ):
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.1)
+        record = services.read_info(state, "router")
+        assert record is not None and record["pid"] == pid and record["port"] == port
+        seen = _ctl(state, "view")
+        assert seen.get("status") == 200 and "record" not in seen and seen["restarts"] == 2, seen
+        said = log.read_text(errors="replace")
+        assert "cannot write router.json (No space left on device)" in said, said[-2000:]
+        assert "wrote router.json after " in said, said[-2000:]  # its record came late
+    finally:
+        stopped = _ctl(state, "stop", "router")
+        assert stopped.get("stopped"), stopped

@@ -197,6 +197,10 @@ def test_status_records_say_each_servers_state_and_why_a_worker_did_not_answer()
     assert found.servers[1] == ServerStatus(1, "h1:1", "command", silent, None, None, None, None)
     assert (found.healthy, found.router_error, found.replicated) == (1, None, False)
     assert fleet_status(record, agents, "w0: no router").router_error == "w0: no router"
+    full = "its record (router.json) could not be written: the disk under /s is full"
+    unrecorded = fleet_status(record, agents, {**router, "restarts": 1, "record": full})
+    assert (unrecorded.router_error, unrecorded.router_record) == (None, full)
+    assert unrecorded.router_restarts == 1 and unrecorded.servers[0].requests == 3
 
 
 def test_restarts_wait_longer_each_time_and_a_router_keeps_its_port() -> None:
@@ -1944,3 +1948,26 @@ def test_an_agent_killed_with_9_under_load_is_started_again_and_takes_over_its_s
     assert logged_after(server_log.splitlines(), wall, "the engine process was killed") is not None
     status = run_cli(fleet.home, "serve", "status", "--pod", fleet.pod).stdout
     assert "agents: w0 restarted 1 time" in status, status
+
+
+@pytest.mark.local
+@pytest.mark.timeout(90)
+def test_serve_down_says_an_agent_that_did_not_stop_in_its_grace_was_killed(
+    tmp_path: Path,
+) -> None:
+    """The new-user trial: with w0's agent frozen (kill -STOP), 'serve down' paused about
+    10 s without a word, then said 'w0 agent stopped' as if it had stopped by itself."""
+    with local_pod(tmp_path, "sf", 1) as (home, pod):
+        assert stub_up(home, pod).returncode == 0
+        agents = [
+            p for p in pod_processes(pod) if _runs(described(p).split(), "tpupod.serve.agent")
+        ]
+        assert len(agents) == 1, [described(p) for p in pod_processes(pod)]
+        agents[0].suspend()
+        down = run_cli(home, "serve", "down", "--pod", pod)
+        assert down.returncode == 0, down.stderr
+        said = down.stdout + down.stderr
+        assert "w0 agent did not stop within its grace (8s) and was killed" in said, said
+        assert "w0 agent stopped" not in said, said
+        assert "w0 router stopped" in said, said
+        assert wait_until_gone(pod) == []

@@ -221,6 +221,7 @@ def _router_line(found: FleetStatus) -> str:
     seen = [f"{found.healthy}/{len(found.servers)} backends healthy"]
     seen += [f"its /health: {found.router_health}"] if found.router_health else []
     seen += [f"circuit {c}" for c in found.circuits]
+    seen += [found.router_record] if found.router_record else []
     return f"router{kind}: {found.record.base_url} ({'; '.join([*seen, *restarts])})"
 
 

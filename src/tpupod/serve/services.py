@@ -45,11 +45,22 @@ def write_info(state: Path, service: str, host: str, port: int, **extra: object)
 _WAITING: set[str] = set()  # the writes when_room tries again, by what they write
 
 
-def when_room(write: Callable[[], None], what: str, every: float = 1.0) -> None:
+def _to_stderr(text: str) -> None:
+    print(f"[tpupod] {text}", file=sys.stderr, flush=True)
+
+
+def when_room(
+    write: Callable[[], None],
+    what: str,
+    every: float = 1.0,
+    say: Callable[[str], None] = _to_stderr,
+) -> None:
     """``write()`` now; where the disk is full, again every ``every`` s in a thread until
-    it fits, said once on stderr. A service goes on serving meanwhile: its record, or the
-    agent's record of its servers, is written late, not the service lost to a full disk
-    (its keeper's restart backing off while it lasts)."""
+    it fits, said (``say``) once it fails and once it fits. A service goes on serving
+    meanwhile: its record, or the agent's record of its servers, is written late, not the
+    service lost to a full disk (its keeper's restart backing off while it lasts).
+    A second call for ``what`` while one waits is dropped: the waiting thread calls its
+    own ``write``, which is to write what is current then (not what was at its call)."""
     try:
         write()
         return
@@ -59,8 +70,8 @@ def when_room(write: Callable[[], None], what: str, every: float = 1.0) -> None:
         if what in _WAITING:
             return  # a thread tries already (and writes what is current then)
         _WAITING.add(what)
-        print(f"[tpupod] cannot write {what} ({exc.strerror}); trying again every {every:g}s",
-              file=sys.stderr, flush=True)  # fmt: skip
+        say(f"cannot write {what} ({exc.strerror}); trying again every {every:g}s")
+    began = time.monotonic()
 
     def again() -> None:
         while True:
@@ -70,6 +81,9 @@ def when_room(write: Callable[[], None], what: str, every: float = 1.0) -> None:
             except OSError as exc:
                 if exc.errno in FULL_DISK:
                     continue
+                say(f"gave up writing {what}: {exc.strerror or exc}")
+            else:
+                say(f"wrote {what} after {time.monotonic() - began:.0f}s (the disk had room again)")
             _WAITING.discard(what)
             return
 
@@ -146,12 +160,32 @@ def restarts(state: Path, service: str) -> int:
         return 0
 
 
+def write_restarts(state: Path, service: str, count: int) -> None:
+    """Set the count (0: a fleet's first start; one more at each start after it died)."""
+    write_atomic(state / f"{service}.restarts", f"{count}\n")
+
+
 def count_restarts(state: Path, service: str, count: int) -> None:
-    """Set the count (0: a fleet's first start; one more at each start after it died). A
-    count is a view: on a full disk it is left as it was, never worth the restart itself
-    (the router's keeper died of it, and no router ran until the next `serve up`)."""
+    """``write_restarts``, where a count is a view: on a full disk it is left as it was,
+    never worth the restart itself (the router's keeper died of it, and no router ran
+    until the next `serve up`). The keeper writes its count late (``when_room``)."""
     with contextlib.suppress(OSError):
-        write_atomic(state / f"{service}.restarts", f"{count}\n")
+        write_restarts(state, service, count)
+
+
+# Which restart of its service a run is (0: the first run), in the environment its keeper
+# (``respawn``) starts it with: ``serve status`` reads it from the running service where the
+# count on file is behind (a full disk: the keeper writes it once there is room).
+RESTART_ENV = "TPUPOD_SERVE_RESTART"
+
+
+def run_restart(pid: int) -> int | None:
+    """The restart the process ``pid`` is (its ``RESTART_ENV``), None when it has none."""
+    for item in procfs.environ(pid):
+        name, _, value = item.partition(b"=")
+        if name == RESTART_ENV.encode() and value.isdigit():
+            return int(value)
+    return None
 
 
 # Where a server's own keeper (the builtin server's: it restarts its engine and front end

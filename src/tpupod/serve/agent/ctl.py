@@ -77,7 +77,7 @@ def ensure(
     left).
     ``again``: the fleet's router was lost (its parent too), and this start is one more
     restart of it, its request counts kept; else its restarts and counts begin at 0."""
-    running = read_info(state, service)
+    running = read_info(state, service) or unrecorded(state, service)
     if running is None and (parent := keeper(state, service)) is not None:
         running = _wait_record(state, service, parent, timeout)  # it is being started again
         if running is None:  # another parent would only fight this one for the port
@@ -153,7 +153,7 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
     KILL one started that has not recorded itself yet; then KILL any server group it left."""
     info = read_info(state, service)
     parent = keeper(state, service)
-    stopped = False
+    stopped = killed = False
     pid = parent if parent is not None else None if info is None else info["pid"]
     st = procfs.stat(parent) if parent is not None else None
     group = parent if st is not None and st.pgrp == parent else None  # the keeper leads one
@@ -164,6 +164,7 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
         while procfs.alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         if procfs.alive(pid):
+            killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             if group is not None:  # the keeper waits as long as this for its service:
@@ -172,6 +173,7 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(group, signal.SIGKILL)
         if info is not None and procfs.alive(info["pid"]):  # its parent was killed first
+            killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info["pid"], signal.SIGKILL)
         stopped = True
@@ -183,7 +185,8 @@ def stop(state: Path, service: str, grace: float) -> dict[str, Any]:
     for path in (*paths, services.spawned_path(state, service)):
         with contextlib.suppress(OSError):
             path.unlink()
-    return {"stopped": stopped, "groups_killed": left}
+    # killed: it did not stop within ``grace`` (a frozen agent: kill -STOP), which is said
+    return {"stopped": stopped, "killed": killed, "grace": grace, "groups_killed": left}
 
 
 def _kill_unrecorded(state: Path, service: str) -> bool:
@@ -262,6 +265,9 @@ def call(state: Path, service: str, method: str, path: str, body: str | None) ->
     import httpx
 
     info = read_info(state, service)
+    note: dict[str, str] = {}
+    if info is None and (info := unrecorded(state, service)) is not None:
+        note = {"record": unrecorded_why(state, service)}
     if info is None and keeper(state, service) is not None:
         why = f"the {service} ended and is being started again (its log: {service}.log)"
         return {"error": why, "status": None}
@@ -280,12 +286,54 @@ def call(state: Path, service: str, method: str, path: str, body: str | None) ->
             timeout=30.0,
         )
     except httpx.HTTPError as exc:
-        return {"error": f"the {service} does not answer: {exc}", "status": None}
+        return {"error": f"the {service} does not answer: {exc}", "status": None, **note}
     try:
         answer: Any = r.json()
     except ValueError:
         answer = r.text
-    return {"status": r.status_code, "body": answer}
+    return {"status": r.status_code, "body": answer, **note}
+
+
+def unrecorded(state: Path, service: str) -> dict[str, Any] | None:
+    """The record of a service whose keeper hands each run the same listening socket
+    (``--listen``) and runs a new one that has not recorded itself (a full disk: its
+    record waits for room): the last run's record, with the pid of the run that serves on
+    its port now. None where that is not so (a run being started on a port of its own)."""
+    parent = keeper(state, service)
+    if parent is None:
+        return None
+    argv = procfs.cmdline(parent)
+    if "--listen" not in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        return None
+    if (child := _kept(parent)) in (None, parent):  # between two runs
+        return None
+    try:
+        record = json.loads((state / f"{service}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("parent") != parent or "port" not in record:
+        return None  # another keeper's run: not on this keeper's socket
+    return {**record, "pid": child}
+
+
+def unrecorded_why(state: Path, service: str) -> str:
+    """Why the service that serves has no record of its own (``unrecorded``)."""
+    with contextlib.suppress(OSError):
+        if os.statvfs(state).f_bavail == 0:
+            return (
+                f"its record ({service}.json) could not be written: the disk under {state} is full"
+            )
+    return f"its record ({service}.json) is not written yet"
+
+
+def restarts(state: Path, service: str) -> int:
+    """The service's restarts: on file, or the number of the run its keeper runs now where
+    that is more (the keeper writes its count once there is room: a full disk)."""
+    counted = services.restarts(state, service)
+    parent = keeper(state, service)
+    child = _kept(parent)
+    running = services.run_restart(child) if child is not None and child != parent else None
+    return max(counted, running or 0)
 
 
 def view(state: Path) -> dict[str, Any]:
@@ -299,7 +347,7 @@ def view(state: Path) -> dict[str, Any]:
         answer = sgl_view(info, token(state, "router"))
     else:
         answer = call(state, "router", "GET", "/backends", None)
-    return {**answer, "restarts": services.restarts(state, "router")}
+    return {**answer, "restarts": restarts(state, "router")}
 
 
 def wait_ready(state: Path, timeout: float, poll: float = 0.3) -> int:

@@ -24,7 +24,10 @@ once: the endpoint does not move), its output to the same log.
   logs do: the service's output comes through a pipe this process reads (``stamp``). Each
   end is said in one line of its own (``the router exited (killed by SIGKILL) after
   12.3s; started again at once (restart 3)``), and each start after the first is
-  counted (``NAME.restarts``, which ``serve status`` shows).
+  counted (``NAME.restarts``, which ``serve status`` shows). On a full disk the count is
+  kept here and written once there is room (``services.when_room``), the latest one;
+  meanwhile each run has its number in its environment (``services.RESTART_ENV``), where
+  ``serve status`` reads it.
 
 SIGTERM or SIGINT (ctl's ``stop``) is passed on to the service, which is waited for;
 then this exits 0 (the listening socket closed first: new connections are refused
@@ -81,7 +84,7 @@ def _bound_port(state: Path, service: str, pid: int) -> int | None:
 
 def _write(line: bytes) -> None:
     """One line to the log (this process's stdout), after the time it came."""
-    with _writing:
+    with _writing, contextlib.suppress(OSError):  # a full disk: the line is lost, not us
         sys.stdout.buffer.write(services.stamp() + line.rstrip(b"\n") + b"\n")
         sys.stdout.buffer.flush()
 
@@ -98,11 +101,13 @@ def _copy(output: IO[bytes]) -> None:
 
 
 def _start(
-    argv: list[str], fds: tuple[int, ...]
+    argv: list[str], fds: tuple[int, ...], restart: int
 ) -> tuple[subprocess.Popen[bytes], threading.Thread]:
-    """The service, its output (stdout and stderr) read by a thread that stamps its lines."""
+    """The service, its output (stdout and stderr) read by a thread that stamps its lines;
+    which restart it is in its environment."""
     child = subprocess.Popen(
         argv,
+        env={**os.environ, services.RESTART_ENV: str(restart)},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -135,13 +140,31 @@ def listen(argv: list[str]) -> socket.socket:
     return sock
 
 
+class _Count:
+    """The service's restarts: kept here, written to ``NAME.restarts`` when there is room.
+    A count is a view, never worth the keeper: on a full disk it is written late, the
+    count current then (a restart made meanwhile too), never a stale one."""
+
+    def __init__(self, state: Path, service: str) -> None:
+        self.state, self.service = state, service
+        self.value = services.restarts(state, service)  # ensure's: 0, or one more (--again)
+
+    def set(self, value: int) -> None:
+        self.value = value
+        with contextlib.suppress(OSError):
+            services.when_room(self._write, f"{self.service}.restarts", say=_say)
+
+    def _write(self) -> None:
+        services.write_restarts(self.state, self.service, self.value)
+
+
 class _Run:
     """One run of the service: its process, the thread copying its output, when it began,
     and whether it listened (recorded itself)."""
 
-    def __init__(self, argv: list[str], fds: tuple[int, ...]) -> None:
+    def __init__(self, argv: list[str], fds: tuple[int, ...], restart: int) -> None:
         self.began = time.monotonic()
-        self.child, self.copier = _start(argv, fds)
+        self.child, self.copier = _start(argv, fds, restart)
         self.listened = False
 
     def ran(self) -> str:
@@ -189,13 +212,14 @@ def keep(state: Path, service: str, argv: list[str], hand_socket: bool = False) 
     keeper_path(state, service).write_text(f"{os.getpid()}\n")
     port: int | None = sock.getsockname()[1] if sock is not None else None
     backoff = Backoff(defaults.RESTART_BACKOFF_S)
+    count = _Count(state, service)
     served = False  # a run listened: the service can start
     said: str | None = None  # why this start is a restart
     try:
         while not stopping:
             fds = () if sock is None else (sock.fileno(),)
             extra = [] if sock is None else ["--fd", str(sock.fileno())]
-            run = _Run([*with_port(argv, port), *extra], fds)
+            run = _Run([*with_port(argv, port), *extra], fds, count.value)
             if said is not None:
                 _say(said)
             port = run.watch(state, service, lambda: stopping) or port
@@ -206,7 +230,7 @@ def keep(state: Path, service: str, argv: list[str], hand_socket: bool = False) 
                 # it never listened (a bad option, a missing package): a restart would fail
                 # the same way, and ctl's ensure reports this exit with the log's last lines
                 return run.child.returncode or 1
-            said = _restart(state, service, run, backoff, lambda: stopping)
+            said = _restart(service, run, count, backoff, lambda: stopping)
     finally:
         if sock is not None:
             sock.close()
@@ -218,25 +242,25 @@ def keep(state: Path, service: str, argv: list[str], hand_socket: bool = False) 
 
 
 def _restart(
-    state: Path, service: str, run: _Run, backoff: Backoff, stopping: Callable[[], bool]
+    service: str, run: _Run, count: _Count, backoff: Backoff, stopping: Callable[[], bool]
 ) -> str | None:
     """After a run ended: wait as long as it deserves, count the restart; what to say once
     the next run has started (None: a wait was said now, or a stop came meanwhile)."""
     code = run.child.returncode
     ended = f"the {service} exited ({_exit_text(code)}) after {run.ran()}"
-    count = services.restarts(state, service) + 1
+    restart = count.value + 1
     if run.listened and code < 0:  # it served and a signal killed it: no reason to wait
         backoff.reset()
-        services.count_restarts(state, service, count)
-        return f"{ended}; started again at once (restart {count})"
+        count.set(restart)
+        return f"{ended}; started again at once (restart {restart})"
     wait = backoff.after(time.monotonic() - run.began)
-    _say(f"{ended}; starting it again in {wait:g}s (restart {count})")
+    _say(f"{ended}; starting it again in {wait:g}s (restart {restart})")
     deadline = time.monotonic() + wait
     while not stopping() and time.monotonic() < deadline:
         time.sleep(0.05)
     if stopping():
         return None
-    services.count_restarts(state, service, count)
+    count.set(restart)
     return None
 
 

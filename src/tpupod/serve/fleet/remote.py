@@ -671,7 +671,7 @@ class RemoteFleet:
         why = _failure(head, "router", "its view of the backends", answer)
         if why is not None:
             return {"error": why, "down": bool(answer.get("down")), "restarts": restarts}
-        return {**answer["body"], "restarts": restarts}
+        return {**answer["body"], "restarts": restarts, "record": answer.get("record")}
 
     async def restart(self, workers: list[Worker], name: str | None) -> list[str]:
         done = await _gather(
@@ -686,17 +686,23 @@ class RemoteFleet:
 
         async def stop_worker(w: Worker) -> None:
             answer = (await self.ctl(w, "stop", "agent"))[-1]
-            what = "stopped" if answer.get("stopped") else "was not running"
-            progress(f"{w.label} agent {what}")
+            progress(f"{w.label} agent {_stopped(answer)}")
 
         async def stop_router() -> None:
             answer = (await self.ctl(self.pod.workers[0], "stop", "router"))[-1]
-            progress(f"w0 router {'stopped' if answer.get('stopped') else 'was not running'}")
+            progress(f"w0 router {_stopped(answer)}")
 
         agents = await asyncio.gather(*map(stop_worker, self.pod.workers), return_exceptions=True)
         router = await asyncio.gather(stop_router(), return_exceptions=True)
         _raise_first([*agents, *router])
         record_path(self.state, self.pod.name).unlink(missing_ok=True)
+
+
+def _stopped(answer: dict[str, Any]) -> str:
+    """How ctl's stop of a service went, in words (after its name)."""
+    if answer.get("killed"):  # frozen (kill -STOP), or deaf to TERM
+        return f"did not stop within its grace ({answer.get('grace', 0):g}s) and was killed"
+    return "stopped" if answer.get("stopped") else "was not running"
 
 
 def server_records(pod: Pod, plans: dict[int, list[ServerSpec]]) -> list[ServerRecord]:

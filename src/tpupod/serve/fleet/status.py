@@ -57,6 +57,8 @@ class FleetStatus:
     starting: str | None = None  # the fleet's serve up has not finished: whether it runs
     router_down: bool = False  # nothing runs the router, nothing starts it again
     router_restarts: int | None = None  # since serve up started it (after it died)
+    # why the router that serves has no record of its own (a full disk), None: it has one
+    router_record: str | None = None
     # each worker's agent: how often its keeper started it again after it died (None: no
     # answer), in worker order
     agent_restarts: tuple[int | None, ...] = ()
@@ -101,7 +103,7 @@ def fleet_status(
     return FleetStatus(
         record, servers, healthy, None, router.get("router_health"), circuits,
         float(at) if isinstance(at, int | float) else None, starting, router_restarts=restarts,
-        agent_restarts=agent_restarts,
+        agent_restarts=agent_restarts, router_record=router.get("record"),
     )  # fmt: skip
 
 
