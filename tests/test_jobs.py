@@ -22,7 +22,7 @@ from tests.conftest import CliResult, tpupod_argv
 from tests.postgres import Postgres, new_database, postgres_cluster
 from tests.test_jobs_api import serving
 from tpupod.errors import LeaseLost
-from tpupod.jobs import claims
+from tpupod.jobs import claims, service
 from tpupod.jobs.models import Claim, JobRequest, JobStatus
 from tpupod.jobs.store import Store
 from tpupod.pod.record import Pod
@@ -122,6 +122,33 @@ def test_an_expired_lease_is_requeued_with_backoff_and_the_old_runner_is_fenced(
     done = store.get(job)
     assert (done.status, done.result, done.attempt) == (JobStatus.COMPLETED, "fresh", 2)
     assert [line.line for line in store.logs(job)] == ["fresh line"]
+
+
+def test_a_reaped_attempt_ends_when_its_runner_was_last_heard_from_not_when_reaped(
+    store: Store,
+) -> None:
+    """New-user trial: 'jobs show' gave a runner killed at 22:16:12 the end 22:16:26, when
+    the next runner reaped its job: a runner started hours later made the attempt seem to
+    have run for hours. The attempt ends at its runner's last sign of life (its last
+    heartbeat or write: the row's updated_at), and 'show' says it is that."""
+    from tpupod.jobs.schema import jobs
+
+    job = store.submit(command_job("true"))
+    last = store.submit(command_job("true", max_attempts=1))
+    for _ in (job, last):
+        assert claims.claim(store, "gone-runner", pod=None, lease_s=30) is not None
+    began, heard = time.time() - 7200, time.time() - 3600  # it died an hour before the reap
+    with store.write() as conn:
+        conn.execute(update(jobs).values(scheduled_at=began, updated_at=heard))
+    reaped = claims.reap(store, dead=frozenset({"gone-runner"}), expired=False)
+    assert [one.requeued for one in reaped] == [True, False]
+    [entry] = store.get(job).history
+    assert (entry.started, entry.ended) == (began, heard)
+    failed = store.get(last)  # its last attempt ended with it: so did the job
+    assert (failed.status, failed.completed_at) == (JobStatus.FAILED, heard)
+    [line] = service.attempt_texts(store.get(job))
+    stamp = time.strftime("%H:%M:%S", time.gmtime(heard))
+    assert line.endswith(f", lost after {stamp}, 1 h 00 min in)"), line
 
 
 def test_a_job_that_loses_its_runner_max_attempts_times_fails_with_the_reason(
@@ -357,6 +384,16 @@ def test_a_runner_killed_mid_job_is_named_with_what_became_of_each_of_its_jobs(
     lost = store.get(again).lease_owner
     first.kill()
     first.communicate()
+    killed_at = time.time()
+    # until the next runner reaps them, the views say the runner is gone, writing nothing
+    held = store.get(again)
+    gone = f"runner {lost} is gone: its process ended; the next runner"
+    shown = cli("jobs", "show", str(again), "--db", db_url).out.splitlines()
+    assert shown[1] == f"  status    running (attempt 1 of 3; {gone} requeues it)", shown
+    listed = cli("jobs", "ls", "--db", db_url).out.splitlines()
+    assert listed[1].endswith(f"({gone} fails it (its last attempt))"), listed  # once
+    assert listed[2].endswith(f"({gone} requeues it)"), listed
+    assert store.get(again) == held
     began = time.monotonic()
     second = runner(db_url, "--local", "--until-empty")
     _, err = second.communicate(timeout=60)
@@ -371,16 +408,22 @@ def test_a_runner_killed_mid_job_is_named_with_what_became_of_each_of_its_jobs(
         2,
         JobStatus.FAILED,
     )
+    # attempt 1 ended when its runner was last heard from (before the kill), not when reaped
+    assert killed_at - 10 < done.history[0].ended <= killed_at, done.history
     shown = cli("jobs", "show", str(again), "--db", db_url).out.splitlines()
     assert shown[1] == "  status    completed after 2 attempts", shown
+    stamp, clock = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", r"\d\d:\d\d:\d\d"
+    length = r"[\d.]+ (s|min \d\d s)"
+    at = shown.index(next(line for line in shown if line.startswith("  attempts ")))
     assert re.fullmatch(
         rf"  attempts  1: runner {re.escape(lost or '')} lost \(its process is gone\) while "
-        r"running \(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d to \d\d:\d\d:\d\d UTC\)",
-        shown[4],
+        rf"running \(from {stamp} UTC, lost after {clock}, {length} in\)",
+        shown[at],
     ), shown
     assert re.fullmatch(
-        rf"            2: completed on runner {re.escape(done.runner or '')} \(started .* UTC\)",
-        shown[5],
+        rf"            2: completed on runner {re.escape(done.runner or '')} "
+        rf"\({stamp} to {clock} UTC, {length}\)",
+        shown[at + 1],
     ), shown
     header = r"--- attempt {} \(runner {}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC\) ---"
     logs = cli("jobs", "logs", str(again), "--db", db_url).out.splitlines()

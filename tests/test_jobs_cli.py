@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -24,8 +25,10 @@ import tpupod.cli.jobs  # noqa: F401  (registers `jobs` for CliRunner)
 from tests.conftest import CliResult, tpupod_argv
 from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
 from tests.test_jobs_api import serving
+from tpupod.base import procfs
 from tpupod.cli.app import app
 from tpupod.jobs import claims, rows, schema, service
+from tpupod.jobs.history import took
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.store import Store
 
@@ -67,10 +70,100 @@ def test_a_job_still_running_shows_its_attempt_of_how_many(tmp_path: Path) -> No
     store.close()
 
 
-def quick_request(command: str) -> Any:
+def test_a_leased_job_whose_runner_process_ended_says_so_without_a_write(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """New-user trial: after 'kill -9' of its runner, 'ls' and 'show' called the job
+    running until another runner reaped it. Where the runner ran on this machine and its
+    process provably ended (its pid is free, or a zombie's) they say so; a runner that is
+    alive (a pid in use) or elsewhere is not judged. Nothing is written: a view only."""
+    db = _sqlite(tmp_path)
+    store = Store.open(db)
+    here = socket.gethostname()
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its pid is free
+    killed = subprocess.Popen(["sleep", "60"])
+    killed.kill()  # a zombie until it is waited for, as a runner killed under its parent
+    _wait_for_zombie(killed.pid)
+    owners = {
+        f"{here}:{ended.pid}:aa": 3,
+        f"{here}:{killed.pid}:bb": 1,  # its last attempt: the next runner fails it
+        f"{here}:{os.getpid()}:cc": 3,  # alive: this test
+        f"elsewhere:{ended.pid}:dd": 3,  # another machine: only its lease can tell
+    }
+    ids = {}
+    for owner, attempts in owners.items():
+        ids[owner] = store.submit(quick_request("sleep 1", max_attempts=attempts))
+        assert claims.claim(store, owner, pod=None, lease_s=300) is not None
+    before = {owner: store.get(job) for owner, job in ids.items()}
+    try:
+        listed = cli("jobs", "ls", "--db", db).out.splitlines()
+        shown = {o: cli("jobs", "show", str(j), "--db", db).out for o, j in ids.items()}
+    finally:
+        killed.wait()
+    gone = "is gone: its process ended; the next runner"
+    [free, zombie, alive, far] = owners
+    assert f"scheduled (attempt 1 of 3; runner {free} {gone} requeues it)" in shown[free]
+    assert (
+        f"  status    scheduled (runner {zombie} {gone} fails it (its last attempt))"
+        in (shown[zombie])
+    )
+    assert gone not in shown[alive] + shown[far], shown
+    rows = {int(line.split()[0]): line for line in listed[1:]}
+    assert rows[ids[free]].split()[1] == "scheduled", listed  # the column is the store's
+    assert rows[ids[free]].endswith(f"(runner {free} {gone} requeues it)"), listed
+    assert gone in rows[ids[zombie]] and gone not in rows[ids[alive]] + rows[ids[far]]
+    assert {owner: store.get(job) for owner, job in ids.items()} == before  # nothing written
+    store.close()
+
+
+def _wait_for_zombie(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while (found := procfs.stat(pid)) is None or found.alive:
+        assert time.monotonic() < deadline, f"process {pid} did not end"
+        time.sleep(0.01)
+
+
+def test_show_gives_the_jobs_times_and_each_attempts_start_end_and_length(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """New-user trial: the job's created, started and completed times were only in
+    'show --json' (epoch floats), and the attempt that ended the job had no end or
+    length ('2: completed on runner R (started T)'). Now 'show' gives them in UTC."""
+    db = _sqlite(tmp_path)
+    job_id = cli("jobs", "submit", "--db", db, "--", "sleep", "0.3").out.strip()
+    assert cli("jobs", "worker", "--db", db, "--local", "--until-empty", "-q").code == 0
+    shown = cli("jobs", "show", job_id, "--db", db).out.splitlines()
+    job = json.loads(cli("jobs", "show", job_id, "--json", "--db", db).out)
+    utc = "%Y-%m-%d %H:%M:%S UTC"
+    stamps = {k: time.strftime(utc, time.gmtime(job[k])) for k in ("created_at", "started_at")}
+    assert f"  created   {stamps['created_at']}" in shown, shown
+    assert f"  started   {stamps['started_at']}" in shown, shown
+    ended = time.strftime(utc, time.gmtime(job["completed_at"]))
+    ran = took(job["completed_at"] - job["started_at"])
+    assert f"  ended     {ended} (ran {ran})" in shown, shown
+    # a job of more than one attempt: the one that ended it has its span and length
+    job_id = cli("jobs", "submit", "--db", db, "--", "sleep", "0.1").out.strip()
+    store = Store.open(db)
+    assert claims.claim(store, "gone", pod=None, lease_s=300) is not None
+    claims.reap(store, dead=frozenset({"gone"}), expired=False)
+    with store.write() as conn:  # no backoff to wait out
+        conn.execute(schema.jobs.update().values(run_after=0.0))
+    store.close()
+    assert cli("jobs", "worker", "--db", db, "--local", "--until-empty", "-q").code == 0
+    job = json.loads(cli("jobs", "show", job_id, "--json", "--db", db).out)
+    shown = cli("jobs", "show", job_id, "--db", db).out.splitlines()
+    begin, end = (time.gmtime(job[k]) for k in ("scheduled_at", "completed_at"))
+    span = f"{time.strftime('%Y-%m-%d %H:%M:%S', begin)} to {time.strftime('%H:%M:%S', end)}"
+    length = took(job["completed_at"] - job["scheduled_at"])
+    last = f"            2: completed on runner {job['runner']} ({span} UTC, {length})"
+    assert last in shown, shown
+
+
+def quick_request(command: str, **fields: Any) -> Any:
     from tpupod.jobs.models import JobRequest
 
-    return JobRequest(command=command)
+    return JobRequest(command=command, **fields)
 
 
 def test_retries_run_a_failing_program_again(cli: Cli, tmp_path: Path) -> None:

@@ -90,7 +90,10 @@ def ls(
         age = _age(time.time() - job.created_at)
         tries = f"{job.attempt}" if job.status.finished else f"{job.attempt}/{job.max_attempts}"
         where = job.pod or "-"
-        print(f"{job.id:>6}  {job.status.value:<10} {tries:>3}  {age:>7}  {where:<12} {job.name}")
+        gone = service.gone_runner(job)
+        note = f"  ({gone})" if gone else ""
+        row = f"{job.id:>6}  {job.status.value:<10} {tries:>3}  {age:>7}  {where:<12} {job.name}"
+        print(row + note)
 
 
 def _age(seconds: float) -> str:
@@ -119,6 +122,8 @@ def show(
     print(f"  status    {service.status_text(job)}")
     print(f"  runs      {job.command if job.command is not None else 'Python code'}")
     print(f"  pod       {job.pod or 'any runner'}")
+    for label, stamp in service.times(job):
+        print(f"  {label:<9} {stamp}")
     for number, text in enumerate(service.attempt_texts(job)):
         print(f"  {'attempts' if number == 0 else '':<9} {text}")
     if job.result is not None:

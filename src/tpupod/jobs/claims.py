@@ -458,7 +458,8 @@ def reap(
     """Requeue attempts whose runner is lost (with backoff), or fail them after max_attempts:
     those whose lease expired (``expired``), and any of the runners in ``dead`` (known gone:
     their lease need not run out); not those of the runner ``spare`` (the one reaping: it
-    knows its own are alive). Each attempt gets an entry in its job's history saying why."""
+    knows its own are alive). Each attempt gets an entry in its job's history saying why,
+    ending when its runner was last heard from (the row's ``updated_at``)."""
     now = time.time()
     lost_runner: ColumnElement[bool] = jobs.c.lease_expires_at < now if expired else false()
     if dead:
@@ -471,6 +472,7 @@ def reap(
             jobs.c.lease_owner,
             jobs.c.status,
             jobs.c.scheduled_at,
+            jobs.c.updated_at,
             jobs.c.history,
         )
         .where(_status_is(JobStatus.SCHEDULED, JobStatus.RUNNING), lost_runner)
@@ -487,7 +489,9 @@ def reap(
             owner = str(row.lease_owner)
             cause = lost_cause(owner, dead)
             lost = f"runner {owner} lost ({cause}) while {row.status}"
-            entry = Entry(row.attempt, owner, row.scheduled_at, now, LOST, lost)
+            # it ended when its runner was last heard from (its last heartbeat, at most 1 s
+            # apart, or write), not now: the next runner may come hours later
+            entry = Entry(row.attempt, owner, row.scheduled_at, row.updated_at, LOST, lost)
             base = update(jobs).where(jobs.c.id == row.id, jobs.c.attempt == row.attempt)
             common = {
                 "lease_owner": None,
@@ -505,7 +509,10 @@ def reap(
                 failed = f"attempt {row.attempt}: {lost}; gave up after {row.max_attempts} attempts"
                 conn.execute(
                     base.values(
-                        status=JobStatus.FAILED.value, error=failed, completed_at=now, **common
+                        status=JobStatus.FAILED.value,
+                        error=failed,
+                        completed_at=row.updated_at,  # its last attempt ended then
+                        **common,
                     )
                 )
             reaped.append(Reaped(row.id, row.attempt, owner, cause, requeued, row.max_attempts))

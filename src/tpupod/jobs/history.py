@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tpupod.base import procfs
+
 LOST = "lost"  # its runner died or stopped answering: the job runs again (or fails)
 GIVEN_BACK = "given back"  # its runner was told to stop
 RETRIED = "retried"  # the program failed and --retries (or the cluster) runs it again
@@ -58,17 +60,38 @@ def lost_cause(owner: str, dead: frozenset[str] = frozenset()) -> str:
     only its lease expired (it is elsewhere, or still here but silent: stopped, hung)."""
     if owner in dead:
         return "its process is gone"
+    here = _pid_here(owner)
+    if here is None:
+        return "its lease expired"
+    if process_gone(owner):
+        return "its process is gone"
+    return f"its lease expired; process {here} is still there (stopped? hung?)"
+
+
+def process_gone(owner: str) -> bool:
+    """Whether the runner ``owner`` (``host:pid:token``) provably ended: it ran on this
+    machine and its pid is free, or a zombie's. Never wrongly: a pid since reused by
+    another process reads as still there, and a runner elsewhere is never known gone."""
+    pid = _pid_here(owner)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    found = procfs.stat(pid)  # killed, but its parent has not reaped it yet
+    return found is not None and not found.alive
+
+
+def _pid_here(owner: str) -> int | None:
+    """The pid of the runner ``owner`` if it ran on this machine."""
     host, _, rest = owner.partition(":")
     pid_text = rest.partition(":")[0]
     if host != socket.gethostname() or not pid_text.isdigit():
-        return "its lease expired"
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return "its process is gone"
-    except PermissionError:
-        pass
-    return f"its lease expired; process {pid_text} is still there (stopped? hung?)"
+        return None
+    return int(pid_text)
 
 
 def when(stamp: float | None) -> str:
@@ -76,3 +99,18 @@ def when(stamp: float | None) -> str:
     if stamp is None:
         return "?"
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stamp))
+
+
+def took(seconds: float) -> str:
+    """A length of time as ``show`` prints it: ``0.23 s``, ``20 s``, ``4 min 05 s``,
+    ``2 h 07 min``."""
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.2g} s" if seconds < 1 else f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"

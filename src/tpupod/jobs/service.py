@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tpupod.errors import JobError, JobStoreAway, UsageError
-from tpupod.jobs.history import when
-from tpupod.jobs.models import AttemptLines, Job, JobRequest, JobStatus, LogLine
+from tpupod.jobs.history import LOST, Entry, process_gone, took, when
+from tpupod.jobs.models import LEASED, AttemptLines, Job, JobRequest, JobStatus, LogLine
 from tpupod.jobs.rows import RETRY_S, START_WAIT_S, Outage, check_pod
 from tpupod.jobs.store import Store
 
@@ -93,12 +93,42 @@ def status_counts(store: Store) -> dict[JobStatus, int]:
 
 
 def status_text(job: Job) -> str:
-    """The status, and the attempts only where another one can still happen."""
+    """The status, the attempts only where another one can still happen, and for a leased
+    job whose runner is known gone (``gone_runner``) what becomes of it."""
     if job.status.finished:
         return job.status.value + (f" after {job.attempt} attempts" if job.attempt > 1 else "")
+    notes = []
     if job.attempt and job.max_attempts > 1:
-        return f"{job.status.value} (attempt {job.attempt} of {job.max_attempts})"
-    return job.status.value
+        notes.append(f"attempt {job.attempt} of {job.max_attempts}")
+    if (gone := gone_runner(job)) is not None:
+        notes.append(gone)
+    return job.status.value + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def gone_runner(job: Job) -> str | None:
+    """For a leased job whose runner ran on this machine and whose process provably ended
+    (``kill -9``, a crash), what becomes of it: the store still says it is leased until
+    the next runner reaps it. A view only: nothing is written. None otherwise."""
+    owner = job.lease_owner
+    if job.status not in LEASED or owner is None or not process_gone(owner):
+        return None
+    then = "requeues it" if job.attempt < job.max_attempts else "fails it (its last attempt)"
+    return f"runner {owner} is gone: its process ended; the next runner {then}"
+
+
+def times(job: Job) -> list[tuple[str, str]]:
+    """(label, UTC time) of when the job was created, its latest attempt started and the
+    job ended (with how long it ran), for ``show``."""
+    found = [("created", when(job.created_at))]
+    if job.started_at is not None and job.status is not JobStatus.PENDING:
+        found.append(("started", when(job.started_at)))
+    if job.status.finished and job.completed_at is not None:
+        if job.started_at is not None:
+            how_long = f"ran {took(job.completed_at - job.started_at)}"
+        else:
+            how_long = f"{took(job.completed_at - job.created_at)} after it was created"
+        found.append(("ended", f"{when(job.completed_at)} ({how_long})"))
+    return found
 
 
 def attempt_texts(job: Job) -> list[str]:
@@ -111,22 +141,45 @@ def attempt_texts(job: Job) -> list[str]:
     for number in range(1, job.attempt + 1):
         entry = entries.get(number)
         if entry is not None:
-            texts.append(f"{number}: {entry.why} ({_span(entry.started, entry.ended)})")
+            texts.append(f"{number}: {entry.why} ({_entry_span(entry)})")
         elif number == job.attempt:
-            on = f" on runner {job.runner}" if job.runner else ""
-            texts.append(f"{number}: {job.status.value}{on} (started {when(job.scheduled_at)})")
+            texts.append(f"{number}: {_last_attempt(job)}")
         else:  # a job from before attempts were kept (schema version 3)
             texts.append(f"{number}: not recorded")
     return texts
+
+
+def _last_attempt(job: Job) -> str:
+    """The latest attempt, from the row: how it ended (or that it goes on), and when."""
+    on = f" on runner {job.runner}" if job.runner else ""
+    began = job.scheduled_at
+    if job.status.finished and job.completed_at is not None and began is not None:
+        return f"{job.status.value}{on} ({_span(began, job.completed_at)})"
+    return f"{job.status.value}{on} (started {when(began)})"
+
+
+def _entry_span(entry: Entry) -> str:
+    """When an attempt of the history ran; a lost one's end is its runner's last sign of
+    life (it died some time after)."""
+    if entry.how != LOST or entry.started is None:
+        return _span(entry.started, entry.ended)
+    first, last = when(entry.started), when(entry.ended)
+    return (
+        f"from {first}, lost after {_same_day(first, last)}, {took(entry.ended - entry.started)} in"
+    )
 
 
 def _span(started: float | None, ended: float) -> str:
     if started is None:
         return f"ended {when(ended)}"
     first, last = when(started), when(ended)
-    if first[:10] == last[:10]:  # the same day: its time only
-        last = last[11:]
-    return f"{first[:-4]} to {last}"
+    return f"{first[:-4]} to {_same_day(first, last)} UTC, {took(ended - started)}"
+
+
+def _same_day(first: str, last: str) -> str:
+    """``last`` (a ``when`` text) without its date where ``first`` has the same, and
+    without " UTC"."""
+    return last[11:-4] if first[:10] == last[:10] else last[:-4]
 
 
 def check_attempt(job: Job, attempt: int | None) -> None:
