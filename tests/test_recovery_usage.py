@@ -268,3 +268,50 @@ def test_what_an_attempt_left_on_a_host_that_came_back_is_stopped_before_the_nex
     assert run.returncode == 0, err
     assert "[w0] attempt 2 done" in out and "[w1] attempt 2 done" in out, out
     assert re.search(r"stopped \d+ process\(es\) attempt 1 left on w0\n", err), err
+
+
+def test_a_worker_unreachable_at_a_launchs_preflight_is_a_lost_worker_not_a_program_error(
+    make_pod: Callable[..., Pod],
+) -> None:
+    """The chaos harness's 60-minute run: a resumed run's preflight found a host whose
+    network was down ('w1 (host-1): unreachable: cannot connect: no answer in 5s'); by
+    the time the launcher asked again the link was back, so the attempt was taken for a
+    program error and the run ended after 26 attempts, --retries 1000 notwithstanding. A
+    worker that did not answer the preflight is a lost worker, as one that stops answering
+    mid-run is: probed, and rerun once it answers."""
+    import asyncio
+
+    from tpupod.errors import PreflightError
+    from tpupod.fanout.context import Interrupt
+    from tpupod.pod.state import StateDir
+    from tpupod.recovery.loop import Recovery
+    from tpupod.recovery.policy import RetryPolicy
+    from tpupod.recovery.record import RecoveryRecord
+
+    pod = make_pod(2)
+    state = StateDir()
+    launches: list[int] = []
+
+    async def launch(*_: Any) -> Any:
+        launches.append(1)
+        if len(launches) == 1:  # unreachable then; answers by the time anyone asks again
+            raise PreflightError(
+                "1 worker(s) not ready: w1 (vm): unreachable: cannot connect: no answer in 5s",
+                unreachable=("w1",),
+            )
+        raise PreflightError("1 worker(s) not ready: w0 (vm): exit 1: holder: 123")
+
+    async def main() -> int:
+        record = RecoveryRecord.new(state, pod.name, ["true"], {})
+        policy = RetryPolicy(retries=3, probe_s=10)
+        recovery = Recovery(
+            record, state, policy, launch, notice=lambda text: None, interrupt=Interrupt()
+        )
+        code = await recovery.run()
+        causes = [a.cause for a in record.attempts]
+        assert causes == ["lost worker", "program error"], (causes, record.attempts)
+        assert "w1 stopped answering" in (record.attempts[0].detail or "")
+        return code
+
+    assert asyncio.run(main()) == 1
+    assert len(launches) == 2

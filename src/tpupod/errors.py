@@ -154,7 +154,14 @@ class RendezvousError(TpupodError):
 
 
 class PreflightError(TpupodError):
-    """A worker is not ready for a launch; nothing was started."""
+    """A worker is not ready for a launch; nothing was started. ``unreachable``: the
+    workers that did not answer (``w1``), which a run with --retries takes for lost."""
+
+    def __init__(
+        self, message: str, hint: str | None = None, unreachable: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message, hint)
+        self.unreachable = unreachable
 
 
 class GcpError(TpupodError):

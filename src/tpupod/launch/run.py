@@ -35,7 +35,7 @@ from tpupod.errors import PreflightError, StateError, TpupodError
 from tpupod.fanout.context import Context, NoticeHandler, Sinks
 from tpupod.fanout.execute import Policy, Supervision, run_on
 from tpupod.fanout.report import DISK_FULL, DISK_FULL_HINT, worker_list
-from tpupod.fanout.results import FanoutResult, OnFail
+from tpupod.fanout.results import FanoutResult, OnFail, Outcome
 from tpupod.fanout.worker import LineHandler
 from tpupod.hang.digest import hints as stack_hints
 from tpupod.hang.digest import lines as digest_lines
@@ -543,6 +543,7 @@ async def _preflight(pod: Pod, connector: Connector, workers: Sequence[Worker], 
         raise PreflightError(
             f"{len(down)} worker(s) not ready: {reasons}",
             hint="'tpupod status' checks every worker",
+            unreachable=tuple(r.worker.label for r in down if r.outcome is Outcome.UNREACHABLE),
         )
     busy = [r for r in probe.workers if any(line.startswith("holder:") for line in r.tail)]
     if busy:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tpupod import settings
 from tpupod.base.files import no_room
-from tpupod.errors import GcpError, TpupodError, UsageError
+from tpupod.errors import GcpError, PreflightError, TpupodError, UsageError
 from tpupod.fanout.context import Interrupt, NoticeHandler
 from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
 from tpupod.fanout.worker import LineHandler
@@ -385,6 +385,10 @@ class Recovery:
             state = await confirm.api_state(self.pod, self.policy, self.notice)
             if state in confirm.REPLACE_STATES:
                 return Ending(Cause.PREEMPTED, 1, f"during {self.record.phase}: TPU {state}")
+        if isinstance(exc, PreflightError) and exc.unreachable:
+            # lost, as a worker that stops answering mid-run is, even where it answers again
+            # by now (a link down for a while): not the program's error
+            return await self._silent(", ".join(exc.unreachable), f" {where}")
         connector = provider_for(self.pod.provider).connect(self.pod, self.state)
         try:
             silent = await confirm.reachable(self.pod, connector)
