@@ -365,3 +365,59 @@ def test_a_router_restarted_on_a_full_disk_is_shown_serving_and_its_restarts_cou
     finally:
         stopped = _ctl(state, "stop", "router")
         assert stopped.get("stopped"), stopped
+
+
+CHATTY = """
+import itertools, time
+for i in itertools.count():
+    print(f"{'x' * 300} line {i}", flush=True)  # 30 KB a second: past a page soon
+    time.sleep(0.01)
+"""
+
+
+def test_a_servers_output_goes_on_to_its_log_after_the_disk_was_full(
+    small_home: Path, tmp_path: Path
+) -> None:
+    """The agent copies each server's output to its log: a write that failed on a full
+    disk ended the copying task, and no one read the server's pipe again; once its 1 MiB
+    filled, every write of the server blocked (a builtin server's log line on each
+    request: it hung). Lines that do not fit are dropped, said once, and the copy goes on."""
+    import asyncio
+
+    from tpupod.serve.agent.supervisor import ManagedServer  # the serve extra's
+    from tpupod.serve.backends import Backend, ServerSpec
+
+    chatty = tmp_path / "chatty.py"
+    chatty.write_text(CHATTY)
+    spec = ServerSpec(
+        name="s0", backend=Backend.COMMAND, host="127.0.0.1", ports=(1,), model="m",
+        command=f"{sys.executable} {chatty}",
+    )  # fmt: skip
+    server = ManagedServer(spec, small_home / "logs", {"PATH": "/usr/bin:/bin"})
+
+    def last_line(text: str) -> int:
+        return max((int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.rsplit(" ", 2)[-2:-1] == ["line"]), default=-1)  # fmt: skip
+
+    async def main() -> tuple[int, str]:
+        server.start()
+        log = server.log_path
+        for _ in range(600):
+            if log.exists() and last_line(log.read_text()) >= 20:
+                break
+            await asyncio.sleep(0.05)
+        filler = fill(small_home)
+        await asyncio.sleep(1.0)  # lines come and find no room
+        full = last_line(log.read_text())
+        filler.unlink()
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if last_line(log.read_text()) > full + 20:
+                break
+        text = log.read_text()
+        await server.stop(2.0)
+        return full, text
+
+    full, text = asyncio.run(main())
+    assert last_line(text) > full + 20, text[-2000:]  # lines written after there was room
+    assert "line(s) lost: the disk under" in text, text[-2000:]

@@ -33,7 +33,9 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import IO
 
+from tpupod.base.files import FULL_DISK
 from tpupod.serve.backends import ServerSpec, render, render_env
 from tpupod.serve.backoff import Backoff
 from tpupod.serve.eventloop import cancelled
@@ -198,9 +200,12 @@ class ManagedServer:
         return asyncio.create_task(self._copy(reading))
 
     async def _copy(self, output: asyncio.StreamReader) -> None:
-        """Each line the server writes, to its log after the time it came."""
-        partial = b""
-        with open(self.log_path, "ab") as log:  # noqa: ASYNC230 (a local file, opened once)
+        """Each line the server writes, to its log after the time it came. On a full disk
+        the lines are dropped and counted, and the pipe read on: a copy that ended there
+        left the server blocked on its next write once the pipe had filled (hung)."""
+        partial, lost = b"", 0
+        # unbuffered: a write the disk refused is not kept to be written again later
+        with open(self.log_path, "ab", buffering=0) as log:  # noqa: ASYNC230 (opened once)
             while chunk := await output.read(LINE_LIMIT):
                 lines = (partial + chunk).split(b"\n")
                 partial = lines.pop()
@@ -208,10 +213,23 @@ class ManagedServer:
                     lines.append(partial)
                     partial = b""
                 now = stamp()
-                log.write(b"".join(now + line + b"\n" for line in lines))
-                log.flush()
+                lost = self._append(log, b"".join(now + line + b"\n" for line in lines), lost)
             if partial:
-                log.write(stamp() + partial + b"\n")
+                self._append(log, stamp() + partial + b"\n", lost)
+
+    def _append(self, log: IO[bytes], data: bytes, lost: int) -> int:
+        """``data`` to the log, after a line saying how many were lost before where some
+        were; the count lost now (a full disk: these too)."""
+        try:
+            if lost:
+                said = f"[tpupod agent] {lost} line(s) lost: the disk under {self.log_path.parent}"
+                log.write(stamp() + f"{said} was full\n".encode())
+            log.write(data)
+        except OSError as exc:
+            if exc.errno not in FULL_DISK:
+                raise
+            return lost + data.count(b"\n")
+        return 0
 
     @property
     def follows(self) -> bool:
