@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpupod import settings
-from tpupod.base.files import no_room
+from tpupod.base.files import FULL_DISK, no_room
 from tpupod.errors import GcpError, PreflightError, TpupodError, UsageError
 from tpupod.fanout.context import Interrupt, NoticeHandler
 from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
@@ -132,7 +132,7 @@ class Recovery:
                 stopped = f"{self._stopped_by()} while waiting for space"
                 return await self._finish(Ending(Cause.INTERRUPTED, 130, stopped))
             self.record.state = "recovering"
-            self.record.save()
+            self._save()
             recreate_next = ending.cause is Cause.PREEMPTED and self.cloud
             if not recreate_next:
                 await self._free_accelerator()
@@ -147,6 +147,20 @@ class Recovery:
                 self.notice(
                     f"stopped {count} process(es) attempt {attempts[launch_id]} left on {label}"
                 )
+
+    def _save(self) -> None:
+        """The record to its file; on a full disk it is said and left for the next save
+        (each writes the whole record): the run goes on to ``_room_for``, which waits for
+        space before the next attempt, where a save that raised ended the run."""
+        try:
+            self.record.save()
+        except OSError as exc:
+            if exc.errno not in FULL_DISK:
+                raise
+            self.notice(
+                f"run {self.record.run_id}: cannot write {self.record.path} ({exc.strerror}); "
+                "it is written again once there is room"
+            )
 
     async def _room_for(self, attempt: int) -> bool:
         """Wait while the state directory's disk is full (the run's records and the next
@@ -221,7 +235,7 @@ class Recovery:
                 f"slice {', '.join(map(str, kept))} stay{'s' if len(kept) == 1 else ''} up"
             )
         self.record.options["replacing"] = slices
-        self.record.save()
+        self._save()
         return slices
 
     def _made(self, slices: list[int]) -> None:
@@ -263,7 +277,7 @@ class Recovery:
 
         def began(launch_id: str) -> None:  # 'tpupod status' names it while it runs
             attempt.launch_id = launch_id
-            self.record.save()
+            self._save()
 
         try:
             launch_id, result = await timed(phases, "run", self.launch(self.pod, env, inner, began))
@@ -271,7 +285,7 @@ class Recovery:
             stopped.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         attempt.launch_id = launch_id
-        self.record.save()
+        self._save()
         return await self._classify(result, preempted)
 
     async def _forward(self, inner: Interrupt, stopped: asyncio.Event) -> None:
@@ -410,7 +424,7 @@ class Recovery:
     def _phase(self, name: str) -> None:
         self.record.phase = name
         self.record.state = "running" if name == "run" else "recovering"
-        self.record.save()
+        self._save()
 
     def _check_code(self) -> None:
         """Every attempt runs the commit the first one ran (refuse different code)."""
@@ -419,7 +433,7 @@ class Recovery:
         commit = head_commit(self.sync_repo)
         if self.record.commit is None:
             self.record.commit = commit
-            self.record.save()
+            self._save()
         elif commit != self.record.commit:
             raise UsageError(
                 f"the code changed since the run began ({self.record.commit[:12]} -> "
@@ -456,7 +470,7 @@ class Recovery:
             code = 1
         self.record.exit_code = code
         self.record.phase = ""
-        self.record.save()
+        self._save()
         self.notice(f"{self.record.headline()}; {self.counters.describe()}")
         if ending.cause is Cause.PREEMPTED:
             await delete_what_recovery_made(self.record, self.pod, self.state, self.notice)
