@@ -311,6 +311,7 @@ class Clients:
         self.ok = 0
         self.failed: collections.Counter[str] = collections.Counter()
         self.successes: list[float] = []
+        self.failures: list[float] = []  # when each failed (monotonic): where they cluster
         self.threads = [
             threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(count)
         ]
@@ -341,6 +342,7 @@ class Clients:
             except Exception as exc:  # every failure is counted, by its kind
                 with self.lock:
                     self.failed[failure_kind(exc)] += 1
+                    self.failures.append(time.monotonic())
                 time.sleep(0.05)
             else:
                 with self.lock:
@@ -367,6 +369,12 @@ class Clients:
             )
             if not answer.choices:
                 raise RuntimeError("an answer without choices")
+
+    def failed_by_window(self, t0: float, width: float = 10.0) -> dict[str, int]:
+        """Failures per ``width`` s window since ``t0`` (``"120"``: 120-130 s), those with
+        any: set beside the injections' times, they say which fault cost what."""
+        counts = collections.Counter(int((t - t0) // width * width) for t in self.failures)
+        return {str(start): n for start, n in sorted(counts.items())}
 
     def longest_gap(self) -> float:
         marks = [self.started, *sorted(self.successes), self.stopped]
@@ -755,6 +763,7 @@ class Chaos:
                 "ok": self.clients.ok,
                 "failed": dict(self.clients.failed),
                 "longest_gap_s": round(self.clients.longest_gap(), 2),
+                "failed_by_10s": self.clients.failed_by_window(self.t0),
             },
             "injections": [
                 {
