@@ -287,10 +287,11 @@ def test_a_job_that_ended_while_postgres_was_down_is_not_run_again_when_its_runn
     assert f"recorded job {job} attempt 1 (completed) for {owner}, which is gone" in err, err
     shown = _jobs("show", str(job), "--db", url).stdout.splitlines()
     assert shown[1] == "  status    completed", shown
+    attempts = next(line for line in shown if line.startswith("  attempts"))
     assert re.fullmatch(
         rf"  attempts  1: completed on {owner}; recorded by runner \S+:{second.pid}:\S+: "
-        rf"{done.runner} was gone before the job store took it \(.* UTC\)",
-        shown[4],
+        rf"{done.runner} was gone before the job store took it \(.* UTC, [\d.]+ s\)",
+        attempts,
     ), shown
     store.close()
 
