@@ -26,9 +26,9 @@ from tests.conftest import CliResult, tpupod_argv
 from tests.test_jobs import db_url, postgres  # noqa: F401  (SQLite and PostgreSQL, as there)
 from tests.test_jobs_api import serving
 from tpupod.base import procfs
+from tpupod.base.durations import spoken
 from tpupod.cli.app import app
 from tpupod.jobs import claims, rows, schema, service
-from tpupod.jobs.history import took
 from tpupod.jobs.models import JobStatus
 from tpupod.jobs.store import Store
 
@@ -140,7 +140,7 @@ def test_show_gives_the_jobs_times_and_each_attempts_start_end_and_length(
     assert f"  created   {stamps['created_at']}" in shown, shown
     assert f"  started   {stamps['started_at']}" in shown, shown
     ended = time.strftime(utc, time.gmtime(job["completed_at"]))
-    ran = took(job["completed_at"] - job["started_at"])
+    ran = spoken(job["completed_at"] - job["started_at"])
     assert f"  ended     {ended} (ran {ran})" in shown, shown
     # a job of more than one attempt: the one that ended it has its span and length
     job_id = cli("jobs", "submit", "--db", db, "--", "sleep", "0.1").out.strip()
@@ -155,7 +155,7 @@ def test_show_gives_the_jobs_times_and_each_attempts_start_end_and_length(
     shown = cli("jobs", "show", job_id, "--db", db).out.splitlines()
     begin, end = (time.gmtime(job[k]) for k in ("scheduled_at", "completed_at"))
     span = f"{time.strftime('%Y-%m-%d %H:%M:%S', begin)} to {time.strftime('%H:%M:%S', end)}"
-    length = took(job["completed_at"] - job["scheduled_at"])
+    length = spoken(job["completed_at"] - job["scheduled_at"])
     last = f"            2: completed on runner {job['runner']} ({span} UTC, {length})"
     assert last in shown, shown
 

@@ -39,3 +39,19 @@ def format_seconds(seconds: float) -> str:
         return f"{whole // 60}m{whole % 60}s"
     hours, minutes = divmod(whole // 60, 60)
     return (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes or not hours else "")
+
+
+def spoken(seconds: float) -> str:
+    """A length of time as a person reads it: ``12.3 s``, ``4 min 05 s``, ``2 h 07 min``,
+    ``3 d 4 h`` (the dashboard's and ``jobs show``'s)."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes:02d} min"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h"

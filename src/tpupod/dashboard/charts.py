@@ -8,6 +8,8 @@ import math
 import time
 from html import escape
 
+from tpupod.base.durations import spoken
+
 WIDTH, HEIGHT = 600, 150
 LEFT, RIGHT, TOP, BOTTOM = 52, 10, 8, 22  # room for the axes' labels
 TITLES = {  # a series' key (NAME:WHAT) as a chart's title, and whether it is a share
@@ -96,20 +98,8 @@ def iso(epoch: float | None) -> str:
 
 
 def duration(seconds: float | None) -> str:
-    """``12.3 s``, ``4 min 05 s``, ``2 h 07 min``, ``3 d 4 h``; "" for none."""
-    if seconds is None:
-        return ""
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours} h {minutes:02d} min"
-    days, hours = divmod(hours, 24)
-    return f"{days} d {hours} h"
+    """``spoken`` (``12.3 s``, ``4 min 05 s``, ``2 h 07 min``, ``3 d 4 h``); "" for none."""
+    return "" if seconds is None else spoken(seconds)
 
 
 FILTERS = {"when": when, "iso": iso, "duration": duration}

@@ -99,18 +99,3 @@ def when(stamp: float | None) -> str:
     if stamp is None:
         return "?"
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stamp))
-
-
-def took(seconds: float) -> str:
-    """A length of time as ``show`` prints it: ``0.23 s``, ``20 s``, ``4 min 05 s``,
-    ``2 h 07 min``."""
-    seconds = max(0.0, seconds)
-    if seconds < 10:
-        return f"{seconds:.2g} s" if seconds < 1 else f"{seconds:.1f} s"
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min"

@@ -13,8 +13,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from tpupod.base.durations import spoken
 from tpupod.errors import JobError, JobStoreAway, UsageError
-from tpupod.jobs.history import LOST, Entry, process_gone, took, when
+from tpupod.jobs.history import LOST, Entry, process_gone, when
 from tpupod.jobs.models import LEASED, AttemptLines, Job, JobRequest, JobStatus, LogLine
 from tpupod.jobs.rows import RETRY_S, START_WAIT_S, Outage, check_pod
 from tpupod.jobs.store import Store
@@ -124,9 +125,9 @@ def times(job: Job) -> list[tuple[str, str]]:
         found.append(("started", when(job.started_at)))
     if job.status.finished and job.completed_at is not None:
         if job.started_at is not None:
-            how_long = f"ran {took(job.completed_at - job.started_at)}"
+            how_long = f"ran {spoken(job.completed_at - job.started_at)}"
         else:
-            how_long = f"{took(job.completed_at - job.created_at)} after it was created"
+            how_long = f"{spoken(job.completed_at - job.created_at)} after it was created"
         found.append(("ended", f"{when(job.completed_at)} ({how_long})"))
     return found
 
@@ -164,16 +165,15 @@ def _entry_span(entry: Entry) -> str:
     if entry.how != LOST or entry.started is None:
         return _span(entry.started, entry.ended)
     first, last = when(entry.started), when(entry.ended)
-    return (
-        f"from {first}, lost after {_same_day(first, last)}, {took(entry.ended - entry.started)} in"
-    )
+    length = spoken(entry.ended - entry.started)
+    return f"from {first}, lost after {_same_day(first, last)}, {length} in"
 
 
 def _span(started: float | None, ended: float) -> str:
     if started is None:
         return f"ended {when(ended)}"
     first, last = when(started), when(ended)
-    return f"{first[:-4]} to {_same_day(first, last)} UTC, {took(ended - started)}"
+    return f"{first[:-4]} to {_same_day(first, last)} UTC, {spoken(ended - started)}"
 
 
 def _same_day(first: str, last: str) -> str:
