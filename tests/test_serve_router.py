@@ -505,3 +505,58 @@ def until(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
     while not check():
         assert time.monotonic() < deadline, f"no {what} after {timeout:g}s"
         time.sleep(0.05)
+
+
+class LingeringStream(Backend):
+    """A streaming backend that sends its events and ``[DONE]``, then ends its chunked
+    body only a second later (a server that flushes late): the openai client stops at
+    ``[DONE]`` and hangs up while the router still waits for the body's end."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for word in ("one", "two", "three"):
+            self.chunk(
+                b'data: {"choices": [{"index": 0, "delta": {"content": "%s"}}]}\n\n' % word.encode()
+            )
+        self.chunk(b"data: [DONE]\n\n")
+        time.sleep(1.0)
+        self.wfile.write(b"0\r\n\r\n")
+
+    def chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+
+@pytest.mark.local
+@pytest.mark.timeout(60)
+def test_a_stream_the_client_leaves_after_done_is_counted_whole(tmp_path: Path) -> None:
+    """A client that hangs up after ``[DONE]`` cancels the router's handler while it waits
+    for the backend's end of body (CI: the openai client's stream counted 0 tokens of 5,
+    and the visit stayed outstanding). The tokens it was sent count, and the visit ends."""
+    backend = serve_in_thread(type("Handler", (LingeringStream,), {"ports": []}))
+    address = f"127.0.0.1:{backend.server_address[1]}"
+    router, url = start_router(tmp_path, [address], "--model", "m", "--retries", "0")
+    try:
+        token = (tmp_path / "router.token").read_text().strip()
+        stream = openai_client(f"{url}/v1", token).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == "onetwothree"
+        auth = {"Authorization": f"Bearer {token}"}
+
+        def books() -> dict[str, Any]:
+            health: dict[str, Any] = httpx.get(f"{url}/backends", headers=auth).json()["health"]
+            return health[address]
+
+        until(lambda: books()["outstanding"] == 0, "end of the visit", timeout=5)
+        assert books()["completion_tokens"] == 3, books()
+        assert books()["failures"] == 0, books()
+    finally:
+        router.terminate()
+        router.wait(10)
+        backend.shutdown()
+        backend.server_close()

@@ -253,16 +253,26 @@ class Router:
         """One try on one backend: a 5xx Response means 'try another'; else the answer.
 
         Every way out ends the backend's visit once (``registry.end``): the paths below
-        end it with no await after, and a cancel (the client hung up) ends it here."""
+        end it with no await after, and a cancel (the client hung up) ends it here, with the
+        tokens a stream sent it meanwhile (the openai client hangs up at ``[DONE]``, often
+        before the backend's end of body reaches the router)."""
         self.registry.begin(backend)
+        tally = StreamTally()
         try:
-            return await self._attempt(request, backend, body, headers)
+            return await self._attempt(request, backend, body, headers, tally)
         except asyncio.CancelledError:
-            self.registry.end(backend, ok=True)  # the client left: not the backend's fault
+            # the client left: not the backend's fault
+            self.registry.end(backend, ok=True, tokens=tally.tokens)
+            self.count(backend, "200" if tally.done else "client_gone")
             raise
 
     async def _attempt(
-        self, request: web.Request, backend: Backend, body: bytes, headers: bytes
+        self,
+        request: web.Request,
+        backend: Backend,
+        body: bytes,
+        headers: bytes,
+        tally: StreamTally,
     ) -> web.StreamResponse:
         try:
             answer = await self.pool(backend).request(
@@ -278,7 +288,7 @@ class Router:
         try:
             streaming = answer.content_type.startswith("text/event-stream")
             if streaming and answer.status < 400:
-                return await self.stream(request, backend, answer)
+                return await self.stream(request, backend, answer, tally)
             try:
                 data = await answer.read()
             except upstream.Dropped as exc:
@@ -311,28 +321,25 @@ class Router:
         return openai_error(status, message, "server_error", "backend_unavailable")
 
     async def stream(
-        self, request: web.Request, backend: Backend, answer: upstream.Answer
+        self, request: web.Request, backend: Backend, answer: upstream.Answer, tally: StreamTally
     ) -> web.StreamResponse:
         out = web.StreamResponse(
             status=answer.status,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
         )
         await out.prepare(request)
-        done = False
         ok, error = True, None
-        tally = StreamTally()
         try:
             async for chunk in answer.chunks():
-                done = done or b"data: [DONE]" in chunk
                 tally.feed(chunk)
                 await out.write(chunk)
         except upstream.Dropped as exc:
             ok, error = False, str(exc)
         except ConnectionResetError:  # the client left between two chunks
-            self.registry.end(backend, ok=True)
-            self.count(backend, "client_gone")
+            self.registry.end(backend, ok=True, tokens=tally.tokens)
+            self.count(backend, "200" if tally.done else "client_gone")
             return out
-        if not done:
+        if not tally.done:
             ok = False
             error = error or "the stream ended before [DONE]"
             await _write_quietly(out, sse_error(f"backend {backend.address} failed: {error}"))
@@ -410,12 +417,18 @@ class StreamTally:
     def __init__(self) -> None:
         self.pieces = 0
         self.usage: int | None = None
+        self.done = False  # its ``[DONE]`` has come
         self._partial = b""
 
     def feed(self, chunk: bytes) -> None:
         events = (self._partial + chunk).split(b"\n\n")
         self._partial = events.pop()  # what follows the last blank line is not whole yet
+        # its last blank line may come in the next chunk, or never when the client leaves
+        self.done = self.done or b"data: [DONE]" in self._partial
         for event in events:
+            if b"data: [DONE]" in event:
+                self.done = True
+                continue
             match = USAGE_RE.search(event)
             if match:
                 self.usage = int(match.group(1))
