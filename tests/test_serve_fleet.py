@@ -44,9 +44,18 @@ from tests.conftest import (
     tpupod_argv,
     wait_until_gone,
 )
+from tpupod import settings
 from tpupod.errors import UsageError
 from tpupod.pod.record import Pod
-from tpupod.serve.backends import Backend, ServerSpec, check_model, device_slices, plan, render
+from tpupod.serve.backends import (
+    Backend,
+    ServerSpec,
+    check_model,
+    compile_cache_env,
+    device_slices,
+    plan,
+    render,
+)
 from tpupod.serve.router.server import StreamTally, check_body
 
 STUB = Path(__file__).parent / "serve_stub.py"
@@ -54,8 +63,14 @@ STUB_COMMAND = f"{{python}} {STUB} --host {{host}} --port {{port}} --tokens 400 
 HEALTH_INTERVAL = 0.5
 
 
-def run_cli(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    home: Path, *args: str, timeout: float = 60, stock: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``tpupod ARGS`` on ``home``; ``stock``: without the suite's JAX compilation cache
+    (conftest), as a user's shell has none."""
     env = {**os.environ, "TPUPOD_HOME": str(home)}
+    for name in settings.JAX_CACHE_VARIABLES if stock else ():
+        env.pop(name, None)
     return subprocess.run(
         tpupod_argv(*args), capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -134,6 +149,19 @@ def test_command_templates_quote_values_and_reject_unknown_fields() -> None:
         render(spec.model_copy(update={"command": "serve {nope}"}))
     with pytest.raises(UsageError, match="split evenly"):
         device_slices(4, 3)
+
+
+def test_the_builtin_engine_gets_a_compile_cache_unless_the_user_set_one() -> None:
+    spec = ServerSpec(name="b", backend=Backend.BUILTIN, host="h", ports=(1,), model="/m")
+    got = compile_cache_env(spec, Path("/s/compile-cache"), {})
+    assert got["JAX_COMPILATION_CACHE_DIR"] == "/s/compile-cache"
+    assert got["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"  # CPU programs: < 1 s
+    assert int(got["JAX_COMPILATION_CACHE_MAX_SIZE"]) > 0  # bounded, and JAX's file lock on
+    mine = {"JAX_COMPILATION_CACHE_DIR": "/mine"}
+    for env, given in ((mine, spec), ({}, spec.model_copy(update={"env": mine}))):
+        assert "JAX_COMPILATION_CACHE_DIR" not in compile_cache_env(given, Path("/s"), env)
+    vllm = spec.model_copy(update={"backend": Backend.VLLM})
+    assert compile_cache_env(vllm, Path("/s"), {}) == {}  # its own caches are its own
 
 
 @pytest.mark.parametrize(
@@ -1513,6 +1541,15 @@ def test_the_agent_outlives_the_ssh_session_that_started_it(
 # -- the builtin server, on the tiny checkpoint ---------------------------------------------
 
 
+def assert_compile_cache(pod: str, home: Path) -> None:
+    """The engine compiled into JAX's persistent cache in the worker's serving state (an
+    engine killed or restarted loads its programs instead of compiling them again)."""
+    engines = [p for p in pod_processes(pod) if "engine" in p.cmdline()]
+    assert engines, [p.cmdline() for p in pod_processes(pod)]
+    cache = Path(engines[0].environ()["JAX_COMPILATION_CACHE_DIR"])
+    assert cache.is_relative_to(home) and any(cache.iterdir()), cache
+
+
 @pytest.mark.local
 @pytest.mark.timeout(480)
 def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
@@ -1537,7 +1574,7 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
             "--dtype", "float32", "--base-port", str(free_base_port()), "--startup-timeout", "200",
             "--", "--max-batch", "4", "--max-length", "128",
         )  # fmt: skip
-        up = run_cli(home, *up_args, timeout=230)
+        up = run_cli(home, *up_args, timeout=230, stock=True)
         assert up.returncode == 0, up.stderr
         exports = run_cli(home, "serve", "endpoint", "--pod", pod).stdout.splitlines()
         values = dict(line.removeprefix("export ").split("=", 1) for line in exports)
@@ -1554,6 +1591,7 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert streamed == whole.choices[0].message.content  # greedy: the same answer
+        assert_compile_cache(pod, home)
         fanout = run_cli(home, "fanout", "--pod", pod, "--prompt", "你是谁", "--max-tokens", "4")
         assert fanout.returncode == 0, fanout.stdout + fanout.stderr
         assert fanout.stdout.count(" status=200 ") == 2
@@ -1569,7 +1607,7 @@ def test_the_builtin_backend_serves_the_tiny_checkpoint(tmp_path: Path) -> None:
         # once per port ('w0's builtin-P, w0's builtin-P'), and said ready while the router
         # still had it down; the new agent takes the server over (it had stopped it)
         kill_agent_and_keeper(pod, "w0")
-        again = run_cli(home, *up_args, timeout=230)
+        again = run_cli(home, *up_args, timeout=230, stock=True)
         assert again.returncode == 0, again.stderr
         first = second - 1
         lost = f"but not w0's builtin-{first} (serving :{first}, :{second}): starting it again"

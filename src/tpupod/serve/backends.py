@@ -13,10 +13,12 @@ from __future__ import annotations
 import enum
 import re
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tpupod import settings
 from tpupod.errors import UsageError
 from tpupod.extras import worker_argv
 from tpupod.serve import defaults
@@ -313,6 +315,27 @@ def render_member(spec: ServerSpec, group: GroupSpec) -> list[str]:
     argv += ["--dtype", spec.dtype] if spec.dtype else []
     name_args = ["--served-model-name", spec.served_model_name] if spec.served_model_name else []
     return [*argv, *name_args, *spec.extra_args]
+
+
+# JAX's persistent compilation cache for the builtin engine, beside the agent's state on the
+# host: an engine killed (or restarted) loads its programs there instead of compiling them
+# again (the tiny model's engine served again 3.9 s after a kill -9, not 8.5 s; BENCHMARKS.md,
+# "Serving", "Engine restarts"). Every program it runs is compiled by its warmup, each
+# under JAX's default floor of 1 s on a CPU, hence the floor of 0; the size is bounded
+# (least recently used out). A user's own setting of any of these wins.
+COMPILE_CACHE_MAX_BYTES = 2 * 1024**3
+
+
+def compile_cache_env(spec: ServerSpec, cache: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """The cache variables a server gets where it runs the builtin engine, ``env`` (the
+    agent's, and the spec's own) not setting them already."""
+    if spec.backend is not Backend.BUILTIN:
+        return {}
+    # the folder, the floors of compile time and size, the size bound
+    values = (str(cache), "0", "0", str(COMPILE_CACHE_MAX_BYTES))
+    wanted = dict(zip(settings.JAX_CACHE_VARIABLES, values, strict=True))
+    given = {**env, **spec.env}
+    return {name: value for name, value in wanted.items() if name not in given}
 
 
 def render_env(spec: ServerSpec) -> dict[str, str]:

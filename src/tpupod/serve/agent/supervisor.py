@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from tpupod.base.files import FULL_DISK
-from tpupod.serve.backends import ServerSpec, render, render_env
+from tpupod.serve.backends import ServerSpec, compile_cache_env, render, render_env
 from tpupod.serve.backoff import Backoff
 from tpupod.serve.eventloop import cancelled
 from tpupod.serve.services import (
@@ -89,6 +89,7 @@ class ManagedServer:
         # the restarts the server's own keeper makes of its processes (the builtin server's
         # engine and front end), by process: beside its log, kept while the log goes on
         self.children_path = log_dir / f"{spec.name}.restarts"
+        self.compile_cache = log_dir.parent / "compile-cache"  # every server's on this host
         self.base_env = base_env
         self.state = ServerState.STARTING
         self.restarts = 0  # after the server exited by itself
@@ -186,6 +187,7 @@ class ManagedServer:
                 stderr=asyncio.subprocess.STDOUT,
                 env={
                     **self.base_env,
+                    **compile_cache_env(self.spec, self.compile_cache, self.base_env),
                     **render_env(self.spec),
                     CHILD_RESTARTS_ENV: str(self.children_path),
                 },
