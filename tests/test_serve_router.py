@@ -328,7 +328,8 @@ def test_with_every_backend_marked_down_the_router_still_tries_them(tmp_path: Pa
     backend = serve_in_thread(handler)
     port = backend.server_address[1]
     flags = ("--model", "m", "--retries", "0", "--health-interval", "30", "--rise", "2")
-    router, url = start_router(tmp_path, [f"127.0.0.1:{port}"], *flags)
+    # --hold 0: each request is tried once (held, the refused one would wait for it)
+    router, url = start_router(tmp_path, [f"127.0.0.1:{port}"], *flags, "--hold", "0")
     try:
         token = (tmp_path / "router.token").read_text().strip()
         assert chat_outcome(url, token, stream=False) == "200"
@@ -359,6 +360,7 @@ def test_a_silent_backend_marked_down_is_not_tried_when_none_is_up(tmp_path: Pat
         argv = [sys.executable, "-m", "tpupod.serve.router", "--state-dir", str(tmp_path)]
         argv += ["--port", str(free_base_port(1)), "--backends", address, "--model", "m"]
         argv += ["--health-interval", "0.2", "--health-timeout", "0.3", "--fall", "1"]
+        argv += ["--hold", "0"]  # else it waits there for a backend (the hold test)
         router = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
@@ -560,3 +562,77 @@ def test_a_stream_the_client_leaves_after_done_is_counted_whole(tmp_path: Path) 
         router.wait(10)
         backend.shutdown()
         backend.server_close()
+
+
+class Flaky(Backend):
+    """Answers ``status`` (with its JSON error) to completions until ``until`` (monotonic),
+    then as Backend; its /health answers 503 until then too (an engine restarting)."""
+
+    status = 503
+    until = 0.0
+
+    def do_GET(self) -> None:
+        if time.monotonic() < self.until:
+            self.send_error(503)
+            return
+        super().do_GET()
+
+    def do_POST(self) -> None:
+        if time.monotonic() < self.until:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"error": {"message": "not now", "type": "server_error"}}'
+            self.send_response(self.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        super().do_POST()
+
+
+@pytest.mark.local
+@pytest.mark.timeout(90)
+def test_a_request_no_backend_can_take_waits_for_one_and_is_answered(tmp_path: Path) -> None:
+    """Every replica's engine restarting at once (the chaos run: 13,838 requests failed,
+    nearly all in the 65 s both replicas were down) answered 503 at once. The router holds
+    such a request (default 30 s) and tries again as backends come back: here one whose
+    engine restarts (503s) for 2 s, then one refusing until it listens 2 s later."""
+    handler: type[Flaky] = type("Handler", (Flaky,), {"ports": [], "close": True})
+    backend = serve_in_thread(handler)
+    port = backend.server_address[1]
+    router, url = start_router(tmp_path, [f"127.0.0.1:{port}"], "--model", "m")
+    try:
+        token = (tmp_path / "router.token").read_text().strip()
+        handler.until = time.monotonic() + 2
+        began = time.monotonic()
+        assert chat_outcome(url, token, stream=False) == "200"
+        assert 1.5 < time.monotonic() - began < 6
+        backend.shutdown()
+        backend.server_close()
+        threading.Timer(2, lambda: serve_in_thread(handler, port)).start()
+        began = time.monotonic()
+        assert chat_outcome(url, token, stream=False) == "200"
+        assert 1.5 < time.monotonic() - began < 6
+        metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert "tpupod_router_held_total 2.0" in metrics.text
+        # a 500 is the request's own answer: passed on at once, not held
+        handler.status, handler.until = 500, time.monotonic() + 60
+        began = time.monotonic()
+        assert chat_outcome(url, token, stream=False) == "500"
+        assert time.monotonic() - began < 2
+        # a held request ends when the router stops: it does not hold up serve down
+        handler.status = 503
+        outcome: list[str] = []
+        asking = threading.Thread(target=lambda: outcome.append(chat_outcome(url, token, False)))
+        asking.start()
+        time.sleep(1)
+        began = time.monotonic()
+        router.terminate()
+        router.wait(10)
+        asking.join(10)
+        assert time.monotonic() - began < 3 and outcome == ["503"], outcome
+    finally:
+        router.kill()
+        router.wait(10)
+        with contextlib.suppress(Exception):
+            backend.shutdown()

@@ -70,6 +70,10 @@ def test_each_router_takes_its_own_policies_and_sgl_defaults_to_cache_aware() ->
         up_options("command", "least_outstanding", "sgl", model="m")
     with pytest.raises(UsageError, match="no router 'nginx'"):
         up_options("command", None, "nginx", model="m")
+    with pytest.raises(UsageError, match="--hold 5 is the builtin router's"):
+        up_options("command", None, "sgl", model="m", hold=5.0)
+    with pytest.raises(UsageError, match="--hold -1"):
+        up_options("command", None, model="m", hold=-1.0)
 
 
 def test_sgl_routers_command_line_retries_and_binds_metrics_to_the_internal_address() -> None:

@@ -138,6 +138,14 @@ def up(
     restart_backoff: Annotated[
         float, typer.Option("--restart-backoff", help="First wait before a restart (doubles).")
     ] = defaults.RESTART_BACKOFF_S,
+    hold: Annotated[
+        float,
+        typer.Option(
+            "--hold",
+            help="Seconds the builtin router holds a request no server can take now (every "
+            "one restarting), trying again as they come back; 0: 503 at once.",
+        ),
+    ] = defaults.ROUTER_HOLD_S,
     hosts_per_replica: Annotated[
         int,
         typer.Option(
@@ -178,7 +186,7 @@ def up(
         command=command_template, extra_args=tuple(backend_args or ()),
         startup_timeout=startup_timeout, python=fleet.pod.worker_python(worker_python),
         devices_per_worker=devices_per_worker, agent_port=agent_port, router_port=router_port,
-        health_interval=health_interval, restart_backoff=restart_backoff,
+        health_interval=health_interval, restart_backoff=restart_backoff, hold=hold,
         hosts_per_replica=hosts_per_replica, mesh=mesh,
     )  # fmt: skip
     done = fleet.up(options, notice, replace)

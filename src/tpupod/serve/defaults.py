@@ -10,6 +10,8 @@ POLICY = "least_outstanding"
 ROUTER = "builtin"  # or "sgl": sgl-router (the sglang-router package)
 SGL_POLICY = "cache_aware"  # sgl-router's own default: a prefix goes where it was cached
 ROUTER_RETRIES = 2  # another server, for a connect error or a 5xx before anything was sent
+# a request that no server could take waits this long for one (every replica restarting)
+ROUTER_HOLD_S = 30.0
 RESTART_BACKOFF_S = 1.0  # the first wait before a server is restarted (it doubles)
 SMALLEST_SPAN = 128  # the builtin engine's first attention span (slots.attention_spans)
 # the split builtin server restarts an engine that sends nothing this long with work in flight

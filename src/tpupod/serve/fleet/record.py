@@ -86,6 +86,7 @@ class UpOptions:
     router: str = defaults.ROUTER  # builtin, or sgl: sgl-router (tpupod[sgl]) on worker 0
     health_interval: float = defaults.HEALTH_INTERVAL_S
     restart_backoff: float = defaults.RESTART_BACKOFF_S
+    hold: float = defaults.ROUTER_HOLD_S  # the builtin router's --hold
     hosts_per_replica: int = 1  # >1: each run of K workers serves one replica in lockstep
     mesh: str | None = None  # model=M across a replica's devices
 
@@ -113,6 +114,13 @@ def up_options(
     except ValueError as exc:
         raise UsageError(str(exc), hint="see 'tpupod serve up --help'") from None
     options = UpOptions(backend=chosen, policy=policy, router=router, **given)
+    if not 0 <= options.hold <= 3600 or (
+        router == "sgl" and options.hold != defaults.ROUTER_HOLD_S
+    ):
+        raise UsageError(
+            f"--hold {options.hold:g}" + (" is the builtin router's" if router == "sgl" else ""),
+            hint="seconds from 0 (503 at once) to 3600, with --router builtin",
+        )
     _check_ports(options)
     return options
 

@@ -387,6 +387,7 @@ class RemoteFleet:
             argv += ["--model", options.served_model_name]
         argv += ["--backends", ",".join(s.address for s in servers), "--policy", options.policy]
         argv += ["--health-interval", str(options.health_interval)]
+        argv += ["--hold", str(options.hold)] if options.router == "builtin" else []
         args = ["ensure", "--replace", "--token-env", "TPUPOD_SERVE_TOKEN"]
         args += [*(["--again"] if again else []), "router", "--", *argv]
         answer = (await self.ctl(head, *args, env={"TPUPOD_SERVE_TOKEN": token}))[-1]

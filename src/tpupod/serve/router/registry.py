@@ -175,6 +175,18 @@ class Registry:
         # up again) and how long it was as it was: the router says it in its log and, where
         # it went down, breaks what waits on it there
         self.on_change: Callable[[Backend, str | None, float], None] | None = None
+        self._answered = asyncio.Event()  # replaced each time it is set (see answered)
+
+    async def answered(self, timeout: float) -> None:
+        """Return when a backend that was down answers its health check (or is up again),
+        or after ``timeout`` seconds: requests held for want of a backend try again then."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._answered.wait(), timeout)
+
+    def wake(self) -> None:
+        """Wake every request waiting in :meth:`answered`."""
+        self._answered.set()
+        self._answered = asyncio.Event()
 
     def available(self) -> list[Backend]:
         """Backends a request may go to: up, with the circuit closed (or a half-open trial)."""
@@ -252,6 +264,8 @@ class Registry:
         if ok:
             backend.checks_failed = 0
             backend.checks_ok += 1
+            if backend.health is Health.DOWN:
+                self.wake()  # it answers again: held requests try it (Router.forward)
             if backend.health is Health.DOWN and backend.checks_ok >= self.policy.rise:
                 backend.errors_in_row, backend.open_until = 0, 0.0
                 self._set(backend, Health.UP)

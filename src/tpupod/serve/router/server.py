@@ -10,7 +10,9 @@ waits on Nagle). Per request:
    ``least_outstanding`` (default), ``round_robin`` or ``power_of_two``;
 3. connect errors, a dropped connection and 5xx answers are retried on another
    backend while nothing has been sent to the client (at most ``retries``
-   times); a 4xx is passed through as it is and never retried;
+   times); a 4xx is passed through as it is and never retried. A request no
+   backend could take is *held* (``--hold``, 30 s) and tried again as backends
+   come back: a restarting fleet answers late instead of failing;
 4. a stream is passed through chunk by chunk as it arrives; if its backend
    dies mid-stream the client gets an error event and the stream ends (it
    never hangs, and it is never retried: bytes went out);
@@ -54,6 +56,7 @@ from tpupod.serve.router import upstream
 from tpupod.serve.router.registry import Backend, Counts, HealthPolicy, Registry
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+HOLD_RETRY_S = 0.5  # a held request is tried again at least this often
 # Not passed on to a backend: hop-by-hop, framing (the router frames its own request),
 # the router's own token, and Expect (aiohttp answered it already).
 HOP_HEADERS = frozenset(
@@ -91,6 +94,11 @@ class Metrics:
         self.retries = Counter(
             "tpupod_router_retries", "Attempts retried on another backend", registry=self.registry
         )
+        self.held = Counter(
+            "tpupod_router_held",
+            "Requests that waited for a backend (none could take them at first)",
+            registry=self.registry,
+        )
         self.outstanding = Gauge(
             "tpupod_router_outstanding", "Requests in flight", registry=self.registry
         )
@@ -104,12 +112,19 @@ class Metrics:
 
 class Router:
     def __init__(
-        self, registry: Registry, token: str | None, policy: Policy, retries: int = 2
+        self,
+        registry: Registry,
+        token: str | None,
+        policy: Policy,
+        retries: int = 2,
+        hold_s: float = defaults.ROUTER_HOLD_S,
     ) -> None:
         self.registry = registry
         self.token = token
         self.policy = policy
         self.retries = retries
+        self.hold_s = hold_s  # how long a request may wait for a backend (Router.hold)
+        self.stopping = False
         self.metrics = Metrics()
         self._rr = itertools.count()
         self.session: aiohttp.ClientSession | None = None  # the registry's health checks
@@ -214,32 +229,76 @@ class Router:
             for name, value in request.raw_headers
             if name.lower() not in HOP_HEADERS
         )
-        tried: set[str] = set()
-        last: web.Response | None = None
         started = time.monotonic()
         self.metrics.outstanding.inc()
         try:
-            for attempt in range(self.retries + 1):
-                backend = self.choose(tried)
-                if backend is None:
-                    break
-                if attempt:
-                    self.metrics.retries.inc()
-                tried.add(backend.address)
-                answer = await self.attempt(request, backend, body, headers)
-                if isinstance(answer, web.StreamResponse) and not isinstance(answer, web.Response):
-                    return answer  # a stream: already sent
-                if answer.status < 500:
-                    return answer
-                last = answer
+            answer = await self.round(request, body, headers)
+            if unavailable(answer):
+                answer = await self.hold(request, body, headers, answer, started + self.hold_s)
         finally:
             self.metrics.outstanding.dec()
             self.metrics.latency.observe(time.monotonic() - started)
-        if last is not None:
-            return last
+        if answer is not None:
+            return answer
         return openai_error(
             503, "no healthy backend can take the request", "server_error", "no_backend"
         )
+
+    async def round(
+        self, request: web.Request, body: bytes, headers: bytes
+    ) -> web.StreamResponse | None:
+        """The request tried on one backend, then on others (at most ``retries`` more) while
+        the answer is a 5xx: the first other answer (a stream: already sent), else the last
+        5xx; None when no backend could be tried."""
+        tried: set[str] = set()
+        last: web.Response | None = None
+        for attempt in range(self.retries + 1):
+            backend = self.choose(tried)
+            if backend is None:
+                break
+            if attempt:
+                self.metrics.retries.inc()
+            tried.add(backend.address)
+            answer = await self.attempt(request, backend, body, headers)
+            if isinstance(answer, web.StreamResponse) and not isinstance(answer, web.Response):
+                return answer  # a stream: already sent
+            if answer.status < 500:
+                return answer
+            last = answer
+        return last
+
+    async def hold(
+        self,
+        request: web.Request,
+        body: bytes,
+        headers: bytes,
+        answer: web.StreamResponse | None,
+        deadline: float,
+    ) -> web.StreamResponse | None:
+        """No backend could take the request (each refused, dropped it or answered 502 or
+        503, as while every replica's engine is restarting): it waits, up to ``deadline``,
+        and is tried again each time a backend answers its health check again, or every
+        ``HOLD_RETRY_S``. A client sees a slower answer instead of an outage no retry of
+        its own would have hidden (Ray Serve and Knative's activator hold requests so). A
+        500 or 504 is the request's own answer: it is not held."""
+        held = False
+        while unavailable(answer) and not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if not held:
+                held = True
+                self.metrics.held.inc()
+            await self.registry.answered(min(HOLD_RETRY_S, left))
+            if self.stopping:
+                break
+            answer = await self.round(request, body, headers) or answer
+        return answer
+
+    def stop_holding(self) -> None:
+        """The router is stopping: held requests get their last answer (or 503) now."""
+        self.stopping = True
+        self.registry.wake()
 
     def pool(self, backend: Backend) -> upstream.Pool:
         found = self.pools.get(backend.address)
@@ -379,6 +438,12 @@ class Router:
             await self.session.close()
 
 
+def unavailable(answer: web.StreamResponse | None) -> bool:
+    """No backend could take the request: none to try, or each refused or dropped it (the
+    router's 502) or said it cannot now (503)."""
+    return answer is None or answer.status in (502, 503)
+
+
 def say(text: str) -> None:
     """A line of the router's own in its log (its stderr: its keeper stamps each line)."""
     print(f"[tpupod router] {text}", file=sys.stderr, flush=True)
@@ -476,6 +541,7 @@ async def run_router(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
+    router.stop_holding()
     await runner.cleanup()
 
 
@@ -488,6 +554,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="")
     parser.add_argument("--policy", choices=[p.value for p in Policy], default=defaults.POLICY)
     parser.add_argument("--retries", type=int, default=defaults.ROUTER_RETRIES)
+    parser.add_argument(
+        "--hold",
+        type=float,
+        default=defaults.ROUTER_HOLD_S,
+        help="seconds a request may wait for a backend when none can take it (0: 503 at once)",
+    )
     parser.add_argument("--health-interval", type=float, default=defaults.HEALTH_INTERVAL_S)
     parser.add_argument("--health-timeout", type=float, default=defaults.HEALTH_TIMEOUT_S)
     parser.add_argument("--fall", type=int, default=defaults.FALL)
@@ -512,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     counts = Counts(addresses, services.counts_path(state))  # kept across its restarts
     registry = Registry(addresses, args.model, policy, counts)
     token = None if args.no_auth else services.token(state, "router")
-    router = Router(registry, token, Policy(args.policy), args.retries)
+    router = Router(registry, token, Policy(args.policy), args.retries, args.hold)
 
     def listening(port: int) -> None:
         services.when_room(
