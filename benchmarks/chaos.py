@@ -83,6 +83,7 @@ NAMED_S = 10.0  # an injection must be named this soon
 HOME_MB = 512
 STEP_S = 0.25
 SAVE_EVERY = 20
+WATCH_S = 5.0  # the harness runs `serve status` this often, as a user watching it
 RETRY_RESUME_S = 5.0  # a run --resume refused on a full disk is tried again this late
 
 
@@ -604,6 +605,21 @@ class Chaos:
         self.jobs.keep_two()
         self.jobs.submit_all_along(self.args.submit_every)
         self.clients.start()
+        self.watching = threading.Event()
+        threading.Thread(target=self.watch_status, daemon=True).start()
+
+    def watch_status(self, every: float = WATCH_S) -> None:
+        """A user's ``watch tpupod serve status``: what it says of a full disk is heard
+        (the logs that would say it are on that disk). Only those lines: its other
+        columns (restart counts, a router's restarts) would name later faults with
+        what it said of earlier ones."""
+        while not self.watching.wait(every):
+            done = subprocess.run(
+                [TPUPOD, "serve", "status", "--pod", "chaos"], env=self.env,
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            said = [line for line in done.stdout.splitlines() if "disk full" in line]
+            self.heard.add("tpupod serve status (watched)", "\n".join(said))
 
     def tend(self) -> None:
         """What the harness does as a user would: continue a killed launcher, start a runner."""
@@ -637,7 +653,13 @@ class Chaos:
         return made
 
     def kill_worker(self) -> Injection | None:
-        training = self.rng.choice(self.trainings)
+        """A worker of either training; not the SSH pod's while a host's link is cut: its
+        processes there are tpupod's to stop once the link is back (the 15-minute run's
+        kill of a worker on a cut host could be named only after the outage)."""
+        trainings = [t for t in self.trainings if t.name != "chaos-ssh" or not self.cut()]
+        if not trainings:
+            return None
+        training = self.rng.choice(trainings)
         procs = having(str(TRAIN), str(training.ckpt))  # local or under a simulated sshd
         proc = kill([p for p in procs if _runs(p, str(TRAIN))], self.rng)
         return proc and injected("worker", f"{training.name} {describe(proc)}", NAMED["worker"])
@@ -709,6 +731,10 @@ class Chaos:
         self.later(20, lambda: filler.unlink(missing_ok=True))
         return injected("disk", f"{self.home} full for 20s", NAMED["disk"])
 
+    def cut(self) -> bool:
+        """A simulated host's link is down now (for 30 s after its injection)."""
+        return self.recent("network", 31)
+
     def recent(self, kind: str, seconds: float = 40) -> bool:
         """An outage of this kind began this recently (it may still last): not another."""
         return any(i.kind == kind and i.at > time.monotonic() - seconds for i in self.injections)
@@ -750,6 +776,7 @@ class Chaos:
         self.jobs.stopping.set()
         self.jobs.drain(max(10.0, deadline - time.monotonic()))
         self.clients.stop()
+        self.watching.set()
         for injection in self.injections:
             injection.named = self.heard.find(injection.named_by, injection.at)
         return {

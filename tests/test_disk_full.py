@@ -292,6 +292,35 @@ def test_the_agents_record_of_its_servers_waits_for_room(small_home: Path) -> No
     asyncio.run(main())
 
 
+def test_the_agents_status_says_its_disk_is_full_at_once(small_home: Path) -> None:
+    """A full disk under a fleet that logs nothing (the builtin server writes a line at
+    each restart, not each request) was seen by nothing: the chaos run's disk filled
+    after its trainings ended was named by no one, or by a record written late. The
+    agent's status (serve status, the dashboard) says it while it lasts."""
+    from fastapi.testclient import TestClient  # the serve extra's
+
+    from tpupod.serve.agent.server import make_app
+    from tpupod.serve.backends import Backend
+    from tpupod.serve.fleet.record import FleetRecord, ServerRecord
+    from tpupod.serve.fleet.status import fleet_status
+
+    auth = {"Authorization": "Bearer t"}
+    with TestClient(make_app(small_home, "t")) as client:
+        assert client.get("/admin/status", headers=auth).json()["disk_full"] is None
+        filler = fill(small_home)
+        answer = client.get("/admin/status", headers=auth).json()
+        assert answer["disk_full"] == str(small_home)
+        filler.unlink()
+        assert client.get("/admin/status", headers=auth).json()["disk_full"] is None
+    answer["servers"] = [{"name": "a", "ports": [1], "state": "ready", "pid": 5, "restarts": 0}]
+    servers = [ServerRecord(worker=0, host="h0", port=1, name="a")]
+    record = FleetRecord(
+        pod="p", model="m", backend=Backend.COMMAND, python="python3", servers=servers,
+        router_host="h0", router_port=9, token="t", started=0.0,
+    )  # fmt: skip
+    assert fleet_status(record, [answer], {}).servers[0].state == "ready, disk full"
+
+
 def _ctl(state: Path, *args: str) -> dict[str, Any]:
     """``python -m tpupod.serve.agent.ctl --state-dir STATE ARGS``: its JSON answer."""
     argv = [sys.executable, "-m", "tpupod.serve.agent.ctl", "--state-dir", str(state), *args]
@@ -399,7 +428,7 @@ def test_a_servers_output_goes_on_to_its_log_after_the_disk_was_full(
         return max((int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                     if line.rsplit(" ", 2)[-2:-1] == ["line"]), default=-1)  # fmt: skip
 
-    async def main() -> tuple[int, str]:
+    async def main() -> tuple[int, str, Any, Any]:
         server.start()
         log = server.log_path
         for _ in range(600):
@@ -408,6 +437,7 @@ def test_a_servers_output_goes_on_to_its_log_after_the_disk_was_full(
             await asyncio.sleep(0.05)
         filler = fill(small_home)
         await asyncio.sleep(1.0)  # lines come and find no room
+        while_full = server.status()["disk_full"]  # said where serve status shows it
         full = last_line(log.read_text())
         filler.unlink()
         for _ in range(200):
@@ -415,9 +445,12 @@ def test_a_servers_output_goes_on_to_its_log_after_the_disk_was_full(
             if last_line(log.read_text()) > full + 20:
                 break
         text = log.read_text()
+        after = server.status()["disk_full"]
         await server.stop(2.0)
-        return full, text
+        return full, text, while_full, after
 
-    full, text = asyncio.run(main())
+    full, text, while_full, after = asyncio.run(main())
     assert last_line(text) > full + 20, text[-2000:]  # lines written after there was room
     assert "line(s) lost: the disk under" in text, text[-2000:]
+    assert while_full["lines_lost"] > 0 and time.time() - while_full["since"] < 10, while_full
+    assert after is None

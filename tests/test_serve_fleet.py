@@ -229,6 +229,10 @@ def test_status_records_say_each_servers_state_and_why_a_worker_did_not_answer()
     unrecorded = fleet_status(record, agents, {**router, "restarts": 1, "record": full})
     assert (unrecorded.router_error, unrecorded.router_record) == (None, full)
     assert unrecorded.router_restarts == 1 and unrecorded.servers[0].requests == 3
+    # a server whose log's disk is full says so while it lasts (the log cannot)
+    agents[0]["servers"][0]["disk_full"] = {"since": 1.0, "lines_lost": 40}
+    state = fleet_status(record, agents, router).servers[0].state
+    assert state == "ready, disk full: 40 log lines lost"
 
 
 def test_restarts_wait_longer_each_time_and_a_router_keeps_its_port() -> None:

@@ -95,6 +95,14 @@ FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 ROOM_PROBE_BYTES = 256 * 1024  # a run's records and its next launch's first lines
 
 
+def full(folder: Path) -> bool:
+    """Whether ``folder``'s disk has less than ``ROOM_PROBE_BYTES`` left for an ordinary
+    writer (statvfs: nothing is written, so a status may ask it each time; a quota is not
+    seen, as :func:`no_room` sees it)."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize < ROOM_PROBE_BYTES
+
+
 def no_room(folder: Path) -> OSError | None:
     """Why ``folder``'s disk cannot take a few hundred KB now (full, or over quota), or
     None: a probe file is written, synced and removed."""

@@ -39,7 +39,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
-from tpupod.base import procfs
+from tpupod.base import files, procfs
 from tpupod.base.files import write_atomic
 from tpupod.serve import defaults, services
 from tpupod.serve.agent.supervisor import ManagedServer, tail
@@ -181,6 +181,9 @@ def make_app(state: Path, token: str) -> FastAPI:
             "pid": os.getpid(),
             "servers": servers,
             "restarts": services.restarts(state, "agent"),
+            # its logs and records cannot be written: said here at once (the log cannot
+            # say it, and a server that writes nothing would not notice for a while)
+            "disk_full": str(state) if files.full(state) else None,
         }
 
     @app.post("/admin/start", dependencies=auth)

@@ -99,6 +99,10 @@ class ManagedServer:
         self.last_exit: int | None = None
         # what the readiness poll last heard short of 200 (a 404: not an OpenAI server?)
         self.answer: str | None = None
+        # the log's disk is full: since when (time.time()), and the lines lost since; said
+        # by status (serve status, the dashboard) while it lasts, in the log once it is over
+        self.disk_full_since: float | None = None
+        self.lines_lost = 0
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -230,7 +234,10 @@ class ManagedServer:
         except OSError as exc:
             if exc.errno not in FULL_DISK:
                 raise
-            return lost + data.count(b"\n")
+            self.disk_full_since = self.disk_full_since or time.time()
+            self.lines_lost = lost + data.count(b"\n")
+            return self.lines_lost
+        self.disk_full_since, self.lines_lost = None, 0
         return 0
 
     @property
@@ -309,6 +316,11 @@ class ManagedServer:
             "uptime_s": round(uptime, 1) if uptime is not None else None,
             "last_exit": self.last_exit,
             "answer": self.answer if self.state is ServerState.STARTING else None,
+            "disk_full": (
+                {"since": self.disk_full_since, "lines_lost": self.lines_lost}
+                if self.disk_full_since is not None
+                else None
+            ),
             "log": tail(self.log_path, log_lines),
         }
 

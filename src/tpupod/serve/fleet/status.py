@@ -122,6 +122,9 @@ def _server(
     state = ", ".join([state, *(f"w{f}: {m}" for f, m in pairs if m != "ready")])
     if managed and seen.get("state") == "down":
         state = f"{state}, router: down"
+    if isinstance(agent, dict) and (agent.get("disk_full") or (managed or {}).get("disk_full")):
+        lost = ((managed or {}).get("disk_full") or {}).get("lines_lost")
+        state = f"{state}, disk full" + (f": {lost} log lines lost" if lost else "")
     restarted = by_process(managed) if managed else ()
     return ServerStatus(
         worker=s.worker,
