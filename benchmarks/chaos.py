@@ -27,10 +27,13 @@ directory's disk full for 20 s.
 
 The verdict, after the drain: training bit-identical (steps redone counted); jobs
 exactly once (lost / duplicated / unexpected, Jepsen's total-queue counts) with every
-finished job's stored log complete; requests (successes, failures by kind, the longest
-gap without a successful answer); each injection named in tpupod's own output (its
-processes' outputs and logs) within 10 s; after ``serve down``, ``down`` and the
-runners' stop, no process of the run left and a new ``up`` works.
+finished job's stored log complete, a job whose runner was killed while it ran counted
+apart where its work was done again by a later attempt (a rerun that can happen anyway,
+named by tpupod: the job may have done its work before the kill ended it); requests
+(successes, failures by kind, the longest gap without a successful answer); each
+injection named in tpupod's own output (its processes' outputs and logs, and what a user
+watching ``serve status`` sees of a full disk) within 10 s; after ``serve down``,
+``down`` and the runners' stop, no process of the run left and a new ``up`` works.
 """
 
 from __future__ import annotations
@@ -143,9 +146,20 @@ class Heard:
         for text in data[:end].decode(errors="replace").splitlines():
             self.add(name, text)
 
-    def find(self, pattern: re.Pattern[str], since: float) -> Line | None:
+    def find(
+        self, pattern: re.Pattern[str], since: float, sources: tuple[str, ...] = ()
+    ) -> Line | None:
+        """The first line since ``since`` that matches, from one of ``sources`` (a source's
+        name, or a folder's prefix ending in "/"; none: from any)."""
+
+        def where(x: Line) -> bool:
+            return not sources or any(
+                x.source.startswith(s) if s.endswith("/") else x.source == s for s in sources
+            )
+
         with self.lock:
-            return next((x for x in self.lines if x.t >= since and pattern.search(x.text)), None)
+            found = (x for x in self.lines if x.t >= since and where(x))
+            return next((x for x in found if pattern.search(x.text)), None)
 
     def matching(self, pattern: re.Pattern[str], source: str) -> list[str]:
         """The lines from ``source`` (exactly) that match."""
@@ -403,6 +417,16 @@ class Jobs:
         self.acked: dict[str, int] = {}  # key -> id, for each submit that printed an id
         self.refused: list[str] = []
         self.stopping = threading.Event()
+        # (job id, attempt) in flight in a runner the harness killed: its job may have done
+        # its work (appended its key) before it was ended, and its rerun is then a second
+        # run that can happen anyway, named by tpupod (the issue's words), not a duplicate
+        self.cut: set[tuple[int, int]] = set()
+
+    def cut_short(self, in_flight: str | None) -> None:
+        """Note the attempt a killed runner had in flight (``job N attempt A: started``)."""
+        found = re.match(r"job (\d+) attempt (\d+)", in_flight or "")
+        if found:
+            self.cut.add((int(found.group(1)), int(found.group(2))))
 
     def start_runner(self) -> None:
         self.started_runners += 1
@@ -435,7 +459,8 @@ class Jobs:
         self.submitter.start()
 
     def submit(self, key: str) -> None:
-        script = f"echo start {key}; sleep 0.5; echo {key} >> {self.ran}; echo done {key}"
+        ran = f"echo {key} $TPUPOD_JOB_ATTEMPT >> {self.ran}"  # which attempt did the work
+        script = f"echo start {key}; sleep 0.5; {ran}; echo done {key}"
         done = subprocess.run(
             [TPUPOD, "jobs", "submit", "--db", self.url, "--name", key, "--", "sh", "-c", script],
             env=self.env, capture_output=True, text=True, timeout=120, check=False,
@@ -464,7 +489,11 @@ class Jobs:
     def verdict(self) -> dict[str, Any]:
         from tpupod.jobs.store import Store  # the jobs extra; only the verdict needs it
 
-        ran = collections.Counter(self.ran.read_text().split())
+        runs = [line.split() for line in self.ran.read_text().splitlines() if line.strip()]
+        ran = collections.Counter(key for key, *_ in runs)
+        attempts = collections.defaultdict(list)  # key -> the attempts that did its work
+        for key, *attempt in runs:
+            attempts[key].append(int(attempt[0]) if attempt else 0)
         acked = set(self.acked)
         store = Store.open(self.url)
         try:
@@ -480,12 +509,23 @@ class Jobs:
                     reruns.append(job_id)
         finally:
             store.close()
+
+        def cut_then_rerun(key: str) -> bool:
+            """Every run of ``key`` but its last was an attempt cut by a runner's kill, and
+            the job was run again as a later attempt (tpupod names why: its runner lost)."""
+            job_id, done = self.acked.get(key), sorted(attempts[key])
+            if job_id is None or len(set(done)) < len(done):  # one attempt's work twice
+                return False
+            return all((job_id, a) in self.cut for a in done[:-1])
+
+        twice = [k for k, n in ran.items() if n > 1]
         return {
             "submitted": len(self.acked) + len(self.refused),
             "acknowledged": len(acked),
             "refused": len(self.refused),
             "lost": sorted(acked - set(ran)),
-            "duplicated": sorted(k for k, n in ran.items() if n > 1),
+            "duplicated": sorted(k for k in twice if not cut_then_rerun(k)),
+            "run_again_after_a_cut": sorted(k for k in twice if cut_then_rerun(k)),
             "unexpected": sorted(set(ran) - acked - set(self.refused)),
             "ran_though_refused": sorted(set(ran) & set(self.refused)),
             "statuses": dict(statuses),
@@ -523,6 +563,9 @@ class Injection:
     target: str
     named_by: re.Pattern[str]  # a line of tpupod's that names it
     named: Line | None = None
+    # where that line may come from (a source, or a folder's prefix ending in "/"); empty:
+    # anywhere. A worker's kill is named by its own training's run, not the other pod's.
+    sources: tuple[str, ...] = ()
 
     def row(self, start: float) -> str:
         return f"{self.at - start:7.1f}s  {self.kind:<9} {self.target[:70]}"
@@ -661,8 +704,17 @@ class Chaos:
             return None
         training = self.rng.choice(trainings)
         procs = having(str(TRAIN), str(training.ckpt))  # local or under a simulated sshd
-        proc = kill([p for p in procs if _runs(p, str(TRAIN))], self.rng)
-        return proc and injected("worker", f"{training.name} {describe(proc)}", NAMED["worker"])
+        # its own: ".../ckpt-chaos" is also the start of the SSH pod's ".../ckpt-chaos-ssh"
+        # (the 15-minute run's seed 3 killed the SSH pod's worker as the local pod's)
+        mine = [p for p in procs if _runs(p, str(TRAIN)) and _argv_has(p, str(training.ckpt))]
+        if not mine:
+            return None
+        proc = self.rng.choice(mine)
+        target = f"{training.name} {describe(proc)}"  # before: a local one's is gone after
+        if kill([proc], self.rng) is None:
+            return None
+        own = (f"run {training.name}", f"pods/{training.name}/")
+        return injected("worker", target, NAMED["worker"], own)
 
     def kill_launcher(self) -> Injection | None:
         training = self.rng.choice(self.trainings)
@@ -693,8 +745,10 @@ class Chaos:
         if not busy:
             return None
         runner = self.rng.choice(busy)
+        in_flight = self.jobs.busy(runner)
         runner.send_signal(signal.SIGKILL)
-        return injected("runner", f"pid {runner.pid} ({self.jobs.busy(runner)})", NAMED["runner"])
+        self.jobs.cut_short(in_flight)
+        return injected("runner", f"pid {runner.pid} ({in_flight})", NAMED["runner"])
 
     def stop_postgres(self) -> Injection | None:
         pg = self.pg
@@ -778,7 +832,7 @@ class Chaos:
         self.clients.stop()
         self.watching.set()
         for injection in self.injections:
-            injection.named = self.heard.find(injection.named_by, injection.at)
+            injection.named = self.heard.find(injection.named_by, injection.at, injection.sources)
         return {
             "training": {
                 t.name: {
@@ -843,14 +897,22 @@ class Chaos:
         return found
 
 
-def injected(kind: str, target: str, named_by: str) -> Injection:
-    return Injection(time.monotonic(), kind, target, re.compile(named_by, re.IGNORECASE))
+def injected(kind: str, target: str, named_by: str, sources: tuple[str, ...] = ()) -> Injection:
+    pattern = re.compile(named_by, re.IGNORECASE)
+    return Injection(time.monotonic(), kind, target, pattern, sources=sources)
 
 
 def _runs(proc: psutil.Process, script: str) -> bool:
     """``proc`` is a python running ``script`` (not a shell whose command line names it)."""
     with contextlib.suppress(psutil.Error):
         return bool(proc.cmdline()[1:2] == [script])
+    return False
+
+
+def _argv_has(proc: psutil.Process, word: str) -> bool:
+    """``word`` is one of ``proc``'s arguments, whole."""
+    with contextlib.suppress(psutil.Error):
+        return word in proc.cmdline()
     return False
 
 
