@@ -315,3 +315,48 @@ def test_a_worker_unreachable_at_a_launchs_preflight_is_a_lost_worker_not_a_prog
 
     assert asyncio.run(main()) == 1
     assert len(launches) == 2
+
+
+@pytest.mark.timeout(240)
+def test_resume_says_at_once_which_worker_did_not_answer_the_stop_of_what_was_left(
+    make_ssh_pod: Callable[..., Pod], sim_hosts_up: SimPod, state_home: Path
+) -> None:
+    """The chaos harness's seed 4: the launcher was killed while host-0's link was down,
+    and the `run --resume` that followed stopped what the earlier attempt had left on every
+    worker, waited out the host that did not answer and said nothing: nothing named the cut
+    until the link was back, 18 s later. The resume names the worker at once (within the
+    connect timeout), says what it means, and goes on once the host is back."""
+    pod = make_ssh_pod(2)
+    w0 = next(h.index for h in sim_hosts_up.hosts if h.address == pod.workers[0].internal_address)
+    run = popen("run", "--pod", pod.name, "--retries", "3", "--", PYTHON, "-c", PORT_HOLDER)
+    resumed: subprocess.Popen[str] | None = None
+    assert run.stdout is not None
+    try:
+        for line in run.stdout:
+            if "holding 8476" in line:
+                break
+        run.kill()  # the launcher, kill -9; its workers go on
+        run.communicate(timeout=10)
+        run_id = record_of(state_home, pod)["run_id"]
+        sim_hosts_up.unplug(w0)
+        resumed = popen("run", "--pod", pod.name, "--resume", run_id)
+        assert resumed.stderr is not None
+        began, said = time.monotonic(), ""
+        for line in resumed.stderr:
+            if "did not answer" in line:
+                said = line
+                break
+        took = time.monotonic() - began
+        sim_hosts_up.plug(w0)
+        assert said, "nothing said"
+        assert took < 12, (took, said)
+        assert "w0" in said and "attempt 1" in said, said
+        out, err = resumed.communicate(timeout=180)
+    finally:
+        sim_hosts_up.plug(w0)
+        for proc in (run, resumed):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert resumed.returncode == 0, err
+    assert "[w0] attempt" in out and "done" in out, out

@@ -7,7 +7,9 @@ the accelerator or a checkpoint's files, and the next attempt's preflight refuse
 host as if the program had failed. Every process of an attempt carries its launch's
 ``TPUPOD_LAUNCH_ID`` (``tpupod run`` puts it in each worker's environment; children
 inherit it), so each worker kills, by ``/proc``, the processes of the run's earlier
-launches: never another run's, another state directory's or a user's.
+launches: never another run's, another state directory's or a user's. A worker that does
+not answer is named at once (a resumed launcher that waited on it silently left a cut link
+unnamed until it was back); what it runs is stopped before a later attempt, once it answers.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
+from tpupod.base.plain import Plain
 from tpupod.errors import TpupodError
 from tpupod.fanout.execute import execute_async
-from tpupod.fanout.results import FanoutResult
+from tpupod.fanout.results import FanoutResult, place
 from tpupod.pod.record import Pod
 
-TIMEOUT_S = 20.0  # a worker that does not answer is the next launch's to report
+TIMEOUT_S = 20.0
 
 # One line per launch with processes found: "LAUNCH_ID COUNT". Each match is killed
 # at once (SIGKILL): a program of an attempt that already ended has nothing to save. The
@@ -54,21 +57,37 @@ def leftovers_script(launch_ids: Sequence[str]) -> str:
     return SCRIPT.format(patterns=patterns, polls=WAIT_S * 10)
 
 
-async def stop_leftovers(pod: Pod, launch_ids: Sequence[str]) -> dict[str, dict[str, int]]:
-    """Kill the processes of ``launch_ids`` on every worker that answers: for each worker
-    label where some were found, launch id -> how many."""
+class Stopped(Plain):
+    """What :func:`stop_leftovers` did: ``found``, for each worker label where processes
+    were found, launch id -> how many killed; ``silent``, each worker that did not answer
+    (``w0 (host-0)``) -> why; ``failed``, why the whole stop could not be tried."""
+
+    __slots__ = ("failed", "found", "silent")
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[str, int]] = {}
+        self.silent: dict[str, str] = {}
+        self.failed = ""
+
+
+async def stop_leftovers(pod: Pod, launch_ids: Sequence[str]) -> Stopped:
+    """Kill the processes of ``launch_ids`` on every worker that answers."""
+    stopped = Stopped()
     if not launch_ids:
-        return {}
+        return stopped
     try:
         result: FanoutResult = await execute_async(
             pod, leftovers_script(launch_ids), timeout=TIMEOUT_S
         )
-    except TpupodError:
-        return {}  # the next launch's preflight names what does not answer
-    found: dict[str, dict[str, int]] = {}
+    except TpupodError as exc:
+        stopped.failed = str(exc).splitlines()[0]
+        return stopped
     for worker in result.workers:
+        if not worker.ok and not worker.tail:
+            why = worker.error or worker.outcome_text()
+            stopped.silent[f"{worker.worker.label} ({place(worker.worker)})"] = why
         for line in worker.tail:
             launch, _, count = line.partition(" ")
             if launch in launch_ids and count.isdigit():
-                found.setdefault(worker.worker.label, {})[launch] = int(count)
-    return found
+                stopped.found.setdefault(worker.worker.label, {})[launch] = int(count)
+    return stopped

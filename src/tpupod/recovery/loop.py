@@ -106,9 +106,9 @@ class Recovery:
             (resumed and unfinished) or await self._needs_new_tpu(resumed)
         )
         while True:
-            await self._stop_leftovers()
+            silent = await self._stop_leftovers(waits=not recreate_next)
             attempt = self.record.begin_attempt()
-            ending = await self._attempt(recreate_next, resumed=attempt.attempt > 1)
+            ending = silent or await self._attempt(recreate_next, resumed=attempt.attempt > 1)
             attempt.cause, attempt.exit_code, attempt.detail = (
                 ending.cause.value,
                 ending.exit_code,
@@ -137,16 +137,36 @@ class Recovery:
             if not recreate_next:
                 await self._free_accelerator()
 
-    async def _stop_leftovers(self) -> None:
+    async def _stop_leftovers(self, *, waits: bool = True) -> Ending | None:
         """Before each attempt after the first (and a resumed run's): what the earlier
-        attempts left running on the workers is killed (see recovery/leftovers.py)."""
+        attempts left running on the workers is killed (see recovery/leftovers.py). A
+        worker that does not answer is named at once and probed within the budget (the
+        attempt would otherwise start beside what was left there, if its host came back in
+        between); still silent at the end: the attempt's ending, lost and not rerun. Not
+        where the hosts are made again (``waits`` False: a preempted TPU's are gone)."""
         attempts = {a.launch_id: a.attempt for a in self.record.attempts if a.launch_id}
-        found = await stop_leftovers(self.pod, list(attempts))
-        for label, launches in found.items():
+        stopped = await stop_leftovers(self.pod, list(attempts))
+        for label, launches in stopped.found.items():
             for launch_id, count in launches.items():
                 self.notice(
                     f"stopped {count} process(es) attempt {attempts[launch_id]} left on {label}"
                 )
+        if not waits or not (stopped.silent or stopped.failed):
+            return None
+        earlier = ", ".join(map(str, sorted(attempts.values())))
+        what = f"what attempt{'s' if len(attempts) > 1 else ''} {earlier} left"
+        for worker, why in stopped.silent.items():
+            self.notice(
+                f"{worker} did not answer the stop of {what} there ({why}): "
+                "waiting for it before the next attempt"
+            )
+        if stopped.failed:
+            self.notice(f"could not stop {what}: {stopped.failed}")
+        who = ", ".join(w.split(" ")[0] for w in stopped.silent) or "a worker"
+        ending = await self._silent(who, f" when stopping {what}")
+        if ending.silent:
+            return ending
+        return await self._stop_leftovers()
 
     def _save(self) -> None:
         """The record to its file; on a full disk it is said and left for the next save
