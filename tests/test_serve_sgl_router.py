@@ -15,15 +15,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import free_base_port, openai_client, pod_processes, tpupod_argv
+from tests.conftest import (
+    CliResult,
+    free_base_port,
+    openai_client,
+    pod_processes,
+    tpupod_argv,
+)
 from tpupod.errors import UsageError
+from tpupod.pod.record import Pod
 from tpupod.serve.backends import Backend
 from tpupod.serve.fleet.record import up_options
 from tpupod.serve.router.sgl import RETRIES, sgl_argv
@@ -74,6 +81,19 @@ def test_each_router_takes_its_own_policies_and_sgl_defaults_to_cache_aware() ->
         up_options("command", None, "sgl", model="m", hold=5.0)
     with pytest.raises(UsageError, match="--hold -1"):
         up_options("command", None, model="m", hold=-1.0)
+
+
+def test_hold_given_with_the_sgl_router_is_refused_even_at_the_builtins_default(
+    make_pod: Callable[..., Pod], cli: Callable[..., CliResult]
+) -> None:
+    """A new user's trial: `serve up --router sgl --hold 30` was taken, 30 being the
+    builtin router's default, though sgl-router holds nothing."""
+    pod = make_pod(1)
+    refused = cli("serve", "up", "--pod", pod.name, "--router", "sgl", "--hold", "30",
+                  "--backend", "command", "--model", "m", "--command", "serve {port}")  # fmt: skip
+    assert refused.code == 2, refused
+    assert "--hold 30 is the builtin router's" in refused.err, refused.err
+    assert up_options("command", None, "sgl", model="m").hold == 30.0  # not given: fine
 
 
 def test_sgl_routers_command_line_retries_and_binds_metrics_to_the_internal_address() -> None:

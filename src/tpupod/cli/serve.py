@@ -139,13 +139,15 @@ def up(
         float, typer.Option("--restart-backoff", help="First wait before a restart (doubles).")
     ] = defaults.RESTART_BACKOFF_S,
     hold: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--hold",
             help="Seconds the builtin router holds a request no server can take now (every "
-            "one restarting), trying again as they come back; 0: 503 at once.",
+            "one restarting), trying again as they come back; 0: 503 at once. "
+            f"[default: {defaults.ROUTER_HOLD_S:g}]",
+            show_default=False,
         ),
-    ] = defaults.ROUTER_HOLD_S,
+    ] = None,
     hosts_per_replica: Annotated[
         int,
         typer.Option(

@@ -113,14 +113,15 @@ def up_options(
         chosen = Backend(backend)
     except ValueError as exc:
         raise UsageError(str(exc), hint="see 'tpupod serve up --help'") from None
-    options = UpOptions(backend=chosen, policy=policy, router=router, **given)
-    if not 0 <= options.hold <= 3600 or (
-        router == "sgl" and options.hold != defaults.ROUTER_HOLD_S
-    ):
+    hold = given.pop("hold", None)  # None: not given (sgl-router holds nothing)
+    if hold is not None and (not 0 <= hold <= 3600 or router == "sgl"):
         raise UsageError(
-            f"--hold {options.hold:g}" + (" is the builtin router's" if router == "sgl" else ""),
+            f"--hold {hold:g}" + (" is the builtin router's" if router == "sgl" else ""),
             hint="seconds from 0 (503 at once) to 3600, with --router builtin",
         )
+    if hold is not None:
+        given["hold"] = hold
+    options = UpOptions(backend=chosen, policy=policy, router=router, **given)
     _check_ports(options)
     return options
 

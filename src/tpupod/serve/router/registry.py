@@ -4,7 +4,10 @@ Health comes from two sides:
 
 * active checks: ``GET /health`` every ``interval`` s; ``fall`` failures in a
   row mark a backend down, ``rise`` successes up again. A refused connection
-  (nothing listens: the process is gone) marks it down at once.
+  (nothing listens: the process is gone) marks it down at once. A backend that is
+  down or between states is checked every ``FAST_CHECK_S`` (HAProxy's ``fastinter``):
+  one that serves again after a restart counts up within a second, not ``rise``
+  intervals later (a new user read 'router: down' in ``serve status`` for ~3 s).
 * passive ejection: the router reports each request's end. A connect error or
   a 5xx counts as a failure of the backend's circuit breaker; ``eject_after``
   of them in a row open it for ``cooldown`` s (no traffic), after which one
@@ -55,6 +58,7 @@ class Health(enum.StrEnum):
 # header holds a digest of their addresses) is begun anew; ctl removes the file when a
 # new fleet's router starts.
 
+FAST_CHECK_S = 0.5  # health checks of a backend that is down or between states
 MAGIC = b"tpupod router counts 1\n"
 FIELDS = ("requests", "failures", "completion_tokens")  # per backend, in this order
 WIDTH = 8  # bytes of a count
@@ -135,6 +139,7 @@ class Backend:
     last_error: str | None = None
     silent: bool = False  # its last health check timed out (a stopped process, a cut link)
     changed_at: float = field(default_factory=time.time)
+    next_check: float = 0.0  # monotonic: when its next health check is due
     token_window: list[tuple[float, int]] = field(default_factory=list)
 
     requests = Counted("requests")
@@ -287,8 +292,21 @@ class Registry:
     async def run_checks(self, session: aiohttp.ClientSession) -> None:
         while True:
             started = time.monotonic()
-            await asyncio.gather(*(self.check(session, b) for b in self.backends.values()))
-            await asyncio.sleep(max(0.0, self.policy.interval - (time.monotonic() - started)))
+            due = [b for b in self.backends.values() if b.next_check <= started]
+            await asyncio.gather(*(self.check_due(session, b, started) for b in due))
+            soonest = min((b.next_check for b in self.backends.values()), default=0.0)
+            soonest = soonest or started + self.policy.interval
+            await asyncio.sleep(max(0.0, soonest - time.monotonic()))
+
+    async def check_due(
+        self, session: aiohttp.ClientSession, backend: Backend, started: float
+    ) -> None:
+        """One check, and when the next is due: sooner while the backend is down or
+        between states."""
+        await self.check(session, backend)
+        changing = backend.health is Health.DOWN or backend.checks_failed > 0
+        every = min(self.policy.interval, FAST_CHECK_S) if changing else self.policy.interval
+        backend.next_check = started + every
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self._task = asyncio.create_task(self.run_checks(session))

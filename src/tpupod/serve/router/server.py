@@ -293,10 +293,17 @@ class Router:
             if self.stopping:
                 break
             answer = await self.round(request, body, headers) or answer
+        if self.stopping and unavailable(answer):
+            return openai_error(
+                503,
+                "the router is stopping, and no backend could take the request",
+                "server_error",
+                "router_stopping",
+            )
         return answer
 
     def stop_holding(self) -> None:
-        """The router is stopping: held requests get their last answer (or 503) now."""
+        """The router is stopping: held requests get a 503 that says so, now."""
         self.stopping = True
         self.registry.wake()
 
@@ -320,9 +327,7 @@ class Router:
         try:
             return await self._attempt(request, backend, body, headers, tally)
         except asyncio.CancelledError:
-            # the client left: not the backend's fault
-            self.registry.end(backend, ok=True, tokens=tally.tokens)
-            self.count(backend, "200" if tally.done else "client_gone")
+            self.client_left(backend, tally)
             raise
 
     async def _attempt(
@@ -375,6 +380,12 @@ class Router:
             child = self._counted[key] = self.metrics.requests.labels(*key)
         child.inc()
 
+    def client_left(self, backend: Backend, tally: StreamTally) -> None:
+        """The visit ends with the tokens sent: not the backend's fault (a ``200`` where
+        ``[DONE]`` had passed)."""
+        self.registry.end(backend, ok=True, tokens=tally.tokens)
+        self.count(backend, "200" if tally.done else "client_gone")
+
     def _failed(self, backend: Backend, status: int, message: str) -> web.Response:
         self.count(backend, status)
         return openai_error(status, message, "server_error", "backend_unavailable")
@@ -394,9 +405,8 @@ class Router:
                 await out.write(chunk)
         except upstream.Dropped as exc:
             ok, error = False, str(exc)
-        except ConnectionResetError:  # the client left between two chunks
-            self.registry.end(backend, ok=True, tokens=tally.tokens)
-            self.count(backend, "200" if tally.done else "client_gone")
+        except ConnectionResetError:  # between two chunks
+            self.client_left(backend, tally)
             return out
         if not tally.done:
             ok = False
