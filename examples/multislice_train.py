@@ -105,6 +105,7 @@ for i in range(start, args.steps):
         print(f"step {i} loss {float(loss.addressable_data(0)):.9f}", flush=True)
     if args.step_seconds:
         time.sleep(args.step_seconds)
+    tpupod.heartbeat(i)  # the run's progress: hang rules, status, goodput (a no-op outside)
     if manager is not None and manager.should_save(i):  # the interval, and a preemption
         manager.save(i, args=ocp.args.StandardSave(state))
     if manager is not None and manager.reached_preemption(i):

@@ -93,6 +93,7 @@ for step in range(start, args.steps):
         import time
 
         time.sleep(args.step_seconds)
+    tpupod.heartbeat(step)  # the run's progress: hang rules, status, goodput (a no-op outside)
     if manager.should_save(step):  # every --save-every steps, and at the preemption sync point
         manager.save(step, args=ocp.args.StandardSave(params))
     if manager.reached_preemption(step):

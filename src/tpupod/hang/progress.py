@@ -8,7 +8,8 @@ timeout, so a slow host is seen before the whole run stops.
 
 The state goes to the run's ``progress.json`` (at most every ``SAVE_S``): each worker's
 step, steps/s and seconds since its last progress, which ``tpupod status``, the summary
-and the dashboard read.
+and the dashboard read, and its first and last heartbeats (wall time, step), from which
+a ``--retries`` run's goodput is counted (recovery/goodput.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tpupod.base.files import write_atomic
 from tpupod.hang.heartbeat import MARKER
@@ -34,6 +36,7 @@ class WorkerProgress:
     last: float  # monotonic time of its last progress
     step: int | None = None  # its heartbeat's last step (None: no heartbeat yet)
     beats: list[tuple[float, int]] = field(default_factory=list)  # (wall time, step)
+    first: tuple[float, int] | None = None  # its first heartbeat (wall time, step): goodput
     straggling: bool = False  # named as a straggler already
     ended: bool = False  # its program said its last step (a normal exit)
 
@@ -138,6 +141,8 @@ class Progress:
                     "step": s.step,
                     "steps_per_s": s.rate,
                     "last_progress": wall - (now - s.last),
+                    "first": s.first,
+                    "last": s.beats[-1] if s.beats else None,
                 }
                 for w, s in self.workers.items()
             },
@@ -160,12 +165,14 @@ def _beat(state: WorkerProgress, found: re.Match[str], now: float) -> None:
         state.last = now
         state.straggling = False
     state.step = step
+    state.first = state.first or (at, step)
     state.beats = [*state.beats[-(RATE_WINDOW - 1) :], (at, step)]
 
 
-def read(run_dir: Path) -> dict[int, dict[str, float | int | None]]:
+def read(run_dir: Path) -> dict[int, dict[str, Any]]:
     """A run's ``progress.json``: worker id -> step, steps_per_s, last_progress (wall
-    time); empty when the run has none (no heartbeat, or an older run)."""
+    time), first and last (heartbeats: [wall time, step]); empty when the run has none
+    (no heartbeat, or an older run)."""
     try:
         data = json.loads((run_dir / PROGRESS_FILE).read_text())
         return {int(w): dict(v) for w, v in data["workers"].items()}

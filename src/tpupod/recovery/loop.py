@@ -33,6 +33,7 @@ from tpupod.pod.spec import GcpPodSpec
 from tpupod.pod.state import StateDir
 from tpupod.providers import GONE, provider_for
 from tpupod.recovery import confirm
+from tpupod.recovery.goodput import account
 from tpupod.recovery.leftovers import stop_leftovers
 from tpupod.recovery.policy import Cause, Counters, RetryPolicy, counted
 from tpupod.recovery.record import RecoveryRecord
@@ -299,6 +300,7 @@ class Recovery:
             attempt.launch_id = launch_id
             self._save()
 
+        attempt.launched = time.time()
         try:
             launch_id, result = await timed(phases, "run", self.launch(self.pod, env, inner, began))
         finally:
@@ -490,8 +492,12 @@ class Recovery:
             code = 1
         self.record.exit_code = code
         self.record.phase = ""
+        goodput = account(self.record, time.time())
+        self.record.goodput = goodput.to_json() if goodput is not None else None
         self._save()
         self.notice(f"{self.record.headline()}; {self.counters.describe()}")
+        if goodput is not None:
+            self.notice(f"run {self.record.run_id}: {goodput.describe()}")
         if ending.cause is Cause.PREEMPTED:
             await delete_what_recovery_made(self.record, self.pod, self.state, self.notice)
         if ending.error is not None:

@@ -26,6 +26,7 @@ from tpupod.errors import StateError, UsageError
 from tpupod.pod import users as podusers
 from tpupod.pod.names import new_launch_id
 from tpupod.pod.state import StateDir
+from tpupod.recovery.goodput import Goodput
 
 RECORD_FILE = "recovery.json"
 CANCEL_FILE = "cancel-requested"
@@ -42,6 +43,7 @@ class AttemptRecord:
     exit_code: int | None = None
     detail: str = ""
     ended: float | None = None
+    launched: float | None = None  # when its launch began (wall time): goodput's start
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RecoveryRecord:
     exit_code: int | None = None
     counters: dict[str, int] = field(default_factory=dict)
     attempts: list[AttemptRecord] = field(default_factory=list)
+    goodput: dict[str, Any] | None = None  # at its end (recovery/goodput.py)
     path: Path = Path()
 
     @classmethod
@@ -176,6 +179,8 @@ class RecoveryRecord:
             code = "" if a.exit_code is None else f", exit {a.exit_code}"
             parts = [f"attempt {a.attempt}: {cause}{code}", f"launch {a.launch_id or '-'}", phases]
             rows.append("; ".join(part for part in parts if part))
+        if self.goodput:
+            rows.append(Goodput.from_json(self.goodput).describe())
         return rows
 
 
