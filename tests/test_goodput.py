@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult
+from tpupod.dashboard.runs import find_retried
 from tpupod.pod.record import Pod
 from tpupod.pod.state import StateDir
 from tpupod.recovery.goodput import account
@@ -98,3 +99,6 @@ def test_a_retries_run_ends_with_its_goodput_and_keeps_it_in_its_record(
     assert kept["productive_s"] + sum(kept["badput_s"].values()) == pytest.approx(kept["wall_s"])
     status = cli("status", "--pod", pod.name)
     assert "goodput" in status.out and "19 steps in" in status.out, status.out
+    shown = find_retried(StateDir(), path.parent.name)  # the dashboard's run page
+    assert shown is not None and len(shown["attempts"]) == 2, shown
+    assert shown["goodput"].startswith("goodput "), shown

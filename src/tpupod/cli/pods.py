@@ -429,7 +429,8 @@ def status(
         for run in standings:
             print("\n".join(run.lines()))
         if recovery is not None:
-            print("\n  ".join([recovery.headline(), *recovery.lines()]))
+            told = [recovery.headline(), *recovery.lines(), recovery.goodput_line()]
+            print("\n  ".join(line for line in told if line))
         if found.advice:
             print(f"hint: {found.advice}", file=sys.stderr)
     if not found.healthy:

@@ -136,6 +136,7 @@ def recovery_summary(record: RecoveryRecord) -> dict[str, Any]:
         "first_failure": None,
         "job": None,
         "attempts": record.lines(),
+        "goodput": record.goodput_line(),
         "attempt_rows": [
             {
                 "attempt": a.attempt,

@@ -179,9 +179,11 @@ class RecoveryRecord:
             code = "" if a.exit_code is None else f", exit {a.exit_code}"
             parts = [f"attempt {a.attempt}: {cause}{code}", f"launch {a.launch_id or '-'}", phases]
             rows.append("; ".join(part for part in parts if part))
-        if self.goodput:
-            rows.append(Goodput.from_json(self.goodput).describe())
         return rows
+
+    def goodput_line(self) -> str | None:
+        """``goodput 71%: 998 steps in ...`` of a run that ended with heartbeats, else None."""
+        return Goodput.from_json(self.goodput).describe() if self.goodput else None
 
 
 def _holding(pod: str, run_id: str) -> tuple[str, str]:
