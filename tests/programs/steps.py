@@ -49,6 +49,8 @@ for step in range(start, steps):
         os.replace(tmp, ckpt / f"{step}.ckpt")
     with (ckpt / f"steps-w{worker}.log").open("a") as log:
         log.write(f"{step} {time.time():.3f}\n")
+    if os.environ.get("TPUPOD_RENDEZVOUS"):
+        tpupod.heartbeat(step)  # the run's goodput (a marker the launcher takes out)
     if stop:
         print(f"worker {worker}: SIGTERM, saved step {step}", flush=True)
         sys.exit(143)

@@ -137,6 +137,7 @@ def recovery_summary(record: RecoveryRecord) -> dict[str, Any]:
         "job": None,
         "attempts": record.lines(),
         "goodput": record.goodput_line(),
+        "elastic": record.elastic_lines(),
         "attempt_rows": [
             {
                 "attempt": a.attempt,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from tpupod import settings
@@ -22,7 +22,7 @@ from tpupod.errors import TpupodError
 from tpupod.fanout.context import NoticeHandler
 from tpupod.fanout.execute import execute_async
 from tpupod.fanout.results import Outcome
-from tpupod.pod.record import Pod
+from tpupod.pod.record import Pod, Worker
 from tpupod.providers import GONE, Connector, provider_for
 from tpupod.recovery.policy import RetryPolicy
 
@@ -73,11 +73,25 @@ async def with_budget(
         return found
 
 
-async def api_state(pod: Pod, policy: RetryPolicy, notice: NoticeHandler) -> str | None:
+async def api_state(
+    pod: Pod, policy: RetryPolicy, notice: NoticeHandler, slices: Sequence[int] | None = None
+) -> str | None:
     """The TPU's state as the API reports it, or None (no answer within the budget, or a
-    provider without a cloud state)."""
+    provider without a cloud state). ``slices``: of those slices only (an elastic run's,
+    while another is made again)."""
+    return await with_budget(lambda: state_of(pod, slices), policy, "TPU state", notice)
+
+
+async def state_of(pod: Pod, slices: Sequence[int] | None = None) -> str | None:
+    """The TPU's state read once; ``slices``: the worst of those slices' (separate TPUs)."""
     provider = provider_for(pod.provider)
-    return await with_budget(lambda: provider.live_state(pod), policy, "TPU state", notice)
+    if slices is None:
+        return await provider.live_state(pod)
+    from tpupod.providers.gcp import GcpProvider  # separate TPU slices only: the gcp extra
+    from tpupod.providers.gcp_api import worst_state  # as above
+
+    states = await GcpProvider().slice_states(pod)
+    return worst_state([states[k] for k in slices])
 
 
 _METADATA_SCRIPT = (
@@ -88,28 +102,40 @@ _METADATA_SCRIPT = (
 METADATA_READ = "python3 -c " + shlex.quote(_METADATA_SCRIPT) + " "
 
 
-async def metadata_preempted(pod: Pod, connector: Connector) -> list[int]:
+async def metadata_preempted(
+    pod: Pod, connector: Connector, workers: Sequence[Worker] | None = None
+) -> list[int]:
     """The workers whose metadata server answers ``instance/preempted`` TRUE (those that
     answer at all: a worker taken away says nothing, and that alone proves nothing)."""
     command = METADATA_READ + shlex.quote(settings.metadata_url())
-    result = await execute_async(pod, command, connector=connector, timeout=METADATA_TIMEOUT_S)
+    result = await execute_async(
+        pod, command, workers=workers, connector=connector, timeout=METADATA_TIMEOUT_S
+    )
     return [r.worker.id for r in result.workers if r.outcome is Outcome.OK and "TRUE" in r.tail]
 
 
 async def reachable(
-    pod: Pod, connector: Connector, timeout: float = METADATA_TIMEOUT_S
+    pod: Pod,
+    connector: Connector,
+    timeout: float = METADATA_TIMEOUT_S,
+    workers: Sequence[Worker] | None = None,
 ) -> list[int]:
-    """The workers that do not answer a plain command within ``timeout``."""
-    result = await execute_async(pod, "true", connector=connector, timeout=timeout)
+    """The workers (of ``workers``: all) that do not answer a plain command in ``timeout``."""
+    result = await execute_async(pod, "true", workers=workers, connector=connector, timeout=timeout)
     return [r.worker.id for r in result.workers if r.outcome is not Outcome.OK]
 
 
 async def wait_reachable(
-    pod: Pod, connector: Connector, policy: RetryPolicy, notice: NoticeHandler
+    pod: Pod,
+    connector: Connector,
+    policy: RetryPolicy,
+    notice: NoticeHandler,
+    workers: Sequence[Worker] | None = None,
 ) -> list[int]:
-    """Probe the workers with backoff for the budget; those still silent at its end."""
+    """Probe the workers (``workers``: all) with backoff for the budget; those still silent
+    at its end."""
     started = time.monotonic()
-    silent = await reachable(pod, connector)
+    silent = await reachable(pod, connector, workers=workers)
     tries = 1
     while silent and (delay := another_try(policy, tries, started)) is not None:
         names = ", ".join(f"w{w}" for w in silent)
@@ -117,17 +143,21 @@ async def wait_reachable(
         await asyncio.sleep(delay)
         # the last probe ends with the budget, not a probe's timeout past it
         left = policy.probe_s - (time.monotonic() - started)
-        silent = await reachable(pod, connector, max(1.0, min(METADATA_TIMEOUT_S, left)))
+        timeout = max(1.0, min(METADATA_TIMEOUT_S, left))
+        silent = await reachable(pod, connector, timeout, workers)
         tries += 1
     return silent
 
 
 async def watch(
-    pod: Pod, interval: float, on_preempted: Callable[[str], None], stopped: asyncio.Event
+    pod: Pod,
+    interval: float,
+    on_preempted: Callable[[str], None],
+    stopped: asyncio.Event,
+    slices: Sequence[int] | None = None,
 ) -> None:
     """Read the TPU's state every ``interval`` seconds during an attempt; tell
     ``on_preempted`` once the API says it was preempted. A failed read is skipped."""
-    provider = provider_for(pod.provider)
     while not stopped.is_set():
         try:
             await asyncio.wait_for(stopped.wait(), interval)
@@ -135,7 +165,7 @@ async def watch(
         except TimeoutError:
             pass
         try:
-            state = await provider.live_state(pod)
+            state = await state_of(pod, slices)
         except TpupodError:
             continue  # the API failed: that alone says nothing
         if state in PREEMPTED_STATES:

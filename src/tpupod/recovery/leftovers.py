@@ -21,7 +21,7 @@ from tpupod.base.plain import Plain
 from tpupod.errors import TpupodError
 from tpupod.fanout.execute import execute_async
 from tpupod.fanout.results import FanoutResult, place
-from tpupod.pod.record import Pod
+from tpupod.pod.record import Pod, Worker
 
 TIMEOUT_S = 20.0
 
@@ -69,13 +69,16 @@ class Stopped(Plain):
         self.failed = ""
 
 
-async def stop_leftovers(pod: Pod, launch_ids: Sequence[str]) -> Stopped:
-    """Kill the processes of ``launch_ids`` on every worker that answers."""
+async def stop_leftovers(
+    pod: Pod, launch_ids: Sequence[str], workers: Sequence[Worker] | None = None
+) -> Stopped:
+    """Kill the processes of ``launch_ids`` on every worker (of ``workers``: all) that
+    answers."""
     stopped = Stopped()
     if not launch_ids:
         return stopped
     # a local pod's workers are this machine's processes: one of them looks for all
-    where = pod.workers[:1] if pod.provider == "local" else None
+    where = pod.workers[:1] if pod.provider == "local" else workers
     try:
         result: FanoutResult = await execute_async(
             pod, leftovers_script(launch_ids), workers=where, timeout=TIMEOUT_S

@@ -28,21 +28,22 @@ from tpupod.fanout.context import Interrupt, NoticeHandler
 from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
 from tpupod.fanout.worker import LineHandler
 from tpupod.ops.free_tpu import free_tpu
-from tpupod.pod.record import Pod
+from tpupod.pod.record import Pod, Worker
 from tpupod.pod.spec import GcpPodSpec
 from tpupod.pod.state import StateDir
 from tpupod.providers import GONE, provider_for
-from tpupod.recovery import confirm
+from tpupod.recovery import confirm, elastic
+from tpupod.recovery.elastic import Regrowth
 from tpupod.recovery.goodput import account
 from tpupod.recovery.leftovers import stop_leftovers
 from tpupod.recovery.policy import Cause, Counters, RetryPolicy, counted
 from tpupod.recovery.record import RecoveryRecord
 from tpupod.recovery.replace import lost_slices, recreate, rerun_setup, timed
 
-# (pod, the attempt's extra environment, its interrupt, told the launch id once it exists)
-# -> (launch id, result)
+# (pod, the attempt's extra environment, its interrupt, told the launch id once it exists,
+# the workers it runs on: a selection, None for all) -> (launch id, result)
 Launcher = Callable[
-    [Pod, dict[str, str], Interrupt, Callable[[str], None]],
+    [Pod, dict[str, str], Interrupt, Callable[[str], None], str | None],
     Awaitable[tuple[str, FanoutResult]],
 ]
 
@@ -87,6 +88,11 @@ class Recovery:
         self.counters = Counters(**record.counters)
         self.pod = state.load(record.pod)
         self.cloud = isinstance(self.pod.spec, GcpPodSpec)
+        # --elastic: the slices being made again while attempts run on the others
+        self.regrowth = Regrowth(self, self._slice_back) if policy.elastic else None
+        self.in_use: list[int] | None = None  # the slices the attempt runs on (None: all)
+        self._inner: Interrupt | None = None  # the running attempt's interrupt
+        self._growing: list[int] = []  # slices back during the attempt: it ends to grow
 
     async def run(self, *, resumed: bool = False) -> int:
         self.record.hold(self.state)  # one recovery of a pod at a time
@@ -94,6 +100,8 @@ class Recovery:
             with self.record.using(self.state):  # 'tpupod down' refuses it, in every phase
                 return await self._attempts(resumed)
         finally:
+            if self.regrowth is not None:
+                await self.regrowth.stop()
             self.state.release(self.record.pod)
 
     async def _attempts(self, resumed: bool) -> int:
@@ -103,12 +111,18 @@ class Recovery:
         if resumed and self.record.attempts and self.record.current.cause is None:
             self.record.current.cause = Cause.LAUNCHER_LOST.value
             self.record.current.ended = time.time()
-        recreate_next = self.cloud and (
-            (resumed and unfinished) or await self._needs_new_tpu(resumed)
+        shrunk = resumed and await self._shrink(resumed=True)
+        recreate_next = (
+            self.cloud
+            and not shrunk
+            and ((resumed and unfinished) or await self._needs_new_tpu(resumed))
         )
         while True:
             silent = await self._stop_leftovers(waits=not recreate_next)
+            if not silent and not await self._enough_slices():
+                return await self._finish(Ending(Cause.INTERRUPTED, 130, self._stopped_by()))
             attempt = self.record.begin_attempt()
+            attempt.slices = self.in_use
             ending = silent or await self._attempt(recreate_next, resumed=attempt.attempt > 1)
             attempt.cause, attempt.exit_code, attempt.detail = (
                 ending.cause.value,
@@ -120,6 +134,11 @@ class Recovery:
                 f"run {self.record.run_id}, attempt {attempt.attempt}: {ending.cause}"
                 + (f" ({ending.detail})" if ending.detail else "")
             )
+            if ending.cause is Cause.GROW or self._falls_back(ending):
+                self.record.state = "recovering"
+                self._save()
+                recreate_next = False
+                continue  # no rerun counted: the run grows, or waits for every slice
             # Never again on a host known to be silent: the launch would only wait for it.
             again = (
                 ending.cause not in (Cause.OK, Cause.INTERRUPTED)
@@ -135,6 +154,8 @@ class Recovery:
             self.record.state = "recovering"
             self._save()
             recreate_next = ending.cause is Cause.PREEMPTED and self.cloud
+            if recreate_next and await self._shrink():
+                recreate_next = False
             if not recreate_next:
                 await self._free_accelerator()
 
@@ -146,7 +167,7 @@ class Recovery:
         between); still silent at the end: the attempt's ending, lost and not rerun. Not
         where the hosts are made again (``waits`` False: a preempted TPU's are gone)."""
         attempts = {a.launch_id: a.attempt for a in self.record.attempts if a.launch_id}
-        stopped = await stop_leftovers(self.pod, list(attempts))
+        stopped = await stop_leftovers(self.pod, list(attempts), self._workers_in_use())
         for label, launches in stopped.found.items():
             for launch_id, count in launches.items():
                 self.notice(
@@ -168,6 +189,77 @@ class Recovery:
         if ending.silent:
             return ending
         return await self._stop_leftovers()
+
+    def _workers_in_use(self) -> list[Worker] | None:
+        """The workers of the slices attempts run on now (None: every worker)."""
+        if self.in_use is None:
+            return None
+        return [w for w in self.pod.workers if w.slice in self.in_use]
+
+    async def _shrink(self, *, resumed: bool = False) -> bool:
+        """--elastic, a slice preempted (or, resumed, being made again when the launcher
+        died): make the lost slices again in the background and go on with the others.
+        False: not elastic, or every slice is lost (made again whole, as without it)."""
+        regrowth = self.regrowth
+        if regrowth is None or not self.cloud:
+            return False
+        lost = set(await lost_slices(self.pod, self.policy, self.notice))
+        if resumed:
+            lost |= {int(k) for k in regrowth.kept["regrowing"]}
+        new = sorted(lost - set(regrowth.missing))
+        lost |= set(regrowth.missing)
+        if not new and not resumed:
+            return False
+        if len(lost) >= self.pod.slices:
+            await regrowth.stop()
+            return False
+        regrowth.start(sorted(lost))
+        self.in_use = [k for k in range(self.pod.slices) if k not in lost]
+        there = len(self.in_use)
+        regrowth.event(
+            f"slice {', '.join(map(str, sorted(lost)))} being made again: going on with "
+            f"{there} of {self.pod.slices} slices from the newest checkpoint"
+        )
+        return True
+
+    async def _enough_slices(self) -> bool:
+        """Before an attempt of an elastic run: the slices it runs on (waiting while fewer
+        than --min-slices are there). False: interrupted while waiting."""
+        regrowth = self.regrowth
+        if regrowth is None:
+            return True
+        enough = await regrowth.enough(self.policy.min_slices, self.interrupt.requested)
+        self.in_use = regrowth.in_use()
+        if self.in_use is None:
+            regrowth.need_all = False
+        return enough
+
+    def _falls_back(self, ending: Ending) -> bool:
+        """An attempt on fewer slices that failed as the program's error (it may not
+        restore into a smaller mesh): not counted; the run waits for every slice."""
+        if self.regrowth is None or self.in_use is None or ending.cause is not Cause.ERROR:
+            return False
+        self.regrowth.need_all = True
+        self.regrowth.event(
+            f"the program failed on {len(self.in_use)} of {self.pod.slices} slices "
+            f"({ending.detail}): it may not restore into fewer slices; waiting for every slice"
+        )
+        return True
+
+    def _slice_back(self, slice_id: int) -> None:
+        """A slice made again is ready: an attempt running without it ends at a checkpoint
+        (the notice: SIGTERM, then KILL after the grace), and the next runs with it."""
+        inner, regrowth = self._inner, self.regrowth
+        if inner is None or regrowth is None or self.in_use is None:
+            return
+        self._growing.append(slice_id)
+        there = self.pod.slices - len(regrowth.missing)
+        regrowth.event(f"growing to {there} of {self.pod.slices} slices at a checkpoint")
+        inner.request(
+            signal.SIGTERM,
+            grace=self.policy.notice_grace,
+            reason=f"slice {slice_id} is back: growing to {there} slices",
+        )
 
     def _save(self) -> None:
         """The record to its file; on a full disk it is said and left for the next save
@@ -275,8 +367,11 @@ class Recovery:
             "TPUPOD_ATTEMPT": str(attempt.attempt),
             **({"TPUPOD_RESUMED": "1"} if resumed else {}),
         }
+        if self.regrowth is not None:
+            env["TPUPOD_ELASTIC"] = "1"
         inner = Interrupt()
         inner.who = self.record.cancelled_by  # the attempt's summary names who cancelled it
+        self._inner, self._growing = inner, []
         preempted: list[str] = []
 
         def on_preempted(state: str) -> None:
@@ -292,18 +387,20 @@ class Recovery:
         tasks = [asyncio.create_task(self._forward(inner, stopped))]
         if self.cloud:
             interval = settings.recovery_watch_s()
-            tasks.append(
-                asyncio.create_task(confirm.watch(self.pod, interval, on_preempted, stopped))
-            )
+            watch = confirm.watch(self.pod, interval, on_preempted, stopped, self.in_use)
+            tasks.append(asyncio.create_task(watch))
 
         def began(launch_id: str) -> None:  # 'tpupod status' names it while it runs
             attempt.launch_id = launch_id
             self._save()
 
         attempt.launched = time.time()
+        on = None if self.in_use is None else elastic.selection(self.in_use)
         try:
-            launch_id, result = await timed(phases, "run", self.launch(self.pod, env, inner, began))
+            launch = self.launch(self.pod, env, inner, began, on)
+            launch_id, result = await timed(phases, "run", launch)
         finally:
+            self._inner = None
             stopped.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         attempt.launch_id = launch_id
@@ -343,6 +440,9 @@ class Recovery:
             return Ending(Cause.INTERRUPTED, code, self._stopped_by())
         if preempted:
             return Ending(Cause.PREEMPTED, code or 1, f"the TPU was {preempted[0]}")
+        if self._growing:
+            back = ", ".join(map(str, self._growing))
+            return Ending(Cause.GROW, code, f"slice {back} came back")
         if self.cloud and not result.ok:
             told = await self._metadata_says()
             if told:
@@ -350,7 +450,7 @@ class Recovery:
         if self.cloud:
             # Even a run that ended well may have ended because its program saved and left.
             budget = self.policy if not result.ok else _one_try(self.policy)
-            state = await confirm.api_state(self.pod, budget, self.notice)
+            state = await confirm.api_state(self.pod, budget, self.notice, self.in_use)
             if state in confirm.REPLACE_STATES:
                 return Ending(Cause.PREEMPTED, code or 1, f"the TPU is {state}")
         if result.hung is not None:
@@ -367,7 +467,9 @@ class Recovery:
         some worker is still silent at the end, it is not rerun (``Ending.silent``)."""
         connector = provider_for(self.pod.provider).connect(self.pod, self.state)
         try:
-            silent = await confirm.wait_reachable(self.pod, connector, self.policy, self.notice)
+            silent = await confirm.wait_reachable(
+                self.pod, connector, self.policy, self.notice, self._workers_in_use()
+            )
         finally:
             await connector.close()
         lost = f"{who} stopped answering{when}"
@@ -406,7 +508,7 @@ class Recovery:
         """The workers whose metadata says preempted ("w0, w1"), or ""."""
         connector = provider_for(self.pod.provider).connect(self.pod, self.state)
         try:
-            told = await confirm.metadata_preempted(self.pod, connector)
+            told = await confirm.metadata_preempted(self.pod, connector, self._workers_in_use())
         finally:
             await connector.close()
         return ", ".join(f"w{w}" for w in told)
@@ -427,7 +529,7 @@ class Recovery:
             return await self._silent(", ".join(exc.unreachable), f" {where}")
         connector = provider_for(self.pod.provider).connect(self.pod, self.state)
         try:
-            silent = await confirm.reachable(self.pod, connector)
+            silent = await confirm.reachable(self.pod, connector, workers=self._workers_in_use())
         finally:
             await connector.close()
         if silent:

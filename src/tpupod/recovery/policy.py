@@ -26,6 +26,7 @@ class Cause(enum.StrEnum):
     FATAL = "error"
     INTERRUPTED = "interrupted"  # Ctrl-C, tpupod cancel
     LAUNCHER_LOST = "launcher lost"  # the launcher died during it (then --resume)
+    GROW = "grown"  # --elastic: stopped at a checkpoint to go on with a slice that came back
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class RetryPolicy:
     notice_grace: float = DEFAULT_NOTICE_GRACE_S
     probe_s: float = DEFAULT_PROBE_S
     probe_tries: int = DEFAULT_PROBE_TRIES
+    elastic: bool = False  # a preempted slice: go on without it while it is made again
+    min_slices: int = 1  # --elastic: fewer slices left than this, wait for them
 
     @property
     def active(self) -> bool:

@@ -44,6 +44,7 @@ class AttemptRecord:
     detail: str = ""
     ended: float | None = None
     launched: float | None = None  # when its launch began (wall time): goodput's start
+    slices: list[int] | None = None  # --elastic: the slices it ran on (None: every one)
 
 
 @dataclass
@@ -179,6 +180,18 @@ class RecoveryRecord:
             code = "" if a.exit_code is None else f", exit {a.exit_code}"
             parts = [f"attempt {a.attempt}: {cause}{code}", f"launch {a.launch_id or '-'}", phases]
             rows.append("; ".join(part for part in parts if part))
+        return rows
+
+    def elastic_lines(self) -> list[str]:
+        """An --elastic run's slices: those being made again, and its events with their
+        times (``12:03:04 slice 2 is back after 64 s``)."""
+        found = self.options.get("slices_state") or {}
+        rows = []
+        now = time.time()
+        for k, since in sorted(found.get("regrowing", {}).items()):
+            rows.append(f"slice {k} coming back ({now - since:.0f} s)")
+        for event in found.get("events", []):
+            rows.append(f"{time.strftime('%H:%M:%S', time.localtime(event['at']))} {event['what']}")
         return rows
 
     def goodput_line(self) -> str | None:

@@ -126,6 +126,19 @@ class RunArgs(ExecArgs):
         help="On a preemption notice: SIGTERM, then KILL after this long (default 25).",
         show_default=False,
     )
+    elastic: bool = opt(
+        "--elastic",
+        default=False,
+        help="On a pod of separate TPU slices (up --gcp --slices N): when a slice is "
+        "preempted, go on at once on the slices left (from the newest checkpoint) while it "
+        "is made again, and grow back to every slice at the next checkpoint.",
+    )
+    min_slices: int = opt(
+        "--min-slices",
+        default=1,
+        minimum=1,
+        help="--elastic: with fewer slices left than this, wait until enough are back.",
+    )
     setup: str | None = opt(
         "--setup",
         metavar="SCRIPT",

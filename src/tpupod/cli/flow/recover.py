@@ -69,6 +69,8 @@ def policy_of(args: RunArgs) -> RetryPolicy:
         notice_grace=grace,
         probe_s=probe_s,
         probe_tries=probe_tries,
+        elastic=args.elastic,
+        min_slices=args.min_slices,
     )
 
 
@@ -98,11 +100,16 @@ def run_recovering(args: RunArgs) -> int:
         notice = live.on_notice if not args.quiet else (lambda text: None)
 
         async def launch(
-            pod: Pod, env: dict[str, str], interrupt: Any, began: Callable[[str], None]
+            pod: Pod,
+            env: dict[str, str],
+            interrupt: Any,
+            began: Callable[[str], None],
+            on: str | None,
         ) -> tuple[str, FanoutResult]:
             result = await launch_attempt(
-                args, pod, live, env, interrupt, on_launch=lambda launch: began(launch.launch_id)
-            )
+                args.replace(worker=on) if on else args, pod, live, env, interrupt,
+                on_launch=lambda launch: began(launch.launch_id),
+            )  # fmt: skip
             report_attempt(args, result)
             return result.launch.launch_id, result.fanout
 
@@ -143,12 +150,38 @@ def _checked(args: RunArgs, pod: Pod, policy: RetryPolicy) -> dict[str, Any]:
         )
     if args.sync:
         head_commit(Path.cwd())
+    _check_elastic(args, pod, policy)
     if policy.zones and pod.provider != "gcp":
         raise UsageError(
             f"--zones: pod {pod.name!r} is a {pod.provider} pod, which is never created again",
             hint="leave --zones out: on local and SSH pods --retries reruns on the same hosts",
         )
     return options
+
+
+def _check_elastic(args: RunArgs, pod: Pod, policy: RetryPolicy) -> None:
+    """--elastic needs separate TPU slices (they are preempted and made again one by one)
+    and retries; --min-slices, a count of them."""
+    from tpupod.pod.spec import GcpPodSpec
+
+    separate = isinstance(pod.spec, GcpPodSpec) and pod.spec.slices > 1
+    if policy.elastic and not separate:
+        raise UsageError(
+            f"--elastic: pod {pod.name!r} is not a pod of separate TPU slices",
+            hint="make one with 'tpupod up --gcp --slices N' (a preempted slice is made "
+            "again alone, while the others go on)",
+        )
+    if policy.elastic and not policy.retries:
+        raise UsageError("--elastic recovers from preemptions: add --retries N")
+    if args.min_slices != 1 and not policy.elastic:
+        raise UsageError("--min-slices is --elastic's", hint="add --elastic")
+    if policy.elastic and policy.min_slices > pod.slices:
+        raise UsageError(
+            f"--min-slices {policy.min_slices}: pod {pod.name!r} has {pod.slices} slices",
+            hint=f"from 1 to {pod.slices}",
+        )
+    if policy.elastic and args.worker:
+        raise UsageError("--elastic runs on every slice of the pod: leave -w out")
 
 
 def _options(args: RunArgs) -> dict[str, Any]:
@@ -198,6 +231,8 @@ RETRY_FLAGS = (
     "retry_exit_codes",
     "zones",
     "notice_grace",
+    "elastic",
+    "min_slices",
 )
 
 

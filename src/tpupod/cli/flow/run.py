@@ -30,6 +30,8 @@ def run_command(args: RunArgs) -> int:
         or args.retry_hangs
         or args.retry_exit_codes
         or args.resume
+        or args.elastic
+        or args.min_slices != 1
     ):
         from tpupod.cli.flow.recover import run_recovering
 

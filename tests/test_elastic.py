@@ -1,0 +1,89 @@
+"""``run --retries K --elastic`` (issue 42): training goes on while a preempted slice comes
+back, on the strict TPU API stand-in with simulated hosts (separate v4-8 slices, one host
+each: the session's simulated pod has four hosts)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult
+from tests.fakes.tpu_api import TpuApiStandIn
+from tests.test_recovery_gcp import (
+    expected_value,
+    record_of,
+    start_run,
+    steps_done,
+    wait_for,
+    wait_until_step,
+)
+
+UP = ("up", "--gcp", "--zone", "us-central2-b", "--project", "proj", "--user", "root")
+
+
+@pytest.mark.timeout(300)
+def test_a_preempted_slice_is_made_again_while_the_run_goes_on_then_it_grows_back(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    """3 slices; slice 2 preempted at step 6 with 20 s of provisioning: the run goes on
+    with slices 0-1 within 15 s of the confirmation, slice 2 comes back, the run grows back
+    to 3 slices at a checkpoint, and ends with an undisturbed run's value, each change
+    redoing at most one checkpoint interval (2 steps)."""
+    assert cli(*UP, "--name", "el", "--tpu-type", "v4-8", "--spot", "--slices", "3").code == 0
+    steps = 60
+    run = start_run("el", shared_dir, steps, "--retries", "2", "--elastic", save_every=2)
+    wait_until_step(shared_dir, 6, run, timeout=90)
+    spot_api.provision_s = 20
+    spot_api.preempt_with_notice("el-2")
+    preempted = time.monotonic()
+    wait_for(shared_dir / "started-2", run, timeout=60)
+    assert time.monotonic() - preempted < 15 + 3  # + the stand-in's notice window
+    wait_for(shared_dir / "started-3", run, timeout=120)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    assert (shared_dir / "final").read_text() == str(expected_value(steps))
+    record = record_of(state_home, "el")
+    causes = [a["cause"] for a in record["attempts"]]
+    assert causes == ["preempted", "grown", "ok"], err
+    assert [a["slices"] for a in record["attempts"]] == [None, [0, 1], None]
+    assert "slice 2 being made again: going on with 2 of 3 slices" in err, err
+    assert re.search(r"slice 2 is back after \d+ s", err), err
+    assert "growing to 3 of 3 slices at a checkpoint" in err, err
+    done = steps_done(shared_dir)
+    assert sorted(set(done)) == list(range(steps))
+    assert len(done) - steps <= 2 * 2, done  # at most one interval redone per change
+    deletes = [call for method, call in spot_api.calls if method == "DELETE"]
+    assert deletes == ["queuedResources/el-2"], spot_api.calls
+    status = cli("status", "--pod", "el")
+    assert "slice 2 is back" in status.out and "goodput" in status.out, status.out
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--elastic",), "--elastic recovers from preemptions: add --retries N"),
+        (("--retries", "1", "--min-slices", "2"), "--min-slices is --elastic's"),
+        (("--retries", "1", "--elastic", "--min-slices", "4"), "--min-slices 4: pod 'el'"),
+        (("--retries", "1", "--elastic", "-w", "s0"), "leave -w out"),
+    ],
+)
+def test_elastic_options_are_refused_before_any_work(
+    args: tuple[str, ...], words: str, tpu_api: TpuApiStandIn, cli: Callable[..., CliResult]
+) -> None:
+    assert cli(*UP, "--name", "el", "--tpu-type", "v4-8", "--slices", "3").code == 0
+    refused = cli("run", "--pod", "el", *args, "--", "true")
+    assert refused.code == 2 and words in refused.err, refused.err
+
+
+def test_elastic_on_a_pod_of_one_slice_is_refused(
+    make_pod: Callable[..., object], cli: Callable[..., CliResult]
+) -> None:
+    cli("up", "--name", "one", "--local", "2")
+    refused = cli("run", "--pod", "one", "--retries", "1", "--elastic", "--", "true")
+    assert refused.code == 2, refused.err
+    assert "is not a pod of separate TPU slices" in refused.err
+    assert "hint: make one with 'tpupod up --gcp --slices N'" in refused.err
