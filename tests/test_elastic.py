@@ -5,15 +5,18 @@ each: the session's simulated pod has four hosts)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult
+from tests.conftest import CliResult, tpupod_argv
 from tests.fakes.tpu_api import TpuApiStandIn
 from tests.test_recovery_gcp import (
+    PROGRAM,
     expected_value,
     record_of,
     start_run,
@@ -87,3 +90,111 @@ def test_elastic_on_a_pod_of_one_slice_is_refused(
     assert refused.code == 2, refused.err
     assert "is not a pod of separate TPU slices" in refused.err
     assert "hint: make one with 'tpupod up --gcp --slices N'" in refused.err
+
+
+def start_elastic(
+    shared_dir: Path, steps: int, *options: str, wrap: str = ""
+) -> subprocess.Popen[str]:
+    """``run --retries 3 --elastic`` of tests/programs/steps.py on pod 'el' (``wrap``: a
+    shell line that runs before it, in the worker's environment)."""
+    command = [sys.executable, PROGRAM, str(shared_dir), str(steps), "0.4", "2"]
+    if wrap:  # the workers' python is no longer the command's: named
+        command = ["bash", "-c", f'{wrap}; exec "$@"', "wrap", *command]
+        options = (*options, "--worker-python", sys.executable)
+    return subprocess.Popen(
+        tpupod_argv("run", "--pod", "el", "--retries", "3", "--elastic", *options, "--",
+                    *command),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def ends_well(run: subprocess.Popen[str], shared_dir: Path, steps: int) -> str:
+    """The run's stderr, once it ended well with an undisturbed run's value."""
+    out, err = run.communicate(timeout=200)
+    assert run.returncode == 0, err
+    assert (shared_dir / "final").read_text() == str(expected_value(steps)), err
+    return err
+
+
+@pytest.mark.timeout(300)
+def test_with_fewer_slices_left_than_min_slices_the_run_waits_and_says_so(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    assert cli(*UP, "--name", "el", "--tpu-type", "v4-8", "--spot", "--slices", "3").code == 0
+    run = start_elastic(shared_dir, 40, "--min-slices", "2")
+    wait_until_step(shared_dir, 4, run, timeout=90)
+    spot_api.provision_s = 15
+    spot_api.preempt_with_notice("el-1")
+    spot_api.preempt_with_notice("el-2")
+    err = ends_well(run, shared_dir, 40)
+    assert re.search(r"1 of 3 slices there, --min-slices 2: waiting for slice 1, 2 to come "
+                     r"back", err), err  # fmt: skip
+    record = record_of(state_home, "el")
+    assert record["attempts"][-1]["slices"] is None, record["attempts"]
+
+
+@pytest.mark.timeout(300)
+def test_a_program_that_cannot_run_on_fewer_slices_falls_back_to_waiting_for_all(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    assert cli(*UP, "--name", "el", "--tpu-type", "v4-8", "--spot", "--slices", "3").code == 0
+    refuses = ('[ "$TPUPOD_NUM_SLICES" = 3 ] || { echo "cannot restore into '
+               '$TPUPOD_NUM_SLICES slices" >&2; exit 3; }')  # fmt: skip
+    run = start_elastic(shared_dir, 30, wrap=refuses)
+    wait_until_step(shared_dir, 4, run, timeout=90)
+    spot_api.provision_s = 10
+    spot_api.preempt_with_notice("el-2")
+    err = ends_well(run, shared_dir, 30)
+    record = record_of(state_home, "el")
+    causes = [a["cause"] for a in record["attempts"]]
+    assert causes == ["preempted", "program error", "ok"], err
+    assert record["counters"]["error_reruns"] == 0
+    assert "the program failed on 2 of 3 slices" in err, err
+    assert "waiting for every slice" in err
+
+
+@pytest.mark.timeout(300)
+def test_a_launcher_killed_between_shrink_and_grow_is_resumed_and_grows_back(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    assert cli(*UP, "--name", "el", "--tpu-type", "v4-8", "--spot", "--slices", "3").code == 0
+    run = start_elastic(shared_dir, 90)
+    wait_until_step(shared_dir, 4, run, timeout=90)
+    spot_api.provision_s = 20
+    spot_api.preempt_with_notice("el-2")
+    wait_for(shared_dir / "started-2", run, timeout=60)
+    run.kill()  # kill -9: its workers on slices 0-1 go on, slice 2 is half made
+    run.communicate()
+    run_id = record_of(state_home, "el")["run_id"]
+    resumed = subprocess.Popen(tpupod_argv("run", "--pod", "el", "--resume", run_id),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    err = ends_well(resumed, shared_dir, 90)
+    assert "slice 2 is back" in err and "growing to 3 of 3" in err, err
+    record = record_of(state_home, "el")
+    assert [a["slices"] for a in record["attempts"]][-1] is None
+    deletes = [c for m, c in spot_api.calls if m == "DELETE"]
+    assert deletes == ["queuedResources/el-2"], spot_api.calls  # the half-made one kept
+
+
+@pytest.mark.timeout(300)
+def test_a_preemption_during_a_grow_shrinks_again_and_the_run_ends_well(
+    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+) -> None:
+    assert cli(*UP, "--name", "el", "--tpu-type", "v4-8", "--spot", "--slices", "3").code == 0
+    run = start_elastic(shared_dir, 90)
+    assert run.stderr is not None
+    wait_until_step(shared_dir, 4, run, timeout=90)
+    spot_api.provision_s = 10
+    spot_api.preempt_with_notice("el-2")
+    seen = ""
+    for line in run.stderr:
+        seen += line
+        if "growing to 3 of 3 slices" in line:
+            spot_api.preempt_with_notice("el-0")  # while the attempt saves to grow
+            break
+    err = seen + ends_well(run, shared_dir, 90)
+    deletes = [c for m, c in spot_api.calls if m == "DELETE"]
+    assert sorted(deletes) == ["queuedResources/el-0", "queuedResources/el-2"], err
+    assert "slice 0 is back" in err, err
+    record = record_of(state_home, "el")
+    assert record["attempts"][-1]["slices"] is None, record["attempts"]

@@ -92,14 +92,17 @@ class GcpProvider:
         self.progress(f"deleting {names} (slice {', '.join(map(str, slices))} of {pod.slices})")
         await asyncio.gather(*(self._delete(api) for api in apis))
 
-    async def make_slices(self, pod: Pod, state: StateDir, slices: Sequence[int]) -> Pod:
+    async def make_slices(
+        self, pod: Pod, state: StateDir, slices: Sequence[int], made_ok: bool = False
+    ) -> Pod:
         """The pod with the TPUs of ``slices`` made again (deleted first: ``delete_slices``);
-        the other slices' workers keep their ids and addresses, and the pod its uid."""
+        the other slices' workers keep their ids and addresses, and the pod its uid.
+        ``made_ok``: one being made already is waited for, not an error."""
         apis = self._slice_apis(pod, slices)
         assert isinstance(pod.spec, GcpPodSpec)
         names = ", ".join(api.spec.name for api in apis)
         self.progress(f"creating {names} again in {pod.spec.zone}")
-        await self._make(apis, _pod_key(pod.spec, state))
+        await self._make(apis, _pod_key(pod.spec, state), made_ok)
         nodes = [
             (k, node)
             for k, api in zip(slices, apis, strict=True)
@@ -139,12 +142,17 @@ class GcpProvider:
         found = await asyncio.gather(*(asyncio.to_thread(api.state_or_none) for api in apis))
         return [GONE if state is None else state for state in found]
 
-    async def _make(self, apis: list[TpuApi], key_line: str) -> None:
+    async def _make(self, apis: list[TpuApi], key_line: str, made_ok: bool = False) -> None:
         """Create the TPUs and wait until each is ready. When one of several fails, those
-        made by this call are deleted (a pod is never left half made) and its error raised."""
+        made by this call are deleted (a pod is never left half made) and its error raised.
+        ``made_ok``: a TPU that exists already (a dead launcher's create) is waited for."""
 
         async def make(api: TpuApi) -> None:
-            await self._call(lambda: api.create(f"{api.spec.user}:{key_line}"), _already_made)
+            try:
+                await self._call(lambda: api.create(f"{api.spec.user}:{key_line}"), _already_made)
+            except GcpError as exc:
+                if not (made_ok and _already_made(exc)):
+                    raise
             await self._wait(api, api.spec)
 
         outcomes = await asyncio.gather(*(make(api) for api in apis), return_exceptions=True)

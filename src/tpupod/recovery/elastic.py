@@ -119,7 +119,7 @@ class Regrowth:
                 states = await provider.slice_states(host.pod)
                 if states[k] in REPLACE_STATES:
                     await provider.delete_slices(host.pod, [k])
-                made = await provider.make_slices(host.pod, host.state, [k])
+                made = await provider.make_slices(host.pod, host.state, [k], made_ok=True)
                 new = [w for w in made.workers if w.slice == k]
                 kept = [w for w in host.pod.workers if w.slice != k]
                 workers = tuple(sorted([*kept, *new], key=lambda w: w.id))

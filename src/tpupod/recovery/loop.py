@@ -100,7 +100,12 @@ class Recovery:
             with self.record.using(self.state):  # 'tpupod down' refuses it, in every phase
                 return await self._attempts(resumed)
         finally:
-            if self.regrowth is not None:
+            if self.regrowth is not None and self.regrowth.missing:
+                left = ", ".join(map(str, self.regrowth.missing))
+                self.notice(
+                    f"the run ended while slice {left} was being made again: 'tpupod up "
+                    f"--name {self.pod.name} --recreate' makes it"
+                )
                 await self.regrowth.stop()
             self.state.release(self.record.pod)
 
