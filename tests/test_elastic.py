@@ -1,6 +1,7 @@
 """``run --retries K --elastic`` (issue 42): training goes on while a preempted slice comes
-back, on the strict TPU API stand-in with simulated hosts (separate v4-8 slices, one host
-each: the session's simulated pod has four hosts)."""
+back, on the strict TPU API stand-in with simulated hosts: 3 slices of 2 workers (v4-16)
+on a simulated pod of 8 hosts of this module's, the rest on the session's 4 (v4-8 slices,
+one host each)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, tpupod_argv
+from tests.conftest import (
+    NOTICE_S,
+    CliResult,
+    require,
+    reset_sim,
+    tpupod_argv,
+)
 from tests.fakes.tpu_api import TpuApiStandIn
 from tests.test_recovery_gcp import (
     PROGRAM,
@@ -24,19 +31,47 @@ from tests.test_recovery_gcp import (
     wait_for,
     wait_until_step,
 )
+from tpupod.sim import SimPod, missing_prerequisites
 
 UP = ("up", "--gcp", "--zone", "us-central2-b", "--project", "proj", "--user", "root")
 
 
+@pytest.fixture(scope="module")
+def sim8() -> Iterator[SimPod]:
+    """A simulated pod of 8 hosts: 3 slices of 2, and 2 for the slice made again."""
+    missing = missing_prerequisites()
+    require(not missing, f"a simulated pod needs {', '.join(missing)}")
+    with SimPod(8) as pod:
+        yield pod
+
+
+@pytest.fixture
+def spot_api8(sim8: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuApiStandIn]:
+    """conftest's spot_api over ``sim8``."""
+    from tests.fakes.tpu_api import on_sim_hosts  # the gcp extra: only tests of GCP pods
+
+    api = on_sim_hosts(sim8, NOTICE_S)
+    monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start("0.0.0.0"))
+    monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.05")
+    monkeypatch.setenv("TPUPOD_RECOVERY_WATCH_S", "0.3")
+    metadata = f"http://{sim8.gateway}:{api.port}/computeMetadata/v1"
+    monkeypatch.setenv("TPUPOD_METADATA_URL", metadata)
+    yield api
+    api.stop()
+    reset_sim(sim8)
+
+
+@pytest.mark.ssh
 @pytest.mark.timeout(300)
 def test_a_preempted_slice_is_made_again_while_the_run_goes_on_then_it_grows_back(
-    spot_api: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
+    spot_api8: TpuApiStandIn, cli: Callable[..., CliResult], shared_dir: Path, state_home: Path
 ) -> None:
-    """3 slices; slice 2 preempted at step 6 with 20 s of provisioning: the run goes on
-    with slices 0-1 within 15 s of the confirmation, slice 2 comes back, the run grows back
-    to 3 slices at a checkpoint, and ends with an undisturbed run's value, each change
-    redoing at most one checkpoint interval (2 steps)."""
-    assert cli(*UP, "--name", "el", "--tpu-type", "v4-8", "--spot", "--slices", "3").code == 0
+    """3 slices of 2 workers; slice 2 preempted at step 6 with 20 s of provisioning: the
+    run goes on with slices 0-1 within 15 s of the confirmation, slice 2 comes back, the
+    run grows back to 3 slices at a checkpoint, and ends with an undisturbed run's value,
+    each change redoing at most one checkpoint interval (2 steps)."""
+    spot_api = spot_api8
+    assert cli(*UP, "--name", "el", "--tpu-type", "v4-16", "--spot", "--slices", "3").code == 0
     steps = 60
     run = start_run("el", shared_dir, steps, "--retries", "2", "--elastic", save_every=2)
     wait_until_step(shared_dir, 6, run, timeout=90)
@@ -46,7 +81,7 @@ def test_a_preempted_slice_is_made_again_while_the_run_goes_on_then_it_grows_bac
     wait_for(shared_dir / "started-2", run, timeout=60)
     assert time.monotonic() - preempted < 15 + 3  # + the stand-in's notice window
     wait_for(shared_dir / "started-3", run, timeout=120)
-    out, err = run.communicate(timeout=120)
+    _, err = run.communicate(timeout=120)
     assert run.returncode == 0, err
     assert (shared_dir / "final").read_text() == str(expected_value(steps))
     record = record_of(state_home, "el")
@@ -110,7 +145,7 @@ def start_elastic(
 
 def ends_well(run: subprocess.Popen[str], shared_dir: Path, steps: int) -> str:
     """The run's stderr, once it ended well with an undisturbed run's value."""
-    out, err = run.communicate(timeout=200)
+    _, err = run.communicate(timeout=200)
     assert run.returncode == 0, err
     assert (shared_dir / "final").read_text() == str(expected_value(steps)), err
     return err
@@ -166,8 +201,10 @@ def test_a_launcher_killed_between_shrink_and_grow_is_resumed_and_grows_back(
     run.kill()  # kill -9: its workers on slices 0-1 go on, slice 2 is half made
     run.communicate()
     run_id = record_of(state_home, "el")["run_id"]
-    resumed = subprocess.Popen(tpupod_argv("run", "--pod", "el", "--resume", run_id),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    resumed = subprocess.Popen(
+        tpupod_argv("run", "--pod", "el", "--resume", run_id),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     err = ends_well(resumed, shared_dir, 90)
     assert "slice 2 is back" in err and "growing to 3 of 3" in err, err
     record = record_of(state_home, "el")
@@ -223,8 +260,8 @@ def test_a_jax_run_goes_on_with_fewer_slices_and_ends_with_an_undisturbed_runs_p
 
     steps = 40
     assert cli("up", "--name", "ref", "--local", "3", "--slices", "3").code == 0
-    reference = cli("run", "--pod", "ref", "--",
-                    *train(shared_dir / "ref", shared_dir / "ref.npz", steps), timeout=300)  # fmt: skip
+    ref = train(shared_dir / "ref", shared_dir / "ref.npz", steps)
+    reference = cli("run", "--pod", "ref", "--", *ref, timeout=300)
     assert reference.code == 0, reference.err
     assert cli(*UP, "--name", "el", "--tpu-type", "v4-8", "--spot", "--slices", "3").code == 0
     run = subprocess.Popen(
@@ -235,7 +272,7 @@ def test_a_jax_run_goes_on_with_fewer_slices_and_ends_with_an_undisturbed_runs_p
     wait_for(shared_dir / "ckpt" / "4", run, timeout=240)
     spot_api.provision_s = 15
     spot_api.preempt_with_notice("el-2")
-    out, err = run.communicate(timeout=300)
+    _, err = run.communicate(timeout=300)
     assert run.returncode == 0, err
     record = record_of(state_home, "el")
     assert [a["slices"] for a in record["attempts"]][:2] == [None, [0, 1]], err
