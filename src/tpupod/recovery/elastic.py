@@ -131,6 +131,9 @@ class Regrowth:
             except TpupodError as exc:
                 host.notice(f"slice {k}: {exc}; trying again in {RETRY_S:.0f} s")
                 await asyncio.sleep(RETRY_S)
+            except Exception as exc:  # noqa: BLE001  (a task that died would be waited for)
+                host.notice(f"slice {k}: {type(exc).__name__}: {exc}; trying again")
+                await asyncio.sleep(RETRY_S)
         took = time.time() - self.since[k]
         del self.tasks[k]
         self.kept["regrowing"].pop(str(k), None)
@@ -177,12 +180,15 @@ class Regrowth:
         return True
 
     async def stop(self) -> None:
-        """End every task (the run ended); what they were making stays in the record."""
-        for task in self.tasks.values():
+        """End every task: the run ended (what they were making stays in the record, for a
+        resume), or the pod is made again whole."""
+        tasks = list(self.tasks.values())
+        for task in tasks:
             task.cancel()
-        for task in list(self.tasks.values()):
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self.tasks.clear()
 
 
 def selection(slices: Sequence[int]) -> str:

@@ -213,10 +213,10 @@ class Recovery:
             lost |= {int(k) for k in regrowth.kept["regrowing"]}
         new = sorted(lost - set(regrowth.missing))
         lost |= set(regrowth.missing)
-        if not new and not resumed:
-            return False
-        if len(lost) >= self.pod.slices:
-            await regrowth.stop()
+        if not lost or (not new and not resumed) or len(lost) >= self.pod.slices:
+            await regrowth.stop()  # the pod is made again whole, as without --elastic
+            regrowth.kept["regrowing"].clear()
+            self.in_use = None
             return False
         regrowth.start(sorted(lost))
         self.in_use = [k for k in range(self.pod.slices) if k not in lost]
