@@ -131,7 +131,7 @@ class Regrowth:
             except TpupodError as exc:
                 host.notice(f"slice {k}: {exc}; trying again in {RETRY_S:.0f} s")
                 await asyncio.sleep(RETRY_S)
-            except Exception as exc:  # noqa: BLE001  (a task that died would be waited for)
+            except Exception as exc:  # a task that died would be waited for, for ever
                 host.notice(f"slice {k}: {type(exc).__name__}: {exc}; trying again")
                 await asyncio.sleep(RETRY_S)
         took = time.time() - self.since[k]
