@@ -98,6 +98,7 @@ def test_a_preempted_slice_is_made_again_while_the_run_goes_on_then_it_grows_bac
     assert deletes == ["queuedResources/el-2"], spot_api.calls
     status = cli("status", "--pod", "el")
     assert "slice 2 is back" in status.out and "goodput" in status.out, status.out
+    assert re.search(r"attempt 2: grown, exit \d+; launch [-\d\w]+; on slice 0, 1;", status.out)
 
 
 @pytest.mark.parametrize(

@@ -178,7 +178,13 @@ class RecoveryRecord:
             phases = ", ".join(f"{name} {secs:.1f}s" for name, secs in a.phases.items())
             cause = a.cause or f"running ({self.phase})"
             code = "" if a.exit_code is None else f", exit {a.exit_code}"
-            parts = [f"attempt {a.attempt}: {cause}{code}", f"launch {a.launch_id or '-'}", phases]
+            on = f"on slice {', '.join(map(str, a.slices))}" if a.slices is not None else ""
+            parts = [
+                f"attempt {a.attempt}: {cause}{code}",
+                f"launch {a.launch_id or '-'}",
+                on,
+                phases,
+            ]
             rows.append("; ".join(part for part in parts if part))
         return rows
 
