@@ -343,14 +343,16 @@ def test_resume_says_at_once_which_worker_did_not_answer_the_stop_of_what_was_le
         assert resumed.stderr is not None
         began, said = time.monotonic(), ""
         for line in resumed.stderr:
-            if "did not answer" in line:
+            if "not answer" in line:
                 said = line
                 break
         took = time.monotonic() - began
         sim_hosts_up.plug(w0)
         assert said, "nothing said"
-        assert took < 12, (took, said)
-        assert "w0" in said and "attempt 1" in said, said
+        # the 60-minute chaos run (seed 5): the resume's connection retries (11 s), or the
+        # holder's connection from before the cut (until the link came back), came first
+        assert took < 5, (took, said)
+        assert "w0 (host-0) not answering after 3 s" in said, said
         out, err = resumed.communicate(timeout=180)
     finally:
         sim_hosts_up.plug(w0)

@@ -14,16 +14,19 @@ unnamed until it was back); what it runs is stopped before a later attempt, once
 
 from __future__ import annotations
 
+import asyncio
 import shlex
 from collections.abc import Sequence
 
 from tpupod.base.plain import Plain
 from tpupod.errors import TpupodError
+from tpupod.fanout.context import NoticeHandler
 from tpupod.fanout.execute import execute_async
 from tpupod.fanout.results import FanoutResult, place
 from tpupod.pod.record import Pod, Worker
 
 TIMEOUT_S = 20.0
+SLOW_S = 3.0  # a worker that has said nothing this long is named (the stop goes on)
 
 # One line per launch and worker with processes found: "LAUNCH_ID WORKER_ID COUNT" (the
 # worker's id from the process's TPUPOD_WORKER_ID, "-" without one). Each match is killed
@@ -34,6 +37,7 @@ TIMEOUT_S = 20.0
 # workers on a busy machine, before every retry.
 WAIT_S = 5
 SCRIPT = """
+echo started
 found() {{
   grep -a -z -x -H -o -F {patterns} /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' |
     sed -n 's|^/proc/\\([0-9]*\\)/environ:TPUPOD_LAUNCH_ID=|\\1 |p'
@@ -70,19 +74,39 @@ class Stopped(Plain):
 
 
 async def stop_leftovers(
-    pod: Pod, launch_ids: Sequence[str], workers: Sequence[Worker] | None = None
+    pod: Pod,
+    launch_ids: Sequence[str],
+    workers: Sequence[Worker] | None = None,
+    notice: NoticeHandler | None = None,
 ) -> Stopped:
     """Kill the processes of ``launch_ids`` on every worker (of ``workers``: all) that
-    answers."""
+    answers. Workers that have said nothing after ``SLOW_S`` are told to ``notice``: a
+    connection's retries (11 s), or the holder's connection from before a cut link (until
+    the link is back), left a resumed run silent about the cut."""
     stopped = Stopped()
     if not launch_ids:
         return stopped
     # a local pod's workers are this machine's processes: one of them looks for all
-    where = pod.workers[:1] if pod.provider == "local" else workers
-    try:
-        result: FanoutResult = await execute_async(
-            pod, leftovers_script(launch_ids), workers=where, timeout=TIMEOUT_S
+    where = list(pod.workers[:1] if pod.provider == "local" else workers or pod.workers)
+    heard: set[int] = set()
+    stop = execute_async(
+        pod,
+        leftovers_script(launch_ids),
+        workers=where,
+        timeout=TIMEOUT_S,
+        on_line=lambda worker, _: heard.add(worker.id),
+    )
+    task = asyncio.ensure_future(stop)
+    done, _ = await asyncio.wait({task}, timeout=SLOW_S)
+    quiet = [w for w in where if w.id not in heard]
+    if not done and quiet and notice is not None:
+        names = ", ".join(f"{w.label} ({place(w)})" for w in quiet)
+        notice(
+            f"{names} not answering after {SLOW_S:g} s (a cut link? a host down?): "
+            f"waiting up to {TIMEOUT_S:g} s to stop what earlier attempts left there"
         )
+    try:
+        result: FanoutResult = await task
     except TpupodError as exc:
         stopped.failed = str(exc).splitlines()[0]
         return stopped

@@ -172,7 +172,9 @@ class Recovery:
         between); still silent at the end: the attempt's ending, lost and not rerun. Not
         where the hosts are made again (``waits`` False: a preempted TPU's are gone)."""
         attempts = {a.launch_id: a.attempt for a in self.record.attempts if a.launch_id}
-        stopped = await stop_leftovers(self.pod, list(attempts), self._workers_in_use())
+        stopped = await stop_leftovers(
+            self.pod, list(attempts), self._workers_in_use(), self.notice
+        )
         for label, launches in stopped.found.items():
             for launch_id, count in launches.items():
                 self.notice(
@@ -180,8 +182,9 @@ class Recovery:
                 )
         if not waits or not (stopped.silent or stopped.failed):
             return None
-        earlier = ", ".join(map(str, sorted(attempts.values())))
-        what = f"what attempt{'s' if len(attempts) > 1 else ''} {earlier} left"
+        numbers = sorted(attempts.values())
+        earlier = str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
+        what = f"what attempt{'s' if len(numbers) > 1 else ''} {earlier} left"
         for worker, why in stopped.silent.items():
             self.notice(
                 f"{worker} did not answer the stop of {what} there ({why}): "
