@@ -729,13 +729,13 @@ class Chaos:
         proc = kill(procs, self.rng)
         if proc is None:
             return None
-        if kind == "agent":
-            threading.Thread(target=self.serve_again, daemon=True).start()
+        if kind == "agent":  # among the undone at the end: not left running into serve down
+            self.later(1, self.serve_again)
         return injected(kind, f"{kind} pid {proc.pid}", NAMED[kind])
 
     def serve_again(self) -> None:
-        """A user whose `serve status` says a worker's agent is gone runs `serve up` again."""
-        time.sleep(1)
+        """A user whose `serve status` says a worker's agent is gone runs `serve up` again
+        (a trial's 2-minute run: one begun as the harness ran `serve down` left a fleet)."""
         self.tpupod("serve", "status", "--pod", "chaos", timeout=60)
         self.tpupod(*self.serve_up)
 
@@ -965,6 +965,7 @@ def chaos(args: argparse.Namespace) -> dict[str, Any]:
     # checkpoints and final parameters: in a folder every simulated host sees (each has a
     # /tmp of its own; /var/tmp is shared, as a pod's NFS would be)
     work = Path(tempfile.mkdtemp(prefix="tpupod-chaos-", dir="/var/tmp"))
+    print(f"chaos: checkpoints, anchors and heard.log in {work} (kept)", file=sys.stderr)
     with state_home(HOME_MB) as home, contextlib.ExitStack() as stack:
         harness = Chaos(args, work, home)
         try:
@@ -1057,7 +1058,11 @@ def report(verdict: dict[str, Any]) -> None:
 
 def main() -> None:
     args = parse()
-    verdict = chaos(args)
+    try:
+        verdict = chaos(args)
+    except KeyboardInterrupt:  # chaos() has stopped what it started on the way out
+        print("chaos: interrupted; what it started is stopped", file=sys.stderr)
+        sys.exit(130)
     verdict["misses"] = misses(verdict)
     report(verdict)
     if args.json:

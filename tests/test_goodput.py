@@ -62,6 +62,28 @@ def test_goodput_counts_each_attempts_new_steps_and_names_the_rest(tmp_path: Pat
     assert account(no_beats, ended=3.0) is None
 
 
+def test_a_launcher_killed_mid_attempt_is_its_own_badput(tmp_path: Path) -> None:
+    """A new user's trial: the 13 s between a launcher's kill -9 and the `run --resume`
+    went to 'other' (the dead launcher's attempt ends when the resume begins, and its run
+    phase was never timed). From its last heartbeat to the resume: 'launcher gone'."""
+    runs = tmp_path / "runs"
+    record = RecoveryRecord("r", "p", ["x"], {}, started=0.0, launcher_pid=1,
+                            path=runs / "r" / "recovery.json")  # fmt: skip
+    lost = AttemptRecord(1, started=0.0, launch_id="l1", ended=40.0, launched=1.0,
+                         cause="launcher lost")  # fmt: skip
+    again = AttemptRecord(2, started=40.0, phases={"run": 12.0}, launch_id="l2", ended=52.0,
+                          launched=40.0, cause="ok")  # fmt: skip
+    record.attempts = [lost, again]
+    progress_file(runs / "l1", ((3.0, 0), (20.0, 17)))  # killed about 20 s
+    progress_file(runs / "l2", ((42.0, 15), (52.0, 25)))
+    found = account(record, ended=52.0)
+    assert found is not None
+    assert found.badput_s["launcher gone"] == pytest.approx(20.0)
+    assert found.badput_s["steps redone"] == pytest.approx(2.0)  # 16, 17
+    assert found.badput_s["other"] == pytest.approx(1.0)  # attempt 1 before its launch
+    assert found.productive_s + sum(found.badput_s.values()) == pytest.approx(52.0)
+
+
 # 20 steps of 0.1 s with a heartbeat each, a checkpoint every 5 (worker 0 marks it);
 # attempt 1 leaves after step 12 as a program that saved on SIGTERM (exit 143).
 STEPS = """

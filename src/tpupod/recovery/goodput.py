@@ -12,11 +12,15 @@ past where it had been is productive. The rest is badput, told apart by what it 
   checkpoint), at the attempt's own step time;
 * ``after the last step``: from an attempt's last heartbeat to its end (the final save,
   the exit; or a step cut short by a preemption);
+* ``launcher gone``: from the last heartbeat of an attempt whose launcher died (``kill
+  -9``) to the ``run --resume`` that went on;
 * ``between attempts``: probing silent hosts, waiting for space or capacity.
 
 Steps are the program's ``tpupod.heartbeat(step)`` (the launch's ``progress.json``: each
 worker's first and last beat); the furthest worker's count. A run whose program sends no
-heartbeat has no goodput: its steps cannot be told from its start.
+heartbeat has no goodput: its steps cannot be told from its start. Heartbeats come at
+most once a second: the steps of the last second before a kill count as after the last
+step, and steps redone may be short by as many.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpupod.hang import progress
+from tpupod.recovery.policy import Cause
 
 if TYPE_CHECKING:
     from tpupod.recovery.record import RecoveryRecord
 
 CAPACITY_PHASES = ("delete", "create")
+LAUNCHER_LOST = Cause.LAUNCHER_LOST.value
 
 
 @dataclass
@@ -91,9 +97,8 @@ def account(record: RecoveryRecord, ended: float) -> Goodput | None:
     own step is its start (compile, restore), as Google's measurement counts the first
     step's time. A step at or below the furthest an earlier attempt reached is redone."""
     runs = record.path.parent.parent
-    badput = dict.fromkeys(
-        ("capacity", "setup", "start and restore", "steps redone", "after the last step"), 0.0
-    )
+    kinds = ("capacity", "setup", "start and restore", "steps redone", "after the last step")
+    badput = dict.fromkeys((*kinds, "launcher gone"), 0.0)
     productive, steps, redone = 0.0, 0, 0
     passed: int | None = None  # the furthest step an earlier attempt reached
     accounted = 0.0  # seconds inside attempts
@@ -105,11 +110,17 @@ def account(record: RecoveryRecord, ended: float) -> Goodput | None:
         run_s = attempt.phases.get("run", 0.0)
         found = beats(runs / attempt.launch_id) if attempt.launch_id else None
         if found is None or attempt.launched is None:
+            gone = attempt.cause == LAUNCHER_LOST and attempt.launched is not None
+            if gone:
+                badput["launcher gone"] += max(0.0, end - (attempt.launched or end))
             badput["start and restore"] += run_s
             continue
         (t0, s0), (t1, s1) = found
         badput["start and restore"] += max(0.0, t0 - attempt.launched)
-        badput["after the last step"] += max(0.0, attempt.launched + run_s - t1)
+        if attempt.cause == LAUNCHER_LOST:  # its run phase was never timed
+            badput["launcher gone"] += max(0.0, end - t1)
+        else:
+            badput["after the last step"] += max(0.0, attempt.launched + run_s - t1)
         step_s = (t1 - t0) / (s1 - s0) if s1 > s0 else 0.0
         again = 0 if passed is None else max(0, min(s1, passed) - s0)
         badput["steps redone"] += again * step_s

@@ -270,8 +270,9 @@ class Fleet:
     def down(self, progress: Progress = _quiet, python: str | None = None) -> None:
         """Stop the router, every agent and every server; with no record, whatever runs.
         A ``serve up`` still starting the fleet is stopped first (SIGTERM: it stops what it
-        started), so it cannot start more afterwards. The endpoint's forward (an SSH or
-        cloud pod's) is closed too."""
+        started), so it cannot start more afterwards, and again at the end: one that began
+        while this ran (after the first look) would go on to start a fleet of its own. The
+        endpoint's forward (an SSH or cloud pod's) is closed too."""
         self._stop_starters(progress)
         try:
             record: FleetRecord | None = load_record(self.state, self.pod.name)
@@ -280,6 +281,7 @@ class Fleet:
         chosen = python or (record.python if record is not None else self.pod.worker_python())
         try:
             self._remote(chosen, lambda f: f.down(progress))
+            self._stop_starters(progress)
         finally:
             if record is not None and not self.pod.on_this_machine:
                 from tpupod.holder.client import close_forward  # an SSH pod's forward only
