@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import numpy as np
@@ -86,6 +87,11 @@ print(
     f"{os.environ.get('TPUPOD_ATTEMPT')}, from step {start}",
     flush=True,
 )
+# One process has no preemption sync point (it is jax.distributed's): a notice (SIGTERM)
+# would end it unsaved. It saves at the end of the step under way instead.
+noticed: list[int] = []
+if jax.process_count() == 1:
+    signal.signal(signal.SIGTERM, lambda *_: noticed.append(1))
 for step in range(start, args.steps):
     params = train_step(params, step)
     if args.step_seconds:
@@ -94,9 +100,9 @@ for step in range(start, args.steps):
 
         time.sleep(args.step_seconds)
     tpupod.heartbeat(step)  # the run's progress: hang rules, status, goodput (a no-op outside)
-    if manager.should_save(step):  # every --save-every steps, and at the preemption sync point
-        manager.save(step, args=ocp.args.StandardSave(params))
-    if manager.reached_preemption(step):
+    if manager.should_save(step) or noticed:  # every --save-every steps, and a preemption
+        manager.save(step, args=ocp.args.StandardSave(params), force=bool(noticed))
+    if manager.reached_preemption(step) or noticed:
         manager.wait_until_finished()
         print(f"worker {identity.id}: preempted, saved step {step}", flush=True)
         sys.exit(143)

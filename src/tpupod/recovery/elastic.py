@@ -38,6 +38,7 @@ from tpupod.recovery.confirm import REPLACE_STATES
 from tpupod.recovery.record import RecoveryRecord
 
 RETRY_S = 30.0  # a slice whose making failed is tried again after this long
+SETTLE_S = 5.0  # after a wait for slices: how long another may take to come back too
 
 
 class Host(Protocol):
@@ -177,7 +178,20 @@ class Regrowth:
                 waiting.cancel()
             if interrupted.is_set():
                 return False
-        return True
+        if said:  # slices made together come back together: one launch on all of them
+            await self._settle(interrupted)
+        return not interrupted.is_set()
+
+    async def _settle(self, interrupted: asyncio.Event) -> None:
+        """After a wait: while others come back within SETTLE_S of each other, wait for
+        them (a trial: two slices back in the same second made a launch on two, grown to
+        three 0.6 s later)."""
+        while self.tasks and not interrupted.is_set():
+            self.back.clear()
+            try:
+                await asyncio.wait_for(self.back.wait(), SETTLE_S)
+            except TimeoutError:
+                return
 
     async def stop(self) -> None:
         """End every task: the run ended (what they were making stays in the record, for a

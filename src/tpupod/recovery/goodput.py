@@ -4,7 +4,8 @@ As Google's ML goodput measurement counts it: of the run's wall time (its start 
 end, every attempt and every wait between), only the time of steps that moved training
 past where it had been is productive. The rest is badput, told apart by what it went to:
 
-* ``capacity``: deleting and creating TPUs (a preempted slice made again);
+* ``capacity``: deleting and creating TPUs (a preempted slice made again), and an elastic
+  run's wait for enough slices (``--min-slices``);
 * ``setup``: the setup script run again on new hosts;
 * ``start and restore``: from an attempt's launch (sync, preflight, the program's start,
   JAX's compile, the checkpoint's restore) to its first heartbeat;
@@ -35,7 +36,7 @@ from tpupod.recovery.policy import Cause
 if TYPE_CHECKING:
     from tpupod.recovery.record import RecoveryRecord
 
-CAPACITY_PHASES = ("delete", "create")
+CAPACITY_PHASES = ("delete", "create", "wait")  # wait: --elastic, for enough slices
 LAUNCHER_LOST = Cause.LAUNCHER_LOST.value
 
 

@@ -101,13 +101,26 @@ class Recovery:
                 return await self._attempts(resumed)
         finally:
             if self.regrowth is not None and self.regrowth.missing:
-                left = ", ".join(map(str, self.regrowth.missing))
-                self.notice(
-                    f"the run ended while slice {left} was being made again: 'tpupod up "
-                    f"--name {self.pod.name} --recreate' makes it"
-                )
-                await self.regrowth.stop()
+                await self._delete_regrowing()
             self.state.release(self.record.pod)
+
+    async def _delete_regrowing(self) -> None:
+        """The run ends (done, cancelled, failed) while slices are being made again: they
+        are deleted, as a stopped recovery deletes what it was making (a slice made after
+        the run's end, its hosts unknown to the pod's record, left a pod that only down and
+        up mended), and ``up --recreate`` makes them again."""
+        from tpupod.providers.gcp import GcpProvider  # separate TPU slices only: the gcp extra
+
+        assert self.regrowth is not None and isinstance(self.pod.spec, GcpPodSpec)
+        left = self.regrowth.missing
+        await self.regrowth.stop()
+        names = ", ".join(self.pod.spec.tpus()[k].name for k in left)
+        self.notice(f"the run ended: deleting {names}, which the run was making again")
+        try:
+            await GcpProvider().delete_slices(self.pod, left)
+        except TpupodError as exc:
+            self.notice(f"could not delete {names}: {exc}")
+        self.notice(f"'tpupod up --name {self.pod.name} --recreate' makes it again")
 
     async def _attempts(self, resumed: bool) -> int:
         # Resumed: a recovery the dead launcher left half-done starts over. A TPU that was
@@ -124,9 +137,10 @@ class Recovery:
         )
         while True:
             silent = await self._stop_leftovers(waits=not recreate_next)
-            if not silent and not await self._enough_slices():
-                return await self._finish(Ending(Cause.INTERRUPTED, 130, self._stopped_by()))
             attempt = self.record.begin_attempt()
+            if not silent and not await self._enough_slices(attempt.phases):
+                attempt.cause, attempt.ended = Cause.INTERRUPTED.value, time.time()
+                return await self._finish(Ending(Cause.INTERRUPTED, 130, self._stopped_by()))
             attempt.slices = self.in_use
             ending = silent or await self._attempt(recreate_next, resumed=attempt.attempt > 1)
             attempt.cause, attempt.exit_code, attempt.detail = (
@@ -223,20 +237,27 @@ class Recovery:
             return False
         regrowth.start(sorted(lost))
         self.in_use = [k for k in range(self.pod.slices) if k not in lost]
-        there = len(self.in_use)
-        regrowth.event(
-            f"slice {', '.join(map(str, sorted(lost)))} being made again: going on with "
-            f"{there} of {self.pod.slices} slices from the newest checkpoint"
-        )
+        there, gone = len(self.in_use), ", ".join(map(str, sorted(lost)))
+        if there >= self.policy.min_slices:
+            regrowth.event(
+                f"slice {gone} being made again: going on with {there} of "
+                f"{self.pod.slices} slices from the newest checkpoint"
+            )
+        else:  # the wait says so (_enough_slices)
+            regrowth.event(f"slice {gone} being made again")
         return True
 
-    async def _enough_slices(self) -> bool:
+    async def _enough_slices(self, phases: dict[str, float]) -> bool:
         """Before an attempt of an elastic run: the slices it runs on (waiting while fewer
-        than --min-slices are there). False: interrupted while waiting."""
+        than --min-slices are there: the attempt's ``wait``, capacity in its goodput).
+        False: interrupted while waiting."""
         regrowth = self.regrowth
         if regrowth is None:
             return True
-        enough = await regrowth.enough(self.policy.min_slices, self.interrupt.requested)
+        enough = True
+        if regrowth.tasks:
+            waiting = regrowth.enough(self.policy.min_slices, self.interrupt.requested)
+            enough = await timed(phases, "wait", waiting)
         self.in_use = regrowth.in_use()
         if self.in_use is None:
             regrowth.need_all = False

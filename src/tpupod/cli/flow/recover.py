@@ -172,7 +172,10 @@ def _check_elastic(args: RunArgs, pod: Pod, policy: RetryPolicy) -> None:
             "again alone, while the others go on)",
         )
     if policy.elastic and not policy.retries:
-        raise UsageError("--elastic recovers from preemptions: add --retries N")
+        raise UsageError(
+            "--elastic recovers from preemptions, and --retries N counts them",
+            hint="e.g. --retries 3 --elastic",
+        )
     if args.min_slices != 1 and not policy.elastic:
         raise UsageError("--min-slices is --elastic's", hint="add --elastic")
     if policy.elastic and policy.min_slices > pod.slices:
