@@ -325,20 +325,27 @@ def test_the_example_saves_at_the_notice_on_one_process_too(
     import psutil
 
     cli("up", "--name", "one", "--local", "1")
+    ckpt = str(shared_dir / "ckpt")
     run = subprocess.Popen(
-        tpupod_argv("run", "--pod", "one", "--", sys.executable, TRAIN, "--ckpt",
-                    str(shared_dir / "ckpt"), "--steps", "500", "--step-seconds", "0.1"),
+        tpupod_argv("run", "--pod", "one", "--", sys.executable, TRAIN, "--ckpt", ckpt,
+                    "--steps", "500", "--step-seconds", "0.1"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert run.stdout is not None
-    for line in run.stdout:
-        if "step 5 loss" in line:
-            break
-    # python TRAIN ..., not the tpupod run that has it among its arguments
-    [worker] = [
-        p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:2] == [TRAIN]
-    ]
-    worker.terminate()  # the notice
-    out, err = run.communicate(timeout=60)
+    try:
+        for line in run.stdout:
+            if "step 5 loss" in line:
+                break
+        # python TRAIN --ckpt CKPT ..., not the tpupod run that has them among its arguments
+        [worker] = [
+            p for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [])[1:2] == [TRAIN] and ckpt in p.info["cmdline"]
+        ]  # fmt: skip
+        worker.terminate()  # the notice
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.communicate()
     assert re.search(r"worker 0: preempted, saved step [0-9]+", out), out + err
     assert run.returncode == 143, err

@@ -429,13 +429,7 @@ def status(
         for run in standings:
             print("\n".join(run.lines()))
         if recovery is not None:
-            told = [
-                recovery.headline(),
-                *recovery.lines(),
-                *recovery.elastic_lines(),
-                recovery.goodput_line(),
-            ]
-            print("\n  ".join(line for line in told if line))
+            print("\n  ".join([recovery.headline(), *recovery.told()]))
         if found.advice:
             print(f"hint: {found.advice}", file=sys.stderr)
     if not found.healthy:

@@ -38,8 +38,7 @@ def show_logs(
     out, err = out or sys.stdout, err or sys.stderr
     recovery = find_recovery(state, pod, run_id)
     if recovery is not None:
-        shown = [*recovery.lines(), *recovery.elastic_lines(), recovery.goodput_line()]
-        print("\n".join(line for line in shown if line), file=err)
+        print("\n".join(recovery.told()), file=err)
         run_id = next((a.launch_id for a in reversed(recovery.attempts) if a.launch_id), None)
     record = get_run(pod, run_id, state)
     ids = [w.id for w in record.workers if worker is None or w.id == worker]

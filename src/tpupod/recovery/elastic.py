@@ -54,13 +54,6 @@ class Host(Protocol):
     def _save(self) -> None: ...
 
 
-def separate_slices(pod: Pod) -> bool:
-    """Is ``pod`` a pod of separate TPU slices (each preempted and made again alone)?"""
-    from tpupod.pod.spec import GcpPodSpec
-
-    return isinstance(pod.spec, GcpPodSpec) and pod.spec.slices > 1
-
-
 class Regrowth:
     """The slices an elastic run is making again, one task each; ``back`` is set each time
     one is ready (``on_back`` told which)."""

@@ -26,18 +26,37 @@ step, and steps redone may be short by as many.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tpupod.hang import progress
 from tpupod.recovery.policy import Cause
 
-if TYPE_CHECKING:
-    from tpupod.recovery.record import RecoveryRecord
-
 CAPACITY_PHASES = ("delete", "create", "wait")  # wait: --elastic, for enough slices
 LAUNCHER_LOST = Cause.LAUNCHER_LOST.value
+
+
+class Attempt(Protocol):
+    """What goodput reads of an attempt (record.AttemptRecord, which imports this module)."""
+
+    started: float
+    ended: float | None
+    launched: float | None
+    phases: dict[str, float]
+    launch_id: str | None
+    cause: str | None
+
+
+class Run(Protocol):
+    """What goodput reads of a run (record.RecoveryRecord)."""
+
+    path: Path
+    started: float
+
+    @property
+    def attempts(self) -> Sequence[Attempt]: ...
 
 
 @dataclass
@@ -91,7 +110,7 @@ def beats(run_dir: Path) -> tuple[tuple[float, int], tuple[float, int]] | None:
     return max(found, key=lambda pair: (pair[1][1], -pair[1][0]))
 
 
-def account(record: RecoveryRecord, ended: float) -> Goodput | None:
+def account(record: Run, ended: float) -> Goodput | None:
     """The run's goodput up to ``ended`` (wall time); None where no attempt has heartbeats.
 
     An attempt's steps are those between its first and last heartbeat: the first beat's

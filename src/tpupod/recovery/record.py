@@ -188,6 +188,12 @@ class RecoveryRecord:
             rows.append("; ".join(part for part in parts if part))
         return rows
 
+    def told(self) -> list[str]:
+        """What status and logs show under the headline: the attempts, an elastic run's
+        slices and events, the goodput."""
+        goodput = self.goodput_line()
+        return [*self.lines(), *self.elastic_lines(), *([goodput] if goodput else [])]
+
     def elastic_lines(self) -> list[str]:
         """An --elastic run's slices: those being made again, and its events with their
         times (``12:03:04 slice 2 is back after 64 s``)."""
