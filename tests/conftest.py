@@ -543,9 +543,13 @@ def bare_tpu_api() -> Iterator[tuple[Any, str]]:
 @pytest.fixture
 def spot_api(sim_hosts_up: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The stand-in, handing out the simulated hosts and preempting them as GCE does."""
+    yield from spot_stand_in(sim_hosts_up, monkeypatch)
+
+
+def spot_stand_in(sim: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """spot_api's body, for a fixture over another simulated pod (tests/test_elastic.py)."""
     from tests.fakes.tpu_api import on_sim_hosts  # the gcp extra: only tests of GCP pods
 
-    sim = sim_hosts_up
     api = on_sim_hosts(sim, NOTICE_S)
     monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start("0.0.0.0"))
     monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.05")

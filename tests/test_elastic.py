@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
-    NOTICE_S,
     CliResult,
     require,
     reset_sim,
+    spot_stand_in,
     tpupod_argv,
 )
 from tests.fakes.tpu_api import TpuApiStandIn
@@ -48,16 +48,7 @@ def sim8() -> Iterator[SimPod]:
 @pytest.fixture
 def spot_api8(sim8: SimPod, monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuApiStandIn]:
     """conftest's spot_api over ``sim8``."""
-    from tests.fakes.tpu_api import on_sim_hosts  # the gcp extra: only tests of GCP pods
-
-    api = on_sim_hosts(sim8, NOTICE_S)
-    monkeypatch.setenv("TPUPOD_TPU_API_ENDPOINT", api.start("0.0.0.0"))
-    monkeypatch.setenv("TPUPOD_GCP_POLL_S", "0.05")
-    monkeypatch.setenv("TPUPOD_RECOVERY_WATCH_S", "0.3")
-    metadata = f"http://{sim8.gateway}:{api.port}/computeMetadata/v1"
-    monkeypatch.setenv("TPUPOD_METADATA_URL", metadata)
-    yield api
-    api.stop()
+    yield from spot_stand_in(sim8, monkeypatch)
     reset_sim(sim8)
 
 
