@@ -91,3 +91,22 @@ def test_rate_and_eta_on_the_launchers_clock(monkeypatch: pytest.MonkeyPatch) ->
     view(W(0), out(marker(10, 10, "samples")))
     assert host.rate(500.0) == 2.0 and host.eta(500.0) == 0.0  # done: its rate stays
     assert view.summary(105.0) == "x: 10/10 samples, 5s elapsed, ETA 0s"
+
+
+def test_an_extraction_host_marks_each_count_once_the_last_after_its_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI: a log had '[w0] progress: 304/304 samples' twice, the step's tick at the last
+    sample and the end's line (with the bytes written since): the end says the last count."""
+    from tpupod.extract.progress import Progress
+
+    monkeypatch.setenv("TPUPOD_PROGRESS_S", "0")  # a marker at every step
+    marks: list[str] = []
+    progress = Progress(0, 6, None, marks.append)
+    for _ in range(3):
+        progress.step(2, 10)
+    progress.written(4_000_000)
+    progress.finish()
+    counts = [fields["done"] for fields in map(parse, marks) if fields is not None]
+    assert counts == [0, 2, 4, 6], marks
+    assert "4.0 MB written" in marks[-1], marks[-1]

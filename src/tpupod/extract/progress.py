@@ -57,7 +57,8 @@ class Progress:
         if self.say is not None and now - self._last >= self.every:
             self._last = now
             self.say(self.line(now))
-        if now - self._marked >= self.every:
+        # the last count is the end's to mark, with the bytes written after it (said once)
+        if now - self._marked >= self.every and self.samples < self.total:
             self._marker(now)
 
     def _marker(self, now: float) -> None:
