@@ -221,3 +221,24 @@ def test_a_tab_or_escape_in_a_last_line_keeps_the_summary_aligned() -> None:
     rows = [line for line in out.getvalue().splitlines() if line.startswith(("w0 ", "w1 "))]
     assert rows[0].endswith("a b[31mred") and "\t" not in rows[0] and "\x1b" not in rows[0]
     assert rows[0].index("a b") == rows[1].index("a b")
+
+
+def test_a_stopped_runs_ending_counts_its_unfinished_workers_in_words() -> None:
+    """'stopped by SIGTERM: 1 workers did not finish' (a trial's line)."""
+    import signal
+
+    from tpupod.fanout.results import FanoutResult, Outcome, WorkerResult
+    from tpupod.pod.record import Worker
+
+    workers = [Worker(id=i, hostname="vm", internal_address="127.0.0.1") for i in range(3)]
+
+    def stopped(n: int) -> str:
+        results = [
+            WorkerResult(w, Outcome.INTERRUPTED if w.id < n else Outcome.OK, 0.1) for w in workers
+        ]
+        ending = FanoutResult("x", results, 0.2, interrupt_signal=signal.SIGTERM).ending()
+        return ending.why or ""
+
+    assert stopped(1) == "stopped by SIGTERM: 1 worker did not finish"
+    assert stopped(2) == "stopped by SIGTERM: 2 workers did not finish"
+    assert stopped(0) == "stopped by SIGTERM: every worker ended by itself"

@@ -266,7 +266,8 @@ class FanoutResult(Plain):
 
             name = signal.Signals(self.interrupt_signal).name
             count = self.failed_count
-            left = f"{count} workers did not finish" if count else "every worker ended by itself"
+            workers = "worker" if count == 1 else "workers"
+            left = f"{count} {workers} did not finish" if count else "every worker ended by itself"
             by = stopped_by or self.stopped_by or name
             return Ending(RunState.STOPPED, code, stopped_by=by, why=f"stopped by {by}: {left}")
         if first is None:
