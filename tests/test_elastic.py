@@ -80,6 +80,9 @@ def test_a_preempted_slice_is_made_again_while_the_run_goes_on_then_it_grows_bac
     assert causes == ["preempted", "grown", "ok"], err
     assert [a["slices"] for a in record["attempts"]] == [None, [0, 1], None]
     assert "slice 2 being made again: going on with 2 of 3 slices" in err, err
+    # the slice, not the pod (a trial: "TPU 'el' is SUSPENDED" for el-2 alone)
+    assert re.search(r"TPU 'el-2' \(slice 2\) is [A-Z]+: preempted", err), err
+    assert re.search(r"preempted \(TPU 'el-2' \(slice 2\) (was|is) [A-Z]+\)", err), err
     assert re.search(r"slice 2 is back after \d+ s", err), err
     assert "growing to 3 of 3 slices at a checkpoint" in err, err
     done = steps_done(shared_dir)

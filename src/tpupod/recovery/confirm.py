@@ -23,6 +23,7 @@ from tpupod.fanout.context import NoticeHandler
 from tpupod.fanout.execute import execute_async
 from tpupod.fanout.results import Outcome
 from tpupod.pod.record import Pod, Worker
+from tpupod.pod.spec import GcpPodSpec
 from tpupod.providers import GONE, Connector, provider_for
 from tpupod.recovery.policy import RetryPolicy
 
@@ -94,6 +95,27 @@ async def state_of(pod: Pod, slices: Sequence[int] | None = None) -> str | None:
     return worst_state([states[k] for k in slices])
 
 
+async def preempted_of(pod: Pod, state: str, slices: Sequence[int] | None = None) -> str:
+    """What is ``state``: ``TPU 'el-2' (slice 2)`` on a pod of separate TPU slices (the
+    slices of ``slices`` in that state, or gone further, read again), else ``the TPU``."""
+    if not isinstance(pod.spec, GcpPodSpec) or pod.spec.slices == 1:
+        return "the TPU"
+    from tpupod.providers.gcp import GcpProvider  # separate TPU slices only: the gcp extra
+
+    try:
+        states = await GcpProvider().slice_states(pod)
+    except TpupodError:
+        return "the TPU"  # it said the state a moment ago: which slice is a detail
+    tpus = pod.spec.tpus()
+    watched = range(len(states)) if slices is None else slices
+    hit = [k for k in watched if states[k] == state]
+    hit = hit or [k for k in watched if states[k] in REPLACE_STATES]  # SUSPENDING went on
+    if not hit:
+        return "the TPU"
+    names = ", ".join(repr(tpus[k].name) for k in hit)
+    return f"TPU {names} (slice {', '.join(map(str, hit))})"
+
+
 _METADATA_SCRIPT = (
     "import sys, urllib.request as u\n"
     "r = u.Request(sys.argv[1] + '/instance/preempted', headers={'Metadata-Flavor': 'Google'})\n"
@@ -152,12 +174,13 @@ async def wait_reachable(
 async def watch(
     pod: Pod,
     interval: float,
-    on_preempted: Callable[[str], None],
+    on_preempted: Callable[[str, str], None],
     stopped: asyncio.Event,
     slices: Sequence[int] | None = None,
 ) -> None:
     """Read the TPU's state every ``interval`` seconds during an attempt; tell
-    ``on_preempted`` once the API says it was preempted. A failed read is skipped."""
+    ``on_preempted`` (the state, and what is in it: ``preempted_of``) once the API says it
+    was preempted. A failed read is skipped."""
     while not stopped.is_set():
         try:
             await asyncio.wait_for(stopped.wait(), interval)
@@ -169,5 +192,5 @@ async def watch(
         except TpupodError:
             continue  # the API failed: that alone says nothing
         if state in PREEMPTED_STATES:
-            on_preempted(state)
+            on_preempted(state, await preempted_of(pod, state, slices))
             return

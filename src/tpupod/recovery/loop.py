@@ -403,9 +403,10 @@ class Recovery:
         self._inner, self._growing = inner, []
         preempted: list[str] = []
 
-        def on_preempted(state: str) -> None:
-            preempted.append(state)
-            self.notice(f"TPU {self.pod.name!r} is {state}: preempted")
+        def on_preempted(state: str, of: str) -> None:
+            preempted.append(f"{of} was {state}")
+            what = f"TPU {self.pod.name!r}" if of == "the TPU" else of
+            self.notice(f"{what} is {state}: preempted")
             inner.request(
                 signal.SIGTERM,
                 grace=self.policy.notice_grace,
@@ -468,7 +469,7 @@ class Recovery:
         if self.interrupt.requested.is_set():
             return Ending(Cause.INTERRUPTED, code, self._stopped_by())
         if preempted:
-            return Ending(Cause.PREEMPTED, code or 1, f"the TPU was {preempted[0]}")
+            return Ending(Cause.PREEMPTED, code or 1, preempted[0])
         if self._growing:
             back = ", ".join(map(str, self._growing))
             return Ending(Cause.GROW, code, f"slice {back} came back")
@@ -481,7 +482,8 @@ class Recovery:
             budget = self.policy if not result.ok else _one_try(self.policy)
             state = await confirm.api_state(self.pod, budget, self.notice, self.in_use)
             if state in confirm.REPLACE_STATES:
-                return Ending(Cause.PREEMPTED, code or 1, f"the TPU is {state}")
+                of = await confirm.preempted_of(self.pod, state, self.in_use)
+                return Ending(Cause.PREEMPTED, code or 1, f"{of} is {state}")
         if result.hung is not None:
             return Ending(Cause.HUNG, result.exit_code(), result.hung.removeprefix("hung: "))
         if result.ok:
