@@ -83,6 +83,7 @@ def test_a_preempted_slice_is_made_again_while_the_run_goes_on_then_it_grows_bac
     # the slice, not the pod (a trial: "TPU 'el' is SUSPENDED" for el-2 alone)
     assert re.search(r"TPU 'el-2' \(slice 2\) is [A-Z]+: preempted", err), err
     assert re.search(r"preempted \(TPU 'el-2' \(slice 2\) (was|is) [A-Z]+\)", err), err
+    assert "could not free the accelerator" not in err, err  # the lost slice's hosts: gone
     assert re.search(r"slice 2 is back after \d+ s", err), err
     assert "growing to 3 of 3 slices at a checkpoint" in err, err
     done = steps_done(shared_dir)

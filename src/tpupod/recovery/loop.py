@@ -517,12 +517,13 @@ class Recovery:
     async def _free_accelerator(self) -> None:
         """Before a rerun on the same hosts: what still holds the accelerator is killed and
         a stale libtpu lockfile removed (a killed holder leaves one, and the next launch's
-        preflight would refuse the host). Not on a local pod: its workers share this
-        machine's /tmp."""
+        preflight would refuse the host). Only on the slices in use (an elastic run's lost
+        slice has no hosts to answer). Not on a local pod: its workers share this machine's
+        /tmp."""
         if self.pod.provider == "local":
             return
         try:
-            result = await free_tpu(self.pod)
+            result = await free_tpu(self.pod, workers=self._workers_in_use())
         except TpupodError as exc:
             self.notice(f"could not free the accelerator before the rerun: {exc}")
             return
