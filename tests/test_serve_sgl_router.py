@@ -301,7 +301,8 @@ def test_a_worker_python_without_sglang_router_is_one_line_with_the_install_hint
     tmp_path: Path,
 ) -> None:
     """Worker 0's Python cannot import sglang_router (a package on its path shadows it as
-    missing): serve up says so in one line with the hint, and leaves nothing running. The
+    missing): serve up's preflight says so in one line with the hint, before any agent or
+    server starts (a trial: after the servers were ready), and leaves nothing running. The
     router's respawn parent does not start again a router that never listened: the
     failure is told at once, not after ctl's 30 s wait for the router to listen."""
     shadow = tmp_path / "shadow" / "sglang_router"
@@ -318,7 +319,10 @@ def test_a_worker_python_without_sglang_router_is_one_line_with_the_install_hint
         took = time.monotonic() - began
         assert up.returncode != 0 and "Traceback" not in up.stderr, up.stderr
         assert took < 25, took  # ctl waits 30 s for a router that keeps starting
-        errors = [line for line in up.stderr.splitlines() if not line.startswith("tpupod: ")]
+        said = up.stderr.splitlines()
+        # found by the preflight, before anything starts (it was after the servers were up)
+        assert not [line for line in said if line.startswith("tpupod: ")], up.stderr
+        errors = said
         assert errors == [
             f"error: w0: sglang_router is not installed for {python}: --router sgl runs "
             "sgl-router there",

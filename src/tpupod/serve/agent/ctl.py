@@ -400,6 +400,7 @@ def preflight(
     ports: list[int],
     fixed: list[tuple[str, int]],
     shifts: list[int],
+    router: str | None = None,
 ) -> dict[str, Any]:
     """``serve up``'s checks on this worker before anything starts: whether the backend
     can serve ``model`` (``backends.check_model``), and whether the ports the fleet binds
@@ -408,7 +409,8 @@ def preflight(
     servers, which ``serve up`` stops or keeps) is not in the way; ``groups`` lists that
     fleet's process groups, for a launcher whose workers share one host (a local pod: a
     port may be held by another worker's server). ``free_shifts``: the ``shifts`` that
-    would move all the servers' ports to free ones (a --base-port to suggest)."""
+    would move all the servers' ports to free ones (a --base-port to suggest). ``router``
+    ``sgl``: this worker runs sgl-router, whose package must import here (``router``)."""
     # the preflight only (pydantic's models): not every ctl command
     from tpupod.serve.backends import Backend, check_model
 
@@ -417,6 +419,11 @@ def preflight(
         if absent := missing(extra):  # the agent and the servers would fail to start
             answer["extra"] = {"extra": extra, "modules": absent}
             return answer
+    if router == "sgl":
+        # worker 0's check only: sgl-router's package, as its start would import it
+        from tpupod.serve.router.sgl import not_importable
+
+        answer["router"] = not_importable()
     try:
         check_model(Backend(backend), model)
     except (UsageError, ValueError) as exc:
@@ -551,6 +558,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ports", default="", help="the servers' ports here: P,P,...")
     p.add_argument("--fixed", action="append", default=[], help="FLAG=PORT: another port")
     p.add_argument("--shifts", default="", help="S,S,...: moves of the servers' ports to try")
+    p.add_argument("--router", default=None, help="sgl: sgl-router runs here")
     w = sub.add_parser("wait-ready", help="report servers as they become ready")
     w.add_argument("--timeout", type=float, default=600.0)
     return parser
@@ -578,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         answer = preflight(
             state, args.host, backend=args.backend, model=args.model,
             ports=_numbers(args.ports), fixed=fixed, shifts=_numbers(args.shifts),
+            router=args.router,
         )  # fmt: skip
     else:
         return wait_ready(state, args.timeout)

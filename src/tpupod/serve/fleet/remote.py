@@ -255,6 +255,8 @@ class RemoteFleet:
             wanted = [f"--fixed={flag}={port}" for flag, port in extra.items() if port]
             if w.id == 0 and not router:
                 wanted = [f for f in wanted if not f.startswith("--fixed=--router-port")]
+            if w.id == 0 and router and options.router == "sgl":
+                wanted.append("--router=sgl")
             return [
                 "preflight", f"--host={w.internal_address}", f"--backend={options.backend.value}",
                 f"--model={options.model}", f"--ports={ports}", *wanted,
@@ -264,6 +266,8 @@ class RemoteFleet:
         answers = await _gather(self.ctl(w, *args(w)) for w in workers)
         found = [(w, a[-1]) for w, a in zip(workers, answers, strict=True)]
         self.refuse_missing_extra(found)
+        if any(a.get("router") for _, a in found):
+            raise self.sgl_missing()
         self.refuse_model(found)
         self.refuse_taken(found, options.base_port)
 
@@ -373,6 +377,14 @@ class RemoteFleet:
                 + "; serve up stopped what it had started",
             )
 
+    def sgl_missing(self) -> ServeError:
+        """Worker 0's Python cannot import sglang_router (its preflight, or the router's
+        start: a Python changed in between)."""
+        return ServeError(
+            f"w0: {MISSING} {self.python}: --router sgl runs sgl-router there",
+            hint="pip install 'tpupod[sgl]' on the workers (or --router builtin)",
+        )
+
     async def ensure_router(
         self, options: UpOptions, servers: list[ServerRecord], token: str, again: bool = False
     ) -> int:
@@ -394,10 +406,7 @@ class RemoteFleet:
         if "error" in answer:
             log = answer.get("log", [])
             if any(MISSING in line for line in log):
-                raise ServeError(
-                    f"w0: {MISSING} {self.python}: --router sgl runs sgl-router there",
-                    hint="pip install 'tpupod[sgl]' on the workers (or --router builtin)",
-                )
+                raise self.sgl_missing()
             raise ServeError(f"w0: {answer['error']}: {'; '.join(map(unstamped, log))}")
         return int(answer["port"])
 

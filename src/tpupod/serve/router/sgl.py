@@ -79,12 +79,20 @@ def _listening(host: str, port: int) -> bool:
     return False
 
 
-def run(state: Path, args: argparse.Namespace) -> int:
-    """Start sgl-router, record it once it listens, stop it on TERM; its exit code."""
+def not_importable() -> str | None:
+    """Why this Python cannot import sglang_router (``MISSING ...``), or None: what
+    ``serve up``'s preflight asks worker 0 before anything starts, and the router's start."""
     try:
         import sglang_router  # noqa: F401  (light: its version only)
     except ImportError as exc:
-        print(f"{MISSING} {sys.executable} ({exc})", file=sys.stderr, flush=True)
+        return f"{MISSING} {sys.executable} ({exc})"
+    return None
+
+
+def run(state: Path, args: argparse.Namespace) -> int:
+    """Start sgl-router, record it once it listens, stop it on TERM; its exit code."""
+    if (why := not_importable()) is not None:
+        print(why, file=sys.stderr, flush=True)
         return 3
     port = args.port or free_port(args.host)
     metrics = free_port(args.host)
