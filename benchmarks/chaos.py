@@ -58,7 +58,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -543,7 +543,9 @@ UNFINISHED = ("pending", "scheduled", "running")
 # What a line of tpupod's says when it names each kind of injection (which process, why).
 SERVING_DIED = r".*(SIGKILL|killed|exited|restart|lost|down|gone)"
 NAMED = {
-    "worker": r"w\d.*(SIGKILL|killed|lost)",
+    # tpupod's own line: not bash's job report in the worker's output ("[w0] /bin/bash:
+    # line 20: 16317 Killed ...", the shell that ran it; a trial saw it counted)
+    "worker": r"^tpupod: .*\bw\d.*(SIGKILL|killed|lost)",
     "launcher": r"resum|launcher",
     "engine": "engine" + SERVING_DIED,
     "frontend": "front" + SERVING_DIED,
@@ -971,6 +973,13 @@ def chaos(args: argparse.Namespace) -> dict[str, Any]:
         try:
             harness.start(stack)
             verdict = harness.run()
+        except KeyboardInterrupt:  # said at once: the stop takes ~20 s (pods, fleet, store)
+            print(
+                f"chaos: interrupted; stopping what it started ({work} is kept)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise
         finally:  # an interrupted run stops what it started too
             harness.heard.stopping.set()
             if hasattr(harness, "clients"):
@@ -1038,22 +1047,74 @@ def misses(verdict: dict[str, Any]) -> list[str]:
     if requests["longest_gap_s"] > GAP_TARGET_S:
         found.append(f"requests: {requests['longest_gap_s']} s without a successful answer")
     for i in verdict["injections"]:
-        if i["named_s"] is None or i["named_s"] > NAMED_WITHIN_S.get(i["kind"], NAMED_S):
+        if _late(i):
             found.append(f"injections: {i['kind']} at {i['t']} s named after {i['named_s']} s")
     found += [f"leftovers: {left}" for left in verdict["leftovers"]]
     return found
 
 
-def report(verdict: dict[str, Any]) -> None:
-    print(json.dumps({k: v for k, v in verdict.items() if k != "injections"}, indent=2))
-    print("\ninjections:")
+def checks(verdict: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each area of the verdict as one line a user reads: (area, what was measured)."""
+    trainings = "; ".join(
+        f"{pod}: {'bit-identical' if t['identical'] else 'NOT the undisturbed run'}, "
+        f"{t['redone']} steps redone over {t['launches']} launches"
+        for pod, t in verdict["training"].items()
+    )
+    jobs = verdict["jobs"]
+    whole = "every log whole" if not jobs["logs_incomplete"] else "logs incomplete"
+    requests = verdict["requests"]
+    failed = sum(requests["failed"].values())
+    ok = 100 * requests["ok"] / max(requests["ok"] + failed, 1)
+    injections = verdict["injections"]
+    late = [i for i in injections if _late(i)]
+    allowances = ", ".join(f"{kind} {s:g} s" for kind, s in NAMED_WITHIN_S.items())
+    left = verdict["leftovers"]
+    return [
+        ("training", trainings),
+        ("jobs", f"{jobs['acknowledged']} acknowledged: {len(jobs['lost'])} lost, "
+                 f"{len(jobs['duplicated'])} duplicated, {len(jobs['unexpected'])} "
+                 f"unexpected, {whole}"),
+        ("requests", f"{requests['ok']} ok, {failed} failed: {ok:.2f} % ok (target "
+                     f"{100 * SUCCESS_TARGET:g} %); longest gap without an answer "
+                     f"{requests['longest_gap_s']} s (target {GAP_TARGET_S:g} s)"),
+        ("injections", f"{len(injections) - len(late)} of {len(injections)} named in time "
+                       f"({NAMED_S:g} s; {allowances})"),
+        ("leftovers", f"{len(left)} left" if left else "nothing left; a new up works"),
+    ]  # fmt: skip
+
+
+def _late(injection: dict[str, Any]) -> bool:
+    named = injection["named_s"]
+    return named is None or named > NAMED_WITHIN_S.get(injection["kind"], NAMED_S)
+
+
+def report(verdict: dict[str, Any], out: TextIO | None = None) -> None:
+    """The verdict: its JSON, each injection (its whole target, and the whole line of
+    tpupod's that named it, with how soon against its allowance), each check met or
+    MISSED, and a last line that says which."""
+    out = out or sys.stdout
+    print(json.dumps({k: v for k, v in verdict.items() if k != "injections"}, indent=2), file=out)
+    print("\ninjections:", file=out)
     for i in verdict["injections"]:
+        within = NAMED_WITHIN_S.get(i["kind"], NAMED_S)
         named = (
-            f"named in {i['named_s']}s by {i['named_by'][:100]}"
+            f"named in {i['named_s']} s of {within:g} s by {i['named_by']}"
             if i["named_s"] is not None
-            else "NOT NAMED"
+            else f"NOT NAMED within {within:g} s"
         )
-        print(f"  {i['t']:7.1f}s {i['kind']:<9} {i['target'][:50]:<50} {named}")
+        print(f"  {i['t']:7.1f}s {i['kind']:<9} {i['target']}", file=out)
+        print(f"            {named}", file=out)
+    missed = {m.split(":", 1)[0] for m in verdict["misses"]}
+    print("\nchecks:", file=out)
+    found = checks(verdict)
+    for area, measured in found:
+        print(f"  {area:<10} {measured}  {'MISSED' if area in missed else 'met'}", file=out)
+    if missed:
+        areas = ", ".join(area for area, _ in found if area in missed)
+        print(f"chaos: {len(missed)} of {len(found)} checks MISSED: {areas}", file=out)
+    else:
+        total = len(verdict["injections"])
+        print(f"chaos: every target met ({len(found)} checks, {total} injections)", file=out)
 
 
 def main() -> None:
