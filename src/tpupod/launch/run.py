@@ -235,11 +235,13 @@ async def run(
     log_to = _RunLog(launch, given, selected, supervision if collateral else None, notice)
     log_to.record["job"] = _job_of(env or {})
     # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
-    using = podusers.using(state, pod.name, f"tpupod run {launch_id}")
+    # (down --force writes who it is to the stop-request file first, as a cancel does)
+    stop_request = launch.run_dir / STOP_FILE
+    using = podusers.using(state, pod.name, f"tpupod run {launch_id}", request=stop_request)
     # a stop from 'tpupod cancel' or the dashboard names its sender before its SIGINT (one
     # the caller can tell, as a run with --retries its own cancel, when none did)
     told = interrupt.who
-    interrupt.who = lambda: _read_text(launch.run_dir / STOP_FILE) or (told() if told else None)
+    interrupt.who = lambda: _read_text(stop_request) or (told() if told else None)
     progress = Progress([w.id for w in sub_pod.workers])
     watchdog = _watchdog(hang_timeout, progress, sub_pod, launch, run_connector, ctx.sinks, log_to)
     with log_to as log, using:

@@ -112,17 +112,18 @@ def stop(
     state: StateDir, pod: str, found: list[PodUser], timeout: float, by: str = ""
 ) -> list[PodUser]:
     """Ask each user to let go (SIGTERM: a job runner gives its job back and exits, a run
-    stops) and wait up to ``timeout`` s; returns those still there. A user with a stop
-    command of its own (a run with --retries: ``tpupod cancel``) is stopped as that command
-    does: ``by`` (who asks) in its request file, so that it says who stopped it, then
-    SIGINT. A process is signalled once, however many uses it has: a second signal would
-    force its stop (a run's workers KILLed without their grace)."""
+    stops) and wait up to ``timeout`` s; returns those still there. ``by`` (who asks) goes
+    to each user's request file first, so that it says who stopped it (a run); a user
+    with a stop command of its own (a run with --retries: ``tpupod cancel``) is stopped as
+    that command does, with SIGINT. A process is signalled once, however many uses it
+    has: a second signal would force its stop (a run's workers KILLed without their
+    grace)."""
     signals: dict[int, int] = {}
     for user in found:
+        if by and user.request:  # a run says who stopped it (a plain run: on its SIGTERM)
+            with contextlib.suppress(OSError):
+                Path(user.request).write_text(by + "\n")
         if user.stop:
-            if by and user.request:
-                with contextlib.suppress(OSError):
-                    Path(user.request).write_text(by + "\n")
             signals[user.pid] = signal.SIGINT
         signals.setdefault(user.pid, signal.SIGTERM)
     for pid, signum in signals.items():
