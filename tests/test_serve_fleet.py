@@ -1646,6 +1646,12 @@ def test_two_one_worker_local_pods_serve_at_once(tmp_path: Path) -> None:
         for pod in pods:
             status = run_cli(home, "serve", "status", "--pod", pod)
             assert status.returncode == 0, status.stderr
+        # down with its fleet up: the fleet goes with the pod, and down says so (a trial:
+        # only "pod 'NAME' is down")
+        gone = run_cli(home, "down", "--pod", pods[0])
+        assert gone.returncode == 0, gone.stderr
+        assert f"pod {pods[0]!r} has a serving fleet: it stops with the pod" in gone.stderr
+        assert wait_until_gone(pods[0]) == []
     finally:
         for pod in pods:
             run_cli(home, "serve", "down", "--pod", pod)

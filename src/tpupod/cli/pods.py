@@ -302,7 +302,10 @@ def _stop_fleet(pod: Pod, state: StateDir) -> None:
     pod's processes, and a deleted TPU's, go with it anyway."""
     from tpupod.serve.fleet.record import record_path
 
-    if pod.on_this_machine or not record_path(state, pod.name).exists():
+    if not record_path(state, pod.name).exists():
+        return
+    if pod.on_this_machine:
+        notice(f"pod {pod.name!r} has a serving fleet: it stops with the pod")
         return
     from tpupod.serve.fleet.control import Fleet
 
