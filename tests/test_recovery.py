@@ -181,7 +181,8 @@ def test_cancel_stops_a_plain_run_too(
             time.sleep(0.05)
         (launch,) = [p.name for p in runs.iterdir()]
         started = time.monotonic()
-        cancelled = cli("cancel", "--pod", pod.name, launch)
+        # no RUN: the one run going on the pod (a trial: "missing argument 'RUN'")
+        cancelled = cli("cancel", "--pod", pod.name)
         assert cancelled.code == 0, cancelled.err
         # what ended it, once: not "stopped (stopped (exit 130); its launcher ... stopped it)"
         said = f"run {launch}: stopped (exit 130): stopped by 'tpupod cancel' (pid "
@@ -202,6 +203,10 @@ def test_cancel_stops_a_plain_run_too(
         run.stderr.close()  # type: ignore[union-attr]
     unknown = cli("cancel", "--pod", pod.name, "20990101-000000-abcdef")
     assert unknown.code == 2 and "no run '20990101-000000-abcdef'" in unknown.err
+    idle = cli("cancel", "--pod", pod.name)
+    assert idle.code == 2, idle.err
+    assert f"error: no run is going on pod {pod.name!r}" in idle.err, idle.err
+    assert "tpupod logs --list" in idle.err, idle.err
 
 
 def test_a_worker_killed_from_outside_is_lost_even_when_a_peer_failed_first() -> None:

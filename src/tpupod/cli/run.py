@@ -133,8 +133,13 @@ def stacks(
 @command("cancel")
 def cancel(
     run_id: Annotated[
-        str, typer.Argument(metavar="RUN", help="The run's id ('tpupod logs --list').")
-    ],
+        str | None,
+        typer.Argument(
+            metavar="[RUN]",
+            help="The run's id ('tpupod logs --list'); left out: the one run going on the pod.",
+            show_default=False,
+        ),
+    ] = None,
     pod: PodOption = None,
 ) -> None:
     """Stop a run from anywhere on this machine, as Ctrl-C in its terminal would: its
@@ -144,6 +149,8 @@ def cancel(
     Examples:
 
       tpupod cancel 20261127-080102-5d1e2a
+
+      tpupod cancel --pod dev          # the one run going on pod dev
     """
     from tpupod.cli.flow.recover import cancel_run
 

@@ -269,14 +269,15 @@ def _rerun_failed(record: RecoveryRecord, policy: RetryPolicy) -> None:
 CANCEL_WAIT_S = 120.0
 
 
-def cancel_run(pod_name: str | None, run_id: str) -> str:
+def cancel_run(pod_name: str | None, run_id: str | None) -> str:
     """Stop a --retries run: its launcher is told as by Ctrl-C (it stops the workers and
     deletes what the recovery was creating); a launcher that is gone is done for. Returns
-    what happened, in words."""
+    what happened, in words. ``run_id`` None: the one run going on the pod."""
     from tpupod.recovery.loop import delete_unfinished
 
     state = StateDir()
     pod = state.resolve_name(pod_name)
+    run_id = run_id or _the_run_going(state, pod)
     if not RecoveryRecord.exists(state, pod, run_id):
         return _stop_plain(pod, run_id)
     record = RecoveryRecord.load(state, pod, run_id)
@@ -297,6 +298,31 @@ def cancel_run(pod_name: str | None, run_id: str) -> str:
     record.state = "cancelled"
     record.save()
     return f"run {run_id}: cancelled" + (f"; deleted {deleted}" if deleted else "")
+
+
+def _the_run_going(state: StateDir, pod: str) -> str:
+    """The id of the one run going on ``pod`` (its users: a plain run's launch, a --retries
+    run), or a UsageError that lists them or says there is none."""
+    from tpupod.pod import users  # a cancel without RUN only
+    from tpupod.pod.lifecycle import one_per_run  # as above
+
+    going = []
+    for user in one_per_run(users.users(state, pod)):
+        if user.stop.startswith("tpupod cancel "):
+            going.append(user.stop.rsplit(" ", 1)[-1])
+        elif user.what.startswith("tpupod run "):
+            going.append(user.what.removeprefix("tpupod run "))
+    if len(going) == 1:
+        return going[0]
+    if not going:
+        raise UsageError(
+            f"no run is going on pod {pod!r}",
+            hint=f"'tpupod logs --list --pod {pod}' lists its runs",
+        )
+    raise UsageError(
+        f"{len(going)} runs are going on pod {pod!r}: {', '.join(going)}",
+        hint="name the one to stop: tpupod cancel RUN",
+    )
 
 
 def _stop_plain(pod: str, run_id: str) -> str:
