@@ -114,6 +114,9 @@ def test_hang_timeout_ends_a_hung_run_with_its_stacks(
     data = json.loads(record.read_text())
     assert data["ending"]["state"] == "hung" and data["ending"]["exit_code"] == 124
     assert data["hung"]["odd"] == [2] and Path(data["hung"]["stacks"]).is_file()
+    # said once (a trial: 'ended with exit code 124: hung (exit 124): hung: no worker ...')
+    logs = cli("logs", "--pod", pod.name, "-w", "1")
+    assert f"hung (exit 124): {last.removeprefix('hung: ')}" in logs.err, logs.err
     progress = json.loads((record.parent / "progress.json").read_text())
     steps = {w: progress["workers"][w]["step"] for w in ("0", "2")}  # as of <= 1 s before
     assert steps["2"] < steps["0"] and steps["0"] >= 4, steps

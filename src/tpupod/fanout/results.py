@@ -181,7 +181,8 @@ class Ending(Plain):
         said = self.state.value
         if self.exit_code not in (None, 0):
             said += f" (exit {self.exit_code})"
-        return f"{said}: {self.why}" if self.why else said
+        why = (self.why or "").removeprefix(f"{self.state.value}: ")  # 'hung: ...' said once
+        return f"{said}: {why}" if why else said
 
 
 class FanoutResult(Plain):
