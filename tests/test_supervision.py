@@ -223,6 +223,8 @@ def test_the_others_collateral_failures_stay_in_their_logs(
     assert "first failure: w1 " in result.err and "ValueError: bad shard 7" in result.err
     assert "Connection closed" not in result.out + result.err, result.err
     assert "w0, w2 printed 50 more lines after w1 failed, kept in the logs" in result.err
+    # the hint names each worker's log, not w0's alone (a trial)
+    assert re.search(r"'tpupod logs \S+ -w 0', 'tpupod logs \S+ -w 2'\n", result.err), result.err
     rows = [line for line in result.err.splitlines() if line.startswith(("w0 ", "w2 "))]
     assert len(rows) == 2 and all(row.endswith("step 1") for row in rows), result.err
     logs = cli("logs", "--pod", pod.name, "-w", "0")

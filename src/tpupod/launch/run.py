@@ -680,10 +680,14 @@ class _RunLog:
         count = sum(self.held.values())
         names = worker_list(sorted(self.held))
         when = "the run was found hung" if self.hung else f"w{self.supervision.first_failed} failed"
+        held, run = sorted(self.held), self.launch.launch_id
+        if len(held) <= 2:  # each worker's log (a trial: the hint named w0's alone)
+            where = ", ".join(f"'tpupod logs {run} -w {w}'" for w in held)
+        else:
+            where = f"'tpupod logs {run} -w N' for each of {names}"
         return (
             f"{names} printed {count} more line{'s' if count != 1 else ''} after "
-            f"{when}, kept in the logs: "
-            f"'tpupod logs {self.launch.launch_id} -w {min(self.held)}'"
+            f"{when}, kept in the logs: {where}"
         )
 
     def tee(
