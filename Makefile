@@ -52,8 +52,9 @@ PYTEST_JOBS ?= 3
 PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
 
 # The tests marked `alone` (the chaos harness: training, serving and jobs at once; the
-# 256-host pod) run after the others, by themselves: beside them on two cores, other tests'
-# time bounds failed in CI, and theirs (stacks of 256 workers in 10 s) beside the others.
+# 256-host pod; the 4,096-client barrier's cost ratio) run after the others, by themselves:
+# beside them on two cores, other tests' time bounds failed in CI, and theirs (stacks of 256
+# workers in 10 s, the barrier's ratio) beside the others.
 # No `alone` test selected (the ssh tier skipped) is pytest's exit 5, not a failure.
 SKIP_MARK := $(if $(SKIP_TIERS),not ssh and ,)
 pytest: $(STAMP_TEST)

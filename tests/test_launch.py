@@ -241,12 +241,18 @@ async def barrier_cpu_s(clients: int, rounds: int) -> tuple[float, int]:
     return min(samples), kept
 
 
+@pytest.mark.alone
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_4096_client_barrier_costs_at_most_6x_a_1024_client_one() -> None:
-    """Before: every arrival re-checked every worker's digest (quadratic, 10x for 4x clients)."""
+    """Before: every arrival re-checked every worker's digest (quadratic, 10x for 4x clients).
+
+    Alone, after the other tests: beside them a CI run measured 7x (66 and 463 ms; 4.7x
+    quiet): CPU time leaves out other processes' time but not what they do to this one's
+    caches, and a 4,096-client barrier's working set is four times the size.
+    """
     require(limits.open_files(2 * 4096) is None, "the hard limit on open files is below 8,300")
-    small, kept_small = asyncio.run(barrier_cpu_s(1024, 3))
-    large, kept_large = asyncio.run(barrier_cpu_s(4096, 3))
+    small, kept_small = asyncio.run(barrier_cpu_s(1024, 5))
+    large, kept_large = asyncio.run(barrier_cpu_s(4096, 5))
     assert (kept_small, kept_large) == (0, 0)
     assert large < 6 * small, f"1,024 clients: {small * 1000:.0f} ms, 4,096: {large * 1000:.0f} ms"
 
