@@ -22,6 +22,7 @@ from tpupod.pod.spec import LocalPodSpec
 from tpupod.pod.state import StateDir
 
 FEW, MANY = 10, 1000
+PAGE_FULL = 60  # runs enough for a first page of 50 rows, as 1,000's
 ROUNDS = 15
 
 
@@ -75,8 +76,11 @@ def test_a_take_of_the_runs_reads_only_what_changed(tmp_path: Path) -> None:
 
 
 def test_the_first_view_costs_the_same_with_1000_runs_as_with_10(tmp_path: Path) -> None:
+    """The overview against 10 runs; the first page of runs against a history that fills it
+    too: a page of 50 rows against one of 11 costs its 39 more rows, which a loaded CI run
+    measured past the floor (9.1 ms against 6.2)."""
     clients = {}
-    for n in (FEW, MANY):
+    for n in (FEW, PAGE_FULL, MANY):
         state = history(tmp_path / str(n), n)
         app = create_app(Config())  # no lifespan: told what the sampler would say
         app.state.feed.apply({"source": "runs", "data": RunIndex().take(state), "at": time.time()})
@@ -91,4 +95,6 @@ def test_the_first_view_costs_the_same_with_1000_runs_as_with_10(tmp_path: Path)
         for i in range(ROUNDS):
             for n, client in clients.items():  # a query of its own: made, not from memory
                 made[n].append(cpu_ms(partial(client.get, f"{path}?n={i}")))
-        assert within(made[FEW], made[MANY], floor_ms=3.0), (path, made)
+        assert within(made[PAGE_FULL], made[MANY], floor_ms=3.0), (path, made)
+        if path == "/":
+            assert within(made[FEW], made[MANY], floor_ms=3.0), (path, made)
