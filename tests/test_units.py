@@ -242,3 +242,22 @@ def test_a_stopped_runs_ending_counts_its_unfinished_workers_in_words() -> None:
     assert stopped(1) == "stopped by SIGTERM: 1 worker did not finish"
     assert stopped(2) == "stopped by SIGTERM: 2 workers did not finish"
     assert stopped(0) == "stopped by SIGTERM: every worker ended by itself"
+
+
+def test_a_pod_user_names_the_run_it_is() -> None:
+    """One reading of a use's run for `cancel` without RUN and `down`'s refusal."""
+    from tpupod.pod.users import PodUser  # this test alone
+
+    plain = PodUser(1, "tpupod run 20261206-103000-ab12", 0.0)
+    retries = PodUser(
+        2,
+        "run 20261206-103001-cd34 (tpupod run --retries)",
+        0.0,
+        stop="tpupod cancel --pod dev 20261206-103001-cd34",
+    )
+    runner = PodUser(3, "a job runner ('tpupod jobs worker --pod dev')", 0.0)
+    assert [u.run_id for u in (plain, retries, runner)] == [
+        "20261206-103000-ab12",
+        "20261206-103001-cd34",
+        "",
+    ]

@@ -177,8 +177,7 @@ def one_per_run(found: list[PodUser]) -> list[PodUser]:
 def _in_use(pod: str, found: list[PodUser]) -> StateError:
     """The refusal of a pod in use, naming its users and how to stop the first."""
     first = found[0]
-    run = first.what.removeprefix("tpupod run ") if first.what.startswith("tpupod run ") else ""
-    command = first.stop or (f"tpupod cancel {run}" if run else "")
+    command = first.stop or (f"tpupod cancel {first.run_id}" if first.run_id else "")
     stop = f"'{command}'" if command else f"kill -TERM {first.pid}"
     return StateError(
         f"pod {pod!r} is in use by {', '.join(user.describe() for user in found)}",

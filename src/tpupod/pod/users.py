@@ -42,6 +42,16 @@ class PodUser:
     stop: str = ""  # the command that stops it ('tpupod cancel --pod P RUN'), if any
     request: str = ""  # a file it reads, when stopped, for who stopped it
 
+    @property
+    def run_id(self) -> str:
+        """The run this use is, or "": a --retries run's stop names it ('tpupod cancel --pod
+        P RUN'); a plain run's launch is 'tpupod run RUN'."""
+        if self.stop.startswith("tpupod cancel "):
+            return self.stop.rsplit(" ", 1)[-1]
+        if self.what.startswith("tpupod run "):
+            return self.what.removeprefix("tpupod run ")
+        return ""
+
     def describe(self) -> str:
         since = time.strftime("%H:%M:%S", time.localtime(self.since))
         return f"{self.what} (pid {self.pid}, since {since})"

@@ -306,12 +306,7 @@ def _the_run_going(state: StateDir, pod: str) -> str:
     from tpupod.pod import users  # a cancel without RUN only
     from tpupod.pod.lifecycle import one_per_run  # as above
 
-    going = []
-    for user in one_per_run(users.users(state, pod)):
-        if user.stop.startswith("tpupod cancel "):
-            going.append(user.stop.rsplit(" ", 1)[-1])
-        elif user.what.startswith("tpupod run "):
-            going.append(user.what.removeprefix("tpupod run "))
+    going = [user.run_id for user in one_per_run(users.users(state, pod)) if user.run_id]
     if len(going) == 1:
         return going[0]
     if not going:
