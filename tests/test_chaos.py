@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.alone, pytest.mark.
 
 
 @pytest.fixture(scope="module")
-def verdict(tmp_path_factory: pytest.TempPathFactory) -> Verdict:
+def verdict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Verdict]:
     require(os.geteuid() == 0, "the harness mounts a tmpfs and makes network namespaces")
     missing = missing_prerequisites()
     require(not missing, f"a simulated pod needs {', '.join(missing)}")
@@ -40,7 +42,12 @@ def verdict(tmp_path_factory: pytest.TempPathFactory) -> Verdict:
     assert done.returncode in (0, 1) and out.exists(), done.stdout[-4000:] + done.stderr[-4000:]
     print(done.stdout)  # the injections and the verdict, shown when a test below fails
     found: Verdict = json.loads(out.read_text())
-    return found
+    yield found
+    # the harness keeps its work folder (checkpoints, anchors, heard.log) for a user to read;
+    # the test keeps it only when a target was missed (its path is in the output above)
+    work = Path(found["heard"]).parent
+    if not found["misses"] and work.name.startswith("tpupod-chaos-"):
+        shutil.rmtree(work)
 
 
 def missed(verdict: Verdict, area: str) -> list[str]:
