@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CliResult
+from tpupod.errors import UsageError
 from tpupod.fanout.execute import execute
 from tpupod.ops.free_tpu import free_tpu
 from tpupod.ops.setup import setup
@@ -116,6 +117,43 @@ def test_put_into_a_folder_and_a_single_file(any_pod: Callable[..., Pod], tmp_pa
     assert asyncio.run(put(pod, config, "configs/")).ok
     result = execute(pod, "cat configs/bench.yaml")
     assert [r.last_line for r in result.workers] == ["steps: 3"] * 2
+
+
+def test_a_file_never_replaces_a_folder_and_its_contents_stay(
+    any_pod: Callable[..., Pod], tmp_path: Path
+) -> None:
+    """A trial: `put train.py results` replaced the folder results (and its files) with the
+    file, and said `2/2 ok`; a folder is replaced whole by a folder only."""
+    pod = any_pod(2)
+    assert execute(pod, "mkdir -p results && echo important > results/metrics.txt").ok
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    result = asyncio.run(put(pod, script, "results"))
+    assert not result.ok and result.exit_code() == 1
+    for outcome in result.workers:
+        assert "results is a folder, and a file does not replace one" in str(outcome.error)
+    kept = execute(pod, "cat results/metrics.txt; ls -A results")
+    assert [r.tail for r in kept.workers] == [("important", "metrics.txt")] * 2
+    assert asyncio.run(put(pod, script, "results/")).ok  # the way the refusal names
+    inside = execute(pod, "ls -A results")
+    assert [r.tail for r in inside.workers] == [("metrics.txt", "train.py")] * 2
+
+
+@pytest.mark.parametrize("remote", ["", ".", "~", "a/..", "..", "../..", "  "])
+def test_put_refuses_a_destination_that_is_a_workers_home_or_above(
+    make_pod: Callable[..., Pod], tmp_path: Path, remote: str
+) -> None:
+    """A trial: `put train.py .` (and '') replaced each worker's whole home folder; every
+    later command failed until the pod was made again."""
+    pod = make_pod(1)
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    for source in (script, make_tree(tmp_path / "tree")):
+        with pytest.raises(UsageError) as refused:
+            asyncio.run(put(pod, source, remote))
+        assert f"put would replace {remote!r}" in refused.value.message
+        assert f"to put {source.name} inside it: " in (refused.value.hint or "")
+    assert execute(pod, "true").ok
 
 
 def test_get_of_a_missing_file_names_the_worker(

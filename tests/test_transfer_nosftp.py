@@ -187,6 +187,25 @@ def test_put_replaces_a_folder_whole_without_sftp(
         )
 
 
+def test_a_file_never_replaces_a_folder_without_sftp(
+    no_sftp: SimPod, pod_on: Callable[[SimPod], Pod], cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    pod = pod_on(no_sftp)
+    for index in (0, 1):
+        folder = f"{HOME}/nosftp-kept"
+        on_host(no_sftp, f"mkdir -p {folder} && echo important > {folder}/m", index)
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    result = cli("put", "--pod", pod.name, str(script), "nosftp-kept")
+    assert result.code == 1, result.out + result.err
+    assert "nosftp-kept is a folder, and a file does not replace one" in result.out + result.err
+    assert "hint: end the destination in / to put train.py inside it" in result.err
+    for index in (0, 1):
+        assert on_host(no_sftp, f"ls -A {HOME}/nosftp-kept; cat {HOME}/nosftp-kept/m", index) == (
+            "m\nimportant\n"
+        )
+
+
 def test_get_of_a_missing_path_without_sftp(
     no_sftp: SimPod, pod_on: Callable[[SimPod], Pod], cli: Callable[..., CliResult], tmp_path: Path
 ) -> None:

@@ -91,6 +91,17 @@ def put_target(local: Path, remote: str) -> str:
     return remote + local.name if remote.endswith("/") else remote
 
 
+# A put replaces a folder whole only with a folder: a file where a folder is would lose the
+# folder's contents (a trial's `put train.py results`). Every transport says it in these words.
+def file_over_folder(local: Path, target: str) -> tuple[str, str]:
+    """The reason and hint of a refused put of the file ``local`` where the folder
+    ``target`` is."""
+    return (
+        f"{target} is a folder, and a file does not replace one",
+        f"end the destination in / to put {local.name} inside it: {target.rstrip('/')}/",
+    )
+
+
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 ROOM_PROBE_BYTES = 256 * 1024  # a run's records and its next launch's first lines
 

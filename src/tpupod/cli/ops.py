@@ -37,6 +37,9 @@ def put(
 ) -> None:
     """Copy a file or folder to every worker at once, atomically (never half-written).
 
+    A folder replaces a folder of that name whole; a file never replaces a folder, and
+    nothing replaces a worker's home (end REMOTE in / to put it inside).
+
     Examples:
 
       tpupod put configs/bench.yaml bench.yaml

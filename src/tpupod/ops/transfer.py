@@ -8,6 +8,7 @@ import posixpath
 from collections.abc import Sequence
 from pathlib import Path
 
+from tpupod.base.files import put_target
 from tpupod.errors import UsageError
 from tpupod.fanout.execute import for_each
 from tpupod.fanout.results import FanoutResult
@@ -27,6 +28,7 @@ async def put(
     """Copy ``local`` (a file or folder) to ``remote`` on every worker."""
     if not await asyncio.to_thread(local.exists):
         raise UsageError(f"{local}: no such file or folder", hint="check the local path")
+    _refuse_home(local, remote)
     files, size = await asyncio.to_thread(_measure, local)
 
     async def action(worker: Worker, transport: Transport) -> str:
@@ -34,6 +36,22 @@ async def put(
         return f"{files} file{'s' if files != 1 else ''}, {_human(size)}"
 
     return await for_each(pod, action, workers=workers, connector=connector)
+
+
+# What a put must never replace: a worker's home (its relative paths' root), its parent, the
+# root. A trial's `put train.py .` replaced each local worker's home with the file.
+_NOT_REPLACED = frozenset({".", "..", "~", "/"})
+
+
+def _refuse_home(local: Path, remote: str) -> None:
+    target = put_target(local, remote)
+    normal = posixpath.normpath(target) if target.strip() else "."
+    if normal in _NOT_REPLACED or set(normal.split("/")) == {".."}:
+        where = remote.strip().rstrip("/") or "."
+        raise UsageError(
+            f"put would replace {remote!r}: each worker's home, or a folder above it",
+            hint=f"end the destination in / to put {local.name} inside it: {where}/",
+        )
 
 
 async def get(

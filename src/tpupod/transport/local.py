@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 from tpupod.base import procfs
-from tpupod.base.files import copy_atomic, put_target
+from tpupod.base.files import copy_atomic, file_over_folder, put_target
 from tpupod.errors import WorkerError
 from tpupod.pod.record import Worker
 from tpupod.transport.base import ExitStatus, OutputLine, Stream, command_script
@@ -57,7 +57,14 @@ class LocalTransport:
         return LocalProcess(asyncio.subprocess.Process(transport, protocol, loop), protocol)
 
     async def put(self, local: Path, remote: str) -> None:
-        await self._copy(local, self._path(put_target(local, remote)))
+        target = put_target(local, remote)
+        dest = self._path(target)
+        if await asyncio.to_thread(_file_over_folder, local, dest):
+            reason, hint = file_over_folder(local, target)
+            raise WorkerError(
+                f"w{self.worker.id}: {reason}", worker=self.worker.id, reason=reason, hint=hint
+            )
+        await self._copy(local, dest)
 
     async def get(self, remote: str, local: Path) -> None:
         await self._copy(self._path(remote), local)
@@ -74,6 +81,10 @@ class LocalTransport:
             raise WorkerError(
                 f"w{self.worker.id}: {reason}", worker=self.worker.id, reason=reason
             ) from exc
+
+
+def _file_over_folder(local: Path, dest: Path) -> bool:
+    return dest.is_dir() and not dest.is_symlink() and not local.is_dir()
 
 
 class _ExitAwareProtocol(asyncio.subprocess.SubprocessStreamProtocol):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from tpupod.base.files import put_target, remove_path, replace, staging_name
+from tpupod.base.files import file_over_folder, put_target, remove_path, replace, staging_name
 from tpupod.errors import WorkerError
 from tpupod.pod.choices import HostKeyPolicy
 from tpupod.pod.record import Worker
@@ -328,6 +328,10 @@ class SshTransport:
                     await sftp.makedirs(parent, exist_ok=True)
                 await sftp.put(str(local), staged, preserve=True, recurse=True)
                 if await sftp.isdir(target):
+                    if not folder:
+                        await sftp.remove(staged)
+                        reason, hint = file_over_folder(local, target)
+                        raise _failure(self.target, self.worker.id, reason, hint=hint)
                     old = staging_name(target)
                     await sftp.rename(target, old)
                     await sftp.rename(staged, target)

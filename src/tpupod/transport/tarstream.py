@@ -29,7 +29,7 @@ import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpupod.base.files import staging_name
+from tpupod.base.files import file_over_folder, staging_name
 from tpupod.transport.base import BEGIN_MARK
 from tpupod.transport.sshlib import asyncssh
 
@@ -42,6 +42,7 @@ CHUNK = 1 << 20  # bytes per hand-over between the tar thread and the event loop
 NO_TAR = "tpupod-no-tar"
 MISSING = "tpupod-missing"
 CUT_SHORT = "tpupod-cut-short"
+FOLDER_THERE = "tpupod-folder-there"  # a file's put where a folder is (refused)
 NO_TAR_HINT = "install tar on it, or add 'Subsystem sftp internal-sftp' to its sshd_config"
 # GNU tar exits 1 (not 2) when a file changed while it was read: a log being written.
 CHANGED = "file changed as we read it"
@@ -88,6 +89,7 @@ def put_script(target: str, staged: str, old: str) -> str:
             f"LC_ALL=C tar -C {q(parent)} -xpf - || exit 1",
             f'[ -f "$stage.done" ] || {{ echo {CUT_SHORT} >&2; exit 1; }}',
             'if [ -d "$target" ]; then',
+            f'  [ -d "$stage" ] || {{ echo {FOLDER_THERE} >&2; exit 1; }}',
             '  mv -- "$target" "$old" || exit 1',
             '  mv -- "$stage" "$target" || { mv -- "$old" "$target"; exit 1; }',
             '  rm -rf -- "$old"',
@@ -292,7 +294,10 @@ async def put(
         output.cancel()
     status = proc.exit_status
     if status != 0 or local_error is not None:
-        raise _why(status, stderr, local_error)
+        why = _why(status, stderr, local_error)
+        if why.reason == FOLDER_THERE:
+            raise TarStreamError(*file_over_folder(local, target))
+        raise why
 
 
 async def get(
@@ -338,6 +343,8 @@ def _why(status: int | None, stderr: bytes, local: Exception | None) -> TarStrea
         return TarStreamError("no tar on the host", hint=NO_TAR_HINT, no_tar=True)
     if MISSING in lines:
         return TarStreamError("no such file or folder", hint="check the path on the host")
+    if FOLDER_THERE in lines:
+        return TarStreamError(FOLDER_THERE)
     if isinstance(local, TarStreamError):
         return local
     if isinstance(local, OSError):  # a local file (unreadable, shrank, disk full)
