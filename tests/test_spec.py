@@ -110,6 +110,22 @@ def test_bad_flags_name_the_flag(cli_in_process: Callable[..., CliResult]) -> No
     )
 
 
+def test_a_byte_that_is_not_utf8_in_an_env_value_is_named_not_an_internal_error(
+    cli_in_process: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """A trial: `up --env K=$'\\xff'` was 'internal error: PydanticSerializationError'
+    (exit 70) when the pod's record was written."""
+    result = cli_in_process("up", "--name", "dev", "--local", "1", "--env", "K=a\udcff")
+    assert result.code == 2, result.err
+    assert result.err.startswith("error: --env: K's value: the byte 0xff is not UTF-8 text"), (
+        result.err
+    )
+    assert "internal error" not in result.err
+    path = tmp_path / "tpupod.yaml"
+    path.write_bytes(b'name: dev\nworkers: 1\nenv: {K: "\\xff"}\n')  # YAML's own escape
+    assert load_spec_file(path).env == {"K": "\u00ff"}  # a character: stored as UTF-8
+
+
 def test_up_without_anything_explains(
     cli_in_process: Callable[..., CliResult], tmp_path: Path
 ) -> None:

@@ -33,8 +33,8 @@ def lone_surrogate(value: Any, raw: bytes | None = None) -> str | None:
         if 0xDC80 <= ord(char) <= 0xDCFF:  # what surrogateescape makes of a byte
             byte = ord(char) - 0xDC00
             return (
-                f"{bad} is half of a UTF-16 surrogate pair, not a character "
-                f"(from a command line or a file name: the byte 0x{byte:02x}, not UTF-8)"
+                f"the byte 0x{byte:02x} is not UTF-8 text ({bad}, as Python reads such a "
+                "byte of a command line or a file name)"
             )
         return f"{bad} is half of a UTF-16 surrogate pair, not a character"
     return None

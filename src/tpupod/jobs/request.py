@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from tpupod.base.envargs import parse_pairs
+from tpupod.base.jsontext import lone_surrogate
 from tpupod.errors import UsageError
 from tpupod.jobs.code import syntax_problem
 from tpupod.jobs.models import JobRequest
@@ -17,6 +18,7 @@ from tpupod.jobs.rows import attempts_for
 from tpupod.transport.base import join_command
 
 JSON_HINT = 'a job document: {"code": "...", "timeout": 300} or {"command": "..."}'
+UTF8_HINT = "write it as UTF-8 text (bash's $'\\xNN' is a raw byte; $'\\uNNNN' a character)"
 
 
 def read_request(args: list[str], *, dashed: bool) -> JobRequest:
@@ -75,6 +77,8 @@ def build_request(
     pod: str | None = None,
 ) -> JobRequest:
     """``read_request``'s request with the submit options given laid over the file's own."""
+    if (problem := lone_surrogate([args, name, label])) is not None:
+        raise UsageError(f"{problem}: no database can store it", hint=UTF8_HINT)
     try:
         request = read_request(args, dashed=dashed)
         changes = {"name": name or request.name, "priority": priority or request.priority}

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from tpupod.base.envargs import parse_env, parse_pairs
+from tpupod.base.jsontext import lone_surrogate
 from tpupod.errors import SpecError, TpupodError
 from tpupod.pod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
 from tpupod.pod.names import ENV_NAME_RE, POD_NAME_RE
@@ -107,7 +108,9 @@ class _SpecBase(BaseModel):
     @field_validator("env")
     @classmethod
     def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
-        for key in env:
+        for key, value in env.items():
+            if (problem := lone_surrogate(value)) is not None:  # the record is JSON: UTF-8
+                raise ValueError(f"{key}'s value: {problem}")
             if not ENV_NAME_RE.match(key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
             if key.startswith(RESERVED_ENV_PREFIX):

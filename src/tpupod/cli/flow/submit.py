@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tpupod.base.envargs import parse_pairs
+from tpupod.base.jsontext import lone_surrogate
 from tpupod.cli.args import Args, opt, rest
 from tpupod.errors import JobStoreError, PodNotFound, UsageError
 from tpupod.extras import missing
@@ -152,6 +153,8 @@ def _fields(args: SubmitArgs, *, dashed: bool) -> dict[str, Any] | None:
             return None
     else:
         return None  # a JSON document (pydantic reads it), or no such file
+    if lone_surrogate([command, args.name, labels]) is not None:
+        return None  # a byte that is not UTF-8: the typer command says so
     return {
         "name": args.name,
         "code": code,
