@@ -125,6 +125,35 @@ def test_an_expired_lease_is_requeued_with_backoff_and_the_old_runner_is_fenced(
     assert [line.line for line in store.logs(job)] == ["fresh line"]
 
 
+def test_an_attempt_given_back_by_a_stopped_runner_does_not_count_against_max_attempts(
+    store: Store,
+) -> None:
+    """A trial: three runners stopped with Ctrl-C while holding a job (each gives it back)
+    used its 3 attempts; the job then showed 'pending 4/3' and ran a fourth anyway."""
+    from sqlalchemy import update
+
+    from tpupod.jobs.schema import jobs
+
+    job = store.submit(command_job("false", max_attempts=2))
+    for runner in ("a", "b", "c"):
+        held = claims.claim(store, runner, pod=None, lease_s=30)
+        assert held is not None
+        claims.started(store, held)
+        claims.release(store, held, "stopped")
+    given = store.get(job)
+    assert (given.status, given.attempt, given.counted_attempts) == (JobStatus.PENDING, 3, 0)
+    assert [e.how for e in given.history] == ["given back"] * 3
+    fourth = claims.claim(store, "d", pod=None, lease_s=30)
+    assert fourth is not None and fourth.attempt == 4
+    assert claims.retry(store, fourth, "exit 1") is JobStatus.PENDING  # its first counted
+    with store.write() as conn:  # past the retry's backoff
+        conn.execute(update(jobs).where(jobs.c.id == job).values(run_after=0.0))
+    fifth = claims.claim(store, "e", pod=None, lease_s=30)
+    assert fifth is not None
+    assert claims.retry(store, fifth, "exit 1") is JobStatus.FAILED  # the second: --max-attempts 2
+    assert store.get(job).error == "exit 1; gave up after 2 attempts"
+
+
 def test_a_reaped_attempt_ends_when_its_runner_was_last_heard_from_not_when_reaped(
     store: Store,
 ) -> None:

@@ -88,7 +88,11 @@ def ls(
     print(f"{'ID':>6}  {'STATUS':<10} {'TRY':>3}  {'AGE':>7}  {'POD':<12} NAME")
     for job in page.jobs:
         age = _age(time.time() - job.created_at)
-        tries = f"{job.attempt}" if job.status.finished else f"{job.attempt}/{job.max_attempts}"
+        tries = (
+            f"{job.attempt}"
+            if job.status.finished
+            else f"{job.counted_attempts}/{job.max_attempts}"  # given back: not counted
+        )
         where = job.pod or "-"
         gone = service.gone_runner(job)
         note = f"  ({gone})" if gone else ""

@@ -163,4 +163,5 @@ def _row(job: Job) -> dict[str, Any]:
     row = {k: data[k] for k in (*keep, "created_at", "started_at", "completed_at")}
     row.update(labels=job.labels, cancel_requested=job.cancel_requested)
     row["status_text"] = service.status_text(job)
+    row["counted_attempts"] = job.counted_attempts  # of max_attempts: given back ones not
     return row

@@ -42,6 +42,8 @@ from tpupod.jobs.history import (
     RETRIED,
     Entry,
     add_entry,
+    counted,
+    load_history,
     lost_cause,
 )
 from tpupod.jobs.models import LEASED, Claim, Job, JobStatus
@@ -380,7 +382,7 @@ def retry(store: Store, claim: Claim, reason: str) -> JobStatus:
     with store.write() as conn:
         why = f"failed on runner {claim.owner}: {reason}"
         common["history"] = _with_entry(conn, store.postgres, claim, RETRIED, why)
-        if claim.attempt >= claim.job.max_attempts:
+        if counted(claim.attempt, load_history(common["history"])) >= claim.job.max_attempts:
             status = JobStatus.FAILED
             failed = f"{reason}; gave up after {claim.job.max_attempts} attempts"
             done = _fenced_update(
@@ -499,7 +501,7 @@ def reap(
                 "updated_at": now,
                 "history": add_entry(row.history, entry),
             }
-            requeued = row.attempt < row.max_attempts
+            requeued = counted(row.attempt, load_history(row.history)) < row.max_attempts
             if requeued:
                 again = now + backoff_s(row.attempt)
                 pending = JobStatus.PENDING.value

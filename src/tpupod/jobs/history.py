@@ -48,6 +48,13 @@ def load_history(text: str | None) -> tuple[Entry, ...]:
     return tuple(Entry(**item) for item in json.loads(text))
 
 
+def counted(attempt: int, entries: tuple[Entry, ...]) -> int:
+    """Of a job's ``attempt`` attempts so far, those that count against its max_attempts:
+    not those a runner gave back (it was told to stop: neither the program's failure nor a
+    lost runner's, and a user stopping runners must not use up the job's attempts)."""
+    return attempt - sum(1 for e in entries if e.how == GIVEN_BACK and e.attempt <= attempt)
+
+
 def add_entry(text: str | None, entry: Entry) -> str:
     """``text`` with ``entry`` in it, in place of an earlier entry of the same attempt."""
     kept = [e for e in load_history(text) if e.attempt != entry.attempt]

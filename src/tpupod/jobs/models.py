@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpupod.base.jsontext import lone_surrogate
 from tpupod.jobs.code import syntax_problem
-from tpupod.jobs.history import Entry, load_history
+from tpupod.jobs.history import Entry, counted, load_history
 from tpupod.jobs.rows import MAX_ATTEMPTS
 
 
@@ -108,6 +108,11 @@ class Job:
     retries: int = 0  # program failures that run it again (max_attempts bounds all attempts)
     runner: str | None = None  # the runner of the latest attempt (kept after it ends)
     history: tuple[Entry, ...] = ()  # attempts that did not simply end the job
+
+    @property
+    def counted_attempts(self) -> int:
+        """Its attempts that count against ``max_attempts`` (those given back do not)."""
+        return counted(self.attempt, self.history)
 
     @classmethod
     def from_row(cls, row: Any) -> Job:

@@ -99,8 +99,8 @@ def status_text(job: Job) -> str:
     if job.status.finished:
         return job.status.value + (f" after {job.attempt} attempts" if job.attempt > 1 else "")
     notes = []
-    if job.attempt and job.max_attempts > 1:
-        notes.append(f"attempt {job.attempt} of {job.max_attempts}")
+    if job.counted_attempts and job.max_attempts > 1:
+        notes.append(f"attempt {job.counted_attempts} of {job.max_attempts}")
     if (gone := gone_runner(job)) is not None:
         notes.append(gone)
     return job.status.value + (f" ({'; '.join(notes)})" if notes else "")
@@ -113,7 +113,8 @@ def gone_runner(job: Job) -> str | None:
     owner = job.lease_owner
     if job.status not in LEASED or owner is None or not process_gone(owner):
         return None
-    then = "requeues it" if job.attempt < job.max_attempts else "fails it (its last attempt)"
+    last = job.counted_attempts >= job.max_attempts
+    then = "fails it (its last attempt)" if last else "requeues it"
     return f"runner {owner} is gone: its process ended; the next runner {then}"
 
 

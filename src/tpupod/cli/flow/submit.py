@@ -73,7 +73,8 @@ class SubmitArgs(Args):
     )
     max_attempts: int | None = opt(
         "--max-attempts",
-        help="Attempts in all, lost runners' too (default: 3, or --retries + 1).",
+        help="Attempts in all, lost runners' too, not those a stopped runner gave back "
+        "(default: 3, or --retries + 1).",
         show_default=False,
     )
     retries: int = opt(
