@@ -381,8 +381,8 @@ def retry(store: Store, claim: Claim, reason: str) -> JobStatus:
     common: dict[str, object] = {"lease_owner": None, "lease_expires_at": None}
     with store.write() as conn:
         why = f"failed on runner {claim.owner}: {reason}"
-        common["history"] = _with_entry(conn, store.postgres, claim, RETRIED, why)
-        if counted(claim.attempt, load_history(common["history"])) >= claim.job.max_attempts:
+        common["history"] = history = _with_entry(conn, store.postgres, claim, RETRIED, why)
+        if counted(claim.attempt, load_history(history)) >= claim.job.max_attempts:
             status = JobStatus.FAILED
             failed = f"{reason}; gave up after {claim.job.max_attempts} attempts"
             done = _fenced_update(
