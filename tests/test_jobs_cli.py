@@ -342,6 +342,19 @@ def test_a_read_of_a_store_that_is_not_there_makes_no_folders(
     assert not (tmp_path / "typo").exists()
 
 
+def test_ls_on_a_fresh_state_directory_lists_no_jobs(cli_in_process: Cli, tmp_path: Path) -> None:
+    """A trial: a newcomer's first 'jobs ls' was 'error: no job store at ...' (exit 1).
+    The default store is made by the first submit; an explicit --db naming none is an
+    error still (above: a typo)."""
+    home = tmp_path / "home"
+    listed = cli_in_process("jobs", "ls", env={"TPUPOD_HOME": str(home), "TPUPOD_JOBS_DB": ""})
+    assert listed.code == 0, listed.err
+    assert listed.out.split() == ["ID", "STATUS", "TRY", "AGE", "POD", "NAME"]
+    said = f"tpupod: no jobs yet: the first 'tpupod jobs submit' makes {home}/jobs.db\n"
+    assert listed.err == said
+    assert not home.exists()
+
+
 def test_serve_on_a_busy_port_is_one_error_line(cli: Cli, tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -82,10 +82,15 @@ def ls(
     from tpupod.jobs.request import labels
 
     wanted = service.statuses(status or [])
+    header = f"{'ID':>6}  {'STATUS':<10} {'TRY':>3}  {'AGE':>7}  {'POD':<12} NAME"
+    if (unmade := service.unmade_default_store(db)) is not None:
+        print(header)
+        notice(f"no jobs yet: the first 'tpupod jobs submit' makes {unmade}")
+        return
     page = service.list_jobs(
         service.open_store(db), statuses=wanted, labels=labels(label), limit=limit
     )
-    print(f"{'ID':>6}  {'STATUS':<10} {'TRY':>3}  {'AGE':>7}  {'POD':<12} NAME")
+    print(header)
     for job in page.jobs:
         age = _age(time.time() - job.created_at)
         tries = (

@@ -12,12 +12,14 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from tpupod import settings
 from tpupod.base.durations import spoken
 from tpupod.errors import JobError, JobStoreAway, UsageError
 from tpupod.jobs.history import LOST, Entry, process_gone, when
 from tpupod.jobs.models import LEASED, AttemptLines, Job, JobRequest, JobStatus, LogLine
-from tpupod.jobs.rows import RETRY_S, START_WAIT_S, Outage, check_pod
+from tpupod.jobs.rows import DB_FILE, RETRY_S, START_WAIT_S, Outage, check_pod
 from tpupod.jobs.store import Store
 
 POLL_S = 0.2  # a follower and a waiter read the store again after this long
@@ -28,6 +30,16 @@ def open_store(db: str | None, *, create: bool = False) -> Store:
     """The job store at ``db`` (default: ``$TPUPOD_JOBS_DB``, else the state directory's);
     only what adds jobs or serves (``create``) makes one where none is."""
     return Store.open(db, create=create)
+
+
+def unmade_default_store(db: str | None) -> Path | None:
+    """The default store's file (no --db, no ``TPUPOD_JOBS_DB``) when no submit has made it
+    yet, else None: a listing of it is empty, where a --db that names no store is an error
+    (most likely a typo)."""
+    if db is not None or settings.jobs_db() is not None:
+        return None
+    path = settings.state_home() / DB_FILE
+    return None if path.exists() else path
 
 
 def job_id(text: str) -> int:
