@@ -666,6 +666,14 @@ def test_a_gang_job_runs_on_every_worker_and_worker_0_gives_the_result(
     logs = cli("jobs", "logs", job_id, "--db", db).out.splitlines()
     assert sorted(logs) == ["[w0] INFO worker 0 of 2", "[w1] INFO worker 1 of 2"]
     assert sorted(used.read_text().split()) == ["0", "1"]
+    # the pod's runs show the job's own command, not the runner's wrapper (a trial: `logs
+    # --list` and the dashboard showed "echo '::tpupod-job:: started'; ...")
+    said = cli("jobs", "submit", "--db", db, "--pod", pod.name, "--", "echo", "hi there")
+    assert cli("jobs", "worker", "--db", db, "--pod", pod.name, "--until-empty").code == 0
+    listed = cli("logs", "--list", "--pod", pod.name).out
+    assert "::tpupod-job::" not in listed and "tpupod.jobs.code" not in listed, listed
+    assert "echo 'hi there'" in listed and f"job {job_id}'s code" in listed, listed
+    assert said.code == 0
 
 
 def test_a_gang_job_where_w1_fails_fails_the_attempt_naming_w1_and_leaves_nothing(

@@ -157,6 +157,7 @@ class PodExecutor:
                     env=job_env(job, attempt),
                     policy=Policy(OnFail.KILL, job.timeout, self.grace_s),
                     worker_python=self.worker_python,
+                    shown=job.command if job.code is None else f"job {job.id}'s code",
                 )
         except TpupodError as exc:  # preflight: a worker not ready; nothing started
             return Outcome(JobStatus.FAILED, error=f"{exc.message} ({exc.hint})")

@@ -174,6 +174,7 @@ async def run(
     container: Container | None = None,
     on_launch: Callable[[Launch], None] | None = None,
     hang_timeout: float | None = None,
+    shown: str | None = None,
 ) -> RunResult:
     """Launch ``command`` on the context's pod (its selected ``workers``) in lockstep and
     supervise it to the end; output to the context's sinks, over its connections.
@@ -185,7 +186,8 @@ async def run(
     ``on_launch`` is told the launch once its id exists, before the workers start.
     Each worker's progress (heartbeats, else lines) goes to the run's ``progress.json``;
     with ``hang_timeout``, a run where none progresses that long is stopped as hung
-    (``tpupod.hang``).
+    (``tpupod.hang``). ``shown``: what the run's record shows as its command, where that is
+    not ``command`` itself (a job runner's wrapper: the job's own command).
     """
     pod, state, connector = ctx.pod, ctx.state, ctx.connector
     on_line, notice, interrupt = ctx.sinks.on_line, ctx.sinks.on_notice, ctx.sinks.interrupt
@@ -196,7 +198,7 @@ async def run(
     await _checks(pod, connector, selected, sub_pod, port=port, container=container)
     workdir, env = await _workdir(ctx, selected, sync_dir, repo, env)
     launch_id = new_launch_id()
-    given = command  # what the run's record and 'logs --list' show: the user's command
+    given = shown or command  # what the run's record and 'logs --list' show: the user's
     command = _in_workdir(command, workdir, container, launch_id)
     token = secrets.token_hex(16)
     # Workers report their own failures to the rendezvous before JAX's shutdown can hold
