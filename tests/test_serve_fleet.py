@@ -1255,6 +1255,27 @@ def test_ports_in_use_are_named_with_their_holder_and_a_base_port_free_everywher
         holder.wait()
 
 
+def test_a_port_holder_of_a_local_pod_names_its_state_directory(tmp_path: Path) -> None:
+    """A trial: with a pod 'dev' in two state directories, a refusal said only `pod 'dev'`
+    of the other's server; a local worker's process runs in its worker folder, which says."""
+    from tpupod.serve.agent.ctl import holder
+
+    home = tmp_path / "other home"
+    folder = home / "pods" / "dev" / "workers" / "w0"
+    folder.mkdir(parents=True)
+    env = {**os.environ, "TPUPOD_POD": "dev"}
+    proc = subprocess.Popen(["sleep", "30"], cwd=folder, env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while "TPUPOD_POD" not in Path(f"/proc/{proc.pid}/environ").read_text(errors="replace"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert holder(proc.pid) == f"pid {proc.pid} (sleep 30, pod 'dev' of {home})"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.local
 def test_eval_of_serve_endpoint_fails_loudly_when_it_cannot_say_the_endpoint(
     tmp_path: Path,

@@ -56,6 +56,14 @@ def environ(pid: int) -> list[bytes]:
         return []
 
 
+def cwd(pid: int) -> str:
+    """The process's working directory ("" if it is gone or not ours to read)."""
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return ""
+
+
 def cmdline(pid: int) -> list[str]:
     """The process's command line; empty when it is gone or unreadable."""
     try:

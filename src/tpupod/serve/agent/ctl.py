@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -494,15 +495,25 @@ def _link(pid: int, fd: str) -> str:
         return ""
 
 
+# a local pod's worker folder: STATE_DIR/pods/NAME/workers/wN (pod/state.py)
+LOCAL_WORKER_DIR = re.compile(r"(.+)/pods/([^/]+)/workers/w\d+(?:/.*)?")
+
+
 def holder(pid: int) -> str:
     """``pid 123 (python3 -m http.server 31000)``, with the pod it serves when tpupod
-    started it on a pod's worker (its TPUPOD_POD)."""
+    started it on a pod's worker (its TPUPOD_POD), and on a local pod its state directory
+    (the worker folder it runs in: one machine may hold same-named pods of several)."""
     argv = procfs.cmdline(pid)
     line = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else "?"
     if len(line) > SHOWN_CHARS:
         line = line[: SHOWN_CHARS - 3] + "..."
     pods = [v for v in procfs.environ(pid) if v.startswith(b"TPUPOD_POD=")]
-    pod = f", pod {pods[0].decode(errors='replace').partition('=')[2]!r}" if pods else ""
+    pod = ""
+    if pods:
+        name = pods[0].decode(errors="replace").partition("=")[2]
+        found = LOCAL_WORKER_DIR.fullmatch(procfs.cwd(pid))
+        home = f" of {found.group(1)}" if found and found.group(2) == name else ""
+        pod = f", pod {name!r}{home}"
     return f"pid {pid} ({line}{pod})"
 
 
