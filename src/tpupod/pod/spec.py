@@ -476,18 +476,18 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     # An unknown field is usually a misspelt known one: report it before the "missing" it causes.
     errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
-    parts = [str(p) for p in first["loc"]]
-    if parts and parts[0] in PROVIDERS:  # pydantic names the union member first
-        parts = parts[1:]
+    parts = _parts(first)
     field = parts[0] if parts else ""
     if field in labels:  # it came from a flag: name the flag, not the file
         loc = labels[field] + (f" ({'.'.join(parts[1:])})" if parts[1:] else "")
     else:
         loc = ".".join(parts) or "(top level)"
         loc = f"{source}: {loc}" if source else loc
+    others = [_where(error, labels) for error in errors[1:]]
     more = (
-        f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-        if len(errors) > 1
+        f" (and {len(others)} more problem{'s' if len(others) > 1 else ''}: "
+        f"{', '.join(dict.fromkeys(others))})"
+        if others
         else ""
     )
     kind = first["type"]
@@ -510,6 +510,19 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
     return SpecError(f"{loc}: {message}{shown}{more}", hint=FIELD_HINTS.get(field, OTHER_HINT))
+
+
+def _where(error: Any, labels: Mapping[str, str]) -> str:
+    """The field of a pydantic error as a person wrote it (a flag, when it came from one)."""
+    parts = _parts(error)
+    if parts and parts[0] in labels:
+        return labels[parts[0]]
+    return ".".join(parts) or "(top level)"
+
+
+def _parts(error: Any) -> list[str]:
+    parts = [str(p) for p in error["loc"]]
+    return parts[1:] if parts and parts[0] in PROVIDERS else parts  # the union member first
 
 
 def data_provider(error: Any) -> str:
