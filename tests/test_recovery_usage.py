@@ -350,8 +350,9 @@ def test_resume_says_at_once_which_worker_did_not_answer_the_stop_of_what_was_le
         sim_hosts_up.plug(w0)
         assert said, "nothing said"
         # the 60-minute chaos run (seed 5): the resume's connection retries (11 s), or the
-        # holder's connection from before the cut (until the link came back), came first
-        assert took < 5, (took, said)
+        # holder's connection from before the cut (until the link came back), came first.
+        # 3 s of waiting, after the start of a Python process (5.1 s in all in a loaded run)
+        assert took < 8, (took, said)
         assert "w0 (host-0) not answering after 3 s" in said, said
         out, err = resumed.communicate(timeout=180)
     finally:
