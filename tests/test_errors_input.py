@@ -307,3 +307,24 @@ def test_a_bad_option_is_an_error_and_a_hint(
     for leaked in ("Usage:", "Try '", "Error:", "Value error", "Input should"):
         assert leaked not in result.err, result.err
     assert result.err.splitlines()[1] == f"hint: see '{help_of} --help'", result.err
+
+
+@pytest.mark.parametrize("command", [["down"], ["status"], ["hosts"], ["serve", "down"]])
+def test_a_pod_named_as_an_argument_gets_the_pod_option_as_its_hint(
+    command: list[str], cli_in_process: Callable[..., CliResult]
+) -> None:
+    """A trial (and this session): 'tpupod down dev' was 'got unexpected extra argument(s)
+    (dev)' with 'see tpupod down --help' as its hint."""
+    error = one_error(cli_in_process(*command, "dev"))
+    assert "unexpected extra argument" in error, error
+    hint = cli_in_process(*command, "dev").err.splitlines()[1]
+    assert hint == f"hint: did you mean 'tpupod {' '.join(command)} --pod dev'?", hint
+
+
+def test_a_spec_value_out_of_range_is_said_in_plain_words(
+    cli_in_process: Callable[..., CliResult],
+) -> None:
+    """A trial: 'up --local 0' said pydantic's 'Input should be greater than or equal to 1',
+    where a command's own option says 'must be at least'."""
+    error = one_error(cli_in_process("up", "--name", "dev", "--local", "0"))
+    assert error == "error: --local: must be at least 1 (got 0)", error

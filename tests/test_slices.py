@@ -142,7 +142,7 @@ def test_a_failure_in_slice_1_ends_the_run_naming_slice_and_worker(
     ("args", "message"),
     [
         (("--local", "4", "--slices", "3"), "--slices: 4 workers do not divide into 3 slices"),
-        (("--local", "4", "--slices", "0"), "--slices: Input should be greater than or equal"),
+        (("--local", "4", "--slices", "0"), "--slices: must be at least 1"),
         (("--ssh", "a,b", "--ssh", "c"), "--ssh: slice 1 has 1 host, slice 0 has 2"),
         (("--ssh", "a,b", "--ssh", "c,d", "--slices", "3"), "--slices 3 but --ssh is given 2"),
         (("--ssh", "a,b,c", "--slices", "2"), "--slices: 3 workers do not divide into 2 slices"),

@@ -43,9 +43,9 @@ PYTHON = sys.executable
     ("args", "words"),
     [
         (("--slices", "2", "--node-count", "2"), "pick one form"),
-        (("--slices", "65"), "--slices: Input should be less than or equal to 64"),
-        (("--node-count", "65"), "--node-count: Input should be less than or equal to 64"),
-        (("--slices", "0"), "--slices: Input should be greater than or equal to 1"),
+        (("--slices", "65"), "--slices: must be at most 64"),
+        (("--node-count", "65"), "--node-count: must be at most 64"),
+        (("--slices", "0"), "--slices: must be at least 1"),
         (("--name", "a" * 62, "--slices", "2"), "longer than the API's 63 characters"),
         # a queued resource names its slices' nodes NAME-0..N-1 too (from the slices trial)
         (("--name", "a" * 62, "--node-count", "2"), "longer than the API's 63 characters"),

@@ -19,11 +19,11 @@ BAD_FILES = {
     "missing-field": ("name: dev\n", "bad.yaml: workers: required field is missing"),
     "wrong-type": (
         "name: dev\nworkers: two\n",
-        "bad.yaml: workers: Input should be a valid integer",
+        "bad.yaml: workers: must be a whole number",
     ),
     "out-of-range": (
         "name: dev\nworkers: 0\n",
-        "bad.yaml: workers: Input should be greater than or equal to 1",
+        "bad.yaml: workers: must be at least 1",
     ),
     "bad-name": ("name: Dev_1\nworkers: 2\n", "bad.yaml: name: must be 1-63 lowercase letters"),
     "bad-provider": (
@@ -107,7 +107,7 @@ def test_bad_flags_name_the_flag(cli_in_process: Callable[..., CliResult]) -> No
     result = cli_in_process("up", "--name", "dev", "--local", "0")
     assert result.code == 2
     assert result.err.startswith(
-        "error: --local: Input should be greater than or equal to 1 (got 0)"
+        "error: --local: must be at least 1 (got 0)"
     )
 
 

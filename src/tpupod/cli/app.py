@@ -13,6 +13,7 @@ import copy
 import functools
 import importlib
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, ParamSpec, TypeVar
@@ -30,6 +31,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from typer.models import CommandInfo, TyperInfo
 
 from tpupod import __version__
+from tpupod.base.reasons import plain_reason
 from tpupod.extras import require
 from tpupod.fanout.report import print_error, report_failure
 
@@ -127,8 +129,26 @@ def report_usage_error(exc: ClickException) -> int:
         return exc.exit_code
     ctx = getattr(exc, "ctx", None)
     path = ctx.command_path if ctx is not None else "tpupod"
-    print_error(f"error: {usage_problem(exc)}", f"see '{path} --help'", sys.stderr)
+    hint = _pod_as_argument(exc, ctx) or f"see '{path} --help'"
+    print_error(f"error: {usage_problem(exc)}", hint, sys.stderr)
     return exc.exit_code
+
+
+EXTRA_ARGUMENT = re.compile(r"Got unexpected extra argument\(s\) \((\S+)\)")
+
+
+def _pod_as_argument(exc: ClickException, ctx: Context | None) -> str | None:
+    """'tpupod down dev': one extra word to a command that takes --pod and no argument is
+    most likely the pod's name."""
+    found = EXTRA_ARGUMENT.fullmatch(exc.format_message().removesuffix("."))
+    if found is None or ctx is None:
+        return None
+    params = ctx.command.params
+    if any(isinstance(p, TyperArgument) for p in params):
+        return None
+    if not any("--pod" in getattr(p, "opts", ()) for p in params):
+        return None
+    return f"did you mean '{ctx.command_path} --pod {found.group(1)}'?"
 
 
 def usage_problem(exc: ClickException) -> str:
@@ -139,19 +159,6 @@ def usage_problem(exc: ClickException) -> str:
         return f"no such option {exc.option_name} (did you mean {' or '.join(exc.possibilities)}?)"
     text = exc.format_message().removesuffix(".")
     return text[:1].lower() + text[1:]
-
-
-# pydantic's checks (typer's, of each option's type and range) in a person's words
-PLAIN_REASONS = {
-    "greater_than_equal": "must be at least {ge}",
-    "greater_than": "must be more than {gt}",
-    "less_than_equal": "must be at most {le}",
-    "less_than": "must be less than {lt}",
-    "int_parsing": "must be a whole number",
-    "int_from_float": "must be a whole number",
-    "float_parsing": "must be a number",
-    "bool_parsing": "must be true or false",
-}
 
 
 def bad_value(exc: typer.BadParameter) -> str:
@@ -166,9 +173,7 @@ def bad_value(exc: typer.BadParameter) -> str:
     first = cause.errors()[0]
     if first["type"] == "value_error":
         return f"{name}: {str(first.get('ctx', {}).get('error', first['msg'])).removesuffix('.')}"
-    plain = PLAIN_REASONS.get(first["type"])
-    reason = plain.format(**first.get("ctx", {})) if plain else first["msg"]
-    return f"{name} {first['input']}: {reason.replace('Input should be', 'must be')}"
+    return f"{name} {first['input']}: {plain_reason(first)}"
 
 
 def flag_of(param: Parameter) -> str:

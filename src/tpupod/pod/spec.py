@@ -29,6 +29,7 @@ from pydantic import (
 
 from tpupod.base.envargs import parse_env, parse_pairs
 from tpupod.base.jsontext import lone_surrogate
+from tpupod.base.reasons import plain_reason
 from tpupod.errors import SpecError, TpupodError
 from tpupod.pod.choices import DEFAULT_SPEC_FILE, Capacity, HostKeyPolicy, TpuApiKind
 from tpupod.pod.names import ENV_NAME_RE, POD_NAME_RE
@@ -506,7 +507,7 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
         return SpecError(
             f"{where}provider: unknown provider {tag!r}{more}", hint=FIELD_HINTS["provider"]
         )
-    message = first["msg"].removeprefix("Value error, ")
+    message = plain_reason(first).removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
     return SpecError(f"{loc}: {message}{shown}{more}", hint=FIELD_HINTS.get(field, OTHER_HINT))
