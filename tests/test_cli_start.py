@@ -108,6 +108,22 @@ def test_help_names_values_as_a_user_reads_them(command: list[str]) -> None:
         assert label not in shown, (label, shown)
 
 
+@pytest.mark.parametrize(
+    ("command", "usage"),
+    [
+        (["put"], "Usage: tpupod put [OPTIONS] LOCAL REMOTE"),
+        (["get"], "Usage: tpupod get [OPTIONS] REMOTE LOCAL_DIR"),
+        (["logs"], "Usage: tpupod logs [OPTIONS] [RUN]"),
+        (["jobs", "show"], "Usage: tpupod jobs show [OPTIONS] ID"),
+        (["exec"], "Usage: tpupod exec [OPTIONS] -- CMD..."),
+    ],
+)
+def test_the_usage_line_names_arguments_as_click_does(command: list[str], usage: str) -> None:
+    """This session: typer 0.29's usage line read 'tpupod put [OPTIONS] {local} {remote}'
+    and 'tpupod logs [OPTIONS] [[RUN]]'."""
+    assert help_of(*command).splitlines()[0] == usage
+
+
 def test_typer_builds_only_what_the_call_needs() -> None:
     load_commands(["--help"])
     listing = typer.main.get_command(app_for(None))

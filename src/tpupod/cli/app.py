@@ -99,6 +99,16 @@ class _NamedArgument(TyperArgument):
     def display_type_rich(self, ctx: Context) -> str | None:
         return None
 
+    def _rich_display_name(self) -> str:
+        """``LOCAL``, as on the usage line (typer listed it as ``local``), or its metavar."""
+        return self.metavar or (self.name or "").upper() + ("..." if self.nargs != 1 else "")
+
+    def _usage_display_name(self) -> str:
+        """On the usage line as click writes it: ``LOCAL``, ``[RUN]`` when optional, a
+        metavar as given (``-- CMD...``); typer 0.29 wrote ``{local}`` and ``[[RUN]]``."""
+        name = self._rich_display_name()
+        return name if self.required or name.startswith("[") else f"[{name}]"
+
 
 # float options that are durations in seconds, by a word of their name
 SECONDS_WORDS = ("timeout", "interval", "lease", "backoff", "grace", "wait", "every", "notice")
