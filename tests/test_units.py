@@ -261,3 +261,21 @@ def test_a_pod_user_names_the_run_it_is() -> None:
         "20261206-103001-cd34",
         "",
     ]
+
+
+def test_a_ctrl_c_inside_a_class_definition_is_an_interrupt_not_an_internal_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A trial: Ctrl-C 0.5 s into 'jobs worker' (pydantic making a model's class) was
+    'internal error: RuntimeError: Error calling __set_name__ ...' (exit 70): Python wraps
+    what __set_name__ raises, a KeyboardInterrupt too."""
+    from tpupod.fanout.report import report_failure  # this test alone
+
+    class Interrupted:
+        def __set_name__(self, owner: type, name: str) -> None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(RuntimeError) as wrapped:
+        type("Model", (), {"field": Interrupted()})
+    assert report_failure(wrapped.value) == 130
+    assert capsys.readouterr().err == ""

@@ -355,6 +355,8 @@ def report_failure(exc: Exception, subject: str = "this command") -> int:
     exc = for_missing_module(exc, subject) or exc
     if isinstance(exc, BrokenPipeError):
         return 141  # as a process killed by SIGPIPE
+    if _from_ctrl_c(exc):
+        return 130  # as a Ctrl-C elsewhere: the shell's 128 + SIGINT, nothing said
     if isinstance(exc, TpupodError):
         print_error(f"error: {exc.message}", exc.hint, sys.stderr)
         return exc.exit_code
@@ -368,6 +370,17 @@ def report_failure(exc: Exception, subject: str = "this command") -> int:
         sys.stderr,
     )
     return 70
+
+
+def _from_ctrl_c(exc: BaseException) -> bool:
+    """Whether a Ctrl-C is what raised ``exc``: Python wraps what a class's ``__set_name__``
+    raises in a RuntimeError, a KeyboardInterrupt during an import (pydantic's models) too."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and seen not in chain:  # a chain may loop back on itself
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return any(isinstance(link, KeyboardInterrupt) for link in chain)
 
 
 def debug_requested() -> bool:
