@@ -4,6 +4,7 @@ job on a local pod."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -152,6 +153,36 @@ def test_an_attempt_given_back_by_a_stopped_runner_does_not_count_against_max_at
     assert fifth is not None
     assert claims.retry(store, fifth, "exit 1") is JobStatus.FAILED  # the second: --max-attempts 2
     assert store.get(job).error == "exit 1; gave up after 2 attempts"
+
+
+def test_an_attempt_that_fails_before_its_program_started_as_its_runner_stops_is_given_back(
+    store: Store, tmp_path: Path
+) -> None:
+    """A trial: a pod runner's Ctrl-C reached the processes its job was starting (the
+    preflight's, forked in the terminal's process group before they have a session of
+    their own): the attempt failed ('w0 (vm): killed by SIGINT') and so did the job. Here
+    the executor's attempt fails, its program not started, just as its runner is told to
+    stop (a pod runner's ending, before the runner's own loop asks it to stop)."""
+    from tpupod.jobs.attempt import Hooks, Outcome
+    from tpupod.jobs.runner import Runner
+
+    job = store.submit(command_job("true", max_attempts=1))
+
+    class StoppedAtTheStart:
+        async def execute(
+            self, job: object, attempt: int, hooks: Hooks, stop: asyncio.Event
+        ) -> Outcome:
+            runner.shutdown.set()  # the runner's SIGINT handler, as the signal came
+            return Outcome(JobStatus.FAILED, error="1 worker(s) not ready: w0: killed by SIGINT")
+
+    async def serve() -> int:
+        return await runner.serve(until_empty=True)
+
+    runner = Runner(store, StoppedAtTheStart(), pod=None, lease_s=30, journal=tmp_path)
+    asyncio.run(serve())
+    given = store.get(job)
+    assert (given.status, given.counted_attempts) == (JobStatus.PENDING, 0), given
+    assert [e.how for e in given.history] == ["given back"]
 
 
 def test_a_reaped_attempt_ends_when_its_runner_was_last_heard_from_not_when_reaped(

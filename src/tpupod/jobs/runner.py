@@ -570,9 +570,15 @@ class Runner:
         # a job that failed as its pod went away (its workers stopped) did not fail itself
         if outcome.status is JobStatus.FAILED and self._pod_gone():
             attempt.stop_for("shutdown")
+        # nor one whose program had not started as this runner was told to stop: a Ctrl-C
+        # reaches the processes a pod job is starting (forked in the terminal's process
+        # group, before each has a session of its own), and its ending may come first
+        unstarted = outcome.status is JobStatus.FAILED and not attempt.started
+        if unstarted and self.shutdown.is_set():
+            attempt.stop_for("shutdown")
         # a job that ran to its end as its runner was stopping is recorded, not run again
         stopped = outcome.status is JobStatus.CANCELLED or (
-            self.gone is not None and outcome.status is JobStatus.FAILED
+            outcome.status is JobStatus.FAILED and (self.gone is not None or unstarted)
         )
         if attempt.why == "cancel":
             return _Plan("end", Ending(claim, JobStatus.CANCELLED, error="cancelled by request"))
