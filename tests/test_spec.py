@@ -106,9 +106,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 def test_bad_flags_name_the_flag(cli_in_process: Callable[..., CliResult]) -> None:
     result = cli_in_process("up", "--name", "dev", "--local", "0")
     assert result.code == 2
-    assert result.err.startswith(
-        "error: --local: must be at least 1 (got 0)"
-    )
+    assert result.err.startswith("error: --local: must be at least 1 (got 0)")
 
 
 def test_a_byte_that_is_not_utf8_in_an_env_value_is_named_not_an_internal_error(
@@ -122,6 +120,13 @@ def test_a_byte_that_is_not_utf8_in_an_env_value_is_named_not_an_internal_error(
         result.err
     )
     assert "internal error" not in result.err
+    assert result.err.splitlines()[1] == (
+        "hint: write --env NAME=VALUE as UTF-8 text, e.g. --env XLA_FLAGS=--foo"
+    )  # a trial: 'a mapping of NAME: value', the spec file's form
+    named = cli_in_process("up", "--name", "dev", "--local", "1", "--env", "\udcff=v")
+    assert named.code == 2 and named.err.startswith(  # it echoed '\udcff=v'
+        "error: bad --env: the byte 0xff is not UTF-8 text"
+    ), named.err
     path = tmp_path / "tpupod.yaml"
     path.write_bytes(b'name: dev\nworkers: 1\nenv: {K: "\\xff"}\n')  # YAML's own escape
     assert load_spec_file(path).env == {"K": "\u00ff"}  # a character: stored as UTF-8

@@ -23,6 +23,14 @@ def parse_pairs(
     pairs: dict[str, str] = {}
     for item in items or ():
         name, sep, value = item.partition("=")
+        try:
+            name.encode()
+        except UnicodeEncodeError:  # a byte that is not UTF-8: a name is text everywhere
+            from tpupod.base.jsontext import lone_surrogate  # (json) this rare case only
+
+            said = lone_surrogate(name) or "not UTF-8 text"
+            hint = f"write {option} NAME=VALUE as UTF-8 text"
+            raise error(f"bad {option}: {said}", hint=hint) from None
         if not sep or not name or (name_re is not None and not name_re.match(name)):
             raise error(
                 f"bad {option} {item!r}", hint=f"write {option} NAME=VALUE, e.g. {option} {example}"

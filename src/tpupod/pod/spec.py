@@ -408,6 +408,12 @@ FIELD_HINTS = {
     "tags": "a list of network tags",
 }
 OTHER_HINT = "fix that value ('tpupod up --help' describes each field's flag)"
+# where a mapping field came from its flag, the flag's form (a trial: '--env K=...' got
+# 'a mapping of NAME: value')
+FLAG_HINTS = {
+    "env": "write --env NAME=VALUE as UTF-8 text, e.g. --env XLA_FLAGS=--foo",
+    "labels": "write --label KEY=VALUE, e.g. --label team=ml",
+}
 
 
 def load_spec_file(path: Path, overrides: Mapping[str, Any] | None = None) -> PodSpec:
@@ -510,7 +516,10 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     message = plain_reason(first).removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
-    return SpecError(f"{loc}: {message}{shown}{more}", hint=FIELD_HINTS.get(field, OTHER_HINT))
+    hint = FLAG_HINTS.get(field) if field in labels else None
+    return SpecError(
+        f"{loc}: {message}{shown}{more}", hint=hint or FIELD_HINTS.get(field, OTHER_HINT)
+    )
 
 
 def _where(error: Any, labels: Mapping[str, str]) -> str:
