@@ -516,9 +516,9 @@ def _spec_error(exc: ValidationError, source: str, labels: Mapping[str, str]) ->
     message = plain_reason(first).removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
-    hint = FLAG_HINTS.get(field) if field in labels else None
+    said = FLAG_HINTS.get(field) if field in labels else None
     return SpecError(
-        f"{loc}: {message}{shown}{more}", hint=hint or FIELD_HINTS.get(field, OTHER_HINT)
+        f"{loc}: {message}{shown}{more}", hint=said or FIELD_HINTS.get(field, OTHER_HINT)
     )
 
 
