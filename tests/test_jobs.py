@@ -172,13 +172,13 @@ def test_an_attempt_that_fails_before_its_program_started_as_its_runner_stops_is
         async def execute(
             self, job: object, attempt: int, hooks: Hooks, stop: asyncio.Event
         ) -> Outcome:
-            runner.shutdown.set()  # the runner's SIGINT handler, as the signal came
+            stopping.shutdown.set()  # the runner's SIGINT handler, as the signal came
             return Outcome(JobStatus.FAILED, error="1 worker(s) not ready: w0: killed by SIGINT")
 
     async def serve() -> int:
-        return await runner.serve(until_empty=True)
+        return await stopping.serve(until_empty=True)
 
-    runner = Runner(store, StoppedAtTheStart(), pod=None, lease_s=30, journal=tmp_path)
+    stopping = Runner(store, StoppedAtTheStart(), pod=None, lease_s=30, journal=tmp_path)
     asyncio.run(serve())
     given = store.get(job)
     assert (given.status, given.counted_attempts) == (JobStatus.PENDING, 0), given
