@@ -279,3 +279,21 @@ def test_a_ctrl_c_inside_a_class_definition_is_an_interrupt_not_an_internal_erro
         type("Model", (), {"field": Interrupted()})
     assert report_failure(wrapped.value) == 130
     assert capsys.readouterr().err == ""
+
+
+def test_down_s_refusal_says_what_force_does_to_the_users_it_names() -> None:
+    """A trial: 'down' refused during a 'serve up' with a hint about job runners and runs."""
+    from tpupod.pod.lifecycle import _in_use  # this test alone
+    from tpupod.pod.users import PodUser
+
+    serving = _in_use("dev", [PodUser(7, "tpupod serve up", 0.0)])
+    assert serving.hint == (
+        "stop it first (kill -TERM 7), or add --force: a 'serve up' stops (the fleet stops "
+        "with the pod)"
+    )
+    runner = PodUser(8, "a job runner ('tpupod jobs worker --pod dev')", 0.0)
+    both = _in_use("dev", [PodUser(9, "tpupod run 20261206-1", 0.0), runner])
+    assert both.hint == (
+        "stop it first ('tpupod cancel 20261206-1'), or add --force: a run stops, a job "
+        "runner gives its running job back to the queue"
+    )

@@ -181,9 +181,23 @@ def _in_use(pod: str, found: list[PodUser]) -> StateError:
     stop = f"'{command}'" if command else f"kill -TERM {first.pid}"
     return StateError(
         f"pod {pod!r} is in use by {', '.join(user.describe() for user in found)}",
-        hint=f"stop it first ({stop}), or add --force: a job runner gives its running job "
-        "back to the queue, a run stops",
+        hint=f"stop it first ({stop}), or add --force: {', '.join(_forced(found))}",
     )
+
+
+def _forced(found: list[PodUser]) -> list[str]:
+    """What --force does to each kind of user ``found`` holds, in their order."""
+    said: dict[str, None] = {}
+    for user in found:
+        if user.run_id:
+            said["a run stops"] = None
+        elif user.what.startswith("a job runner"):
+            said["a job runner gives its running job back to the queue"] = None
+        elif user.what == "tpupod serve up":  # serve.fleet.remote.SERVE_UP
+            said["a 'serve up' stops (the fleet stops with the pod)"] = None
+        else:
+            said["it is asked to stop (SIGTERM)"] = None
+    return list(said)
 
 
 def _describe(spec: PodSpec) -> str:
