@@ -1484,6 +1484,37 @@ def test_serve_up_again_starts_only_what_is_lost(tmp_path: Path) -> None:
 
 @pytest.mark.local
 @pytest.mark.timeout(120)
+def test_status_says_what_runs_with_no_keeper_and_fails_for_an_agent_down(
+    tmp_path: Path,
+) -> None:
+    """A trial: the router's keeper killed, status said '0 restarts' and nothing of it (a
+    router that dies then is not started again); an agent killed with its keeper, status
+    said 'w1: no agent runs here' in a row and exited 0, with no hint."""
+    base = free_base_port()
+    with local_pod(tmp_path, "nk", 2) as (home, pod):
+        assert stub_up(home, pod, base=base).returncode == 0
+        for proc in pod_processes(pod):
+            argv = proc.cmdline()
+            if "tpupod.serve.agent.respawn" in argv and "router" in argv:
+                proc.kill()
+                proc.wait(10)
+        unkept = run_cli(home, "serve", "status", "--pod", pod)
+        assert unkept.returncode == 0, unkept.stdout + unkept.stderr
+        assert "no keeper: the router (its keeper was killed)" in unkept.stdout, unkept.stdout
+        kill_agent_and_keeper(pod, "w1")
+        agentless = run_cli(home, "serve", "status", "--pod", pod)
+        assert agentless.returncode == 1, agentless.stdout + agentless.stderr
+        error, hint = agentless.stderr.strip().splitlines()
+        assert error.startswith("error: the agent of w1 is down: nothing runs it"), error
+        assert hint.startswith("hint: run this fleet's 'tpupod serve up' again"), hint
+        again = stub_up(home, pod, base=base)
+        assert again.returncode == 0, again.stderr
+        back = run_cli(home, "serve", "status", "--pod", pod)
+        assert back.returncode == 0, back.stdout + back.stderr
+
+
+@pytest.mark.local
+@pytest.mark.timeout(120)
 def test_fanout_reports_backends_that_are_down_and_exits_non_zero(tmp_path: Path) -> None:
     """With 2 of 4 servers down, fanout said DONE backends=2 ok=2 and exited 0."""
     with local_pod(tmp_path, "sx", 2) as (home, pod):

@@ -206,16 +206,43 @@ def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> N
     found = _fleet(pod).status(worker_python)
     print_columns(_status_table(found), sys.stdout)
     print(_router_line(found))
-    if restarted := _agents_line(found):
-        print(restarted)
+    for line in _notes(found):
+        print(line)
+    _refuse_down(found)
+
+
+def _notes(found: FleetStatus) -> list[str]:
+    """The lines after the router's: agents restarted, what runs with no keeper, what an
+    unfinished serve up does."""
+    notes = [restarted] if (restarted := _agents_line(found)) else []
+    if found.unkept:
+        notes.append(
+            f"no keeper: {', '.join(found.unkept)} (its keeper was killed): if it dies, "
+            "nothing starts it again; 'tpupod serve down' and 'serve up' make new ones"
+        )
     if found.router_error is not None and found.starting is not None:
-        print(found.starting)
-    elif found.router_down:
+        notes.append(found.starting)
+    return notes
+
+
+def _refuse_down(found: FleetStatus) -> None:
+    """A ServeError (exit 1) where a part of the fleet is down and nothing starts it again."""
+    if found.starting is not None:
+        return
+    if found.router_down:
         raise ServeError(
             f"the fleet's router on w0 is down: nothing runs it, nothing starts it again "
             f"(the servers serve on; {found.record.base_url} refuses every request)",
             hint="run this fleet's 'tpupod serve up' again, with the same options: it starts "
             "only the router, on its port",
+        )
+    if found.agents_down:
+        raise ServeError(
+            f"the agent of {', '.join(f'w{w}' for w in found.agents_down)} is down: nothing "
+            "runs it, nothing starts it again (its servers serve on; one that dies is not "
+            "restarted)",
+            hint="run this fleet's 'tpupod serve up' again, with the same options: it starts "
+            "the agent, which takes its servers over",
         )
 
 

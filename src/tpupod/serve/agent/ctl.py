@@ -59,6 +59,9 @@ SHOWN_CHARS = 80  # of a port holder's command line
 BUILTIN_ROUTER = "tpupod.serve.router"
 
 
+DOWN = "no {service} runs here"  # nothing runs the service, nothing starts it again
+
+
 def keeper(state: Path, service: str) -> int | None:
     """The pid of the service's live ``respawn`` parent (the router has one), or None (a
     pid on file that is now another process's is not it)."""
@@ -273,7 +276,7 @@ def call(state: Path, service: str, method: str, path: str, body: str | None) ->
         why = f"the {service} ended and is being started again (its log: {service}.log)"
         return {"error": why, "status": None}
     if info is None:  # down: nothing runs it, nothing starts it again
-        return {"error": f"no {service} runs here", "status": None, "down": True}
+        return {"error": DOWN.format(service=service), "status": None, "down": True}
     host = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else info["host"]
     headers = {"Authorization": f"Bearer {token(state, service)}"}
     if body is not None:
@@ -292,7 +295,9 @@ def call(state: Path, service: str, method: str, path: str, body: str | None) ->
         answer: Any = r.json()
     except ValueError:
         answer = r.text
-    return {"status": r.status_code, "body": answer, **note}
+    # no keeper: it runs, but nothing starts it again when it dies (its keeper was killed)
+    return {"status": r.status_code, "body": answer, "kept": keeper(state, service) is not None,
+            **note}  # fmt: skip
 
 
 def unrecorded(state: Path, service: str) -> dict[str, Any] | None:

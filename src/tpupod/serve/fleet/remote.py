@@ -151,7 +151,10 @@ class RemoteFleet:
         why = _failure(worker, service, what, answer)
         if why is not None:
             raise ServeError(why)
-        return answer["body"]
+        body = answer["body"]
+        if isinstance(body, dict) and "kept" in answer:  # whether its keeper runs
+            body = {**body, "kept": answer["kept"]}
+        return body
 
     # -- up ------------------------------------------------------------------------------
     def ports(self, worker: Worker, options: UpOptions) -> list[int]:
@@ -681,7 +684,12 @@ class RemoteFleet:
         why = _failure(head, "router", "its view of the backends", answer)
         if why is not None:
             return {"error": why, "down": bool(answer.get("down")), "restarts": restarts}
-        return {**answer["body"], "restarts": restarts, "record": answer.get("record")}
+        return {
+            **answer["body"],
+            "restarts": restarts,
+            "record": answer.get("record"),
+            "kept": answer.get("kept", True),
+        }
 
     async def restart(self, workers: list[Worker], name: str | None) -> list[str]:
         done = await _gather(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tpupod.serve.agent.ctl import DOWN
 from tpupod.serve.fleet.record import FleetRecord, ServerRecord
 
 # An agent's /admin/status body, or why it gave none (the worker's error, one line). The
@@ -62,6 +63,11 @@ class FleetStatus:
     # each worker's agent: how often its keeper started it again after it died (None: no
     # answer), in worker order
     agent_restarts: tuple[int | None, ...] = ()
+    # the workers whose agent is down: nothing runs it, nothing starts it again
+    agents_down: tuple[int, ...] = ()
+    # what runs with no keeper (killed): nothing starts it again when it dies ("w0's agent",
+    # "the router")
+    unkept: tuple[str, ...] = ()
 
     @property
     def router_kind(self) -> str:
@@ -83,17 +89,28 @@ def fleet_status(
     ``starting``: what its unfinished serve up is doing, in words."""
     health = router.get("health", {}) if isinstance(router, dict) else {}
     servers = [_server(record, s, agents, health.get(s.address, {})) for s in record.servers]
-    agent_restarts = tuple(a.get("restarts") if isinstance(a, dict) else None for a in agents)
+    down = DOWN.format(service="agent")
+    unkept = [
+        f"w{w}'s agent"
+        for w, a in enumerate(agents)
+        if isinstance(a, dict) and not a.get("kept", True)
+    ]
+    if isinstance(router, dict) and not router.get("kept", True):
+        unkept.append("the router")
+    agents_said: dict[str, Any] = {
+        "agent_restarts": tuple(a.get("restarts") if isinstance(a, dict) else None for a in agents),
+        "agents_down": tuple(
+            w for w, a in enumerate(agents) if isinstance(a, str) and a.endswith(down)
+        ),
+        "unkept": tuple(unkept),
+    }
     if isinstance(router, str):
-        return FleetStatus(
-            record, servers, 0, router, starting=starting, agent_restarts=agent_restarts
-        )
+        return FleetStatus(record, servers, 0, router, starting=starting, **agents_said)
     restarts = router.get("restarts")
     if "error" in router:
         return FleetStatus(
             record, servers, 0, str(router["error"]), starting=starting,
-            router_down=bool(router.get("down")), router_restarts=restarts,
-            agent_restarts=agent_restarts,
+            router_down=bool(router.get("down")), router_restarts=restarts, **agents_said,
         )  # fmt: skip
     circuits = tuple(
         f"{a}: {h['circuit']}" for a, h in health.items() if h.get("circuit", "closed") != "closed"
@@ -103,7 +120,7 @@ def fleet_status(
     return FleetStatus(
         record, servers, healthy, None, router.get("router_health"), circuits,
         float(at) if isinstance(at, int | float) else None, starting, router_restarts=restarts,
-        agent_restarts=agent_restarts, router_record=router.get("record"),
+        router_record=router.get("record"), **agents_said,
     )  # fmt: skip
 
 
