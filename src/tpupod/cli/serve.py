@@ -202,7 +202,7 @@ def up(
 @command("status", group=serve_app)
 def status(pod: PodOption = None, worker_python: WorkerPythonOption = None) -> None:
     """A table: worker, server, backend, state, restarts, requests, tokens/s; then the router
-    (exit 1 when it is down and nothing starts it again)."""
+    (exit 1 when it or an agent is down and nothing starts it again)."""
     found = _fleet(pod).status(worker_python)
     print_columns(_status_table(found), sys.stdout)
     print(_router_line(found))
