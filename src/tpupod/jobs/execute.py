@@ -21,7 +21,7 @@ from tpupod.errors import TpupodError
 from tpupod.fanout.results import OnFail
 from tpupod.fanout.results import Outcome as WorkerOutcome
 from tpupod.jobs.attempt import GRACE_S, Executor, Hooks, Marks, Outcome, describe_exit
-from tpupod.jobs.code import STARTED
+from tpupod.jobs.code import MARK, STARTED
 from tpupod.jobs.models import Job, JobStatus
 from tpupod.pod.state import StateDir
 from tpupod.pod.users import Watch, using
@@ -158,6 +158,7 @@ class PodExecutor:
                     policy=Policy(OnFail.KILL, job.timeout, self.grace_s),
                     worker_python=self.worker_python,
                     shown=job.command if job.code is None else f"job {job.id}'s code",
+                    unlogged=lambda text: text.startswith(MARK),
                 )
         except TpupodError as exc:  # preflight: a worker not ready; nothing started
             return Outcome(JobStatus.FAILED, error=f"{exc.message} ({exc.hint})")

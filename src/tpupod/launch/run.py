@@ -175,6 +175,7 @@ async def run(
     on_launch: Callable[[Launch], None] | None = None,
     hang_timeout: float | None = None,
     shown: str | None = None,
+    unlogged: Callable[[str], bool] | None = None,
 ) -> RunResult:
     """Launch ``command`` on the context's pod (its selected ``workers``) in lockstep and
     supervise it to the end; output to the context's sinks, over its connections.
@@ -187,7 +188,9 @@ async def run(
     Each worker's progress (heartbeats, else lines) goes to the run's ``progress.json``;
     with ``hang_timeout``, a run where none progresses that long is stopped as hung
     (``tpupod.hang``). ``shown``: what the run's record shows as its command, where that is
-    not ``command`` itself (a job runner's wrapper: the job's own command).
+    not ``command`` itself (a job runner's wrapper: the job's own command); ``unlogged``:
+    the lines the caller reads that are no output of the program (a job's markers), kept
+    out of the logs.
     """
     pod, state, connector = ctx.pod, ctx.state, ctx.connector
     on_line, notice, interrupt = ctx.sinks.on_line, ctx.sinks.on_notice, ctx.sinks.interrupt
@@ -234,7 +237,9 @@ async def run(
     run_connector = _Renumbered(connector, selected) if sub_pod is not pod else connector
     # Once one fails and the others are stopped, their fall stays in the logs.
     collateral = collateral_in_logs_only and OnFail(policy.on_fail) is OnFail.KILL
-    log_to = _RunLog(launch, given, selected, supervision if collateral else None, notice)
+    log_to = _RunLog(
+        launch, given, selected, supervision if collateral else None, notice, unlogged=unlogged
+    )
     log_to.record["job"] = _job_of(env or {})
     # 'tpupod down' refuses to take the pod from under a run (with --force: stops it)
     # (down --force writes who it is to the stop-request file first, as a cancel does)
@@ -615,6 +620,8 @@ class _RunLog:
         workers: Sequence[Worker],
         supervision: Supervision | None = None,
         notice: Callable[[str], None] = lambda text: None,
+        *,
+        unlogged: Callable[[str], bool] | None = None,
     ) -> None:
         self.launch = launch
         self.supervision = supervision  # to keep collateral output off the terminal
@@ -624,6 +631,7 @@ class _RunLog:
         self.cut: str | None = None  # why the logs stopped being written (a full disk)
         self.room_checked = float("-inf")  # when _check_room last looked
         self.full_said = False  # _check_room said the disk is full
+        self.unlogged = unlogged or (lambda text: False)  # lines kept out of the logs
         self.record: dict[str, Any] = {
             "launch_id": launch.launch_id,
             "command": command,
@@ -710,7 +718,7 @@ class _RunLog:
                     if left is None:
                         return
                     line = OutputLine(line.stream, left)
-            if self.cut is None:
+            if self.cut is None and not self.unlogged(line.text):
                 try:
                     self._check_room()
                     file = self.files[worker.id]
