@@ -1501,6 +1501,10 @@ def test_status_says_what_runs_with_no_keeper_and_fails_for_an_agent_down(
         unkept = run_cli(home, "serve", "status", "--pod", pod)
         assert unkept.returncode == 0, unkept.stdout + unkept.stderr
         assert "no keeper: the router (its keeper was killed)" in unkept.stdout, unkept.stdout
+        # a trial: the agents' logs, empty while nothing happened to them, printed nothing
+        quiet = run_cli(home, "serve", "logs", "--agent", "--pod", pod)
+        assert (quiet.returncode, quiet.stdout) == (0, ""), quiet.stderr
+        assert "tpupod: no lines: the agents' logs are empty" in quiet.stderr, quiet.stderr
         kill_agent_and_keeper(pod, "w1")
         agentless = run_cli(home, "serve", "status", "--pod", pod)
         assert agentless.returncode == 1, agentless.stdout + agentless.stderr

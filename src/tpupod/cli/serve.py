@@ -327,10 +327,19 @@ def logs(
     """The servers' log lines, prefixed by worker (tail -F with --follow)."""
     fleet = _fleet(pod)
     printer = LinePrinter(fleet.pod.select(workers), sys.stdout, sys.stderr)
+    printed: list[int] = []
+
+    def on_line(worker: Any, line: Any) -> None:  # a Worker, an OutputLine: counted, printed
+        printed.append(worker.id)
+        printer(worker, line)
+
     fleet.logs(
-        printer, workers=workers, port=port, lines=lines, follow=follow, router=router,
+        on_line, workers=workers, port=port, lines=lines, follow=follow, router=router,
         agent=agent,
     )  # fmt: skip
+    if not printed and not follow:  # said: an empty log and no log read look alike
+        which = "router's log is" if router else "agents' logs are" if agent else "logs are"
+        notice(f"no lines: the {which} empty")
 
 
 @command("restart", group=serve_app)
