@@ -1493,6 +1493,7 @@ def test_status_says_what_runs_with_no_keeper_and_fails_for_an_agent_down(
     base = free_base_port()
     with local_pod(tmp_path, "nk", 2) as (home, pod):
         assert stub_up(home, pod, base=base).returncode == 0
+        servers = by_worker([p for p in pod_processes(pod) if p.pid in stub_pids(pod)])
         for proc in pod_processes(pod):
             argv = proc.cmdline()
             if "tpupod.serve.agent.respawn" in argv and "router" in argv:
@@ -1513,6 +1514,11 @@ def test_status_says_what_runs_with_no_keeper_and_fails_for_an_agent_down(
         assert hint.startswith("hint: run this fleet's 'tpupod serve up' again"), hint
         again = stub_up(home, pod, base=base)
         assert again.returncode == 0, again.stderr
+        # it said "but not w1's builtin-...: starting it again"; it is the agent that is
+        # started, and it takes the server (which served on) over
+        assert "already serving with these settings, but not w1's agent: " in again.stderr
+        now = by_worker([p for p in pod_processes(pod) if p.pid in stub_pids(pod)])
+        assert now == servers, (servers, now)
         back = run_cli(home, "serve", "status", "--pod", pod)
         assert back.returncode == 0, back.stdout + back.stderr
 

@@ -43,7 +43,7 @@ from tpupod.serve.fleet.record import (
     save_record,
     settings_of,
 )
-from tpupod.serve.fleet.status import AgentAnswer, member, router_failed
+from tpupod.serve.fleet.status import AgentAnswer, fleet_status, member, router_failed
 from tpupod.serve.router.sgl import MISSING
 from tpupod.serve.services import unstamped
 from tpupod.transport import OutputLine
@@ -507,17 +507,23 @@ class RemoteFleet:
         A process that serves several ports (the builtin backend's) is named once, with
         them: it was named once per port."""
         agents, router = await self.status()
+        # a worker whose agent is down: the agent is what is lost (its servers may serve on;
+        # a new one takes them over, or starts them again)
+        agentless = fleet_status(record, agents, router).agents_down
         ports: dict[tuple[int, str], list[int]] = {}  # each lost (worker, server): its ports
         for s in record.servers:
             for w in (s.worker, *s.followers):
+                if w in agentless:
+                    continue
                 if isinstance(m := member(agents, w, s.name), str) or m["state"] == "stopped":
                     ports.setdefault((w, s.name), []).append(s.port)
         router_lost = router_failed(router)
-        named = [
+        named = [f"w{w}'s agent" for w in agentless] + [
             f"w{w}'s {name}" + (f" (serving :{', :'.join(map(str, on))})" if len(on) > 1 else "")
             for (w, name), on in ports.items()
-        ] + (["the router"] if router_lost else [])
-        return Lost(frozenset(w for w, _ in ports), router_lost, ", ".join(named))
+        ] + (["the router"] if router_lost else [])  # fmt: skip
+        lost = frozenset(agentless) | {w for w, _ in ports}
+        return Lost(lost, router_lost, ", ".join(named))
 
     async def repair(
         self, old: FleetRecord, options: UpOptions, lost: Lost, progress: Progress
