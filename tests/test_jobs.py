@@ -706,8 +706,8 @@ def test_a_gang_job_runs_on_every_worker_and_worker_0_gives_the_result(
     assert "echo 'hi there'" in listed and f"job {job_id}'s code" in listed, listed
     assert said.code == 0
     # nor its marker lines in the run's logs (a trial: '[w0] ::tpupod-job:: started')
-    logs = cli("logs", "--pod", pod.name).out
-    assert "hi there" in logs and "::tpupod-job::" not in logs, logs
+    run_logs = cli("logs", "--pod", pod.name).out
+    assert "hi there" in run_logs and "::tpupod-job::" not in run_logs, run_logs
 
 
 def test_a_gang_job_where_w1_fails_fails_the_attempt_naming_w1_and_leaves_nothing(
