@@ -43,7 +43,7 @@ from tpupod.serve.fleet.record import (
     save_record,
     settings_of,
 )
-from tpupod.serve.fleet.status import AgentAnswer, fleet_status, member, router_failed
+from tpupod.serve.fleet.status import AgentAnswer, agents_down, member, router_failed
 from tpupod.serve.router.sgl import MISSING
 from tpupod.serve.services import unstamped
 from tpupod.transport import OutputLine
@@ -509,7 +509,7 @@ class RemoteFleet:
         agents, router = await self.status()
         # a worker whose agent is down: the agent is what is lost (its servers may serve on;
         # a new one takes them over, or starts them again)
-        agentless = fleet_status(record, agents, router).agents_down
+        agentless = agents_down(agents)
         ports: dict[tuple[int, str], list[int]] = {}  # each lost (worker, server): its ports
         for s in record.servers:
             for w in (s.worker, *s.followers):

@@ -89,7 +89,6 @@ def fleet_status(
     ``starting``: what its unfinished serve up is doing, in words."""
     health = router.get("health", {}) if isinstance(router, dict) else {}
     servers = [_server(record, s, agents, health.get(s.address, {})) for s in record.servers]
-    down = DOWN.format(service="agent")
     unkept = [
         f"w{w}'s agent"
         for w, a in enumerate(agents)
@@ -99,9 +98,7 @@ def fleet_status(
         unkept.append("the router")
     agents_said: dict[str, Any] = {
         "agent_restarts": tuple(a.get("restarts") if isinstance(a, dict) else None for a in agents),
-        "agents_down": tuple(
-            w for w, a in enumerate(agents) if isinstance(a, str) and a.endswith(down)
-        ),
+        "agents_down": agents_down(agents),
         "unkept": tuple(unkept),
     }
     if isinstance(router, str):
@@ -122,6 +119,13 @@ def fleet_status(
         float(at) if isinstance(at, int | float) else None, starting, router_restarts=restarts,
         router_record=router.get("record"), **agents_said,
     )  # fmt: skip
+
+
+def agents_down(agents: list[AgentAnswer]) -> tuple[int, ...]:
+    """The workers whose agent is down: nothing runs it, nothing starts it again (ctl's
+    words for it end the worker's answer)."""
+    down = DOWN.format(service="agent")
+    return tuple(w for w, a in enumerate(agents) if isinstance(a, str) and a.endswith(down))
 
 
 def _server(
